@@ -1,0 +1,46 @@
+"""vsf: JAX-style functional sharding for PyTorch.
+
+Name a mesh, say how each leaf of a pytree is laid out on it with a ``P`` spec, and vsf places
+it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
+
+    import torch, vsf
+    from vsf import P
+
+    with vsf.simulate(8):
+        mesh = vsf.make_mesh((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))
+        params = {"w": torch.randn(16, 8), "b": torch.zeros(8)}
+        params = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {"w": P("fsdp", "tp"), "b": P()}))
+        print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
+"""
+
+from vsf import debug, sharding, tree
+from vsf.runtime import simulate
+from vsf.sharding import (
+    Mesh,
+    NamedSharding,
+    P,
+    PartitionSpec,
+    device_get,
+    device_put,
+    make_mesh,
+    use_mesh,
+)
+from vsf.sharding.inspect import typeof
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh",
+    "NamedSharding",
+    "P",
+    "PartitionSpec",
+    "debug",
+    "device_get",
+    "device_put",
+    "make_mesh",
+    "sharding",
+    "simulate",
+    "tree",
+    "typeof",
+    "use_mesh",
+]

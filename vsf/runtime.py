@@ -1,0 +1,128 @@
+"""Where the ranks are: simulated in this process, real under ``torchrun``, or a single process.
+
+* ``with vsf.simulate(8):`` runs 8 ranks in this process with real numbers (PyTorch's fake
+  process group plus ``LocalTensorMode``): every tensor holds one value per rank, and
+  collectives compute what the real ones would.
+* ``vsf.simulate(4096, compute=False)`` is planning-only: shapes, placements and plans are exact,
+  values are meaningless. Use it to check a layout or a plan for a cluster you do not have.
+* Under ``torchrun`` the default process group is initialised from the environment (gloo on CPU,
+  NCCL on CUDA) the first time a mesh is built.
+* A plain single process gets a one-rank gloo group, so a mesh of size 1 works anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from vsf import _compat
+
+__all__ = ["default_device_type", "ensure_world", "is_simulated", "rank", "simulate", "world_size"]
+
+_ACTIVE: list["simulate"] = []
+
+
+class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
+    """Run ``n`` ranks in this process.
+
+    With ``compute=True`` (the default) every rank computes real numbers, so results can be
+    compared with a single-device run; with ``compute=False`` only shapes and placements are
+    tracked, which scales to thousands of ranks for planning.
+
+    Use it as a context manager, or call :meth:`start` / :meth:`stop` (handy in notebooks,
+    where one cell starts the simulation and later cells use it).
+
+    Example::
+
+        >>> with vsf.simulate(8):
+        ...     mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+        ...     x = vsf.device_put(torch.arange(8.0), vsf.NamedSharding(mesh, vsf.P("dp")))
+    """
+
+    def __init__(self, n: int, *, compute: bool = True) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"simulate(n) needs a positive number of ranks, got {n!r}")
+        self.n = n
+        self.compute = compute
+        self._mode: _compat.LocalTensorMode | None = None
+
+    def __repr__(self) -> str:
+        return f"simulate({self.n}, compute={self.compute})"
+
+    def start(self) -> "simulate":
+        """Initialise the fake process group (and, with ``compute``, the per-rank tensor mode)."""
+        if dist.is_initialized():
+            where = f"inside {_ACTIVE[-1]!r}" if _ACTIVE else f"a real {dist.get_backend()} group of {dist.get_world_size()} ranks"
+            raise RuntimeError(f"cannot start {self!r}: a process group already exists ({where}); stop it first")
+        _compat.init_fake_process_group(self.n)
+        if self.compute:
+            self._mode = _compat.LocalTensorMode(self.n)
+            self._mode.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def stop(self) -> None:
+        """Leave the simulation and destroy its process group; meshes built inside become invalid."""
+        if not _ACTIVE or _ACTIVE[-1] is not self:
+            raise RuntimeError(f"{self!r} is not the running simulation")
+        _ACTIVE.pop()
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        from vsf.sharding import mesh as _mesh  # the mesh cache is per process group
+
+        _mesh.forget_meshes()
+        dist.destroy_process_group()
+
+    def __enter__(self) -> "simulate":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def is_simulated() -> bool:
+    """True inside :class:`simulate` (with or without real numbers)."""
+    return bool(_ACTIVE)
+
+
+def computes_values() -> bool:
+    """False only in planning-only simulation, where tensor values are meaningless."""
+    return not _ACTIVE or _ACTIVE[-1].compute
+
+
+def world_size() -> int:
+    """Number of ranks of the default process group (1 when none exists)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's global rank (0 when no group exists; 0 under simulation)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def default_device_type() -> str:
+    """``"cuda"`` when CUDA is available (and not simulating), else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() and not _ACTIVE else "cpu"
+
+
+def ensure_world(device_type: str) -> None:
+    """Make sure a default process group exists.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) it is initialised from the
+    environment with gloo for CPU and NCCL for CUDA; in a plain process, as a one-rank group
+    that needs no network.
+    """
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

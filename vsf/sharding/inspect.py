@@ -1,0 +1,118 @@
+"""Looking at sharded values: ``typeof``, per-rank shards, and a picture of the layout."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from vsf import _compat, runtime
+from vsf.sharding.named import Index, sharding_of
+
+__all__ = ["AddressableShard", "shards", "typeof", "visualize_sharding"]
+
+_DTYPE = {
+    torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+    torch.float8_e4m3fn: "f8e4m3fn", torch.float8_e5m2: "f8e5m2",
+}
+
+
+def typeof(x: torch.Tensor) -> str:
+    """JAX-style type of a tensor: dtype, global shape, and the axes each dim is split over.
+
+    Example::
+
+        >>> vsf.typeof(params["w"])          # rows over dp, columns over tp
+        'f32[8@dp,4@tp]'
+        >>> vsf.typeof(grad)                 # a partial sum over tp, not yet reduced
+        'f32[8,4]{U:tp}'
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"typeof expects a tensor, got {type(x).__name__}")
+    dtype = _DTYPE.get(x.dtype, str(x.dtype).removeprefix("torch."))
+    s = sharding_of(x)
+    if s is None:
+        return f"{dtype}[{','.join(str(n) for n in x.shape)}]"
+    dims = []
+    for dim, n in enumerate(x.shape):
+        axes = [a for a in s.spec.entry_axes(dim) if s.mesh.axis_size(a) > 1]
+        dims.append(f"{n}@{axes[0]}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
+    unreduced = [a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1]
+    suffix = "{U:" + ",".join(unreduced) + "}" if unreduced else ""
+    return f"{dtype}[{','.join(dims)}]{suffix}"
+
+
+class AddressableShard(NamedTuple):
+    """One rank's piece of a sharded value: which rank, which global slice, and its data."""
+
+    rank: int
+    index: Index
+    data: torch.Tensor
+
+
+def shards(x: torch.Tensor) -> list[AddressableShard]:
+    """Every shard this process holds (all ranks' under :func:`vsf.simulate`), in rank order.
+
+    Example::
+
+        >>> for s in vsf.debug.shards(params["w"]):
+        ...     print(s.rank, s.index, s.data.shape)
+    """
+    s = sharding_of(x)
+    if s is None:
+        full = tuple(slice(0, n) for n in x.shape)
+        return [AddressableShard(r, full, t) for r, t in sorted(_compat.local_shards(x, runtime.rank()).items())]
+    local = _compat.local_shards(x.to_local(), runtime.rank())
+    return [AddressableShard(r, s.index(x.shape, r), local[r]) for r in sorted(local)]
+
+
+def visualize_sharding(x: torch.Tensor) -> str:
+    """A text picture of which ranks hold which block of a 1D or 2D tensor.
+
+    Each cell is one block, labelled with the ranks that hold it; rows and columns are labelled
+    with the global slices they cover. Ranks whose shard is empty are listed below the grid.
+
+    Example::
+
+        >>> print(vsf.debug.visualize_sharding(params["w"]))
+    """
+    if x.ndim not in (1, 2):
+        raise ValueError(f"visualize_sharding draws 1D or 2D tensors, got {x.ndim}D (shape {tuple(x.shape)})")
+    s = sharding_of(x)
+    layout = s.devices_indices_map(tuple(x.shape)) if s else {0: tuple(slice(0, n) for n in x.shape)}
+    blocks: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
+    empty = []
+    for rank, idx in sorted(layout.items()):
+        idx2 = (slice(0, 1), idx[0]) if x.ndim == 1 else idx
+        if any(sl.stop <= sl.start for sl in idx2):
+            empty.append(rank)
+            continue
+        blocks.setdefault(((idx2[0].start, idx2[0].stop), (idx2[1].start, idx2[1].stop)), []).append(rank)
+    rows = sorted({k[0] for k in blocks})
+    cols = sorted({k[1] for k in blocks})
+    labels = {k: _ranks_label(v) for k, v in blocks.items()}
+    width = max([len(v) for v in labels.values()] + [len(f"{c[0]}:{c[1]}") for c in cols]) + 2
+    row_names = [f"[{r[0]}:{r[1]}]" if x.ndim == 2 else "" for r in rows]
+    pad = max(len(n) for n in row_names) + 1 if x.ndim == 2 else 0
+    title = typeof(x) + ("" if s is None else f" on {dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))}")
+    lines = [title, " " * pad + " " + " ".join(f"{c[0]}:{c[1]}".center(width) for c in cols)]
+    rule = lambda l, m, r: " " * pad + l + m.join("─" * width for _ in cols) + r  # noqa: E731
+    lines.append(rule("┌", "┬", "┐"))
+    for i, r in enumerate(rows):
+        cells = "│".join(labels.get((r, c), "?").center(width) for c in cols)
+        lines.append(row_names[i].rjust(pad - 1) + (" " if pad else "") + "│" + cells + "│")
+        lines.append(rule("├", "┼", "┤") if i < len(rows) - 1 else rule("└", "┴", "┘"))
+    if empty:
+        lines.append(f"empty shards (uneven split): ranks {_ranks_label(empty)}")
+    if s is not None and s.spec.unreduced:
+        lines.append(f"each block is an unreduced partial sum over {', '.join(s.spec.unreduced)}")
+    return "\n".join(lines)
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)

@@ -1,0 +1,123 @@
+"""Placing pytrees on a mesh and gathering them back.
+
+``device_put`` cuts each full tensor by :meth:`NamedSharding.index` (the layout vsf documents)
+and wraps the local pieces as DTensors; ``device_get`` asks DTensor to reassemble them, so a
+round trip checks vsf's layout against DTensor's own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from vsf import _compat, runtime, tree
+from vsf.sharding.named import NamedSharding, resolve, sharding_of
+from vsf.sharding.spec import PartitionSpec
+
+__all__ = ["device_get", "device_put", "is_sharding_leaf", "local_device"]
+
+
+def is_sharding_leaf(x: Any) -> bool:
+    """Leaves of a shardings prefix tree: ``NamedSharding``, ``P``, or ``None`` (leave as is)."""
+    return x is None or isinstance(x, (NamedSharding, PartitionSpec))
+
+
+def device_put(x: Any, shardings: Any) -> Any:
+    """Lay out every tensor leaf of ``x`` as its sharding says and return DTensors.
+
+    ``shardings`` is a pytree prefix of ``x`` whose leaves are ``NamedSharding``s, bare ``P``s
+    (under :func:`vsf.use_mesh`) or ``None`` (leave that subtree unchanged). Plain tensors must
+    hold the full value on every rank; DTensors are redistributed. Non-tensor leaves may only
+    be given a trivial spec ``P()``.
+
+    Example::
+
+        >>> with vsf.simulate(4):
+        ...     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+        ...     params = {"w": torch.randn(8, 4), "b": torch.zeros(4)}
+        ...     params = vsf.device_put(params, {"w": vsf.NamedSharding(mesh, P("dp", "tp")),
+        ...                                      "b": vsf.NamedSharding(mesh, P())})
+        ...     vsf.typeof(params["w"])
+        'f32[8@dp,4@tp]'
+    """
+    pairs, treedef = tree.flatten_with_path(x)
+    per_leaf = tree.broadcast_prefix(shardings, x, is_leaf=is_sharding_leaf, what="shardings")
+    return tree.unflatten(treedef, [_put(leaf, s, tree.keystr(path)) for (path, leaf), s in zip(pairs, per_leaf)])
+
+
+def _put(leaf: Any, s: NamedSharding | PartitionSpec | None, where: str) -> Any:
+    if s is None:
+        return leaf
+    s = resolve(s, where)
+    if not isinstance(leaf, torch.Tensor):
+        if s.spec.normalized() != PartitionSpec():
+            raise TypeError(f"{where} is a {type(leaf).__name__}, not a tensor, so it cannot take {s.spec!r}")
+        return leaf
+    s.check(leaf.shape, where)
+    if isinstance(leaf, DTensor):
+        return _reshard(leaf, s, where)
+    return distribute(leaf, s)
+
+
+def _reshard(x: DTensor, s: NamedSharding, where: str) -> DTensor:
+    src = sharding_of(x)
+    if src == s:
+        return x
+    if src.mesh != s.mesh:
+        return distribute(_full(x), s)
+    if set(s.spec.unreduced) - set(src.spec.unreduced):
+        raise ValueError(f"{where}: cannot make a reduced value unreduced over {s.spec.unreduced} ({src.spec!r} -> {s.spec!r})")
+    return x.redistribute(s.mesh.device_mesh, s.placements)
+
+
+def local_device(device_type: str) -> torch.device:
+    """The device this process's shards live on for a mesh of ``device_type``."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def distribute(full: torch.Tensor, s: NamedSharding) -> DTensor:
+    """Cut ``full`` (the whole value, present on every rank) into ``s``'s shards as a DTensor."""
+    shape = tuple(full.shape)
+    device = local_device(s.mesh.device_type)
+    zero_coord = {a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1}
+    simulated = _compat.active_local_mode() is not None
+    ranks = s.mesh.devices if simulated else [runtime.rank()]
+    with _compat.local_mode_disabled():
+        values = _compat.local_shards(full.detach(), runtime.rank())
+        pieces = {}
+        for r in ranks:
+            if r not in s.mesh.devices:
+                pieces[r] = full.new_empty((0,) * len(shape), device=device)
+                continue
+            source = values[r] if r in values else values[runtime.rank()]
+            piece = source[s.index(shape, r)].to(device, copy=True).contiguous()
+            if any(s.mesh.coordinate(r)[a] for a in zero_coord):
+                piece.zero_()
+            pieces[r] = piece
+    local = _compat.make_local(pieces) if simulated else pieces[runtime.rank()]
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, s.mesh.device_mesh, s.placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def device_get(x: Any) -> Any:
+    """Gather every DTensor leaf of ``x`` into a full plain tensor (collective: call on every rank).
+
+    Example::
+
+        >>> full = vsf.device_get(params)["w"]   # torch.Tensor of the global shape
+    """
+    if not runtime.computes_values():
+        raise RuntimeError("device_get needs values, and planning-only simulation (compute=False) has none")
+    return tree.map(lambda leaf: _full(leaf) if isinstance(leaf, torch.Tensor) else leaf, x)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    with _compat.quiet_redistribute():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+    if isinstance(full, _compat.LocalTensor):
+        with _compat.local_mode_disabled():
+            return full.reconcile()
+    return full

@@ -1,0 +1,154 @@
+"""``PartitionSpec`` (``P``): how each dimension of a tensor maps onto named mesh axes.
+
+One entry per tensor dimension, JAX's meaning:
+
+* ``None`` - the dimension is not sharded;
+* ``"tp"`` - split across the ``tp`` mesh axis;
+* ``("dp", "fsdp")`` - split across both, ``dp`` major, ``fsdp`` minor;
+* ``P.UNCONSTRAINED`` - let the propagator choose (only in ``with_sharding_constraint``).
+
+Trailing dimensions not named are unsharded. ``unreduced`` names the axes over which the value
+is a partial sum that has not been reduced yet (JAX's "unreduced"; DTensor's ``Partial``).
+
+Example::
+
+    >>> P("dp", None, ("fsdp", "tp"))
+    P('dp', None, ('fsdp', 'tp'))
+    >>> P("dp", unreduced=("tp",)).axes
+    ('dp', 'tp')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Union
+
+__all__ = ["P", "PartitionSpec", "UNCONSTRAINED"]
+
+
+class _Unconstrained:
+    """Sentinel for a dimension whose sharding the propagator may choose."""
+
+    _instance: "_Unconstrained | None" = None
+
+    def __new__(cls) -> "_Unconstrained":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "P.UNCONSTRAINED"
+
+    def __reduce__(self) -> str:
+        return "UNCONSTRAINED"
+
+
+UNCONSTRAINED = _Unconstrained()
+
+Entry = Union[None, str, tuple[str, ...], _Unconstrained]
+
+
+def _entry_axes(entry: Entry) -> tuple[str, ...]:
+    if entry is None or entry is UNCONSTRAINED:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return entry
+
+
+def _normalize_entry(entry: Any, dim: int) -> Entry:
+    if entry is None or entry is UNCONSTRAINED or isinstance(entry, str):
+        return entry
+    if isinstance(entry, (tuple, list)):
+        if not all(isinstance(a, str) for a in entry):
+            raise TypeError(f"P entry for dim {dim} must name mesh axes as strings, got {entry!r}")
+        if len(entry) == 0:
+            return None
+        return entry[0] if len(entry) == 1 else tuple(entry)
+    raise TypeError(
+        f"P entry for dim {dim} must be None, an axis name, a tuple of axis names or "
+        f"P.UNCONSTRAINED, got {entry!r} ({type(entry).__name__})"
+    )
+
+
+class PartitionSpec:
+    """Immutable, hashable spec: one entry per tensor dimension (see module docs)."""
+
+    UNCONSTRAINED = UNCONSTRAINED
+    __slots__ = ("_entries", "_unreduced")
+
+    def __init__(self, *entries: Any, unreduced: Iterable[str] = ()) -> None:
+        normalized = tuple(_normalize_entry(e, i) for i, e in enumerate(entries))
+        reduced_axes = tuple(sorted(set(unreduced)))
+        if not all(isinstance(a, str) for a in reduced_axes):
+            raise TypeError(f"unreduced must name mesh axes as strings, got {tuple(unreduced)!r}")
+        seen: dict[str, str] = {}
+        for i, e in enumerate(normalized):
+            for a in _entry_axes(e):
+                if a in seen:
+                    raise ValueError(f"mesh axis {a!r} is used twice in P{_fmt(normalized, reduced_axes)}: by {seen[a]} and by dim {i}")
+                seen[a] = f"dim {i}"
+        for a in reduced_axes:
+            if a in seen:
+                raise ValueError(f"mesh axis {a!r} in P{_fmt(normalized, reduced_axes)} both shards {seen[a]} and is unreduced")
+        object.__setattr__(self, "_entries", normalized)
+        object.__setattr__(self, "_unreduced", reduced_axes)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("PartitionSpec is immutable")
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, i: int) -> Entry:
+        return self._entries[i]
+
+    @property
+    def unreduced(self) -> tuple[str, ...]:
+        """Axes over which the value is an unreduced partial sum (sorted)."""
+        return self._unreduced
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis this spec mentions (sharding or unreduced)."""
+        return tuple(a for e in self._entries for a in _entry_axes(e)) + self._unreduced
+
+    def entry_axes(self, dim: int) -> tuple[str, ...]:
+        """Mesh axes that split ``dim``, major to minor (empty when unsharded or out of range)."""
+        return _entry_axes(self._entries[dim]) if dim < len(self._entries) else ()
+
+    def normalized(self) -> "PartitionSpec":
+        """The same spec without trailing ``None`` entries."""
+        entries = list(self._entries)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries, unreduced=self._unreduced)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PartitionSpec) and (self._entries, self._unreduced) == (other._entries, other._unreduced)
+
+    def __hash__(self) -> int:
+        return hash((self._entries, self._unreduced))
+
+    def __repr__(self) -> str:
+        return "P" + _fmt(self._entries, self._unreduced)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self._entries, self._unreduced))
+
+
+def _rebuild(entries: tuple[Entry, ...], unreduced: tuple[str, ...]) -> PartitionSpec:
+    return PartitionSpec(*entries, unreduced=unreduced)
+
+
+def _fmt(entries: tuple[Entry, ...], unreduced: tuple[str, ...]) -> str:
+    parts = [repr(e) for e in entries]
+    if unreduced:
+        parts.append(f"unreduced={unreduced!r}")
+    return "(" + ", ".join(parts) + ")"
+
+
+P = PartitionSpec

@@ -13,7 +13,9 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import debug, sharding, tree
+from vsf import config, debug, sharding, tree
+from vsf.func import grad, value_and_grad, with_sharding_constraint
+from vsf.jit import jit
 from vsf.runtime import simulate
 from vsf.sharding import (
     Mesh,
@@ -34,13 +36,18 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "config",
     "debug",
     "device_get",
     "device_put",
+    "grad",
+    "jit",
     "make_mesh",
     "sharding",
     "simulate",
     "tree",
     "typeof",
     "use_mesh",
+    "value_and_grad",
+    "with_sharding_constraint",
 ]

@@ -9,8 +9,10 @@ names from here only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,13 +24,38 @@ from torch.distributed._local_tensor import (
     maybe_disable_local_tensor_mode,
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, OutputSharding, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _insert_single_dim_replication_strategy,
+    _resolve_foreach_elementwise_overload,
+)
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.fx.proxy import _register_stack_trace_anchor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
+    "DTensorSpec",
     "LocalTensor",
     "LocalTensorMode",
+    "OpSchema",
+    "OpSpec",
+    "OpStrategy",
+    "OutputSharding",
     "StridedShard",
+    "TensorMeta",
+    "TupleStrategy",
+    "abstract_device_mesh",
     "active_local_mode",
+    "dtensor_from_local",
+    "foreach_elementwise_op",
+    "redistribute_steps",
+    "register_stack_anchor",
+    "sharding_propagator",
+    "single_dim_strategies",
     "init_fake_process_group",
     "local_mode_disabled",
     "local_shards",
@@ -82,3 +109,56 @@ def local_shards(t: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
+
+
+def sharding_propagator():  # noqa: ANN201  (DTensor's ShardingPropagator)
+    """DTensor's registry of per-op sharding strategies and rules."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+@functools.cache
+def abstract_device_mesh(n: int) -> DeviceMesh:
+    """A 1D DeviceMesh of ``n`` ranks with no process group: enough to ask DTensor's strategies."""
+    return DeviceMesh("cpu", torch.arange(n), _init_backend=False, _rank=0)
+
+
+def single_dim_strategies(op: Any, args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any], out_meta: Any) -> list[list[Placement | None]] | None:
+    """DTensor's strategies for ``op`` over one mesh dim, as ``[outputs..., inputs...]`` placement lists
+    (``None`` if the op has no single-dim rule)."""
+    info = sharding_propagator().op_single_dim_strategy_funcs.get(op)
+    if info is None:
+        return None
+    rules = info.func(op, args_meta, kwargs_meta)
+    n_in = sum(isinstance(a, TensorMeta) for a in _tree_leaves((args_meta, kwargs_meta)))
+    n_out = (len(rules[0]) - n_in) if rules else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
+    rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
+    return _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+
+
+def single_dim_allows_uneven(op: Any) -> bool:
+    info = sharding_propagator().op_single_dim_strategy_funcs.get(op)
+    return bool(info is not None and info.allow_uneven_sharding)
+
+
+def _tree_leaves(x: Any) -> list[Any]:
+    return torch.utils._pytree.tree_leaves(x)
+
+
+def foreach_elementwise_op(op: Any) -> Any:
+    """The per-tensor op a ``_foreach_*`` overload applies to each element (``None`` if unknown)."""
+    return _resolve_foreach_elementwise_overload(op)
+
+
+def redistribute_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
+    """The per-mesh-dim steps DTensor takes from ``src`` to ``dst``: ``(mesh_dim, from, to, logical_shape)``."""
+    return [(t.mesh_dim, *t.src_dst_placements, tuple(t.logical_shape)) for t in _gen_transform_infos(src, dst)]
+
+
+def register_stack_anchor(fn: Any) -> None:
+    """Make fx record stack frames of ``fn`` on traced nodes (for errors that name the user's line)."""
+    _register_stack_trace_anchor(fn)
+
+
+def dtensor_from_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """Wrap ``local`` as a DTensor with ``spec`` (no checks, no autograd node: the fast path)."""
+    return DTensor(local, spec, requires_grad=False)

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, runtime
-from vsf.sharding.named import Index, sharding_of
+from vsf.sharding.named import Index, NamedSharding, sharding_of
 
-__all__ = ["AddressableShard", "shards", "typeof", "visualize_sharding"]
+__all__ = ["AddressableShard", "shards", "type_string", "typeof", "visualize_sharding"]
 
 _DTYPE = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -32,17 +32,21 @@ def typeof(x: torch.Tensor) -> str:
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"typeof expects a tensor, got {type(x).__name__}")
-    dtype = _DTYPE.get(x.dtype, str(x.dtype).removeprefix("torch."))
-    s = sharding_of(x)
+    return type_string(tuple(x.shape), x.dtype, sharding_of(x))
+
+
+def type_string(shape: tuple[int, ...], dtype: torch.dtype, s: NamedSharding | None) -> str:
+    """``typeof``'s text for a tensor of ``shape`` and ``dtype`` laid out as ``s`` (``None``: unsharded)."""
+    name = _DTYPE.get(dtype, str(dtype).removeprefix("torch."))
     if s is None:
-        return f"{dtype}[{','.join(str(n) for n in x.shape)}]"
+        return f"{name}[{','.join(str(n) for n in shape)}]"
     dims = []
-    for dim, n in enumerate(x.shape):
+    for dim, n in enumerate(shape):
         axes = [a for a in s.spec.entry_axes(dim) if s.mesh.axis_size(a) > 1]
         dims.append(f"{n}@{axes[0]}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
     unreduced = [a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1]
     suffix = "{U:" + ",".join(unreduced) + "}" if unreduced else ""
-    return f"{dtype}[{','.join(dims)}]{suffix}"
+    return f"{name}[{','.join(dims)}]{suffix}"
 
 
 class AddressableShard(NamedTuple):

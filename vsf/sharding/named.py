@@ -29,7 +29,7 @@ from vsf import _compat, tree
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.spec import UNCONSTRAINED, PartitionSpec
 
-__all__ = ["NamedSharding", "chunk", "resolve", "sharding_of"]
+__all__ = ["NamedSharding", "chunk", "from_placements", "resolve", "sharding_of"]
 
 Index = tuple[slice, ...]
 
@@ -226,19 +226,23 @@ def sharding_of(x: torch.Tensor) -> NamedSharding | None:
     """
     if not isinstance(x, DTensor):
         return None
-    mesh = mesh_of(x.device_mesh)
-    dm_axes = x.device_mesh.mesh_dim_names
+    return from_placements(mesh_of(x.device_mesh), x.placements, x.ndim)
+
+
+def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> NamedSharding:
+    """The ``NamedSharding`` that DTensor ``placements`` (over ``mesh.device_axes``) express for a rank-``ndim`` tensor."""
+    dm_axes = tuple(mesh.device_axes)
     unreduced, by_dim = [], {}
-    for axis, p in zip(dm_axes, x.placements):
+    for axis, p in zip(dm_axes, placements):
         if isinstance(p, Partial):
             if p.reduce_op != "sum":
                 raise ValueError(f"a {p} placement over {axis!r} has no vsf spec (only sum partials are 'unreduced')")
             unreduced.append(axis)
         elif isinstance(p, (Shard, _compat.StridedShard)):
             by_dim.setdefault(p.dim, []).append(axis)
-    entries: list[Any] = [None] * x.ndim
+    entries: list[Any] = [None] * ndim
     for dim, axes in by_dim.items():
-        entries[dim] = _entry_order(mesh, dim, axes, x.placements, dm_axes)
+        entries[dim] = _entry_order(mesh, dim, axes, placements, dm_axes)
     return NamedSharding(mesh, PartitionSpec(*entries, unreduced=unreduced).normalized())
 
 

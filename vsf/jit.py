@@ -1,0 +1,427 @@
+"""``vsf.jit``: trace a step over pytrees once, plan its shardings, run the planned program.
+
+``jit(f)(*args)`` flattens the arguments, and on the first call for a given (tree structure,
+shapes, dtypes, shardings, static arguments) it traces ``f`` on global fake tensors
+(:mod:`vsf.trace`), chooses a sharding for every value (:mod:`vsf.sharding.propagate`) and lowers
+the plan to a program over local shards (:mod:`vsf.lower`). Later calls with the same key run the
+cached program; any other call re-plans and says why (``f.replans`` and the ``vsf.jit`` logger).
+
+Example::
+
+    >>> @vsf.jit(donate_argnums=(0,))
+    ... def sgd_step(params, batch):
+    ...     loss, grads = vsf.value_and_grad(loss_fn)(params, batch)
+    ...     return vsf.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+    >>> print(sgd_step.lower(params, batch).as_text())
+    >>> params, loss = sgd_step(params, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from vsf import _compat, config, tree
+from vsf.lower import compile_local, execute
+from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
+from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
+from vsf.sharding.propagate import Placements, Plan, propagate
+from vsf.sharding.put import device_put, is_sharding_leaf
+from vsf.sharding.report import Cost, cost, plan_text
+from vsf.sharding.spec import PartitionSpec
+from vsf.trace import Traced, trace
+
+__all__ = ["Compiled", "Jitted", "Lowered", "jit"]
+
+log = logging.getLogger("vsf.jit")
+
+
+def jit(
+    fun: Callable[..., Any] | None = None,
+    *,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> Any:
+    """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
+
+    * ``in_shardings``: a pytree prefix of the positional (non-static) arguments; ``None`` keeps
+      each input's current sharding (plain tensors and Python numbers are replicated). A DTensor
+      whose sharding differs is resharded once with a logged warning (an error when
+      ``vsf.config.strict``).
+    * ``out_shardings``: a pytree prefix of the result; ``None`` lets propagation choose, except
+      that a result shaped exactly like an argument (a carried state such as params or optimizer
+      state) comes back sharded like that argument.
+    * ``static_argnums`` / ``static_argnames``: hashable arguments that select a different program
+      (Python control flow may depend on them).
+    * ``donate_argnums``: arguments whose DTensors are released after the call; using them
+      afterwards raises an error that says so.
+
+    Example::
+
+        >>> step = vsf.jit(train_step, donate_argnums=(0, 1))
+    """
+    if fun is None:
+        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums))
+
+
+def _tuple(x: Any) -> tuple[Any, ...]:
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call's arguments, prepared: every tensor leaf a DTensor on ``mesh``."""
+
+    mesh: Mesh
+    key: tuple[Any, ...]
+    inputs: list[DTensor]
+    names: list[str]
+    rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
+    arg_trees: list[tuple[tree.PyTreeSpec, list[tuple[tuple[int, ...], torch.dtype, Placements]]]]
+
+
+class Jitted:
+    """A jitted function: call it, or ``lower`` it to read its plan."""
+
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...]) -> None:
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.static_argnums = static_argnums
+        self.static_argnames = static_argnames
+        self.donate_argnums = donate_argnums
+        overlap = set(static_argnums) & set(donate_argnums)
+        if overlap:
+            raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
+        self._cache: dict[tuple[Any, ...], Compiled] = {}
+        self._last_key: tuple[Any, ...] | None = None
+        self.replans: list[str] = []
+        self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
+
+    @property
+    def plan_count(self) -> int:
+        """How many times this function has been planned (traced, propagated and lowered)."""
+        return len(self.replans)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._prepare(args, kwargs)
+        compiled = self._cache.get(call.key) or self._compile(call)
+        result = compiled._run(call)
+        self._donate(args)
+        return result
+
+    def lower(self, *args: Any, **kwargs: Any) -> "Lowered":
+        """Plan this function for these arguments without running it.
+
+        Example::
+
+            >>> lowered = step.lower(params, batch)
+            >>> print(lowered.as_text()); lowered.cost().comm_bytes
+        """
+        call = self._prepare(args, kwargs)
+        return Lowered(self._cache.get(call.key) or self._compile(call))
+
+    def _donate(self, args: tuple[Any, ...]) -> None:
+        for i in self.donate_argnums:
+            if i >= len(args):
+                continue
+            for path, leaf in tree.leaves_with_path(args[i]):
+                if isinstance(leaf, DTensor):
+                    where = f"{self._name} (argument {i}{tree.keystr(path) if path else ''})"
+                    leaf._local_tensor = _Donated(leaf._local_tensor, where)
+
+    # -- arguments ------------------------------------------------------------------------
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
+        sig_names = _param_names(self.fun)
+        statics = []
+        for i in self.static_argnums:
+            if i >= len(args):
+                raise ValueError(f"static_argnums has {i} but {self._name} got {len(args)} positional arguments")
+            statics.append(("arg", i, args[i]))
+        for name in self.static_argnames:
+            if name in kwargs:
+                statics.append(("kw", name, kwargs[name]))
+            elif name in sig_names and sig_names.index(name) < len(args):
+                statics.append(("arg", sig_names.index(name), args[sig_names.index(name)]))
+        for s in statics:
+            try:
+                hash(s[2])
+            except TypeError:
+                raise TypeError(f"static argument {s[1]!r} of {self._name} must be hashable, got {type(s[2]).__name__}") from None
+        static_pos = {s[1] for s in statics if s[0] == "arg"}
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return dyn_args, dyn_kwargs, tuple(statics)
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+        dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
+        pairs, treedef = tree.flatten_with_path((dyn_args, dyn_kwargs))
+        targets = self._in_targets(dyn_args, dyn_kwargs, len(pairs))
+        mesh = self._mesh(pairs, targets)
+        inputs, names, key_leaves = [], [], []
+        for (path, leaf), target in zip(pairs, targets):
+            name = _arg_name(path)
+            x = self._as_dtensor(leaf, target, mesh, name)
+            inputs.append(x)
+            names.append(name)
+            key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else "T"))
+        static_pos = {s[1] for s in statics if s[0] == "arg"}
+        positions = [i for i in range(len(args)) if i not in static_pos]
+
+        def rebuild(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            d_args, d_kwargs = tree.unflatten(treedef, tensors)
+            full = list(args)
+            for pos, value in zip(positions, d_args):
+                full[pos] = value
+            kw = dict(d_kwargs)
+            for kind, where, value in statics:
+                if kind == "kw":
+                    kw[where] = value
+            return tuple(full), kw
+
+        arg_trees = []
+        offset = 0
+        for a in dyn_args:
+            n = len(tree.leaves(a))
+            arg_trees.append((tree.structure(a), [k[:3] for k in key_leaves[offset : offset + n]]))
+            offset += n
+        key = (treedef, tuple(key_leaves), statics, mesh)
+        return _Call(mesh, key, inputs, names, rebuild, arg_trees)
+
+    def _in_targets(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any], n: int) -> list[Any]:
+        if self.in_shardings is None:
+            return [None] * n
+        prefix = self.in_shardings if not is_sharding_leaf(self.in_shardings) else tuple(self.in_shardings for _ in dyn_args)
+        per_arg = tree.broadcast_prefix(prefix, dyn_args, is_leaf=is_sharding_leaf, what="in_shardings")
+        return per_arg + [None] * (n - len(per_arg))
+
+    def _mesh(self, pairs: list[tuple[Any, Any]], targets: list[Any]) -> Mesh:
+        found: dict[Mesh, str] = {}
+        for (path, leaf), target in zip(pairs, targets):
+            if isinstance(leaf, DTensor):
+                _check_not_donated(leaf, _arg_name(path))
+                found.setdefault(mesh_of(leaf.device_mesh), _arg_name(path))
+            if isinstance(target, NamedSharding):
+                found.setdefault(target.mesh, f"in_shardings for {_arg_name(path)}")
+        here = current_mesh()
+        if len(found) > 1:
+            detail = "; ".join(f"{where} is on {m!r}" for m, where in found.items())
+            raise ValueError(f"the inputs of {self._name} live on different meshes: {detail}")
+        if found:
+            mesh = next(iter(found))
+            if here is not None and here != mesh:
+                raise ValueError(f"{found[mesh]} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
+            return mesh
+        if here is None:
+            raise ValueError(f"{self._name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)")
+        return here
+
+    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, name: str) -> DTensor:
+        if isinstance(leaf, (bool, int, float)) and not isinstance(leaf, torch.Tensor):
+            leaf = torch.tensor(leaf, dtype=torch.float32 if isinstance(leaf, float) else None)
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"argument {name} of {self._name} is a {type(leaf).__name__}; only tensors and Python numbers can be traced (mark the argument static)")
+        want = resolve(target, name) if target is not None else None
+        if isinstance(leaf, DTensor):
+            have = sharding_of(leaf)
+            if want is None or want == have:
+                return leaf
+            if config.strict:
+                raise ValueError(f"{name} arrives as {have.spec!r} but in_shardings asks for {want.spec!r} (vsf.config.strict is set)")
+            log.warning("%s: input %s arrives as %r but in_shardings asks for %r; resharding it", self._name, name, have.spec, want.spec)
+            return device_put(leaf, want)
+        return device_put(leaf, want or NamedSharding(mesh, PartitionSpec()))
+
+    # -- planning -------------------------------------------------------------------------
+
+    def _compile(self, call: _Call) -> "Compiled":
+        reason = _why(self._last_key, call.key, call.names)
+        self.replans.append(reason)
+        log.info("planning %s: %s", self._name, reason)
+        self._last_key = call.key
+        mesh = call.mesh
+        avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
+        traced = trace(self.fun, avals, call.rebuild, mesh.device_type)
+        out_metas = [n.meta["val"] for n in pytree.tree_leaves(next(n for n in traced.graph.graph.nodes if n.op == "output").args)]
+        out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
+        plan = propagate(
+            traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
+            allow_replicated_fallback=config.allow_replicated_fallback,
+        )
+        compiled = Compiled(self, plan, traced, call.names, out_names)
+        self._cache[call.key] = compiled
+        return compiled
+
+    def _out_targets(self, traced: Traced, call: _Call, out_metas: list[torch.Tensor], mesh: Mesh) -> tuple[list[str], list[NamedSharding | None]]:
+        skeleton = tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
+        pairs = [(p, x) for p, x in tree.leaves_with_path(skeleton)]
+        tensor_paths = [p for (p, _), c in zip(pairs, traced.out_consts) if c is None]
+        names = [tree.keystr(p) for p in tensor_paths]
+        if self.out_shardings is not None:
+            full = tree.broadcast_prefix(self.out_shardings, skeleton, is_leaf=is_sharding_leaf, what="out_shardings")
+            targets = [resolve(s, tree.keystr(p)) if s is not None else None for s, c, (p, _) in zip(full, traced.out_consts, pairs) if c is None]
+            for s, m, name in zip(targets, out_metas, names):
+                if s is not None:
+                    s.check(tuple(m.shape), f"output {name}")
+            return names, targets
+        return names, _carried(skeleton, traced, call, out_metas, mesh)
+
+
+def _carried(skeleton: Any, traced: Traced, call: _Call, out_metas: list[torch.Tensor], mesh: Mesh) -> list[NamedSharding | None]:
+    """Default output shardings: a top-level result shaped exactly like an argument keeps its shardings."""
+    parts = list(skeleton) if isinstance(skeleton, (tuple, list)) else [skeleton]
+    consts = iter(traced.out_consts)
+    metas = iter(out_metas)
+    targets: list[NamedSharding | None] = []
+    used: set[int] = set()
+    for part in parts:
+        leaves = tree.leaves(part)
+        is_tensor = [next(consts) is None for _ in leaves]
+        avals = [(tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t]
+        match = next(
+            (j for j, (struct, arg_avals) in enumerate(call.arg_trees)
+             if j not in used and all(is_tensor) and struct == tree.structure(part) and [a[:2] for a in arg_avals] == avals),
+            None,
+        )
+        if match is None:
+            targets.extend(None for t in is_tensor if t)
+            continue
+        used.add(match)
+        targets.extend(from_placements(mesh, pl, len(shape)) for shape, _, pl in call.arg_trees[match][1])
+    return targets
+
+
+def _param_names(fun: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _arg_name(path: Any) -> str:
+    """``args[0]['w']``-style name of an argument leaf (path into ``(args, kwargs)``)."""
+    entries = list(path)
+    head = "args" if entries and entries[0].entry == 0 else "kwargs"
+    return head + tree.keystr(tuple(entries[1:])).replace("<root>", "")
+
+
+def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) -> str:
+    if old is None:
+        return "first call"
+    if old[0] != new[0]:
+        return f"argument structure changed: {old[0]} -> {new[0]}"
+    if old[3] != new[3]:
+        return f"mesh changed: {old[3]!r} -> {new[3]!r}"
+    if old[2] != new[2]:
+        return f"static arguments changed: {old[2]} -> {new[2]}"
+    for name, a, b in zip(names, old[1], new[1]):
+        if a != b:
+            what = [f"shape {a[0]} -> {b[0]}" if a[0] != b[0] else "", f"dtype {a[1]} -> {b[1]}" if a[1] != b[1] else "", f"placements {a[2]} -> {b[2]}" if a[2] != b[2] else ""]
+            return f"{name}: {', '.join(w for w in what if w) or 'kind ' + a[3] + ' -> ' + b[3]}"
+    return "cache miss"
+
+
+# -- donation ------------------------------------------------------------------------------
+
+
+class _Donated(torch.Tensor):
+    """Stands in for a donated DTensor's local shard: any use raises an error that says why."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, where: str) -> "_Donated":
+        r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        r.where = where
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        where = next(a.where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _Donated))
+        raise RuntimeError(f"this value was donated to {where}, which released its memory; use the value that call returned")
+
+
+def _check_not_donated(x: DTensor, name: str) -> None:
+    if isinstance(x._local_tensor, _Donated):
+        raise RuntimeError(f"{name} was donated to {x._local_tensor.where}, which released its memory; pass the value that call returned")
+
+
+# -- compiled programs ---------------------------------------------------------------------
+
+
+class Compiled:
+    """A planned program for one argument signature; call it like the jitted function."""
+
+    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, input_names: list[str], output_names: list[str]) -> None:
+        self.owner = owner
+        self.plan = plan
+        self.traced = traced
+        self.input_names = input_names
+        self.output_names = output_names
+        self._local: torch.fx.GraphModule | None = None
+        dm = plan.mesh.device_mesh
+        metas = [n.meta["val"] for n in pytree.tree_leaves(next(n for n in traced.graph.graph.nodes if n.op == "output").args)]
+        self._out_specs = [
+            _compat.DTensorSpec(dm, pl, tensor_meta=_compat.TensorMeta(m.shape, m.stride(), m.dtype)) for m, pl in zip(metas, plan.outputs)
+        ]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.owner._prepare(args, kwargs)
+        if call.key not in self.owner._cache or self.owner._cache[call.key] is not self:
+            raise ValueError(f"these arguments do not match the signature this program of {self.owner._name} was compiled for")
+        result = self._run(call)
+        self.owner._donate(args)
+        return result
+
+    def _run(self, call: _Call) -> Any:
+        mode = config.jit_mode
+        if mode == "auto":
+            mode = "interpret" if _compat.active_local_mode() is not None else "trace"
+        if mode == "interpret":
+            outs = execute(self.plan, call.inputs)
+        else:
+            if self._local is None:
+                self._local = compile_local(self.plan, [x._local_tensor for x in call.inputs])
+            locals_ = self._local(*[x._local_tensor for x in call.inputs])
+            outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_, self._out_specs)]
+        it = iter(outs)
+        leaves = [next(it) if c is None else c for c in self.traced.out_consts]
+        return tree.unflatten(self.traced.out_tree, leaves)
+
+
+class Lowered:
+    """A plan, not yet run: read it with :meth:`as_text` and :meth:`cost`, run it via :meth:`compile`."""
+
+    def __init__(self, compiled: Compiled) -> None:
+        self._compiled = compiled
+
+    @property
+    def plan(self) -> Plan:
+        return self._compiled.plan
+
+    def as_text(self) -> str:
+        """Each op with its input/output shardings, each collective with its axis, shape and bytes."""
+        c = self._compiled
+        return plan_text(c.plan, c.owner._name, c.input_names, c.output_names)
+
+    def cost(self) -> Cost:
+        """Bytes each rank sends per mesh axis, the collectives, and the estimated peak memory per rank."""
+        return cost(self._compiled.plan)
+
+    def compile(self) -> Compiled:
+        """The runnable program (call it with the same arguments)."""
+        return self._compiled
+

@@ -1,0 +1,667 @@
+"""Whole-graph sharding propagation: choose a placement for every value of a traced graph.
+
+The problem is solved one mesh axis at a time (as Shardy reasons per factor and DTensor's
+single-dim strategies do): on an axis of size ``n`` a value is ``Replicate``, ``Shard(d)`` or
+``Partial``, and every op offers the strategies DTensor registers for it (input placements ->
+output placements). The planner picks one strategy per op so that the redistributions it implies
+cost the fewest bytes, where
+
+* all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
+  all-to-all ``(n-1)/n`` of the local shard (ring model, bytes each rank sends);
+* a value redistributed to one placement is redistributed once, however many ops use it there
+  (so a gradient is reduced once, not once per use);
+* a ``Partial`` result stays partial until the cheapest point to reduce it (the greedy pass
+  charges a pending reduction to a partial output; the refinement passes then move it).
+
+Priority when annotations disagree: a ``with_sharding_constraint`` fixes its value; inputs keep
+the sharding they arrive with (``in_shardings``); ``out_shardings`` are met by a final
+redistribution. Nothing is replicated silently: an op without a DTensor strategy is an error
+naming the op and the user's line, unless ``allow_replicated_fallback`` is set, in which case the
+plan marks that op as replicated.
+
+The per-axis choices are then combined and checked op by op with DTensor's own propagation on the
+full mesh (the same decision the lowered program will make), so the plan is exactly what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from vsf import _compat
+from vsf.sharding import constraint
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding
+from vsf.sharding.spec import UNCONSTRAINED
+
+__all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "propagate", "to_placements"]
+
+Placements = tuple[Placement, ...]
+Value = tuple[torch.fx.Node, int]
+R, PARTIAL = Replicate(), Partial()
+_INF = float("inf")
+
+
+class PlanError(ValueError):
+    """No sharded program can be planned (the message names the op and the user's line)."""
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective the program runs: its kind, mesh axis, logical shape and bytes each rank sends."""
+
+    kind: str
+    axis: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Redistribution:
+    """Moving ``value`` from placements ``src`` to ``dst`` (before ``before`` uses it)."""
+
+    value: Value
+    src: Placements
+    dst: Placements
+    collectives: tuple[Collective, ...]
+    before: torch.fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlan:
+    """How one op runs: the placements of its tensor inputs and outputs (``None``: no tensor)."""
+
+    ins: tuple[Placements, ...]
+    outs: tuple[Placements | None, ...]
+    fallback: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A placement for every value of ``graph`` over ``mesh`` and every redistribution between."""
+
+    mesh: Mesh
+    graph: torch.fx.GraphModule
+    nodes: dict[torch.fx.Node, NodePlan]
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements, ...]
+    redistributions: tuple[Redistribution, ...]
+
+    def placement(self, value: Value) -> Placements:
+        node, i = value
+        if node.op == "placeholder":
+            return self.inputs[_placeholders(self.graph).index(node)]
+        out = self.nodes[node].outs[i]
+        assert out is not None
+        return out
+
+
+def to_placements(s: NamedSharding) -> Placements:
+    return tuple(s.placements)
+
+
+# -- graph facts ------------------------------------------------------------------------------
+
+
+_GETITEM = operator.getitem  # the fx target of tuple indexing
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _value(arg: torch.fx.Node) -> Value:
+    """The (producer, output index) a graph argument refers to (``getitem`` nodes resolved)."""
+    if arg.op == "call_function" and arg.target is _GETITEM:
+        return (arg.args[0], arg.args[1])
+    return (arg, 0)
+
+
+def _outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def _tensor_args(node: torch.fx.Node) -> list[Value]:
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [_value(a) for a in leaves if isinstance(a, torch.fx.Node) and _is_tensor_node(a)]
+
+
+def _is_tensor_node(n: torch.fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _meta(v: Value) -> torch.Tensor:
+    out = _outputs_meta(v[0])[v[1]]
+    assert out is not None
+    return out
+
+
+def _tmeta(t: torch.Tensor) -> Any:
+    return _compat.TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def _op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr") and n.target is not _GETITEM]
+
+
+def _user_line(node: torch.fx.Node) -> str:
+    from vsf.trace import source_line
+
+    line = source_line(node)
+    return f" at {line}" if line else ""
+
+
+# -- per-axis strategies ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    ins: tuple[Placement, ...]
+    outs: tuple[Placement | None, ...]
+
+
+def _sig(x: Any) -> Any:
+    if isinstance(x, torch.fx.Node):
+        t = x.meta.get("val")
+        return ("T", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(_sig(a) for a in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _sig(v)) for k, v in x.items()))
+    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)) else repr(x)
+
+
+class Strategies:
+    """DTensor's candidate strategies per op and axis size, cached by op signature."""
+
+    def __init__(self, allow_replicated_fallback: bool) -> None:
+        self.fallback = allow_replicated_fallback
+        self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
+
+    def of(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
+        """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks."""
+        key = (node.target, _sig(node.args), _sig(node.kwargs), n)
+        if key not in self.cache:
+            self.cache[key] = self._compute(node, n)
+        return self.cache[key]
+
+    def _compute(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
+        ins = _tensor_args(node)
+        outs = _outputs_meta(node)
+        if node.op == "get_attr" or not ins:
+            return [Strategy((), tuple(R if o is not None else None for o in outs))], False
+        if node.target is constraint.CONSTRAINT_OP:
+            return [Strategy((p,), (p,)) for p in _candidates(_meta(ins[0]), n)], False
+        found = _single_dim(node, n) if _kind_of(node.target) == "single" else _by_first_input(node, n) if _kind_of(node.target) else None
+        if found:
+            return _valid(found, node, n), False
+        if self.fallback:
+            return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
+        raise PlanError(
+            f"{node.target} has no DTensor sharding strategy, so vsf cannot shard it{_user_line(node)}. "
+            "Set vsf.config.allow_replicated_fallback = True to run it replicated (the plan flags it)."
+        )
+
+
+def _kind_of(op: Any) -> str | None:
+    prop = _compat.sharding_propagator()
+    if op in prop.op_single_dim_strategy_funcs:
+        return "single"
+    if op in prop.op_strategy_funcs or op in prop.op_to_rules:
+        return "full"
+    return None
+
+
+def _meta_args(node: torch.fx.Node) -> tuple[Any, Any]:
+    conv = lambda a: _tmeta(a.meta["val"]) if isinstance(a, torch.fx.Node) and _is_tensor_node(a) else a  # noqa: E731
+    return pytree.tree_map(conv, node.args), pytree.tree_map(conv, node.kwargs)
+
+
+def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+    args, kwargs = _meta_args(node)
+    outs = _outputs_meta(node)
+    out_meta = _tmeta(outs[0]) if isinstance(node.meta.get("val"), torch.Tensor) else [None if o is None else _tmeta(o) for o in outs]
+    rules = _compat.single_dim_strategies(node.target, args, kwargs, out_meta)
+    if rules is None:
+        return None
+    n_out = len(outs)
+    result = []
+    for rule in rules:
+        outs_p = tuple(rule[:n_out])
+        ins_p = tuple(R if p is None else p for p in rule[n_out:])
+        if not _compat.single_dim_allows_uneven(node.target) and not _even(node, ins_p, outs_p, n):
+            continue
+        result.append(Strategy(ins_p, outs_p))
+    return result
+
+
+def _even(node: torch.fx.Node, ins: Sequence[Placement], outs: Sequence[Placement | None], n: int) -> bool:
+    metas = [_meta(v) for v in _tensor_args(node)] + [o for o in _outputs_meta(node)]
+    for t, p in zip(metas, [*ins, *outs]):
+        if t is not None and isinstance(p, Shard) and t.shape[p.dim] % n:
+            return False
+    return True
+
+
+def _candidates(t: torch.Tensor, n: int) -> list[Placement]:
+    return [R, PARTIAL] + [Shard(d) for d in range(t.ndim) if t.shape[d] >= n and t.shape[d] > 1]
+
+
+def _by_first_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+    """Ask a whole-op strategy function (or rule) once per candidate placement of the first tensor input."""
+    prop = _compat.sharding_propagator()
+    op = node.target
+    func = prop.op_strategy_funcs.get(op)
+    rule = prop.op_to_rules.get(op)
+    if func is None and rule is None:
+        return None
+    mesh = _compat.abstract_device_mesh(n)
+    ins = _tensor_args(node)
+    found: dict[Strategy, None] = {}
+    for first in _candidates(_meta(ins[0]), n):
+        seen = [0]
+
+        def spec(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
+                p = first if seen[0] == 0 else R
+                seen[0] += 1
+                return _compat.DTensorSpec(mesh, (p,), tensor_meta=_tmeta(a.meta["val"]))
+            return a
+
+        args = pytree.tree_map(spec, node.args)
+        kwargs = pytree.tree_map(spec, node.kwargs)
+        try:
+            strategy = _run_strategy(func, rule, op, args, kwargs, node)
+        except Exception:  # noqa: BLE001 - DTensor rejects this candidate input; try the next
+            continue
+        for s in strategy:
+            found.setdefault(s)
+    return list(found)
+
+
+def _run_strategy(func: Any, rule: Any, op: Any, args: Any, kwargs: Any, node: torch.fx.Node) -> list[Strategy]:
+    n_in = len(_tensor_args(node))
+    if func is not None:
+        schema = _compat.OpSchema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()})
+        result = func(schema)
+        specs = result.strategies if isinstance(result, _compat.OpStrategy) else _tuple_strategy_specs(result)
+        out = []
+        for s in specs:
+            outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
+            ins = s.input_specs if s.input_specs is not None else (s.output_specs,) * n_in
+            out.append(Strategy(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs)))
+        return out
+    schema = _compat.OpSchema(op, tuple(args), dict(kwargs))
+    res = rule(schema)
+    if res.output_spec is None:
+        schema = res.redistribute_schema
+        res = rule(schema)
+    ins = [a for a in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema)) if isinstance(a, _compat.DTensorSpec)]
+    outs = res.output_spec if isinstance(res.output_spec, (tuple, list)) else (res.output_spec,)
+    return [Strategy(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs))]
+
+
+def _wrap(a: Any) -> Any:
+    if isinstance(a, _compat.DTensorSpec):
+        return _compat.OpStrategy([_compat.OpSpec(a)])
+    if isinstance(a, (list, tuple)) and a and all(isinstance(x, _compat.DTensorSpec) for x in a):
+        return _compat.TupleStrategy(tuple(_wrap(x) for x in a))
+    return a
+
+
+def _tuple_strategy_specs(result: Any) -> list[Any]:
+    """A TupleStrategy (one child per output) as a list of combined single-output specs."""
+    children = result.children
+    if not children:
+        return []
+    combos = []
+    for i in range(len(children[0].strategies)):
+        specs = [c.strategies[min(i, len(c.strategies) - 1)] for c in children]
+        combos.append(_Combined(tuple(s.output_specs for s in specs), tuple(x for s in specs for x in (s.input_specs or ()))))
+    return combos
+
+
+@dataclasses.dataclass(frozen=True)
+class _Combined:
+    output_specs: Any
+    input_specs: Any
+
+
+def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Strategy]:
+    metas = [_meta(v) for v in _tensor_args(node)] + _outputs_meta(node)
+    ok = []
+    for s in strategies:
+        placed = [*s.ins, *s.outs]
+        if len(placed) != len(metas):
+            continue
+        if all(t is None or p is None or not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= 1) for t, p in zip(metas, placed)):
+            ok.append(s)
+    return ok
+
+
+# -- per-axis solver --------------------------------------------------------------------------
+
+# Taking a local slice of a replicated value sends nothing; it is charged a token cost so that
+# the planner does not reshard values gratuitously (a later op would pay to undo it).
+_SLICE_COST = 1e-3
+_NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
+
+
+def _transition_bytes(kind: str, n: int, full_bytes: float) -> float:
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n / n,
+        "slice": _SLICE_COST,
+    }
+    return factor[kind] * full_bytes
+
+
+def _kind(src: Placement, dst: Placement) -> str | None:
+    if src == dst:
+        return None
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return "slice"
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if isinstance(dst, Shard) else "invalid"
+    if isinstance(src, Shard):
+        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if isinstance(dst, Shard) else "invalid"
+    return "invalid"
+
+
+class _AxisSolver:
+    """Chooses one strategy per op for one mesh axis."""
+
+    def __init__(self, problem: "_Problem", axis: str) -> None:
+        self.p = problem
+        self.axis = axis
+        self.n = problem.mesh.axis_size(axis)
+        self.strategies = {node: problem.strategies.of(node, self.n)[0] for node in problem.ops}
+        self.choice: dict[torch.fx.Node, int] = {}
+        self.label: dict[Value, Placement] = {}
+        self.need: dict[Value, Counter] = {}
+        for v, pl in problem.seeds[axis].items():
+            self.label[v] = pl
+        for v, req in problem.out_req[axis]:
+            self.need.setdefault(v, Counter())[req] += 1
+
+    def full_bytes(self, v: Value) -> float:
+        t = _meta(v)
+        size = t.numel() * t.element_size()
+        for other, solver in self.p.solved.items():
+            if other != self.axis:
+                pl = solver.label.get(v)
+                if isinstance(pl, Shard):
+                    size /= solver.n
+        return size
+
+    def cost(self, v: Value, src: Placement, dst: Any) -> float:
+        if dst is _NOT_PARTIAL:
+            dst = R if isinstance(src, Partial) else src
+        kind = _kind(src, dst)
+        if kind is None:
+            return 0.0
+        if kind == "invalid":
+            return _INF
+        return _transition_bytes(kind, self.n, self.full_bytes(v))
+
+    def value_cost(self, v: Value, label: Placement | None = None, need: Counter | None = None) -> float:
+        label = self.label[v] if label is None else label
+        need = self.need.get(v, Counter()) if need is None else need
+        return sum(self.cost(v, label, req) for req, c in need.items() if c > 0)
+
+    def pending(self, v: Value, label: Placement | None) -> float:
+        """What a Partial output will cost to reduce later (charged as an all-reduce)."""
+        if not isinstance(label, Partial):
+            return 0.0
+        return _transition_bytes("all_reduce", self.n, self.full_bytes(v))
+
+    def _gratuitous(self, node: torch.fx.Node, s: Strategy) -> bool:
+        """Does ``s`` shard an input on this axis when no input already arrives sharded here?"""
+        labels = [self.label[v] for v in self.p.inputs[node]]
+        reshards = any(isinstance(req, Shard) and req != cur for cur, req in zip(labels, s.ins))
+        anchored = any(isinstance(req, Shard) and req == cur for cur, req in zip(labels, s.ins))
+        return reshards and not anchored
+
+    def _evaluate(self, node: torch.fx.Node, s: Strategy, greedy: bool, strict: bool = True) -> float:
+        ins = self.p.inputs[node]
+        if strict and self._gratuitous(node, s):
+            return _INF
+        total = 0.0
+        if greedy:
+            for v, req in zip(ins, s.ins):
+                if req != self.label[v] and not self.need.get(v, Counter()).get(req):
+                    total += self.cost(v, self.label[v], req)
+        else:
+            changes: dict[Value, Counter] = {}
+            for v, req in zip(ins, s.ins):
+                changes.setdefault(v, Counter(self.need.get(v, Counter())))[req] += 1
+            for v, old in zip(ins, self.strategies[node][self.choice[node]].ins):
+                changes[v][old] -= 1
+            for v, need in changes.items():
+                total += self.value_cost(v, need=need) - self.value_cost(v)
+        for i, lab in enumerate(s.outs):
+            if lab is None:
+                continue
+            v = (node, i)
+            total += self.value_cost(v, label=lab)
+            if greedy:
+                total += self.pending(v, lab)
+        return total
+
+    def _apply(self, node: torch.fx.Node, k: int) -> None:
+        old = self.choice.get(node)
+        if old is not None:
+            for v, req in zip(self.p.inputs[node], self.strategies[node][old].ins):
+                self.need[v][req] -= 1
+        self.choice[node] = k
+        s = self.strategies[node][k]
+        for v, req in zip(self.p.inputs[node], s.ins):
+            self.need.setdefault(v, Counter())[req] += 1
+        for i, lab in enumerate(s.outs):
+            if lab is not None:
+                self.label[(node, i)] = lab
+
+    def _allowed(self, node: torch.fx.Node) -> list[int]:
+        pinned = self.p.pinned[self.axis].get(node)
+        strategies = self.strategies[node]
+        if pinned is None:
+            return list(range(len(strategies)))
+        return [k for k, s in enumerate(strategies) if s.outs[0] in pinned]
+
+    def solve(self, passes: int = 2) -> None:
+        for node in self.p.ops:
+            self._pick(node, greedy=True)
+        for _ in range(passes):
+            changed = False
+            for node in reversed(self.p.ops):
+                changed |= self._pick(node, greedy=False)
+            if not changed:
+                break
+
+    def _pick(self, node: torch.fx.Node, greedy: bool) -> bool:
+        allowed = self._allowed(node)
+        if not allowed:
+            raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {self.axis!r}{_user_line(node)}")
+        costs = [(self._evaluate(node, self.strategies[node][k], greedy), k) for k in allowed]
+        if all(c == _INF for c, _ in costs):
+            costs = [(self._evaluate(node, self.strategies[node][k], greedy, strict=False), k) for k in allowed]
+        best_cost, best = min(costs)
+        if not greedy:
+            current = next(c for c, k in costs if k == self.choice[node])
+            if best_cost >= current - 1e-9:
+                return False
+        if best_cost == _INF:
+            raise PlanError(f"{node.target} cannot be placed on axis {self.axis!r}{_user_line(node)}: every strategy needs an impossible redistribution")
+        self._apply(node, best)
+        return True
+
+
+@dataclasses.dataclass
+class _Problem:
+    mesh: Mesh
+    gm: torch.fx.GraphModule
+    ops: list[torch.fx.Node]
+    inputs: dict[torch.fx.Node, list[Value]]
+    strategies: Strategies
+    seeds: dict[str, dict[Value, Placement]]
+    out_req: dict[str, list[tuple[Value, Any]]]
+    pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
+    solved: dict[str, _AxisSolver]
+
+
+# -- combining the axes and checking with DTensor ---------------------------------------------
+
+
+def propagate(
+    gm: torch.fx.GraphModule,
+    mesh: Mesh,
+    in_placements: Sequence[Placements],
+    out_shardings: Sequence[NamedSharding | None],
+    *,
+    allow_replicated_fallback: bool = False,
+) -> Plan:
+    """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
+
+    ``in_placements`` gives each placeholder's DTensor placements (over ``mesh.device_axes``);
+    ``out_shardings`` each output's required sharding, ``None`` to let propagation choose
+    (anything but an unreduced partial).
+    """
+    axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
+    placeholders = _placeholders(gm)
+    outputs = [_value(a) for a in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)]
+    ops = _op_nodes(gm)
+    problem = _Problem(
+        mesh=mesh, gm=gm, ops=ops,
+        inputs={n: _tensor_args(n) for n in ops},
+        strategies=Strategies(allow_replicated_fallback),
+        seeds={}, out_req={}, pinned={}, solved={},
+    )
+    dm_axes = list(mesh.device_axes)
+    for axis in axes:
+        k = dm_axes.index(axis)
+        problem.seeds[axis] = {(ph, 0): _one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.out_req[axis] = [
+            (v, _NOT_PARTIAL if s is None else _one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
+        ]
+        problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if n.target is constraint.CONSTRAINT_OP}
+    with _compat.local_mode_disabled():
+        for _sweep in range(2):
+            for axis in axes:
+                solver = _AxisSolver(problem, axis)
+                solver.solve()
+                problem.solved[axis] = solver
+        return _check_with_dtensor(problem, axes, in_placements, out_shardings)
+
+
+def _one_d(p: Placement) -> Placement:
+    """A placement as the 1D solver sees it (strided shards are shards of their dim)."""
+    return Shard(p.dim) if isinstance(p, _compat.StridedShard) else p
+
+
+def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
+    s = constraint.parse(node.args[1])
+    if axis in s.spec.axes:
+        return {_one_d(to_placements(s)[list(mesh.device_axes).index(axis)])}
+    free = {R} | {Shard(d) for d, e in enumerate(s.spec) if e is UNCONSTRAINED}
+    return free
+
+
+def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]) -> Plan:
+    mesh, gm = problem.mesh, problem.gm
+    dm = mesh.device_mesh
+    dm_axes = list(mesh.device_axes)
+    actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(_placeholders(gm), in_placements)}
+    plans: dict[torch.fx.Node, NodePlan] = {}
+    moves: dict[tuple[Value, Placements], Redistribution] = {}
+
+    def combined(per_axis: dict[str, Placement | None]) -> Placements:
+        return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
+
+    def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
+        src = actual[v]
+        if src != dst and (v, dst) not in moves:
+            moves[(v, dst)] = Redistribution(v, src, dst, _collectives(mesh, _meta(v), src, dst), before)
+
+    for node in problem.ops:
+        ins = problem.inputs[node]
+        choice = {a: problem.solved[a].strategies[node][problem.solved[a].choice[node]] for a in axes}
+        want_in = [combined({a: choice[a].ins[i] for a in axes}) for i in range(len(ins))]
+        n_out = len(_outputs_meta(node))
+        want_out = [
+            None if _outputs_meta(node)[i] is None else combined({a: choice[a].outs[i] for a in axes})
+            for i in range(n_out)
+        ]
+        fallback = bool(ins) and problem.strategies.of(node, 2)[1]
+        if node.target is constraint.CONSTRAINT_OP:
+            target = to_placements(constraint.parse(node.args[1])) if not any(e is UNCONSTRAINED for e in constraint.parse(node.args[1]).spec) else want_out[0]
+            want_in, want_out = [target], [target]
+        elif ins and not fallback and node.op == "call_function":
+            want_in, want_out = _dtensor_decision(node, dm, ins, want_in)
+        for v, dst in zip(ins, want_in):
+            move(v, dst, node)
+        plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback)
+        for i, out in enumerate(want_out):
+            if out is not None:
+                actual[(node, i)] = out
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [_value(a) for a in pytree.tree_leaves(output_node.args)]
+    final = []
+    for v, s in zip(outs, out_shardings):
+        dst = to_placements(s) if s is not None else tuple(R if isinstance(p, Partial) else p for p in actual[v])
+        move(v, dst, output_node)
+        final.append(dst)
+    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), tuple(moves.values()))
+
+
+def _dtensor_decision(node: torch.fx.Node, dm: Any, ins: list[Value], want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in``."""
+    it = iter(want_in)
+
+    def spec(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
+            return _compat.DTensorSpec(dm, next(it), tensor_meta=_tmeta(a.meta["val"]))
+        return a
+
+    schema = _compat.OpSchema(node.target, pytree.tree_map(spec, node.args), pytree.tree_map(spec, node.kwargs))
+    out = _compat.sharding_propagator().propagate_op_sharding(schema)
+    suggested = want_in
+    if out.needs_redistribute and out.redistribute_schema is not None:
+        suggested = [s.placements for s in pytree.tree_leaves((out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema)) if isinstance(s, _compat.DTensorSpec)]
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else (out.output_spec,)
+    return [tuple(p) for p in suggested], [None if s is None else tuple(s.placements) for s in specs]
+
+
+def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[Collective, ...]:
+    dm = mesh.device_mesh
+    meta = _tmeta(t)
+    steps = _compat.redistribute_steps(_compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
+    dm_axes = list(mesh.device_axes)
+    out = []
+    for mesh_dim, a, b, logical in steps:
+        kind = _kind(_one_d(a), _one_d(b))
+        if kind in (None, "slice"):
+            continue
+        n = mesh.axis_size(dm_axes[mesh_dim])
+        full = math.prod(logical) * t.element_size()
+        out.append(Collective(kind, dm_axes[mesh_dim], tuple(logical), t.dtype, int(round(_transition_bytes(kind, n, full)))))
+    return tuple(out)

@@ -1,0 +1,150 @@
+"""Tracing a step function to one functional aten graph on global fake tensors.
+
+The graph's inputs are the tensor leaves of the arguments in their *global* shapes; a step that
+calls :func:`vsf.grad` inside becomes one joint forward+backward graph, because the backward
+ops run (and are recorded) while the step is traced. In-place ops are functionalized away, and
+``_foreach_*`` ops are split into one op per tensor so every node has one tensor per operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from vsf import _compat, tree
+
+__all__ = ["Traced", "TraceError", "source_line", "trace"]
+
+aten = torch.ops.aten
+
+
+class TraceError(ValueError):
+    """The function cannot be traced to a sharded program (the message says why and where)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A traced step: ``graph`` maps the flat tensor inputs to the flat tensor outputs.
+
+    ``out_tree`` is the structure of everything the function returned; ``out_consts`` holds the
+    non-tensor leaves of the result (``None`` where a tensor output goes).
+    """
+
+    graph: torch.fx.GraphModule
+    out_tree: tree.PyTreeSpec
+    out_consts: tuple[Any, ...]
+
+
+def trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]], device: str) -> Traced:
+    """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
+    fake tensors of the given ``(shape, dtype)`` avals."""
+    out_info: dict[str, Any] = {}
+
+    def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        args, kwargs = rebuild(list(tensors))
+        out = fun(*args, **kwargs)
+        leaves, treedef = tree.flatten(out)
+        out_info["tree"] = treedef
+        out_info["consts"] = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    with _compat.local_mode_disabled():
+        return _trace(fun, avals, flat_fun, out_info, device)
+
+
+def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], flat_fun: Callable[..., Any], out_info: dict[str, Any], device: str) -> Traced:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
+    _compat.register_stack_anchor(fun)
+    try:
+        joint = make_fx(flat_fun, tracing_mode="fake", record_stack_traces=True)(*fakes)
+    except DataDependentOutputException as e:
+        raise TraceError(
+            f"{_fun_name(fun)} branches on or reads a tensor value at {_user_frame(e)}: vsf.jit traces with "
+            "abstract values, so data-dependent Python control flow (if/while on a tensor, .item(), "
+            "bool(tensor)) cannot be traced. Use torch.where, or pass the value as a static argument."
+        ) from None
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(
+            torch.func.functionalize(torch.fx.Interpreter(joint).run, remove="mutations"),
+            decomposition_table=_FOREACH_DECOMPOSITIONS,
+            tracing_mode="fake",
+        )(*fakes)
+    _reject_input_mutation(gm, fun)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return Traced(gm, out_info["tree"], out_info["consts"])
+
+
+def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in placeholders:
+            index = placeholders.index(node.args[0])
+            raise TraceError(
+                f"{_fun_name(fun)} mutates its input tensor #{index} in place; jitted functions must be pure. "
+                "Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`)."
+            )
+
+
+def _fun_name(fun: Callable[..., Any]) -> str:
+    return getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _user_frame(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)]
+    if not user:
+        return "<unknown location>"
+    f = user[-1]
+    return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The user's source line that produced ``node`` (as recorded while tracing), or ``""``."""
+    stack = node.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in stack.strip().splitlines() if l.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return f"{lines[i]}: `{code}`" if code else lines[i]
+    return ""
+
+
+def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:
+    def per_tensor(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+        return [elementwise(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+
+    return per_tensor
+
+
+def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
+    table = {}
+    for name in dir(aten):
+        if not name.startswith("_foreach_") or name.endswith("_"):
+            continue
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            elementwise = _compat.foreach_elementwise_op(op)
+            if elementwise is not None:
+                table[op] = _split_foreach(elementwise)
+    return table
+
+
+_FOREACH_DECOMPOSITIONS = _foreach_decompositions()

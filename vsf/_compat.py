@@ -32,7 +32,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _insert_single_dim_replication_strategy,
     _resolve_foreach_elementwise_overload,
 )
-from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor._ops.utils import is_tensor_shardable
+from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -50,7 +51,10 @@ __all__ = [
     "TupleStrategy",
     "abstract_device_mesh",
     "active_local_mode",
+    "dispatcher_special_ops",
     "dtensor_from_local",
+    "is_tensor_shardable",
+    "redistribute_local_tensor",
     "foreach_elementwise_op",
     "redistribute_steps",
     "register_stack_anchor",
@@ -135,11 +139,6 @@ def single_dim_strategies(op: Any, args_meta: tuple[Any, ...], kwargs_meta: dict
     return _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
 
 
-def single_dim_allows_uneven(op: Any) -> bool:
-    info = sharding_propagator().op_single_dim_strategy_funcs.get(op)
-    return bool(info is not None and info.allow_uneven_sharding)
-
-
 def _tree_leaves(x: Any) -> list[Any]:
     return torch.utils._pytree.tree_leaves(x)
 
@@ -162,3 +161,9 @@ def register_stack_anchor(fn: Any) -> None:
 def dtensor_from_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """Wrap ``local`` as a DTensor with ``spec`` (no checks, no autograd node: the fast path)."""
     return DTensor(local, spec, requires_grad=False)
+
+
+def dispatcher_special_ops() -> frozenset[Any]:
+    """Ops DTensor's dispatcher runs its own way (random ops, custom handlers): lower them through DTensor."""
+    d = DTensor._op_dispatcher
+    return frozenset(d._random_ops) | frozenset(d._custom_op_handlers)

@@ -390,13 +390,15 @@ class Compiled:
         mode = config.jit_mode
         if mode == "auto":
             mode = "interpret" if _compat.active_local_mode() is not None else "trace"
+        locals_in = [x._local_tensor for x in call.inputs]
         if mode == "interpret":
-            outs = execute(self.plan, call.inputs)
+            with _compat.quiet_redistribute():
+                locals_out = execute(self.plan, locals_in)
         else:
             if self._local is None:
-                self._local = compile_local(self.plan, [x._local_tensor for x in call.inputs])
-            locals_ = self._local(*[x._local_tensor for x in call.inputs])
-            outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_, self._out_specs)]
+                self._local = compile_local(self.plan, locals_in)
+            locals_out = self._local(*locals_in)
+        outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
         it = iter(outs)
         leaves = [next(it) if c is None else c for c in self.traced.out_consts]
         return tree.unflatten(self.traced.out_tree, leaves)

@@ -74,16 +74,25 @@ def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch
             "abstract values, so data-dependent Python control flow (if/while on a tensor, .item(), "
             "bool(tensor)) cannot be traced. Use torch.where, or pass the value as a static argument."
         ) from None
-    with fx_traceback.preserve_node_meta():
-        gm = make_fx(
-            torch.func.functionalize(torch.fx.Interpreter(joint).run, remove="mutations"),
-            decomposition_table=_FOREACH_DECOMPOSITIONS,
-            tracing_mode="fake",
-        )(*fakes)
+    if not any(_needs_rewrite(n) for n in joint.graph.nodes):
+        gm = joint
+    else:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(
+                torch.func.functionalize(torch.fx.Interpreter(joint).run, remove="mutations"),
+                decomposition_table=_FOREACH_DECOMPOSITIONS,
+                tracing_mode="fake",
+            )(*fakes)
     _reject_input_mutation(gm, fun)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
+
+
+def _needs_rewrite(node: torch.fx.Node) -> bool:
+    """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor) in a second pass."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:

@@ -82,11 +82,17 @@ class Redistribution:
 
 @dataclasses.dataclass(frozen=True)
 class NodePlan:
-    """How one op runs: the placements of its tensor inputs and outputs (``None``: no tensor)."""
+    """How one op runs: the placements of its tensor inputs and outputs (``None``: no tensor).
+
+    ``direct``: the op runs as is on the local shards (its strategy is one DTensor's per-mesh-dim
+    rules allow); otherwise it runs through DTensor's dispatcher (view ops whose shape arguments
+    must become local, random ops). ``fallback``: no strategy exists; it runs replicated.
+    """
 
     ins: tuple[Placements, ...]
     outs: tuple[Placements | None, ...]
     fallback: bool = False
+    direct: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,22 +249,7 @@ def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:
     if rules is None:
         return None
     n_out = len(outs)
-    result = []
-    for rule in rules:
-        outs_p = tuple(rule[:n_out])
-        ins_p = tuple(R if p is None else p for p in rule[n_out:])
-        if not _compat.single_dim_allows_uneven(node.target) and not _even(node, ins_p, outs_p, n):
-            continue
-        result.append(Strategy(ins_p, outs_p))
-    return result
-
-
-def _even(node: torch.fx.Node, ins: Sequence[Placement], outs: Sequence[Placement | None], n: int) -> bool:
-    metas = [_meta(v) for v in _tensor_args(node)] + [o for o in _outputs_meta(node)]
-    for t, p in zip(metas, [*ins, *outs]):
-        if t is not None and isinstance(p, Shard) and t.shape[p.dim] % n:
-            return False
-    return True
+    return [Strategy(tuple(R if p is None else p for p in rule[n_out:]), tuple(rule[:n_out])) for rule in rules]
 
 
 def _candidates(t: torch.Tensor, n: int) -> list[Placement]:
@@ -352,7 +343,7 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Stra
         placed = [*s.ins, *s.outs]
         if len(placed) != len(metas):
             continue
-        if all(t is None or p is None or not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= 1) for t, p in zip(metas, placed)):
+        if all(t is None or p is None or not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= n) for t, p in zip(metas, placed)):
             ok.append(s)
     return ok
 
@@ -388,132 +379,172 @@ def _kind(src: Placement, dst: Placement) -> str | None:
     return "invalid"
 
 
+class _Codes:
+    """Placements of one axis as small ints, with the byte factor of every transition."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.of: dict[Any, int] = {}
+        self.placements: list[Any] = []
+        self.factor: list[list[float]] = []
+        self.code(R)
+
+    def code(self, p: Any) -> int:
+        if p not in self.of:
+            self.of[p] = len(self.placements)
+            self.placements.append(p)
+            self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
+        return self.of[p]
+
+    def _factor(self, a: Any, b: Any) -> float:
+        if b is _NOT_PARTIAL:
+            return self._factor(a, R) if isinstance(a, Partial) else 0.0
+        if a is _NOT_PARTIAL:
+            return _INF
+        kind = _kind(a, b)
+        return 0.0 if kind is None else _INF if kind == "invalid" else _transition_bytes(kind, self.n, 1.0)
+
+    def is_shard(self, c: int) -> bool:
+        return isinstance(self.placements[c], Shard)
+
+    def is_partial(self, c: int) -> bool:
+        return isinstance(self.placements[c], Partial)
+
+
 class _AxisSolver:
-    """Chooses one strategy per op for one mesh axis."""
+    """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
     def __init__(self, problem: "_Problem", axis: str) -> None:
         self.p = problem
         self.axis = axis
         self.n = problem.mesh.axis_size(axis)
-        self.strategies = {node: problem.strategies.of(node, self.n)[0] for node in problem.ops}
-        self.choice: dict[torch.fx.Node, int] = {}
-        self.label: dict[Value, Placement] = {}
-        self.need: dict[Value, Counter] = {}
+        codes = self.codes = _Codes(self.n)
+        vid = problem.value_ids
+        self.fb = [self._full_bytes(v) for v in problem.values]
+        self.label = [codes.code(R)] * len(problem.values)
+        self.need: list[dict[int, int]] = [{} for _ in problem.values]
         for v, pl in problem.seeds[axis].items():
-            self.label[v] = pl
+            self.label[vid[v]] = codes.code(pl)
         for v, req in problem.out_req[axis]:
-            self.need.setdefault(v, Counter())[req] += 1
+            c = codes.code(req)
+            self.need[vid[v]][c] = self.need[vid[v]].get(c, 0) + 1
+        self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
+        self.outs = [tuple(vid.get((node, i), -1) for i in range(len(_outputs_meta(node)))) for node in problem.ops]
+        self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
+        for k, node in enumerate(problem.ops):
+            allowed = problem.strategies.of(node, self.n)[0]
+            pinned = problem.pinned[axis].get(node)
+            if pinned is not None:
+                allowed = [st for st in allowed if st.outs[0] in pinned]
+                if not allowed:
+                    raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{_user_line(node)}")
+            self.strategies.append([
+                (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in allowed
+            ])
+        self.choice = [-1] * len(problem.ops)
 
-    def full_bytes(self, v: Value) -> float:
+    def _full_bytes(self, v: Value) -> float:
         t = _meta(v)
-        size = t.numel() * t.element_size()
+        size = float(t.numel() * t.element_size())
         for other, solver in self.p.solved.items():
-            if other != self.axis:
-                pl = solver.label.get(v)
-                if isinstance(pl, Shard):
-                    size /= solver.n
+            if other != self.axis and solver.codes.is_shard(solver.label[self.p.value_ids[v]]):
+                size /= solver.n
         return size
 
-    def cost(self, v: Value, src: Placement, dst: Any) -> float:
-        if dst is _NOT_PARTIAL:
-            dst = R if isinstance(src, Partial) else src
-        kind = _kind(src, dst)
-        if kind is None:
-            return 0.0
-        if kind == "invalid":
-            return _INF
-        return _transition_bytes(kind, self.n, self.full_bytes(v))
+    def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
+        row = self.codes.factor[label]
+        return self.fb[v] * sum(row[req] for req, c in need.items() if c > 0)
 
-    def value_cost(self, v: Value, label: Placement | None = None, need: Counter | None = None) -> float:
-        label = self.label[v] if label is None else label
-        need = self.need.get(v, Counter()) if need is None else need
-        return sum(self.cost(v, label, req) for req, c in need.items() if c > 0)
-
-    def pending(self, v: Value, label: Placement | None) -> float:
-        """What a Partial output will cost to reduce later (charged as an all-reduce)."""
-        if not isinstance(label, Partial):
-            return 0.0
-        return _transition_bytes("all_reduce", self.n, self.full_bytes(v))
-
-    def _gratuitous(self, node: torch.fx.Node, s: Strategy) -> bool:
-        """Does ``s`` shard an input on this axis when no input already arrives sharded here?"""
-        labels = [self.label[v] for v in self.p.inputs[node]]
-        reshards = any(isinstance(req, Shard) and req != cur for cur, req in zip(labels, s.ins))
-        anchored = any(isinstance(req, Shard) and req == cur for cur, req in zip(labels, s.ins))
+    def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
+        """Does this strategy shard an input on this axis when no input already arrives sharded here?"""
+        is_shard, label = self.codes.is_shard, self.label
+        reshards = anchored = False
+        for v, req in zip(self.ins[k], ins):
+            if is_shard(req):
+                if req == label[v]:
+                    anchored = True
+                else:
+                    reshards = True
         return reshards and not anchored
 
-    def _evaluate(self, node: torch.fx.Node, s: Strategy, greedy: bool, strict: bool = True) -> float:
-        ins = self.p.inputs[node]
-        if strict and self._gratuitous(node, s):
+    def _evaluate(self, k: int, j: int, greedy: bool, strict: bool) -> float:
+        ins, outs = self.strategies[k][j]
+        if strict and self._gratuitous(k, ins):
             return _INF
+        factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
         total = 0.0
         if greedy:
-            for v, req in zip(ins, s.ins):
-                if req != self.label[v] and not self.need.get(v, Counter()).get(req):
-                    total += self.cost(v, self.label[v], req)
+            for v, req in zip(self.ins[k], ins):
+                cur = label[v]
+                if req != cur and not need[v].get(req):
+                    total += factor[cur][req] * fb[v]
         else:
-            changes: dict[Value, Counter] = {}
-            for v, req in zip(ins, s.ins):
-                changes.setdefault(v, Counter(self.need.get(v, Counter())))[req] += 1
-            for v, old in zip(ins, self.strategies[node][self.choice[node]].ins):
-                changes[v][old] -= 1
-            for v, need in changes.items():
-                total += self.value_cost(v, need=need) - self.value_cost(v)
-        for i, lab in enumerate(s.outs):
-            if lab is None:
+            old = self.strategies[k][self.choice[k]][0]
+            changed: dict[int, dict[int, int]] = {}
+            for v, req in zip(self.ins[k], ins):
+                d = changed.setdefault(v, dict(need[v]))
+                d[req] = d.get(req, 0) + 1
+            for v, req in zip(self.ins[k], old):
+                changed[v][req] -= 1
+            for v, d in changed.items():
+                total += self._value_cost(v, label[v], d) - self._value_cost(v, label[v], need[v])
+        for v, lab in zip(self.outs[k], outs):
+            if v < 0 or lab < 0:
                 continue
-            v = (node, i)
-            total += self.value_cost(v, label=lab)
-            if greedy:
-                total += self.pending(v, lab)
+            total += self._value_cost(v, lab, need[v])
+            if greedy and self.codes.is_partial(lab):
+                total += factor[lab][0] * fb[v]  # a partial will have to be reduced: charge an all-reduce
         return total
 
-    def _apply(self, node: torch.fx.Node, k: int) -> None:
-        old = self.choice.get(node)
-        if old is not None:
-            for v, req in zip(self.p.inputs[node], self.strategies[node][old].ins):
-                self.need[v][req] -= 1
-        self.choice[node] = k
-        s = self.strategies[node][k]
-        for v, req in zip(self.p.inputs[node], s.ins):
-            self.need.setdefault(v, Counter())[req] += 1
-        for i, lab in enumerate(s.outs):
-            if lab is not None:
-                self.label[(node, i)] = lab
+    def _apply(self, k: int, j: int) -> None:
+        need = self.need
+        if self.choice[k] >= 0:
+            for v, req in zip(self.ins[k], self.strategies[k][self.choice[k]][0]):
+                need[v][req] -= 1
+        self.choice[k] = j
+        ins, outs = self.strategies[k][j]
+        for v, req in zip(self.ins[k], ins):
+            need[v][req] = need[v].get(req, 0) + 1
+        for v, lab in zip(self.outs[k], outs):
+            if v >= 0 and lab >= 0:
+                self.label[v] = lab
 
-    def _allowed(self, node: torch.fx.Node) -> list[int]:
-        pinned = self.p.pinned[self.axis].get(node)
-        strategies = self.strategies[node]
-        if pinned is None:
-            return list(range(len(strategies)))
-        return [k for k, s in enumerate(strategies) if s.outs[0] in pinned]
-
-    def solve(self, passes: int = 2) -> None:
-        for node in self.p.ops:
-            self._pick(node, greedy=True)
-        for _ in range(passes):
-            changed = False
-            for node in reversed(self.p.ops):
-                changed |= self._pick(node, greedy=False)
-            if not changed:
-                break
-
-    def _pick(self, node: torch.fx.Node, greedy: bool) -> bool:
-        allowed = self._allowed(node)
-        if not allowed:
-            raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {self.axis!r}{_user_line(node)}")
-        costs = [(self._evaluate(node, self.strategies[node][k], greedy), k) for k in allowed]
+    def _pick(self, k: int, greedy: bool) -> bool:
+        options = range(len(self.strategies[k]))
+        costs = [(self._evaluate(k, j, greedy, True), j) for j in options]
         if all(c == _INF for c, _ in costs):
-            costs = [(self._evaluate(node, self.strategies[node][k], greedy, strict=False), k) for k in allowed]
+            costs = [(self._evaluate(k, j, greedy, False), j) for j in options]
         best_cost, best = min(costs)
-        if not greedy:
-            current = next(c for c, k in costs if k == self.choice[node])
-            if best_cost >= current - 1e-9:
-                return False
         if best_cost == _INF:
+            node = self.p.ops[k]
             raise PlanError(f"{node.target} cannot be placed on axis {self.axis!r}{_user_line(node)}: every strategy needs an impossible redistribution")
-        self._apply(node, best)
+        if not greedy and (best == self.choice[k] or best_cost >= costs[[j for _, j in costs].index(self.choice[k])][0] - 1e-9):
+            return False
+        self._apply(k, best)
         return True
+
+    def solve(self, max_repairs: int = 3) -> None:
+        for k in range(len(self.p.ops)):
+            self._pick(k, greedy=True)
+        producers = self.p.producer_of
+        consumers = self.p.consumers_of
+        work = list(range(len(self.p.ops) - 1, -1, -1))
+        queued = set(work)
+        budget = max_repairs * len(work)
+        while work and budget > 0:
+            budget -= 1
+            k = work.pop()
+            queued.discard(k)
+            if self._pick(k, greedy=False):
+                for other in [producers.get(v) for v in self.ins[k]] + [c for v in self.outs[k] if v >= 0 for c in consumers.get(v, ())]:
+                    if other is not None and other not in queued:
+                        queued.add(other)
+                        work.append(other)
+
+    def placement_of(self, node_index: int) -> tuple[list[Any], list[Any]]:
+        ins, outs = self.strategies[node_index][self.choice[node_index]]
+        pl = self.codes.placements
+        return [pl[c] for c in ins], [None if c < 0 else pl[c] for c in outs]
 
 
 @dataclasses.dataclass
@@ -527,6 +558,27 @@ class _Problem:
     out_req: dict[str, list[tuple[Value, Any]]]
     pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
     solved: dict[str, _AxisSolver]
+    values: list[Value] = dataclasses.field(default_factory=list)
+    value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
+    producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
+    consumers_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    def index(self) -> None:
+        """Number the values and record which op produces and which ops consume each."""
+        for ph in _placeholders(self.gm):
+            self._add((ph, 0))
+        for k, node in enumerate(self.ops):
+            for i, meta in enumerate(_outputs_meta(node)):
+                if meta is not None:
+                    self.producer_of[self._add((node, i))] = k
+        for k, node in enumerate(self.ops):
+            for v in self.inputs[node]:
+                self.consumers_of.setdefault(self.value_ids[v], []).append(k)
+
+    def _add(self, v: Value) -> int:
+        self.value_ids[v] = len(self.values)
+        self.values.append(v)
+        return self.value_ids[v]
 
 
 # -- combining the axes and checking with DTensor ---------------------------------------------
@@ -556,6 +608,7 @@ def propagate(
         strategies=Strategies(allow_replicated_fallback),
         seeds={}, out_req={}, pinned={}, solved={},
     )
+    problem.index()
     dm_axes = list(mesh.device_axes)
     for axis in axes:
         k = dm_axes.index(axis)
@@ -602,24 +655,28 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         if src != dst and (v, dst) not in moves:
             moves[(v, dst)] = Redistribution(v, src, dst, _collectives(mesh, _meta(v), src, dst), before)
 
-    for node in problem.ops:
+    for k, node in enumerate(problem.ops):
         ins = problem.inputs[node]
-        choice = {a: problem.solved[a].strategies[node][problem.solved[a].choice[node]] for a in axes}
-        want_in = [combined({a: choice[a].ins[i] for a in axes}) for i in range(len(ins))]
+        choice = {a: problem.solved[a].placement_of(k) for a in axes}
+        want_in = [combined({a: choice[a][0][i] for a in axes}) for i in range(len(ins))]
         n_out = len(_outputs_meta(node))
         want_out = [
-            None if _outputs_meta(node)[i] is None else combined({a: choice[a].outs[i] for a in axes})
+            None if _outputs_meta(node)[i] is None else combined({a: choice[a][1][i] for a in axes})
             for i in range(n_out)
         ]
         fallback = bool(ins) and problem.strategies.of(node, 2)[1]
+        direct = False
         if node.target is constraint.CONSTRAINT_OP:
-            target = to_placements(constraint.parse(node.args[1])) if not any(e is UNCONSTRAINED for e in constraint.parse(node.args[1]).spec) else want_out[0]
+            s = constraint.parse(node.args[1])
+            target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
         elif ins and not fallback and node.op == "call_function":
-            want_in, want_out = _dtensor_decision(node, dm, ins, want_in)
+            direct = _kind_of(node.target) == "single" and node.target not in _SPECIAL and _shardable(node, dm, want_in)
+            if not direct:
+                want_in, want_out = _dtensor_decision(node, dm, ins, want_in)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback)
+        plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback, direct)
         for i, out in enumerate(want_out):
             if out is not None:
                 actual[(node, i)] = out
@@ -631,6 +688,17 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         move(v, dst, output_node)
         final.append(dst)
     return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), tuple(moves.values()))
+
+
+_SPECIAL = _compat.dispatcher_special_ops()
+
+
+def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
+    """DTensor's own filter on a combined strategy: every sharded input dim has a row per shard."""
+    return all(
+        _compat.is_tensor_shardable(_meta(v).shape, _compat.DTensorSpec(dm, pl, tensor_meta=_tmeta(_meta(v))))
+        for v, pl in zip(_tensor_args(node), want_in)
+    )
 
 
 def _dtensor_decision(node: torch.fx.Node, dm: Any, ins: list[Value], want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:

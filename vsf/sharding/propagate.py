@@ -60,7 +60,8 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective the program runs: its kind, mesh axis, logical shape and bytes each rank sends."""
+    """One collective the program runs: its kind, mesh axis, the local shape it reduces or gathers
+    into (per rank), and the bytes each rank sends."""
 
     kind: str
     axis: str
@@ -367,15 +368,19 @@ def _transition_bytes(kind: str, n: int, full_bytes: float) -> float:
     return factor[kind] * full_bytes
 
 
+def _is_shard(p: Any) -> bool:
+    return isinstance(p, (Shard, _compat.StridedShard))
+
+
 def _kind(src: Placement, dst: Placement) -> str | None:
     if src == dst:
         return None
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
+    if isinstance(src, Replicate) and _is_shard(dst):
         return "slice"
     if isinstance(src, Partial):
-        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if isinstance(dst, Shard) else "invalid"
-    if isinstance(src, Shard):
-        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if isinstance(dst, Shard) else "invalid"
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if _is_shard(dst) else "invalid"
+    if _is_shard(src):
+        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if _is_shard(dst) else "invalid"
     return "invalid"
 
 
@@ -405,7 +410,7 @@ class _Codes:
         return 0.0 if kind is None else _INF if kind == "invalid" else _transition_bytes(kind, self.n, 1.0)
 
     def is_shard(self, c: int) -> bool:
-        return isinstance(self.placements[c], Shard)
+        return _is_shard(self.placements[c])
 
     def is_partial(self, c: int) -> bool:
         return isinstance(self.placements[c], Partial)
@@ -719,17 +724,37 @@ def _dtensor_decision(node: torch.fx.Node, dm: Any, ins: list[Value], want_in: l
     return [tuple(p) for p in suggested], [None if s is None else tuple(s.placements) for s in specs]
 
 
+def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[int, ...]:
+    """Shape of the largest local shard of ``t`` laid out as ``placements`` (over ``mesh.device_axes``)."""
+    shape = list(t.shape)
+    for axis, p in zip(mesh.device_axes, placements):
+        if _is_shard(p):
+            shape[p.dim] = -(-shape[p.dim] // mesh.axis_size(axis))
+    return tuple(shape)
+
+
+def local_bytes(mesh: Mesh, t: torch.Tensor, placements: Placements) -> int:
+    """Bytes of the largest local shard of ``t`` laid out as ``placements``."""
+    return math.prod(local_shape(mesh, t, placements)) * t.element_size()
+
+
 def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[Collective, ...]:
+    """The collectives DTensor runs to move ``t`` from ``src`` to ``dst``, with the bytes each rank sends."""
     dm = mesh.device_mesh
     meta = _tmeta(t)
     steps = _compat.redistribute_steps(_compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
     dm_axes = list(mesh.device_axes)
+    current = list(src)
     out = []
-    for mesh_dim, a, b, logical in steps:
+    for mesh_dim, a, b, _logical in steps:
+        before = local_shape(mesh, t, tuple(current))
+        current[mesh_dim] = b
+        after = local_shape(mesh, t, tuple(current))
         kind = _kind(_one_d(a), _one_d(b))
         if kind in (None, "slice"):
             continue
         n = mesh.axis_size(dm_axes[mesh_dim])
-        full = math.prod(logical) * t.element_size()
-        out.append(Collective(kind, dm_axes[mesh_dim], tuple(logical), t.dtype, int(round(_transition_bytes(kind, n, full)))))
+        shape = after if kind == "all_gather" else before
+        full = math.prod(shape) * t.element_size() * (n if kind == "all_to_all" else 1)
+        out.append(Collective(kind, dm_axes[mesh_dim], shape, t.dtype, int(round(_transition_bytes(kind, n, full)))))
     return tuple(out)

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from vsf import _compat
 from vsf.sharding.inspect import type_string
 from vsf.sharding.named import from_placements
-from vsf.sharding.propagate import Collective, Placements, Plan, Value, _is_tensor_node, _meta, _op_nodes, _placeholders, _tensor_args, _value
+from vsf.sharding.propagate import Collective, Placements, Plan, Value, _is_tensor_node, _meta, _op_nodes, _placeholders, _tensor_args, _value, local_bytes
 
 __all__ = ["Cost", "cost", "plan_text"]
 
@@ -50,15 +50,6 @@ def _type(plan: Plan, t: torch.Tensor, placements: Placements) -> str:
     return text + "".join("{" + f"{op}:{','.join(a)}" + "}" for op, a in partial.items())
 
 
-def local_bytes(plan: Plan, t: torch.Tensor, placements: Placements) -> int:
-    """Bytes of the largest local shard of ``t`` laid out as ``placements``."""
-    shape = list(t.shape)
-    for axis, p in zip(plan.mesh.device_axes, placements):
-        if isinstance(p, (Shard, _compat.StridedShard)):
-            shape[p.dim] = -(-shape[p.dim] // plan.mesh.axis_size(axis))
-    return math.prod(shape) * t.element_size()
-
-
 def cost(plan: Plan) -> Cost:
     """Communication per mesh axis and estimated peak memory of ``plan`` (per rank)."""
     collectives = tuple(c for r in plan.redistributions for c in r.collectives)
@@ -79,15 +70,15 @@ def _peak(plan: Plan) -> int:
                 last[_value(a)] = order[node]
     born: list[tuple[int, int, int]] = []
     for ph, pl in zip(_placeholders(gm), plan.inputs):
-        born.append((0, end, local_bytes(plan, ph.meta["val"], pl)))
+        born.append((0, end, local_bytes(plan.mesh, ph.meta["val"], pl)))
     outputs = {_value(a) for a in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)}
     for node, step in plan.nodes.items():
         for i, pl in enumerate(step.outs):
             if pl is not None:
                 v = (node, i)
-                born.append((order[node], end if v in outputs else last.get(v, order[node]), local_bytes(plan, _meta(v), pl)))
+                born.append((order[node], end if v in outputs else last.get(v, order[node]), local_bytes(plan.mesh, _meta(v), pl)))
     for r in plan.redistributions:
-        born.append((order[r.before], last.get(r.value, order[r.before]), local_bytes(plan, _meta(r.value), r.dst)))
+        born.append((order[r.before], last.get(r.value, order[r.before]), local_bytes(plan.mesh, _meta(r.value), r.dst)))
     events = sorted([(s, b) for s, _, b in born] + [(e + 1, -b) for _, e, b in born])
     live = peak = 0
     for _, delta in events:

@@ -61,38 +61,23 @@ def test_shards_of_a_replicated_axis_and_of_a_plain_tensor(sim):
     assert [(s.rank, s.index) for s in plain] == [(r, (slice(0, 2),)) for r in range(4)]
 
 
-def test_visualize_1d_uneven(sim):
-    sim(4)
-    mesh = vsf.make_mesh((4,), ("x",))
-    x = vsf.device_put(torch.arange(5.0), vsf.NamedSharding(mesh, P("x")))
-    assert vsf.debug.visualize_sharding(x) == "\n".join([
+PICTURES = {
+    "1d uneven": ((4,), ("x",), (5,), P("x"), [
         "f32[5@x] on {'x': 4}",
         "  0:2   2:4   4:5 ",
         "┌─────┬─────┬─────┐",
         "│  0  │  1  │  2  │",
         "└─────┴─────┴─────┘",
         "empty shards (uneven split): ranks 3",
-    ])
-
-
-def test_visualize_1d_replicated_over_an_axis(sim):
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    x = vsf.device_put(torch.arange(10.0), vsf.NamedSharding(mesh, P("tp")))
-    assert vsf.debug.visualize_sharding(x) == "\n".join([
+    ]),
+    "1d replicated over dp": ((2, 2), ("dp", "tp"), (10,), P("tp"), [
         "f32[10@tp] on {'dp': 2, 'tp': 2}",
         "  0:5    5:10 ",
         "┌──────┬──────┐",
         "│ 0,2  │ 1,3  │",
         "└──────┴──────┘",
-    ])
-
-
-def test_visualize_2d(sim):
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    x = vsf.device_put(torch.zeros(6, 4), vsf.NamedSharding(mesh, P("tp", "dp")))
-    assert vsf.debug.visualize_sharding(x) == "\n".join([
+    ]),
+    "2d": ((2, 2), ("dp", "tp"), (6, 4), P("tp", "dp"), [
         "f32[6@tp,4@dp] on {'dp': 2, 'tp': 2}",
         "        0:2   2:4 ",
         "      ┌─────┬─────┐",
@@ -100,21 +85,29 @@ def test_visualize_2d(sim):
         "      ├─────┼─────┤",
         "[3:6] │  1  │  3  │",
         "      └─────┴─────┘",
-    ])
-
-
-def test_visualize_2d_unreduced_and_plain(sim):
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    x = vsf.device_put(torch.zeros(3, 4), vsf.NamedSharding(mesh, P(None, "dp", unreduced="tp")))
-    assert vsf.debug.visualize_sharding(x) == "\n".join([
+    ]),
+    "2d unreduced": ((2, 2), ("dp", "tp"), (3, 4), P(None, "dp", unreduced="tp"), [
         "f32[3,4@dp]{U:tp} on {'dp': 2, 'tp': 2}",
         "        0:2   2:4 ",
         "      ┌─────┬─────┐",
         "[0:3] │ 0,1 │ 2,3 │",
         "      └─────┴─────┘",
         "each block is an unreduced partial sum over tp",
-    ])
+    ]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PICTURES))
+def test_visualize_sharding_pictures(sim, case):
+    sizes, names, shape, spec, picture = PICTURES[case]
+    sim(4)
+    mesh = vsf.make_mesh(sizes, names)
+    x = vsf.device_put(torch.zeros(shape), vsf.NamedSharding(mesh, spec))
+    assert vsf.debug.visualize_sharding(x) == "\n".join(picture)
+
+
+def test_visualize_plain_tensors_and_bad_ranks(sim):
+    sim(4)
     assert vsf.debug.visualize_sharding(torch.zeros(3)).splitlines()[3] == "│ 0-3 │"  # every simulated rank
     with pytest.raises(ValueError, match=r"draws 1D or 2D tensors, got 3D \(shape \(2, 2, 2\)\)"):
         vsf.debug.visualize_sharding(torch.zeros(2, 2, 2))

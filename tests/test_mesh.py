@@ -216,3 +216,11 @@ def test_sub_mesh_of_size_one_axes_under_simulation(sim):
     assert [s.rank for s in vsf.debug.shards(x)] == list(range(8))
     assert all(torch.equal(s.data, full) for s in vsf.debug.shards(x))
     assert torch.equal(vsf.device_get(x), full)
+
+
+def test_named_sharding_tree_errors_name_the_key_path():
+    mesh = vsf.Mesh((2, 4), ("dp", "tp"))
+    with pytest.raises(ValueError, match=r"the spec at \['b'\]\[0\]: P\('ep'\) names mesh axis 'ep', which is not in the mesh \{'dp': 2, 'tp': 4\}"):
+        vsf.NamedSharding.tree(mesh, {"w": P("dp"), "b": [P("ep")]})
+    with pytest.raises(TypeError, match=r"the spec at \['w'\]\[0\] is 'dp', not a vsf.P"):
+        vsf.NamedSharding.tree(mesh, {"w": ("dp",)})

@@ -84,7 +84,16 @@ class NamedSharding:
 
             >>> shardings = vsf.NamedSharding.tree(mesh, {"w": P("tp"), "b": P()})
         """
-        return tree.map(lambda p: cls(mesh, _as_spec(p)), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return tree.map_with_path(lambda path, p: cls._at(mesh, path, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    @classmethod
+    def _at(cls, mesh: Mesh, path: tree.KeyPath, p: Any) -> "NamedSharding":
+        if not isinstance(p, PartitionSpec):
+            raise TypeError(f"NamedSharding.tree: the spec at {tree.keystr(path)} is {p!r}, not a vsf.P")
+        try:
+            return cls(mesh, p)
+        except ValueError as e:
+            raise ValueError(f"NamedSharding.tree: the spec at {tree.keystr(path)}: {e}") from e
 
     # -- layout -------------------------------------------------------------------------
 
@@ -200,12 +209,6 @@ class NamedSharding:
 
 def _sizes(mesh: Mesh, axes: Sequence[str]) -> str:
     return ", ".join(f"{a}={mesh.axis_size(a)}" for a in axes)
-
-
-def _as_spec(p: Any) -> PartitionSpec:
-    if not isinstance(p, PartitionSpec):
-        raise TypeError(f"expected a vsf.P leaf, got {p!r}")
-    return p
 
 
 def resolve(s: NamedSharding | PartitionSpec, where: str = "") -> NamedSharding:

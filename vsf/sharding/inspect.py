@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from vsf import _compat, runtime
 from vsf.sharding.named import Index, sharding_of

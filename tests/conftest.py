@@ -16,9 +16,15 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 import vsf  # noqa: E402
 
 # Property tests: a fixed budget of examples, no per-example deadline (the first simulated
-# example of a process pays one-off start-up costs). Tests that need fewer examples say so.
+# example of a process pays one-off start-up costs); tests that need another budget say so.
+# Local runs explore new examples each time; CI (CI=true) runs a fixed, reproducible set.
 settings.register_profile(
-    "vsf", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "vsf",
+    max_examples=40,
+    deadline=None,
+    derandomize=bool(os.environ.get("CI")),
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vsf"))
 

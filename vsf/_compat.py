@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._local_tensor import (
     LocalTensor,
@@ -64,6 +65,8 @@ __all__ = [
     "local_mode_disabled",
     "local_shards",
     "make_local",
+    "one_rank_device_mesh",
+    "position_in_copy",
     "quiet_redistribute",
     "single_rank_device_mesh",
 ]
@@ -89,6 +92,30 @@ def quiet_redistribute() -> Iterator[None]:
 def single_rank_device_mesh(device_type: str, rank: int, name: str) -> DeviceMesh:
     """A one-rank DeviceMesh that creates no communicator (a sub-mesh of size-1 axes)."""
     return DeviceMesh(device_type, torch.tensor([rank]), mesh_dim_names=(name,), _init_backend=False)
+
+
+def one_rank_device_mesh(device_type: str, world_size: int, name: str) -> DeviceMesh:
+    """A DeviceMesh of one rank per copy, one copy for each of ``world_size`` ranks (a sub-mesh
+    of size-1 axes): every rank sees itself, and no communicator is created."""
+    return DeviceMesh(
+        device_type,
+        _layout=_MeshLayout.from_sizes_strides((1,), (1,)),
+        _rank_map=torch.arange(world_size, dtype=torch.int),
+        mesh_dim_names=(name,),
+        _init_backend=False,
+    )
+
+
+def position_in_copy(dm: DeviceMesh, rank: int) -> tuple[int, ...] | None:
+    """``rank``'s coordinate in its own copy of ``dm``, or ``None`` if no copy holds it.
+
+    A DeviceMesh sliced from a bigger one (``root["tp"]``) exists once per group of ranks; each
+    rank sees the copy it belongs to. Simulated ranks all live in one process, so vsf needs the
+    position of every rank in its own copy, which only the slice's private layout records.
+    """
+    copies = dm._layout.remap_to_tensor(dm._rank_map)  # (number of copies, *dm.shape)
+    hits = (copies == rank).nonzero()
+    return tuple(hits[0, 1:].tolist()) if len(hits) else None
 
 
 def active_local_mode() -> LocalTensorMode | None:

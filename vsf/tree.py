@@ -181,8 +181,8 @@ def _broadcast(prefix: Any, tree: Any, is_leaf: Callable[[Any], bool], path: tup
         return
     if optree.tree_is_leaf(tree, namespace=NAMESPACE):
         raise ValueError(
-            f"{what} is not a prefix of the value tree at {keystr(path)}: expected a single "
-            f"sharding there, found {type(prefix).__name__} {_short(prefix)} over leaf {_short(tree)}"
+            f"{what} is not a prefix of the value tree at {keystr(path)}: the value there is the leaf "
+            f"{_short(tree)}, so {what} needs a single entry there, but has {type(prefix).__name__} {_short(prefix)}"
         )
     p_entries, p_children = _children(prefix)
     t_entries, t_children = _children(tree)

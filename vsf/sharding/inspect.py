@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from vsf import _compat, runtime
 from vsf.sharding.named import Index, NamedSharding, sharding_of
@@ -86,7 +85,7 @@ def visualize_sharding(x: torch.Tensor) -> str:
     if x.ndim not in (1, 2):
         raise ValueError(f"visualize_sharding draws 1D or 2D tensors, got {x.ndim}D (shape {tuple(x.shape)})")
     s = sharding_of(x)
-    layout = s.devices_indices_map(tuple(x.shape)) if s else {0: tuple(slice(0, n) for n in x.shape)}
+    layout = s.devices_indices_map(tuple(x.shape)) if s else {sh.rank: sh.index for sh in shards(x)}
     blocks: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
     empty = []
     for rank, idx in sorted(layout.items()):

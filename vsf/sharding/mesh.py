@@ -115,15 +115,24 @@ class Mesh:
             raise ValueError(f"unknown mesh axis {name!r}; the mesh has axes {self.shape}") from None
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """Position of global ``rank`` on each axis."""
-        try:
+        """Position of global ``rank`` on each axis.
+
+        A sub-mesh ``mesh[names]`` exists once per group of ranks (each rank gets the copy that
+        holds it), so a rank of another copy gets its position in its own copy. That matters
+        under :class:`vsf.simulate`, where one process holds every rank.
+        """
+        if rank in self._devices:
             flat = self._devices.index(rank)
-        except ValueError:
-            raise ValueError(f"rank {rank} is not in {self!r}") from None
-        coords = {}
-        for name, size in zip(reversed(self._names), reversed(self._sizes)):
-            flat, coords[name] = divmod(flat, size)
-        return {n: coords[n] for n in self._names}
+            coords = {}
+            for name, size in zip(reversed(self._names), reversed(self._sizes)):
+                flat, coords[name] = divmod(flat, size)
+            return {n: coords[n] for n in self._names}
+        dm = _DEVICE_MESHES.get(self)
+        position = None if dm is None else _compat.position_in_copy(dm, rank)
+        if position is None:
+            raise ValueError(f"rank {rank} is not in {self!r}")
+        coords = dict(zip(dm.mesh_dim_names, position))
+        return {n: coords.get(n, 0) for n in self._names}
 
     @property
     def device_axes(self) -> tuple[str, ...]:
@@ -165,7 +174,7 @@ class Mesh:
         if in_parent_order:
             _register(sub, self.device_mesh[in_parent_order])
         else:
-            _register(sub, _compat.single_rank_device_mesh(self._device_type, devices[0], names[0]))
+            _register(sub, _compat.one_rank_device_mesh(self._device_type, runtime.world_size(), names[0]))
         return sub
 
     def _flat_index(self, coord: dict[str, int]) -> int:

@@ -84,7 +84,16 @@ class NamedSharding:
 
             >>> shardings = vsf.NamedSharding.tree(mesh, {"w": P("tp"), "b": P()})
         """
-        return tree.map(lambda p: cls(mesh, _as_spec(p)), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return tree.map_with_path(lambda path, p: cls._at(mesh, path, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    @classmethod
+    def _at(cls, mesh: Mesh, path: tree.KeyPath, p: Any) -> "NamedSharding":
+        if not isinstance(p, PartitionSpec):
+            raise TypeError(f"NamedSharding.tree: the spec at {tree.keystr(path)} is {p!r}, not a vsf.P")
+        try:
+            return cls(mesh, p)
+        except ValueError as e:
+            raise ValueError(f"NamedSharding.tree: the spec at {tree.keystr(path)}: {e}") from e
 
     # -- layout -------------------------------------------------------------------------
 
@@ -104,13 +113,17 @@ class NamedSharding:
                 raise ValueError(
                     f"{self._spec!r}{at}: P.UNCONSTRAINED (dim {dim}) is only allowed in with_sharding_constraint"
                 )
-            if self._is_strided(dim) and shape[dim] % self.num_shards(dim):
+        strided = {p.dim for p in self.placements if isinstance(p, _compat.StridedShard)}
+        for dim in sorted(strided):
+            if shape[dim] % self.num_shards(dim):
                 axes = self._spec.entry_axes(dim)
-                in_order = tuple(a for a in self._mesh.device_axes if a in axes)
+                order = self._mesh.device_axes
+                in_order = tuple(a for a in order if a in axes)
+                note = "" if list(order) == [a for a in self._mesh.axis_names if a in order] else " (a sub-mesh keeps its parent's axis order)"
                 raise ValueError(
                     f"{self._spec!r}{at}: dim {dim} of size {shape[dim]} is split {self.num_shards(dim)} ways over "
-                    f"{axes} ({', '.join(f'{a}={self._mesh.axis_size(a)}' for a in axes)}), against the mesh's axis "
-                    f"order; DTensor needs that split to be even. Make dim {dim} divisible by "
+                    f"{axes} ({_sizes(self._mesh, axes)}), against the mesh's axis order {order}{note}; "
+                    f"DTensor needs that split to be even. Make dim {dim} divisible by "
                     f"{self.num_shards(dim)} or list the axes in mesh order {in_order}"
                 )
 
@@ -176,9 +189,6 @@ class NamedSharding:
             out.append(_compat.StridedShard(dim, split_factor=factor) if factor > 1 else Shard(dim))
         return tuple(out)
 
-    def _is_strided(self, dim: int) -> bool:
-        return any(isinstance(p, _compat.StridedShard) and p.dim == dim for p in self.placements)
-
     # -- value semantics ------------------------------------------------------------------
 
     def _key(self) -> tuple[Mesh, PartitionSpec]:
@@ -197,10 +207,8 @@ class NamedSharding:
         return (NamedSharding, (self._mesh, self._spec))
 
 
-def _as_spec(p: Any) -> PartitionSpec:
-    if not isinstance(p, PartitionSpec):
-        raise TypeError(f"expected a vsf.P leaf, got {p!r}")
-    return p
+def _sizes(mesh: Mesh, axes: Sequence[str]) -> str:
+    return ", ".join(f"{a}={mesh.axis_size(a)}" for a in axes)
 
 
 def resolve(s: NamedSharding | PartitionSpec, where: str = "") -> NamedSharding:

@@ -45,31 +45,51 @@ def device_put(x: Any, shardings: Any) -> Any:
     """
     pairs, treedef = tree.flatten_with_path(x)
     per_leaf = tree.broadcast_prefix(shardings, x, is_leaf=is_sharding_leaf, what="shardings")
-    return tree.unflatten(treedef, [_put(leaf, s, tree.keystr(path)) for (path, leaf), s in zip(pairs, per_leaf)])
+    return tree.unflatten(treedef, [_put_at(path, leaf, s) for (path, leaf), s in zip(pairs, per_leaf)])
 
 
-def _put(leaf: Any, s: NamedSharding | PartitionSpec | None, where: str) -> Any:
+def _put_at(path: tree.KeyPath, leaf: Any, s: NamedSharding | PartitionSpec | None) -> Any:
+    """Place one leaf; an error from any layer below names the leaf's key path."""
+    try:
+        return _put(leaf, s)
+    except (ValueError, TypeError) as e:
+        if type(e) not in (ValueError, TypeError):  # a subclass may not take a plain message
+            raise
+        raise type(e)(f"device_put of {tree.keystr(path)} ({_describe(leaf)}): {e}") from e
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"{'DTensor' if isinstance(leaf, DTensor) else 'tensor'} of shape {tuple(leaf.shape)}"
+    return type(leaf).__name__
+
+
+def _put(leaf: Any, s: NamedSharding | PartitionSpec | None) -> Any:
     if s is None:
         return leaf
-    s = resolve(s, where)
+    s = resolve(s)
     if not isinstance(leaf, torch.Tensor):
         if s.spec.normalized() != PartitionSpec():
-            raise TypeError(f"{where} is a {type(leaf).__name__}, not a tensor, so it cannot take {s.spec!r}")
+            raise TypeError(f"a {type(leaf).__name__} leaf is not a tensor, so it cannot take {s.spec!r}; give it P() or None")
         return leaf
-    s.check(leaf.shape, where)
+    s.check(leaf.shape)
     if isinstance(leaf, DTensor):
-        return _reshard(leaf, s, where)
+        return _reshard(leaf, s)
     return distribute(leaf, s)
 
 
-def _reshard(x: DTensor, s: NamedSharding, where: str) -> DTensor:
+def _reshard(x: DTensor, s: NamedSharding) -> DTensor:
     src = sharding_of(x)
     if src == s:
         return x
     if src.mesh != s.mesh:
         return distribute(_full(x), s)
-    if set(s.spec.unreduced) - set(src.spec.unreduced):
-        raise ValueError(f"{where}: cannot make a reduced value unreduced over {s.spec.unreduced} ({src.spec!r} -> {s.spec!r})")
+    gained = [a for a in s.spec.unreduced if a not in src.spec.unreduced and s.mesh.axis_size(a) > 1]
+    if gained:
+        raise ValueError(
+            f"cannot make a reduced value unreduced over {tuple(gained)} ({src.spec!r} -> {s.spec!r}); "
+            f"only a computation produces partial sums"
+        )
     return x.redistribute(s.mesh.device_mesh, s.placements)
 
 
@@ -83,13 +103,13 @@ def distribute(full: torch.Tensor, s: NamedSharding) -> DTensor:
     shape = tuple(full.shape)
     device = local_device(s.mesh.device_type)
     zero_coord = {a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1}
-    simulated = _compat.active_local_mode() is not None
-    ranks = s.mesh.devices if simulated else [runtime.rank()]
+    mode = _compat.active_local_mode()
+    ranks = sorted(mode.ranks) if mode is not None else [runtime.rank()]
     with _compat.local_mode_disabled():
         values = _compat.local_shards(full.detach(), runtime.rank())
         pieces = {}
         for r in ranks:
-            if r not in s.mesh.devices:
+            if mode is None and r not in s.mesh.devices:
                 pieces[r] = full.new_empty((0,) * len(shape), device=device)
                 continue
             source = values[r] if r in values else values[runtime.rank()]
@@ -97,7 +117,7 @@ def distribute(full: torch.Tensor, s: NamedSharding) -> DTensor:
             if any(s.mesh.coordinate(r)[a] for a in zero_coord):
                 piece.zero_()
             pieces[r] = piece
-    local = _compat.make_local(pieces) if simulated else pieces[runtime.rank()]
+    local = _compat.make_local(pieces) if mode is not None else pieces[runtime.rank()]
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(local, s.mesh.device_mesh, s.placements, run_check=False, shape=torch.Size(shape), stride=stride)
 

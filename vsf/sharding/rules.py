@@ -54,29 +54,38 @@ def match(values: Any, rules: Sequence[Rule]) -> Any:
 
 
 def logical_to_mesh(logical_axes: Sequence[str | None], rules: Sequence[tuple[str, str | tuple[str, ...] | None]]) -> PartitionSpec:
-    """Map logical dimension names to a spec, flax's ``logical_to_mesh_axes`` meaning.
+    """Map logical dimension names to a spec, with flax's ``logical_to_mesh_axes`` meaning.
 
-    For each logical name, the first rule for that name whose mesh axes are not already used by
-    an earlier dimension wins; a name with no usable rule (or ``None``) is unsharded.
+    ``rules`` are ``(logical name, mesh axes)`` pairs in order of precedence. Each rule, in
+    order, claims the dimension of that logical name if the dimension is still unassigned and
+    none of the rule's mesh axes is used yet; a rule with mesh axes ``None`` pins its dimension
+    to unsharded. Dimensions no rule claims (and ``None`` names) are unsharded. A logical name
+    used for two dimensions is an error.
 
     Example::
 
         >>> rules = [("batch", ("dp", "fsdp")), ("embed", "tp"), ("mlp", "tp")]
         >>> vsf.sharding.logical_to_mesh(("batch", "seq", "embed"), rules)
         P(('dp', 'fsdp'), None, 'tp')
+        >>> vsf.sharding.logical_to_mesh(("embed", "mlp"), [("mlp", "tp"), ("embed", "tp")])
+        P(None, 'tp')
     """
+    names = tuple(logical_axes)
+    repeated = sorted({n for n in names if n is not None and names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"logical axes {names} name {repeated} for more than one dimension")
+    unassigned = object()
+    assigned: list[Any] = [unassigned if n is not None else None for n in names]
     used: set[str] = set()
-    entries: list[Any] = []
-    for name in logical_axes:
-        choice = None
-        for logical, mesh_axes in rules:
-            if logical != name:
-                continue
-            axes = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-            if used.isdisjoint(axes):
-                choice = axes
-                break
-        choice = choice or ()
-        used.update(choice)
-        entries.append(choice or None)
-    return PartitionSpec(*entries)
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+            raise TypeError(f"logical rule {i} must be a (logical name, mesh axes) pair, got {rule!r}")
+        logical, mesh_axes = rule
+        axes = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+        if logical not in names:
+            continue
+        dim = names.index(logical)
+        if assigned[dim] is unassigned and used.isdisjoint(axes):
+            assigned[dim] = mesh_axes
+            used.update(axes)
+    return PartitionSpec(*(None if a is unassigned else a for a in assigned))

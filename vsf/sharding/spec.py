@@ -77,11 +77,12 @@ class PartitionSpec:
     UNCONSTRAINED = UNCONSTRAINED
     __slots__ = ("_entries", "_unreduced")
 
-    def __init__(self, *entries: Any, unreduced: Iterable[str] = ()) -> None:
+    def __init__(self, *entries: Any, unreduced: str | Iterable[str] = ()) -> None:
         normalized = tuple(_normalize_entry(e, i) for i, e in enumerate(entries))
+        unreduced = (unreduced,) if isinstance(unreduced, str) else tuple(unreduced)
+        if not all(isinstance(a, str) for a in unreduced):
+            raise TypeError(f"unreduced must name mesh axes as strings, got {unreduced!r}")
         reduced_axes = tuple(sorted(set(unreduced)))
-        if not all(isinstance(a, str) for a in reduced_axes):
-            raise TypeError(f"unreduced must name mesh axes as strings, got {tuple(unreduced)!r}")
         seen: dict[str, str] = {}
         for i, e in enumerate(normalized):
             for a in _entry_axes(e):

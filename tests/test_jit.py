@@ -14,7 +14,7 @@ import vsf
 from vsf import P
 from models import GPT, Attention, GPTConfig
 
-STEPS = 3
+STEPS = 2
 LR = 0.1
 
 
@@ -80,7 +80,7 @@ def attention_case():
 
 
 def gpt_case(tied=True):
-    cfg = GPTConfig(tied=tied)
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, tied=tied)
     model = GPT(cfg)
     params = vsf.tree.from_module(model)
     batch = (torch.randint(0, cfg.vocab, (8, cfg.seq)), torch.randint(0, cfg.vocab, (8, cfg.seq)))

@@ -110,12 +110,12 @@ def _fun_name(fun: Callable[..., Any]) -> str:
     return getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
 
 def _user_frame(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)]
+    user = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
     if not user:
         return "<unknown location>"
     f = user[-1]

@@ -90,7 +90,12 @@ def _reshard(x: DTensor, s: NamedSharding) -> DTensor:
             f"cannot make a reduced value unreduced over {tuple(gained)} ({src.spec!r} -> {s.spec!r}); "
             f"only a computation produces partial sums"
         )
-    return x.redistribute(s.mesh.device_mesh, s.placements)
+    if src.is_fully_replicated:
+        return distribute(x.to_local(), s)  # every rank holds the whole value: cutting it is local
+    if _simulated_empty_shards(x, s):
+        return distribute(_assemble(x), s)
+    with _compat.quiet_redistribute():
+        return x.redistribute(s.mesh.device_mesh, s.placements)
 
 
 def local_device(device_type: str) -> torch.device:
@@ -135,9 +140,37 @@ def device_get(x: Any) -> Any:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor) and _simulated_empty_shards(t, sharding_of(t)):
+        return _assemble(t)
     with _compat.quiet_redistribute():
         full = t.full_tensor() if isinstance(t, DTensor) else t
     if isinstance(full, _compat.LocalTensor):
         with _compat.local_mode_disabled():
             return full.reconcile()
+    return full
+
+
+def _simulated_empty_shards(t: DTensor, *targets: NamedSharding) -> bool:
+    """Simulated ranks with an empty shard, which DTensor cannot gather or move under LocalTensorMode."""
+    if not isinstance(t._local_tensor, _compat.LocalTensor):
+        return False
+    layouts = [sharding_of(t), *targets]
+    return any(sl.stop == sl.start for s in layouts for idx in s.devices_indices_map(t.shape).values() for sl in idx)
+
+
+def _assemble(t: DTensor) -> torch.Tensor:
+    """The full value from every simulated rank's shard, placed by vsf's layout.
+
+    Used where DTensor's own gather cannot run under LocalTensorMode: when some shards are empty
+    (its per-rank padding and unpadding fail there; real runs are unaffected).
+    """
+    s = sharding_of(t)
+    sharding_axes = {a for d in range(t.ndim) for a in s.spec.entry_axes(d)} | set(s.spec.unreduced)
+    shards = _compat.local_shards(t._local_tensor, runtime.rank())
+    with _compat.local_mode_disabled():
+        full = torch.zeros(t.shape, dtype=t.dtype, device=next(iter(shards.values())).device)
+        for r, local in shards.items():
+            coord = s.mesh.coordinate(r)
+            if all(coord[a] == 0 for a in s.mesh.axis_names if a not in sharding_axes):
+                full[s.index(t.shape, r)] += local
     return full

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -30,6 +31,8 @@ __all__ = [
     "LocalTensorMode",
     "StridedShard",
     "active_local_mode",
+    "dtensor_like",
+    "dtensor_local",
     "init_fake_process_group",
     "local_mode_disabled",
     "local_shards",
@@ -109,3 +112,15 @@ def local_shards(t: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
+
+
+def dtensor_local(x: DTensor) -> torch.Tensor:
+    """A DTensor's local shard itself: ``to_local()`` without its autograd function and view
+    (which cost milliseconds per call under ``LocalTensorMode``). For non-differentiable math."""
+    return x._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` (same dtype as ``like``) as a DTensor with ``like``'s mesh, placements and global
+    shape: ``DTensor.from_local`` without its autograd function and view."""
+    return DTensor(local, like._spec, requires_grad=local.requires_grad)

@@ -16,7 +16,7 @@ from vsf.sharding import NamedSharding
 
 from test_optim import MASK, TOL, _clip_grad_norm_, _grads, _params, run_torch
 
-STEPS = 8
+STEPS = 20
 
 
 def _comms(cm: CommDebugMode) -> dict[str, int]:

@@ -115,13 +115,15 @@ def mask_leaves(mask: Any, x: Any, what: str = "mask") -> list[bool]:
 
 def local(x: Any) -> Any:
     """The local shard of a DTensor (this rank's, or every simulated rank's); other values as they are."""
-    return x.to_local() if isinstance(x, DTensor) else x
+    return _compat.dtensor_local(x) if isinstance(x, DTensor) else x
 
 
 def wrap(t: torch.Tensor, like: Any) -> torch.Tensor:
     """``t`` (a local shard) as a DTensor laid out like ``like``; ``t`` itself when ``like`` is plain."""
     if not isinstance(like, DTensor):
         return t
+    if t.dtype == like.dtype:
+        return _compat.dtensor_like(t, like)
     return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import vsf
 from vsf import optim
 
 STEPS = 20
@@ -59,7 +58,13 @@ TORCH_CASES = [
     ("adam-wd", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adam(1e-2, weight_decay=0.1), None),
     ("adam-wd-mask", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adam(1e-2, weight_decay=0.1, mask=MASK), MASK),
     ("adamw-no-wd", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.0), lambda: optim.adamw(1e-2, weight_decay=0.0), None),
-    ("adamw", torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), lambda: optim.adamw(1e-2, 0.8, 0.99, 1e-6, 0.1), None),
+    (
+        "adamw",
+        torch.optim.AdamW,
+        dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        lambda: optim.adamw(1e-2, 0.8, 0.99, 1e-6, 0.1),
+        None,
+    ),
     (
         "adamw-mask-fn",
         torch.optim.AdamW,

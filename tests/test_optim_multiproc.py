@@ -8,6 +8,7 @@ import torch
 from multiproc import WORKERS, results, torchrun
 
 NPROC = 2
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")

@@ -143,8 +143,9 @@ def _settle_one(x: torch.Tensor, ref: torch.Tensor, path: tree.KeyPath, what: st
     if not isinstance(ref, DTensor):
         if isinstance(x, DTensor):
             raise ValueError(
-                f"{what} leaf {tree.keystr(path)} is a DTensor but the optimizer state for it is a plain tensor; "
-                f"initialise the state from DTensor params (tx.init or vsf.optim.init_sharded)"
+                f"{what} leaf {tree.keystr(path)} is a DTensor but what it lines up with (its optimizer state or "
+                f"param) is a plain tensor; keep params, gradients and state all DTensors (initialise the state "
+                f"from DTensor params: tx.init or vsf.optim.init_sharded) or all plain"
             )
         return x
     if not isinstance(x, DTensor):
@@ -157,7 +158,9 @@ def _settle_one(x: torch.Tensor, ref: torch.Tensor, path: tree.KeyPath, what: st
         return x.redistribute(ref.device_mesh, ref.placements)
 
 
-def settle_partial(xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None, paths: Sequence[tree.KeyPath], what: str) -> list[torch.Tensor]:
+def settle_partial(
+    xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None, paths: Sequence[tree.KeyPath], what: str
+) -> list[torch.Tensor]:
     """Reduce the leaves that are unreduced partial sums, once: to their param's layout when
     ``params`` are given, else to ``Replicate`` on the partial axes. Other leaves are unchanged."""
     out = []
@@ -311,7 +314,8 @@ def global_norm(xs: Sequence[torch.Tensor]) -> torch.Tensor:
         s = sum(sums[1:], sums[0]) if len(sums) > 1 else sums[0]
         if mesh is not None:
             with _compat.quiet_redistribute():
-                s = DTensor.from_local(s, mesh, [Partial()] * mesh.ndim, run_check=False).redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+                partial = DTensor.from_local(s, mesh, [Partial()] * mesh.ndim, run_check=False)
+                s = local(partial.redistribute(mesh, [Replicate()] * mesh.ndim))
         total = s if total is None else total + s
     if total is None:
         return torch.zeros(())

@@ -108,7 +108,9 @@ def state_shardings(
     return zero_layout(tx, params, param_shardings, zero_axes=zero_axes, stage=stage, uneven=uneven).state
 
 
-def init_sharded(tx: GradientTransformation, params: Params, *, zero_axes: Sequence[str] = (), stage: int = 1, uneven: bool = False) -> State:
+def init_sharded(
+    tx: GradientTransformation, params: Params, *, zero_axes: Sequence[str] = (), stage: int = 1, uneven: bool = False
+) -> State:
     """``tx.init(params)`` with the state laid out by :func:`state_shardings`, built shard by shard.
 
     ``params`` must be DTensors on one mesh. ``tx.init`` runs on the params redistributed to
@@ -169,7 +171,9 @@ def _plan(params: Params, param_shardings: Any, zero_axes: Sequence[str], uneven
         for path, leaf in zip(ref.paths, ref.leaves):
             s = sharding_of(leaf) if isinstance(leaf, torch.Tensor) else None
             if s is None:
-                raise TypeError(f"params leaf {tree.keystr(path)} is not a DTensor: pass param_shardings, or vsf.device_put the params first")
+                raise TypeError(
+                    f"params leaf {tree.keystr(path)} is not a DTensor: pass param_shardings, or vsf.device_put the params first"
+                )
             shardings.append(s)
     else:
         given = tree.broadcast_prefix(param_shardings, params, is_leaf=is_sharding_leaf, what="param_shardings")
@@ -183,7 +187,8 @@ def _plan(params: Params, param_shardings: Any, zero_axes: Sequence[str], uneven
     mesh = shardings[0].mesh
     for path, s in zip(ref.paths, shardings):
         if s.mesh != mesh:
-            raise ValueError(f"params live on more than one mesh: {tree.keystr(ref.paths[0])} on {mesh!r}, {tree.keystr(path)} on {s.mesh!r}")
+            first = tree.keystr(ref.paths[0])
+            raise ValueError(f"params live on more than one mesh: {first} on {mesh!r}, {tree.keystr(path)} on {s.mesh!r}")
     axes = tuple(zero_axes) if not isinstance(zero_axes, str) else (zero_axes,)
     for a in axes:
         if a not in mesh.axis_names:

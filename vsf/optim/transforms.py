@@ -14,14 +14,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from vsf import tree
 from vsf.optim import _leaves
-from vsf.optim.base import EmptyState, GradientTransformation, Params, State, Updates, chain
+from vsf.optim.base import EmptyState, GradientTransformation, Params, Updates, chain
 from vsf.optim.schedules import Schedule
 
 __all__ = [
@@ -69,13 +68,10 @@ def _pick(xs: list[Any], keep: list[bool]) -> list[Any]:
 
 def _plus_decay(us: Tensors, ps: list[Any], keep: list[bool], weight_decay: float) -> Tensors:
     """``us`` with ``weight_decay * ps`` added (out of place) on the kept leaves."""
-    idx = [i for i, k in enumerate(keep) if k]
-    if not idx:
+    if not any(keep):
         return us
-    out = list(us)
-    for i, t in zip(idx, torch._foreach_add(_pick(us, keep), _pick(ps, keep), alpha=weight_decay)):
-        out[i] = t
-    return out
+    decayed = iter(torch._foreach_add(_pick(us, keep), _pick(ps, keep), alpha=weight_decay))
+    return [next(decayed) if k else u for u, k in zip(us, keep)]
 
 
 def _decay_mask(weight_decay: float, mask: Any, params: Params | None, n: int) -> list[bool]:
@@ -265,7 +261,9 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0) -> GradientTransformation:
+def sgd(
+    learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> GradientTransformation:
     """Stochastic gradient descent, numerically ``torch.optim.SGD`` with ``dampening=0``.
 
     ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov), scale_by_learning_rate(lr))``,
@@ -321,7 +319,8 @@ def _adam(
         return ScaleByAdamState(count, _zeros_like(params), _zeros_like(params))
 
     def update(updates: Updates, state: ScaleByAdamState, params: Params | None = None) -> tuple[Updates, ScaleByAdamState]:
-        step = _prepare(updates, state.mu, "the Adam state", params if weight_decay else None, need_params="adam/adamw with weight_decay" if weight_decay else "")
+        needs = "adam/adamw with weight_decay" if weight_decay else ""
+        step = _prepare(updates, state.mu, "the Adam state", params if weight_decay else None, need_params=needs)
         keep = _decay_mask(weight_decay, mask, params, len(step.updates))
         done, n, count = _leaves.bump(state.count)
         lr = 1.0 if learning_rate is None else _value(learning_rate, done)
@@ -340,6 +339,7 @@ def _adam(
             torch._foreach_add_(denom, eps)
             u = torch._foreach_mul(m, _leaves.opmath(step_size, m[0]))
             torch._foreach_div_(u, denom)
+            del denom  # free it before the decay and the caller's apply_updates allocate
             if decoupled:
                 # torch multiplies the param by (1 - lr * wd) rounded to the compute dtype: use
                 # that same factor, minus one (exact), so both decay by the same amount.
@@ -363,7 +363,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
 
 def adam(
-    learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, mask: Any = None
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Any = None,
 ) -> GradientTransformation:
     """Adam, numerically ``torch.optim.Adam(lr, betas=(b1, b2), eps, weight_decay)``.
 
@@ -380,7 +385,12 @@ def adam(
 
 
 def adamw(
-    learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2, mask: Any = None
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask: Any = None,
 ) -> GradientTransformation:
     """AdamW, numerically ``torch.optim.AdamW(lr, betas=(b1, b2), eps, weight_decay)``.
 
@@ -405,7 +415,9 @@ class ScaleByLionState(NamedTuple):
     mu: Updates
 
 
-def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3, mask: Any = None) -> GradientTransformation:
+def lion(
+    learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3, mask: Any = None
+) -> GradientTransformation:
     """Lion (Chen et al. 2023), optax's ``lion``: ``u = -lr * (sign(b1 * m + (1 - b1) * g) + wd * p)``,
     then ``m = b2 * m + (1 - b2) * g``; decay on the leaves ``mask`` selects.
 
@@ -418,7 +430,8 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, wei
         return ScaleByLionState(_leaves.zero_count(tree.leaves(params)), _zeros_like(params))
 
     def update(updates: Updates, state: ScaleByLionState, params: Params | None = None) -> tuple[Updates, ScaleByLionState]:
-        step = _prepare(updates, state.mu, "the Lion state", params if weight_decay else None, need_params="lion with weight_decay" if weight_decay else "")
+        needs = "lion with weight_decay" if weight_decay else ""
+        step = _prepare(updates, state.mu, "the Lion state", params if weight_decay else None, need_params=needs)
         keep = _decay_mask(weight_decay, mask, params, len(step.updates))
         done, _, count = _leaves.bump(state.count)
         lr = _value(learning_rate, done)

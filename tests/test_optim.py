@@ -22,8 +22,11 @@ def _grads(params: dict[str, torch.Tensor], n: int = STEPS) -> list[dict[str, to
     return [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(n)]
 
 
-def run_torch(cls: type, kwargs: dict, params: dict, grads: list[dict], *, mask: dict | None = None) -> dict[str, torch.Tensor]:
-    """Reference: a torch.optim optimizer over the same tensors; a mask is a param group with weight_decay=0."""
+def run_torch(
+    cls: type, kwargs: dict, params: dict, grads: list[dict], *, mask: dict | None = None, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Reference: a torch.optim optimizer over the same tensors; a mask is a param group with
+    weight_decay=0; ``clip`` runs ``clip_grad_norm_`` before each step."""
     tp = {k: v.clone().requires_grad_() for k, v in params.items()}
     groups = [{"params": list(tp.values())}]
     if mask is not None:
@@ -32,6 +35,8 @@ def run_torch(cls: type, kwargs: dict, params: dict, grads: list[dict], *, mask:
     for g in grads:
         for k in tp:
             tp[k].grad = g[k].clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(tp.values()), clip)
         opt.step()
     return {k: v.detach() for k, v in tp.items()}
 

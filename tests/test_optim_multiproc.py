@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from multiproc import WORKERS, results, torchrun
+from test_optim import MASK, TOL, run_torch
 
 NPROC = 2
 pytestmark = pytest.mark.multiprocess
@@ -22,20 +23,10 @@ def test_zero2_under_torchrun_matches_torch(ranks):
     torch.manual_seed(0)  # the worker's seed and draw order
     params = {"w": torch.randn(8, 6), "b": torch.randn(5), "e": torch.randn(4, 4)}
     grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(5)]
-    mask = {"w": True, "b": False, "e": True}
-    tp = {k: v.clone().requires_grad_() for k, v in params.items()}
-    opt = torch.optim.AdamW(
-        [{"params": [tp[k] for k in tp if mask[k]]}, {"params": [tp[k] for k in tp if not mask[k]], "weight_decay": 0.0}],
-        lr=1e-2, weight_decay=0.1, foreach=True,
-    )
-    for g in grads:
-        for k in tp:
-            tp[k].grad = g[k].clone()
-        torch.nn.utils.clip_grad_norm_(list(tp.values()), 1.0)
-        opt.step()
+    want = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params, grads, mask=MASK, clip=1.0)
     for r in ranks:
         for k in params:
-            torch.testing.assert_close(torch.tensor(r["params"][k]), tp[k].detach(), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(r["params"][k]), want[k], **TOL)
 
 
 def test_each_rank_holds_only_its_state_shard(ranks):

@@ -21,8 +21,11 @@ def memory_report(x: Any) -> dict[int, int]:
 
     Example::
 
-        >>> vsf.debug.memory_report({"params": params, "opt": opt_state})
-        {0: 1605636, 1: 1605636, 2: 1605636, 3: 1605636}
+        >>> with vsf.simulate(4):
+        ...     mesh = vsf.make_mesh((4,), ("dp",))
+        ...     w = vsf.device_put(torch.zeros(8, 6), vsf.NamedSharding(mesh, P("dp")))
+        ...     vsf.debug.memory_report({"w": w, "step": vsf.device_put(torch.tensor(0), vsf.NamedSharding(mesh, P()))})
+        {0: 56, 1: 56, 2: 56, 3: 56}
     """
     report: dict[int, int] = {}
     for leaf in tree.leaves(x):

@@ -234,3 +234,22 @@ def test_grads_that_are_dtensors_need_dtensor_state(sim):
     grads = vsf.device_put(params, NamedSharding(mesh, P("dp")))
     with pytest.raises(ValueError, match="updates leaf w is a DTensor but what it lines up with .* is a plain tensor"):
         tx.update(grads, state)
+
+
+def test_multi_steps_with_zero_state_matches_hand_accumulation(sim):
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    params = _params()
+    grads = _grads(params, 6)
+    tx = optim.multi_steps(optim.adam(1e-2), every_k=3)
+    placed = vsf.device_put(params, NamedSharding(mesh, P()))
+    state = optim.init_sharded(tx, placed, zero_axes=("dp",))
+    for g in grads:
+        updates, state = tx.update(vsf.device_put(g, NamedSharding(mesh, P(unreduced=("dp",)))), state, placed)
+        placed = optim.apply_updates(placed, updates)
+    assert vsf.typeof(state.acc_grads["w"]) == "f32[16@dp,8]" and vsf.typeof(state.mini_step) == "i32[]"
+    means = [{n: sum(grads[i + j][n] for j in range(3)) / 3 for n in params} for i in (0, 3)]
+    want = run_torch(torch.optim.Adam, dict(lr=1e-2), params, means)
+    full = vsf.device_get(placed)
+    for k in params:
+        torch.testing.assert_close(full[k], want[k], rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -61,6 +62,8 @@ __all__ = [
     "register_stack_anchor",
     "sharding_propagator",
     "single_dim_strategies",
+    "dtensor_like",
+    "dtensor_local",
     "init_fake_process_group",
     "local_mode_disabled",
     "local_shards",
@@ -194,3 +197,13 @@ def dispatcher_special_ops() -> frozenset[Any]:
     """Ops DTensor's dispatcher runs its own way (random ops, custom handlers): lower them through DTensor."""
     d = DTensor._op_dispatcher
     return frozenset(d._random_ops) | frozenset(d._custom_op_handlers)
+def dtensor_local(x: DTensor) -> torch.Tensor:
+    """A DTensor's local shard itself: ``to_local()`` without its autograd function and view
+    (which cost milliseconds per call under ``LocalTensorMode``). For non-differentiable math."""
+    return x._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` (same dtype as ``like``) as a DTensor with ``like``'s mesh, placements and global
+    shape: ``DTensor.from_local`` without its autograd function and view."""
+    return DTensor(local, like._spec, requires_grad=local.requires_grad)

@@ -1,0 +1,94 @@
+"""``vsf.optim.adamw`` update vs ``torch.optim.AdamW(foreach=True)`` on the same tensors, one process.
+
+The pytree is a GPT-2-small-like parameter set of mixed shapes (~110M fp32 parameters; about
+0.5M with ``--quick``). One vsf step is ``tx.update`` + ``apply_updates`` (functional: new
+params and state each step); one torch step is ``optimizer.step()`` (in place). Both run in
+the same process, interleaved, after a warm-up; the time is the median over repetitions.
+A ratio above 1 means vsf is slower. Run::
+
+    python -m benchmarks.bench_optim [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import vsf
+
+
+def param_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
+    """Embedding, per-block attention / MLP weights and biases, norms: a GPT-2-small layout."""
+    d, layers, vocab = (128, 2, 1000) if quick else (768, 12, 32000)
+    shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d), "pos": (1024, d), "ln_f.w": (d,), "ln_f.b": (d,)}
+    for i in range(layers):
+        block = {
+            "ln1.w": (d,), "ln1.b": (d,), "qkv.w": (3 * d, d), "qkv.b": (3 * d,), "proj.w": (d, d), "proj.b": (d,),
+            "ln2.w": (d,), "ln2.b": (d,), "fc1.w": (4 * d, d), "fc1.b": (4 * d,), "fc2.w": (d, 4 * d), "fc2.b": (d,),
+        }
+        shapes.update({f"blocks.{i}.{k}": v for k, v in block.items()})
+    return shapes
+
+
+def _timed(step: Callable[[], None], reps: list[float]) -> None:
+    start = time.perf_counter()
+    step()
+    reps.append(time.perf_counter() - start)
+
+
+def bench_adamw(quick: bool, *, repeats: int) -> dict:
+    """One row: median seconds per AdamW step, vsf vs torch, same tensors and hyperparameters."""
+    torch.manual_seed(0)
+    params = {k: torch.randn(s) for k, s in param_shapes(quick).items()}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+    torch_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    for k, p in torch_params.items():
+        p.grad = grads[k]
+    opt = torch.optim.AdamW(list(torch_params.values()), foreach=True, **hyper)
+
+    tx = vsf.optim.adamw(hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
+    carry = {"params": params, "state": tx.init(params)}
+
+    def vsf_step() -> None:
+        updates, carry["state"] = tx.update(grads, carry["state"], carry["params"])
+        carry["params"] = vsf.optim.apply_updates(carry["params"], updates)
+
+    vsf_times: list[float] = []
+    ref_times: list[float] = []
+    for _ in range(2):  # warm-up: allocator, lazy state
+        vsf_step()
+        opt.step()
+    for _ in range(repeats):
+        _timed(vsf_step, vsf_times)
+        _timed(opt.step, ref_times)
+    numel = sum(v.numel() for v in params.values())
+    vsf_s, ref_s = statistics.median(vsf_times), statistics.median(ref_times)
+    return {
+        "name": f"adamw update, {numel / 1e6:.1f}M fp32 params, {len(params)} leaves (cpu)",
+        "vsf_s": vsf_s,
+        "ref_s": ref_s,
+        "ratio": vsf_s / ref_s,
+    }
+
+
+def run(quick: bool) -> list[dict]:
+    """Rows ``{name, vsf_s, ref_s, ratio}`` (``ref``: ``torch.optim.AdamW(foreach=True)``)."""
+    return [bench_adamw(quick, repeats=5 if quick else 7)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model (seconds instead of a minute)")
+    args = parser.parse_args()
+    for row in run(args.quick):
+        print(f"{row['name']}: vsf {row['vsf_s'] * 1e3:.1f} ms, torch {row['ref_s'] * 1e3:.1f} ms, ratio {row['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""vsf.optim on simulated ranks: ZeRO stages 1-3 and DP x TP against torch.optim on one device,
+one reduction per gradient, the global norm over shards, and per-rank memory against ZeRO's formulas."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import vsf
+from vsf import P, optim
+from vsf.sharding import NamedSharding
+
+from test_optim import MASK, TOL, _clip_grad_norm_, _grads, _params, run_torch
+
+STEPS = 20
+
+
+def _comms(cm: CommDebugMode) -> dict[str, int]:
+    return {str(op).split(".")[-1]: n for op, n in cm.get_comm_counts().items()}
+
+
+class Layout(NamedTuple):
+    mesh: tuple[tuple[int, ...], tuple[str, ...]]
+    params: dict  # spec per param (before ZeRO)
+    grads: str  # how gradients arrive: "partial" over dp, "replicated", or "zero" (already in stage-2 layout)
+
+
+LAYOUTS = {
+    "dp4": Layout(((4,), ("dp",)), {"w": P(), "b": P(), "e": P()}, "partial"),
+    "dp2xtp2": Layout(((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "partial"),
+    "dp2xtp2-replicated-grads": Layout(((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "replicated"),
+}
+
+
+def _place_grads(g: dict, mesh: vsf.Mesh, layout: Layout, zero: optim.ZeroLayout, stage: int) -> dict:
+    if layout.grads == "zero" or stage == 2:
+        return vsf.device_put(g, zero.grads)
+    unreduced = ("dp",) if layout.grads == "partial" else ()
+    return vsf.device_put(g, {k: NamedSharding(mesh, P(*layout.params[k], unreduced=unreduced)) for k in g})
+
+
+def run_sharded(tx, params, grads, layout: Layout, stage: int, *, zero_axes=("dp",)) -> tuple[dict, object, optim.ZeroLayout]:
+    mesh = vsf.make_mesh(*layout.mesh)
+    placed = vsf.device_put(params, {k: NamedSharding(mesh, s) for k, s in layout.params.items()})
+    zero = optim.zero_layout(tx, placed, zero_axes=zero_axes, stage=stage)
+    placed = vsf.device_put(placed, zero.params)
+    state = optim.init_sharded(tx, placed, zero_axes=zero_axes, stage=stage)
+    for g in grads:
+        updates, state = tx.update(_place_grads(g, mesh, layout, zero, stage), state, placed)
+        placed = optim.apply_updates(placed, updates)
+    return placed, state, zero
+
+
+def _placements_match(tree_, shardings) -> bool:
+    leaves = vsf.tree.leaves(tree_)
+    return all(isinstance(x, DTensor) and tuple(x.placements) == s.placements for x, s in zip(leaves, vsf.tree.leaves(shardings)))
+
+
+OPTIMIZERS = {
+    "sgd-nesterov-wd": (
+        torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2), lambda: optim.sgd(0.1, 0.9, True, 1e-2), None
+    ),
+    "adam-wd": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adam(1e-2, weight_decay=0.1), None),
+    "adamw-mask": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adamw(1e-2, weight_decay=0.1, mask=MASK), MASK),
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_optimizers_zero2_match_torch(sim, opt):
+    sim(4)
+    cls, kwargs, make, mask = OPTIMIZERS[opt]
+    params, tx = _params(), make()
+    grads = _grads(params, STEPS)
+    got, state, zero = run_sharded(tx, params, grads, LAYOUTS["dp4"], stage=2)
+    assert _placements_match(state, zero.state)
+    want = run_torch(cls, kwargs, params, grads, mask=mask)
+    full = vsf.device_get(got)
+    for k in params:
+        torch.testing.assert_close(full[k], want[k], **TOL)
+
+
+@pytest.mark.parametrize("layout,stage", [("dp4", 1), ("dp4", 3), ("dp2xtp2", 1), ("dp2xtp2", 3), ("dp2xtp2-replicated-grads", 2)])
+def test_clip_adamw_zero_stages_match_torch(sim, layout, stage):
+    sim(4)
+    params = _params()
+    grads = _grads(params, STEPS)
+    tx = optim.chain(optim.clip_by_global_norm(5.0), optim.adamw(1e-2, weight_decay=0.1, mask=MASK))
+    got, state, zero = run_sharded(tx, params, grads, LAYOUTS[layout], stage)
+    assert _placements_match(state, zero.state)
+    assert _placements_match(got, zero.params)
+    want = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params, grads, mask=MASK, clip=5.0)
+    full = vsf.device_get(got)
+    for k in params:
+        torch.testing.assert_close(full[k], want[k], **TOL)
+
+
+def test_uneven_zero_shards_match_torch(sim):
+    sim(4)
+    params = {"w": torch.randn(6, 3), "b": torch.randn(5)}  # no dim divides by 4
+    grads = _grads(params, STEPS)
+    tx = optim.adamw(1e-2, weight_decay=0.1)
+    layout = Layout(((4,), ("dp",)), {"w": P(), "b": P()}, "partial")
+    with pytest.raises(ValueError, match=r"cannot shard b \(shape \(5,\), P\(\)\) over zero_axes \('dp',\).*uneven=True"):
+        run_sharded(tx, params, grads, layout, stage=1)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    placed = vsf.device_put(params, NamedSharding(mesh, P()))
+    state = optim.init_sharded(tx, placed, zero_axes=("dp",), uneven=True)
+    assert [s.data.shape[0] for s in vsf.debug.shards(state.mu["b"])] == [2, 2, 1, 0]
+    for g in grads:
+        updates, state = tx.update(vsf.device_put(g, NamedSharding(mesh, P(unreduced=("dp",)))), state, placed)
+        placed = optim.apply_updates(placed, updates)
+    want = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), params, grads)
+    full = vsf.device_get(placed)
+    for k in params:
+        torch.testing.assert_close(full[k], want[k], **TOL)
+
+
+def test_each_gradient_is_reduced_once_and_each_update_gathered_once(sim):
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    specs = {"w": P(None, "tp"), "b": P(), "e": P("tp")}
+    params = vsf.device_put(_params(), {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    state = optim.init_sharded(tx, params, zero_axes=("dp",))
+    grads = vsf.device_put(
+        {k: torch.randn_like(v) for k, v in _params().items()},
+        {k: NamedSharding(mesh, P(*s, unreduced=("dp",))) for k, s in specs.items()},
+    )
+    with CommDebugMode() as cm:
+        updates, state = tx.update(grads, state, params)
+    # one reduce-scatter per leaf (Partial over dp -> state sharded over dp); the global norm:
+    # one all-reduce per mesh axis; nothing per use.
+    assert _comms(cm) == {"reduce_scatter_tensor": 3, "all_reduce": 2}
+    with CommDebugMode() as cm:
+        optim.apply_updates(params, updates)
+    assert _comms(cm) == {"all_gather_into_tensor": 3}
+
+
+def test_clip_by_global_norm_on_sharded_grads_equals_unsharded(sim):
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    full = {"a": torch.randn(8, 6), "b": torch.randn(5), "c": torch.randn(4, 4), "d": torch.randn(3)}
+    specs = {"a": P("dp", "tp"), "b": P("tp"), "c": P(None, "dp", unreduced=("tp",)), "d": P()}  # b uneven, c partial
+    grads = vsf.device_put(full, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    want = {k: v.clone() for k, v in full.items()}
+    _clip_grad_norm_(list(want.values()), 1.0)
+    with CommDebugMode() as cm:
+        got, _ = optim.clip_by_global_norm(1.0).update(grads, optim.EmptyState())
+    assert _comms(cm) == {"all_reduce": 3}  # c's partial sum over tp, then one per mesh axis for the norm
+    gathered = vsf.device_get(got)
+    for k in full:
+        torch.testing.assert_close(gathered[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_per_rank_matches_zero_formulas(sim, stage):
+    sim(4)
+    n = 4
+    mesh = vsf.make_mesh((n,), ("dp",))
+    params = vsf.device_put({"w": torch.randn(64, 32), "b": torch.randn(32), "e": torch.randn(16, 8)}, NamedSharding(mesh, P()))
+    count_p = sum(v.numel() for v in params.values())
+    tx = optim.adamw(1e-3)
+    zero_axes = ("dp",) if stage else ()
+    layout = optim.zero_layout(tx, params, zero_axes=zero_axes, stage=max(stage, 1))
+    params = vsf.device_put(params, layout.params)
+    grads = vsf.device_put({k: torch.ones_like(vsf.device_get(v)) for k, v in params.items()}, layout.grads)
+    state = optim.init_sharded(tx, params, zero_axes=zero_axes, stage=max(stage, 1))
+    report = vsf.debug.memory_report({"params": params, "grads": grads, "state": state})
+    # fp32: params 4P + grads 4P + Adam's mu, nu 8P (16P), divided by N for what each stage
+    # shards, plus the replicated int32 step count (4 bytes).
+    expected = {0: 16 * count_p, 1: 8 * count_p + 8 * count_p // n, 2: 4 * count_p + 12 * count_p // n, 3: 16 * count_p // n}[stage] + 4
+    assert report == {r: expected for r in range(n)}
+
+
+def test_state_shardings_rule(sim):
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    meta = {k: torch.empty(s, device="meta") for k, s in {"a": (6, 8), "b": (8, 6), "c": (12, 4), "s": ()}.items()}
+    specs = {"a": P(), "b": P(None, "tp"), "c": P("dp"), "s": P()}
+    inner = optim.masked(optim.adam(), {"a": True, "b": True, "c": True, "s": False})
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.multi_steps(inner, 2))
+    shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    plain = optim.state_shardings(tx, meta, {k: shard(s) for k, s in specs.items()})
+    assert plain[1].acc_grads == {k: shard(s) for k, s in specs.items()}
+    assert plain[1].inner_state.inner_state.mu["b"] == shard(P(None, "tp")) and plain[1].inner_state.inner_state.mu["s"] is None
+    assert plain[1].mini_step == shard(P()) and plain[1].inner_state.inner_state.count == shard(P())
+    with pytest.raises(ValueError, match=r"cannot shard s \(shape \(\), P\(\)\).*unsharded dims: none"):
+        optim.zero_layout(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("dp",), uneven=True)
+    del meta["s"], specs["s"]
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.multi_steps(optim.masked(optim.adam(), {"a": True, "b": True, "c": True}), 2))
+    zero = optim.state_shardings(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("dp", "fsdp"))
+    # first dim the param does not shard whose size divides by dp*fsdp = 4; axes it uses already are skipped
+    want = {"a": shard(P(None, ("dp", "fsdp"))), "b": shard(P(("dp", "fsdp"), "tp")), "c": shard(P("dp", "fsdp"))}
+    assert zero[1].inner_state.inner_state.mu == want == zero[1].acc_grads
+    layout = optim.zero_layout(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("fsdp",), stage=2)
+    assert layout.params["c"] == shard(P("dp")) and layout.grads["c"] == shard(P("dp", "fsdp")) == layout.state[1].acc_grads["c"]
+
+
+def test_zero_errors(sim):
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    tx = optim.adamw(1e-3)
+    params = vsf.device_put({"w": torch.randn(4, 4)}, NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"zero_axes names 'fsdp', which is not an axis of the mesh \{'dp': 2, 'tp': 2\}"):
+        optim.init_sharded(tx, params, zero_axes=("fsdp",))
+    with pytest.raises(TypeError, match=r"init_sharded needs DTensor params .* v is a \w*Tensor"):
+        optim.init_sharded(tx, {"w": params["w"], "v": torch.ones(4)}, zero_axes=("dp",))
+    other = vsf.make_mesh((4,), ("dp",))
+    with pytest.raises(ValueError, match="params live on more than one mesh: w on .* x on"):
+        optim.init_sharded(tx, {"w": params["w"], "x": vsf.device_put(torch.ones(4), NamedSharding(other, P()))})
+    with pytest.raises(ValueError, match=r"stage 3 shards the params over \('dp',\) too, but w is laid out as P\(\)"):
+        optim.init_sharded(tx, params, zero_axes=("dp",), stage=3)
+    with pytest.raises(ValueError, match="ZeRO stage must be 1, 2 or 3, got 4"):
+        optim.state_shardings(tx, params, zero_axes=("dp",), stage=4)
+
+    odd = optim.GradientTransformation(lambda p: {"table": torch.zeros(3, 3)}, lambda u, s, p=None: (u, s))
+    with pytest.raises(ValueError, match=r"state leaf table \(shape \(3, 3\)\) is neither a scalar nor shaped like a param"):
+        optim.state_shardings(odd, params)
+    full_init = optim.GradientTransformation(lambda p: {k: torch.zeros(v.shape) for k, v in p.items()}, lambda u, s, p=None: (u, s))
+    with pytest.raises(ValueError, match=r"init made state leaf w as a plain tensor, expected P\('dp'\)"):
+        optim.init_sharded(full_init, params, zero_axes=("dp",))
+
+
+def test_grads_that_are_dtensors_need_dtensor_state(sim):
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    params = {"w": torch.randn(4, 4)}
+    tx = optim.adam()
+    state = tx.init(params)
+    grads = vsf.device_put(params, NamedSharding(mesh, P("dp")))
+    with pytest.raises(ValueError, match="updates leaf w is a DTensor but what it lines up with .* is a plain tensor"):
+        tx.update(grads, state)
+
+
+def test_multi_steps_with_zero_state_matches_hand_accumulation(sim):
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    params = _params()
+    grads = _grads(params, 6)
+    tx = optim.multi_steps(optim.adam(1e-2), every_k=3)
+    placed = vsf.device_put(params, NamedSharding(mesh, P()))
+    state = optim.init_sharded(tx, placed, zero_axes=("dp",))
+    for g in grads:
+        updates, state = tx.update(vsf.device_put(g, NamedSharding(mesh, P(unreduced=("dp",)))), state, placed)
+        placed = optim.apply_updates(placed, updates)
+    assert vsf.typeof(state.acc_grads["w"]) == "f32[16@dp,8]" and vsf.typeof(state.mini_step) == "i32[]"
+    means = [{n: sum(grads[i + j][n] for j in range(3)) / 3 for n in params} for i in (0, 3)]
+    want = run_torch(torch.optim.Adam, dict(lr=1e-2), params, means)
+    full = vsf.device_get(placed)
+    for k in params:
+        torch.testing.assert_close(full[k], want[k], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,75 @@
+"""Optimizers as pure functions over pytrees (optax's shape, torch.optim's numbers), with state
+laid out on the mesh (ZeRO stages 1-3).
+
+Example::
+
+    >>> tx = vsf.optim.chain(vsf.optim.clip_by_global_norm(1.0), vsf.optim.adamw(3e-4))
+    >>> state = vsf.optim.init_sharded(tx, params, zero_axes=("dp",))
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = vsf.optim.apply_updates(params, updates)
+"""
+
+from vsf.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    MaskedState,
+    MultiStepsState,
+    apply_updates,
+    chain,
+    masked,
+    multi_steps,
+)
+from vsf.optim.schedules import Schedule, constant, cosine_decay, linear, warmup_cosine_decay
+from vsf.optim.sharded import ZeroLayout, init_sharded, state_shardings, zero_layout
+from vsf.optim.transforms import (
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByScheduleState,
+    TraceState,
+    adam,
+    adamw,
+    add_decayed_weights,
+    clip_by_global_norm,
+    lion,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    sgd,
+    trace,
+)
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "MaskedState",
+    "MultiStepsState",
+    "Schedule",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "ZeroLayout",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "cosine_decay",
+    "init_sharded",
+    "lion",
+    "linear",
+    "masked",
+    "multi_steps",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "sgd",
+    "state_shardings",
+    "trace",
+    "warmup_cosine_decay",
+    "zero_layout",
+]

@@ -13,7 +13,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import debug, sharding, tree
+from vsf import debug, ops, sharding, tree
 from vsf.runtime import simulate
 from vsf.sharding import (
     Mesh,
@@ -38,6 +38,7 @@ __all__ = [
     "device_get",
     "device_put",
     "make_mesh",
+    "ops",
     "sharding",
     "simulate",
     "tree",

@@ -1,14 +1,10 @@
 """vsf.ops collectives on simulated ranks: values and gradients against hand-written oracles.
 
-The oracle of each collective is its definition on the list of every member's tensor, written
-here in plain torch; gradients come from torch.autograd over that list. The objective is the sum
-over ranks of ``(w_r * y_r).sum()`` with random per-rank weights ``w_r`` (the convention
-vsf.ops documents).
+The cases and their oracles (plain-torch definitions on every member's tensor, gradients by
+torch.autograd) live in ``workers/ops_oracles.py``, shared with the gloo worker.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -18,8 +14,20 @@ from hypothesis import strategies as st
 import vsf
 from vsf import _compat
 from vsf.ops import backend
+from workers.ops_oracles import (
+    Case,
+    all_gather_v_case,
+    all_to_all_v_case,
+    collective_cases,
+    expected,
+    expected_grads,
+    groups,
+    inputs_and_weights,
+    reduce_scatter_v_case,
+)
 
-MESH = ((2, 3), ("a", "b"))
+SIZES = {"a": 2, "b": 3}
+CASES = {c.name: c for c in collective_cases(SIZES["b"])}
 
 
 def as_local(values: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -32,103 +40,32 @@ def per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
         return {r: v.clone() for r, v in _compat.local_shards(t, 0).items()}
 
 
-def groups(mesh: vsf.Mesh, axes: tuple[str, ...]) -> list[list[int]]:
-    """Ranks that communicate over ``axes`` (major to minor), each group in collective order."""
-    others = [a for a in mesh.axis_names if a not in axes]
-    key = lambda r: tuple(mesh.coordinate(r)[a] for a in others)  # noqa: E731
-    order = lambda r: tuple(mesh.coordinate(r)[a] for a in axes)  # noqa: E731
-    out: dict[tuple[int, ...], list[int]] = {}
-    for r in mesh.devices:
-        out.setdefault(key(r), []).append(r)
-    return [sorted(g, key=order) for g in out.values()]
-
-
-def check(mesh, axes, inputs, run, oracle, atol=1e-5):
-    """``run(local)`` under simulation equals ``oracle(list of group inputs)`` in value and gradient."""
+def check(case: Case, mesh: vsf.Mesh) -> None:
+    """``case.run`` under simulation equals the oracle on every rank, in value and gradient."""
     with _compat.local_mode_disabled():   # the oracle runs on plain tensors
-        xs = {r: v.clone().requires_grad_() for r, v in inputs.items()}
-        want = {}
-        for g in groups(mesh, axes):
-            for r, y in zip(g, oracle([xs[r] for r in g])):
-                want[r] = y
-        weights = {r: torch.randn(y.shape) for r, y in want.items()}
-        objective = sum((weights[r] * want[r]).sum() for r in want) + sum(0 * x.sum() for x in xs.values())
-        want_grads = dict(zip(xs, torch.autograd.grad(objective, list(xs.values()))))
-
-    x = as_local(inputs).requires_grad_()
-    y = run(x)
+        xs, ws = inputs_and_weights(case, mesh, seed=0)
+        want, want_grads = expected(case, mesh, xs), expected_grads(case, mesh, xs, ws)
+    x = as_local(xs).requires_grad_()
+    y = case.run(x)
     got = per_rank(y)
-    for r in want:
-        torch.testing.assert_close(got[r], want[r].detach(), atol=atol, rtol=1e-5, msg=f"value on rank {r}")
-    (as_local(weights) * y).sum().backward()
+    (as_local(ws) * y).sum().backward()
     grads = per_rank(x.grad)
-    for r in want:
-        torch.testing.assert_close(grads[r], want_grads[r], atol=atol, rtol=1e-5, msg=f"gradient on rank {r}")
+    for r in mesh.devices:
+        torch.testing.assert_close(got[r], want[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: value on rank {r}")
+        torch.testing.assert_close(grads[r], want_grads[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: gradient on rank {r}")
 
 
 @pytest.fixture
 def mesh(sim):
     sim(6)
-    m = vsf.make_mesh(*MESH)
+    m = vsf.make_mesh(tuple(SIZES.values()), tuple(SIZES))
     with vsf.use_mesh(m):
         yield m
 
 
-def rand(mesh, *shape):
-    with _compat.local_mode_disabled():
-        return {r: torch.randn(*shape) for r in mesh.devices}
-
-
-@pytest.mark.parametrize("axes", [("b",), ("a", "b"), ("b", "a")])
-def test_psum(mesh, axes):
-    check(mesh, axes, rand(mesh, 3, 2), lambda x: vsf.ops.psum(x, axes), lambda xs: [sum(xs)] * len(xs))
-
-
-@pytest.mark.parametrize("axes,dim,tiled", [(("b",), 1, True), (("b",), 0, False), (("b", "a"), 0, True), (("a", "b"), 1, True)])
-def test_all_gather(mesh, axes, dim, tiled):
-    join = (lambda xs: torch.cat(xs, dim)) if tiled else (lambda xs: torch.stack(xs, dim))
-    check(mesh, axes, rand(mesh, 2, 3), lambda x: vsf.ops.all_gather(x, axes, dim, tiled), lambda xs: [join(xs)] * len(xs))
-
-
-@pytest.mark.parametrize("axes,dim", [(("b",), 0), (("b",), 1), (("a", "b"), 0), (("b", "a"), 1)])
-def test_psum_scatter(mesh, axes, dim):
-    n = len(groups(mesh, axes)[0])
-    check(mesh, axes, rand(mesh, 6, 12), lambda x: vsf.ops.psum_scatter(x, axes, dim),
-          lambda xs: list(torch.chunk(sum(xs), n, dim)))
-
-
-def test_psum_scatter_untiled(mesh):
-    check(mesh, ("b",), rand(mesh, 3, 2), lambda x: vsf.ops.psum_scatter(x, "b", 0, tiled=False),
-          lambda xs: list(sum(xs).unbind(0)))
-
-
-@pytest.mark.parametrize("split,concat", [(0, 1), (1, 0), (1, 1), (2, 0)])
-def test_all_to_all(mesh, split, concat):
-    def oracle(xs):
-        pieces = [torch.chunk(x, len(xs), split) for x in xs]
-        return [torch.cat([pieces[i][j] for i in range(len(xs))], concat) for j in range(len(xs))]
-
-    check(mesh, ("b",), rand(mesh, 3, 6, 3), lambda x: vsf.ops.all_to_all(x, "b", split, concat), oracle)
-
-
-@pytest.mark.parametrize("perm", [[(0, 1), (1, 2), (2, 0)], [(0, 2), (2, 1)], []])
-def test_ppermute(mesh, perm):
-    def oracle(xs):
-        got = {d: xs[s] for s, d in perm}
-        return [got[j] if j in got else torch.zeros_like(xs[j]) for j in range(len(xs))]
-
-    check(mesh, ("b",), rand(mesh, 2, 2), lambda x: vsf.ops.ppermute(x, "b", perm), oracle)
-
-
-def ragged_inputs(mesh, axis, sizes, trailing, dim):
-    """Member ``i`` of each ``axis`` group holds ``sizes[i]`` slices along ``dim``."""
-    out = {}
-    for r in mesh.devices:
-        shape = list(trailing)
-        shape.insert(dim, sizes[mesh.coordinate(r)[axis]])
-        with _compat.local_mode_disabled():
-            out[r] = torch.randn(shape)
-    return out
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c.ragged])
+def test_collective(mesh, name):
+    check(CASES[name], mesh)
 
 
 @pytest.fixture(params=["exact", "padded"])
@@ -138,33 +75,23 @@ def route(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("sizes,dim", [((1, 0, 3), 0), ((0, 0, 2), 1), ((2, 2, 2), 0)])
-def test_all_gather_v(mesh, route, sizes, dim):
-    check(mesh, ("b",), ragged_inputs(mesh, "b", sizes, (2,), dim),
-          lambda x: vsf.ops.all_gather_v(x, "b", sizes, dim), lambda xs: [torch.cat(xs, dim)] * len(xs))
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.ragged])
+def test_ragged_collective(mesh, route, name):
+    check(CASES[name], mesh)
 
 
-@pytest.mark.parametrize("sizes,dim", [((1, 0, 3), 0), ((0, 0, 2), 1), ((2, 2, 2), 1)])
-def test_reduce_scatter_v(mesh, route, sizes, dim):
-    shape = [2, 2]
-    shape[dim] = sum(sizes)
-    check(mesh, ("b",), rand(mesh, *shape), lambda x: vsf.ops.reduce_scatter_v(x, "b", sizes, dim),
-          lambda xs: list(torch.split(sum(xs), list(sizes), dim)))
+sizes3 = st.lists(st.integers(0, 3), min_size=3, max_size=3)
 
 
-@settings(max_examples=15, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 3), min_size=3, max_size=3), min_size=3, max_size=3))
-def test_all_to_all_v(counts):
-    with vsf.simulate(3):
-        m = vsf.make_mesh((3,), ("ep",))
-        with _compat.local_mode_disabled():
-            inputs = {r: torch.randn(sum(counts[r]), 2) for r in m.devices}
-
-        def oracle(xs):
-            pieces = [torch.split(x, counts[i]) for i, x in enumerate(xs)]
-            return [torch.cat([pieces[i][j] for i in range(3)]) for j in range(3)]
-
-        check(m, ("ep",), inputs, lambda x: vsf.ops.all_to_all_v(x, "ep", counts, mesh=m), oracle)
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.lists(sizes3, min_size=3, max_size=3), sizes3, st.integers(0, 1), st.sampled_from(["exact", "padded"]))
+def test_random_ragged_sizes(counts, sizes, dim, route):
+    with vsf.simulate(6):
+        m = vsf.make_mesh(tuple(SIZES.values()), tuple(SIZES))
+        with vsf.use_mesh(m), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(backend.AxisGroup, "pads_ragged", property(lambda g: route == "padded"))
+            for case in (all_to_all_v_case(counts), all_gather_v_case(sizes, dim), reduce_scatter_v_case(sizes, dim)):
+                check(case, m)
 
 
 def test_size_one_axes_are_identities(sim):
@@ -210,7 +137,8 @@ def test_needs_a_mesh(sim):
 
 def test_every_transpose_is_an_adjoint(mesh):
     """<op(x), w> == <x, op^T(w)> summed over ranks, for each op's backward (second-order check)."""
-    x = as_local(rand(mesh, 6, 3))
+    with _compat.local_mode_disabled():
+        x = as_local({r: torch.randn(6, 3) for r in mesh.devices})
     for op in (lambda t: vsf.ops.all_to_all(t, "b", 0, 1), lambda t: vsf.ops.psum_scatter(t, ("a", "b"))):
         x_ = x.detach().requires_grad_()
         y = op(x_)
@@ -226,7 +154,7 @@ def test_every_transpose_is_an_adjoint(mesh):
 
 
 def test_groups_helper_matches_mesh_layout(mesh):
-    # the oracle's notion of a group (same coordinates off the axis) for a 2x3 mesh
+    # the oracle's notion of a group (same coordinates off the axes, ordered major to minor)
     assert groups(mesh, ("b",)) == [[0, 1, 2], [3, 4, 5]]
     assert groups(mesh, ("b", "a")) == [[0, 3, 1, 4, 2, 5]]
-    assert list(itertools.chain(*groups(mesh, ("a",)))) == [0, 3, 1, 4, 2, 5]
+    assert groups(mesh, ("a",)) == [[0, 3], [1, 4], [2, 5]]

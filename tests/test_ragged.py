@@ -1,12 +1,11 @@
 """RaggedShard: the value object, its layout, and redistributions on simulated ranks.
 
 Oracles: hand-computed layouts, ``torch.chunk`` for ``Shard``, and the full tensor itself
-(every redistribution must hand each rank exactly its slice of it).
+(every redistribution must hand each rank exactly its slice of it, ``workers/ops_oracles.py``).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import pickle
 
@@ -19,6 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import vsf
 from vsf import P, _compat
 from vsf.sharding.ragged import RaggedShard, devices_indices_map, ragged, reshard
+from workers.ops_oracles import expected_piece, ragged_case
 
 # -- the value object -------------------------------------------------------------------------------
 
@@ -101,19 +101,6 @@ def as_local(values: dict[int, torch.Tensor]) -> torch.Tensor:
         return _compat.make_local(values)
 
 
-def expected_piece(full: torch.Tensor, layout, index: int, n: int) -> torch.Tensor:
-    """Rank ``index``'s piece, computed from the definitions (not from vsf's layout code)."""
-    if isinstance(layout, RaggedShard):
-        rows = full.reshape(-1, *full.shape[layout.dims :])
-        per_unit = rows.shape[0] // sum(layout.units)
-        bounds = [0, *itertools.accumulate(u * per_unit for u in layout.units)]
-        return rows[bounds[index] : bounds[index + 1]]
-    if isinstance(layout, Shard):
-        pieces = torch.chunk(full, n, layout.dim)
-        return pieces[index] if index < len(pieces) else full.narrow(layout.dim, 0, 0)
-    return full
-
-
 def assert_layout(t: torch.Tensor, fulls: dict[int, torch.Tensor], layout, mesh: vsf.Mesh, axis: str, step: str, exact: bool = True) -> None:
     got = shards(t)
     with _compat.local_mode_disabled():
@@ -124,22 +111,6 @@ def assert_layout(t: torch.Tensor, fulls: dict[int, torch.Tensor], layout, mesh:
                 assert torch.equal(got[rank], want), f"{step}: rank {rank} holds other values than its piece"
             else:
                 torch.testing.assert_close(got[rank], want, msg=f"{step}: rank {rank}")
-
-
-def units_for(n: int):
-    return st.lists(st.integers(0, 3), min_size=n, max_size=n).filter(any)
-
-
-@st.composite
-def ragged_case(draw, n: int, axis: str):
-    """A shape, two ragged layouts of it over ``axis`` (any dims, block, units with zeros) and a Shard dim."""
-    ndim = draw(st.integers(1, 4))
-    r1, r2 = (ragged(axis, draw(units_for(n)), dims=draw(st.integers(1, ndim)), block=draw(st.sampled_from([1, 2])))
-              for _ in range(2))
-    # dim 0 alone is divisible by both layouts' block * sum(units), so any flattening splits evenly
-    rows = math.lcm(r1.block * sum(r1.units), r2.block * sum(r2.units)) * draw(st.integers(1, 2))
-    shape = (rows, *(draw(st.integers(1, 3)) for _ in range(ndim - 1)))
-    return shape, r1, r2, draw(st.integers(0, ndim - 1))
 
 
 MESHES = {"1d": ((4,), ("fsdp",)), "2d": ((2, 3), ("dp", "fsdp")), "5d": ((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))}
@@ -155,9 +126,9 @@ def test_round_trips_are_exact(name):
         other = next((a for a in names if a != "fsdp" and mesh.axis_size(a) > 1), None)
 
         @settings(max_examples=30, deadline=None, derandomize=True)
-        @given(ragged_case(n, "fsdp"), st.booleans())
-        def run(case, shard_other):
-            shape, r1, r2, d = case
+        @given(st.data(), st.booleans())
+        def run(data, shard_other):
+            shape, r1, r2, d = ragged_case(lambda lo, hi: data.draw(st.integers(lo, hi)), n, "fsdp")
             # with another axis sharding the tensor too, each fsdp group holds its own value
             scale = {r: 1 + (mesh.coordinate(r)[other] if other and shard_other else 0) for r in mesh.devices}
             with _compat.local_mode_disabled():

@@ -15,44 +15,18 @@ import vsf
 from vsf import _compat
 from vsf.ops import backend
 from workers.ops_oracles import (
-    Case,
     all_gather_v_case,
     all_to_all_v_case,
+    as_local,
+    check_simulated,
     collective_cases,
-    expected,
-    expected_grads,
     groups,
-    inputs_and_weights,
+    per_rank,
     reduce_scatter_v_case,
 )
 
 SIZES = {"a": 2, "b": 3}
 CASES = {c.name: c for c in collective_cases(SIZES["b"])}
-
-
-def as_local(values: dict[int, torch.Tensor]) -> torch.Tensor:
-    with _compat.local_mode_disabled():
-        return _compat.make_local({r: v.clone() for r, v in values.items()})
-
-
-def per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
-    with _compat.local_mode_disabled():
-        return {r: v.clone() for r, v in _compat.local_shards(t, 0).items()}
-
-
-def check(case: Case, mesh: vsf.Mesh) -> None:
-    """``case.run`` under simulation equals the oracle on every rank, in value and gradient."""
-    with _compat.local_mode_disabled():   # the oracle runs on plain tensors
-        xs, ws = inputs_and_weights(case, mesh, seed=0)
-        want, want_grads = expected(case, mesh, xs), expected_grads(case, mesh, xs, ws)
-    x = as_local(xs).requires_grad_()
-    y = case.run(x)
-    got = per_rank(y)
-    (as_local(ws) * y).sum().backward()
-    grads = per_rank(x.grad)
-    for r in mesh.devices:
-        torch.testing.assert_close(got[r], want[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: value on rank {r}")
-        torch.testing.assert_close(grads[r], want_grads[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: gradient on rank {r}")
 
 
 @pytest.fixture
@@ -65,7 +39,7 @@ def mesh(sim):
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c.ragged])
 def test_collective(mesh, name):
-    check(CASES[name], mesh)
+    check_simulated(CASES[name], mesh)
 
 
 @pytest.fixture(params=["exact", "padded"])
@@ -77,7 +51,7 @@ def route(request, monkeypatch):
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.ragged])
 def test_ragged_collective(mesh, route, name):
-    check(CASES[name], mesh)
+    check_simulated(CASES[name], mesh)
 
 
 sizes3 = st.lists(st.integers(0, 3), min_size=3, max_size=3)
@@ -91,7 +65,7 @@ def test_random_ragged_sizes(counts, sizes, dim, route):
         with vsf.use_mesh(m), pytest.MonkeyPatch.context() as patch:
             patch.setattr(backend.AxisGroup, "pads_ragged", property(lambda g: route == "padded"))
             for case in (all_to_all_v_case(counts), all_gather_v_case(sizes, dim), reduce_scatter_v_case(sizes, dim)):
-                check(case, m)
+                check_simulated(case, m)
 
 
 def test_size_one_axes_are_identities(sim):

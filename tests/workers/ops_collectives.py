@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import vsf
-from ops_oracles import all_close, collective_cases, expected, expected_grads, inputs_and_weights, payload_bytes
+from ops_oracles import check_on_rank, collective_cases, payload_bytes
 
 ROW = 64  # float32 elements per row in the byte measurements
 
@@ -44,18 +44,8 @@ class SplitRecorder:
 
 def check_cases(rank: int, device: str) -> dict[str, dict[str, bool]]:
     mesh = vsf.make_mesh((2, 2), ("a", "b"), device_type=device)
-    out = {}
     with vsf.use_mesh(mesh):
-        for case in collective_cases(mesh.axis_size("b")):
-            xs, ws = inputs_and_weights(case, mesh, seed=0)
-            x = xs[rank].to(device).requires_grad_()
-            y = case.run(x)
-            (ws[rank].to(device) * y).sum().backward()
-            out[case.name] = {
-                "value": all_close(y.detach().cpu(), expected(case, mesh, xs)[rank]),
-                "grad": all_close(x.grad.cpu(), expected_grads(case, mesh, xs, ws)[rank]),
-            }
-    return out
+        return {case.name: check_on_rank(case, mesh, rank, device) for case in collective_cases(mesh.axis_size("b"))}
 
 
 def measure_bytes(rank: int) -> list[dict]:

@@ -14,17 +14,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import vsf
-from vsf.sharding.ragged import RaggedShard, ragged
+from vsf import _compat
+from vsf.sharding.ragged import RaggedShard, ragged, reshard
 
 Tensors = list[torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Case:
-    """A collective over ``axes`` (major to minor) of a mesh with axes "a" and "b"."""
+    """A collective over mesh ``axes`` (major to minor)."""
 
     name: str
     axes: tuple[str, ...]
@@ -141,16 +142,68 @@ def expected_grads(case: Case, mesh: vsf.Mesh, xs: dict[int, torch.Tensor], ws: 
     return dict(zip(leaves, torch.autograd.grad(objective, list(leaves.values()))))
 
 
+def check_on_rank(case: Case, mesh: vsf.Mesh, rank: int, device: str = "cpu") -> dict[str, bool]:
+    """Run ``case`` on this process's rank (real processes); does its value and gradient match?"""
+    xs, ws = inputs_and_weights(case, mesh, seed=0)
+    x = xs[rank].to(device).requires_grad_()
+    y = case.run(x)
+    (ws[rank].to(device) * y).sum().backward()
+    return {
+        "value": all_close(y.detach().cpu(), expected(case, mesh, xs)[rank]),
+        "grad": all_close(x.grad.cpu(), expected_grads(case, mesh, xs, ws)[rank]),
+    }
+
+
+def as_local(values: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A simulated tensor holding ``values[r]`` on rank ``r``."""
+    with _compat.local_mode_disabled():
+        return _compat.make_local({r: v.clone() for r, v in values.items()})
+
+
+def per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every simulated rank's value of ``t``."""
+    with _compat.local_mode_disabled():
+        return {r: v.clone() for r, v in _compat.local_shards(t, 0).items()}
+
+
+def check_simulated(case: Case, mesh: vsf.Mesh) -> None:
+    """``case.run`` under simulation equals the oracle on every rank, in value and gradient."""
+    with _compat.local_mode_disabled():   # the oracle runs on plain tensors
+        xs, ws = inputs_and_weights(case, mesh, seed=0)
+        want, want_grads = expected(case, mesh, xs), expected_grads(case, mesh, xs, ws)
+    x = as_local(xs).requires_grad_()
+    y = case.run(x)
+    got = per_rank(y)
+    (as_local(ws) * y).sum().backward()
+    grads = per_rank(x.grad)
+    for r in mesh.devices:
+        torch.testing.assert_close(got[r], want[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: value on rank {r}")
+        torch.testing.assert_close(grads[r], want_grads[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: gradient on rank {r}")
+
+
 # -- RaggedShard ------------------------------------------------------------------------------------------
+
+
+def _ragged_rows(full: torch.Tensor, layout: RaggedShard, index: int) -> tuple[torch.Tensor, slice]:
+    rows = full.reshape(-1, *full.shape[layout.dims :])
+    per_unit = rows.shape[0] // sum(layout.units)
+    bounds = [0, *itertools.accumulate(u * per_unit for u in layout.units)]
+    return rows, slice(bounds[index], bounds[index + 1])
+
+
+def zero_filled(full: torch.Tensor, layout: RaggedShard, index: int) -> torch.Tensor:
+    """``full`` with every row but rank ``index``'s zeroed."""
+    rows, mine = _ragged_rows(full, layout, index)
+    out = torch.zeros_like(rows)
+    out[mine] = rows[mine]
+    return out.reshape(full.shape)
 
 
 def expected_piece(full: torch.Tensor, layout, index: int, n: int) -> torch.Tensor:
     """Rank ``index``'s piece, computed from the definitions (not from vsf's layout code)."""
     if isinstance(layout, RaggedShard):
-        rows = full.reshape(-1, *full.shape[layout.dims :])
-        per_unit = rows.shape[0] // sum(layout.units)
-        bounds = [0, *itertools.accumulate(u * per_unit for u in layout.units)]
-        return rows[bounds[index] : bounds[index + 1]]
+        rows, mine = _ragged_rows(full, layout, index)
+        return rows[mine]
     if isinstance(layout, Shard):
         pieces = torch.chunk(full, n, layout.dim)
         return pieces[index] if index < len(pieces) else full.narrow(layout.dim, 0, 0)
@@ -176,6 +229,30 @@ def ragged_case(draw_int: Callable[[int, int], int], n: int, axis: str) -> tuple
 
 def seeded(seed: int) -> Callable[[int, int], int]:
     return random.Random(seed).randint
+
+
+def reshard_case(shape: tuple[int, ...], src, dst, axis: str, n: int) -> Case:
+    """``reshard`` from ``src`` to ``dst`` over ``axis`` (of size ``n``). The oracle rebuilds the
+    value each rank's output is a piece of: a rank's own copy (Replicate), the sum of the ranks'
+    values (Partial), or the ranks' pieces put together (Shard, RaggedShard)."""
+
+    def oracle(xs: Tensors) -> Tensors:
+        if isinstance(src, Replicate):
+            fulls = xs
+        elif isinstance(src, Partial):
+            fulls = [sum(xs)] * n
+        elif isinstance(src, Shard):
+            fulls = [torch.cat(xs, src.dim)] * n
+        else:
+            fulls = [torch.cat(xs).reshape(shape)] * n
+        if isinstance(dst, Partial):   # vsf's choice: each rank keeps its own rows, zeros elsewhere
+            return [zero_filled(fulls[j], src, j) for j in range(n)]
+        return [expected_piece(fulls[j], dst, j, n) for j in range(n)]
+
+    def local_shape(i: int) -> tuple[int, ...]:
+        return tuple(expected_piece(torch.empty(shape), src, i, n).shape)
+
+    return Case(f"reshard {src} -> {dst} {shape}", (axis,), local_shape, lambda x: reshard(x, shape, src, dst), oracle)
 
 
 def all_close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 Run as ``torchrun --nproc-per-node 4 ops_ragged.py OUT_DIR``. For many random shapes and
 layouts (the same on every rank, from a fixed seed) it runs Replicate -> Ragged(u1) -> Shard(d)
 -> Ragged(u2) -> Replicate and Partial -> Ragged -> Partial -> Ragged over "fsdp" on a 1D and a
-2D mesh, and checks every rank's piece against ops_oracles.expected_piece.
+2D mesh, and checks every rank's piece against ops_oracles.expected_piece; for the first
+cases it also checks each step's gradient (the transposed redistribution) against autograd.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import vsf
-from ops_oracles import all_close, expected_piece, ragged_case, seeded
+from ops_oracles import all_close, check_on_rank, expected_piece, ragged_case, reshard_case, seeded
 from vsf.sharding.ragged import reshard
 
 CASES = 40
+GRADIENT_CASES = 8
 
 
 def run_mesh(mesh: vsf.Mesh, rank: int, seed: int) -> tuple[int, list[str]]:
@@ -45,6 +47,11 @@ def run_mesh(mesh: vsf.Mesh, rank: int, seed: int) -> tuple[int, list[str]]:
             for got, layout, step in ((y, r1, "Partial -> Ragged"), (z, r2, "Ragged -> Partial -> Ragged")):
                 if not all_close(got, expected_piece(summed, layout, me, n)):
                     failures.append(f"case {case} {shape}: {step} {layout}")
+            if case < GRADIENT_CASES:
+                steps = [(Replicate(), r1), (r1, Shard(d)), (Shard(d), r2), (r2, Replicate()), (Partial(), r1), (r1, Partial())]
+                for src, dst in steps:
+                    ok = check_on_rank(reshard_case(shape, src, dst, "fsdp", n), mesh, rank)
+                    failures += [f"case {case} {shape}: {what} of {src} -> {dst}" for what, good in ok.items() if not good]
     return CASES, failures
 
 

@@ -8,10 +8,12 @@ Example::
 """
 
 from vsf.ops.collectives import (
+    Linear,
     all_gather,
     all_gather_v,
     all_to_all,
     all_to_all_v,
+    apply_linear,
     ppermute,
     psum,
     psum_scatter,
@@ -19,10 +21,12 @@ from vsf.ops.collectives import (
 )
 
 __all__ = [
+    "Linear",
     "all_gather",
     "all_gather_v",
     "all_to_all",
     "all_to_all_v",
+    "apply_linear",
     "ppermute",
     "psum",
     "psum_scatter",

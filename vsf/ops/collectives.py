@@ -48,10 +48,12 @@ from vsf.ops.backend import AxisGroup, Counts
 from vsf.sharding.mesh import Mesh, current_mesh
 
 __all__ = [
+    "Linear",
     "all_gather",
     "all_gather_v",
     "all_to_all",
     "all_to_all_v",
+    "apply_linear",
     "ppermute",
     "psum",
     "psum_scatter",
@@ -61,12 +63,26 @@ __all__ = [
 AxisName = str | Sequence[str]
 
 
-# -- the one autograd Function: run an op, transpose it for the backward ------------------------
+# -- the one autograd Function: run a linear op, transpose it for the backward ----------------------
+
+
+class Linear:
+    """A linear map of a rank's local tensor (a collective, or a redistribution built from them)
+    and its transpose, the map its backward runs under the sum-over-ranks convention.
+
+    Subclass it and run it with :func:`apply_linear` to make it differentiable.
+    """
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def transpose(self) -> "Linear":
+        raise NotImplementedError
 
 
 class _Collective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, op: "_Op") -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, op: Linear) -> torch.Tensor:
         ctx.op = op
         return op(x)
 
@@ -75,57 +91,53 @@ class _Collective(torch.autograd.Function):
         return _Collective.apply(grad, ctx.op.transpose()), None
 
 
-class _Op:
-    """A collective over one axis group: called on a local tensor, and its transpose."""
+def apply_linear(x: torch.Tensor, op: Linear) -> torch.Tensor:
+    """``op(x)``, differentiable (to any order): the backward applies ``op.transpose()``.
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    Example::
 
-    def transpose(self) -> "_Op":
-        raise NotImplementedError
-
-
-def _run(x: torch.Tensor, op: _Op) -> torch.Tensor:
+        >>> y = apply_linear(x, my_redistribution)   # my_redistribution: a vsf.ops.Linear
+    """
     return _Collective.apply(x, op)
 
 
 @dataclass(frozen=True)
-class _Psum(_Op):
+class _Psum(Linear):
     g: AxisGroup
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_reduce(x, self.g)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return self
 
 
 @dataclass(frozen=True)
-class _AllGather(_Op):
+class _AllGather(Linear):
     g: AxisGroup
     dim: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_gather(x, self.g, self.dim)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _PsumScatter(self.g, self.dim)
 
 
 @dataclass(frozen=True)
-class _PsumScatter(_Op):
+class _PsumScatter(Linear):
     g: AxisGroup
     dim: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.reduce_scatter(x, self.g, self.dim)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _AllGather(self.g, self.dim)
 
 
 @dataclass(frozen=True)
-class _AllToAll(_Op):
+class _AllToAll(Linear):
     g: AxisGroup
     split_dim: int
     concat_dim: int
@@ -141,12 +153,12 @@ class _AllToAll(_Op):
         blocks = recv.reshape(n, recv.shape[0] // n, *recv.shape[1:]).movedim(1, 1 + self.split_dim)
         return blocks.movedim(0, self.concat_dim).flatten(self.concat_dim, self.concat_dim + 1)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _AllToAll(self.g, self.concat_dim, self.split_dim)
 
 
 @dataclass(frozen=True)
-class _Permute(_Op):
+class _Permute(Linear):
     g: AxisGroup
     pairs: tuple[tuple[int, int], ...]
 
@@ -159,12 +171,12 @@ class _Permute(_Op):
         recv = backend.exchange(send, self.g, counts)
         return backend.per_rank(recv, self.g, lambda t, me: t if me in sources else t.new_zeros(numel)).reshape(shape)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _Permute(self.g, tuple((d, s) for s, d in self.pairs))
 
 
 @dataclass(frozen=True)
-class _AllGatherV(_Op):
+class _AllGatherV(Linear):
     g: AxisGroup
     sizes: tuple[int, ...]
     dim: int
@@ -182,12 +194,12 @@ class _AllGatherV(_Op):
             out = backend.exchange(send, self.g, tuple((s,) * n for s in sizes))
         return out.movedim(0, self.dim)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _ReduceScatterV(self.g, self.sizes, self.dim)
 
 
 @dataclass(frozen=True)
-class _ReduceScatterV(_Op):
+class _ReduceScatterV(Linear):
     g: AxisGroup
     sizes: tuple[int, ...]
     dim: int
@@ -205,12 +217,12 @@ class _ReduceScatterV(_Op):
             out = backend.per_rank(recv, self.g, lambda t, me: t.reshape(n, sizes[me], *t.shape[1:]).sum(0))
         return out.movedim(0, self.dim)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _AllGatherV(self.g, self.sizes, self.dim)
 
 
 @dataclass(frozen=True)
-class _AllToAllV(_Op):
+class _AllToAllV(Linear):
     g: AxisGroup
     counts: Counts
     dim: int
@@ -218,7 +230,7 @@ class _AllToAllV(_Op):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.exchange(x.movedim(self.dim, 0), self.g, self.counts).movedim(0, self.dim)
 
-    def transpose(self) -> _Op:
+    def transpose(self) -> Linear:
         return _AllToAllV(self.g, tuple(zip(*self.counts)), self.dim)
 
 
@@ -293,7 +305,7 @@ def psum(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch.
         >>> total = vsf.ops.psum(local_grad, "dp")
     """
     for g in _groups(axis, mesh, "psum"):
-        x = _run(x, _Psum(g))
+        x = apply_linear(x, _Psum(g))
     return x
 
 
@@ -310,7 +322,7 @@ def all_gather(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True
     if not tiled:
         x = x.unsqueeze(dim)
     for g in reversed(groups):
-        x = _run(x, _AllGather(g, dim))
+        x = apply_linear(x, _AllGather(g, dim))
     return x
 
 
@@ -325,7 +337,7 @@ def psum_scatter(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = Tr
     """
     groups = _groups(axis, mesh, "psum_scatter")
     for g in groups:
-        x = _run(x, _PsumScatter(g, dim))
+        x = apply_linear(x, _PsumScatter(g, dim))
     return x if tiled else x.squeeze(dim)
 
 
@@ -339,7 +351,7 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *, m
         torch.Size([2, 12])
     """
     g = _one_group(axis, mesh, "all_to_all")
-    return x if g is None else _run(x, _AllToAll(g, split_dim % x.ndim, concat_dim % x.ndim))
+    return x if g is None else apply_linear(x, _AllToAll(g, split_dim % x.ndim, concat_dim % x.ndim))
 
 
 def ppermute(x: torch.Tensor, axis: str, perm: Sequence[tuple[int, int]], *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -358,7 +370,7 @@ def ppermute(x: torch.Tensor, axis: str, perm: Sequence[tuple[int, int]], *, mes
     g = _one_group(axis, mesh, "ppermute")
     if g is None:
         return x if pairs else torch.zeros_like(x)
-    return _run(x, _Permute(g, pairs))
+    return apply_linear(x, _Permute(g, pairs))
 
 
 def all_gather_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -374,7 +386,7 @@ def all_gather_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0,
     """
     g = _one_group(axis, mesh, "all_gather_v")
     sizes = _sizes(sizes, _axis_size(axis, mesh, "all_gather_v"), axis, "all_gather_v")
-    return _identity_rows(x, dim, sizes[0], axis, "all_gather_v") if g is None else _run(x, _AllGatherV(g, sizes, dim % x.ndim))
+    return _identity_rows(x, dim, sizes[0], axis, "all_gather_v") if g is None else apply_linear(x, _AllGatherV(g, sizes, dim % x.ndim))
 
 
 def reduce_scatter_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -387,7 +399,7 @@ def reduce_scatter_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int 
     """
     g = _one_group(axis, mesh, "reduce_scatter_v")
     sizes = _sizes(sizes, _axis_size(axis, mesh, "reduce_scatter_v"), axis, "reduce_scatter_v")
-    return _identity_rows(x, dim, sizes[0], axis, "reduce_scatter_v") if g is None else _run(x, _ReduceScatterV(g, sizes, dim % x.ndim))
+    return _identity_rows(x, dim, sizes[0], axis, "reduce_scatter_v") if g is None else apply_linear(x, _ReduceScatterV(g, sizes, dim % x.ndim))
 
 
 def all_to_all_v(x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -407,7 +419,7 @@ def all_to_all_v(x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]]
     if len(counts) != n:
         raise ValueError(f"all_to_all_v over {axis!r} (size {n}) needs an {n}x{n} send_sizes matrix, got {len(counts)} rows")
     g = _one_group(axis, mesh, "all_to_all_v")
-    return _identity_rows(x, dim, counts[0][0], axis, "all_to_all_v") if g is None else _run(x, _AllToAllV(g, counts, dim % x.ndim))
+    return _identity_rows(x, dim, counts[0][0], axis, "all_to_all_v") if g is None else apply_linear(x, _AllToAllV(g, counts, dim % x.ndim))
 
 
 def _identity_rows(x: torch.Tensor, dim: int, rows: int, axis: str, op: str) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -237,6 +238,9 @@ def reshard(local: torch.Tensor, shape: Sequence[int], src: Layout, dst: Layout,
     * Ragged <-> Shard(d), Ragged -> Ragged: one :func:`vsf.ops.all_to_all_v` that sends each
       rank exactly the rows it lacks.
 
+    It is differentiable: the backward runs the transposed redistribution (``dst -> src`` with
+    Replicate and Partial swapped), the convention of :mod:`vsf.ops`.
+
     Example::
 
         >>> mine = reshard(full, (8, 3), Replicate(), ragged("fsdp", (1, 2, 1, 0)))
@@ -251,19 +255,41 @@ def reshard(local: torch.Tensor, shape: Sequence[int], src: Layout, dst: Layout,
         _check_layout(layout, shape, mesh)
     if src == dst:
         return local
-    n = mesh.axis_size(axis)
-    if n == 1:
+    if mesh.axis_size(axis) == 1:
         return local.reshape(local_shape(dst, shape, 0, 1))
-    g = backend.axis_group(mesh, axis)
-    if isinstance(dst, RaggedShard) and isinstance(src, Replicate):
-        return backend.per_rank(local, g, lambda t, me: _rows(t, dst.dims)[slice(*dst.row_range(shape, me))].clone())
-    if isinstance(src, RaggedShard) and isinstance(dst, Replicate):
-        return ops.all_gather_v(local, axis, src.row_counts(shape), mesh=mesh).reshape(shape)
-    if isinstance(dst, RaggedShard) and isinstance(src, Partial):
-        return ops.reduce_scatter_v(_rows(local, dst.dims), axis, dst.row_counts(shape), mesh=mesh)
-    if isinstance(src, RaggedShard) and isinstance(dst, Partial):
-        return backend.per_rank(local, g, lambda t, me: _zero_filled(t, shape, src, me))
-    return _exchange_rows(local, shape, src, dst, g)
+    return ops.apply_linear(local, _Reshard(backend.axis_group(mesh, axis), shape, src, dst))
+
+
+@dataclass(frozen=True)
+class _Reshard(ops.Linear):
+    """``src -> dst`` over one axis group; its transpose swaps them, Replicate <-> Partial."""
+
+    g: backend.AxisGroup
+    shape: tuple[int, ...]
+    src: Layout
+    dst: Layout
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        g, shape, src, dst = self.g, self.shape, self.src, self.dst
+        if isinstance(dst, RaggedShard) and isinstance(src, Replicate):
+            return backend.per_rank(local, g, lambda t, me: _rows(t, dst.dims)[slice(*dst.row_range(shape, me))].clone())
+        if isinstance(src, RaggedShard) and isinstance(dst, Replicate):
+            return ops.all_gather_v(local, g.axis, src.row_counts(shape), mesh=g.mesh).reshape(shape)
+        if isinstance(dst, RaggedShard) and isinstance(src, Partial):
+            return ops.reduce_scatter_v(_rows(local, dst.dims), g.axis, dst.row_counts(shape), mesh=g.mesh)
+        if isinstance(src, RaggedShard) and isinstance(dst, Partial):
+            return backend.per_rank(local, g, lambda t, me: _zero_filled(t, shape, src, me))
+        return _exchange_rows(local, shape, src, dst, g)
+
+    def transpose(self) -> ops.Linear:
+        return _Reshard(self.g, self.shape, _adjoint(self.dst), _adjoint(self.src))
+
+
+def _adjoint(layout: Layout) -> Layout:
+    """The layout of a cotangent: a replicated value's is a partial sum, and the other way round."""
+    if isinstance(layout, Replicate):
+        return Partial()
+    return Replicate() if isinstance(layout, Partial) else layout
 
 
 def _ragged_axis(src: Layout, dst: Layout) -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from vsf import _compat, ops
 from vsf.ops import backend
@@ -41,7 +41,7 @@ from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.named import Index, NamedSharding, chunk
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["Layout", "RaggedShard", "devices_indices_map", "local_shape", "ragged", "reshard"]
+__all__ = ["Layout", "RaggedPlacement", "RaggedShard", "devices_indices_map", "local_shape", "ragged", "reshard", "to_dtensor"]
 
 
 class RaggedShard:
@@ -376,3 +376,49 @@ def _exchange_plan(shape: tuple[int, ...], src: Layout, dst: Layout, n: int):
     place = [[torch.searchsorted(dst_ids[j], src_ids[i][send[i][j]]) for i in range(n)] for j in range(n)]
     counts = tuple(tuple(len(send[i][j]) for j in range(n)) for i in range(n))
     return counts, send, place, [len(ids) for ids in dst_ids]
+
+
+# -- carrying a ragged value as a DTensor --------------------------------------------------------------
+
+
+class RaggedPlacement(Placement):
+    """The DTensor placement of a :class:`RaggedShard` on its mesh dim.
+
+    DTensor keeps it (``placements``, ``to_local()`` with per-rank sizes, the global ``shape``)
+    but has no strategy for it: its ops and ``full_tensor`` / ``redistribute`` raise instead of
+    computing with ``torch.chunk`` sizes. vsf moves ragged values itself (:func:`reshard`).
+    """
+
+    def __init__(self, ragged: RaggedShard) -> None:
+        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
+        self._ragged = ragged
+
+    @property
+    def ragged(self) -> RaggedShard:
+        return self._ragged
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RaggedPlacement) and other._ragged == self._ragged
+
+    def __hash__(self) -> int:
+        return hash(("RaggedPlacement", self._ragged))
+
+    def __repr__(self) -> str:
+        return f"RaggedPlacement({self._ragged!r})"
+
+
+def to_dtensor(local: torch.Tensor, mesh: Mesh, shape: Sequence[int], r: RaggedShard) -> DTensor:
+    """Wrap a rank's ragged piece (``r.local_shape(shape, index)``) as a DTensor of global ``shape``,
+    replicated over the mesh's other axes.
+
+    Example::
+
+        >>> dt = to_dtensor(reshard(full, full.shape, Replicate(), r), mesh, full.shape, r)
+        >>> dt.placements
+        (RaggedPlacement(RaggedShard('fsdp', units=(1, 2, 1, 0), dims=1, block=1)),)
+    """
+    shape = tuple(int(s) for s in shape)
+    r.check(shape, mesh)
+    placements = [RaggedPlacement(r) if a == r.axis else Replicate() for a in mesh.device_axes]
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)

@@ -132,3 +132,8 @@ def test_groups_helper_matches_mesh_layout(mesh):
     assert groups(mesh, ("b",)) == [[0, 1, 2], [3, 4, 5]]
     assert groups(mesh, ("b", "a")) == [[0, 3, 1, 4, 2, 5]]
     assert groups(mesh, ("a",)) == [[0, 3], [1, 4], [2, 5]]
+
+
+def test_simulation_needs_the_whole_mesh(mesh):
+    with pytest.raises(ValueError, match="needs a mesh over all 6 ranks"):
+        vsf.ops.psum(as_local({r: torch.ones(2) for r in mesh.devices}), "b", mesh=mesh["b"])

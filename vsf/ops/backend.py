@@ -78,6 +78,11 @@ def axis_group(mesh: Mesh, axis: str) -> AxisGroup:
         raise ValueError(f"mesh axis {axis!r} has size 1 and no communicator; collectives over it are identities")
     group = mesh.device_mesh.get_group(axis)
     if _compat.active_local_mode() is not None:
+        if mesh.size != runtime.world_size():
+            raise ValueError(
+                f"under simulation a collective needs a mesh over all {runtime.world_size()} ranks (every rank's "
+                f"value lives in this process), got {mesh!r}; pass the whole mesh and name the axis"
+            )
         kind = "simulated"
     else:
         kind = "nccl" if "nccl" in str(dist.get_backend(group)) and mesh.device_type == "cuda" else "gloo"

@@ -366,7 +366,9 @@ def _lead(layout: Layout) -> int:
     return layout.dim + 1 if isinstance(layout, Shard) else 0
 
 
-def _exchange_plan(shape: tuple[int, ...], src: Layout, dst: Layout, n: int):
+def _exchange_plan(
+    shape: tuple[int, ...], src: Layout, dst: Layout, n: int
+) -> tuple[tuple[tuple[int, ...], ...], list[list[torch.Tensor]], list[list[torch.Tensor]], list[int]]:
     """Row counts, send positions ``send[i][j]``, receive positions ``place[j][i]`` and row counts per rank."""
     lead = max(_lead(src), _lead(dst))
     src_ids = [_row_ids(src, shape, lead, i, n) for i in range(n)]

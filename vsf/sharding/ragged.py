@@ -35,7 +35,7 @@ from typing import Any, Union
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from vsf import _compat, ops
+from vsf import ops
 from vsf.ops import backend
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.named import Index, NamedSharding, chunk
@@ -313,7 +313,7 @@ def _check_layout(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> None:
 
 
 def _rows(t: torch.Tensor, dims: int) -> torch.Tensor:
-    return t.reshape(-1, *t.shape[dims:])
+    return t.reshape(math.prod(t.shape[:dims]), *t.shape[dims:])
 
 
 def _zero_filled(t: torch.Tensor, shape: tuple[int, ...], r: RaggedShard, me: int) -> torch.Tensor:
@@ -323,61 +323,122 @@ def _zero_filled(t: torch.Tensor, shape: tuple[int, ...], r: RaggedShard, me: in
     return full.reshape(shape)
 
 
-def _row_ids(layout: Layout, shape: tuple[int, ...], lead: int, index: int, n: int) -> torch.Tensor:
-    """Global ids of the rows (of the leading ``lead`` dims) rank ``index`` holds, in local order."""
-    if isinstance(layout, RaggedShard):
-        start, stop = layout.row_range(shape, index)
-        per_row = math.prod(shape[layout.dims : lead])
-        return torch.arange(start * per_row, stop * per_row)
-    ids = torch.arange(math.prod(shape[:lead])).reshape(shape[:lead])
-    if isinstance(layout, Shard):
-        lo, hi = chunk(0, shape[layout.dim], n, index)
-        ids = ids.narrow(layout.dim, lo, hi - lo)
-    return ids.reshape(-1).contiguous()
-
-
 def _exchange_rows(local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst: Layout, g: backend.AxisGroup) -> torch.Tensor:
-    """One all-to-all that sends every rank exactly the rows ``dst`` gives it and it lacks.
+    """One all-to-all that sends every rank exactly the elements ``dst`` gives it and it lacks.
 
-    Rows are those of the leading dims that both layouts keep whole, so each layout's local
-    tensor is a list of rows in ascending global order.
+    A ``Shard`` of a dim the ragged layout keeps whole is a split of columns
+    (:func:`_exchange_columns`); otherwise both layouts hold runs of whole rows of the leading
+    dims (:func:`_exchange_runs`).
     """
-    n = g.size
-    with _compat.local_mode_disabled():
-        counts, send, place, dst_rows = _exchange_plan(shape, src, dst, n)
-    trailing = shape[max(_lead(src), _lead(dst)):]
+    ragged_layout = src if isinstance(src, RaggedShard) else dst
+    shard = next((p for p in (src, dst) if isinstance(p, Shard)), None)
+    if shard is not None and shard.dim >= ragged_layout.dims:
+        return _exchange_columns(local, shape, ragged_layout, shard.dim, src is ragged_layout, g)
+    return _exchange_runs(local, shape, src, dst, g)
 
-    def pack(t: torch.Tensor, me: int) -> torch.Tensor:
-        return t.reshape(-1, *trailing)[torch.cat(send[me])]
 
-    def unpack(t: torch.Tensor, me: int) -> torch.Tensor:
-        out = t.new_empty((dst_rows[me], *trailing))
-        out[torch.cat(place[me])] = t
-        return out.reshape(local_shape(dst, shape, me, n))
+def _exchange_columns(
+    local: torch.Tensor, shape: tuple[int, ...], r: RaggedShard, d: int, to_shard: bool, g: backend.AxisGroup
+) -> torch.Tensor:
+    """Ragged rows <-> ``Shard(d)`` with ``d >= r.dims``: rank ``i`` sends rank ``j`` the block
+    (ragged rows of one side) x (columns of ``d`` of the other)."""
+    n, col = g.size, 1 + d - r.dims
+    rows = r.row_counts(shape)
+    starts = [sum(rows[:j]) for j in range(n)]
+    bounds = [chunk(0, shape[d], n, j) for j in range(n)]
+
+    def trail(j: int) -> tuple[int, ...]:   # a row's shape on the rank holding columns ``j``
+        return (*shape[r.dims : d], bounds[j][1] - bounds[j][0], *shape[d + 1 :])
+
+    def block(rows_of: int, cols_of: int) -> int:
+        return rows[rows_of] * math.prod(trail(cols_of))
+
+    def received(t: torch.Tensor, me: int, shape_from: Any) -> list[torch.Tensor]:
+        return [piece.reshape(shape_from(i)) for i, piece in enumerate(t.split([counts[i][me] for i in range(n)]))]
+
+    if to_shard:   # i holds rows[i] x all columns; j wants all rows x columns j
+        counts = tuple(tuple(block(i, j) for j in range(n)) for i in range(n))
+
+        def pack(t: torch.Tensor, me: int) -> torch.Tensor:
+            return torch.cat([t.narrow(col, lo, hi - lo).reshape(-1) for lo, hi in bounds])
+
+        def unpack(t: torch.Tensor, me: int) -> torch.Tensor:
+            return torch.cat(received(t, me, lambda i: (rows[i], *trail(me)))).reshape(local_shape(Shard(d), shape, me, n))
+    else:          # i holds all rows x columns i; j wants rows[j] x all columns
+        counts = tuple(tuple(block(j, i) for j in range(n)) for i in range(n))
+
+        def pack(t: torch.Tensor, me: int) -> torch.Tensor:
+            flat = t.reshape(sum(rows), *trail(me))
+            return torch.cat([flat[starts[j] : starts[j] + rows[j]].reshape(-1) for j in range(n)])
+
+        def unpack(t: torch.Tensor, me: int) -> torch.Tensor:
+            return torch.cat(received(t, me, lambda i: (rows[me], *trail(i))), col)
 
     packed = backend.per_rank(local, g, pack)
     return backend.per_rank(ops.all_to_all_v(packed, g.axis, counts, mesh=g.mesh), g, unpack)
 
 
-def _lead(layout: Layout) -> int:
-    """Leading dims a layout keeps whole rows of (0 for Replicate / Partial)."""
+Run = tuple[int, int]  # (first global row, number of rows)
+
+
+def _runs(layout: Layout, shape: tuple[int, ...], lead: int, index: int, n: int) -> list[Run]:
+    """The rows of the leading ``lead`` dims that rank ``index`` holds, as runs in its local
+    order (which is ascending global order)."""
     if isinstance(layout, RaggedShard):
-        return layout.dims
-    return layout.dim + 1 if isinstance(layout, Shard) else 0
+        start, stop = layout.row_range(shape, index)
+        per_row = math.prod(shape[layout.dims : lead])
+        return [(start * per_row, (stop - start) * per_row)] if stop > start else []
+    lo, hi = chunk(0, shape[layout.dim], n, index)
+    inner = math.prod(shape[layout.dim + 1 : lead])
+    if hi == lo or inner == 0:
+        return []
+    return [((a * shape[layout.dim] + lo) * inner, (hi - lo) * inner) for a in range(math.prod(shape[: layout.dim]))]
 
 
-def _exchange_plan(
-    shape: tuple[int, ...], src: Layout, dst: Layout, n: int
-) -> tuple[tuple[tuple[int, ...], ...], list[list[torch.Tensor]], list[list[torch.Tensor]], list[int]]:
-    """Row counts, send positions ``send[i][j]``, receive positions ``place[j][i]`` and row counts per rank."""
-    lead = max(_lead(src), _lead(dst))
-    src_ids = [_row_ids(src, shape, lead, i, n) for i in range(n)]
-    dst_ids = [_row_ids(dst, shape, lead, j, n) for j in range(n)]
-    # send[i][j]: positions (in i's local rows) of the rows i sends j; place[j][i]: where j puts them.
-    send = [[torch.isin(src_ids[i], dst_ids[j]).nonzero().flatten() for j in range(n)] for i in range(n)]
-    place = [[torch.searchsorted(dst_ids[j], src_ids[i][send[i][j]]) for i in range(n)] for j in range(n)]
-    counts = tuple(tuple(len(send[i][j]) for j in range(n)) for i in range(n))
-    return counts, send, place, [len(ids) for ids in dst_ids]
+def _overlaps(a: list[Run], b: list[Run]) -> list[tuple[int, int, int]]:
+    """``(length, offset in a's rows, offset in b's rows)`` of every overlap, in global order."""
+    out, i, j, off_a, off_b = [], 0, 0, 0, 0
+    while i < len(a) and j < len(b):
+        (sa, la), (sb, lb) = a[i], b[j]
+        lo, hi = max(sa, sb), min(sa + la, sb + lb)
+        if lo < hi:
+            out.append((hi - lo, off_a + lo - sa, off_b + lo - sb))
+        if sa + la <= sb + lb:
+            i, off_a = i + 1, off_a + la
+        else:
+            j, off_b = j + 1, off_b + lb
+    return out
+
+
+def _exchange_runs(local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst: Layout, g: backend.AxisGroup) -> torch.Tensor:
+    """Layouts that hold whole rows of the leading dims (RaggedShard, Shard of a leading dim):
+    rank ``i`` sends rank ``j`` the runs of rows ``i`` holds and ``j`` wants, and ``j`` puts the
+    runs it receives in its local order."""
+    n = g.size
+    lead = max(p.dims if isinstance(p, RaggedShard) else p.dim + 1 for p in (src, dst))
+    trailing = shape[lead:]
+    held = [_runs(src, shape, lead, i, n) for i in range(n)]
+    wanted = [_runs(dst, shape, lead, j, n) for j in range(n)]
+    overlaps = [[_overlaps(held[i], wanted[j]) for j in range(n)] for i in range(n)]
+    counts = tuple(tuple(sum(length for length, _, _ in overlaps[i][j]) for j in range(n)) for i in range(n))
+
+    def rows_in_order(rows: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([rows.new_empty((0, *trailing)), *pieces])
+
+    def pack(t: torch.Tensor, me: int) -> torch.Tensor:
+        rows = t.reshape(sum(length for _, length in held[me]), *trailing)
+        return rows_in_order(rows, [rows[at : at + length] for j in range(n) for length, at, _ in overlaps[me][j]])
+
+    def unpack(t: torch.Tensor, me: int) -> torch.Tensor:
+        at, placed = 0, []
+        for i in range(n):   # blocks arrive in source order, each block's runs in global order
+            for length, _, dst_at in overlaps[i][me]:
+                placed.append((dst_at, t[at : at + length]))
+                at += length
+        return rows_in_order(t, [piece for _, piece in sorted(placed, key=lambda p: p[0])]).reshape(local_shape(dst, shape, me, n))
+
+    packed = backend.per_rank(local, g, pack)
+    return backend.per_rank(ops.all_to_all_v(packed, g.axis, counts, mesh=g.mesh), g, unpack)
 
 
 # -- carrying a ragged value as a DTensor --------------------------------------------------------------

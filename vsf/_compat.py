@@ -1,9 +1,10 @@
 """The one place where vsf touches private PyTorch APIs.
 
 Everything that a PyTorch upgrade may rename or change lives here: the fake process group,
-``LocalTensorMode`` / ``LocalTensor`` (simulated ranks with real numbers) and ``_StridedShard``
-(a multi-axis spec entry whose order differs from the mesh order). Other modules import these
-names from here only.
+``LocalTensorMode`` / ``LocalTensor`` (simulated ranks with real numbers), ``_StridedShard``
+(a multi-axis spec entry whose order differs from the mesh order) and the functional
+collectives (``torch.distributed._functional_collectives``) that ``vsf.ops`` runs on. Other
+modules import these names from here only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -64,6 +66,7 @@ __all__ = [
     "single_dim_strategies",
     "dtensor_like",
     "dtensor_local",
+    "functional_collectives",
     "init_fake_process_group",
     "local_mode_disabled",
     "local_shards",

@@ -1,0 +1,186 @@
+"""The backend switch: how a collective over one mesh axis is carried out.
+
+Three backends run the same collectives on a rank's local tensor:
+
+* ``"simulated"`` - inside :func:`vsf.simulate` (``LocalTensorMode``), where a local tensor is a
+  ``LocalTensor`` holding every rank's value. Even collectives run through PyTorch's functional
+  collectives, which compute the right per-rank values there; the ragged exchange and per-rank
+  steps (whose sizes differ by rank) are computed here, rank by rank.
+* ``"gloo"`` - real processes on CPU. gloo rejects uneven list ``all_gather`` / ``all_to_all``, so
+  every ragged collective goes through ``all_to_all_single`` with split sizes, which moves
+  exactly the data (no padding on the wire).
+* ``"nccl"`` - CUDA. Ragged all-gather and reduce-scatter pad each piece to the largest one and use
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (NCCL's fastest collectives), then trim.
+
+A planning-only simulation (``vsf.simulate(n, compute=False)``) takes the process-group path on
+the fake group: shapes are right, values are not.
+
+Example::
+
+    >>> with vsf.simulate(4):
+    ...     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    ...     axis_group(mesh, "tp").kind, axis_group(mesh, "tp").size
+    ('simulated', 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from vsf import _compat, runtime
+from vsf.sharding.mesh import Mesh
+
+__all__ = ["AxisGroup", "all_gather", "all_reduce", "all_to_all", "axis_group", "exchange", "per_rank", "reduce_scatter"]
+
+Counts = tuple[tuple[int, ...], ...]
+
+
+class AxisGroup(NamedTuple):
+    """One mesh axis as a communicator: its mesh, name, size, process group and backend kind."""
+
+    mesh: Mesh
+    axis: str
+    size: int
+    group: dist.ProcessGroup
+    kind: str  # "simulated" | "gloo" | "nccl"
+
+    def index(self, rank: int) -> int:
+        """Position of global ``rank`` along the axis (its rank inside the axis group)."""
+        return self.mesh.coordinate(rank)[self.axis]
+
+    def members(self, rank: int) -> tuple[int, ...]:
+        """Global ranks of ``rank``'s axis group, in axis order."""
+        coord = self.mesh.coordinate(rank)
+        out = []
+        for i in range(self.size):
+            coord[self.axis] = i
+            flat = 0
+            for name, size in self.mesh.shape.items():
+                flat = flat * size + coord[name]
+            out.append(self.mesh.devices[flat])
+        return tuple(out)
+
+    @property
+    def pads_ragged(self) -> bool:
+        """Whether ragged all-gather / reduce-scatter pad to the largest piece (NCCL) instead of
+        moving exactly the data through ``all_to_all_single`` (gloo, simulated)."""
+        return self.kind == "nccl"
+
+
+def axis_group(mesh: Mesh, axis: str) -> AxisGroup:
+    """The communicator of ``mesh`` axis ``axis`` (which must be larger than 1)."""
+    size = mesh.axis_size(axis)
+    if size == 1:
+        raise ValueError(f"mesh axis {axis!r} has size 1 and no communicator; collectives over it are identities")
+    group = mesh.device_mesh.get_group(axis)
+    if _compat.active_local_mode() is not None:
+        if mesh.size != runtime.world_size():
+            raise ValueError(
+                f"under simulation a collective needs a mesh over all {runtime.world_size()} ranks (every rank's "
+                f"value lives in this process), got {mesh!r}; pass the whole mesh and name the axis"
+            )
+        kind = "simulated"
+    else:
+        kind = "nccl" if "nccl" in str(dist.get_backend(group)) and mesh.device_type == "cuda" else "gloo"
+    return AxisGroup(mesh, axis, size, group, kind)
+
+
+# -- even collectives: PyTorch's functional collectives (right on every backend) ----------------
+
+
+def all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Sum of ``x`` over the axis, on every member."""
+    return _wait(_compat.functional_collectives.all_reduce(x.contiguous(), "sum", g.group))
+
+
+def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    """The members' ``x`` concatenated along ``dim`` in axis order."""
+    return _wait(_compat.functional_collectives.all_gather_single(x.contiguous(), dim, g.group))
+
+
+def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
+    """Member ``i`` gets the ``i``-th of ``size`` equal pieces (along ``dim``) of the sum of ``x``."""
+    if x.shape[dim] % g.size:
+        raise ValueError(f"reduce-scatter over {g.axis!r} (size {g.size}) needs dim {dim} divisible by {g.size}, got shape {tuple(x.shape)}")
+    return _wait(_compat.functional_collectives.reduce_scatter_single(x.contiguous(), "sum", dim, g.group))
+
+
+def all_to_all(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+    """Even all-to-all over dim 0: the ``j``-th of ``size`` row blocks goes to member ``j``;
+    the received blocks are stacked in source order."""
+    if x.shape[0] % g.size:
+        raise ValueError(f"all-to-all over {g.axis!r} (size {g.size}) needs dim 0 divisible by {g.size}, got shape {tuple(x.shape)}")
+    return _wait(_compat.functional_collectives.all_to_all_single(x.contiguous(), None, None, g.group))
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, _compat.functional_collectives.AsyncCollectiveTensor) else t
+
+
+# -- ragged steps: per-rank functions and the exchange ------------------------------------------
+
+
+def per_rank(x: torch.Tensor, g: AxisGroup, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """Apply ``fn(local, index)`` on each rank, ``index`` being the rank's position on the axis.
+
+    Use it for local steps whose sizes depend on the rank (slicing one's own piece, padding it).
+    Under simulation every simulated rank runs ``fn`` on its own value.
+    """
+    if g.kind != "simulated":
+        return fn(x, g.index(runtime.rank()))
+    values = _values(x, g.mesh)
+    with _compat.local_mode_disabled():
+        return _compat.make_local({r: fn(v, g.index(r)) for r, v in values.items()})
+
+
+def exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:
+    """Ragged all-to-all over dim 0, moving exactly the data.
+
+    ``counts[i][j]`` is the number of dim-0 rows member ``i`` sends to member ``j`` (the same
+    matrix on every rank). Member ``i``'s ``x`` holds ``sum(counts[i])`` rows: the block for
+    member 0, then for member 1, ... The result holds ``sum(counts[i][j] for i)`` rows on member
+    ``j``: the blocks from member 0, 1, ... in order.
+    """
+    n = g.size
+    if len(counts) != n or any(len(row) != n for row in counts) or any(c < 0 for row in counts for c in row):
+        raise ValueError(f"exchange over {g.axis!r} needs a {n}x{n} matrix of non-negative row counts, got {counts!r}")
+    if g.kind == "simulated":
+        return _simulated_exchange(x, g, counts)
+    me = g.index(runtime.rank())
+    _check_rows(x, sum(counts[me]), g, me)
+    send = x.contiguous()
+    out = send.new_empty((sum(counts[i][me] for i in range(n)), *send.shape[1:]))
+    dist.all_to_all_single(out, send, output_split_sizes=[counts[i][me] for i in range(n)],
+                           input_split_sizes=list(counts[me]), group=g.group)
+    return out
+
+
+def _simulated_exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:
+    values = _values(x, g.mesh)
+    with _compat.local_mode_disabled():
+        for r, v in values.items():
+            _check_rows(v, sum(counts[g.index(r)]), g, g.index(r))
+        out = {}
+        for r in values:
+            me = g.index(r)
+            blocks = []
+            for i, src in enumerate(g.members(r)):
+                start = sum(counts[i][:me])
+                blocks.append(values[src][start : start + counts[i][me]])
+            out[r] = torch.cat(blocks).clone()
+        return _compat.make_local(out)
+
+
+def _check_rows(x: torch.Tensor, rows: int, g: AxisGroup, me: int) -> None:
+    if x.ndim == 0 or x.shape[0] != rows:
+        raise ValueError(f"member {me} of axis {g.axis!r} must send {rows} rows (dim 0), but its tensor has shape {tuple(x.shape)}")
+
+
+def _values(x: torch.Tensor, mesh: Mesh) -> dict[int, torch.Tensor]:
+    """Every simulated rank's value of ``x`` (a plain tensor is the same value on every rank)."""
+    shards = _compat.local_shards(x, mesh.devices[0])
+    return {r: shards.get(r, x) for r in mesh.devices} if isinstance(x, _compat.LocalTensor) else dict.fromkeys(mesh.devices, x)

@@ -166,14 +166,14 @@ def single_dim_strategies(op: Any, args_meta: tuple[Any, ...], kwargs_meta: dict
     if info is None:
         return None
     rules = info.func(op, args_meta, kwargs_meta)
-    n_in = sum(isinstance(a, TensorMeta) for a in _tree_leaves((args_meta, kwargs_meta)))
+    n_in = sum(isinstance(a, TensorMeta) for a in _tree_leaves((args_meta, kwargs_meta), is_leaf=lambda x: isinstance(x, TensorMeta)))
     n_out = (len(rules[0]) - n_in) if rules else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
     rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
     return _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
 
 
-def _tree_leaves(x: Any) -> list[Any]:
-    return torch.utils._pytree.tree_leaves(x)
+def _tree_leaves(x: Any, is_leaf: Any = None) -> list[Any]:
+    return torch.utils._pytree.tree_leaves(x, is_leaf=is_leaf)
 
 
 def foreach_elementwise_op(op: Any) -> Any:

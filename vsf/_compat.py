@@ -28,7 +28,6 @@ from torch.distributed._local_tensor import (
     maybe_disable_local_tensor_mode,
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, OutputSharding, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import (

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import tree
@@ -64,7 +65,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, ha
             leaves = [(_zero_if_none(next(grads), x) if _differentiable(x) else None) for x in diff[i]]
             out_grads.append(tree.unflatten(flat[i][1], leaves))
         g = out_grads[0] if isinstance(argnums, int) else tuple(out_grads)
-        value = value if _DEPTH[0] > 0 else value.detach()
+        value = value if _DEPTH[0] > 0 else _reduced(value.detach())
         return ((value, aux) if has_aux else value), g
 
     return wrapped
@@ -85,6 +86,13 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
         return (g, value_aux[1]) if has_aux else g
 
     return wrapped
+
+
+def _reduced(value: torch.Tensor) -> torch.Tensor:
+    """An eager DTensor value with pending reductions, reduced (it is one number: cheap, and printable)."""
+    if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
+        return value.redistribute(value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements])
+    return value
 
 
 def _differentiable(x: Any) -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from vsf import _compat, runtime
-from vsf.sharding.named import Index, NamedSharding, sharding_of
+from vsf.sharding.mesh import Mesh, mesh_of
+from vsf.sharding.named import Index, from_placements, sharding_of
 
 __all__ = ["AddressableShard", "shards", "type_string", "typeof", "visualize_sharding"]
 
@@ -31,21 +34,29 @@ def typeof(x: torch.Tensor) -> str:
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"typeof expects a tensor, got {type(x).__name__}")
-    return type_string(tuple(x.shape), x.dtype, sharding_of(x))
+    if not isinstance(x, DTensor):
+        return type_string(tuple(x.shape), x.dtype, None)
+    return type_string(tuple(x.shape), x.dtype, mesh_of(x.device_mesh), x.placements)
 
 
-def type_string(shape: tuple[int, ...], dtype: torch.dtype, s: NamedSharding | None) -> str:
-    """``typeof``'s text for a tensor of ``shape`` and ``dtype`` laid out as ``s`` (``None``: unsharded)."""
+def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, placements: Sequence[Placement] = ()) -> str:
+    """``typeof``'s text for a tensor of ``shape`` and ``dtype`` laid out on ``mesh`` as DTensor
+    ``placements`` (``mesh=None``: unsharded). Partial sums show as ``{U:axis}`` (JAX's unreduced),
+    other pending reductions by their op, e.g. ``{avg:dp}``."""
     name = _DTYPE.get(dtype, str(dtype).removeprefix("torch."))
-    if s is None:
+    if mesh is None:
         return f"{name}[{','.join(str(n) for n in shape)}]"
+    pending: dict[str, list[str]] = {}
+    for axis, p in zip(mesh.device_axes, placements):
+        if isinstance(p, Partial) and mesh.axis_size(axis) > 1:
+            pending.setdefault("U" if p.reduce_op == "sum" else p.reduce_op, []).append(axis)
+    plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    s = from_placements(mesh, plain, len(shape))
     dims = []
     for dim, n in enumerate(shape):
-        axes = [a for a in s.spec.entry_axes(dim) if s.mesh.axis_size(a) > 1]
+        axes = [a for a in s.spec.entry_axes(dim) if mesh.axis_size(a) > 1]
         dims.append(f"{n}@{axes[0]}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
-    unreduced = [a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1]
-    suffix = "{U:" + ",".join(unreduced) + "}" if unreduced else ""
-    return f"{name}[{','.join(dims)}]{suffix}"
+    return f"{name}[{','.join(dims)}]" + "".join("{" + f"{op}:{','.join(a)}" + "}" for op, a in pending.items())
 
 
 class AddressableShard(NamedTuple):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 

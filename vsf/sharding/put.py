@@ -11,10 +11,11 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vsf import _compat, runtime, tree
-from vsf.sharding.named import NamedSharding, resolve, sharding_of
+from vsf.sharding.mesh import mesh_of
+from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
 from vsf.sharding.spec import PartitionSpec
 
 __all__ = ["device_get", "device_put", "is_sharding_leaf", "local_device"]
@@ -154,7 +155,8 @@ def _simulated_empty_shards(t: DTensor, *targets: NamedSharding) -> bool:
     """Simulated ranks with an empty shard, which DTensor cannot gather or move under LocalTensorMode."""
     if not isinstance(t._local_tensor, _compat.LocalTensor):
         return False
-    layouts = [sharding_of(t), *targets]
+    own = from_placements(mesh_of(t.device_mesh), [Replicate() if isinstance(p, Partial) else p for p in t.placements], t.ndim)
+    layouts = [own, *targets]
     return any(sl.stop == sl.start for s in layouts for idx in s.devices_indices_map(t.shape).values() for sl in idx)
 
 

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from vsf import _compat
 from vsf.sharding.inspect import type_string
-from vsf.sharding.named import from_placements
 from vsf.sharding.propagate import Collective, Placements, Plan, Value, _is_tensor_node, _meta, _op_nodes, _placeholders, _tensor_args, _value, local_bytes
 
 __all__ = ["Cost", "cost", "plan_text"]
@@ -39,15 +35,7 @@ class Cost:
 
 
 def _type(plan: Plan, t: torch.Tensor, placements: Placements) -> str:
-    """``typeof`` notation; partial sums show as ``{U:axis}``, other partial reductions as ``{avg:axis}``."""
-    axes = plan.mesh.device_axes
-    plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-    text = type_string(tuple(t.shape), t.dtype, from_placements(plan.mesh, plain, t.ndim))
-    partial: dict[str, list[str]] = {}
-    for a, p in zip(axes, placements):
-        if isinstance(p, Partial) and plan.mesh.axis_size(a) > 1:
-            partial.setdefault("U" if p.reduce_op == "sum" else p.reduce_op, []).append(a)
-    return text + "".join("{" + f"{op}:{','.join(a)}" + "}" for op, a in partial.items())
+    return type_string(tuple(t.shape), t.dtype, plan.mesh, placements)
 
 
 def cost(plan: Plan) -> Cost:

@@ -1,41 +1,25 @@
-"""Tier 3 of DESIGN.md: real gloo processes started the way a user starts them, with torchrun.
+"""Tier 3 of DESIGN.md: real gloo processes started the way a user starts them (vsf's launcher,
+which is torchrun on 127.0.0.1 at a free port).
 
 A test module launches its worker script once (a module-scoped fixture) and its tests check the
-JSON results the ranks wrote. Rendezvous is on 127.0.0.1 at a free port.
+JSON results the ranks wrote.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from vsf import launch
 
 WORKERS = Path(__file__).parent / "workers"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``script`` under ``torchrun --nproc-per-node nproc`` on 127.0.0.1; raise with its output on failure."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(script), *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
+    """Run ``script`` on ``nproc`` gloo processes; raise with its output on failure."""
+    return launch.run(script, nproc, *args, timeout=timeout)
 
 
 def results(out_dir: Path, nproc: int) -> list[dict[str, Any]]:

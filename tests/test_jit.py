@@ -185,8 +185,10 @@ def test_megatron_mlp_one_tp_all_reduce_forward(sim):
     # one all-reduce of the [batch/dp, hidden] activations: 2(n-1)/n of its bytes
     act_bytes = (x.shape[0] // 2) * params["w2"].shape[1] * 4
     assert c.comm_bytes["tp"] == 2 * (2 - 1) / 2 * act_bytes
-    # dp: the loss and each gradient reduced exactly once
-    assert c.count("all_reduce", "dp") == 1 + len(params)
+    # dp: the loss and every gradient reduced exactly once, all in one bucket (one collective)
+    reduced = [r.value for r in lowered.plan.redistributions if r.collectives and r.collectives[0].axis == "dp"]
+    assert len(reduced) == len(set(reduced)) == 1 + len(params)
+    assert c.count("all_reduce", "dp") == 1 and len(lowered.plan.buckets) == 1
     grads_bytes = sum(v.numel() // 2 * 4 for v in params.values())  # each grad is tp-sharded
     assert c.comm_bytes["dp"] == round(2 * (2 - 1) / 2 * 4) + 2 * (2 - 1) / 2 * grads_bytes
 

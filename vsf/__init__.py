@@ -13,7 +13,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import config, debug, ops, optim, sharding, tree
+from vsf import config, debug, launch, ops, optim, sharding, tree
 from vsf.func import grad, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
@@ -42,6 +42,7 @@ __all__ = [
     "device_put",
     "grad",
     "jit",
+    "launch",
     "make_mesh",
     "optim",
     "ops",

@@ -88,9 +88,23 @@ class _Call:
     mesh: Mesh
     key: tuple[Any, ...]
     inputs: list[DTensor]
-    names: list[str]
+    dyn: tuple[tuple[Any, ...], dict[str, Any]]
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
-    arg_trees: list[tuple[tree.PyTreeSpec, list[tuple[tuple[int, ...], torch.dtype, Placements]]]]
+
+    @property
+    def names(self) -> list[str]:
+        """``args[0]['w']``-style names of the tensor leaves (computed only when needed)."""
+        return [_arg_name(p) for p, _ in tree.leaves_with_path(self.dyn)]
+
+    @property
+    def arg_trees(self) -> list[tuple[tree.PyTreeSpec, list[tuple[tuple[int, ...], torch.dtype, Placements]]]]:
+        """Each positional argument's structure and its leaves' (shape, dtype, placements)."""
+        out, offset = [], 0
+        for a in self.dyn[0]:
+            n = len(tree.leaves(a))
+            out.append((tree.structure(a), [k[:3] for k in self.key[1][offset : offset + n]]))
+            offset += n
+        return out
 
 
 class Jitted:
@@ -111,6 +125,7 @@ class Jitted:
         self._last_key: tuple[Any, ...] | None = None
         self.replans: list[str] = []
         self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
+        self._params = _param_names(fun)
 
     @property
     def plan_count(self) -> int:
@@ -147,7 +162,8 @@ class Jitted:
     # -- arguments ------------------------------------------------------------------------
 
     def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
-        sig_names = _param_names(self.fun)
+        if not self.static_argnums and not self.static_argnames:
+            return args, kwargs, ()
         statics = []
         for i in self.static_argnums:
             if i >= len(args):
@@ -156,8 +172,8 @@ class Jitted:
         for name in self.static_argnames:
             if name in kwargs:
                 statics.append(("kw", name, kwargs[name]))
-            elif name in sig_names and sig_names.index(name) < len(args):
-                statics.append(("arg", sig_names.index(name), args[sig_names.index(name)]))
+            elif name in self._params and self._params.index(name) < len(args):
+                statics.append(("arg", self._params.index(name), args[self._params.index(name)]))
         for s in statics:
             try:
                 hash(s[2])
@@ -170,16 +186,15 @@ class Jitted:
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
-        pairs, treedef = tree.flatten_with_path((dyn_args, dyn_kwargs))
-        targets = self._in_targets(dyn_args, dyn_kwargs, len(pairs))
-        mesh = self._mesh(pairs, targets)
-        inputs, names, key_leaves = [], [], []
-        for (path, leaf), target in zip(pairs, targets):
-            name = _arg_name(path)
-            x = self._as_dtensor(leaf, target, mesh, name)
+        dyn = (dyn_args, dyn_kwargs)
+        leaves, treedef = tree.flatten(dyn)
+        targets = self._in_targets(dyn_args, len(leaves))
+        mesh = self._mesh(dyn, leaves, targets)
+        inputs, key_leaves = [], []
+        for i, (leaf, target) in enumerate(zip(leaves, targets)):
+            x = self._as_dtensor(leaf, target, mesh, dyn, i)
             inputs.append(x)
-            names.append(name)
-            key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), type(leaf).__name__ if not isinstance(leaf, torch.Tensor) else "T"))
+            key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__))
         static_pos = {s[1] for s in statics if s[0] == "arg"}
         positions = [i for i in range(len(args)) if i not in static_pos]
 
@@ -194,52 +209,52 @@ class Jitted:
                     kw[where] = value
             return tuple(full), kw
 
-        arg_trees = []
-        offset = 0
-        for a in dyn_args:
-            n = len(tree.leaves(a))
-            arg_trees.append((tree.structure(a), [k[:3] for k in key_leaves[offset : offset + n]]))
-            offset += n
-        key = (treedef, tuple(key_leaves), statics, mesh)
-        return _Call(mesh, key, inputs, names, rebuild, arg_trees)
+        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh), inputs, dyn, rebuild)
 
-    def _in_targets(self, dyn_args: tuple[Any, ...], dyn_kwargs: dict[str, Any], n: int) -> list[Any]:
+    def _leaf_name(self, dyn: Any, index: int) -> str:
+        return _arg_name(tree.leaves_with_path(dyn)[index][0])
+
+    def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
             return [None] * n
         prefix = self.in_shardings if not is_sharding_leaf(self.in_shardings) else tuple(self.in_shardings for _ in dyn_args)
         per_arg = tree.broadcast_prefix(prefix, dyn_args, is_leaf=is_sharding_leaf, what="in_shardings")
         return per_arg + [None] * (n - len(per_arg))
 
-    def _mesh(self, pairs: list[tuple[Any, Any]], targets: list[Any]) -> Mesh:
-        found: dict[Mesh, str] = {}
-        for (path, leaf), target in zip(pairs, targets):
+    def _mesh(self, dyn: Any, leaves: list[Any], targets: list[Any]) -> Mesh:
+        found: dict[Mesh, int] = {}
+        for i, (leaf, target) in enumerate(zip(leaves, targets)):
             if isinstance(leaf, DTensor):
-                _check_not_donated(leaf, _arg_name(path))
-                found.setdefault(mesh_of(leaf.device_mesh), _arg_name(path))
+                if isinstance(leaf._local_tensor, _Donated):
+                    raise RuntimeError(f"{self._leaf_name(dyn, i)} was donated to {leaf._local_tensor.where}, which released its memory; pass the value that call returned")
+                found.setdefault(mesh_of(leaf.device_mesh), i)
             if isinstance(target, NamedSharding):
-                found.setdefault(target.mesh, f"in_shardings for {_arg_name(path)}")
+                found.setdefault(target.mesh, i)
         here = current_mesh()
         if len(found) > 1:
-            detail = "; ".join(f"{where} is on {m!r}" for m, where in found.items())
+            detail = "; ".join(f"{self._leaf_name(dyn, i)} is on {m!r}" for m, i in found.items())
             raise ValueError(f"the inputs of {self._name} live on different meshes: {detail}")
         if found:
-            mesh = next(iter(found))
+            mesh, i = next(iter(found.items()))
             if here is not None and here != mesh:
-                raise ValueError(f"{found[mesh]} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
+                raise ValueError(f"{self._leaf_name(dyn, i)} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
             return mesh
         if here is None:
             raise ValueError(f"{self._name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)")
         return here
 
-    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, name: str) -> DTensor:
-        if isinstance(leaf, (bool, int, float)) and not isinstance(leaf, torch.Tensor):
+    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, dyn: Any, index: int) -> DTensor:
+        if isinstance(leaf, DTensor) and target is None:
+            return leaf
+        name = self._leaf_name(dyn, index)
+        if isinstance(leaf, (bool, int, float)):
             leaf = torch.tensor(leaf, dtype=torch.float32 if isinstance(leaf, float) else None)
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"argument {name} of {self._name} is a {type(leaf).__name__}; only tensors and Python numbers can be traced (mark the argument static)")
         want = resolve(target, name) if target is not None else None
         if isinstance(leaf, DTensor):
             have = sharding_of(leaf)
-            if want is None or want == have:
+            if want == have:
                 return leaf
             if config.strict:
                 raise ValueError(f"{name} arrives as {have.spec!r} but in_shardings asks for {want.spec!r} (vsf.config.strict is set)")
@@ -354,11 +369,6 @@ class _Donated(torch.Tensor):
         raise RuntimeError(f"this value was donated to {where}, which released its memory; use the value that call returned")
 
 
-def _check_not_donated(x: DTensor, name: str) -> None:
-    if isinstance(x._local_tensor, _Donated):
-        raise RuntimeError(f"{name} was donated to {x._local_tensor.where}, which released its memory; pass the value that call returned")
-
-
 # -- compiled programs ---------------------------------------------------------------------
 
 
@@ -397,7 +407,7 @@ class Compiled:
         else:
             if self._local is None:
                 self._local = compile_local(self.plan, locals_in)
-            locals_out = self._local(*locals_in)
+            locals_out = self._local.forward(*locals_in)
         outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
         it = iter(outs)
         leaves = [next(it) if c is None else c for c in self.traced.out_consts]

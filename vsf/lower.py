@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from vsf import _compat
 from vsf.sharding.constraint import CONSTRAINT_OP
-from vsf.sharding.propagate import Placements, Plan, Value, _is_tensor_node, _meta, _op_nodes, _placeholders, _tmeta, _value
+from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value
 
 __all__ = ["PlanMismatch", "compile_local", "execute"]
 
@@ -45,7 +45,6 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     dm = plan.mesh.device_mesh
     env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(_placeholders(gm), inputs)}
     moved: dict[tuple[Value, Placements], torch.Tensor] = {}
-
     def spec(v: Value, placements: Placements) -> Any:
         return _compat.DTensorSpec(dm, placements, tensor_meta=_tmeta(_meta(v)))
 
@@ -57,7 +56,24 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             moved[(v, dst)] = _compat.redistribute_local_tensor(env[v], spec(v, src), spec(v, dst))
         return moved[(v, dst)]
 
-    for node in _op_nodes(gm):
+    def run_bucket(b: Bucket) -> None:
+        n = plan.mesh.axis_size(plan.mesh.device_axes[b.mesh_dim])
+        pieces = [env[r.value] for r in b.members]
+        flat = torch.cat([(p / n if r.src[b.mesh_dim].reduce_op == "avg" else p).reshape(-1) for r, p in zip(b.members, pieces)])
+        src = tuple(Partial() if k == b.mesh_dim else Replicate() for k in range(len(b.members[0].src)))
+        meta = _compat.TensorMeta(flat.shape, flat.stride(), flat.dtype)
+        reduced = _compat.redistribute_local_tensor(
+            flat, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, (Replicate(),) * len(src), tensor_meta=meta)
+        )
+        for r, p, out in zip(b.members, pieces, reduced.split([p.numel() for p in pieces])):
+            moved[(r.value, r.dst)] = out.view(p.shape)
+
+    for node in plan.order:
+        if isinstance(node, Bucket):
+            run_bucket(node)
+            continue
+        if node not in plan.nodes:
+            continue  # placeholders, tuple indexing and the output: nothing to run
         step = plan.nodes[node]
         wanted = iter(step.ins)
         as_dtensor = not step.direct and bool(step.ins) and not step.fallback and node.target is not CONSTRAINT_OP

@@ -42,7 +42,7 @@ class Mesh:
         (8, ('dp', 'tp'))
     """
 
-    __slots__ = ("_names", "_sizes", "_devices", "_device_type")
+    __slots__ = ("_names", "_sizes", "_devices", "_device_type", "_hash")
 
     def __init__(
         self,
@@ -69,6 +69,7 @@ class Mesh:
             raise ValueError(f"mesh of shape {sizes} needs {n} distinct non-negative ranks, got {devs!r}")
         for slot, value in zip(self.__slots__, (names, sizes, devs, device_type)):
             object.__setattr__(self, slot, value)
+        object.__setattr__(self, "_hash", hash(self._key()))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Mesh is immutable")
@@ -190,7 +191,7 @@ class Mesh:
         return isinstance(other, Mesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._hash
 
     def __repr__(self) -> str:
         extra = "" if self._devices == tuple(range(self.size)) else f", devices={self._devices!r}"

@@ -26,6 +26,7 @@ full mesh (the same decision the lowered program will make), so the plan is exac
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import operator
 from collections.abc import Sequence
@@ -81,6 +82,18 @@ class Redistribution:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bucket:
+    """All-reduces over one mesh axis that run as one collective on a flat buffer, before
+    ``before`` (DDP's gradient buckets, found in the graph instead of at hook time). Partial
+    averages join partial sums: their local values are divided by the axis size first."""
+
+    members: tuple[Redistribution, ...]
+    mesh_dim: int
+    before: torch.fx.Node
+    collective: Collective
+
+
+@dataclasses.dataclass(frozen=True)
 class NodePlan:
     """How one op runs: the placements of its tensor inputs and outputs (``None``: no tensor).
 
@@ -105,6 +118,14 @@ class Plan:
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements, ...]
     redistributions: tuple[Redistribution, ...]
+    buckets: tuple[Bucket, ...]
+    order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
+
+    def collectives(self) -> list[Collective]:
+        """Every collective the program runs (a bucket counts once)."""
+        bucketed = {id(r) for b in self.buckets for r in b.members}
+        out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
+        return out + [b.collective for b in self.buckets]
 
     def placement(self, value: Value) -> Placements:
         node, i = value
@@ -216,6 +237,9 @@ class Strategies:
             return [Strategy((), tuple(R if o is not None else None for o in outs))], False
         if node.target is constraint.CONSTRAINT_OP:
             return [Strategy((p,), (p,)) for p in _candidates(_meta(ins[0]), n)], False
+        if node.target in VALUE_BLIND_OPS:
+            inputs = [*_candidates(_meta(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
+            return [Strategy((p,), (p if _is_shard(p) else R,)) for p in inputs], False
         found = _single_dim(node, n) if _kind_of(node.target) == "single" else _by_first_input(node, n) if _kind_of(node.target) else None
         if found:
             return _valid(found, node, n), False
@@ -225,6 +249,17 @@ class Strategies:
             f"{node.target} has no DTensor sharding strategy, so vsf cannot shard it{_user_line(node)}. "
             "Set vsf.config.allow_replicated_fallback = True to run it replicated (the plan flags it)."
         )
+
+
+aten = torch.ops.aten
+
+# Ops whose result depends only on their input's shape, not its values: any placement of the input
+# will do (a partial sum has the full shape everywhere), and the result is replicated or sharded
+# like the input. DTensor asks for a reduced input; a loss's backward then waits for the loss to be
+# all-reduced, which the planner can instead defer (and bucket with the gradients).
+VALUE_BLIND_OPS = frozenset({
+    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
+})
 
 
 def _kind_of(op: Any) -> str | None:
@@ -353,6 +388,7 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Stra
 # Taking a local slice of a replicated value sends nothing; it is charged a token cost so that
 # the planner does not reshard values gratuitously (a later op would pay to undo it).
 _SLICE_COST = 1e-3
+_TIE = 1e-9
 _NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
 
 
@@ -477,6 +513,9 @@ class _AxisSolver:
             return _INF
         factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
         total = 0.0
+        for v, req in zip(self.ins[k], ins):
+            if req != label[v]:
+                total += _TIE * fb[v]  # ties go to using a value where it is: redistribute as late as possible
         if greedy:
             for v, req in zip(self.ins[k], ins):
                 cur = label[v]
@@ -654,10 +693,14 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
     def combined(per_axis: dict[str, Placement | None]) -> Placements:
         return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
 
+    users: dict[tuple[Value, Placements], list[torch.fx.Node]] = {}
+
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
-        if src != dst and (v, dst) not in moves:
-            moves[(v, dst)] = Redistribution(v, src, dst, _collectives(mesh, _meta(v), src, dst), before)
+        if src != dst:
+            users.setdefault((v, dst), []).append(before)
+            if (v, dst) not in moves:
+                moves[(v, dst)] = Redistribution(v, src, dst, _collectives(mesh, _meta(v), src, dst), before)
 
     for k, node in enumerate(problem.ops):
         ins = problem.inputs[node]
@@ -674,6 +717,8 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
             s = constraint.parse(node.args[1])
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
+        elif node.target in VALUE_BLIND_OPS:
+            direct = True
         elif ins and not fallback and node.op == "call_function":
             direct = _kind_of(node.target) == "single" and node.target not in _SPECIAL and _shardable(node, dm, want_in)
             if not direct:
@@ -691,7 +736,109 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         dst = to_placements(s) if s is not None else tuple(R if isinstance(p, Partial) else p for p in actual[v])
         move(v, dst, output_node)
         final.append(dst)
-    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), tuple(moves.values()))
+    moved = tuple(moves.values())
+    buckets, order = _buckets(mesh, gm, moved, {id(r): users[(r.value, r.dst)] for r in moved})
+    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
+
+
+BUCKET_BYTES = 32 * 2**20  # a flat buffer per bucket: bigger buckets trade memory for fewer collectives
+
+
+def _buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistribution], users: dict[int, list[torch.fx.Node]]) -> tuple[tuple[Bucket, ...], tuple[Any, ...]]:
+    """Group single-axis all-reduces (same axis and dtype; sums or averages of evenly sharded
+    values) that do not depend on each other, so each group runs as one collective; and an
+    execution order that runs each group after all its values exist and before any use."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    anc: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        mask = 0
+        for p in n.all_input_nodes:
+            mask |= anc[p] | (1 << index[p])
+        anc[n] = mask
+    groups: dict[tuple[int, torch.dtype], list[Redistribution]] = {}
+    for r in moves:
+        dims = [k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b]
+        if (
+            len(dims) == 1
+            and isinstance(r.src[dims[0]], Partial)
+            and r.src[dims[0]].reduce_op in ("sum", "avg")
+            and isinstance(r.dst[dims[0]], Replicate)
+            and _even(mesh, _meta(r.value), r.src)
+        ):
+            groups.setdefault((dims[0], _meta(r.value).dtype), []).append(r)
+    formed: list[tuple[int, list[Redistribution]]] = []
+    for (k, _dtype), rs in groups.items():
+        rs.sort(key=lambda r: index[r.value[0]])
+        current: list[Redistribution] = []
+        consumers = producers = size = 0
+        for r in rs:
+            p = r.value[0]
+            mine = sum(1 << index[u] for u in users[id(r)])
+            fits = not (anc[p] & consumers) and not (producers & mine) and size < BUCKET_BYTES
+            if current and not fits:
+                formed.append((k, current))
+                current, consumers, producers, size = [], 0, 0, 0
+            current.append(r)
+            consumers |= mine
+            producers |= anc[p] | (1 << index[p])
+            size += sum(c.bytes for c in r.collectives)
+        formed.append((k, current))
+    formed = [(k, rs) for k, rs in formed if len(rs) > 1]
+    while True:
+        order = _schedule(nodes, index, formed, users)
+        if order is not None:
+            break
+        formed.pop()  # two groups wait on each other: give up the last one
+    first_use = {id(item): i for i, item in enumerate(order)}
+    buckets = []
+    for k, rs in formed:
+        before = min((u for r in rs for u in users[id(r)]), key=lambda u: first_use[id(u)])
+        buckets.append(_bucket(mesh, rs, k, before))
+    marker = {id(rs): b for (_, rs), b in zip(formed, buckets)}
+    return tuple(buckets), tuple(marker.get(id(item), item) for item in order)
+
+
+def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], formed: list[tuple[int, list[Redistribution]]], users: dict[int, list[torch.fx.Node]]) -> list[Any] | None:
+    """A topological order of the graph plus one step per group (``None`` if groups form a cycle),
+    keeping the original order wherever the groups allow."""
+    deps: dict[int, set[int]] = {id(n): {id(p) for p in n.all_input_nodes} for n in nodes}
+    items: dict[int, Any] = {id(n): n for n in nodes}
+    rank: dict[int, float] = {id(n): index[n] for n in nodes}
+    for _, rs in formed:
+        items[id(rs)] = rs
+        deps[id(rs)] = {id(r.value[0]) for r in rs}
+        rank[id(rs)] = max(index[r.value[0]] for r in rs) + 0.5
+        for r in rs:
+            for u in users[id(r)]:
+                deps[id(u)].add(id(rs))
+    waiting = {k: len(v) for k, v in deps.items()}
+    after: dict[int, list[int]] = {}
+    for k, v in deps.items():
+        for d in v:
+            after.setdefault(d, []).append(k)
+    ready = [(rank[k], k) for k, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(items[k])
+        for nxt in after.get(k, ()):
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                heapq.heappush(ready, (rank[nxt], nxt))
+    return order if len(order) == len(items) else None
+
+
+def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
+    return all(not _is_shard(p) or t.shape[p.dim] % mesh.axis_size(a) == 0 for a, p in zip(mesh.device_axes, placements))
+
+
+def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dim: int, before: torch.fx.Node) -> Bucket:
+    numel = sum(math.prod(local_shape(mesh, _meta(r.value), r.src)) for r in members)
+    dtype = _meta(members[0].value).dtype
+    collective = Collective("all_reduce", mesh.device_axes[mesh_dim], (numel,), dtype, sum(c.bytes for r in members for c in r.collectives))
+    return Bucket(tuple(members), mesh_dim, before, collective)
 
 
 _SPECIAL = _compat.dispatcher_special_ops()

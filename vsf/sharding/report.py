@@ -10,7 +10,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from vsf.sharding.inspect import type_string
-from vsf.sharding.propagate import Collective, Placements, Plan, Value, _is_tensor_node, _meta, _op_nodes, _placeholders, _tensor_args, _value, local_bytes
+from vsf.sharding.propagate import Bucket, Collective, Plan, Value, _is_tensor_node, _meta, _placeholders, _tensor_args, _value, local_bytes
 
 __all__ = ["Cost", "cost", "plan_text"]
 
@@ -34,13 +34,13 @@ class Cost:
         return sum(1 for c in self.collectives if c.kind == kind and (axis is None or c.axis == axis))
 
 
-def _type(plan: Plan, t: torch.Tensor, placements: Placements) -> str:
+def _type(plan: Plan, t: torch.Tensor, placements: tuple) -> str:
     return type_string(tuple(t.shape), t.dtype, plan.mesh, placements)
 
 
 def cost(plan: Plan) -> Cost:
     """Communication per mesh axis and estimated peak memory of ``plan`` (per rank)."""
-    collectives = tuple(c for r in plan.redistributions for c in r.collectives)
+    collectives = tuple(plan.collectives())
     comm = {a: 0 for a in plan.mesh.axis_names}
     for c in collectives:
         comm[c.axis] += c.bytes
@@ -49,8 +49,8 @@ def cost(plan: Plan) -> Cost:
 
 def _peak(plan: Plan) -> int:
     gm = plan.graph
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    end = len(order)
+    order = {n: i for i, n in enumerate(plan.order) if not isinstance(n, Bucket)}
+    end = len(plan.order)
     last: dict[Value, int] = {}
     for node in gm.graph.nodes:
         for a in pytree.tree_leaves((node.args, node.kwargs)):
@@ -91,20 +91,27 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     for ph, pl, label in zip(_placeholders(gm), plan.inputs, input_names):
         lines.append(f"  %{ph.name:<14} {_type(plan, ph.meta['val'], pl):<28} {label}")
     lines.append("ops:")
-    moves = {}
+    moves: dict[torch.fx.Node, list[str]] = {}
+    bucketed = {id(r) for b in plan.buckets for r in b.members}
     for r in plan.redistributions:
-        moves.setdefault(r.before, []).append(r)
-    for node in _op_nodes(gm):
-        for r in moves.get(node, ()):
-            lines.extend(_move_lines(plan, r))
+        if id(r) not in bucketed:
+            moves.setdefault(r.before, []).extend(_move_lines(plan, r))
+    for node in plan.order:
+        if isinstance(node, Bucket):
+            c = node.collective
+            names = ", ".join(f"%{r.value[0].name}" for r in node.members)
+            lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {_fmt_bytes(c.bytes)} sent")
+            continue
+        if node not in plan.nodes:
+            continue
+        lines.extend(moves.get(node, ()))
         step = plan.nodes[node]
         ins = [f"%{v[0].name}{f'[{v[1]}]' if v[1] else ''}:{_type(plan, _meta(v), pl)}" for v, pl in zip(_tensor_args(node), step.ins)]
         outs = [_type(plan, node.meta["val"][i] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"], pl) for i, pl in enumerate(step.outs) if pl is not None]
         flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
         lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    for r in moves.get(output, ()):
-        lines.extend(_move_lines(plan, r))
+    lines.extend(moves.get(output, ()))
     lines.append("outputs:")
     for a, pl, label in zip(pytree.tree_leaves(output.args), plan.outputs, output_names):
         lines.append(f"  {label:<16} {_type(plan, _meta(_value(a)), pl)}  (from %{a.name})")

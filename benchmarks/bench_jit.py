@@ -1,0 +1,194 @@
+"""vsf.jit against eager DTensor, the cost of a cached call, and planning time at scale.
+
+Three measurements, each a ratio taken side by side in one run:
+
+* ``step``: one SGD train step of a small GPT, ``vsf.jit`` against the same step run eagerly on
+  DTensors with the same shardings (``vsf.value_and_grad`` on DTensor params), on 2 gloo processes
+  (data parallel) and 4 (data x Megatron tensor parallel). Median per step, slowest rank.
+* ``call``: a cached call of a trivial jitted function against the same op run eagerly on a
+  DTensor (the target is under 100 microseconds per call).
+* ``plan``: tracing, propagating and planning a 24-layer GPT joint graph on a planning-only 5D
+  mesh of 1024 ranks against 8 ranks (the target: under 10 s, growing less than 20%).
+
+Run::
+
+    python -m benchmarks.bench_jit [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FSDP_TP = [
+    (r".*(qkv|fc1)\.weight", ("tp",)),
+    (r".*(qkv|fc1)\.bias", ("tp",)),
+    (r".*(proj|fc2)\.weight", (None, "tp")),
+    (r".*", ()),
+]
+
+
+def _gpt(layers: int, dim: int, seq: int, vocab: int, meta: bool = False):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=4, layers=layers)
+    if meta:
+        with torch.device("meta"):
+            return GPT(cfg), cfg
+    torch.manual_seed(0)
+    return GPT(cfg), cfg
+
+
+def _step_fn(model):
+    import vsf
+
+    def loss_fn(p, idx, tgt):
+        return vsf.tree.apply(model, p, idx, tgt)
+
+    def step(p, idx, tgt):
+        loss, g = vsf.value_and_grad(loss_fn)(p, idx, tgt)
+        return vsf.tree.map(lambda a, b: a - 0.01 * b, p, g), loss
+
+    return step
+
+
+def _rules():
+    from vsf import P
+
+    return [(rx, P(*spec)) for rx, spec in FSDP_TP]
+
+
+def _step_worker(out: str, quick: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import vsf
+    from vsf import P
+
+    world = int(os.environ["WORLD_SIZE"])
+    model, cfg = _gpt(layers=2, dim=64 if quick else 128, seq=32 if quick else 64, vocab=256)
+    params = vsf.tree.from_module(model)
+    shape, names = ((2,), ("dp",)) if world == 2 else ((2, world // 2), ("dp", "tp"))
+    mesh = vsf.make_mesh(shape, names)
+    rules = _rules() if "tp" in names else [(r".*", P())]
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    idx = torch.randint(0, cfg.vocab, (16, cfg.seq))
+    batch = vsf.device_put((idx, idx.roll(1, 1)), vsf.NamedSharding(mesh, P("dp")))
+    step = _step_fn(model)
+    jitted = vsf.jit(step)
+    shardings = vsf.tree.map(vsf.sharding.sharding_of, p)
+
+    def eager() -> None:  # the same step on DTensors, its new params laid out like the old ones
+        new, loss = step(p, *batch)
+        vsf.device_put(new, shardings)
+        vsf.device_get(loss)
+
+    def jit() -> None:
+        _, loss = jitted(p, *batch)
+        vsf.device_get(loss)
+
+    runners = {"eager": eager, "jit": jit}
+    for run in runners.values():  # warm up (plans and traces the jitted step)
+        run()
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(5 if quick else 20):
+        for name, run in runners.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dt = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[name].append(dt.item())
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({k: statistics.median(v) for k, v in times.items()}))
+
+
+def bench_steps(quick: bool) -> list[dict]:
+    from vsf import launch
+
+    rows = []
+    for nproc in (2, 4):
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "step.json")
+            launch.run(Path(__file__).resolve(), nproc, "--worker", out, *(["--quick"] if quick else []), timeout=1200)
+            t = json.loads(Path(out).read_text())
+        rows.append({"name": f"jit step vs eager DTensor, small GPT, {nproc} gloo procs", "vsf_s": t["jit"], "ref_s": t["eager"], "ratio": t["jit"] / t["eager"], "target": "<= 0.5"})
+    return rows
+
+
+def bench_planning(quick: bool) -> list[dict]:
+    import torch
+
+    import vsf
+    from vsf import P
+
+    layers = 4 if quick else 24
+    model, cfg = _gpt(layers=layers, dim=64, seq=32, vocab=128, meta=True)
+    step = _step_fn(model)
+    shapes = {8: (1, 2, 2, 1, 2), 1024: (1, 8, 16, 1, 8)}
+    seconds = {}
+    for n, shape in shapes.items():
+        with vsf.simulate(n, compute=False):
+            mesh = vsf.make_mesh(shape, ("pp", "dp", "fsdp", "cp", "tp"))
+            params = {k: torch.empty(v.shape) for k, v in vsf.tree.from_module(model).items()}
+            p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, _rules())))
+            idx = vsf.device_put(torch.zeros(64, cfg.seq, dtype=torch.long), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+            t0 = time.perf_counter()
+            vsf.jit(step).lower(p, idx, idx)
+            seconds[n] = time.perf_counter() - t0
+    return [{"name": f"planning a {layers}-layer GPT joint graph, 1024 vs 8 ranks (5D)", "vsf_s": seconds[1024], "ref_s": seconds[8], "ratio": seconds[1024] / seconds[8], "target": "< 10 s, ratio < 1.2"}]
+
+
+def bench_call(quick: bool) -> list[dict]:
+    import torch
+
+    import vsf
+    from vsf import P
+
+    mesh = vsf.make_mesh((1,), ("x",), device_type="cpu")
+    x = vsf.device_put(torch.ones(8), vsf.NamedSharding(mesh, P()))
+    f = vsf.jit(lambda a: a + 1)
+    f(x)
+    n = 2000 if quick else 20000
+
+    def per_call(fn) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(x)
+            best = min(best, (time.perf_counter() - t0) / n)
+        return best
+
+    jit_s, eager_s = per_call(f), per_call(lambda a: a + 1)
+    return [{"name": "cached call of a trivial jitted function vs the eager DTensor op", "vsf_s": jit_s, "ref_s": eager_s, "ratio": jit_s / eager_s, "target": "< 100 us per call"}]
+
+
+def run(quick: bool) -> list[dict]:
+    """All jit measurements (planning first: it needs a process group of its own)."""
+    return bench_planning(quick) + bench_call(quick) + bench_steps(quick)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer repetitions")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        _step_worker(ns.worker, ns.quick)
+        return
+    for row in run(ns.quick):
+        print(f"{row['name']:<72} vsf {row['vsf_s'] * 1e3:10.3f} ms  ref {row['ref_s'] * 1e3:10.3f} ms  ratio {row['ratio']:6.3f}  (target {row['target']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,9 @@
 """The one place where vsf touches private PyTorch APIs.
 
 Everything that a PyTorch upgrade may rename or change lives here: the fake process group,
-``LocalTensorMode`` / ``LocalTensor`` (simulated ranks with real numbers) and ``_StridedShard``
-(a multi-axis spec entry whose order differs from the mesh order). Other modules import these
+``LocalTensorMode`` / ``LocalTensor`` (simulated ranks with real numbers), ``_StridedShard``
+(a multi-axis spec entry whose order differs from the mesh order) and ``FakeTensorMode``
+(shapes without data, for ``vsf.eval_shape``). Other modules import these
 names from here only.
 """
 
@@ -22,9 +23,11 @@ from torch.distributed._local_tensor import (
     maybe_disable_local_tensor_mode,
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
+    "FakeTensorMode",
     "LocalTensor",
     "LocalTensorMode",
     "StridedShard",

@@ -13,7 +13,8 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import debug, sharding, tree
+from vsf import checkpoint, debug, sharding, tree
+from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.runtime import simulate
 from vsf.sharding import (
     Mesh,
@@ -34,9 +35,12 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "ShapeDtypeStruct",
+    "checkpoint",
     "debug",
     "device_get",
     "device_put",
+    "eval_shape",
     "make_mesh",
     "sharding",
     "simulate",

@@ -35,6 +35,7 @@ __all__ = [
     "TREE",
     "Checkpoint",
     "CorruptCheckpointError",
+    "DCP_METADATA",
     "FileRecord",
     "LeafRecord",
     "NotACheckpointError",
@@ -48,6 +49,7 @@ __all__ = [
 FORMAT_VERSION = 1
 MARKER = "COMMITTED"
 TREE = "tree.json"
+DCP_METADATA = ".metadata"
 VALUE_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -232,8 +234,10 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
             f"{path} is not a committed vsf checkpoint: it has no {MARKER} marker (an interrupted save leaves none)"
         )
     files = decode_marker(marker.read_bytes(), marker)
-    if TREE not in files:
-        raise CorruptCheckpointError(f"{marker} lists no {TREE}")
+    for name in (TREE, DCP_METADATA):
+        if name not in files:
+            raise CorruptCheckpointError(f"{marker} lists no {name}")
+    read_verified(path, DCP_METADATA, files[DCP_METADATA])  # checked here: DCP would hide the error
     data = read_verified(path, TREE, files[TREE])
     leaves, treedef_pickle = decode_tree(data, path / TREE)
     return Checkpoint(path, files, leaves, treedef_pickle)

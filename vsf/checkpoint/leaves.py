@@ -43,7 +43,7 @@ def flatten(value: Any, *, snapshot: bool) -> Flat:
         if isinstance(leaf, torch.Tensor):
             sharding = _savable_sharding(leaf, path)
             records.append(LeafRecord(path, key, "tensor", tuple(leaf.shape), leaf.dtype, sharding))
-            state[key] = _stage(leaf, snapshot)
+            state[key] = _stage(leaf, snapshot, path)
         elif type(leaf) in VALUE_TYPES.values():
             records.append(LeafRecord(path, key, type(leaf).__name__, value=leaf))
         else:
@@ -75,10 +75,16 @@ def _savable_sharding(x: torch.Tensor, path: str) -> NamedSharding | None:
     return s
 
 
-def _stage(x: torch.Tensor, snapshot: bool) -> torch.Tensor:
-    if runtime.is_simulated():
+def _stage(x: torch.Tensor, snapshot: bool, path: str) -> torch.Tensor:
+    if not runtime.is_simulated():
+        return x.detach().to("cpu", copy=True) if snapshot else x.detach()
+    try:
         return device_get(x)
-    return x.detach().to("cpu", copy=True) if snapshot else x.detach()
+    except AssertionError as e:  # LocalTensor.reconcile: the simulated ranks disagree
+        raise ValueError(
+            f"{path} is a plain tensor whose value differs between the simulated ranks; a plain leaf must be "
+            f"the same on every rank (make it a DTensor to save one piece per rank)"
+        ) from e
 
 
 def resolve_target(ckpt: Checkpoint, target: Any) -> tuple[Any, list[Any]]:

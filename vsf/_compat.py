@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -28,6 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
     "FakeTensorMode",
+    "with_local_tensor",
     "LocalTensor",
     "LocalTensorMode",
     "StridedShard",
@@ -80,6 +82,12 @@ def local_shards(t: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
     if isinstance(t, LocalTensor):
         return dict(t._local_tensors)
     return {rank: t}
+
+
+def with_local_tensor(x: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``x``'s layout (mesh, placements, global shape) over ``local``, which may
+    live on another device than the mesh (a host copy staged for an async checkpoint)."""
+    return DTensor(local, x._spec, requires_grad=False)
 
 
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:

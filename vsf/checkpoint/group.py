@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from vsf import runtime
+from vsf.checkpoint.staging import Staging
 
 __all__ = ["Group", "current"]
 
@@ -29,6 +30,7 @@ class Group:
         self.rank = dist.get_rank(pg) if pg is not None else 0
         self.size = dist.get_world_size(pg) if pg is not None else 1
         self.pending: Any = None  # the AsyncSave still being written, if any
+        self.staging = Staging()  # host buffers for background saves
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""

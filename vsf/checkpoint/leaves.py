@@ -30,12 +30,8 @@ __all__ = ["Flat", "buffers", "flatten", "rebuild", "resolve_target"]
 Flat = tuple[Any, list[LeafRecord], dict[str, torch.Tensor]]
 
 
-def flatten(value: Any, *, snapshot: bool) -> Flat:
-    """``(treedef, records, state_dict)`` of a tree to save.
-
-    With ``snapshot``, tensors are copied to host memory now, so the caller may change them while
-    the copy is written in the background.
-    """
+def flatten(value: Any) -> Flat:
+    """``(treedef, records, state_dict)`` of a tree to save (under simulation, with gathered copies)."""
     pairs, treedef = tree.flatten_with_path(value)
     paths = [tree.keystr(p) for p, _ in pairs]
     records, state = [], {}
@@ -43,7 +39,7 @@ def flatten(value: Any, *, snapshot: bool) -> Flat:
         if isinstance(leaf, torch.Tensor):
             sharding = _savable_sharding(leaf, path)
             records.append(LeafRecord(path, key, "tensor", tuple(leaf.shape), leaf.dtype, sharding))
-            state[key] = _stage(leaf, snapshot, path)
+            state[key] = _gathered(leaf, path) if runtime.is_simulated() else leaf.detach()
         elif type(leaf) in VALUE_TYPES.values():
             records.append(LeafRecord(path, key, type(leaf).__name__, value=leaf))
         else:
@@ -75,9 +71,7 @@ def _savable_sharding(x: torch.Tensor, path: str) -> NamedSharding | None:
     return s
 
 
-def _stage(x: torch.Tensor, snapshot: bool, path: str) -> torch.Tensor:
-    if not runtime.is_simulated():
-        return x.detach().to("cpu", copy=True) if snapshot else x.detach()
+def _gathered(x: torch.Tensor, path: str) -> torch.Tensor:
     try:
         return device_get(x)
     except AssertionError as e:  # LocalTensor.reconcile: the simulated ranks disagree

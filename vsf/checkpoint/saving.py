@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
+from vsf import runtime
 from vsf.checkpoint import commit, group as group_mod, leaves
 from vsf.checkpoint.format import TREE, FileRecord, encode_marker, encode_tree
 from vsf.checkpoint.progress import Progress
@@ -104,7 +105,10 @@ def start_save(
     wait_pending(group)
     if final.exists():
         raise FileExistsError(f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)")
-    flat = leaves.flatten(tree, snapshot=not blocking)
+    treedef, records, state = leaves.flatten(tree)
+    if not blocking and not runtime.is_simulated():  # (simulated leaves are gathered copies already)
+        state = group.staging.stage(state)
+    flat = (treedef, records, state)
     meter = Progress(f"vsf.checkpoint saving {final}", enabled=progress if group.rank == 0 else False)
     handle = AsyncSave(final, lambda: _write(final, flat, group, meter, on_commit), background=not blocking)
     if blocking:

@@ -43,6 +43,7 @@ PARAMS = {
     "b": ((5,), torch.float32, P("tp"), P("x")),
     "scale": ((), torch.float32, P(), P()),
     "ids": ((6,), torch.int64, P("dp"), P("x")),
+    "tiny": ((3, 2), torch.float32, P(("dp", "tp")), P("x")),  # rank 3 holds no rows in layout A
 }
 
 

@@ -1,17 +1,23 @@
-"""4 real gloo ranks, mesh (dp=2, tp=2): save the test tree, async save under mutation, resume.
+"""4 real gloo ranks, mesh (dp=2, tp=2): load a 1-process save, save the test tree, async save under mutation, resume.
 
-Usage: ckpt_world4.py OUT. Writes OUT/a (layout A), OUT/async, OUT/run (a CheckpointManager
+Usage: ckpt_world4.py OUT, where OUT/one holds the test tree saved whole by one process. Writes OUT/a (layout A), OUT/async, OUT/run (a CheckpointManager
 directory) and OUT/ckpt_world4-0/rank{r}.json with the checks each rank made.
 """
 
 import torch
 
 import vsf
-from ckpt_common import build, layouts, mismatches, model_state, out_dir, real, train, write_result
+from ckpt_common import abstract, build, layouts, mismatches, model_state, out_dir, real, train, write_result
 
 out = out_dir()
 mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
 result = {}
+
+# 0. Load the tree this test's process saved whole onto 4 ranks.
+target = build(mesh, "A", abstract)
+loaded = vsf.checkpoint.load(out / "one", target)
+result["from_one_mismatches"] = mismatches(loaded)
+result["from_one_layout_as_target"] = layouts(loaded) == layouts(target)
 
 # 1. Save layout A; load it back without a target: leaves come back as saved.
 tree = build(mesh, "A", real)

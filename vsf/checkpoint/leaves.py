@@ -25,12 +25,10 @@ from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_get, device_put
 
-__all__ = ["Flat", "buffers", "flatten", "rebuild", "resolve_target"]
-
-Flat = tuple[Any, list[LeafRecord], dict[str, torch.Tensor]]
+__all__ = ["buffers", "flatten", "rebuild", "resolve_target"]
 
 
-def flatten(value: Any) -> Flat:
+def flatten(value: Any) -> tuple[Any, list[LeafRecord], dict[str, torch.Tensor]]:
     """``(treedef, records, state_dict)`` of a tree to save (under simulation, with gathered copies)."""
     pairs, treedef = tree.flatten_with_path(value)
     paths = [tree.keystr(p) for p, _ in pairs]

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from vsf import runtime
 from vsf.checkpoint import commit, group as group_mod, leaves
-from vsf.checkpoint.format import TREE, FileRecord, encode_marker, encode_tree
+from vsf.checkpoint.format import TREE, FileRecord, LeafRecord, encode_marker, encode_tree
 from vsf.checkpoint.progress import Progress
 from vsf.checkpoint.storage import ChecksumWriter
 
@@ -68,7 +70,8 @@ def save(path: str | Path, tree: Any, *, blocking: bool = True, progress: bool |
     tensors, bool, int, float, str and None, in dicts, lists, tuples, NamedTuples and dataclasses
     registered with :mod:`vsf.tree`. The directory appears atomically once complete; ``path`` must
     not exist. With ``blocking=False`` the shards are copied to host memory before this returns and
-    written by a background thread: wait on the returned handle (the next save or load also waits).
+    written by a background thread: wait on the returned handle (the next save or load also waits
+    for it, and raises its error if it failed).
     ``progress`` shows bytes and rate on stderr (default: when stderr is a terminal).
 
     Example::
@@ -108,9 +111,9 @@ def start_save(
     treedef, records, state = leaves.flatten(tree)
     if not blocking and not runtime.is_simulated():  # (simulated leaves are gathered copies already)
         state = group.staging.stage(state)
-    flat = (treedef, records, state)
     meter = Progress(f"vsf.checkpoint saving {final}", enabled=progress if group.rank == 0 else False)
-    handle = AsyncSave(final, lambda: _write(final, flat, group, meter, on_commit), background=not blocking)
+    work = functools.partial(_write, final, group, treedef, records, state, meter, on_commit)
+    handle = AsyncSave(final, work, background=not blocking)
     if blocking:
         handle.wait()
     else:
@@ -118,8 +121,15 @@ def start_save(
     return handle
 
 
-def _write(final: Path, flat: leaves.Flat, group: group_mod.Group, meter: Progress, on_commit: Callable[[], None] | None) -> None:
-    treedef, records, state = flat
+def _write(
+    final: Path,
+    group: group_mod.Group,
+    treedef: Any,
+    records: list[LeafRecord],
+    state: dict[str, torch.Tensor],
+    meter: Progress,
+    on_commit: Callable[[], None] | None,
+) -> None:
     token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
     staging = commit.staging_path(final, token)
     if group.rank == 0:
@@ -143,7 +153,7 @@ def _write(final: Path, flat: leaves.Flat, group: group_mod.Group, meter: Progre
         raise RuntimeError(f"committing {final} failed on rank 0: {message}")
 
 
-def _commit(final: Path, staging: Path, treedef: Any, records: list[Any], per_rank: list[dict[str, FileRecord]]) -> None:
+def _commit(final: Path, staging: Path, treedef: Any, records: list[LeafRecord], per_rank: list[dict[str, FileRecord]]) -> None:
     files: dict[str, FileRecord] = {}
     for rank_files in per_rank:
         files.update(rank_files)

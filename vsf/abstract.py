@@ -120,10 +120,9 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         >>> state = vsf.eval_shape(tx.init, params)     # no optimizer memory allocated
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=state)
     """
-    is_abstract = lambda x: isinstance(x, ShapeDtypeStruct)  # noqa: E731
-    structs = tree.map(_describe, (args, kwargs), is_leaf=is_abstract)
+    structs = tree.map(_describe, (args, kwargs))
     with _compat.local_mode_disabled(), _compat.FakeTensorMode(allow_non_fake_inputs=True):
-        fake_args, fake_kwargs = tree.map(lambda x: empty(x) if is_abstract(x) else x, structs, is_leaf=is_abstract)
+        fake_args, fake_kwargs = tree.map(lambda x: empty(x) if isinstance(x, ShapeDtypeStruct) else x, structs)
         out = fn(*fake_args, **fake_kwargs)
     return tree.map(lambda x: ShapeDtypeStruct.like(x) if isinstance(x, torch.Tensor) else x, out)
 

@@ -71,7 +71,8 @@ def save(path: str | Path, tree: Any, *, blocking: bool = True, progress: bool |
     registered with :mod:`vsf.tree`. The directory appears atomically once complete; ``path`` must
     not exist. With ``blocking=False`` the shards are copied to host memory before this returns and
     written by a background thread: wait on the returned handle (the next save or load also waits
-    for it, and raises its error if it failed).
+    for it, and raises its error if it failed). The host buffers are kept for the next background
+    save (refilling warm memory is much faster than filling new memory).
     ``progress`` shows bytes and rate on stderr (default: when stderr is a terminal).
 
     Example::

@@ -131,10 +131,10 @@ def _write(
     meter: Progress,
     on_commit: Callable[[], None] | None,
 ) -> None:
+    if group.rank == 0:  # before any rank can create this save's staging directory
+        commit.remove_stale(final)
     token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
     staging = commit.staging_path(final, token)
-    if group.rank == 0:
-        commit.remove_stale(final)
     writer = ChecksumWriter(staging, meter)
     dcp.save(state, storage_writer=writer, **group.dcp_kwargs)
     per_rank = group.all_gather(writer.records)

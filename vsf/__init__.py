@@ -13,7 +13,8 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import config, debug, launch, ops, optim, sharding, tree
+from vsf import checkpoint, config, debug, launch, ops, optim, sharding, tree
+from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
@@ -36,10 +37,13 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "ShapeDtypeStruct",
+    "checkpoint",
     "config",
     "debug",
     "device_get",
     "device_put",
+    "eval_shape",
     "grad",
     "jit",
     "launch",

@@ -412,6 +412,8 @@ def _kind(src: Placement, dst: Placement) -> str | None:
         return None
     if isinstance(src, Replicate) and _is_shard(dst):
         return "slice"
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        return "partition"  # local (one rank keeps the value): DTensor may ask for it, the planner never does
     if isinstance(src, Partial):
         return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if _is_shard(dst) else "invalid"
     if _is_shard(src):
@@ -442,7 +444,7 @@ class _Codes:
         if a is _NOT_PARTIAL:
             return _INF
         kind = _kind(a, b)
-        return 0.0 if kind is None else _INF if kind == "invalid" else _transition_bytes(kind, self.n, 1.0)
+        return 0.0 if kind is None else _INF if kind in ("invalid", "partition") else _transition_bytes(kind, self.n, 1.0)
 
     def is_shard(self, c: int) -> bool:
         return _is_shard(self.placements[c])
@@ -897,7 +899,7 @@ def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) 
         current[mesh_dim] = b
         after = local_shape(mesh, t, tuple(current))
         kind = _kind(_one_d(a), _one_d(b))
-        if kind in (None, "slice"):
+        if kind in (None, "slice", "partition"):
             continue
         n = mesh.axis_size(dm_axes[mesh_dim])
         shape = after if kind == "all_gather" else before

@@ -22,11 +22,13 @@ from vsf.sharding import (
     NamedSharding,
     P,
     PartitionSpec,
+    RaggedShard,
     device_get,
     device_put,
     make_mesh,
     use_mesh,
 )
+from vsf.sharding.spec import ragged
 from vsf.sharding.inspect import typeof
 
 __version__ = "0.1.0"
@@ -36,6 +38,7 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "RaggedShard",
     "config",
     "debug",
     "device_get",
@@ -45,6 +48,7 @@ __all__ = [
     "make_mesh",
     "optim",
     "ops",
+    "ragged",
     "sharding",
     "simulate",
     "tree",

@@ -133,19 +133,32 @@ class _Owner(NamedTuple):
 
 
 def _owners(us: Sequence[torch.Tensor], axis: str | None) -> list[_Owner | None]:
-    """Each matrix's owner on its axis: per axis, largest Newton-Schulz cost first onto the least
-    loaded rank (ties: lower rank, earlier leaf). ``None`` where it runs where it is."""
+    """Each matrix's owner on its axis (``None``: it runs where it is). A matrix already whole on
+    one rank of the axis is owned there (nothing moves); the others go, per axis, largest
+    Newton-Schulz cost first onto the least loaded rank (ties: lower rank, earlier leaf)."""
     axes = [_owner_axis(u, axis) for u in us]
     out: list[_Owner | None] = [None] * len(us)
     for a in dict.fromkeys(x for x in axes if x is not None):
-        mesh = sharding_of(next(u for u, x in zip(us, axes) if x == a)).mesh
-        loads = [0] * mesh.axis_size(a)
-        mine = sorted((i for i, x in enumerate(axes) if x == a), key=lambda i: -_cost(us[i].shape))
+        mine = [i for i, x in enumerate(axes) if x == a]
+        loads = [0] * sharding_of(us[mine[0]]).mesh.axis_size(a)
         for i in mine:
+            out[i] = _holder(us[i], a)
+            if out[i] is not None:
+                loads[out[i].index] += _cost(us[i].shape)
+        for i in sorted((i for i in mine if out[i] is None), key=lambda i: -_cost(us[i].shape)):
             r = min(range(len(loads)), key=lambda j: (loads[j], j))
             loads[r] += _cost(us[i].shape)
             out[i] = _Owner(a, r)
     return out
+
+
+def _holder(u: torch.Tensor, axis: str) -> _Owner | None:
+    """The rank of ``axis`` that holds all of ``u`` (ragged with all its units there, whole on the other axes)."""
+    s = sharding_of(u)
+    r = s.ragged
+    if r is None or r.axis != axis or sum(1 for n in r.units if n) != 1 or s.spec.normalized() != PartitionSpec(r):
+        return None
+    return _Owner(axis, next(j for j, n in enumerate(r.units) if n))
 
 
 def _cost(shape: Sequence[int]) -> int:
@@ -176,7 +189,7 @@ def _on_owner(u: torch.Tensor, owner: _Owner | None, fn: Callable[[torch.Tensor]
     s = sharding_of(u)
     units = tuple(int(j == owner.index) for j in range(s.mesh.axis_size(owner.axis)))
     held = NamedSharding(s.mesh, PartitionSpec(ragged(owner.axis, units)))
-    whole = device_put(u, held)   # the owner's units are all of the matrix: it gets the whole of it
+    whole = device_put(u, held)   # the owner's units are all of the matrix: it gets all of it (no-op if it has)
 
     def run(t: torch.Tensor, me: int, rank: int) -> torch.Tensor:
         if me != owner.index:

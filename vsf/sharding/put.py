@@ -112,6 +112,8 @@ def _reshard(x: DTensor, s: NamedSharding) -> DTensor:
 
 def _reshard_ragged(x: DTensor, src: NamedSharding, dst: NamedSharding) -> DTensor:
     """Move a DTensor between layouts at least one of which is ragged (see the module docs)."""
+    if src == dst:
+        return x
     summed = tuple(a for a in src.spec.unreduced if a not in dst.spec.unreduced and src.mesh.axis_size(a) > 1)
     if summed and src.ragged is not None:   # reduce first, on the local shards: a psum is layout-blind
         reduced = NamedSharding(src.mesh, PartitionSpec(*src.spec, unreduced=tuple(a for a in src.spec.unreduced if a not in summed)))

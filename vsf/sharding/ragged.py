@@ -123,7 +123,7 @@ def reshard(local: torch.Tensor, shape: Sequence[int], src: Layout, dst: Layout,
     axis = _ragged_axis(src, dst)
     for layout in (src, dst):
         _check_layout(layout, shape, mesh)
-    if src == dst:
+    if src == dst or _same_rows(src, dst, shape):
         return local
     if mesh.axis_size(axis) == 1:
         return local.reshape(local_shape(dst, shape, 0, 1))
@@ -153,6 +153,12 @@ class _Reshard(ops.Linear):
 
     def transpose(self) -> ops.Linear:
         return _Reshard(self.g, self.shape, _adjoint(self.dst), _adjoint(self.src))
+
+
+def _same_rows(src: Layout, dst: Layout, shape: tuple[int, ...]) -> bool:
+    """Two ragged splits that give every rank the same rows of ``shape`` (e.g. units ``(4, 0)`` and ``(1, 0)``)."""
+    both = isinstance(src, RaggedShard) and isinstance(dst, RaggedShard)
+    return both and src.dims == dst.dims and src.row_counts(shape) == dst.row_counts(shape)
 
 
 def _adjoint(layout: Layout) -> Layout:

@@ -1,0 +1,1 @@
+"""Benchmarks: ratios against reference implementations, measured side by side in one run."""

@@ -13,7 +13,8 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import config, debug, ops, optim, sharding, tree
+from vsf import checkpoint, config, debug, ops, optim, sharding, tree
+from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
@@ -28,8 +29,8 @@ from vsf.sharding import (
     make_mesh,
     use_mesh,
 )
-from vsf.sharding.spec import ragged
 from vsf.sharding.inspect import typeof
+from vsf.sharding.spec import ragged
 
 __version__ = "0.1.0"
 
@@ -39,10 +40,13 @@ __all__ = [
     "P",
     "PartitionSpec",
     "RaggedShard",
+    "ShapeDtypeStruct",
+    "checkpoint",
     "config",
     "debug",
     "device_get",
     "device_put",
+    "eval_shape",
     "grad",
     "jit",
     "make_mesh",

@@ -40,10 +40,12 @@ from torch.distributed.tensor._ops.utils import is_tensor_shardable
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.proxy import _register_stack_trace_anchor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
     "DTensorSpec",
+    "FakeTensorMode",
     "LocalTensor",
     "LocalTensorMode",
     "OpSchema",
@@ -208,5 +210,6 @@ def dtensor_local(x: DTensor) -> torch.Tensor:
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` (same dtype as ``like``) as a DTensor with ``like``'s mesh, placements and global
-    shape: ``DTensor.from_local`` without its autograd function and view."""
+    shape: ``DTensor.from_local`` without its autograd function and view. ``local`` may live on
+    another device than the mesh (a host copy staged for an async checkpoint)."""
     return DTensor(local, like._spec, requires_grad=local.requires_grad)

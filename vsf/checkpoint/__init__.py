@@ -1,0 +1,43 @@
+"""Checkpoints of pytrees on ``torch.distributed.checkpoint`` (DCP): resharded on load, atomic, checked, async.
+
+``save`` writes any pytree of DTensors, plain tensors, Python scalars, strings and None (in dicts,
+lists, tuples, NamedTuples and registered dataclasses); each rank writes only the shards it owns.
+``load`` reads it back onto any mesh, specs and number of ranks, as a ``target`` tree of
+:class:`vsf.ShapeDtypeStruct` (or live arrays, or :func:`vsf.eval_shape` of an init function)
+says. A checkpoint directory appears only once complete (written aside, committed with a marker
+holding CRC-32 checksums of every file, then renamed), so a crash never leaves a half-written
+checkpoint that could be loaded, and a damaged file is reported, never loaded.
+
+Example::
+
+    import vsf
+    from vsf import P
+
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))                  # under torchrun --nproc-per-node 4
+    params = vsf.device_put({"w": torch.randn(8, 4)}, {"w": vsf.NamedSharding(mesh, P("dp", "tp"))})
+    vsf.checkpoint.save("ckpt/step_100", {"params": params, "step": 100})
+
+    mesh2 = vsf.make_mesh((2,), ("fsdp",))                      # later, on 2 ranks
+    target = {"params": {"w": vsf.ShapeDtypeStruct((8, 4), torch.float32, vsf.NamedSharding(mesh2, P("fsdp")))},
+              "step": 0}
+    state = vsf.checkpoint.load("ckpt/step_100", target)
+
+    mngr = vsf.checkpoint.CheckpointManager("ckpt", max_to_keep=3, save_interval_steps=100)
+    mngr.save(step, state, blocking=False)                      # copies shards, writes in the background
+"""
+
+from vsf.checkpoint.format import FORMAT_VERSION, CorruptCheckpointError, NotACheckpointError
+from vsf.checkpoint.loading import load
+from vsf.checkpoint.manager import CheckpointManager
+from vsf.checkpoint.saving import AsyncSave, async_save, save
+
+__all__ = [
+    "FORMAT_VERSION",
+    "AsyncSave",
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "NotACheckpointError",
+    "async_save",
+    "load",
+    "save",
+]

@@ -21,7 +21,8 @@ import vsf
 from vsf import P, RaggedShard, _compat
 from vsf.ops import backend
 from vsf.sharding import NamedSharding, RaggedPlacement, sharding_of
-from workers.ops_oracles import expected_local, per_rank
+from test_ragged import MESHES
+from workers.ops_oracles import expected_local, per_rank, ragged_case
 
 ragged = vsf.ragged
 
@@ -129,15 +130,6 @@ def test_typeof_shards_visualize_and_memory_by_hand(sim):
 
 # -- device_put / device_get: every redistribution, any rank, 1D/2D/5D meshes ----------------------------------
 
-MESHES = {"1d": ((4,), ("fsdp",)), "2d": ((2, 3), ("dp", "fsdp")), "5d": ((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))}
-
-
-def _units(draw, n: int) -> tuple[int, ...]:
-    units = [draw(st.integers(0, 3)) for _ in range(n)]
-    units[draw(st.integers(0, n - 1))] += 1   # never all zero
-    return tuple(units)
-
-
 @pytest.mark.parametrize("name", list(MESHES))
 def test_device_put_round_trips_are_exact(name):
     """Replicate -> Ragged(u1) -> Shard -> Ragged(u2) -> Replicate through device_put, another axis
@@ -151,23 +143,16 @@ def test_device_put_round_trips_are_exact(name):
         @settings(max_examples=12, deadline=None, derandomize=True)
         @given(st.data())
         def run(data):
-            draw = data.draw
-            ndim = draw(st.integers(1, 4))
-            r1 = ragged("fsdp", _units(draw, n), dims=draw(st.integers(1, ndim)), block=draw(st.integers(1, 2)))
-            r2 = ragged("fsdp", _units(draw, n), dims=draw(st.integers(1, ndim)), block=draw(st.integers(1, 2)))
-            rows = math.lcm(r1.block * sum(r1.units), r2.block * sum(r2.units)) * draw(st.integers(1, 2))
-            shape = [rows, *(draw(st.integers(1, 3)) for _ in range(ndim - 1))]
-            later = max(r1.dims, r2.dims)
-            split = other is not None and later < ndim and draw(st.booleans())
+            shape, r1, r2, d = ragged_case(lambda lo, hi: data.draw(st.integers(lo, hi)), n, "fsdp")
+            shape, ndim, later = list(shape), len(shape), max(r1.dims, r2.dims)
+            split = other is not None and later < ndim and data.draw(st.booleans())
             rest = [None] * (ndim - 1)
-            if split:   # the other axis splits a later dim evenly (simulation needs it)
-                rest[later - 1] = other
-                shape[later] = mesh.axis_size(other) * draw(st.integers(1, 2))
-            d = draw(st.sampled_from([k for k in range(ndim) if not (split and k == later)]))
             shard = [None] * ndim
+            if split:   # the other axis splits a later dim evenly (simulation needs it)
+                rest[later - 1] = shard[later] = other
+                shape[later] = mesh.axis_size(other) * data.draw(st.integers(1, 2))
+                d = d if d != later else 0
             shard[d] = "fsdp"
-            if split:
-                shard[later] = other
             steps = [P(r1, *rest), P(*shard), P(r2, *rest), P()]
             with _compat.local_mode_disabled():
                 full = torch.randn(shape)

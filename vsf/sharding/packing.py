@@ -113,19 +113,18 @@ def _assign(items: Sequence[_Item], n: int) -> list[tuple[int, ...]]:
         counts[i][r] = 1
         loads[r] += items[i].weight
     level = _level(loads, sum(it.weight * it.blocks for it in items if not it.whole))
-    bounds, acc = [], 0.0   # cumulative room of ranks 0..j up to the level
-    for j in range(n):
-        acc += max(0.0, level - loads[j])
-        bounds.append(acc)
-    at, rank = 0.0, 0
+    bounds, room = [], 0.0   # cumulative room of ranks 0..j-1 up to the level (the last rank takes the rest)
+    for j in range(n - 1):
+        room += max(0.0, level - loads[j])
+        bounds.append(room)
+    at = 0.0
     for i, it in enumerate(items):
         if it.whole:
             continue
-        for _ in range(it.blocks):   # a block goes to the rank whose room holds its middle
-            while rank < n - 1 and at + it.weight / 2 > bounds[rank]:
-                rank += 1
-            counts[i][rank] += 1
-            at += it.weight
+        # a block goes to the first rank whose cumulative room reaches its middle
+        before = [min(it.blocks, max(0, math.floor((b - at) / it.weight + 0.5))) for b in bounds] + [it.blocks]
+        counts[i] = [hi - lo for lo, hi in zip([0, *before[:-1]], before)]
+        at += it.weight * it.blocks
     return [tuple(c) for c in counts]
 
 

@@ -14,9 +14,8 @@ DTensor moving the other axes.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Placement, Shard

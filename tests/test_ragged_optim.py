@@ -71,6 +71,8 @@ def test_eager_errors(sim):
     w = vsf.device_put(torch.randn(2, 8, 5), NamedSharding(mesh, P(ragged("fsdp", (1, 1), dims=2))))
     with pytest.raises(ValueError, match=r"flattens dims 0..1 into rows; a reduction must cover all of them or none, got dim=\(0,\)"):
         eager.sum(w, 0)
+    with pytest.raises(ValueError, match="dim 3 is out of range for a tensor of rank 3"):
+        eager.mean(w, 3)
     u = vsf.device_put(torch.randn(8, 6), NamedSharding(mesh, P(ragged("fsdp", (1, 3)), unreduced="tp")))
     with pytest.raises(ValueError, match="norm of an unreduced value"):
         eager.norm(u)

@@ -85,7 +85,8 @@ def scale_by_muon(
     moved back; without ``axis``, of the axis that splits it (its ragged axis, or its one sharded
     axis; a matrix split over several needs ``axis``). A matrix replicated on that axis, or a
     plain tensor, is orthogonalised where it is. ``on_orthogonalize(rank, key_path)`` is called
-    on every rank (every simulated rank) each time it runs the iteration, e.g. to count them.
+    each time a rank runs the iteration, by that rank (under simulation, once for each simulated
+    rank that runs it), e.g. to count where the work happens.
 
     Example::
 

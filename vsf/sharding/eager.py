@@ -1,7 +1,7 @@
 """Eager math on sharded DTensors in any vsf layout, ragged ones included.
 
-DTensor has no strategy for a :class:`~vsf.sharding.named.RaggedPlacement` (its ops raise), and
-under ``vsf.jit`` the planner handles ragged operands. For eager code these helpers compute on
+DTensor has no strategy for a :class:`~vsf.sharding.named.RaggedPlacement` (its ops raise; a
+``vsf.jit`` plan is to handle ragged operands itself). For eager code these helpers compute on
 the local shards and communicate only what the math needs, never gathering a value:
 
 * :func:`elementwise` - ``fn`` on the local shards of tensors laid out alike, with replicated
@@ -11,7 +11,9 @@ the local shards and communicate only what the math needs, never gathering a val
   global count;
 * :func:`norm` - the ``p``-norm of all elements: local power sum, one ``psum`` per sharding axis.
 
-They work on any vsf layout; for non-ragged ones DTensor's own ops compute the same.
+They work on any vsf layout; for non-ragged ones DTensor's own ops compute the same. They read
+the DTensors' local shards directly, so no gradient flows back to a DTensor argument (use
+``vsf.jit`` / ``vsf.grad`` for differentiable steps).
 
 Example::
 
@@ -25,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import builtins
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -166,10 +167,10 @@ def _all(dim: Dims, ndim: int) -> list[int]:
     if dim is None:
         return list(range(ndim))
     dims = [dim] if isinstance(dim, int) else list(dim)
-    out = sorted({d % ndim if ndim else d for d in dims})
-    if any(not 0 <= d < builtins.max(ndim, 1) for d in out):
+    bound = max(ndim, 1)   # a 0-d tensor takes dim 0 or -1, as torch does
+    if any(not -bound <= d < bound for d in dims):
         raise ValueError(f"dim {dim!r} is out of range for a tensor of rank {ndim}")
-    return out
+    return sorted({d % bound for d in dims}) if ndim else []
 
 
 def _sharding_axes(s: NamedSharding, dims: Sequence[int]) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """Meshes, specs and layouts: ``Mesh``, ``P``, ``NamedSharding``, rules, placement and inspection.
 
 The ragged spec entry is ``vsf.ragged(...)`` (a :class:`RaggedShard`); ``vsf.sharding.ragged``
-is the module that moves ragged values.
+is the module that moves ragged values, ``vsf.sharding.eager`` computes on them (elementwise,
+sum, mean, norm), and :func:`ragged_plan` / :func:`gather_group` pack a pytree for flat-buffer FSDP.
 """
 
 from vsf.sharding.mesh import Mesh, current_mesh, make_mesh, mesh_of, use_mesh

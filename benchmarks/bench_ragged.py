@@ -7,7 +7,10 @@ padding). Two ways to gather it, measured side by side in the same processes:
   (a ``RaggedShard`` over the flat buffer), gathered with one ``vsf.ops.all_gather_v``;
 * ``padded``: every tensor as ``Shard(0)`` (``torch.chunk`` rows, padded to the largest chunk
   as DTensor / FSDP2 do), the padded pieces concatenated and gathered with one even
-  ``vsf.ops.all_gather``.
+  ``vsf.ops.all_gather``;
+* ``gather_group``: the public path end to end, params placed by
+  ``vsf.sharding.ragged_plan`` (whole rows, balanced bytes) and gathered by
+  ``vsf.sharding.gather_group`` (one ``all_gather_v``, plus packing and unpacking the leaves).
 
 Bytes are what each process's sockets wrote (``/proc/self/io``), summed over ranks; time is the
 median over repetitions of the slowest rank. Run::
@@ -56,20 +59,22 @@ def _worker(out_dir: str, quick: bool) -> None:
     import torch.distributed as dist
 
     import vsf
-    from vsf.sharding.ragged import RaggedShard
 
     rank = int(os.environ["RANK"])
     mesh = vsf.make_mesh((NPROC,), ("fsdp",), device_type="cpu")
     me = mesh.coordinate(rank)["fsdp"]
     shapes = group_shapes(quick)
     total = sum(math.prod(s) for s in shapes)
-    layout = RaggedShard("fsdp", balanced(total, NPROC))
+    layout = vsf.RaggedShard("fsdp", balanced(total, NPROC))
     counts = layout.row_counts((total,))
     ragged_piece = torch.randn(counts[me])
     padded_piece = torch.randn(sum(padded_numel(s, NPROC) for s in shapes))
+    params = {f"p{i:02d}": torch.randn(s) for i, s in enumerate(shapes)}
+    placed = vsf.device_put(params, vsf.sharding.ragged_plan(params, "fsdp", mesh=mesh))
     ways = {
         "ragged": lambda: vsf.ops.all_gather_v(ragged_piece, "fsdp", counts, mesh=mesh),
         "padded": lambda: vsf.ops.all_gather(padded_piece, "fsdp", mesh=mesh),
+        "gather_group": lambda: vsf.sharding.gather_group(placed),
     }
     samples: dict[str, list[dict[str, float]]] = {k: [] for k in ways}
     for rep in range(3 if quick else 10):
@@ -95,7 +100,7 @@ def run(quick: bool) -> list[dict]:
     shapes = group_shapes(quick)
     total = reports[0]["total"]
     rows = []
-    for name in ("ragged", "padded"):
+    for name in ("ragged", "padded", "gather_group"):
         reps = len(reports[0]["samples"][name])
         seconds = [max(r["samples"][name][i]["seconds"] for r in reports) for i in range(reps)]
         wire = [sum(r["samples"][name][i]["wire"] for r in reports) for i in range(reps)]
@@ -107,7 +112,7 @@ def run(quick: bool) -> list[dict]:
             "wire_bytes": int(statistics.median(wire)),
             "median_ms": round(statistics.median(seconds) * 1e3, 3),
         })
-    ragged, padded = rows
+    ragged, padded, _ = rows
     for row in rows:
         row["wire_vs_payload"] = round(row["wire_bytes"] / row["payload_bytes"], 4)
         row["time_vs_ragged"] = round(row["median_ms"] / ragged["median_ms"], 3)

@@ -8,7 +8,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 import vsf
-from vsf.sharding.ragged import RaggedPlacement, ragged, reshard, to_dtensor
+from vsf import P
+from vsf.sharding.ragged import RaggedPlacement, ragged, reshard
 from workers.ops_oracles import expected_piece, per_rank
 
 
@@ -19,7 +20,7 @@ def ragged_dtensor(sim):
     r = ragged("fsdp", (3, 0))
     full = torch.arange(24.0).reshape(6, 4)
     with vsf.use_mesh(mesh):
-        dt = to_dtensor(reshard(full, full.shape, Replicate(), r), mesh, full.shape, r)
+        dt = vsf.sharding.from_local(reshard(full, full.shape, Replicate(), r), vsf.NamedSharding(mesh, P(r)), full.shape)
     return dt, r, full, mesh
 
 

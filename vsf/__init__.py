@@ -23,12 +23,14 @@ from vsf.sharding import (
     NamedSharding,
     P,
     PartitionSpec,
+    RaggedShard,
     device_get,
     device_put,
     make_mesh,
     use_mesh,
 )
 from vsf.sharding.inspect import typeof
+from vsf.sharding.spec import ragged
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "RaggedShard",
     "ShapeDtypeStruct",
     "checkpoint",
     "config",
@@ -50,6 +53,7 @@ __all__ = [
     "make_mesh",
     "optim",
     "ops",
+    "ragged",
     "sharding",
     "simulate",
     "tree",

@@ -10,15 +10,20 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import vsf
-from vsf import _compat
-from vsf.sharding.ragged import RaggedShard, ragged, reshard
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for layout_oracle under torchrun
+
+import vsf  # noqa: E402
+from layout_oracle import coordinate, expected_shard  # noqa: E402
+from vsf import _compat  # noqa: E402
+from vsf.sharding.ragged import RaggedShard, ragged, reshard  # noqa: E402
 
 Tensors = list[torch.Tensor]
 
@@ -208,6 +213,17 @@ def expected_piece(full: torch.Tensor, layout, index: int, n: int) -> torch.Tens
         pieces = torch.chunk(full, n, layout.dim)
         return pieces[index] if index < len(pieces) else full.narrow(layout.dim, 0, 0)
     return full
+
+
+def expected_local(full: torch.Tensor, sizes: Sequence[int], names: Sequence[str], entries: Sequence[object], rank: int) -> torch.Tensor:
+    """``rank``'s local tensor under a spec whose first entry may be a RaggedShard: its rows of
+    the flattened leading dims, then the later dims cut by ``torch.chunk`` (layout_oracle)."""
+    first = entries[0] if entries else None
+    if not isinstance(first, RaggedShard) or dict(zip(names, sizes))[first.axis] == 1:
+        return expected_shard(full, sizes, names, [None if isinstance(e, RaggedShard) else e for e in entries], rank)
+    index = coordinate(sizes, names, rank)[first.axis]
+    rows = expected_piece(full, first, index, len(first.units))
+    return expected_shard(rows, sizes, names, [None, *entries[first.dims :]], rank)
 
 
 def ragged_case(draw_int: Callable[[int, int], int], n: int, axis: str) -> tuple[tuple[int, ...], RaggedShard, RaggedShard, int]:

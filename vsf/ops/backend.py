@@ -34,7 +34,7 @@ import torch.distributed as dist
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["AxisGroup", "all_gather", "all_reduce", "all_to_all", "axis_group", "exchange", "per_rank", "reduce_scatter"]
+__all__ = ["AxisGroup", "all_gather", "all_reduce", "all_to_all", "axis_group", "exchange", "local_ranks", "per_rank", "reduce_scatter"]
 
 Counts = tuple[tuple[int, ...], ...]
 
@@ -89,6 +89,13 @@ def axis_group(mesh: Mesh, axis: str) -> AxisGroup:
     return AxisGroup(mesh, axis, size, group, kind)
 
 
+def local_ranks() -> list[int]:
+    """The global ranks whose values this process computes: every simulated rank under
+    :func:`vsf.simulate`, else this process's rank."""
+    mode = _compat.active_local_mode()
+    return sorted(mode.ranks) if mode is not None else [runtime.rank()]
+
+
 # -- even collectives: PyTorch's functional collectives (right on every backend) ----------------
 
 
@@ -124,17 +131,21 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 # -- ragged steps: per-rank functions and the exchange ------------------------------------------
 
 
-def per_rank(x: torch.Tensor, g: AxisGroup, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-    """Apply ``fn(local, index)`` on each rank, ``index`` being the rank's position on the axis.
+def per_rank(x: torch.Tensor, g: AxisGroup, fn: Callable[..., torch.Tensor], *, with_rank: bool = False) -> torch.Tensor:
+    """Apply ``fn(local, index)`` on each rank, ``index`` being the rank's position on the axis
+    (``fn(local, index, rank)`` with ``with_rank``, ``rank`` the global rank).
 
     Use it for local steps whose sizes depend on the rank (slicing one's own piece, padding it).
     Under simulation every simulated rank runs ``fn`` on its own value.
     """
+    def call(v: torch.Tensor, r: int) -> torch.Tensor:
+        return fn(v, g.index(r), r) if with_rank else fn(v, g.index(r))
+
     if g.kind != "simulated":
-        return fn(x, g.index(runtime.rank()))
+        return call(x, runtime.rank())
     values = _values(x, g.mesh)
     with _compat.local_mode_disabled():
-        return _compat.make_local({r: fn(v, g.index(r)) for r, v in values.items()})
+        return _compat.make_local({r: call(v, r) for r, v in values.items()})
 
 
 def exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:

@@ -19,6 +19,7 @@ from vsf.optim.base import (
     masked,
     multi_steps,
 )
+from vsf.optim.muon import NS_COEFFICIENTS, ScaleByMuonState, muon, newton_schulz, scale_by_muon
 from vsf.optim.schedules import Schedule, constant, cosine_decay, linear, warmup_cosine_decay
 from vsf.optim.sharded import ZeroLayout, init_sharded, state_shardings, zero_layout
 from vsf.optim.transforms import (
@@ -44,9 +45,11 @@ __all__ = [
     "GradientTransformation",
     "MaskedState",
     "MultiStepsState",
+    "NS_COEFFICIENTS",
     "Schedule",
     "ScaleByAdamState",
     "ScaleByLionState",
+    "ScaleByMuonState",
     "ScaleByScheduleState",
     "TraceState",
     "ZeroLayout",
@@ -63,9 +66,12 @@ __all__ = [
     "linear",
     "masked",
     "multi_steps",
+    "muon",
+    "newton_schulz",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_muon",
     "scale_by_schedule",
     "sgd",
     "state_shardings",

@@ -28,6 +28,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vsf import _compat, tree
+from vsf.sharding.mesh import mesh_of
+from vsf.sharding.named import RaggedPlacement, from_placements
+from vsf.sharding.put import device_put
 
 __all__ = [
     "FLOATING",
@@ -48,6 +51,7 @@ __all__ = [
     "where",
     "wrap",
     "zero_count",
+    "zeros_like",
 ]
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,6 +131,21 @@ def wrap(t: torch.Tensor, like: Any) -> torch.Tensor:
     return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
+def zeros_like(x: Any) -> Any:
+    """Zeros shaped and laid out like every tensor leaf of ``x``, made from the local shards (a
+    ragged DTensor has no DTensor ops)."""
+    return tree.map(lambda t: wrap(torch.zeros_like(local(t)), t), x)
+
+
+def redistribute(x: DTensor, placements: Sequence[Any]) -> DTensor:
+    """``x`` with ``placements`` on its mesh: DTensor's ``redistribute``, or ``vsf.device_put``'s
+    when either layout is ragged (DTensor cannot move those)."""
+    if any(isinstance(p, RaggedPlacement) for p in (*x.placements, *placements)):
+        return device_put(x, from_placements(mesh_of(x.device_mesh), placements, x.ndim))
+    with _compat.quiet_redistribute():
+        return x.redistribute(x.device_mesh, placements)
+
+
 def settle(xs: Sequence[torch.Tensor], layout: Sequence[torch.Tensor], paths: Sequence[tree.KeyPath], what: str) -> list[torch.Tensor]:
     """Each leaf of ``xs`` redistributed to the layout of the matching ``layout`` leaf.
 
@@ -154,8 +173,7 @@ def _settle_one(x: torch.Tensor, ref: torch.Tensor, path: tree.KeyPath, what: st
         raise ValueError(f"{what} leaf {tree.keystr(path)} lives on {x.device_mesh}, its state on {ref.device_mesh}")
     if tuple(x.placements) == tuple(ref.placements):
         return x
-    with _compat.quiet_redistribute():
-        return x.redistribute(ref.device_mesh, ref.placements)
+    return redistribute(x, ref.placements)
 
 
 def settle_partial(
@@ -170,9 +188,7 @@ def settle_partial(
         elif params is not None and isinstance(params[i], DTensor):
             out.append(_settle_one(x, params[i], paths[i], what))
         else:
-            placements = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
-            with _compat.quiet_redistribute():
-                out.append(x.redistribute(x.device_mesh, placements))
+            out.append(redistribute(x, [Replicate() if isinstance(p, Partial) else p for p in x.placements]))
     return out
 
 

@@ -179,7 +179,7 @@ def multi_steps(inner: GradientTransformation, every_k: int) -> GradientTransfor
         ref = _leaves.flat(params)
         _leaves.check_floating(ref.leaves, ref.paths, "params")
         count = _leaves.zero_count(ref.leaves)
-        return MultiStepsState(count, count, inner.init(params), tree.map(torch.zeros_like, params))
+        return MultiStepsState(count, count, inner.init(params), _leaves.zeros_like(params))
 
     def update(updates: Updates, state: MultiStepsState, params: Params | None = None) -> tuple[Updates, MultiStepsState]:
         acc = _leaves.flat(state.acc_grads)
@@ -198,14 +198,14 @@ def multi_steps(inner: GradientTransformation, every_k: int) -> GradientTransfor
         new_acc_tree = acc.unflatten(new_acc)
         inner_updates, inner_state = inner.update(new_acc_tree, state.inner_state, params)
         emit = (done + 1) == every_k
-        zeros = tree.map(torch.zeros_like, inner_updates)
+        zeros = _leaves.zeros_like(inner_updates)
         mini = _leaves.wrap(torch.where(emit, 0, _leaves.local(state.mini_step) + 1).to(torch.int32), state.mini_step)
         grad_step = _leaves.wrap((_leaves.local(state.gradient_step) + emit.to(torch.int32)), state.gradient_step)
         return _leaves.where(emit, inner_updates, zeros), MultiStepsState(
             mini,
             grad_step,
             _leaves.where(emit, inner_state, state.inner_state),
-            _leaves.where(emit, tree.map(torch.zeros_like, new_acc_tree), new_acc_tree),
+            _leaves.where(emit, _leaves.zeros_like(new_acc_tree), new_acc_tree),
         )
 
     return GradientTransformation(init, update)

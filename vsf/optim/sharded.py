@@ -208,7 +208,8 @@ def _zero(s: NamedSharding, shape: tuple[int, ...], zero_axes: tuple[str, ...], 
         return s
     n = math.prod(s.mesh.axis_size(a) for a in axes)
     entries = list(s.spec) + [None] * (len(shape) - len(s.spec))
-    free = [d for d in range(len(shape)) if entries[d] is None]
+    lead = s.spec.ragged.dims if s.spec.ragged is not None else 0   # dims a ragged entry flattens into rows
+    free = [d for d in range(lead, len(shape)) if entries[d] is None]
     dim = next((d for d in free if shape[d] % n == 0), None)
     if dim is None and uneven and free:
         dim = free[0]

@@ -123,7 +123,7 @@ def _prepare_stateless(updates: Updates, params: Params | None, *, need_params: 
 def _zeros_like(params: Params) -> Any:
     ref = _leaves.flat(params)
     _leaves.check_floating(ref.leaves, ref.paths, "params")
-    return tree.map(torch.zeros_like, params)
+    return _leaves.zeros_like(params)
 
 
 # -- stateless building blocks ------------------------------------------------------------------

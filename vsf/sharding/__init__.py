@@ -1,10 +1,16 @@
-"""Meshes, specs and layouts: ``Mesh``, ``P``, ``NamedSharding``, rules, placement and inspection."""
+"""Meshes, specs and layouts: ``Mesh``, ``P``, ``NamedSharding``, rules, placement and inspection.
+
+The ragged spec entry is ``vsf.ragged(...)`` (a :class:`RaggedShard`); ``vsf.sharding.ragged``
+is the module that moves ragged values, ``vsf.sharding.eager`` computes on them (elementwise,
+sum, mean, norm), and :func:`ragged_plan` / :func:`gather_group` pack a pytree for flat-buffer FSDP.
+"""
 
 from vsf.sharding.mesh import Mesh, current_mesh, make_mesh, mesh_of, use_mesh
-from vsf.sharding.named import NamedSharding, sharding_of
-from vsf.sharding.put import device_get, device_put
+from vsf.sharding.named import NamedSharding, RaggedPlacement, sharding_of
+from vsf.sharding.packing import gather_group, ragged_plan, reduce_scatter_group
+from vsf.sharding.put import device_get, device_put, from_local
 from vsf.sharding.rules import logical_to_mesh, match
-from vsf.sharding.spec import UNCONSTRAINED, P, PartitionSpec
+from vsf.sharding.spec import UNCONSTRAINED, P, PartitionSpec, RaggedShard
 
 __all__ = [
     "UNCONSTRAINED",
@@ -12,13 +18,19 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "RaggedPlacement",
+    "RaggedShard",
     "current_mesh",
     "device_get",
     "device_put",
+    "from_local",
+    "gather_group",
     "logical_to_mesh",
     "make_mesh",
     "match",
     "mesh_of",
+    "ragged_plan",
+    "reduce_scatter_group",
     "sharding_of",
     "use_mesh",
 ]

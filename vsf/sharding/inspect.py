@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh, mesh_of
 from vsf.sharding.named import Index, from_placements, sharding_of
+from vsf.sharding.spec import RaggedShard
 
 __all__ = ["AddressableShard", "shards", "type_string", "typeof", "visualize_sharding"]
 
@@ -25,12 +26,19 @@ _DTYPE = {
 def typeof(x: torch.Tensor) -> str:
     """JAX-style type of a tensor: dtype, global shape, and the axes each dim is split over.
 
+    A ragged split is written ``ROWS@AXIS~(UNITS)``, with ``xB`` after it for blocks of ``B``
+    rows; ``ROWS`` is ``d0*d1`` when it flattens two leading dims.
+
     Example::
 
         >>> vsf.typeof(params["w"])          # rows over dp, columns over tp
         'f32[8@dp,4@tp]'
         >>> vsf.typeof(grad)                 # a partial sum over tp, not yet reduced
         'f32[8,4]{U:tp}'
+        >>> vsf.typeof(ragged_w)             # P(vsf.ragged("fsdp", (1, 2, 1, 0)), "tp")
+        'f32[8@fsdp~(1,2,1,0),4@tp]'
+        >>> vsf.typeof(blocked)              # P(vsf.ragged("fsdp", (3, 1), dims=2, block=4))
+        'f32[2*8@fsdp~(3,1)x4,5]'
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"typeof expects a tensor, got {type(x).__name__}")
@@ -52,15 +60,26 @@ def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, p
             pending.setdefault("U" if p.reduce_op == "sum" else p.reduce_op, []).append(axis)
     plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
     s = from_placements(mesh, plain, len(shape))
-    dims = []
-    for dim, n in enumerate(shape):
+    r = s.ragged
+    dims = [] if r is None else [_ragged_string(shape, r)]
+    for dim in range(0 if r is None else r.dims, len(shape)):
+        n = shape[dim]
         axes = [a for a in s.spec.entry_axes(dim) if mesh.axis_size(a) > 1]
         dims.append(f"{n}@{axes[0]}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
     return f"{name}[{','.join(dims)}]" + "".join("{" + f"{op}:{','.join(a)}" + "}" for op, a in pending.items())
 
 
+def _ragged_string(shape: tuple[int, ...], r: RaggedShard) -> str:
+    block = f"x{r.block}" if r.block > 1 else ""
+    return f"{'*'.join(str(n) for n in shape[: r.dims])}@{r.axis}~({','.join(str(u) for u in r.units)}){block}"
+
+
 class AddressableShard(NamedTuple):
-    """One rank's piece of a sharded value: which rank, which global slice, and its data."""
+    """One rank's piece of a sharded value: which rank, which global slice, and its data.
+
+    For a ragged layout ``index[0]`` slices the flattened rows of the leading dims
+    (:meth:`NamedSharding.index_view`) and ``data`` has those rows.
+    """
 
     rank: int
     index: Index
@@ -88,6 +107,7 @@ def visualize_sharding(x: torch.Tensor) -> str:
 
     Each cell is one block, labelled with the ranks that hold it; rows and columns are labelled
     with the global slices they cover. Ranks whose shard is empty are listed below the grid.
+    A ragged layout is drawn over its flattened rows (a 2D tensor ragged over both dims as 1D).
 
     Example::
 
@@ -97,10 +117,11 @@ def visualize_sharding(x: torch.Tensor) -> str:
         raise ValueError(f"visualize_sharding draws 1D or 2D tensors, got {x.ndim}D (shape {tuple(x.shape)})")
     s = sharding_of(x)
     layout = s.devices_indices_map(tuple(x.shape)) if s else {sh.rank: sh.index for sh in shards(x)}
+    ndim = len(next(iter(layout.values())))   # a ragged layout's index covers its flattened rows
     blocks: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
     empty = []
     for rank, idx in sorted(layout.items()):
-        idx2 = (slice(0, 1), idx[0]) if x.ndim == 1 else idx
+        idx2 = (slice(0, 1), idx[0]) if ndim == 1 else idx
         if any(sl.stop <= sl.start for sl in idx2):
             empty.append(rank)
             continue
@@ -109,8 +130,8 @@ def visualize_sharding(x: torch.Tensor) -> str:
     cols = sorted({k[1] for k in blocks})
     labels = {k: _ranks_label(v) for k, v in blocks.items()}
     width = max([len(v) for v in labels.values()] + [len(f"{c[0]}:{c[1]}") for c in cols]) + 2
-    row_names = [f"[{r[0]}:{r[1]}]" if x.ndim == 2 else "" for r in rows]
-    pad = max(len(n) for n in row_names) + 1 if x.ndim == 2 else 0
+    row_names = [f"[{r[0]}:{r[1]}]" if ndim == 2 else "" for r in rows]
+    pad = max(len(n) for n in row_names) + 1 if ndim == 2 else 0
     title = typeof(x) + ("" if s is None else f" on {dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))}")
     lines = [title, " " * pad + " " + " ".join(f"{c[0]}:{c[1]}".center(width) for c in cols)]
     rule = lambda l, m, r: " " * pad + l + m.join("─" * width for _ in cols) + r  # noqa: E731
@@ -121,6 +142,8 @@ def visualize_sharding(x: torch.Tensor) -> str:
         lines.append(rule("├", "┼", "┤") if i < len(rows) - 1 else rule("└", "┴", "┘"))
     if empty:
         lines.append(f"empty shards (uneven split): ranks {_ranks_label(empty)}")
+    if s is not None and s.ragged is not None and s.ragged.dims > 1:
+        lines.append(f"slices are of the {s.ragged.dims} leading dims flattened into rows")
     if s is not None and s.spec.unreduced:
         lines.append(f"each block is an unreduced partial sum over {', '.join(s.spec.unreduced)}")
     return "\n".join(lines)

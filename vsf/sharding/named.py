@@ -13,6 +13,13 @@ Example::
     ...     s = vsf.NamedSharding(mesh, P("dp", "tp"))
     ...     s.shard_shape((8, 6)), s.devices_indices_map((8, 6))[3]
     ((4, 3), (slice(4, 8, None), slice(3, 6, None)))
+
+A spec with a :class:`~vsf.sharding.spec.RaggedShard` entry (``P(vsf.ragged("fsdp", units),
+...)``) flattens its leading ``dims`` dims into rows: an index then has one slice for those rows
+followed by one per later dim, a local shard has shape ``(rows, *later dims)`` (see
+:meth:`NamedSharding.index_view`), and the DTensor placement of its axis is a
+:class:`RaggedPlacement`. A ragged entry over an axis of size 1 holds everything, like any
+size-1 axis: it does not flatten anything.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from vsf import _compat, tree
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
-from vsf.sharding.spec import UNCONSTRAINED, PartitionSpec
+from vsf.sharding.spec import UNCONSTRAINED, PartitionSpec, RaggedShard
 
-__all__ = ["NamedSharding", "chunk", "from_placements", "resolve", "sharding_of"]
+__all__ = ["NamedSharding", "RaggedPlacement", "chunk", "from_placements", "resolve", "sharding_of"]
 
 Index = tuple[slice, ...]
 
@@ -40,6 +47,39 @@ def chunk(start: int, stop: int, n: int, i: int) -> tuple[int, int]:
     step = -(-size // n) if size else 0
     lo = min(start + i * step, stop)
     return lo, min(lo + step, stop)
+
+
+class RaggedPlacement(Placement):
+    """The DTensor placement of a :class:`~vsf.RaggedShard` on its mesh dim.
+
+    DTensor keeps it (``placements``, ``to_local()`` with per-rank sizes, the global ``shape``)
+    but has no strategy for it: its ops and ``full_tensor`` / ``redistribute`` raise instead of
+    computing with ``torch.chunk`` sizes. vsf moves ragged values itself
+    (:func:`vsf.device_put`, :func:`vsf.sharding.ragged.reshard`).
+
+    Example::
+
+        >>> [p.ragged for p in x.placements if isinstance(p, RaggedPlacement)]
+        [RaggedShard('fsdp', units=(1, 2, 1, 0), dims=1, block=1)]
+    """
+
+    def __init__(self, ragged: RaggedShard) -> None:
+        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
+        self._ragged = ragged
+
+    @property
+    def ragged(self) -> RaggedShard:
+        """The ragged split: ``axis``, ``units``, ``dims``, ``block``."""
+        return self._ragged
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RaggedPlacement) and other._ragged == self._ragged
+
+    def __hash__(self) -> int:
+        return hash(("RaggedPlacement", self._ragged))
+
+    def __repr__(self) -> str:
+        return f"RaggedPlacement({self._ragged!r})"
 
 
 class NamedSharding:
@@ -62,6 +102,9 @@ class NamedSharding:
         for axis in spec.axes:
             if axis not in mesh.axis_names:
                 raise ValueError(f"{spec!r} names mesh axis {axis!r}, which is not in the mesh {mesh.shape}")
+        if spec.ragged is not None and len(spec.ragged.units) != mesh.axis_size(spec.ragged.axis):
+            r = spec.ragged
+            raise ValueError(f"{r!r} has {len(r.units)} units but mesh axis {r.axis!r} has {mesh.axis_size(r.axis)} ranks")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
 
@@ -75,6 +118,12 @@ class NamedSharding:
     @property
     def spec(self) -> PartitionSpec:
         return self._spec
+
+    @property
+    def ragged(self) -> RaggedShard | None:
+        """The spec's :class:`~vsf.RaggedShard` entry when its axis is larger than 1, else ``None``."""
+        r = self._spec.ragged
+        return r if r is not None and self._mesh.axis_size(r.axis) > 1 else None
 
     @classmethod
     def tree(cls, mesh: Mesh, specs: Any) -> Any:
@@ -108,6 +157,8 @@ class NamedSharding:
             raise ValueError(
                 f"{self._spec!r}{at} has {len(self._spec)} entries but the tensor has rank {len(shape)} (shape {shape})"
             )
+        if self._spec.ragged is not None:
+            self._spec.ragged.check(shape, self._mesh.axis_size(self._spec.ragged.axis), where)
         for dim, entry in enumerate(self._spec):
             if entry is UNCONSTRAINED:
                 raise ValueError(
@@ -132,15 +183,36 @@ class NamedSharding:
         return math.prod(self._mesh.axis_size(a) for a in self._spec.entry_axes(dim))
 
     def index(self, shape: Sequence[int], rank: int) -> Index:
-        """The global slice each dimension of ``rank``'s shard covers."""
+        """The global slice each dimension of ``rank``'s shard covers.
+
+        With a ragged entry the first slice covers the flattened rows of its ``dims`` leading
+        dims, and the others the later dims (an index into :meth:`index_view`).
+        """
         coord = self._mesh.coordinate(rank)
-        out = []
-        for dim, size in enumerate(shape):
-            lo, hi = 0, size
+        r, lead = self.ragged, self._lead
+        out = [] if r is None else [slice(*r.row_range(shape, coord[r.axis]))]
+        for dim in range(lead, len(shape)):
+            lo, hi = 0, shape[dim]
             for axis in self._spec.entry_axes(dim):
                 lo, hi = chunk(lo, hi, self._mesh.axis_size(axis), coord[axis])
             out.append(slice(lo, hi))
         return tuple(out)
+
+    @property
+    def _lead(self) -> int:
+        """How many leading dims the ragged entry flattens (0 without one)."""
+        return 0 if self.ragged is None else self.ragged.dims
+
+    def index_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (of the global shape) as :meth:`index` slices it: the leading dims of a ragged
+        entry flattened into rows, else ``t`` itself.
+
+        Example::
+
+            >>> s.index_view(full)[s.index(full.shape, rank)]     # rank's local shard
+        """
+        lead = self._lead
+        return t if lead == 0 else t.reshape(math.prod(t.shape[:lead]), *t.shape[lead:])
 
     def devices_indices_map(self, shape: Sequence[int]) -> dict[int, Index]:
         """``{rank: index}`` for every rank of the mesh (JAX's method, rank == device id)."""
@@ -148,10 +220,13 @@ class NamedSharding:
         return {r: self.index(shape, r) for r in self._mesh.devices}
 
     def shard_shape(self, shape: Sequence[int], rank: int | None = None) -> tuple[int, ...]:
-        """Shape of ``rank``'s shard; without ``rank``, the largest shard (ceil-div on every dim)."""
+        """Shape of ``rank``'s shard; without ``rank``, the largest shard (ceil-div on every dim;
+        with a ragged entry, the most rows any rank holds)."""
         self.check(shape)
         if rank is not None:
             return tuple(s.stop - s.start for s in self.index(shape, rank))
+        if self.ragged is not None:
+            return tuple(max(sizes) for sizes in zip(*(self.shard_shape(shape, r) for r in self._mesh.devices)))
         out = list(shape)
         for dim in range(len(self._spec)):
             for axis in self._spec.entry_axes(dim):
@@ -178,6 +253,9 @@ class NamedSharding:
                 continue
             if axis in self._spec.unreduced:
                 out.append(Partial())
+                continue
+            if self.ragged is not None and axis == self.ragged.axis:
+                out.append(RaggedPlacement(self.ragged))
                 continue
             dim = next((d for d in range(len(self._spec)) if axis in self._spec.entry_axes(d)), None)
             if dim is None:
@@ -240,9 +318,11 @@ def sharding_of(x: torch.Tensor) -> NamedSharding | None:
 def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> NamedSharding:
     """The ``NamedSharding`` that DTensor ``placements`` (over ``mesh.device_axes``) express for a rank-``ndim`` tensor."""
     dm_axes = tuple(mesh.device_axes)
-    unreduced, by_dim = [], {}
+    unreduced, by_dim, ragged_entry = [], {}, None
     for axis, p in zip(dm_axes, placements):
-        if isinstance(p, Partial):
+        if isinstance(p, RaggedPlacement):
+            ragged_entry = p.ragged
+        elif isinstance(p, Partial):
             if p.reduce_op != "sum":
                 raise ValueError(f"a {p} placement over {axis!r} has no vsf spec (only sum partials are 'unreduced')")
             unreduced.append(axis)
@@ -251,6 +331,8 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
     entries: list[Any] = [None] * ndim
     for dim, axes in by_dim.items():
         entries[dim] = _entry_order(mesh, dim, axes, placements, dm_axes)
+    if ragged_entry is not None:
+        entries[0] = ragged_entry
     return NamedSharding(mesh, PartitionSpec(*entries, unreduced=unreduced).normalized())
 
 

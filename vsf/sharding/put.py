@@ -3,22 +3,31 @@
 ``device_put`` cuts each full tensor by :meth:`NamedSharding.index` (the layout vsf documents)
 and wraps the local pieces as DTensors; ``device_get`` asks DTensor to reassemble them, so a
 round trip checks vsf's layout against DTensor's own.
+
+Ragged layouts (``P(vsf.ragged(...), ...)``), which DTensor cannot move, are moved by
+:func:`vsf.sharding.ragged.reshard` over their axis: straight to or from ``Replicate``,
+``Partial``, ``Shard`` or another ragged split of that axis when nothing else changes (one
+ragged collective, or a local slice), else through ``Replicate`` on the ragged axis with
+DTensor moving the other axes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from vsf import _compat, runtime, tree
+from vsf import _compat, ops, runtime, tree
+from vsf.ops import backend
+from vsf.sharding import ragged
 from vsf.sharding.mesh import mesh_of
-from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
+from vsf.sharding.named import NamedSharding, RaggedPlacement, from_placements, resolve, sharding_of
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["device_get", "device_put", "is_sharding_leaf", "local_device"]
+__all__ = ["device_get", "device_put", "from_local", "is_sharding_leaf", "local_device"]
 
 
 def is_sharding_leaf(x: Any) -> bool:
@@ -93,10 +102,77 @@ def _reshard(x: DTensor, s: NamedSharding) -> DTensor:
         )
     if src.is_fully_replicated:
         return distribute(x.to_local(), s)  # every rank holds the whole value: cutting it is local
+    if src.ragged is not None or s.ragged is not None:
+        return _reshard_ragged(x, src, s)
     if _simulated_empty_shards(x, s):
         return distribute(_assemble(x), s)
     with _compat.quiet_redistribute():
         return x.redistribute(s.mesh.device_mesh, s.placements)
+
+
+def _reshard_ragged(x: DTensor, src: NamedSharding, dst: NamedSharding) -> DTensor:
+    """Move a DTensor between layouts at least one of which is ragged (see the module docs)."""
+    if src == dst:
+        return x
+    summed = tuple(a for a in src.spec.unreduced if a not in dst.spec.unreduced and src.mesh.axis_size(a) > 1)
+    if summed and src.ragged is not None:   # reduce first, on the local shards: a psum is layout-blind
+        reduced = NamedSharding(src.mesh, PartitionSpec(*src.spec, unreduced=tuple(a for a in src.spec.unreduced if a not in summed)))
+        return _reshard_ragged(from_local(ops.psum(x.to_local(), summed, mesh=src.mesh), reduced, x.shape), reduced, dst)
+    axis = _direct_axis(src, dst)
+    if axis is not None:
+        group = ragged.group_shape(src, axis, tuple(x.shape))
+        local = ragged.reshard(x.to_local(), group, _layout(src, axis), _layout(dst, axis), mesh=src.mesh)
+        return from_local(local, dst, x.shape)
+    if src.ragged is not None:   # gather over the ragged axis, then DTensor moves the others
+        x, src = _reshard_ragged(x, src, ragged.without_ragged(src)), ragged.without_ragged(src)
+    if dst.ragged is None:
+        return _reshard(x, dst)
+    mid = ragged.without_ragged(dst)   # DTensor moves the others, then each rank keeps its rows
+    return _reshard_ragged(_reshard(x, mid), mid, dst)
+
+
+def _direct_axis(src: NamedSharding, dst: NamedSharding) -> str | None:
+    """The one mesh axis the layouts differ on, when one side is ragged there and the other is a
+    layout :func:`ragged.reshard` takes (Replicate, Partial, a Shard of a dim no other axis splits)."""
+    axes = src.mesh.device_axes
+    differ = [a for a, p, q in zip(axes, src.placements, dst.placements) if p != q]
+    if len(differ) != 1:
+        return None
+    a = differ[0]
+    pair = (_layout_placement(src, a), _layout_placement(dst, a))
+    if not any(isinstance(p, RaggedPlacement) for p in pair):
+        return None
+    for p in pair:
+        if isinstance(p, _compat.StridedShard):
+            return None
+        if isinstance(p, Shard) and any(b != a for s in (src, dst) for b in s.spec.entry_axes(p.dim)):
+            return None   # another axis splits that dim too: the split is nested, not one axis's
+    return a
+
+
+def _layout_placement(s: NamedSharding, axis: str) -> Placement:
+    return s.placements[s.mesh.device_axes.index(axis)]
+
+
+def _layout(s: NamedSharding, axis: str) -> ragged.Layout:
+    p = _layout_placement(s, axis)
+    return p.ragged if isinstance(p, RaggedPlacement) else p
+
+
+def from_local(local: torch.Tensor, sharding: NamedSharding, shape: Sequence[int]) -> DTensor:
+    """This rank's shard ``local`` of a tensor of global ``shape`` laid out as ``sharding``, as a
+    DTensor (no communication, no check: ``local`` must have ``sharding.shard_shape(shape, rank)``).
+
+    The inverse of ``x.to_local()``; for a ragged layout ``local`` has the flattened rows of
+    :meth:`NamedSharding.index_view`. Under :func:`vsf.simulate` pass the per-rank tensor.
+
+    Example::
+
+        >>> x = vsf.sharding.from_local(piece, vsf.NamedSharding(mesh, P(vsf.ragged("fsdp", (1, 3)))), (8, 4))
+    """
+    shape = tuple(int(n) for n in shape)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def local_device(device_type: str) -> torch.device:
@@ -109,8 +185,7 @@ def distribute(full: torch.Tensor, s: NamedSharding) -> DTensor:
     shape = tuple(full.shape)
     device = local_device(s.mesh.device_type)
     zero_coord = {a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1}
-    mode = _compat.active_local_mode()
-    ranks = sorted(mode.ranks) if mode is not None else [runtime.rank()]
+    mode, ranks = _compat.active_local_mode(), backend.local_ranks()
     with _compat.local_mode_disabled():
         values = _compat.local_shards(full.detach(), runtime.rank())
         pieces = {}
@@ -119,13 +194,11 @@ def distribute(full: torch.Tensor, s: NamedSharding) -> DTensor:
                 pieces[r] = full.new_empty((0,) * len(shape), device=device)
                 continue
             source = values[r] if r in values else values[runtime.rank()]
-            piece = source[s.index(shape, r)].to(device, copy=True).contiguous()
+            piece = s.index_view(source)[s.index(shape, r)].to(device, copy=True).contiguous()
             if any(s.mesh.coordinate(r)[a] for a in zero_coord):
                 piece.zero_()
             pieces[r] = piece
-    local = _compat.make_local(pieces) if mode is not None else pieces[runtime.rank()]
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(local, s.mesh.device_mesh, s.placements, run_check=False, shape=torch.Size(shape), stride=stride)
+    return from_local(_compat.make_local(pieces) if mode is not None else pieces[runtime.rank()], s, shape)
 
 
 def device_get(x: Any) -> Any:
@@ -141,8 +214,13 @@ def device_get(x: Any) -> Any:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, DTensor) and _simulated_empty_shards(t, sharding_of(t)):
-        return _assemble(t)
+    if isinstance(t, DTensor):
+        layout = _layout_of(t)
+        if layout.ragged is not None:   # gathered over the ragged axis by vsf, not DTensor
+            s = sharding_of(t)
+            return _full(_reshard_ragged(t, s, ragged.without_ragged(s)))
+        if _simulated_empty_shards(t):
+            return _assemble(t)
     with _compat.quiet_redistribute():
         full = t.full_tensor() if isinstance(t, DTensor) else t
     if isinstance(full, _compat.LocalTensor):
@@ -151,12 +229,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def _layout_of(t: DTensor) -> NamedSharding:
+    """Which rank holds which block of ``t`` (pending reductions of any kind left aside)."""
+    return from_placements(mesh_of(t.device_mesh), [Replicate() if isinstance(p, Partial) else p for p in t.placements], t.ndim)
+
+
 def _simulated_empty_shards(t: DTensor, *targets: NamedSharding) -> bool:
     """Simulated ranks with an empty shard, which DTensor cannot gather or move under LocalTensorMode."""
     if not isinstance(t._local_tensor, _compat.LocalTensor):
         return False
-    own = from_placements(mesh_of(t.device_mesh), [Replicate() if isinstance(p, Partial) else p for p in t.placements], t.ndim)
-    layouts = [own, *targets]
+    layouts = [_layout_of(t), *targets]
     return any(sl.stop == sl.start for s in layouts for idx in s.devices_indices_map(t.shape).values() for sl in idx)
 
 

@@ -1,28 +1,29 @@
-"""``RaggedShard``: uneven, per-rank-sized contiguous shards (veScale's meaning).
+"""Moving ragged values: :func:`reshard` between a :class:`RaggedShard` and the other layouts of one axis.
 
-A tensor's leading ``dims`` dimensions are flattened into *rows*; the rows are split
-contiguously across one mesh axis in proportion to per-rank ``units`` (0 allowed). A *unit* is
-``block`` rows: ``block * prod(shape[dims:])`` elements, and it never straddles ranks. The number
-of units of a tensor must be a multiple of ``sum(units)``; rank ``i`` then holds
-``units[i] * (total_units // sum(units))`` units, after those of ranks ``0 .. i-1``.
-
-A rank's local tensor has shape ``(rows_i, *shape[dims:])``: the leading dims are flattened
-(for ``dims=1`` that is the global rank, like an uneven ``Shard(0)``). ``Shard`` over other mesh
-axes composes on the trailing dims (``dims`` onwards); a trailing shard shrinks the unit.
-
-Example::
-
-    >>> r = RaggedShard("fsdp", units=(1, 2, 1, 0))
-    >>> r.row_counts((8, 3))                      # 8 rows, 4 shares of 2
-    (2, 4, 2, 0)
-    >>> r.local_shape((8, 3), 1)
-    (4, 3)
-    >>> RaggedShard("fsdp", units=(1, 1), dims=2, block=4).row_counts((2, 8, 5))   # 16 rows, blocks of 4
-    (8, 8)
+A :class:`RaggedShard` (defined with ``P`` in :mod:`vsf.sharding.spec`, veScale's meaning)
+flattens a tensor's leading ``dims`` dims into rows and splits them contiguously over one mesh
+axis in proportion to per-rank ``units``; a rank's local tensor has shape
+``(rows_i, *shape[dims:])``. ``Shard`` over other mesh axes composes on the later dims.
 
 :func:`reshard` moves a value between ``RaggedShard`` and ``Replicate`` / ``Shard(d)`` /
 ``Partial`` / another ``RaggedShard`` over the same axis, on local tensors, with the ragged
-collectives of :mod:`vsf.ops` (exactly the data on the wire on gloo).
+collectives of :mod:`vsf.ops` (exactly the data on the wire on gloo). :func:`vsf.device_put`
+uses it for DTensors; the lowering of a plan can call it on local shards.
+
+**Getting at a ragged DTensor** (e.g. to save it as it is and reload it as ``Shard``)::
+
+    x.to_local()                          # this rank's rows: shape (rows_i, *shape[dims:])
+    x.shape                               # the global shape
+    s = vsf.sharding.sharding_of(x)       # NamedSharding; s.spec.ragged is the RaggedShard
+    r = s.spec.ragged                     # r.axis, r.units, r.dims, r.block
+    s.index(x.shape, rank)                # rows slice (of s.index_view(full)), then later dims
+    vsf.sharding.from_local(local, s, shape)   # and back to a DTensor, no communication
+
+Example::
+
+    >>> with vsf.use_mesh(mesh):                      # fsdp of size 4
+    ...     mine = reshard(full, (8, 3), Replicate(), ragged("fsdp", (1, 2, 1, 0)))
+    ...     back = reshard(mine, (8, 3), ragged("fsdp", (1, 2, 1, 0)), Shard(1))
 """
 
 from __future__ import annotations
@@ -33,185 +34,54 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from vsf import ops
 from vsf.ops import backend
 from vsf.sharding.mesh import Mesh, current_mesh
-from vsf.sharding.named import Index, NamedSharding, chunk
-from vsf.sharding.spec import PartitionSpec
+from vsf.sharding.named import NamedSharding, RaggedPlacement, chunk
+from vsf.sharding.spec import PartitionSpec, RaggedShard, ragged
 
-__all__ = ["Layout", "RaggedPlacement", "RaggedShard", "devices_indices_map", "local_shape", "ragged", "reshard", "to_dtensor"]
-
-
-class RaggedShard:
-    """Rows of the leading ``dims`` dims split over mesh axis ``axis`` in proportion to ``units``.
-
-    Immutable and hashable; ``repr`` round-trips.
-
-    Example::
-
-        >>> RaggedShard("fsdp", units=(1, 2, 1, 0))
-        RaggedShard('fsdp', units=(1, 2, 1, 0), dims=1, block=1)
-    """
-
-    __slots__ = ("_axis", "_units", "_dims", "_block")
-
-    def __init__(self, axis: str, units: Sequence[int], *, dims: int = 1, block: int = 1) -> None:
-        if not isinstance(axis, str) or not axis:
-            raise TypeError(f"RaggedShard needs a mesh axis name, got {axis!r}")
-        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence) or not all(_is_int(u) for u in units):
-            raise TypeError(f"RaggedShard({axis!r}) units must be a sequence of ints, one per rank of the axis, got {units!r}")
-        units = tuple(int(u) for u in units)
-        if not units:
-            raise ValueError(f"RaggedShard({axis!r}) needs one unit count per rank of the axis, got none")
-        if any(u < 0 for u in units):
-            raise ValueError(f"RaggedShard({axis!r}) units must be >= 0, got {units} (rank {next(i for i, u in enumerate(units) if u < 0)})")
-        if not any(units):
-            raise ValueError(f"RaggedShard({axis!r}) units are all zero {units}: some rank must hold the data")
-        for name, value in (("dims", dims), ("block", block)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"RaggedShard({axis!r}) {name} must be a positive int, got {value!r}")
-        for slot, value in zip(self.__slots__, (axis, units, int(dims), int(block))):
-            object.__setattr__(self, slot, value)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("RaggedShard is immutable")
-
-    @property
-    def axis(self) -> str:
-        """The mesh axis the rows are split over."""
-        return self._axis
-
-    @property
-    def units(self) -> tuple[int, ...]:
-        """Relative share of each rank of the axis, in axis order."""
-        return self._units
-
-    @property
-    def dims(self) -> int:
-        """How many leading dims are flattened into rows."""
-        return self._dims
-
-    @property
-    def block(self) -> int:
-        """Rows per unit (a unit never straddles ranks)."""
-        return self._block
-
-    # -- layout math ------------------------------------------------------------------------
-
-    def check(self, shape: Sequence[int], mesh: Mesh | None = None, where: str = "") -> None:
-        """Raise ``ValueError`` unless this ragged split can lay out ``shape`` (on ``mesh``).
-
-        ``where`` (e.g. a key path) is named in the message.
-        """
-        at = f" for {where}" if where else ""
-        shape = tuple(shape)
-        if mesh is not None:
-            n = mesh.axis_size(self._axis)
-            if len(self._units) != n:
-                raise ValueError(f"{self!r}{at} has {len(self._units)} units but mesh axis {self._axis!r} has {n} ranks")
-        if len(shape) < self._dims:
-            raise ValueError(f"{self!r}{at} flattens {self._dims} leading dims but the tensor has shape {shape}")
-        rows = math.prod(shape[: self._dims])
-        if rows % self._block:
-            raise ValueError(
-                f"{self!r}{at}: a block of {self._block} rows does not divide the {rows} rows of dims 0..{self._dims - 1} "
-                f"(shape {shape})"
-            )
-        blocks, share = rows // self._block, sum(self._units)
-        if blocks % share:
-            raise ValueError(
-                f"{self!r}{at}: {blocks} blocks of {self._block} rows (shape {shape}) cannot be split in proportion "
-                f"{self._units}; the block count must be a multiple of {share}"
-            )
-
-    def row_counts(self, shape: Sequence[int]) -> tuple[int, ...]:
-        """Rows (of the flattened leading dims) each rank of the axis holds."""
-        self.check(shape)
-        per_unit = math.prod(shape[: self._dims]) // sum(self._units)
-        return tuple(u * per_unit for u in self._units)
-
-    def row_range(self, shape: Sequence[int], index: int) -> tuple[int, int]:
-        """``[start, stop)`` of the flattened rows held by rank ``index`` of the axis."""
-        counts = self.row_counts(shape)
-        start = sum(counts[:index])
-        return start, start + counts[index]
-
-    def local_shape(self, shape: Sequence[int], index: int) -> tuple[int, ...]:
-        """Shape of rank ``index``'s local tensor: ``(rows, *shape[dims:])``."""
-        return (self.row_counts(shape)[index], *shape[self._dims :])
-
-    # -- value semantics ----------------------------------------------------------------------
-
-    def _key(self) -> tuple[Any, ...]:
-        return (self._axis, self._units, self._dims, self._block)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RaggedShard) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(("RaggedShard", *self._key()))
-
-    def __repr__(self) -> str:
-        return f"RaggedShard({self._axis!r}, units={self._units!r}, dims={self._dims}, block={self._block})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, self._key())
-
-
-def _rebuild(axis: str, units: tuple[int, ...], dims: int, block: int) -> RaggedShard:
-    return RaggedShard(axis, units, dims=dims, block=block)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def ragged(axis: str, units: Sequence[int], *, dims: int = 1, block: int = 1) -> RaggedShard:
-    """The spec entry for a ragged split: ``P(vsf.sharding.ragged("fsdp", units=(1, 2, 1, 0)), None)``.
-
-    It stands at dim 0 and covers dims ``0 .. dims-1`` (their other entries are ``None``).
-
-    Example::
-
-        >>> ragged("fsdp", (3, 1), block=32)
-        RaggedShard('fsdp', units=(3, 1), dims=1, block=32)
-    """
-    return RaggedShard(axis, units, dims=dims, block=block)
-
-
-# -- composition with Shard on other axes ------------------------------------------------------------
-
-
-def devices_indices_map(
-    r: RaggedShard, mesh: Mesh, shape: Sequence[int], rest: PartitionSpec = PartitionSpec(), where: str = ""
-) -> dict[int, Index]:
-    """``{rank: (rows slice, *trailing slices)}``: which flattened rows of the leading ``r.dims``
-    dims and which slice of every trailing dim each rank holds.
-
-    ``rest`` gives the entries of the trailing dims (``shape[r.dims:]``), the way ``P`` does for a
-    whole tensor; it may not use ``r.axis``.
-
-    Example::
-
-        >>> devices_indices_map(ragged("fsdp", (1, 3)), mesh, (8, 6), P("tp"))[1]   # fsdp=2, tp=2
-        (slice(0, 2, None), slice(3, 6, None))
-    """
-    at = f" for {where}" if where else ""
-    if r.axis in rest.axes:
-        raise ValueError(f"mesh axis {r.axis!r}{at} splits the rows of {r!r} and is used again in the trailing spec {rest!r}")
-    r.check(shape, mesh, where)
-    trailing = NamedSharding(mesh, rest)
-    return {
-        rank: (slice(*r.row_range(shape, mesh.coordinate(rank)[r.axis])), *trailing.index(tuple(shape[r.dims :]), rank))
-        for rank in mesh.devices
-    }
+__all__ = ["Layout", "RaggedPlacement", "RaggedShard", "group_shape", "local_shape", "ragged", "reshard", "without_ragged"]
 
 
 # -- redistribution over one axis --------------------------------------------------------------------
 
 Layout = Union[RaggedShard, Replicate, Shard, Partial]
+
+
+def group_shape(s: NamedSharding, axis: str, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the value this process's group of ``axis`` holds: ``shape`` cut by every
+    other mesh axis of ``s`` (the ``shape`` :func:`reshard` takes for a value laid out as ``s``).
+
+    Under simulation one call serves every group, so they must all hold the same shape.
+
+    Example::
+
+        >>> group_shape(vsf.NamedSharding(mesh, P(ragged("fsdp", (1, 3)), "tp")), "fsdp", (8, 6))   # tp=2
+        (8, 3)
+    """
+    shape = tuple(shape)
+    entries = [None if isinstance(e, RaggedShard) else tuple(a for a in s.spec.entry_axes(d) if a != axis) or None for d, e in enumerate(s.spec)]
+    others = NamedSharding(s.mesh, PartitionSpec(*entries))
+    shapes = {others.shard_shape(shape, r) for r in backend.local_ranks()}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"under vsf.simulate a ragged redistribution over {axis!r} needs the other mesh axes of {s.spec!r} to split "
+            f"shape {shape} evenly, but the groups of {axis!r} hold shapes {sorted(shapes)}; real processes have no such limit"
+        )
+    return shapes.pop()
+
+
+def without_ragged(s: NamedSharding) -> NamedSharding:
+    """``s`` with its ragged entry replaced by ``None``: replicated over that axis, the rest as it is.
+
+    Example::
+
+        >>> without_ragged(vsf.NamedSharding(mesh, P(ragged("fsdp", (1, 3)), "tp"))).spec
+        P(None, 'tp')
+    """
+    return NamedSharding(s.mesh, PartitionSpec(None, *s.spec[1:], unreduced=s.spec.unreduced))
 
 
 def local_shape(layout: Layout, shape: Sequence[int], index: int, n: int) -> tuple[int, ...]:
@@ -253,7 +123,7 @@ def reshard(local: torch.Tensor, shape: Sequence[int], src: Layout, dst: Layout,
     axis = _ragged_axis(src, dst)
     for layout in (src, dst):
         _check_layout(layout, shape, mesh)
-    if src == dst:
+    if src == dst or _same_rows(src, dst, shape):
         return local
     if mesh.axis_size(axis) == 1:
         return local.reshape(local_shape(dst, shape, 0, 1))
@@ -285,6 +155,12 @@ class _Reshard(ops.Linear):
         return _Reshard(self.g, self.shape, _adjoint(self.dst), _adjoint(self.src))
 
 
+def _same_rows(src: Layout, dst: Layout, shape: tuple[int, ...]) -> bool:
+    """Two ragged splits that give every rank the same rows of ``shape`` (e.g. units ``(4, 0)`` and ``(1, 0)``)."""
+    both = isinstance(src, RaggedShard) and isinstance(dst, RaggedShard)
+    return both and src.dims == dst.dims and src.row_counts(shape) == dst.row_counts(shape)
+
+
 def _adjoint(layout: Layout) -> Layout:
     """The layout of a cotangent: a replicated value's is a partial sum, and the other way round."""
     if isinstance(layout, Replicate):
@@ -303,7 +179,7 @@ def _ragged_axis(src: Layout, dst: Layout) -> str:
 
 def _check_layout(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> None:
     if isinstance(layout, RaggedShard):
-        layout.check(shape, mesh)
+        layout.check(shape, mesh.axis_size(layout.axis))
     elif isinstance(layout, Shard) and not 0 <= layout.dim < len(shape):
         raise ValueError(f"{layout!r} names dim {layout.dim} but the tensor has shape {shape}")
     elif isinstance(layout, Partial) and layout.reduce_op != "sum":
@@ -439,49 +315,3 @@ def _exchange_runs(local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst
 
     packed = backend.per_rank(local, g, pack)
     return backend.per_rank(ops.all_to_all_v(packed, g.axis, counts, mesh=g.mesh), g, unpack)
-
-
-# -- carrying a ragged value as a DTensor --------------------------------------------------------------
-
-
-class RaggedPlacement(Placement):
-    """The DTensor placement of a :class:`RaggedShard` on its mesh dim.
-
-    DTensor keeps it (``placements``, ``to_local()`` with per-rank sizes, the global ``shape``)
-    but has no strategy for it: its ops and ``full_tensor`` / ``redistribute`` raise instead of
-    computing with ``torch.chunk`` sizes. vsf moves ragged values itself (:func:`reshard`).
-    """
-
-    def __init__(self, ragged: RaggedShard) -> None:
-        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
-        self._ragged = ragged
-
-    @property
-    def ragged(self) -> RaggedShard:
-        return self._ragged
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RaggedPlacement) and other._ragged == self._ragged
-
-    def __hash__(self) -> int:
-        return hash(("RaggedPlacement", self._ragged))
-
-    def __repr__(self) -> str:
-        return f"RaggedPlacement({self._ragged!r})"
-
-
-def to_dtensor(local: torch.Tensor, mesh: Mesh, shape: Sequence[int], r: RaggedShard) -> DTensor:
-    """Wrap a rank's ragged piece (``r.local_shape(shape, index)``) as a DTensor of global ``shape``,
-    replicated over the mesh's other axes.
-
-    Example::
-
-        >>> dt = to_dtensor(reshard(full, full.shape, Replicate(), r), mesh, full.shape, r)
-        >>> dt.placements
-        (RaggedPlacement(RaggedShard('fsdp', units=(1, 2, 1, 0), dims=1, block=1)),)
-    """
-    shape = tuple(int(s) for s in shape)
-    r.check(shape, mesh)
-    placements = [RaggedPlacement(r) if a == r.axis else Replicate() for a in mesh.device_axes]
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)

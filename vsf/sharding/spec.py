@@ -5,7 +5,11 @@ One entry per tensor dimension, JAX's meaning:
 * ``None`` - the dimension is not sharded;
 * ``"tp"`` - split across the ``tp`` mesh axis;
 * ``("dp", "fsdp")`` - split across both, ``dp`` major, ``fsdp`` minor;
-* ``P.UNCONSTRAINED`` - let the propagator choose (only in ``with_sharding_constraint``).
+* ``P.UNCONSTRAINED`` - let the propagator choose (only in ``with_sharding_constraint``);
+* ``ragged("fsdp", units=(1, 2, 1, 0))`` (dim 0 only) - a :class:`RaggedShard`: the leading
+  ``dims`` dims flattened into rows, split over ``fsdp`` in proportion to per-rank ``units``
+  (veScale's ``RaggedShard``); the other entries of those dims are ``None``, later dims may be
+  sharded over other axes.
 
 Trailing dimensions not named are unsharded. ``unreduced`` names the axes over which the value
 is a partial sum that has not been reduced yet (JAX's "unreduced"; DTensor's ``Partial``).
@@ -16,14 +20,17 @@ Example::
     P('dp', None, ('fsdp', 'tp'))
     >>> P("dp", unreduced=("tp",)).axes
     ('dp', 'tp')
+    >>> P(ragged("fsdp", units=(1, 2, 1, 0)), "tp").axes
+    ('fsdp', 'tp')
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Union
 
-__all__ = ["P", "PartitionSpec", "UNCONSTRAINED"]
+__all__ = ["P", "PartitionSpec", "RaggedShard", "UNCONSTRAINED", "ragged"]
 
 
 class _Unconstrained:
@@ -45,7 +52,150 @@ class _Unconstrained:
 
 UNCONSTRAINED = _Unconstrained()
 
-Entry = Union[None, str, tuple[str, ...], _Unconstrained]
+class RaggedShard:
+    """Rows of the leading ``dims`` dims split over mesh axis ``axis`` in proportion to ``units``.
+
+    veScale's ``RaggedShard``: the leading ``dims`` dims are flattened into *rows*; a *unit* is
+    ``block`` rows and never straddles ranks. The number of units of a tensor must be a multiple
+    of ``sum(units)``; rank ``i`` of the axis holds ``units[i] * (total_units // sum(units))`` of
+    them, after those of ranks ``0 .. i-1`` (0 allowed). Its local tensor has shape
+    ``(rows_i, *shape[dims:])``: the leading dims flattened (for ``dims=1`` the global rank,
+    like an uneven ``Shard(0)``). Immutable and hashable; ``repr`` round-trips.
+
+    Example::
+
+        >>> r = RaggedShard("fsdp", units=(1, 2, 1, 0))
+        >>> r.row_counts((8, 3))                      # 8 rows, 4 shares of 2
+        (2, 4, 2, 0)
+        >>> r.local_shape((8, 3), 1)
+        (4, 3)
+        >>> RaggedShard("fsdp", units=(1, 1), dims=2, block=4).row_counts((2, 8, 5))   # 16 rows, blocks of 4
+        (8, 8)
+    """
+
+    __slots__ = ("_axis", "_units", "_dims", "_block")
+
+    def __init__(self, axis: str, units: Sequence[int], *, dims: int = 1, block: int = 1) -> None:
+        if not isinstance(axis, str) or not axis:
+            raise TypeError(f"RaggedShard needs a mesh axis name, got {axis!r}")
+        if isinstance(units, (str, bytes)) or not isinstance(units, Sequence) or not all(_is_int(u) for u in units):
+            raise TypeError(f"RaggedShard({axis!r}) units must be a sequence of ints, one per rank of the axis, got {units!r}")
+        units = tuple(int(u) for u in units)
+        if not units:
+            raise ValueError(f"RaggedShard({axis!r}) needs one unit count per rank of the axis, got none")
+        if any(u < 0 for u in units):
+            raise ValueError(f"RaggedShard({axis!r}) units must be >= 0, got {units} (rank {next(i for i, u in enumerate(units) if u < 0)})")
+        if not any(units):
+            raise ValueError(f"RaggedShard({axis!r}) units are all zero {units}: some rank must hold the data")
+        for name, value in (("dims", dims), ("block", block)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"RaggedShard({axis!r}) {name} must be a positive int, got {value!r}")
+        for slot, value in zip(self.__slots__, (axis, units, int(dims), int(block))):
+            object.__setattr__(self, slot, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("RaggedShard is immutable")
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis the rows are split over."""
+        return self._axis
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """Relative share of each rank of the axis, in axis order."""
+        return self._units
+
+    @property
+    def dims(self) -> int:
+        """How many leading dims are flattened into rows."""
+        return self._dims
+
+    @property
+    def block(self) -> int:
+        """Rows per unit (a unit never straddles ranks)."""
+        return self._block
+
+    # -- layout math ------------------------------------------------------------------------
+
+    def check(self, shape: Sequence[int], axis_size: int | None = None, where: str = "") -> None:
+        """Raise ``ValueError`` unless this ragged split can lay out ``shape`` (over an axis of
+        ``axis_size`` ranks, when given). ``where`` (e.g. a key path) is named in the message."""
+        at = f" for {where}" if where else ""
+        shape = tuple(shape)
+        if axis_size is not None and len(self._units) != axis_size:
+            raise ValueError(f"{self!r}{at} has {len(self._units)} units but mesh axis {self._axis!r} has {axis_size} ranks")
+        if len(shape) < self._dims:
+            raise ValueError(f"{self!r}{at} flattens {self._dims} leading dims but the tensor has shape {shape}")
+        rows = math.prod(shape[: self._dims])
+        if rows % self._block:
+            raise ValueError(
+                f"{self!r}{at}: a block of {self._block} rows does not divide the {rows} rows of dims 0..{self._dims - 1} "
+                f"(shape {shape})"
+            )
+        blocks, share = rows // self._block, sum(self._units)
+        if blocks % share:
+            raise ValueError(
+                f"{self!r}{at}: {blocks} blocks of {self._block} rows (shape {shape}) cannot be split in proportion "
+                f"{self._units}; the block count must be a multiple of {share}"
+            )
+
+    def row_counts(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """Rows (of the flattened leading dims) each rank of the axis holds."""
+        self.check(shape)
+        per_unit = math.prod(shape[: self._dims]) // sum(self._units)
+        return tuple(u * per_unit for u in self._units)
+
+    def row_range(self, shape: Sequence[int], index: int) -> tuple[int, int]:
+        """``[start, stop)`` of the flattened rows held by rank ``index`` of the axis."""
+        counts = self.row_counts(shape)
+        start = sum(counts[:index])
+        return start, start + counts[index]
+
+    def local_shape(self, shape: Sequence[int], index: int) -> tuple[int, ...]:
+        """Shape of rank ``index``'s local tensor: ``(rows, *shape[dims:])``."""
+        return (self.row_counts(shape)[index], *shape[self._dims :])
+
+    # -- value semantics ----------------------------------------------------------------------
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self._axis, self._units, self._dims, self._block)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RaggedShard) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(("RaggedShard", *self._key()))
+
+    def __repr__(self) -> str:
+        return f"RaggedShard({self._axis!r}, units={self._units!r}, dims={self._dims}, block={self._block})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_ragged, self._key())
+
+
+def _rebuild_ragged(axis: str, units: tuple[int, ...], dims: int, block: int) -> RaggedShard:
+    return RaggedShard(axis, units, dims=dims, block=block)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def ragged(axis: str, units: Sequence[int], *, dims: int = 1, block: int = 1) -> RaggedShard:
+    """The spec entry for a ragged split (``vsf.ragged``): ``P(vsf.ragged("fsdp", units=(1, 2, 1, 0)), None)``.
+
+    It stands at dim 0 and covers dims ``0 .. dims-1`` (their other entries are ``None``).
+
+    Example::
+
+        >>> ragged("fsdp", (3, 1), block=32)
+        RaggedShard('fsdp', units=(3, 1), dims=1, block=32)
+    """
+    return RaggedShard(axis, units, dims=dims, block=block)
+
+
+Entry = Union[None, str, tuple[str, ...], _Unconstrained, RaggedShard]
 
 
 def _entry_axes(entry: Entry) -> tuple[str, ...]:
@@ -53,11 +203,17 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
         return ()
     if isinstance(entry, str):
         return (entry,)
+    if isinstance(entry, RaggedShard):
+        return (entry.axis,)
     return entry
 
 
 def _normalize_entry(entry: Any, dim: int) -> Entry:
     if entry is None or entry is UNCONSTRAINED or isinstance(entry, str):
+        return entry
+    if isinstance(entry, RaggedShard):
+        if dim != 0:
+            raise ValueError(f"a RaggedShard entry splits the leading dims and must be the first entry of a P, got {entry!r} at dim {dim}")
         return entry
     if isinstance(entry, (tuple, list)):
         if not all(isinstance(a, str) for a in entry):
@@ -83,6 +239,13 @@ class PartitionSpec:
         if not all(isinstance(a, str) for a in unreduced):
             raise TypeError(f"unreduced must name mesh axes as strings, got {unreduced!r}")
         reduced_axes = tuple(sorted(set(unreduced)))
+        if normalized and isinstance(normalized[0], RaggedShard):
+            covered = [i for i, e in enumerate(normalized[1 : normalized[0].dims], 1) if e is not None]
+            if covered:
+                raise ValueError(
+                    f"in P{_fmt(normalized, reduced_axes)} the RaggedShard flattens dims 0..{normalized[0].dims - 1} into rows, "
+                    f"so their other entries must be None; dim {covered[0]} is {normalized[covered[0]]!r}"
+                )
         seen: dict[str, str] = {}
         for i, e in enumerate(normalized):
             for a in _entry_axes(e):
@@ -111,6 +274,12 @@ class PartitionSpec:
     def unreduced(self) -> tuple[str, ...]:
         """Axes over which the value is an unreduced partial sum (sorted)."""
         return self._unreduced
+
+    @property
+    def ragged(self) -> RaggedShard | None:
+        """The :class:`RaggedShard` entry (dim 0), or ``None``."""
+        first = self._entries[0] if self._entries else None
+        return first if isinstance(first, RaggedShard) else None
 
     @property
     def axes(self) -> tuple[str, ...]:

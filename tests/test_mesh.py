@@ -148,11 +148,19 @@ def test_simulate_start_stop_and_misuse():
 
 
 def test_meshes_from_a_stopped_simulation_are_forgotten():
+    def run() -> tuple:
+        mesh = vsf.make_mesh((1, 2, 2), ("pp", "dp", "tp"))
+        x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("tp")))
+        return mesh.device_mesh, torch.zeros_like(x).device_mesh, vsf.sharding.sharding_of(x * 2).mesh
+
     with vsf.simulate(4):
-        first = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh
+        first, _, _ = run()
     with vsf.simulate(4):
-        again = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh
+        again, op_result, mesh = run()
     assert again is not first
+    # DTensor caches an op's output sharding by value: it must not hand back the old, equal DeviceMesh
+    # (whose Mesh vsf no longer knows: it would come back as a foreign ('dp', 'tp') mesh)
+    assert op_result is again and mesh == vsf.Mesh((1, 2, 2), ("pp", "dp", "tp"))
 
 
 # -- use_mesh ---------------------------------------------------------------------------------------

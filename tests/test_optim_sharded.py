@@ -3,6 +3,7 @@ one reduction per gradient, the global norm over shards, and per-rank memory aga
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import pytest
@@ -33,6 +34,9 @@ LAYOUTS = {
     "dp4": Layout(((4,), ("dp",)), {"w": P(), "b": P(), "e": P()}, "partial"),
     "dp2xtp2": Layout(((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "partial"),
     "dp2xtp2-replicated-grads": Layout(((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "replicated"),
+    # FSDP x TP: no unsharded dim left to take dp, so ZeRO goes minor on a sharded dim (P(("fsdp", "dp"), "tp"),
+    # against the mesh order: _StridedShard)
+    "dp2xfsdp2xtp2": Layout(((2, 2, 2), ("dp", "fsdp", "tp")), {"w": P("fsdp", "tp"), "b": P("tp"), "e": P("fsdp", "tp")}, "partial"),
 }
 
 
@@ -83,9 +87,12 @@ def test_optimizers_zero2_match_torch(sim, opt):
         torch.testing.assert_close(full[k], want[k], **TOL)
 
 
-@pytest.mark.parametrize("layout,stage", [("dp4", 1), ("dp4", 3), ("dp2xtp2", 1), ("dp2xtp2", 3), ("dp2xtp2-replicated-grads", 2)])
+@pytest.mark.parametrize(
+    "layout,stage",
+    [("dp4", 1), ("dp4", 3), ("dp2xtp2", 1), ("dp2xtp2", 3), ("dp2xtp2-replicated-grads", 2), ("dp2xfsdp2xtp2", 1), ("dp2xfsdp2xtp2", 3)],
+)
 def test_clip_adamw_zero_stages_match_torch(sim, layout, stage):
-    sim(4)
+    sim(math.prod(LAYOUTS[layout].mesh[0]))
     params = _params()
     grads = _grads(params, STEPS)
     tx = optim.chain(optim.clip_by_global_norm(5.0), optim.adamw(1e-2, weight_decay=0.1, mask=MASK))
@@ -156,24 +163,34 @@ def test_clip_by_global_norm_on_sharded_grads_equals_unsharded(sim):
         torch.testing.assert_close(gathered[k], want[k], rtol=1e-6, atol=1e-7)
 
 
+MEMORY_LAYOUTS = {  # mesh, param specs, model-parallel degree M (ways each param is split before ZeRO)
+    "dp4": (((4,), ("dp",)), {"w": P(), "b": P(), "e": P()}, 1),
+    "dp2xfsdp2xtp2": (((2, 2, 2), ("dp", "fsdp", "tp")), {"w": P("fsdp", "tp"), "b": P(("fsdp", "tp")), "e": P("tp", "fsdp")}, 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(MEMORY_LAYOUTS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_memory_per_rank_matches_zero_formulas(sim, stage):
-    sim(4)
-    n = 4
-    mesh = vsf.make_mesh((n,), ("dp",))
-    params = vsf.device_put({"w": torch.randn(64, 32), "b": torch.randn(32), "e": torch.randn(16, 8)}, NamedSharding(mesh, P()))
-    count_p = sum(v.numel() for v in params.values())
+def test_memory_per_rank_matches_zero_formulas(sim, layout, stage):
+    (shape, names), specs, m = MEMORY_LAYOUTS[layout]
+    n = shape[names.index("dp")]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    full = {"w": torch.randn(64, 32), "b": torch.randn(32), "e": torch.randn(16, 8)}
+    params = vsf.device_put(full, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    count_p = sum(v.numel() for v in full.values())
     tx = optim.adamw(1e-3)
     zero_axes = ("dp",) if stage else ()
     layout = optim.zero_layout(tx, params, zero_axes=zero_axes, stage=max(stage, 1))
     params = vsf.device_put(params, layout.params)
-    grads = vsf.device_put({k: torch.ones_like(vsf.device_get(v)) for k, v in params.items()}, layout.grads)
+    grads = vsf.device_put({k: torch.ones_like(v) for k, v in full.items()}, layout.grads)
     state = optim.init_sharded(tx, params, zero_axes=zero_axes, stage=max(stage, 1))
     report = vsf.debug.memory_report({"params": params, "grads": grads, "state": state})
-    # fp32: params 4P + grads 4P + Adam's mu, nu 8P (16P), divided by N for what each stage
-    # shards, plus the replicated int32 step count (4 bytes).
-    expected = {0: 16 * count_p, 1: 8 * count_p + 8 * count_p // n, 2: 4 * count_p + 12 * count_p // n, 3: 16 * count_p // n}[stage] + 4
-    assert report == {r: expected for r in range(n)}
+    # fp32: params 4P + grads 4P + Adam's mu, nu 8P (16P) over the M model-parallel ranks, and what
+    # each stage shards divided by N (dp) too, plus the replicated int32 step count (4 bytes).
+    per = count_p // m
+    expected = {0: 16 * per, 1: 8 * per + 8 * per // n, 2: 4 * per + 12 * per // n, 3: 16 * per // n}[stage] + 4
+    assert report == {r: expected for r in range(math.prod(shape))}
 
 
 def test_state_shardings_rule(sim):
@@ -198,6 +215,30 @@ def test_state_shardings_rule(sim):
     assert zero[1].inner_state.inner_state.mu == want == zero[1].acc_grads
     layout = optim.zero_layout(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("fsdp",), stage=2)
     assert layout.params["c"] == shard(P("dp")) and layout.grads["c"] == shard(P("dp", "fsdp")) == layout.state[1].acc_grads["c"]
+
+
+def test_zero_axes_go_minor_on_a_sharded_dim_when_no_unsharded_dim_divides(sim):
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    shapes = {"w": (8, 12), "b": (12,), "v": (8, 3), "u": (6, 4)}
+    specs = {"w": P("fsdp", "tp"), "b": P("tp"), "v": P("fsdp"), "u": P("tp", "fsdp")}
+    meta = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    got = optim.state_shardings(optim.adam(), meta, {k: NamedSharding(mesh, specs[k]) for k in meta}, zero_axes=("dp",))
+    # w: 8 rows / fsdp = 4 local rows, even over dp; b: 12 / tp = 6 local; v: dim 1 (3) is free but odd, so
+    # dim 0 (8 / fsdp = 4); u: 6 / tp = 3 local rows are odd, so dim 1 (4 / fsdp = 2)
+    want = {"w": P(("fsdp", "dp"), "tp"), "b": P(("tp", "dp")), "v": P(("fsdp", "dp")), "u": P("tp", ("fsdp", "dp"))}
+    assert got.mu == {k: NamedSharding(mesh, s) for k, s in want.items()}
+    # each rank's state shard is a slice of its param shard: rank 1 (dp=0, fsdp=0, tp=1) holds rows 0:2 of
+    # w's rows 0:4 at columns 6:12; rank 4 (dp=1, fsdp=0, tp=0) rows 2:4 at columns 0:6
+    assert got.mu["w"].index(shapes["w"], 1) == (slice(0, 2), slice(6, 12))
+    assert got.mu["w"].index(shapes["w"], 4) == (slice(2, 4), slice(0, 6))
+    # 6 rows: 3 per fsdp rank, odd; 3 columns, odd
+    with pytest.raises(
+        ValueError,
+        match=r"cannot shard o \(shape \(6, 3\), P\('fsdp'\)\) over zero_axes \('dp',\) \(dp=2, 2 ways\): .*"
+        r"unsharded dims: dim 1 = 3; sharded dims: dim 0 = 6/2 over \('fsdp',\)",
+    ):
+        optim.state_shardings(optim.adam(), {"o": torch.empty(6, 3, device="meta")}, {"o": NamedSharding(mesh, P("fsdp"))}, zero_axes=("dp",))
 
 
 def test_zero_errors(sim):

@@ -37,6 +37,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.distributed.tensor._ops.utils import is_tensor_shardable
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -56,6 +57,7 @@ __all__ = [
     "TupleStrategy",
     "abstract_device_mesh",
     "active_local_mode",
+    "clear_sharding_caches",
     "dispatcher_special_ops",
     "dtensor_from_local",
     "is_tensor_shardable",
@@ -147,6 +149,11 @@ def local_shards(t: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
+
+
+def clear_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (Python and C++ fast path)."""
+    _clear_sharding_prop_cache()
 
 
 def sharding_propagator():  # noqa: ANN201  (DTensor's ShardingPropagator)

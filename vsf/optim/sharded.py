@@ -5,10 +5,17 @@ The rule (optax's, plus ZeRO as maxtext and veScale do it):
 * a state leaf with its param's shape (Adam's ``mu``/``nu``, a momentum trace, accumulated
   gradients) has its param's sharding; scalars (step counts) are replicated;
 * with ``zero_axes``, those leaves are split further over the zero axes the param does not
-  already use (axes of size 1 are skipped): on the first dim the param does not shard whose
-  size divides by the product of their sizes, all of them on that one dim, in the order given.
-  A leaf with no such dim is an error naming it, unless ``uneven=True``, which splits the first
-  unsharded dim ``torch.chunk``-style (trailing ranks hold less or nothing);
+  already use (axes of size 1 are skipped), all of them on one dim, in the order given:
+
+  1. the first dim the param does not shard whose size divides by the product of their sizes;
+  2. else the first dim the param shards whose local (per-rank) size divides by it: the zero
+     axes become the minor axes of that dim's entry (a ``P("fsdp", "tp")`` weight becomes
+     ``P(("fsdp", "dp"), "tp")``, a ``P("tp")`` bias ``P(("tp", "dp"))``). The split is even,
+     so it holds on DTensor even when the entry's order differs from the mesh's (``_StridedShard``);
+  3. else, with ``uneven=True``, the first unsharded dim, ``torch.chunk``-style (trailing ranks
+     hold less or nothing);
+
+  otherwise it is an error naming the leaf, its shape, spec and the axis sizes;
 * ZeRO stage 1 shards only the state, stage 2 the gradients too, stage 3 the params too.
 
 Each state shard is a slice of its rank's param shard, so an update needs no communication
@@ -210,18 +217,24 @@ def _zero(s: NamedSharding, shape: tuple[int, ...], zero_axes: tuple[str, ...], 
     entries = list(s.spec) + [None] * (len(shape) - len(s.spec))
     lead = s.spec.ragged.dims if s.spec.ragged is not None else 0   # dims a ragged entry flattens into rows
     free = [d for d in range(lead, len(shape)) if entries[d] is None]
+    sharded = [d for d in range(lead, len(shape)) if entries[d] is not None]
     dim = next((d for d in free if shape[d] % n == 0), None)
+    if dim is None:
+        # the local shard's size along an already-sharded dim divides: the zero axes go minor there
+        dim = next((d for d in sharded if shape[d] % (s.num_shards(d) * n) == 0), None)
     if dim is None and uneven and free:
         dim = free[0]
     if dim is None:
         sizes = ", ".join(f"{a}={s.mesh.axis_size(a)}" for a in axes)
         dims = ", ".join(f"dim {d} = {shape[d]}" for d in free) or "none"
-        hint = " (uneven=True splits the first one unevenly)" if free else ""
+        local = ", ".join(f"dim {d} = {shape[d]}/{s.num_shards(d)} over {s.spec.entry_axes(d)}" for d in sharded) or "none"
+        hint = " (uneven=True splits the first unsharded dim unevenly)" if free else ""
         raise ValueError(
             f"cannot shard {where} (shape {shape}, {s.spec!r}) over zero_axes {axes} ({sizes}, {n} ways): "
-            f"no unsharded dim divides by {n}; unsharded dims: {dims}{hint}"
+            f"no unsharded dim divides by {n} and no sharded dim's local size does; unsharded dims: {dims}; "
+            f"sharded dims: {local}{hint}"
         )
-    entries[dim] = axes[0] if len(axes) == 1 else axes
+    entries[dim] = s.spec.entry_axes(dim) + axes
     out = NamedSharding(s.mesh, PartitionSpec(*entries).normalized())
     out.check(shape, where)
     return out

@@ -28,6 +28,18 @@ def _(x: torch.Tensor, sharding: str) -> torch.Tensor:
 
 CONSTRAINT_OP = torch.ops.vsf.sharding_constraint.default
 
+
+def _save_sharding(ctx: object, inputs: tuple[torch.Tensor, str], output: torch.Tensor) -> None:
+    ctx.sharding = inputs[1]
+
+
+def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    # JAX's transpose rule: the cotangent is pinned to the same sharding
+    return CONSTRAINT_OP(grad, ctx.sharding), None
+
+
+_sharding_constraint.register_autograd(_backward, setup_context=_save_sharding)
+
 _NAMES = {"Mesh": Mesh, "NamedSharding": NamedSharding, "P": P, "PartitionSpec": PartitionSpec, "UNCONSTRAINED": UNCONSTRAINED}
 
 

@@ -238,6 +238,8 @@ def forget_meshes() -> None:
     """Drop every cached DeviceMesh (called when the process group they belong to is destroyed)."""
     _DEVICE_MESHES.clear()
     _MESH_OF.clear()
+    # DTensor caches op shardings by value: an old, equal DeviceMesh would come back from there
+    _compat.clear_sharding_caches()
 
 
 def mesh_of(dm: DeviceMesh) -> Mesh:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import shutil
 import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 import vsf
 from multiproc import WORKERS
 from vsf import P
+from vsf.checkpoint.checksum import BLOCK
 
 sys.path.insert(0, str(WORKERS))
 import ckpt_common as cc  # noqa: E402
@@ -202,9 +204,22 @@ def test_nothing_is_written_into_a_live_target_when_loading_fails(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     live = {"w": torch.full((1000,), 7.0)}
-    with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=r"__0_0.distcp: .* CRC-32 .* leaves w"):
+    with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=r"__0_0.distcp: .* fail their checksum.* leaves w"):
         vsf.checkpoint.load(tmp_path / "c", live)
     assert torch.equal(live["w"], torch.full((1000,), 7.0))
+
+
+def test_leaves_of_many_blocks_load_exactly_and_damage_in_any_block_names_the_leaf(tmp_path):
+    tree = {"small": torch.arange(5), "big": torch.randn(3 * BLOCK // 4 + 1000), "after": torch.ones(3)}  # ~3 MiB: 4 blocks
+    _save(tmp_path / "c", tree)
+    assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c"), tree) == []
+    name, offset, length = cc.payload_of(tmp_path / "c", "big")
+    assert length > 3 * BLOCK
+    for i, where in enumerate([offset + 100, offset + BLOCK + 5, offset + length // 2, offset + length - 100]):
+        damaged = Path(shutil.copytree(tmp_path / "c", tmp_path / f"d{i}"))
+        cc.flip(damaged / name, where)
+        with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=rf"{name}: bytes \d+\.\.\d+ fail their checksum.* leaves big \(found by rank 0\)$"):
+            vsf.checkpoint.load(damaged)
 
 
 def test_bad_leaves_are_refused_before_anything_is_written(tmp_path, sim):

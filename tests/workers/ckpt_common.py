@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import vsf
 from vsf import P
@@ -119,6 +120,20 @@ def layouts(tree: Any) -> dict[str, str | None]:
         vsf.tree.keystr(p): repr(vsf.ShapeDtypeStruct.like(x).sharding) if isinstance(x, (torch.Tensor, vsf.ShapeDtypeStruct)) else None
         for p, x in vsf.tree.leaves_with_path(tree)
     }
+
+
+def payload_of(path: Path, key: str) -> tuple[str, int, int]:
+    """(file, offset, length) of the first chunk DCP stored for ``key`` (DCP's own metadata)."""
+    md = FileSystemReader(path).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+    return info.relative_path, info.offset, info.length
+
+
+def flip(path: Path, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset`` of the file ``path``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def error_of(fn: Any) -> str | None:

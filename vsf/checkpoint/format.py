@@ -29,7 +29,7 @@ import torch
 from vsf.checkpoint.checksum import BLOCK, checksums
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
-from vsf.sharding.spec import PartitionSpec
+from vsf.sharding.spec import PartitionSpec, RaggedShard
 
 __all__ = [
     "FORMAT_VERSION",
@@ -155,11 +155,13 @@ def _sharding_json(s: NamedSharding | None) -> dict[str, Any] | None:
 
 
 def _entry_json(entry: Any) -> Any:
-    """A spec entry as JSON; a new placement kind (e.g. ragged) adds its own tagged form here."""
+    """A spec entry as JSON: None, an axis, a list of axes, or a tagged object for other kinds."""
     if entry is None or isinstance(entry, str):
         return entry
     if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
         return list(entry)
+    if isinstance(entry, RaggedShard):
+        return {"ragged": entry.axis, "units": list(entry.units), "dims": entry.dims, "block": entry.block}
     raise TypeError(f"vsf.checkpoint cannot store the spec entry {entry!r} ({type(entry).__name__})")
 
 
@@ -168,6 +170,8 @@ def _entry_from_json(entry: Any) -> Any:
         return entry
     if isinstance(entry, list) and all(isinstance(a, str) for a in entry):
         return tuple(entry)
+    if isinstance(entry, dict) and entry.keys() == {"ragged", "units", "dims", "block"}:
+        return RaggedShard(entry["ragged"], entry["units"], dims=entry["dims"], block=entry["block"])
     raise ValueError(f"unknown spec entry {entry!r} (written by a newer vsf?)")
 
 

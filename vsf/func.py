@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
-from vsf import tree
+from vsf import _compat, tree
 from vsf.sharding.constraint import constrain
 from vsf.sharding.named import NamedSharding, resolve
 from vsf.sharding.put import device_put, is_sharding_leaf
@@ -91,7 +91,8 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
 def _reduced(value: torch.Tensor) -> torch.Tensor:
     """An eager DTensor value with pending reductions, reduced (it is one number: cheap, and printable)."""
     if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
-        return value.redistribute(value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements])
+        with _compat.quiet_redistribute():
+            return value.redistribute(value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements])
     return value
 
 

@@ -37,7 +37,9 @@ from vsf.checkpoint.checksum import BLOCK, checksums
 from vsf.checkpoint.format import CorruptCheckpointError, FileRecord
 from vsf.checkpoint.progress import Progress
 
-__all__ = ["ChecksumWriter", "VerifyingReader"]
+__all__ = ["EDGE", "ChecksumWriter", "VerifyingReader"]
+
+EDGE = 4096  # bytes at the end of a large write that get a block of their own
 
 # vsf passes ``no_dist=True`` on purpose for single-process and simulated checkpoints, where DCP
 # warns on every first save and load that it assumes so. (pytest resets warning filters after
@@ -50,8 +52,11 @@ warnings.filterwarnings(
 class _ChecksumStream:
     """A file being written one block at a time, recording ``(offset, length, checksum)`` of each block.
 
-    A block ends when it is full and at every ``tell()``; ``flush()`` (and ``fileno()``, which
-    DCP calls to fsync) hand the buffered bytes to the file first.
+    A block ends when it is full and at every ``tell()``. A write of at least a block (a
+    tensor's bytes) gets blocks of its own, the last :data:`EDGE` bytes apart: readers of the
+    zip archives DCP writes (``torch.load``) read a few headers, the tensor's bytes whole, and
+    the archive's last 4 KiB, so every block is either read whole or small. ``flush()`` (and
+    ``fileno()``, which DCP calls to fsync) hand the buffered bytes to the file first.
     """
 
     def __init__(self, raw: Any, meter: Progress) -> None:
@@ -65,6 +70,18 @@ class _ChecksumStream:
 
     def write(self, b: Any) -> int:
         data = memoryview(b).cast("B")
+        if len(data) < BLOCK:
+            self._put(data)
+        else:
+            self._cut()
+            cuts = [*range(0, len(data) - EDGE, BLOCK), len(data) - EDGE, len(data)]
+            for lo, hi in zip(cuts, cuts[1:]):
+                self._put(data[lo:hi])
+                self._cut()
+        self._meter.add(len(data))
+        return len(data)
+
+    def _put(self, data: memoryview) -> None:
         done = 0
         while done < len(data):
             k = min(len(data) - done, BLOCK - self._fill)
@@ -73,8 +90,6 @@ class _ChecksumStream:
             done += k
             if self._fill == BLOCK:
                 self._cut()
-        self._meter.add(done)
-        return done
 
     def tell(self) -> int:
         self._cut()
@@ -159,6 +174,7 @@ class _VerifiedStream(io.RawIOBase):
         self._leaves_in = leaves_in
         self._pos = 0
         self._verified: set[int] = set()
+        self._aside = memoryview(bytearray(max((b[1] for b in record.blocks), default=0)))
 
     def readable(self) -> bool:
         return True
@@ -187,7 +203,7 @@ class _VerifiedStream(io.RawIOBase):
                 _read_exactly(self._raw, offset, piece, self._path)
                 self._check(i, piece)
             else:  # only part of the block is wanted: read it whole, aside, to check it
-                whole = memoryview(bytearray(length))
+                whole = self._aside[:length]
                 _read_exactly(self._raw, offset, whole, self._path)
                 self._check(i, whole)
                 piece[:] = whole[self._pos - offset : self._pos - offset + len(piece)]

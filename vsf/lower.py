@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from vsf import _compat
 from vsf.sharding.constraint import CONSTRAINT_OP
-from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value
+from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value, transition_path
 
 __all__ = ["PlanMismatch", "compile_local", "execute"]
 
@@ -53,7 +53,10 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if src == dst:
             return env[v]
         if (v, dst) not in moved:
-            moved[(v, dst)] = _compat.redistribute_local_tensor(env[v], spec(v, src), spec(v, dst))
+            local, prev = env[v], src
+            for nxt in transition_path(src, dst):
+                local, prev = _compat.redistribute_local_tensor(local, spec(v, prev), spec(v, nxt)), nxt
+            moved[(v, dst)] = local
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:

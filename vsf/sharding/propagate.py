@@ -556,7 +556,9 @@ class _AxisSolver:
 
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
-        costs = [(self._evaluate(k, j, greedy, True), j) for j in options]
+        # The first, greedy pass never shards inputs no other input is sharded like (it cannot see
+        # that a later op will want them so); the repair passes take any strategy that pays.
+        costs = [(self._evaluate(k, j, greedy, greedy), j) for j in options]
         if all(c == _INF for c, _ in costs):
             costs = [(self._evaluate(k, j, greedy, False), j) for j in options]
         best_cost, best = min(costs)
@@ -722,7 +724,10 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         elif node.target in VALUE_BLIND_OPS:
             direct = True
         elif ins and not fallback and node.op == "call_function":
-            direct = _kind_of(node.target) == "single" and node.target not in _SPECIAL and _shardable(node, dm, want_in)
+            direct = _kind_of(node.target) == "single" and node.target not in _SPECIAL
+            if direct:
+                want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out)
+                direct = _shardable(node, dm, want_in)
             if not direct:
                 want_in, want_out = _dtensor_decision(node, dm, ins, want_in)
         for v, dst in zip(ins, want_in):
@@ -763,7 +768,7 @@ def _buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistributio
         dims = [k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b]
         if (
             len(dims) == 1
-            and isinstance(r.src[dims[0]], Partial)
+            and type(r.src[dims[0]]) is Partial  # subclasses (a norm's partial) reduce differently
             and r.src[dims[0]].reduce_op in ("sum", "avg")
             and isinstance(r.dst[dims[0]], Replicate)
             and _even(mesh, _meta(r.value), r.src)
@@ -846,6 +851,26 @@ def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dim: int, before: to
 _SPECIAL = _compat.dispatcher_special_ops()
 
 
+def _keep_strided(actual: list[Placements], ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
+    """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
+    shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
+    same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
+    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing."""
+    ins, outs = [list(p) for p in ins], [None if p is None else list(p) for p in outs]
+    for k in range(len(ins[0]) if ins else 0):
+        factors = {
+            a[k].split_factor for a, want in zip(actual, ins)
+            if isinstance(a[k], _compat.StridedShard) and isinstance(want[k], Shard) and want[k].dim == a[k].dim
+        }
+        if len(factors) != 1:
+            continue
+        sf = factors.pop()
+        for p in [*ins, *(o for o in outs if o is not None)]:
+            if isinstance(p[k], Shard):
+                p[k] = _compat.StridedShard(p[k].dim, split_factor=sf)
+    return [tuple(p) for p in ins], [None if o is None else tuple(o) for o in outs]
+
+
 def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
     """DTensor's own filter on a combined strategy: every sharded input dim has a row per shard."""
     return all(
@@ -886,23 +911,44 @@ def local_bytes(mesh: Mesh, t: torch.Tensor, placements: Placements) -> int:
     return math.prod(local_shape(mesh, t, placements)) * t.element_size()
 
 
+_STEP_ORDER = {"slice": 0, "partition": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "all_gather": 5}
+
+
+def transition_path(src: Placements, dst: Placements) -> list[Placements]:
+    """The placements a value passes through from ``src`` to ``dst``, one mesh dim at a time, in the
+    order that moves the fewest bytes: local slices first, then reductions (a reduce-scatter shrinks
+    what later steps move), then all-to-alls, then all-gathers. Strided shards move in one DTensor
+    step (their order is part of the layout)."""
+    if any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)):
+        return [tuple(dst)]
+    dims = sorted((k for k, (a, b) in enumerate(zip(src, dst)) if a != b), key=lambda k: (_STEP_ORDER.get(_kind(src[k], dst[k]), 9), k))
+    path, current = [], list(src)
+    for k in dims:
+        current[k] = dst[k]
+        path.append(tuple(current))
+    return path
+
+
 def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[Collective, ...]:
-    """The collectives DTensor runs to move ``t`` from ``src`` to ``dst``, with the bytes each rank sends."""
+    """The collectives that move ``t`` from ``src`` to ``dst`` (along :func:`transition_path`, each
+    step as DTensor runs it), with the bytes each rank sends."""
     dm = mesh.device_mesh
     meta = _tmeta(t)
-    steps = _compat.redistribute_steps(_compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
     dm_axes = list(mesh.device_axes)
-    current = list(src)
     out = []
-    for mesh_dim, a, b, _logical in steps:
-        before = local_shape(mesh, t, tuple(current))
-        current[mesh_dim] = b
-        after = local_shape(mesh, t, tuple(current))
-        kind = _kind(_one_d(a), _one_d(b))
-        if kind in (None, "slice", "partition"):
-            continue
-        n = mesh.axis_size(dm_axes[mesh_dim])
-        shape = after if kind == "all_gather" else before
-        full = math.prod(shape) * t.element_size() * (n if kind == "all_to_all" else 1)
-        out.append(Collective(kind, dm_axes[mesh_dim], shape, t.dtype, int(round(_transition_bytes(kind, n, full)))))
+    prev = tuple(src)
+    for nxt in transition_path(src, dst):
+        current = list(prev)
+        for mesh_dim, a, b, _logical in _compat.redistribute_steps(_compat.DTensorSpec(dm, prev, tensor_meta=meta), _compat.DTensorSpec(dm, nxt, tensor_meta=meta)):
+            before = local_shape(mesh, t, tuple(current))
+            current[mesh_dim] = b
+            after = local_shape(mesh, t, tuple(current))
+            kind = _kind(_one_d(a), _one_d(b))
+            if kind in (None, "slice", "partition"):
+                continue
+            n = mesh.axis_size(dm_axes[mesh_dim])
+            shape = after if kind == "all_gather" else before
+            full = math.prod(shape) * t.element_size() * (n if kind == "all_to_all" else 1)
+            out.append(Collective(kind, dm_axes[mesh_dim], shape, t.dtype, int(round(_transition_bytes(kind, n, full)))))
+        prev = nxt
     return tuple(out)

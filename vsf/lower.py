@@ -22,6 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from vsf import _compat
+from vsf.sharding import ragged
+from vsf.sharding.named import RaggedPlacement, from_placements
 from vsf.sharding.constraint import CONSTRAINT_OP
 from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value, transition_path
 
@@ -55,7 +57,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if (v, dst) not in moved:
             local, prev = env[v], src
             for nxt in transition_path(src, dst):
-                local, prev = _compat.redistribute_local_tensor(local, spec(v, prev), spec(v, nxt)), nxt
+                local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
             moved[(v, dst)] = local
         return moved[(v, dst)]
 
@@ -105,6 +107,32 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 env[(node, i)] = o
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return [get(_value(a), dst) for a, dst in zip(pytree.tree_leaves(output.args), plan.outputs)]
+
+
+def _move(plan: Plan, t: torch.Tensor, local: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
+    """One step of a redistribution on this rank's local shard: DTensor's, or vsf's ragged
+    collectives on a mesh dim where either side is ragged (one mesh dim at a time)."""
+    if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):
+        dm = plan.mesh.device_mesh
+        meta = _tmeta(t)
+        return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
+    for k, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        mid = tuple(b if j == k else p for j, p in enumerate(src))
+        if isinstance(a, RaggedPlacement) or isinstance(b, RaggedPlacement):
+            axis = plan.mesh.device_axes[k]
+            shape = ragged.group_shape(from_placements(plan.mesh, src, t.ndim), axis, tuple(t.shape))
+            local = ragged.reshard(local, shape, _layout(a), _layout(b), mesh=plan.mesh)
+        else:  # another mesh dim: DTensor moves it; the ragged rows are just rows there
+            plain = lambda pl: tuple(Replicate() if isinstance(p, RaggedPlacement) else p for p in pl)  # noqa: E731
+            local = _move(plan, t, local, plain(src), plain(mid))
+        src = mid
+    return local
+
+
+def _layout(p: Any) -> Any:
+    return p.ragged if isinstance(p, RaggedPlacement) else p
 
 
 def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:

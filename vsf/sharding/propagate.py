@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from vsf import _compat
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding
+from vsf.sharding.named import NamedSharding, RaggedPlacement
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "propagate", "to_placements"]
@@ -223,11 +223,15 @@ class Strategies:
         self.fallback = allow_replicated_fallback
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
 
-    def of(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
-        """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks."""
-        key = (node.target, _sig(node.args), _sig(node.kwargs), n)
+    def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
+        """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
+        ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
+        key = (node.target, _sig(node.args), _sig(node.kwargs), n, tuple(ragged))
         if key not in self.cache:
-            self.cache[key] = self._compute(node, n)
+            found, fallback = self._compute(node, n)
+            if ragged and (node.target in RAGGED_REDUCTIONS or (_kind_of(node.target) == "single" and node.target not in _SPECIAL)):
+                found = found + _ragged_variants(node, found, ragged)
+            self.cache[key] = (found, fallback)
         return self.cache[key]
 
     def _compute(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
@@ -260,6 +264,31 @@ aten = torch.ops.aten
 VALUE_BLIND_OPS = frozenset({
     aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
 })
+
+
+# Reductions that run on a rank's own rows as they are (a sum or a norm of rows is a partial result
+# of that kind, and an empty shard gives the identity); DTensor's dispatcher, which they would
+# otherwise go through, has no ragged rules. (A max has no identity on a rank that holds no rows.)
+RAGGED_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.linalg_vector_norm.default})
+
+
+def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Sequence[tuple[RaggedPlacement, int]]) -> list[Strategy]:
+    """Per-row rules (every shard on dim 0 of a tensor with that many rows) run on a ragged split
+    of those rows too: an elementwise op keeps ragged rows ragged, a sum over the rows of ragged
+    operands is a partial sum."""
+    metas = [_meta(v) for v in _tensor_args(node)] + _outputs_meta(node)
+    out = []
+    for g, rows in ragged:
+        for st in strategies:
+            placed = [*st.ins, *st.outs]
+            shards = [(t, p) for t, p in zip(metas, placed) if t is not None and p is not None and _is_shard(p)]
+            if not any(_is_shard(p) for p in st.ins) or not all(isinstance(p, Shard) and p.dim == 0 and t.shape[0] == rows for t, p in shards):
+                continue
+            if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in st.outs if p is not None):
+                continue  # an average of per-rank averages is wrong when ranks hold different row counts
+            swap = lambda p: g if isinstance(p, Shard) else p  # noqa: E731
+            out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(None if p is None else swap(p) for p in st.outs)))
+    return out
 
 
 def _kind_of(op: Any) -> str | None:
@@ -404,7 +433,12 @@ def _transition_bytes(kind: str, n: int, full_bytes: float) -> float:
 
 
 def _is_shard(p: Any) -> bool:
-    return isinstance(p, (Shard, _compat.StridedShard))
+    return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement))
+
+
+def _split_dim(p: Any) -> int:
+    """The tensor dim a shard-like placement splits (a ragged split of leading dims: dim 0)."""
+    return 0 if isinstance(p, RaggedPlacement) else p.dim
 
 
 def _kind(src: Placement, dst: Placement) -> str | None:
@@ -474,7 +508,7 @@ class _AxisSolver:
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(_outputs_meta(node)))) for node in problem.ops]
         self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
         for k, node in enumerate(problem.ops):
-            allowed = problem.strategies.of(node, self.n)[0]
+            allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
             pinned = problem.pinned[axis].get(node)
             if pinned is not None:
                 allowed = [st for st in allowed if st.outs[0] in pinned]
@@ -605,6 +639,7 @@ class _Problem:
     out_req: dict[str, list[tuple[Value, Any]]]
     pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
     solved: dict[str, _AxisSolver]
+    ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -656,10 +691,18 @@ def propagate(
         seeds={}, out_req={}, pinned={}, solved={},
     )
     problem.index()
+    for ph, pl in zip(placeholders, in_placements):
+        for p in pl:
+            if isinstance(p, RaggedPlacement) and p.ragged.dims != 1:
+                raise PlanError(f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})")
     dm_axes = list(mesh.device_axes)
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): _one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.ragged[axis] = sorted(
+            {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if isinstance(pl[k], RaggedPlacement)},
+            key=repr,
+        )
         problem.out_req[axis] = [
             (v, _NOT_PARTIAL if s is None else _one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
         ]
@@ -724,8 +767,8 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         elif node.target in VALUE_BLIND_OPS:
             direct = True
         elif ins and not fallback and node.op == "call_function":
-            direct = _kind_of(node.target) == "single" and node.target not in _SPECIAL
-            if direct:
+            direct = (_kind_of(node.target) == "single" and node.target not in _SPECIAL) or (node.target in RAGGED_REDUCTIONS and _has_ragged(want_in))
+            if direct and not _has_ragged(want_in):
                 want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out)
                 direct = _shardable(node, dm, want_in)
             if not direct:
@@ -838,7 +881,7 @@ def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], forme
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    return all(not _is_shard(p) or t.shape[p.dim] % mesh.axis_size(a) == 0 for a, p in zip(mesh.device_axes, placements))
+    return all(not _is_shard(p) or (not isinstance(p, RaggedPlacement) and t.shape[p.dim] % mesh.axis_size(a) == 0) for a, p in zip(mesh.device_axes, placements))
 
 
 def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dim: int, before: torch.fx.Node) -> Bucket:
@@ -849,6 +892,10 @@ def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dim: int, before: to
 
 
 _SPECIAL = _compat.dispatcher_special_ops()
+
+
+def _has_ragged(placements: Sequence[Placements]) -> bool:
+    return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)
 
 
 def _keep_strided(actual: list[Placements], ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
@@ -902,7 +949,8 @@ def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[in
     shape = list(t.shape)
     for axis, p in zip(mesh.device_axes, placements):
         if _is_shard(p):
-            shape[p.dim] = -(-shape[p.dim] // mesh.axis_size(axis))
+            d = _split_dim(p)
+            shape[d] = -(-shape[d] // mesh.axis_size(axis))
     return tuple(shape)
 
 
@@ -931,7 +979,8 @@ def transition_path(src: Placements, dst: Placements) -> list[Placements]:
 
 def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[Collective, ...]:
     """The collectives that move ``t`` from ``src`` to ``dst`` (along :func:`transition_path`, each
-    step as DTensor runs it), with the bytes each rank sends."""
+    step as DTensor runs it, or vsf's ragged collectives for a ragged step), with the bytes each
+    rank sends."""
     dm = mesh.device_mesh
     meta = _tmeta(t)
     dm_axes = list(mesh.device_axes)
@@ -939,7 +988,11 @@ def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) 
     prev = tuple(src)
     for nxt in transition_path(src, dst):
         current = list(prev)
-        for mesh_dim, a, b, _logical in _compat.redistribute_steps(_compat.DTensorSpec(dm, prev, tensor_meta=meta), _compat.DTensorSpec(dm, nxt, tensor_meta=meta)):
+        if _has_ragged([prev, nxt]):
+            steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]
+        else:
+            steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(_compat.DTensorSpec(dm, prev, tensor_meta=meta), _compat.DTensorSpec(dm, nxt, tensor_meta=meta))]
+        for mesh_dim, a, b in steps:
             before = local_shape(mesh, t, tuple(current))
             current[mesh_dim] = b
             after = local_shape(mesh, t, tuple(current))

@@ -487,14 +487,18 @@ class _Codes:
         return isinstance(self.placements[c], Partial)
 
 
+def _encode(codes: "_Codes", strategies: list[Strategy]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in strategies]
+
+
 class _AxisSolver:
     """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
-    def __init__(self, problem: "_Problem", axis: str) -> None:
+    def __init__(self, problem: "_Problem", axis: str, codes: "_Codes", encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
         self.p = problem
         self.axis = axis
         self.n = problem.mesh.axis_size(axis)
-        codes = self.codes = _Codes(self.n)
+        self.codes = codes
         vid = problem.value_ids
         self.fb = [self._full_bytes(v) for v in problem.values]
         self.label = [codes.code(R)] * len(problem.values)
@@ -507,16 +511,18 @@ class _AxisSolver:
         self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(_outputs_meta(node)))) for node in problem.ops]
         self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
-        for k, node in enumerate(problem.ops):
+        for node in problem.ops:
             allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
             pinned = problem.pinned[axis].get(node)
             if pinned is not None:
                 allowed = [st for st in allowed if st.outs[0] in pinned]
                 if not allowed:
                     raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{_user_line(node)}")
-            self.strategies.append([
-                (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in allowed
-            ])
+                self.strategies.append(_encode(codes, allowed))
+                continue
+            if id(allowed) not in encoded:  # ops with one signature share one list: encode it once
+                encoded[id(allowed)] = _encode(codes, allowed)
+            self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
 
     def _full_bytes(self, v: Value) -> float:
@@ -590,6 +596,8 @@ class _AxisSolver:
 
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
+        if len(options) == 1 and not greedy:
+            return False
         # The first, greedy pass never shards inputs no other input is sharded like (it cannot see
         # that a later op will want them so); the repair passes take any strategy that pays.
         costs = [(self._evaluate(k, j, greedy, greedy), j) for j in options]
@@ -708,9 +716,11 @@ def propagate(
         ]
         problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if n.target is constraint.CONSTRAINT_OP}
     with _compat.local_mode_disabled():
-        for _sweep in range(2):
+        codes = {axis: _Codes(mesh.axis_size(axis)) for axis in axes}
+        encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
+        for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:
-                solver = _AxisSolver(problem, axis)
+                solver = _AxisSolver(problem, axis, codes[axis], encoded[axis])
                 solver.solve()
                 problem.solved[axis] = solver
         return _check_with_dtensor(problem, axes, in_placements, out_shardings)
@@ -736,6 +746,7 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(_placeholders(gm), in_placements)}
     plans: dict[torch.fx.Node, NodePlan] = {}
     moves: dict[tuple[Value, Placements], Redistribution] = {}
+    asked: dict[Any, Any] = {}
 
     def combined(per_axis: dict[str, Placement | None]) -> Placements:
         return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
@@ -772,7 +783,7 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
                 want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out)
                 direct = _shardable(node, dm, want_in)
             if not direct:
-                want_in, want_out = _dtensor_decision(node, dm, ins, want_in)
+                want_in, want_out = _dtensor_decision(node, dm, want_in, asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback, direct)
@@ -926,8 +937,16 @@ def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
     )
 
 
-def _dtensor_decision(node: torch.fx.Node, dm: Any, ins: list[Value], want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:
-    """What DTensor does for ``node`` when its inputs arrive as ``want_in``."""
+def _dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in`` (asked once per op
+    signature and input placements in ``asked``: a model's repeated layers ask the same questions)."""
+    key = (node.target, _sig(node.args), _sig(node.kwargs), tuple(want_in))
+    if key not in asked:
+        asked[key] = _ask_dtensor(node, dm, want_in)
+    return asked[key]
+
+
+def _ask_dtensor(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:
     it = iter(want_in)
 
     def spec(a: Any) -> Any:

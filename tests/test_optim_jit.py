@@ -8,7 +8,7 @@ import torch
 
 import vsf
 from vsf import P, optim
-from models import GPT, GPTConfig
+from models import adamw_gpt_case
 
 STEPS = 10
 
@@ -35,17 +35,7 @@ ZERO_STATE = {
 
 
 def test_clip_adamw_step_fsdp_tp_zero_dp_matches_unsharded(sim):
-    # qkv_bias=False: the key bias gets an exactly-zero gradient, which Adam turns into noise-sized steps.
-    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False)
-    model = GPT(cfg)
-    params = vsf.tree.from_module(model)
-    batch = (torch.randint(0, cfg.vocab, (8, cfg.seq)), torch.randint(0, cfg.vocab, (8, cfg.seq)))
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-3, weight_decay=0.1))
-
-    def train_step(params, opt_state, idx, tgt):
-        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, loss
+    params, batch, tx, train_step = adamw_gpt_case()
 
     want_params, state = params, tx.init(params)
     want_losses = []

@@ -417,6 +417,10 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Stra
 # Taking a local slice of a replicated value sends nothing; it is charged a token cost so that
 # the planner does not reshard values gratuitously (a later op would pay to undo it).
 _SLICE_COST = 1e-3
+# Each collective also costs a start-up latency, charged as this many bytes: with equal bytes, one
+# all-reduce beats a reduce-scatter plus an all-gather.
+COLLECTIVE_LATENCY_BYTES = 4096.0
+_COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
 _TIE = 1e-9
 _NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
 
@@ -456,13 +460,15 @@ def _kind(src: Placement, dst: Placement) -> str | None:
 
 
 class _Codes:
-    """Placements of one axis as small ints, with the byte factor of every transition."""
+    """Placements of one axis as small ints, with the byte factor and the fixed (per-collective)
+    cost of every transition."""
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.of: dict[Any, int] = {}
         self.placements: list[Any] = []
         self.factor: list[list[float]] = []
+        self.fixed: list[list[float]] = []
         self.code(R)
 
     def code(self, p: Any) -> int:
@@ -470,7 +476,13 @@ class _Codes:
             self.of[p] = len(self.placements)
             self.placements.append(p)
             self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
+            self.fixed = [[self._fixed(a, b) for b in self.placements] for a in self.placements]
         return self.of[p]
+
+    def _fixed(self, a: Any, b: Any) -> float:
+        if b is _NOT_PARTIAL:
+            return self._fixed(a, R) if isinstance(a, Partial) else 0.0
+        return COLLECTIVE_LATENCY_BYTES if _kind(a, b) in _COLLECTIVE_KINDS else 0.0
 
     def _factor(self, a: Any, b: Any) -> float:
         if b is _NOT_PARTIAL:
@@ -524,6 +536,23 @@ class _AxisSolver:
                 encoded[id(allowed)] = _encode(codes, allowed)
             self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
+        self.reorder = self._reorders()
+
+    def _reorders(self) -> dict[int, dict[int, float]]:
+        """For values that a later mesh axis already shards on some dim: what sharding that dim on
+        this (earlier, hence major) axis as well costs besides this axis's own move. The nested
+        layout changes which block the later axis's ranks hold, so DTensor gathers over it first."""
+        order = list(self.p.mesh.device_axes)
+        here = order.index(self.axis)
+        out: dict[int, dict[int, float]] = {}
+        for other, solver in self.p.solved.items():
+            if other == self.axis or order.index(other) < here:
+                continue
+            for v, c in enumerate(solver.label):
+                p = solver.codes.placements[c]
+                if _is_shard(p):
+                    out.setdefault(v, {})[_split_dim(p)] = _transition_bytes("all_gather", solver.n, self.fb[v])
+        return out
 
     def _full_bytes(self, v: Value) -> float:
         t = _meta(v)
@@ -534,8 +563,8 @@ class _AxisSolver:
         return size
 
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
-        row = self.codes.factor[label]
-        return self.fb[v] * sum(row[req] for req, c in need.items() if c > 0)
+        row, fixed = self.codes.factor[label], self.codes.fixed[label]
+        return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
         """Does this strategy shard an input on this axis when no input already arrives sharded here?"""
@@ -555,14 +584,17 @@ class _AxisSolver:
             return _INF
         factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
         total = 0.0
+        shard, placements, reorder = self.codes.is_shard, self.codes.placements, self.reorder
         for v, req in zip(self.ins[k], ins):
             if req != label[v]:
                 total += _TIE * fb[v]  # ties go to using a value where it is: redistribute as late as possible
+                if v in reorder and shard(req) and not shard(label[v]):
+                    total += reorder[v].get(_split_dim(placements[req]), 0.0)
         if greedy:
             for v, req in zip(self.ins[k], ins):
                 cur = label[v]
                 if req != cur and not need[v].get(req):
-                    total += factor[cur][req] * fb[v]
+                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req]
         else:
             old = self.strategies[k][self.choice[k]][0]
             changed: dict[int, dict[int, int]] = {}
@@ -578,7 +610,7 @@ class _AxisSolver:
                 continue
             total += self._value_cost(v, lab, need[v])
             if greedy and self.codes.is_partial(lab):
-                total += factor[lab][0] * fb[v]  # a partial will have to be reduced: charge an all-reduce
+                total += factor[lab][0] * fb[v] + self.codes.fixed[lab][0]  # a partial will have to be reduced: charge an all-reduce
         return total
 
     def _apply(self, k: int, j: int) -> None:

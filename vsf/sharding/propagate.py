@@ -477,6 +477,7 @@ class _Codes:
             self.placements.append(p)
             self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
             self.fixed = [[self._fixed(a, b) for b in self.placements] for a in self.placements]
+            self.shard = [_is_shard(q) for q in self.placements]
         return self.of[p]
 
     def _fixed(self, a: Any, b: Any) -> float:
@@ -493,7 +494,7 @@ class _Codes:
         return 0.0 if kind is None else _INF if kind in ("invalid", "partition") else _transition_bytes(kind, self.n, 1.0)
 
     def is_shard(self, c: int) -> bool:
-        return _is_shard(self.placements[c])
+        return self.shard[c]
 
     def is_partial(self, c: int) -> bool:
         return isinstance(self.placements[c], Partial)

@@ -12,12 +12,13 @@ collectives, which is what each step then runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -25,7 +26,7 @@ from vsf import _compat
 from vsf.sharding import ragged
 from vsf.sharding.named import RaggedPlacement, from_placements
 from vsf.sharding.constraint import CONSTRAINT_OP
-from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value, transition_path
+from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value, local_shape, minor_step, transition_path
 
 __all__ = ["PlanMismatch", "compile_local", "execute"]
 
@@ -112,8 +113,18 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _move(plan: Plan, t: torch.Tensor, local: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
     """One step of a redistribution on this rank's local shard: DTensor's, or vsf's ragged
     collectives on a mesh dim where either side is ragged (one mesh dim at a time)."""
+    dm = plan.mesh.device_mesh
+    minor = minor_step(plan.mesh, src, dst)
+    if minor is not None:  # a 1D collective of the local shard: the other mesh dims have split it already
+        k, d = minor
+        level = list(src)
+        level[k] = Replicate()
+        shape = local_shape(plan.mesh, t, tuple(level))
+        meta = _compat.TensorMeta(torch.Size(shape), _contiguous(shape), t.dtype)
+        one_d = lambda p: Shard(d) if isinstance(p, _compat.StridedShard) else p  # noqa: E731
+        lone = lambda p: tuple(one_d(p) if j == k else Replicate() for j in range(len(src)))  # noqa: E731
+        return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, lone(src[k]), tensor_meta=meta), _compat.DTensorSpec(dm, lone(dst[k]), tensor_meta=meta))
     if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):
-        dm = plan.mesh.device_mesh
         meta = _tmeta(t)
         return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
     for k, (a, b) in enumerate(zip(src, dst)):
@@ -129,6 +140,10 @@ def _move(plan: Plan, t: torch.Tensor, local: torch.Tensor, src: Placements, dst
             local = _move(plan, t, local, plain(src), plain(mid))
         src = mid
     return local
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _layout(p: Any) -> Any:

@@ -1014,11 +1014,31 @@ def local_bytes(mesh: Mesh, t: torch.Tensor, placements: Placements) -> int:
 _STEP_ORDER = {"slice": 0, "partition": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "all_gather": 5}
 
 
+def minor_step(mesh: Mesh, src: Placements, dst: Placements) -> tuple[int, int] | None:
+    """``(mesh_dim, tensor_dim)`` when ``src`` -> ``dst`` changes one mesh dim between replicated,
+    partial and a strided shard that is *minor* to every other mesh dim splitting that tensor dim
+    (ZeRO's ``P(("fsdp", "dp"))``). Such a step is a plain 1D collective of the local shard along
+    the tensor dim (a reduce-scatter into a ZeRO layout), where DTensor would all-reduce and slice."""
+    changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    k = changed[0]
+    strided = [p for p in (src[k], dst[k]) if isinstance(p, _compat.StridedShard)]
+    if not strided or any(not isinstance(p, (Replicate, Partial, _compat.StridedShard)) for p in (src[k], dst[k])):
+        return None
+    d = strided[0].dim
+    if any(p.dim != d for p in strided) or any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (src[k], dst[k])):
+        return None
+    later = math.prod(mesh.axis_size(a) for j, a in enumerate(mesh.device_axes) if j > k and _is_shard(src[j]) and _split_dim(src[j]) == d)
+    earlier = any(_is_shard(src[j]) and _split_dim(src[j]) == d for j in range(k))
+    return (k, d) if not earlier and all(p.split_factor == later for p in strided) else None
+
+
 def transition_path(src: Placements, dst: Placements) -> list[Placements]:
     """The placements a value passes through from ``src`` to ``dst``, one mesh dim at a time, in the
     order that moves the fewest bytes: local slices first, then reductions (a reduce-scatter shrinks
-    what later steps move), then all-to-alls, then all-gathers. Strided shards move in one DTensor
-    step (their order is part of the layout)."""
+    what later steps move), then all-to-alls, then all-gathers. Strided shards move in one step
+    (their order is part of the layout): a :func:`minor_step` when it is one, else DTensor's."""
     if any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)):
         return [tuple(dst)]
     dims = sorted((k for k, (a, b) in enumerate(zip(src, dst)) if a != b), key=lambda k: (_STEP_ORDER.get(_kind(src[k], dst[k]), 9), k))
@@ -1040,7 +1060,7 @@ def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) 
     prev = tuple(src)
     for nxt in transition_path(src, dst):
         current = list(prev)
-        if _has_ragged([prev, nxt]):
+        if _has_ragged([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
             steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]
         else:
             steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(_compat.DTensorSpec(dm, prev, tensor_meta=meta), _compat.DTensorSpec(dm, nxt, tensor_meta=meta))]

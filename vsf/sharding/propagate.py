@@ -538,6 +538,27 @@ class _AxisSolver:
             self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
         self.reorder = self._reorders()
+        self.hints = self._hints()
+
+    def _hints(self) -> list[frozenset[int]]:
+        """Shardings each value will be wanted in later, propagated backwards (as GSPMD does) from
+        the outputs' required shardings through ops that keep a sharding as it is (elementwise
+        ones: the same placement in and out). The greedy pass may shard a value into one of its
+        hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
+        optimizer will want sharded, before a norm of it decides for a full reduction."""
+        hints: list[set[int]] = [set() for _ in self.p.values]
+        for v, need in enumerate(self.need):
+            hints[v].update(c for c in need if self.codes.is_shard(c))
+        for k in range(len(self.p.ops) - 1, -1, -1):
+            wanted = [hints[v] if v >= 0 else set() for v in self.outs[k]]
+            if not any(wanted):
+                continue
+            for ins, outs in self.strategies[k]:
+                if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
+                    for v, req in zip(self.ins[k], ins):
+                        if self.codes.is_shard(req) and req in outs:
+                            hints[v].add(req)
+        return [frozenset(h) for h in hints]
 
     def _reorders(self) -> dict[int, dict[int, float]]:
         """For values that a later mesh axis already shards on some dim: what sharding that dim on
@@ -568,12 +589,13 @@ class _AxisSolver:
         return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
-        """Does this strategy shard an input on this axis when no input already arrives sharded here?"""
-        is_shard, label = self.codes.is_shard, self.label
+        """Does this strategy shard an input on this axis when no input already arrives sharded
+        here, and no later op wants it so (:meth:`_hints`)?"""
+        is_shard, label, hints = self.codes.is_shard, self.label, self.hints
         reshards = anchored = False
         for v, req in zip(self.ins[k], ins):
             if is_shard(req):
-                if req == label[v]:
+                if req == label[v] or req in hints[v]:
                     anchored = True
                 else:
                     reshards = True

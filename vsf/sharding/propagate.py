@@ -608,10 +608,15 @@ class _AxisSolver:
         factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
         total = 0.0
         shard, placements, reorder = self.codes.is_shard, self.codes.placements, self.reorder
+        hints = self.hints
         for v, req in zip(self.ins[k], ins):
             if req != label[v]:
-                total += _TIE * fb[v]  # ties go to using a value where it is: redistribute as late as possible
-                if v in reorder and shard(req) and not shard(label[v]):
+                # ties go to using a value where it is (redistribute as late as possible), or else
+                # to moving it where a later op wants it anyway
+                total += _TIE * fb[v] * (0.5 if req in hints[v] else 1.0)
+                if v in reorder and shard(req) and not shard(label[v]) and req not in hints[v]:
+                    # (a sharding wanted later comes from a layout that already orders the axes:
+                    # ZeRO's minor axis, say)
                     total += reorder[v].get(_split_dim(placements[req]), 0.0)
         if greedy:
             for v, req in zip(self.ins[k], ins):
@@ -633,7 +638,9 @@ class _AxisSolver:
                 continue
             total += self._value_cost(v, lab, need[v])
             if greedy and self.codes.is_partial(lab):
-                total += factor[lab][0] * fb[v] + self.codes.fixed[lab][0]  # a partial will have to be reduced: charge an all-reduce
+                # a partial will have to be reduced: charge an all-reduce's bytes (not its start-up:
+                # independent reductions share one bucket)
+                total += factor[lab][0] * fb[v]
         return total
 
     def _apply(self, k: int, j: int) -> None:

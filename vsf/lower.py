@@ -63,10 +63,11 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:
-        n = plan.mesh.axis_size(plan.mesh.device_axes[b.mesh_dim])
+        sizes = [plan.mesh.axis_size(a) for a in plan.mesh.device_axes]
         pieces = [env[r.value] for r in b.members]
-        flat = torch.cat([(p / n if r.src[b.mesh_dim].reduce_op == "avg" else p).reshape(-1) for r, p in zip(b.members, pieces)])
-        src = tuple(Partial() if k == b.mesh_dim else Replicate() for k in range(len(b.members[0].src)))
+        averaged = [math.prod(sizes[k] for k in b.mesh_dims if r.src[k].reduce_op == "avg") for r in b.members]
+        flat = torch.cat([(p / n if n > 1 else p).reshape(-1) for n, p in zip(averaged, pieces)])
+        src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(len(b.members[0].src)))
         meta = _compat.TensorMeta(flat.shape, flat.stride(), flat.dtype)
         reduced = _compat.redistribute_local_tensor(
             flat, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, (Replicate(),) * len(src), tensor_meta=meta)

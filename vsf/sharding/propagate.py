@@ -88,9 +88,9 @@ class Bucket:
     averages join partial sums: their local values are divided by the axis size first."""
 
     members: tuple[Redistribution, ...]
-    mesh_dim: int
+    mesh_dims: tuple[int, ...]  # the mesh dims whose partial sums are reduced (one all-reduce each)
     before: torch.fx.Node
-    collective: Collective
+    collectives: tuple[Collective, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Plan:
         """Every collective the program runs (a bucket counts once)."""
         bucketed = {id(r) for b in self.buckets for r in b.members}
         out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
-        return out + [b.collective for b in self.buckets]
+        return out + [c for b in self.buckets for c in b.collectives]
 
     def placement(self, value: Value) -> Placements:
         node, i = value
@@ -879,18 +879,17 @@ def _buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistributio
         for p in n.all_input_nodes:
             mask |= anc[p] | (1 << index[p])
         anc[n] = mask
-    groups: dict[tuple[int, torch.dtype], list[Redistribution]] = {}
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[Redistribution]] = {}
     for r in moves:
-        dims = [k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b]
+        dims = tuple(k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b)
         if (
-            len(dims) == 1
-            and type(r.src[dims[0]]) is Partial  # subclasses (a norm's partial) reduce differently
-            and r.src[dims[0]].reduce_op in ("sum", "avg")
-            and isinstance(r.dst[dims[0]], Replicate)
+            dims
+            and all(type(r.src[k]) is Partial for k in dims)  # subclasses (a norm's partial) reduce differently
+            and all(r.src[k].reduce_op in ("sum", "avg") and isinstance(r.dst[k], Replicate) for k in dims)
             and _even(mesh, _meta(r.value), r.src)
         ):
-            groups.setdefault((dims[0], _meta(r.value).dtype), []).append(r)
-    formed: list[tuple[int, list[Redistribution]]] = []
+            groups.setdefault((dims, _meta(r.value).dtype), []).append(r)
+    formed: list[tuple[tuple[int, ...], list[Redistribution]]] = []
     for (k, _dtype), rs in groups.items():
         rs.sort(key=lambda r: index[r.value[0]])
         current: list[Redistribution] = []
@@ -922,7 +921,7 @@ def _buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistributio
     return tuple(buckets), tuple(marker.get(id(item), item) for item in order)
 
 
-def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], formed: list[tuple[int, list[Redistribution]]], users: dict[int, list[torch.fx.Node]]) -> list[Any] | None:
+def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], formed: list[tuple[tuple[int, ...], list[Redistribution]]], users: dict[int, list[torch.fx.Node]]) -> list[Any] | None:
     """A topological order of the graph plus one step per group (``None`` if groups form a cycle),
     keeping the original order wherever the groups allow."""
     deps: dict[int, set[int]] = {id(n): {id(p) for p in n.all_input_nodes} for n in nodes}
@@ -957,11 +956,14 @@ def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
     return all(not _is_shard(p) or (not isinstance(p, RaggedPlacement) and t.shape[p.dim] % mesh.axis_size(a) == 0) for a, p in zip(mesh.device_axes, placements))
 
 
-def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dim: int, before: torch.fx.Node) -> Bucket:
+def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dims: tuple[int, ...], before: torch.fx.Node) -> Bucket:
     numel = sum(math.prod(local_shape(mesh, _meta(r.value), r.src)) for r in members)
     dtype = _meta(members[0].value).dtype
-    collective = Collective("all_reduce", mesh.device_axes[mesh_dim], (numel,), dtype, sum(c.bytes for r in members for c in r.collectives))
-    return Bucket(tuple(members), mesh_dim, before, collective)
+    collectives = tuple(
+        Collective("all_reduce", axis, (numel,), dtype, sum(c.bytes for r in members for c in r.collectives if c.axis == axis))
+        for axis in (mesh.device_axes[k] for k in mesh_dims)
+    )
+    return Bucket(tuple(members), mesh_dims, before, collectives)
 
 
 _SPECIAL = _compat.dispatcher_special_ops()

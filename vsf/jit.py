@@ -91,6 +91,17 @@ class _Call:
     inputs: list[DTensor]
     dyn: tuple[tuple[Any, ...], dict[str, Any]]
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
+    positions: list[int]  # each dynamic positional argument's position in the call
+
+    def donated(self, argnums: Sequence[int]) -> list[int]:
+        """Positions, among the tensor leaves, of the leaves of positional arguments ``argnums``."""
+        out, offset = [], 0
+        for pos, a in zip(self.positions, self.dyn[0]):
+            n = len(tree.leaves(a))
+            if pos in argnums:
+                out.extend(range(offset, offset + n))
+            offset += n
+        return out
 
     @property
     def names(self) -> list[str]:
@@ -210,7 +221,7 @@ class Jitted:
                     kw[where] = value
             return tuple(full), kw
 
-        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh), inputs, dyn, rebuild)
+        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh), inputs, dyn, rebuild, positions)
 
     def _leaf_name(self, dyn: Any, index: int) -> str:
         return _arg_name(tree.leaves_with_path(dyn)[index][0])
@@ -407,7 +418,7 @@ class Compiled:
                 locals_out = execute(self.plan, locals_in)
         else:
             if self._local is None:
-                self._local = compile_local(self.plan, locals_in)
+                self._local = compile_local(self.plan, locals_in, call.donated(self.owner.donate_argnums))
             locals_out = self._local.forward(*locals_in)
         outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
         it = iter(outs)

@@ -160,10 +160,68 @@ def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) ->
     return locals_ if isinstance(out, (list, tuple)) else locals_[0]
 
 
-def compile_local(plan: Plan, local_inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
-    """Trace :func:`execute` on this rank's local shards into a graph of local ops and collectives."""
+def compile_local(plan: Plan, local_inputs: Sequence[torch.Tensor], donated: Sequence[int] = ()) -> torch.fx.GraphModule:
+    """Trace :func:`execute` on this rank's local shards into a graph of local ops and collectives.
+
+    The inputs at positions ``donated`` may be overwritten: the program updates them in place
+    where an op's result takes exactly their place (a donated optimizer state's ``lerp``, a
+    donated param's ``sub``), as XLA reuses donated buffers.
+    """
     with _compat.quiet_redistribute():
         gm = make_fx(lambda *xs: execute(plan, xs), tracing_mode="fake")(*local_inputs)
     gm.graph.eliminate_dead_code()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    shared = {id(t) for t in local_inputs if sum(u is t for u in local_inputs) > 1}
+    _reuse(gm, {placeholders[i] for i in donated if id(local_inputs[i]) not in shared})
     gm.recompile()
     return gm
+
+
+def _reuse(gm: torch.fx.GraphModule, owned: set[torch.fx.Node]) -> None:
+    """Turn ``op(x, ...)`` into ``op_(x, ...)`` where ``x`` is ours to overwrite (a donated input, or
+    a fresh result of an earlier op), this op is its only use, and the result has exactly ``x``'s
+    shape, stride and dtype. Each rewrite makes the result ours too, so chains update one buffer."""
+    outputs = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        x = node.args[0]
+        inplace = _inplace_variant(node.target)
+        fresh = x in owned or (x.op == "call_function" and _allocates(x))
+        if inplace is None or not fresh or len(x.users) != 1 or x in outputs:
+            continue
+        a, out = x.meta.get("val"), node.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
+            continue
+        if a.shape != out.shape or a.dtype != out.dtype or a.stride() != out.stride():
+            continue
+        node.target = inplace
+        owned.add(node)
+
+
+_VIEWS = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "split", "unsqueeze", "squeeze", "alias", "detach", "as_strided", "reshape", "unbind", "diagonal", "narrow")
+
+
+def _allocates(node: torch.fx.Node) -> bool:
+    """Does ``node`` produce a new buffer (not a view of an input, not a collective's buffer)?"""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.name.startswith("_c10d_functional") or node.target.__name__.split(".")[0] in _VIEWS:
+        return False
+    return not any(r.alias_info is not None for r in schema.returns)
+
+
+def _inplace_variant(op: Any) -> Any:
+    """``aten.X_.<overload>`` for an out-of-place ``aten.X.<overload>`` with the same arguments (or ``None``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.name.startswith("aten::") or schema.is_mutable or not _allocates_op(op):
+        return None
+    base, overload = schema.name.split("::")[1], op._overloadname
+    packet = getattr(torch.ops.aten, base + "_", None)
+    target = getattr(packet, overload, None) if packet is not None else None
+    if target is None or len(target._schema.arguments) != len(schema.arguments):
+        return None
+    return target
+
+
+def _allocates_op(op: Any) -> bool:
+    return op.__name__.split(".")[0] not in _VIEWS and not any(r.alias_info is not None for r in op._schema.returns)

@@ -27,9 +27,11 @@ p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(param
 s = optim.init_sharded(tx, p, zero_axes=("dp",))
 b = vsf.device_put(batch, vsf.NamedSharding(mesh, P("dp")))
 step = vsf.jit(train_step, donate_argnums=(0, 1))
-losses = []
+losses, reused = [], []
 for _ in range(3):
+    before = [x.to_local().data_ptr() for x in vsf.tree.leaves(s)]
     p, s, loss = step(p, s, *b)
+    reused.append(sum(x.to_local().data_ptr() in before for x in vsf.tree.leaves(s)))
     losses.append(vsf.device_get(loss).item())
 got = vsf.device_get(p)
 program = next(iter(step._cache.values()))._local
@@ -41,5 +43,7 @@ report = {
     "collectives_in_program": sum(1 for n in program.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)),
     "planned_collectives": len(step.lower(p, s, *b).cost().collectives),
     "plan_count": step.plan_count,
+    "state_leaves": len(vsf.tree.leaves(s)),
+    "state_buffers_reused": reused,
 }
 (out / f"rank{rank}.json").write_text(json.dumps(report))

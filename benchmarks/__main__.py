@@ -55,7 +55,7 @@ def table(rows: Sequence[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['bench']} | {r['name']} | {_value(r['vsf'], r['unit'])} | {_value(r['ref'], r['unit'])} "
-            f"| {r['ratio']:.3g} | {r['target']} | {'yes' if r['met'] else '**no**'} |"
+            f"| {r['ratio']:.3f} | {r['target']} | {'yes' if r['met'] else '**no**'} |"
         )
     return "\n".join(lines)
 

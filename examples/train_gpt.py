@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> Result:
     model = GPT(cfg, seed=args.seed)
     params = vsf.tree.from_module(model)
     if args.simulate:
+        # The simulated ranks run many small ops one after another, where intra-op threads cost
+        # more than they save (the run took twice as long with 2 threads on 2 busy cores).
+        torch.set_num_threads(1)
         with vsf.simulate(args.simulate):
             return train(args, model, params)
     try:

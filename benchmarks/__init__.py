@@ -4,5 +4,5 @@
 (``bench_jit``, ``bench_optim``, ``bench_ragged``, ``bench_checkpoint``) has ``run(quick)``
 returning rows ``{name, vsf, ref, unit, ratio, target, met}``: vsf's figure and the reference's
 taken in the same run (``unit`` ``"s"`` or ``"B"``), their ratio as the target states it, the
-target, and whether this run met it.
+target, and whether this run met it (``None`` for a figure that is reported without a target).
 """

@@ -28,6 +28,9 @@ BENCHMARKS = {
 }
 
 
+MET = {True: "yes", False: "**no**", None: "-"}
+
+
 def machine() -> str:
     """Where the figures come from: date, CPUs, load, Python and torch versions."""
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -55,7 +58,7 @@ def table(rows: Sequence[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['bench']} | {r['name']} | {_value(r['vsf'], r['unit'])} | {_value(r['ref'], r['unit'])} "
-            f"| {r['ratio']:.3f} | {r['target']} | {'yes' if r['met'] else '**no**'} |"
+            f"| {r['ratio']:.3f} | {r['target']} | {MET[r['met']]} |"
         )
     return "\n".join(lines)
 

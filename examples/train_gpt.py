@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import vsf
 from vsf import P, optim
+from vsf.sharding.report import Cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig, batch_at, floor_loss  # noqa: E402
@@ -83,7 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--save-every", type=int, default=50, help="save a checkpoint every N steps (and at the end)")
     out.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     out.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint in <out>/ckpt")
-    out.add_argument("--stop-after", type=int, metavar="STEP", help="end after this step without the final save and summary, as if killed there")
     out.add_argument("--log-every", type=int, default=None, help="steps between log lines when stdout is not a terminal (default: steps // 10)")
     out.add_argument("--print-plan", action="store_true", help="print the jitted step's plan (every op's shardings and every collective)")
     args = p.parse_args(argv)
@@ -193,32 +193,20 @@ def make_optimizer(args: argparse.Namespace) -> optim.GradientTransformation:
 
 def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor]) -> Result:
     """Lay out, restore or initialise, and train; runs on every rank (or inside ``vsf.simulate``)."""
-    world = args.simulate or int(os.environ.get("WORLD_SIZE", "1"))
-    shape = mesh_shape(world, args.dp, args.fsdp, args.tp)
+    shape = mesh_shape(args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp)
     mesh = vsf.make_mesh(tuple(shape.values()), AXES)
-    lead = vsf.runtime.rank() == 0
     cfg = model.cfg
-    rep = Reporter(args.steps, args.batch * cfg.seq, args.log_every or max(1, args.steps // 10), lead)
+    rep = Reporter(args.steps, args.batch * cfg.seq, args.log_every or max(1, args.steps // 10), vsf.runtime.rank() == 0)
     rep.say(f"mesh {' x '.join(f'{a}={n}' for a, n in shape.items())} ({mesh.size} ranks, {mesh.device_type}"
             f"{', simulated' if vsf.runtime.is_simulated() else ''}); {sum(p.numel() for p in params.values()):,} params")
 
-    shardings = vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, RULES))
     tx = make_optimizer(args)
-    state = {"params": vsf.device_put(params, shardings)}
+    state = {"params": vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, RULES)))}
     state["opt"] = optim.init_sharded(tx, state["params"], zero_axes=("dp",))
     for name in ("blocks.0.attn.qkv.weight", "wte.weight"):
         rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
-
     mngr = vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
-    first = 0
-    if args.resume and mngr.latest_step() is not None:
-        first = mngr.latest_step()
-        state = mngr.restore(first, target={**state, "step": 0})   # read straight into these layouts
-        if state.pop("step") != first:
-            raise RuntimeError(f"checkpoint {mngr.step_path(first)} holds another step")
-        rep.say(f"resumed from {mngr.step_path(first)}")
-    elif mngr.all_steps():
-        raise SystemExit(f"{mngr.directory} already holds checkpoints {mngr.all_steps()}: pass --resume, or choose another --out")
+    first, state = restore(args, mngr, state, rep)
 
     step_fn = make_step(model, tx)
     put_batch = vsf.NamedSharding(mesh, BATCH)
@@ -226,13 +214,11 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     lowered = step_fn.lower(state["params"], state["opt"], *batch)   # plans the step once; calls reuse it
     if args.print_plan:
         rep.say(lowered.as_text())
-    cost = lowered.cost()
 
-    metrics = (args.out / "metrics.jsonl").open("a") if lead else None
     losses: dict[int, float] = {}
-    last = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    metrics = (args.out / "metrics.jsonl").open("a" if first else "w") if rep.enabled else None
     started = time.perf_counter()
-    for step in range(first, last):
+    for step in range(first, args.steps):
         t0 = time.perf_counter()
         batch = vsf.device_put(batch_at(step, args.batch, cfg, seed=args.seed), put_batch)
         state["params"], state["opt"], loss = step_fn(state["params"], state["opt"], *batch)
@@ -242,23 +228,34 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
         if metrics:
             metrics.write(json.dumps({"step": step, "loss": losses[step], "tokens_per_s": args.batch * cfg.seq / seconds}) + "\n")
             metrics.flush()
-        done = step + 1
-        if done < args.steps and mngr.save(done, {**state, "step": done}, blocking=False):
-            rep.say(f"checkpoint {done}: saving in the background to {mngr.step_path(done)}")
+        if mngr.save(step + 1, {**state, "step": step + 1}, force=step + 1 == args.steps, blocking=False):
+            rep.say(f"checkpoint {step + 1}: saving in the background to {mngr.step_path(step + 1)}")
     elapsed = time.perf_counter() - started
+    mngr.wait()
     if metrics:
         metrics.close()
-    memory = _memory(state)
-    result = Result(losses, first, shape, elapsed, cost.comm_bytes, memory)
-    if last < args.steps:
-        mngr.wait()
-        rep.say(f"stopped after step {last} (--stop-after)")
-        return result
-    mngr.save(args.steps, {**state, "step": args.steps}, force=True)
-    mngr.wait()
-    if lead:
-        _summary(rep, args, cfg, result, cost, mngr)
+    result = Result(losses, first, shape, elapsed, lowered.cost().comm_bytes, _memory(state))
+    if rep.enabled and losses:
+        _summary(rep, args, cfg, result, lowered.cost(), mngr)
     return result
+
+
+def restore(args: argparse.Namespace, mngr: vsf.checkpoint.CheckpointManager, state: dict[str, Any], rep: Reporter) -> tuple[int, dict[str, Any]]:
+    """The step to start from and the state there: the latest committed checkpoint's with
+    ``--resume`` (read straight into ``state``'s layouts), else step 0 and ``state`` itself."""
+    if not args.resume:
+        if mngr.all_steps():
+            raise SystemExit(f"{mngr.directory} already holds checkpoints {mngr.all_steps()}: pass --resume, or choose another --out")
+        return 0, state
+    first = mngr.latest_step()
+    if first is None:
+        rep.say(f"no checkpoint in {mngr.directory}: starting from step 0")
+        return 0, state
+    restored = mngr.restore(first, target={**state, "step": 0})
+    if restored.pop("step") != first:
+        raise RuntimeError(f"checkpoint {mngr.step_path(first)} holds another step")
+    rep.say(f"resumed from {mngr.step_path(first)}" + (" (the last step: nothing to do)" if first >= args.steps else ""))
+    return first, restored
 
 
 def _memory(state: dict[str, Any]) -> dict[int, int]:
@@ -275,7 +272,7 @@ def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Result, cost: Any, mngr: vsf.checkpoint.CheckpointManager) -> None:
+def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Result, cost: Cost, mngr: vsf.checkpoint.CheckpointManager) -> None:
     steps = sorted(result.losses)
     n = len(steps)
     tokens = n * args.batch * cfg.seq

@@ -74,3 +74,23 @@ class GPT(nn.Module):
         x = self.lnf(x)
         logits = x @ self.wte.weight.t() if self.head is None else self.head(x)
         return F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t))
+
+
+def adamw_gpt_case():
+    """A 1-layer GPT (no qkv bias: the key bias gets an exactly-zero gradient, which Adam turns into
+    noise-sized steps), its params, a batch, ``chain(clip, adamw)`` and the train step over them."""
+    import vsf
+    from vsf import optim
+
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False)
+    model = GPT(cfg)
+    params = vsf.tree.from_module(model)
+    batch = (torch.randint(0, cfg.vocab, (8, cfg.seq)), torch.randint(0, cfg.vocab, (8, cfg.seq)))
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-3, weight_decay=0.1))
+
+    def train_step(params, opt_state, idx, tgt):
+        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    return params, batch, tx, train_step

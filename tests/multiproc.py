@@ -25,3 +25,11 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300) -
 def results(out_dir: Path, nproc: int) -> list[dict[str, Any]]:
     """The JSON each rank wrote to ``out_dir/rank{r}.json``."""
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def launch_once(tmp_path_factory: Any, script: str, nproc: int, *args: str) -> list[dict[str, Any]]:
+    """Run ``workers/<script>`` once on ``nproc`` processes, writing into a fresh directory, and
+    return what each rank reported (the body of a module-scoped fixture)."""
+    out = tmp_path_factory.mktemp(Path(script).stem)
+    torchrun(WORKERS / script, nproc, str(out), *args)
+    return results(out, nproc)

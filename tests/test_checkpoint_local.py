@@ -12,6 +12,7 @@ import dataclasses
 import math
 import shutil
 import sys
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 import vsf
 from multiproc import WORKERS
 from vsf import P
+from vsf.checkpoint import ragged
+from vsf.checkpoint.checksum import BLOCK
 
 sys.path.insert(0, str(WORKERS))
 import ckpt_common as cc  # noqa: E402
@@ -65,7 +68,7 @@ def test_simulated_async_save_snapshots(tmp_path):
         handle = vsf.checkpoint.save(tmp_path / "c", tree, blocking=False)
         for leaf in vsf.tree.leaves(tree):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                leaf.add_(1.0)
+                (leaf.to_local() if isinstance(leaf, torch.distributed.tensor.DTensor) else leaf).add_(1.0)  # ragged DTensors have no ops
         handle.wait()
         assert handle.done() and "committed" in repr(handle)
         assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c")) == []
@@ -202,9 +205,22 @@ def test_nothing_is_written_into_a_live_target_when_loading_fails(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     live = {"w": torch.full((1000,), 7.0)}
-    with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=r"__0_0.distcp: .* CRC-32 .* leaves w"):
+    with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=r"__0_0.distcp: .* fail their checksum.* leaves w"):
         vsf.checkpoint.load(tmp_path / "c", live)
     assert torch.equal(live["w"], torch.full((1000,), 7.0))
+
+
+def test_leaves_of_many_blocks_load_exactly_and_damage_in_any_block_names_the_leaf(tmp_path):
+    tree = {"small": torch.arange(5), "big": torch.randn(3 * BLOCK // 4 + 1000), "after": torch.ones(3)}  # ~3 MiB: 4 blocks
+    _save(tmp_path / "c", tree)
+    assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c"), tree) == []
+    name, offset, length = cc.payload_of(tmp_path / "c", "big")
+    assert length > 3 * BLOCK
+    for i, where in enumerate([offset + 100, offset + BLOCK + 5, offset + length // 2, offset + length - 100]):
+        damaged = Path(shutil.copytree(tmp_path / "c", tmp_path / f"d{i}"))
+        cc.flip(damaged / name, where)
+        with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=rf"{name}: bytes \d+\.\.\d+ fail their checksum.* leaves big \(found by rank 0\)$"):
+            vsf.checkpoint.load(damaged)
 
 
 def test_bad_leaves_are_refused_before_anything_is_written(tmp_path, sim):
@@ -261,3 +277,32 @@ def test_manager_lists_only_committed_numbered_steps(tmp_path):
 def test_manager_rejects_bad_settings(tmp_path, kwargs):
     with pytest.raises(ValueError):
         vsf.checkpoint.CheckpointManager(tmp_path, **kwargs)
+
+
+# -- ragged leaves as DCP chunks ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((12, 4), P(vsf.ragged("dp", (1, 2)), "tp")),
+        ((3, 4, 2), P(vsf.ragged("tp", (1, 3), dims=2))),
+        ((2, 3, 5, 2), P(vsf.ragged("dp", (7, 0, 16, 7), dims=3), None, None, "tp")),  # partial rows at both ends, an empty rank
+        ((6, 4), P(vsf.ragged("tp", (1, 1)), "dp")),
+        ((0, 3), P(vsf.ragged("dp", (1, 2)))),
+    ],
+)
+def test_ragged_boxes_hold_exactly_each_ranks_rows_in_order(shape, spec):
+    """The boxes DCP gets for a rank, read from the global tensor in order, are its local tensor."""
+    dp = len(spec.ragged.units) if spec.ragged.axis == "dp" else 2
+    mesh = vsf.Mesh((dp, 2), ("dp", "tp"))
+    s = vsf.NamedSharding(mesh, spec)
+    ids = torch.arange(math.prod(shape)).reshape(shape)
+    for rank in mesh.devices:
+        local = s.index_view(ids)[s.index(shape, rank)]  # the layout's own definition of the shard
+        boxes = ragged.boxes(s, shape, rank)
+        assert len(boxes) <= 2 * spec.ragged.dims - 1 and all(math.prod(b.sizes) for b in boxes) or math.prod(shape) == 0
+        got = [ids[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))].flatten() for b in boxes]
+        assert torch.equal(torch.cat(got) if got else local[:0].flatten(), local.flatten()), rank  # every row, in order
+        for b, g in zip(boxes, got):
+            assert torch.equal(local[b.rows[0] : b.rows[1]].flatten(), g), (rank, b)

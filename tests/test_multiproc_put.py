@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc import WORKERS, results, torchrun
+from multiproc import launch_once
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,9 +17,7 @@ NPROC = 4
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("put_worker")
-    torchrun(WORKERS / "put_worker.py", NPROC, str(out))
-    return results(out, NPROC)
+    return launch_once(tmp_path_factory, "put_worker.py", NPROC)
 
 
 def _leaf(report, name):

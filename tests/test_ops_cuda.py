@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multiproc import WORKERS, results, torchrun
+from multiproc import launch_once
 from workers.ops_oracles import collective_cases
 
 NPROC = 4
@@ -18,9 +18,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ops_nccl")
-    torchrun(WORKERS / "ops_collectives.py", NPROC, str(out), "cuda")
-    return results(out, NPROC)
+    return launch_once(tmp_path_factory, "ops_collectives.py", NPROC, "cuda")
 
 
 @pytest.mark.parametrize("name", [c.name for c in collective_cases(2)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc import WORKERS, results, torchrun
+from multiproc import launch_once
 from workers.ops_oracles import collective_cases
 
 pytestmark = pytest.mark.multiprocess
@@ -14,9 +14,7 @@ NPROC = 4
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ops_gloo")
-    torchrun(WORKERS / "ops_collectives.py", NPROC, str(out))
-    return results(out, NPROC)
+    return launch_once(tmp_path_factory, "ops_collectives.py", NPROC)
 
 
 @pytest.mark.parametrize("name", [c.name for c in collective_cases(2)])

@@ -8,7 +8,7 @@ import torch
 
 import vsf
 from vsf import P, optim
-from models import GPT, GPTConfig
+from models import adamw_gpt_case
 
 STEPS = 10
 
@@ -35,17 +35,7 @@ ZERO_STATE = {
 
 
 def test_clip_adamw_step_fsdp_tp_zero_dp_matches_unsharded(sim):
-    # qkv_bias=False: the key bias gets an exactly-zero gradient, which Adam turns into noise-sized steps.
-    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False)
-    model = GPT(cfg)
-    params = vsf.tree.from_module(model)
-    batch = (torch.randint(0, cfg.vocab, (8, cfg.seq)), torch.randint(0, cfg.vocab, (8, cfg.seq)))
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-3, weight_decay=0.1))
-
-    def train_step(params, opt_state, idx, tgt):
-        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, loss
+    params, batch, tx, train_step = adamw_gpt_case()
 
     want_params, state = params, tx.init(params)
     want_losses = []
@@ -83,3 +73,34 @@ def test_clip_adamw_step_fsdp_tp_zero_dp_matches_unsharded(sim):
     got = vsf.device_get(p)
     for name, value in want_params.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_zero_over_a_minor_axis_reduce_scatters_gradients_under_jit(sim):
+    """FSDP x TP params leave no free dim, so ZeRO puts dp minor (a strided layout): gradients must
+    still be reduce-scattered into it (not all-reduced and sliced), and the updates all-gathered."""
+    params = {"w1": torch.randn(32, 128), "w2": torch.randn(128, 32)}
+    x, y = torch.randn(256, 32), torch.randn(256, 32)
+    tx = optim.adamw(1e-3)
+
+    def step(p, s, x, y):
+        loss, g = vsf.value_and_grad(lambda p: ((torch.nn.functional.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2).mean())(p)
+        u, s = tx.update(g, s, p)
+        return optim.apply_updates(p, u), s, loss
+
+    want_params, want_state, want_loss = step(params, tx.init(params), x, y)
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    p = vsf.device_put(params, {"w1": vsf.NamedSharding(mesh, P("fsdp", "tp")), "w2": vsf.NamedSharding(mesh, P("tp", "fsdp"))})
+    s = optim.init_sharded(tx, p, zero_axes=("dp",))
+    assert vsf.typeof(s.mu["w1"]) == "f32[32@(fsdp,dp),128@tp]"
+    b = vsf.device_put((x, y), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    jstep = vsf.jit(step)
+    cost = jstep.lower(p, s, *b).cost()
+    assert cost.count("reduce_scatter", "dp") == 2 and cost.count("all_gather", "dp") == 2
+    assert all(c.shape == () for c in cost.collectives if c.kind == "all_reduce" and c.axis == "dp")  # only the loss
+    got_p, got_s, loss = jstep(p, s, *b)
+    torch.testing.assert_close(vsf.device_get(loss), want_loss)
+    for k in params:
+        torch.testing.assert_close(vsf.device_get(got_p[k]), want_params[k], rtol=1e-5, atol=1e-6)
+    for got, want in zip(vsf.tree.leaves(got_s), vsf.tree.leaves(want_state)):
+        torch.testing.assert_close(vsf.device_get(got), want, rtol=1e-5, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multiproc import WORKERS, results, torchrun
+from multiproc import launch_once
 from test_optim import MASK, TOL, run_torch
 
 NPROC = 2
@@ -14,9 +14,7 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("optim_zero")
-    torchrun(WORKERS / "optim_zero.py", NPROC, str(out))
-    return results(out, NPROC)
+    return launch_once(tmp_path_factory, "optim_zero.py", NPROC)
 
 
 def test_zero2_under_torchrun_matches_torch(ranks):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc import WORKERS, results, torchrun
+from multiproc import launch_once
 
 pytestmark = pytest.mark.multiprocess
 NPROC = 4
@@ -13,9 +13,7 @@ NPROC = 4
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ragged_gloo")
-    torchrun(WORKERS / "ops_ragged.py", NPROC, str(out))
-    return results(out, NPROC)
+    return launch_once(tmp_path_factory, "ops_ragged.py", NPROC)
 
 
 @pytest.mark.parametrize("mesh", ["1d", "2d"])

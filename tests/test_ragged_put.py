@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 import vsf
 from vsf import P, RaggedShard, _compat

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
-from vsf import tree
+from vsf import _compat, tree
 from vsf.sharding.constraint import constrain
 from vsf.sharding.named import NamedSharding, resolve
 from vsf.sharding.put import device_put, is_sharding_leaf
@@ -91,7 +91,8 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
 def _reduced(value: torch.Tensor) -> torch.Tensor:
     """An eager DTensor value with pending reductions, reduced (it is one number: cheap, and printable)."""
     if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
-        return value.redistribute(value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements])
+        with _compat.quiet_redistribute():
+            return value.redistribute(value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements])
     return value
 
 
@@ -130,9 +131,24 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
         if is_fake(leaf):
             _check_constraint(s, leaf, tree.keystr(path))
             out.append(constrain(leaf, s))
+        elif leaf.requires_grad and s.spec.ragged is None:
+            out.append(_reshard_in_graph(leaf, s, tree.keystr(path)))
         else:
             out.append(device_put(leaf, s))
     return tree.unflatten(treedef, out)
+
+
+def _reshard_in_graph(x: torch.Tensor, s: NamedSharding, where: str) -> torch.Tensor:
+    """Reshard eagerly through DTensor's differentiable ops, so a gradient flows back through the
+    constraint (``device_put`` makes a new leaf)."""
+    s.check(tuple(x.shape), where)
+    dm = s.mesh.device_mesh
+    if not isinstance(x, DTensor):
+        if _compat.active_local_mode() is not None and not isinstance(x, _compat.LocalTensor):
+            return device_put(x, s)  # a plain tensor made outside the simulation: no graph to keep
+        x = DTensor.from_local(x, dm, [Replicate()] * dm.ndim, run_check=False)
+    with _compat.quiet_redistribute():
+        return x.redistribute(dm, s.placements)
 
 
 def _check_constraint(s: NamedSharding, x: torch.Tensor, where: str) -> None:

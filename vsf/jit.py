@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from vsf import _compat, config, tree
 from vsf.lower import compile_local, execute
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
+from vsf.sharding.inspect import type_string
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
 from vsf.sharding.propagate import Placements, Plan, propagate
 from vsf.sharding.put import device_put, is_sharding_leaf
@@ -156,7 +157,7 @@ class Jitted:
                 continue
             for path, leaf in tree.leaves_with_path(args[i]):
                 if isinstance(leaf, DTensor):
-                    where = f"{self._name} (argument {i}{tree.keystr(path) if path else ''})"
+                    where = f"{self._name} (as args[{i}]{tree.keystr(path, brackets=True)})"
                     leaf._local_tensor = _Donated(leaf._local_tensor, where)
 
     # -- arguments ------------------------------------------------------------------------
@@ -332,7 +333,7 @@ def _arg_name(path: Any) -> str:
     """``args[0]['w']``-style name of an argument leaf (path into ``(args, kwargs)``)."""
     entries = list(path)
     head = "args" if entries and entries[0].entry == 0 else "kwargs"
-    return head + tree.keystr(tuple(entries[1:])).replace("<root>", "")
+    return head + tree.keystr(tuple(entries[1:]), brackets=True)
 
 
 def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) -> str:
@@ -346,8 +347,8 @@ def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) ->
         return f"static arguments changed: {old[2]} -> {new[2]}"
     for name, a, b in zip(names, old[1], new[1]):
         if a != b:
-            what = [f"shape {a[0]} -> {b[0]}" if a[0] != b[0] else "", f"dtype {a[1]} -> {b[1]}" if a[1] != b[1] else "", f"placements {a[2]} -> {b[2]}" if a[2] != b[2] else ""]
-            return f"{name}: {', '.join(w for w in what if w) or 'kind ' + a[3] + ' -> ' + b[3]}"
+            changed = [w for w, x, y in (("shape", a[0], b[0]), ("dtype", a[1], b[1]), ("sharding", a[2], b[2]), ("kind", a[3], b[3])) if x != y]
+            return f"{name}: {' and '.join(changed)} changed, {type_string(a[0], a[1], old[3], a[2])} -> {type_string(b[0], b[1], new[3], b[2])}"
     return "cache miss"
 
 

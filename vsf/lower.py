@@ -12,18 +12,21 @@ collectives, which is what each step then runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from vsf import _compat
+from vsf.sharding import ragged
+from vsf.sharding.named import RaggedPlacement, from_placements
 from vsf.sharding.constraint import CONSTRAINT_OP
-from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value
+from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value, local_shape, minor_step, transition_path
 
 __all__ = ["PlanMismatch", "compile_local", "execute"]
 
@@ -53,14 +56,18 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if src == dst:
             return env[v]
         if (v, dst) not in moved:
-            moved[(v, dst)] = _compat.redistribute_local_tensor(env[v], spec(v, src), spec(v, dst))
+            local, prev = env[v], src
+            for nxt in transition_path(src, dst):
+                local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
+            moved[(v, dst)] = local
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:
-        n = plan.mesh.axis_size(plan.mesh.device_axes[b.mesh_dim])
+        sizes = [plan.mesh.axis_size(a) for a in plan.mesh.device_axes]
         pieces = [env[r.value] for r in b.members]
-        flat = torch.cat([(p / n if r.src[b.mesh_dim].reduce_op == "avg" else p).reshape(-1) for r, p in zip(b.members, pieces)])
-        src = tuple(Partial() if k == b.mesh_dim else Replicate() for k in range(len(b.members[0].src)))
+        averaged = [math.prod(sizes[k] for k in b.mesh_dims if r.src[k].reduce_op == "avg") for r in b.members]
+        flat = torch.cat([(p / n if n > 1 else p).reshape(-1) for n, p in zip(averaged, pieces)])
+        src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(len(b.members[0].src)))
         meta = _compat.TensorMeta(flat.shape, flat.stride(), flat.dtype)
         reduced = _compat.redistribute_local_tensor(
             flat, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, (Replicate(),) * len(src), tensor_meta=meta)
@@ -102,6 +109,46 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 env[(node, i)] = o
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return [get(_value(a), dst) for a, dst in zip(pytree.tree_leaves(output.args), plan.outputs)]
+
+
+def _move(plan: Plan, t: torch.Tensor, local: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
+    """One step of a redistribution on this rank's local shard: DTensor's, or vsf's ragged
+    collectives on a mesh dim where either side is ragged (one mesh dim at a time)."""
+    dm = plan.mesh.device_mesh
+    minor = minor_step(plan.mesh, src, dst)
+    if minor is not None:  # a 1D collective of the local shard: the other mesh dims have split it already
+        k, d = minor
+        level = list(src)
+        level[k] = Replicate()
+        shape = local_shape(plan.mesh, t, tuple(level))
+        meta = _compat.TensorMeta(torch.Size(shape), _contiguous(shape), t.dtype)
+        one_d = lambda p: Shard(d) if isinstance(p, _compat.StridedShard) else p  # noqa: E731
+        lone = lambda p: tuple(one_d(p) if j == k else Replicate() for j in range(len(src)))  # noqa: E731
+        return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, lone(src[k]), tensor_meta=meta), _compat.DTensorSpec(dm, lone(dst[k]), tensor_meta=meta))
+    if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):
+        meta = _tmeta(t)
+        return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
+    for k, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        mid = tuple(b if j == k else p for j, p in enumerate(src))
+        if isinstance(a, RaggedPlacement) or isinstance(b, RaggedPlacement):
+            axis = plan.mesh.device_axes[k]
+            shape = ragged.group_shape(from_placements(plan.mesh, src, t.ndim), axis, tuple(t.shape))
+            local = ragged.reshard(local, shape, _layout(a), _layout(b), mesh=plan.mesh)
+        else:  # another mesh dim: DTensor moves it; the ragged rows are just rows there
+            plain = lambda pl: tuple(Replicate() if isinstance(p, RaggedPlacement) else p for p in pl)  # noqa: E731
+            local = _move(plan, t, local, plain(src), plain(mid))
+        src = mid
+    return local
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def _layout(p: Any) -> Any:
+    return p.ragged if isinstance(p, RaggedPlacement) else p
 
 
 def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:

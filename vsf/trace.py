@@ -142,8 +142,34 @@ def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:
     return per_tensor
 
 
+def _per_element(fn: Callable[..., torch.Tensor], lists: int) -> Callable[..., list[torch.Tensor]]:
+    """``fn(*tensors_i, *extra_i)`` per element of the first ``lists`` list arguments (a later
+    list argument, e.g. ``scalars``, is indexed per element too)."""
+
+    def per_tensor(*args: Any) -> list[torch.Tensor]:
+        n = len(args[0])
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+        return [fn(*(pick(a, i) for a in args)) for i in range(n)]
+
+    return per_tensor
+
+
+# Foreach ops whose per-tensor op has a different signature (DTensor's resolver does not map them).
+_MANUAL_FOREACH = {
+    aten._foreach_addcmul.Scalar: _per_element(lambda s, a, b, v=1: aten.addcmul.default(s, a, b, value=v), 3),
+    aten._foreach_addcmul.ScalarList: _per_element(lambda s, a, b, v: aten.addcmul.default(s, a, b, value=v), 3),
+    aten._foreach_addcdiv.Scalar: _per_element(lambda s, a, b, v=1: aten.addcdiv.default(s, a, b, value=v), 3),
+    aten._foreach_addcdiv.ScalarList: _per_element(lambda s, a, b, v: aten.addcdiv.default(s, a, b, value=v), 3),
+    aten._foreach_maximum.Scalar: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
+    aten._foreach_maximum.ScalarList: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
+    aten._foreach_minimum.Scalar: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
+    aten._foreach_minimum.ScalarList: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
+    aten._foreach_norm.Scalar: _per_element(lambda s, o=2, dtype=None: aten.linalg_vector_norm.default(s, o, dtype=dtype), 1),
+}
+
+
 def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
-    table = {}
+    table = dict(_MANUAL_FOREACH)
     for name in dir(aten):
         if not name.startswith("_foreach_") or name.endswith("_"):
             continue

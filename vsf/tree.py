@@ -97,8 +97,9 @@ def _accessors(tree: Any, is_leaf: IsLeaf) -> tuple[list[KeyPath], list[Any], Py
 _NAMED_ENTRIES = (optree.NamedTupleEntry, optree.DataclassEntry, optree.GetAttrEntry)
 
 
-def keystr(path: KeyPath | Sequence[Any]) -> str:
-    """Render a key path: ``blocks.0.attn.weight`` if every step is a name, else ``['opt'][0].mu``.
+def keystr(path: KeyPath | Sequence[Any], *, brackets: bool = False) -> str:
+    """Render a key path: ``blocks.0.attn.weight`` if every step is a name, else ``['opt'][0].mu``
+    (always the latter with ``brackets=True``, e.g. to follow ``args[0]``).
 
     Example::
 
@@ -108,8 +109,8 @@ def keystr(path: KeyPath | Sequence[Any]) -> str:
     """
     entries = tuple(path)
     if not entries:
-        return "<root>"
-    if all(_is_name(e) for e in entries):
+        return "" if brackets else "<root>"
+    if not brackets and all(_is_name(e) for e in entries):
         return ".".join(e.entry if isinstance(e, optree.MappingEntry) else _field(e) for e in entries)
     return "".join(_bracket(e) for e in entries)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import vsf
 from vsf import P
@@ -42,8 +43,12 @@ PARAMS = {
     "emb": ((8, 4), torch.bfloat16, P(("tp", "dp")), P()),
     "b": ((5,), torch.float32, P("tp"), P("x")),
     "scale": ((), torch.float32, P(), P()),
-    "ids": ((6,), torch.int64, P("dp"), P("x")),
+    "ids": ((6,), torch.int64, P("dp"), P(vsf.ragged("x", (2, 1)))),  # Shard -> ragged
     "tiny": ((3, 2), torch.float32, P(("dp", "tp")), P("x")),  # rank 3 holds no rows in layout A
+    # ragged leaves: saved as they are, loaded with other units / as Shard / whole
+    "rows": ((12, 4), torch.float32, P(vsf.ragged("dp", (1, 2)), "tp"), P(vsf.ragged("x", (3, 1)))),
+    "cube": ((3, 4, 2), torch.float32, P(vsf.ragged("tp", (1, 3), dims=2)), P("x")),  # rows 3..12 of 3x4: 2 boxes
+    "lone": ((4, 3), torch.bfloat16, P(vsf.ragged("dp", (0, 1))), P(vsf.ragged("x", (1, 1)))),  # dp=0 holds nothing
 }
 
 
@@ -119,6 +124,20 @@ def layouts(tree: Any) -> dict[str, str | None]:
         vsf.tree.keystr(p): repr(vsf.ShapeDtypeStruct.like(x).sharding) if isinstance(x, (torch.Tensor, vsf.ShapeDtypeStruct)) else None
         for p, x in vsf.tree.leaves_with_path(tree)
     }
+
+
+def payload_of(path: Path, key: str) -> tuple[str, int, int]:
+    """(file, offset, length) of the first chunk DCP stored for ``key`` (DCP's own metadata)."""
+    md = FileSystemReader(path).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+    return info.relative_path, info.offset, info.length
+
+
+def flip(path: Path, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset`` of the file ``path``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def error_of(fn: Any) -> str | None:

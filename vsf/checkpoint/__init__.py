@@ -1,11 +1,12 @@
 """Checkpoints of pytrees on ``torch.distributed.checkpoint`` (DCP): resharded on load, atomic, checked, async.
 
 ``save`` writes any pytree of DTensors, plain tensors, Python scalars, strings and None (in dicts,
-lists, tuples, NamedTuples and registered dataclasses); each rank writes only the shards it owns.
+lists, tuples, NamedTuples and registered dataclasses); each rank writes only the shards it owns,
+``RaggedShard`` ones as they are (:mod:`vsf.checkpoint.ragged`).
 ``load`` reads it back onto any mesh, specs and number of ranks, as a ``target`` tree of
 :class:`vsf.ShapeDtypeStruct` (or live arrays, or :func:`vsf.eval_shape` of an init function)
 says. A checkpoint directory appears only once complete (written aside, committed with a marker
-holding CRC-32 checksums of every file, then renamed), so a crash never leaves a half-written
+holding checksums of every block of every file, then renamed), so a crash never leaves a half-written
 checkpoint that could be loaded, and a damaged file is reported, never loaded.
 
 Example::

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-import zlib
 from pathlib import Path
 
 from vsf.checkpoint.format import MARKER, FileRecord
@@ -39,7 +38,7 @@ def is_committed(path: Path) -> bool:
 def write_file(directory: Path, name: str, data: bytes) -> FileRecord:
     """Write ``data`` to ``directory/name``, fsync it, and return its record (one segment)."""
     _write_synced(directory / name, data)
-    return FileRecord(len(data), ((0, len(data), zlib.crc32(data)),) if data else ())
+    return FileRecord.of(data)
 
 
 def publish(staging: Path, final: Path, marker: bytes) -> None:

@@ -6,8 +6,9 @@ A checkpoint is a directory with:
   (each rank writes only the shards it owns; replicated shards once);
 * ``tree.json``: the format version, the pickled tree structure and one record per leaf (its
   key path, kind, shape, dtype and sharding as saved; Python scalars and strings by value);
-* ``COMMITTED``: the commit marker, written last: for every file its size and CRC-32 checksums
-  of consecutive segments (one per tensor chunk), with a checksum of the marker itself.
+* ``COMMITTED``: the commit marker, written last: for every file its size and the checksums
+  (:mod:`vsf.checkpoint.checksum`) of consecutive blocks covering it, with a CRC-32 of the
+  marker itself.
 
 A directory without a valid marker is not a checkpoint. Readers check the format version of
 both files and refuse versions they do not know.
@@ -25,9 +26,10 @@ from typing import Any
 
 import torch
 
+from vsf.checkpoint.checksum import BLOCK, checksums
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
-from vsf.sharding.spec import PartitionSpec
+from vsf.sharding.spec import PartitionSpec, RaggedShard
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,7 +48,7 @@ __all__ = [
     "read_checkpoint",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block checksums of checksum.py (1: CRC-32 per item); ragged spec entries
 MARKER = "COMMITTED"
 TREE = "tree.json"
 DCP_METADATA = ".metadata"
@@ -76,10 +78,16 @@ class LeafRecord:
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
-    """A written file: its size and ``(offset, length, crc32)`` of consecutive segments covering it."""
+    """A written file: its size and ``(offset, length, checksum)`` of consecutive blocks covering it."""
 
     size: int
-    segments: tuple[tuple[int, int, int], ...]
+    blocks: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, data: bytes) -> "FileRecord":
+        """The record of a file holding ``data``, in blocks of :data:`~vsf.checkpoint.checksum.BLOCK` bytes."""
+        sums = checksums(bytearray(data))
+        return cls(len(data), tuple((i * BLOCK, min(BLOCK, len(data) - i * BLOCK), c) for i, c in enumerate(sums)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +155,13 @@ def _sharding_json(s: NamedSharding | None) -> dict[str, Any] | None:
 
 
 def _entry_json(entry: Any) -> Any:
-    """A spec entry as JSON; a new placement kind (e.g. ragged) adds its own tagged form here."""
+    """A spec entry as JSON: None, an axis, a list of axes, or a tagged object for other kinds."""
     if entry is None or isinstance(entry, str):
         return entry
     if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
         return list(entry)
+    if isinstance(entry, RaggedShard):
+        return {"ragged": entry.axis, "units": list(entry.units), "dims": entry.dims, "block": entry.block}
     raise TypeError(f"vsf.checkpoint cannot store the spec entry {entry!r} ({type(entry).__name__})")
 
 
@@ -160,6 +170,8 @@ def _entry_from_json(entry: Any) -> Any:
         return entry
     if isinstance(entry, list) and all(isinstance(a, str) for a in entry):
         return tuple(entry)
+    if isinstance(entry, dict) and entry.keys() == {"ragged", "units", "dims", "block"}:
+        return RaggedShard(entry["ragged"], entry["units"], dims=entry["dims"], block=entry["block"])
     raise ValueError(f"unknown spec entry {entry!r} (written by a newer vsf?)")
 
 
@@ -178,7 +190,7 @@ def encode_marker(files: dict[str, FileRecord]) -> bytes:
     """The bytes of the commit marker for ``files`` (name -> record)."""
     contents = {
         "format_version": FORMAT_VERSION,
-        "files": {name: {"size": r.size, "segments": [list(s) for s in r.segments]} for name, r in sorted(files.items())},
+        "files": {name: {"size": r.size, "blocks": [list(b) for b in r.blocks]} for name, r in sorted(files.items())},
     }
     return json.dumps({"contents": contents, "crc32": zlib.crc32(_canonical(contents))}).encode()
 
@@ -191,7 +203,7 @@ def decode_marker(data: bytes, where: Path) -> dict[str, FileRecord]:
         raise CorruptCheckpointError(f"{where}: the commit marker is damaged (its checksum does not match its contents)")
     _check_version(contents, where)
     return {
-        name: FileRecord(r["size"], tuple(tuple(s) for s in r["segments"]))
+        name: FileRecord(r["size"], tuple(tuple(b) for b in r["blocks"]))
         for name, r in contents["files"].items()
     }
 
@@ -252,7 +264,8 @@ def read_verified(directory: Path, name: str, record: FileRecord) -> bytes:
         raise CorruptCheckpointError(f"{where} is missing from the checkpoint") from None
     if len(data) != record.size:
         raise CorruptCheckpointError(f"{where} has {len(data)} bytes, but {record.size} were written: it is truncated or altered")
-    for offset, length, crc in record.segments:
-        if zlib.crc32(data[offset : offset + length]) != crc:
-            raise CorruptCheckpointError(f"{where}: bytes {offset}..{offset + length} fail their CRC-32 check: the file is damaged")
+    buffer = bytearray(data)
+    for offset, length, expected in record.blocks:
+        if checksums(memoryview(buffer)[offset : offset + length]) != [expected]:
+            raise CorruptCheckpointError(f"{where}: bytes {offset}..{offset + length} fail their checksum: the file is damaged")
     return data

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from vsf import runtime, tree
 from vsf.abstract import ShapeDtypeStruct, empty
 from vsf.checkpoint.format import VALUE_TYPES, Checkpoint, LeafRecord
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.named import NamedSharding, sharding_of
-from vsf.sharding.put import device_get, device_put
+from vsf.sharding.put import device_get, device_put, local_device
 
-__all__ = ["buffers", "flatten", "rebuild", "resolve_target"]
+__all__ = ["Want", "buffers", "flatten", "rebuild", "resolve_target"]
 
 
 def flatten(value: Any) -> tuple[Any, list[LeafRecord], dict[str, torch.Tensor]]:
@@ -79,16 +80,36 @@ def _gathered(x: torch.Tensor, path: str) -> torch.Tensor:
         ) from e
 
 
-def resolve_target(ckpt: Checkpoint, target: Any) -> tuple[Any, list[Any]]:
-    """The treedef of the result and, per saved leaf, what to load: a ``ShapeDtypeStruct`` for a tensor, else None.
+class Want(NamedTuple):
+    """How one tensor leaf comes back: laid out as ``struct`` says, on ``device`` if it is a plain tensor."""
 
-    ``target=None`` asks for the leaves as saved (same mesh size required).
+    struct: ShapeDtypeStruct
+    device: torch.device
+
+
+def resolve_target(ckpt: Checkpoint, target: Any) -> tuple[Any, list[Want | None]]:
+    """The treedef of the result and, per saved leaf, what to load: a :class:`Want` for a tensor, else None.
+
+    ``target=None`` asks for the leaves as saved (same mesh size required). A plain tensor leaf
+    comes back on the device of its live target, else on the device of the target's meshes
+    (when they agree on one), else on this process's default device.
     """
     if target is None:
-        return _saved_treedef(ckpt), [_as_saved(r) for r in _check_meshes(ckpt.leaves)]
-    pairs, treedef = tree.flatten_with_path(target)
-    _check_paths([r.path for r in ckpt.leaves], [tree.keystr(p) for p, _ in pairs], ckpt)
-    return treedef, [_want(r, leaf) for r, (_, leaf) in zip(ckpt.leaves, pairs)]
+        treedef, structs, devices = _saved_treedef(ckpt), [_as_saved(r) for r in _check_meshes(ckpt.leaves)], None
+    else:
+        pairs, treedef = tree.flatten_with_path(target)
+        _check_paths([r.path for r in ckpt.leaves], [tree.keystr(p) for p, _ in pairs], ckpt)
+        structs = [_want(r, leaf) for r, (_, leaf) in zip(ckpt.leaves, pairs)]
+        devices = [leaf.device if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) else None for _, leaf in pairs]
+    default = _plain_device([s for s in structs if s is not None])
+    return treedef, [
+        None if s is None else Want(s, d if d is not None else default) for s, d in zip(structs, devices or [None] * len(structs))
+    ]
+
+
+def _plain_device(structs: list[ShapeDtypeStruct]) -> torch.device:
+    types = {s.sharding.mesh.device_type for s in structs if s.sharding is not None}
+    return local_device(types.pop() if len(types) == 1 else runtime.default_device_type())
 
 
 def _saved_treedef(ckpt: Checkpoint) -> Any:
@@ -171,24 +192,26 @@ def _want(r: LeafRecord, leaf: Any) -> ShapeDtypeStruct | None:
     return want
 
 
-def buffers(records: list[LeafRecord], wants: list[Any]) -> dict[str, torch.Tensor]:
+def buffers(records: list[LeafRecord], wants: list[Want | None]) -> dict[str, torch.Tensor]:
     """Fresh tensors for DCP to fill: laid out as wanted (under simulation: whole, laid out later)."""
-    whole = runtime.is_simulated()
-    return {
-        r.key: torch.empty(w.shape, dtype=w.dtype) if whole else empty(w)
-        for r, w in zip(records, wants)
-        if w is not None
-    }
+    return {r.key: _buffer(w) for r, w in zip(records, wants) if w is not None}
 
 
-def rebuild(treedef: Any, records: list[LeafRecord], wants: list[Any], state: dict[str, torch.Tensor]) -> Any:
+def _buffer(w: Want) -> torch.Tensor:
+    s = w.struct
+    if s.sharding is None:
+        return torch.empty(s.shape, dtype=s.dtype, device=w.device)
+    return torch.empty(s.shape, dtype=s.dtype) if runtime.is_simulated() else empty(s)
+
+
+def rebuild(treedef: Any, records: list[LeafRecord], wants: list[Want | None], state: dict[str, torch.Tensor]) -> Any:
     """The loaded tree: filled buffers for tensors, saved values for the rest."""
     leaves = []
     for r, w in zip(records, wants):
         if w is None:
             leaves.append(r.value)
-        elif runtime.is_simulated() and w.sharding is not None:
-            leaves.append(device_put(state[r.key], w.sharding))
+        elif runtime.is_simulated() and w.struct.sharding is not None:
+            leaves.append(device_put(state[r.key], w.struct.sharding))
         else:
             leaves.append(state[r.key])
     return tree.unflatten(treedef, leaves)

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from vsf import _compat, runtime
-from vsf.checkpoint import group as group_mod, leaves
+from vsf.checkpoint import group as group_mod, leaves, ragged
 from vsf.checkpoint.format import CorruptCheckpointError, read_checkpoint
 from vsf.checkpoint.progress import Progress
 from vsf.checkpoint.saving import wait_pending
@@ -44,8 +44,9 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
     whole = _compat.local_mode_disabled() if runtime.is_simulated() else contextlib.nullcontext()
     with whole:
         state = leaves.buffers(ckpt.leaves, wants)
+        plain, ragged_leaves = ragged.split(state)
         try:
-            dcp.load(state, storage_reader=reader, **group.dcp_kwargs)
+            dcp.load(plain, storage_reader=reader, planner=ragged.LoadPlanner(ragged_leaves), **group.dcp_kwargs)
         except CheckpointException as e:
             damaged = _damaged(e)
             if damaged is None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from vsf import runtime
-from vsf.checkpoint import commit, group as group_mod, leaves
+from vsf.checkpoint import commit, group as group_mod, leaves, ragged
 from vsf.checkpoint.format import TREE, FileRecord, LeafRecord, encode_marker, encode_tree
 from vsf.checkpoint.progress import Progress
 from vsf.checkpoint.storage import ChecksumWriter
@@ -66,7 +66,8 @@ class AsyncSave:
 def save(path: str | Path, tree: Any, *, blocking: bool = True, progress: bool | None = None) -> AsyncSave:
     """Save ``tree`` as a committed checkpoint directory at ``path`` (call on every rank).
 
-    Leaves may be DTensors (each rank writes only the shards it owns, replicas once), plain
+    Leaves may be DTensors (each rank writes only the shards it owns, replicas once, ragged
+    ones as they are: they load as ``Shard``, whole, or with other units), plain
     tensors, bool, int, float, str and None, in dicts, lists, tuples, NamedTuples and dataclasses
     registered with :mod:`vsf.tree`. The directory appears atomically once complete; ``path`` must
     not exist. With ``blocking=False`` the shards are copied to host memory before this returns and
@@ -136,7 +137,8 @@ def _write(
     token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
     staging = commit.staging_path(final, token)
     writer = ChecksumWriter(staging, meter)
-    dcp.save(state, storage_writer=writer, **group.dcp_kwargs)
+    plain, ragged_leaves = ragged.split(state)
+    dcp.save(plain, storage_writer=writer, planner=ragged.SavePlanner(ragged_leaves), **group.dcp_kwargs)
     per_rank = group.all_gather(writer.records)
     failure: BaseException | None = None
     if group.rank == 0:

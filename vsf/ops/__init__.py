@@ -7,7 +7,6 @@ Example::
     ...     y = vsf.ops.psum(x, "dp")
 """
 
-from vsf.ops import collectives
 from vsf.ops.collectives import (
     Linear,
     all_gather,
@@ -21,4 +20,15 @@ from vsf.ops.collectives import (
     reduce_scatter_v,
 )
 
-__all__ = list(collectives.__all__)
+__all__ = [
+    "Linear",
+    "all_gather",
+    "all_gather_v",
+    "all_to_all",
+    "all_to_all_v",
+    "apply_linear",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "reduce_scatter_v",
+]

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from vsf import _compat
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding
+from vsf.sharding.named import NamedSharding, RaggedPlacement
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "propagate", "to_placements"]
@@ -88,9 +88,9 @@ class Bucket:
     averages join partial sums: their local values are divided by the axis size first."""
 
     members: tuple[Redistribution, ...]
-    mesh_dim: int
+    mesh_dims: tuple[int, ...]  # the mesh dims whose partial sums are reduced (one all-reduce each)
     before: torch.fx.Node
-    collective: Collective
+    collectives: tuple[Collective, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Plan:
         """Every collective the program runs (a bucket counts once)."""
         bucketed = {id(r) for b in self.buckets for r in b.members}
         out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
-        return out + [b.collective for b in self.buckets]
+        return out + [c for b in self.buckets for c in b.collectives]
 
     def placement(self, value: Value) -> Placements:
         node, i = value
@@ -223,11 +223,15 @@ class Strategies:
         self.fallback = allow_replicated_fallback
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
 
-    def of(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
-        """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks."""
-        key = (node.target, _sig(node.args), _sig(node.kwargs), n)
+    def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
+        """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
+        ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
+        key = (node.target, _sig(node.args), _sig(node.kwargs), n, tuple(ragged))
         if key not in self.cache:
-            self.cache[key] = self._compute(node, n)
+            found, fallback = self._compute(node, n)
+            if ragged and (node.target in RAGGED_REDUCTIONS or (_kind_of(node.target) == "single" and node.target not in _SPECIAL)):
+                found = found + _ragged_variants(node, found, ragged)
+            self.cache[key] = (found, fallback)
         return self.cache[key]
 
     def _compute(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
@@ -260,6 +264,31 @@ aten = torch.ops.aten
 VALUE_BLIND_OPS = frozenset({
     aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
 })
+
+
+# Reductions that run on a rank's own rows as they are (a sum or a norm of rows is a partial result
+# of that kind, and an empty shard gives the identity); DTensor's dispatcher, which they would
+# otherwise go through, has no ragged rules. (A max has no identity on a rank that holds no rows.)
+RAGGED_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.linalg_vector_norm.default})
+
+
+def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Sequence[tuple[RaggedPlacement, int]]) -> list[Strategy]:
+    """Per-row rules (every shard on dim 0 of a tensor with that many rows) run on a ragged split
+    of those rows too: an elementwise op keeps ragged rows ragged, a sum over the rows of ragged
+    operands is a partial sum."""
+    metas = [_meta(v) for v in _tensor_args(node)] + _outputs_meta(node)
+    out = []
+    for g, rows in ragged:
+        for st in strategies:
+            placed = [*st.ins, *st.outs]
+            shards = [(t, p) for t, p in zip(metas, placed) if t is not None and p is not None and _is_shard(p)]
+            if not any(_is_shard(p) for p in st.ins) or not all(isinstance(p, Shard) and p.dim == 0 and t.shape[0] == rows for t, p in shards):
+                continue
+            if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in st.outs if p is not None):
+                continue  # an average of per-rank averages is wrong when ranks hold different row counts
+            swap = lambda p: g if isinstance(p, Shard) else p  # noqa: E731
+            out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(None if p is None else swap(p) for p in st.outs)))
+    return out
 
 
 def _kind_of(op: Any) -> str | None:
@@ -388,6 +417,10 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Stra
 # Taking a local slice of a replicated value sends nothing; it is charged a token cost so that
 # the planner does not reshard values gratuitously (a later op would pay to undo it).
 _SLICE_COST = 1e-3
+# Each collective also costs a start-up latency, charged as this many bytes: with equal bytes, one
+# all-reduce beats a reduce-scatter plus an all-gather.
+COLLECTIVE_LATENCY_BYTES = 4096.0
+_COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
 _TIE = 1e-9
 _NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
 
@@ -404,7 +437,12 @@ def _transition_bytes(kind: str, n: int, full_bytes: float) -> float:
 
 
 def _is_shard(p: Any) -> bool:
-    return isinstance(p, (Shard, _compat.StridedShard))
+    return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement))
+
+
+def _split_dim(p: Any) -> int:
+    """The tensor dim a shard-like placement splits (a ragged split of leading dims: dim 0)."""
+    return 0 if isinstance(p, RaggedPlacement) else p.dim
 
 
 def _kind(src: Placement, dst: Placement) -> str | None:
@@ -422,13 +460,15 @@ def _kind(src: Placement, dst: Placement) -> str | None:
 
 
 class _Codes:
-    """Placements of one axis as small ints, with the byte factor of every transition."""
+    """Placements of one axis as small ints, with the byte factor and the fixed (per-collective)
+    cost of every transition."""
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.of: dict[Any, int] = {}
         self.placements: list[Any] = []
         self.factor: list[list[float]] = []
+        self.fixed: list[list[float]] = []
         self.code(R)
 
     def code(self, p: Any) -> int:
@@ -436,7 +476,14 @@ class _Codes:
             self.of[p] = len(self.placements)
             self.placements.append(p)
             self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
+            self.fixed = [[self._fixed(a, b) for b in self.placements] for a in self.placements]
+            self.shard = [_is_shard(q) for q in self.placements]
         return self.of[p]
+
+    def _fixed(self, a: Any, b: Any) -> float:
+        if b is _NOT_PARTIAL:
+            return self._fixed(a, R) if isinstance(a, Partial) else 0.0
+        return COLLECTIVE_LATENCY_BYTES if _kind(a, b) in _COLLECTIVE_KINDS else 0.0
 
     def _factor(self, a: Any, b: Any) -> float:
         if b is _NOT_PARTIAL:
@@ -447,20 +494,24 @@ class _Codes:
         return 0.0 if kind is None else _INF if kind in ("invalid", "partition") else _transition_bytes(kind, self.n, 1.0)
 
     def is_shard(self, c: int) -> bool:
-        return _is_shard(self.placements[c])
+        return self.shard[c]
 
     def is_partial(self, c: int) -> bool:
         return isinstance(self.placements[c], Partial)
 
 
+def _encode(codes: "_Codes", strategies: list[Strategy]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in strategies]
+
+
 class _AxisSolver:
     """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
-    def __init__(self, problem: "_Problem", axis: str) -> None:
+    def __init__(self, problem: "_Problem", axis: str, codes: "_Codes", encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
         self.p = problem
         self.axis = axis
         self.n = problem.mesh.axis_size(axis)
-        codes = self.codes = _Codes(self.n)
+        self.codes = codes
         vid = problem.value_ids
         self.fb = [self._full_bytes(v) for v in problem.values]
         self.label = [codes.code(R)] * len(problem.values)
@@ -473,17 +524,57 @@ class _AxisSolver:
         self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(_outputs_meta(node)))) for node in problem.ops]
         self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
-        for k, node in enumerate(problem.ops):
-            allowed = problem.strategies.of(node, self.n)[0]
+        for node in problem.ops:
+            allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
             pinned = problem.pinned[axis].get(node)
             if pinned is not None:
                 allowed = [st for st in allowed if st.outs[0] in pinned]
                 if not allowed:
                     raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{_user_line(node)}")
-            self.strategies.append([
-                (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in allowed
-            ])
+                self.strategies.append(_encode(codes, allowed))
+                continue
+            if id(allowed) not in encoded:  # ops with one signature share one list: encode it once
+                encoded[id(allowed)] = _encode(codes, allowed)
+            self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
+        self.reorder = self._reorders()
+        self.hints = self._hints()
+
+    def _hints(self) -> list[frozenset[int]]:
+        """Shardings each value will be wanted in later, propagated backwards (as GSPMD does) from
+        the outputs' required shardings through ops that keep a sharding as it is (elementwise
+        ones: the same placement in and out). The greedy pass may shard a value into one of its
+        hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
+        optimizer will want sharded, before a norm of it decides for a full reduction."""
+        hints: list[set[int]] = [set() for _ in self.p.values]
+        for v, need in enumerate(self.need):
+            hints[v].update(c for c in need if self.codes.is_shard(c))
+        for k in range(len(self.p.ops) - 1, -1, -1):
+            wanted = [hints[v] if v >= 0 else set() for v in self.outs[k]]
+            if not any(wanted):
+                continue
+            for ins, outs in self.strategies[k]:
+                if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
+                    for v, req in zip(self.ins[k], ins):
+                        if self.codes.is_shard(req) and req in outs:
+                            hints[v].add(req)
+        return [frozenset(h) for h in hints]
+
+    def _reorders(self) -> dict[int, dict[int, float]]:
+        """For values that a later mesh axis already shards on some dim: what sharding that dim on
+        this (earlier, hence major) axis as well costs besides this axis's own move. The nested
+        layout changes which block the later axis's ranks hold, so DTensor gathers over it first."""
+        order = list(self.p.mesh.device_axes)
+        here = order.index(self.axis)
+        out: dict[int, dict[int, float]] = {}
+        for other, solver in self.p.solved.items():
+            if other == self.axis or order.index(other) < here:
+                continue
+            for v, c in enumerate(solver.label):
+                p = solver.codes.placements[c]
+                if _is_shard(p):
+                    out.setdefault(v, {})[_split_dim(p)] = _transition_bytes("all_gather", solver.n, self.fb[v])
+        return out
 
     def _full_bytes(self, v: Value) -> float:
         t = _meta(v)
@@ -494,16 +585,17 @@ class _AxisSolver:
         return size
 
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
-        row = self.codes.factor[label]
-        return self.fb[v] * sum(row[req] for req, c in need.items() if c > 0)
+        row, fixed = self.codes.factor[label], self.codes.fixed[label]
+        return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
-        """Does this strategy shard an input on this axis when no input already arrives sharded here?"""
-        is_shard, label = self.codes.is_shard, self.label
+        """Does this strategy shard an input on this axis when no input already arrives sharded
+        here, and no later op wants it so (:meth:`_hints`)?"""
+        is_shard, label, hints = self.codes.is_shard, self.label, self.hints
         reshards = anchored = False
         for v, req in zip(self.ins[k], ins):
             if is_shard(req):
-                if req == label[v]:
+                if req == label[v] or req in hints[v]:
                     anchored = True
                 else:
                     reshards = True
@@ -515,14 +607,22 @@ class _AxisSolver:
             return _INF
         factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
         total = 0.0
+        shard, placements, reorder = self.codes.is_shard, self.codes.placements, self.reorder
+        hints = self.hints
         for v, req in zip(self.ins[k], ins):
             if req != label[v]:
-                total += _TIE * fb[v]  # ties go to using a value where it is: redistribute as late as possible
+                # ties go to using a value where it is (redistribute as late as possible), or else
+                # to moving it where a later op wants it anyway
+                total += _TIE * fb[v] * (0.5 if req in hints[v] else 1.0)
+                if v in reorder and shard(req) and not shard(label[v]) and req not in hints[v]:
+                    # (a sharding wanted later comes from a layout that already orders the axes:
+                    # ZeRO's minor axis, say)
+                    total += reorder[v].get(_split_dim(placements[req]), 0.0)
         if greedy:
             for v, req in zip(self.ins[k], ins):
                 cur = label[v]
                 if req != cur and not need[v].get(req):
-                    total += factor[cur][req] * fb[v]
+                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req]
         else:
             old = self.strategies[k][self.choice[k]][0]
             changed: dict[int, dict[int, int]] = {}
@@ -538,7 +638,9 @@ class _AxisSolver:
                 continue
             total += self._value_cost(v, lab, need[v])
             if greedy and self.codes.is_partial(lab):
-                total += factor[lab][0] * fb[v]  # a partial will have to be reduced: charge an all-reduce
+                # a partial will have to be reduced: charge an all-reduce's bytes (not its start-up:
+                # independent reductions share one bucket)
+                total += factor[lab][0] * fb[v]
         return total
 
     def _apply(self, k: int, j: int) -> None:
@@ -556,7 +658,11 @@ class _AxisSolver:
 
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
-        costs = [(self._evaluate(k, j, greedy, True), j) for j in options]
+        if len(options) == 1 and not greedy:
+            return False
+        # The first, greedy pass never shards inputs no other input is sharded like (it cannot see
+        # that a later op will want them so); the repair passes take any strategy that pays.
+        costs = [(self._evaluate(k, j, greedy, greedy), j) for j in options]
         if all(c == _INF for c, _ in costs):
             costs = [(self._evaluate(k, j, greedy, False), j) for j in options]
         best_cost, best = min(costs)
@@ -603,6 +709,7 @@ class _Problem:
     out_req: dict[str, list[tuple[Value, Any]]]
     pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
     solved: dict[str, _AxisSolver]
+    ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -654,18 +761,28 @@ def propagate(
         seeds={}, out_req={}, pinned={}, solved={},
     )
     problem.index()
+    for ph, pl in zip(placeholders, in_placements):
+        for p in pl:
+            if isinstance(p, RaggedPlacement) and p.ragged.dims != 1:
+                raise PlanError(f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})")
     dm_axes = list(mesh.device_axes)
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): _one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.ragged[axis] = sorted(
+            {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if isinstance(pl[k], RaggedPlacement)},
+            key=repr,
+        )
         problem.out_req[axis] = [
             (v, _NOT_PARTIAL if s is None else _one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
         ]
         problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if n.target is constraint.CONSTRAINT_OP}
     with _compat.local_mode_disabled():
-        for _sweep in range(2):
+        codes = {axis: _Codes(mesh.axis_size(axis)) for axis in axes}
+        encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
+        for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:
-                solver = _AxisSolver(problem, axis)
+                solver = _AxisSolver(problem, axis, codes[axis], encoded[axis])
                 solver.solve()
                 problem.solved[axis] = solver
         return _check_with_dtensor(problem, axes, in_placements, out_shardings)
@@ -691,6 +808,7 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(_placeholders(gm), in_placements)}
     plans: dict[torch.fx.Node, NodePlan] = {}
     moves: dict[tuple[Value, Placements], Redistribution] = {}
+    asked: dict[Any, Any] = {}
 
     def combined(per_axis: dict[str, Placement | None]) -> Placements:
         return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
@@ -722,9 +840,12 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         elif node.target in VALUE_BLIND_OPS:
             direct = True
         elif ins and not fallback and node.op == "call_function":
-            direct = _kind_of(node.target) == "single" and node.target not in _SPECIAL and _shardable(node, dm, want_in)
+            direct = (_kind_of(node.target) == "single" and node.target not in _SPECIAL) or (node.target in RAGGED_REDUCTIONS and _has_ragged(want_in))
+            if direct and not _has_ragged(want_in):
+                want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out)
+                direct = _shardable(node, dm, want_in)
             if not direct:
-                want_in, want_out = _dtensor_decision(node, dm, ins, want_in)
+                want_in, want_out = _dtensor_decision(node, dm, want_in, asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback, direct)
@@ -758,18 +879,17 @@ def _buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistributio
         for p in n.all_input_nodes:
             mask |= anc[p] | (1 << index[p])
         anc[n] = mask
-    groups: dict[tuple[int, torch.dtype], list[Redistribution]] = {}
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[Redistribution]] = {}
     for r in moves:
-        dims = [k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b]
+        dims = tuple(k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b)
         if (
-            len(dims) == 1
-            and isinstance(r.src[dims[0]], Partial)
-            and r.src[dims[0]].reduce_op in ("sum", "avg")
-            and isinstance(r.dst[dims[0]], Replicate)
+            dims
+            and all(type(r.src[k]) is Partial for k in dims)  # subclasses (a norm's partial) reduce differently
+            and all(r.src[k].reduce_op in ("sum", "avg") and isinstance(r.dst[k], Replicate) for k in dims)
             and _even(mesh, _meta(r.value), r.src)
         ):
-            groups.setdefault((dims[0], _meta(r.value).dtype), []).append(r)
-    formed: list[tuple[int, list[Redistribution]]] = []
+            groups.setdefault((dims, _meta(r.value).dtype), []).append(r)
+    formed: list[tuple[tuple[int, ...], list[Redistribution]]] = []
     for (k, _dtype), rs in groups.items():
         rs.sort(key=lambda r: index[r.value[0]])
         current: list[Redistribution] = []
@@ -801,7 +921,7 @@ def _buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistributio
     return tuple(buckets), tuple(marker.get(id(item), item) for item in order)
 
 
-def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], formed: list[tuple[int, list[Redistribution]]], users: dict[int, list[torch.fx.Node]]) -> list[Any] | None:
+def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], formed: list[tuple[tuple[int, ...], list[Redistribution]]], users: dict[int, list[torch.fx.Node]]) -> list[Any] | None:
     """A topological order of the graph plus one step per group (``None`` if groups form a cycle),
     keeping the original order wherever the groups allow."""
     deps: dict[int, set[int]] = {id(n): {id(p) for p in n.all_input_nodes} for n in nodes}
@@ -833,17 +953,44 @@ def _schedule(nodes: list[torch.fx.Node], index: dict[torch.fx.Node, int], forme
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    return all(not _is_shard(p) or t.shape[p.dim] % mesh.axis_size(a) == 0 for a, p in zip(mesh.device_axes, placements))
+    return all(not _is_shard(p) or (not isinstance(p, RaggedPlacement) and t.shape[p.dim] % mesh.axis_size(a) == 0) for a, p in zip(mesh.device_axes, placements))
 
 
-def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dim: int, before: torch.fx.Node) -> Bucket:
+def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dims: tuple[int, ...], before: torch.fx.Node) -> Bucket:
     numel = sum(math.prod(local_shape(mesh, _meta(r.value), r.src)) for r in members)
     dtype = _meta(members[0].value).dtype
-    collective = Collective("all_reduce", mesh.device_axes[mesh_dim], (numel,), dtype, sum(c.bytes for r in members for c in r.collectives))
-    return Bucket(tuple(members), mesh_dim, before, collective)
+    collectives = tuple(
+        Collective("all_reduce", axis, (numel,), dtype, sum(c.bytes for r in members for c in r.collectives if c.axis == axis))
+        for axis in (mesh.device_axes[k] for k in mesh_dims)
+    )
+    return Bucket(tuple(members), mesh_dims, before, collectives)
 
 
 _SPECIAL = _compat.dispatcher_special_ops()
+
+
+def _has_ragged(placements: Sequence[Placements]) -> bool:
+    return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)
+
+
+def _keep_strided(actual: list[Placements], ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
+    """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
+    shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
+    same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
+    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing."""
+    ins, outs = [list(p) for p in ins], [None if p is None else list(p) for p in outs]
+    for k in range(len(ins[0]) if ins else 0):
+        factors = {
+            a[k].split_factor for a, want in zip(actual, ins)
+            if isinstance(a[k], _compat.StridedShard) and isinstance(want[k], Shard) and want[k].dim == a[k].dim
+        }
+        if len(factors) != 1:
+            continue
+        sf = factors.pop()
+        for p in [*ins, *(o for o in outs if o is not None)]:
+            if isinstance(p[k], Shard):
+                p[k] = _compat.StridedShard(p[k].dim, split_factor=sf)
+    return [tuple(p) for p in ins], [None if o is None else tuple(o) for o in outs]
 
 
 def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
@@ -854,8 +1001,16 @@ def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
     )
 
 
-def _dtensor_decision(node: torch.fx.Node, dm: Any, ins: list[Value], want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:
-    """What DTensor does for ``node`` when its inputs arrive as ``want_in``."""
+def _dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in`` (asked once per op
+    signature and input placements in ``asked``: a model's repeated layers ask the same questions)."""
+    key = (node.target, _sig(node.args), _sig(node.kwargs), tuple(want_in))
+    if key not in asked:
+        asked[key] = _ask_dtensor(node, dm, want_in)
+    return asked[key]
+
+
+def _ask_dtensor(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:
     it = iter(want_in)
 
     def spec(a: Any) -> Any:
@@ -877,7 +1032,8 @@ def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[in
     shape = list(t.shape)
     for axis, p in zip(mesh.device_axes, placements):
         if _is_shard(p):
-            shape[p.dim] = -(-shape[p.dim] // mesh.axis_size(axis))
+            d = _split_dim(p)
+            shape[d] = -(-shape[d] // mesh.axis_size(axis))
     return tuple(shape)
 
 
@@ -886,23 +1042,69 @@ def local_bytes(mesh: Mesh, t: torch.Tensor, placements: Placements) -> int:
     return math.prod(local_shape(mesh, t, placements)) * t.element_size()
 
 
+_STEP_ORDER = {"slice": 0, "partition": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "all_gather": 5}
+
+
+def minor_step(mesh: Mesh, src: Placements, dst: Placements) -> tuple[int, int] | None:
+    """``(mesh_dim, tensor_dim)`` when ``src`` -> ``dst`` changes one mesh dim between replicated,
+    partial and a strided shard that is *minor* to every other mesh dim splitting that tensor dim
+    (ZeRO's ``P(("fsdp", "dp"))``). Such a step is a plain 1D collective of the local shard along
+    the tensor dim (a reduce-scatter into a ZeRO layout), where DTensor would all-reduce and slice."""
+    changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    k = changed[0]
+    strided = [p for p in (src[k], dst[k]) if isinstance(p, _compat.StridedShard)]
+    if not strided or any(not isinstance(p, (Replicate, Partial, _compat.StridedShard)) for p in (src[k], dst[k])):
+        return None
+    d = strided[0].dim
+    if any(p.dim != d for p in strided) or any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (src[k], dst[k])):
+        return None
+    later = math.prod(mesh.axis_size(a) for j, a in enumerate(mesh.device_axes) if j > k and _is_shard(src[j]) and _split_dim(src[j]) == d)
+    earlier = any(_is_shard(src[j]) and _split_dim(src[j]) == d for j in range(k))
+    return (k, d) if not earlier and all(p.split_factor == later for p in strided) else None
+
+
+def transition_path(src: Placements, dst: Placements) -> list[Placements]:
+    """The placements a value passes through from ``src`` to ``dst``, one mesh dim at a time, in the
+    order that moves the fewest bytes: local slices first, then reductions (a reduce-scatter shrinks
+    what later steps move), then all-to-alls, then all-gathers. Strided shards move in one step
+    (their order is part of the layout): a :func:`minor_step` when it is one, else DTensor's."""
+    if any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)):
+        return [tuple(dst)]
+    dims = sorted((k for k, (a, b) in enumerate(zip(src, dst)) if a != b), key=lambda k: (_STEP_ORDER.get(_kind(src[k], dst[k]), 9), k))
+    path, current = [], list(src)
+    for k in dims:
+        current[k] = dst[k]
+        path.append(tuple(current))
+    return path
+
+
 def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[Collective, ...]:
-    """The collectives DTensor runs to move ``t`` from ``src`` to ``dst``, with the bytes each rank sends."""
+    """The collectives that move ``t`` from ``src`` to ``dst`` (along :func:`transition_path`, each
+    step as DTensor runs it, or vsf's ragged collectives for a ragged step), with the bytes each
+    rank sends."""
     dm = mesh.device_mesh
     meta = _tmeta(t)
-    steps = _compat.redistribute_steps(_compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
     dm_axes = list(mesh.device_axes)
-    current = list(src)
     out = []
-    for mesh_dim, a, b, _logical in steps:
-        before = local_shape(mesh, t, tuple(current))
-        current[mesh_dim] = b
-        after = local_shape(mesh, t, tuple(current))
-        kind = _kind(_one_d(a), _one_d(b))
-        if kind in (None, "slice", "partition"):
-            continue
-        n = mesh.axis_size(dm_axes[mesh_dim])
-        shape = after if kind == "all_gather" else before
-        full = math.prod(shape) * t.element_size() * (n if kind == "all_to_all" else 1)
-        out.append(Collective(kind, dm_axes[mesh_dim], shape, t.dtype, int(round(_transition_bytes(kind, n, full)))))
+    prev = tuple(src)
+    for nxt in transition_path(src, dst):
+        current = list(prev)
+        if _has_ragged([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
+            steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]
+        else:
+            steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(_compat.DTensorSpec(dm, prev, tensor_meta=meta), _compat.DTensorSpec(dm, nxt, tensor_meta=meta))]
+        for mesh_dim, a, b in steps:
+            before = local_shape(mesh, t, tuple(current))
+            current[mesh_dim] = b
+            after = local_shape(mesh, t, tuple(current))
+            kind = _kind(_one_d(a), _one_d(b))
+            if kind in (None, "slice", "partition"):
+                continue
+            n = mesh.axis_size(dm_axes[mesh_dim])
+            shape = after if kind == "all_gather" else before
+            full = math.prod(shape) * t.element_size() * (n if kind == "all_to_all" else 1)
+            out.append(Collective(kind, dm_axes[mesh_dim], shape, t.dtype, int(round(_transition_bytes(kind, n, full)))))
+        prev = nxt
     return tuple(out)

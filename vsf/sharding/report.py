@@ -98,9 +98,9 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
             moves.setdefault(r.before, []).extend(_move_lines(plan, r))
     for node in plan.order:
         if isinstance(node, Bucket):
-            c = node.collective
             names = ", ".join(f"%{r.value[0].name}" for r in node.members)
-            lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {_fmt_bytes(c.bytes)} sent")
+            for c in node.collectives:
+                lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {_fmt_bytes(c.bytes)} sent")
             continue
         if node not in plan.nodes:
             continue

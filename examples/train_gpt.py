@@ -24,6 +24,7 @@ and writes the loss curve to ``<out>/loss.png`` (with matplotlib installed).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 import vsf
 from vsf import P, optim
+from vsf.jit import Jitted
 from vsf.sharding.report import Cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -148,6 +150,7 @@ class Reporter:
         self.bar = enabled and self.stream.isatty()
         self.start = time.perf_counter()
         self.steps = 0
+        self.open_line = False   # the bar is drawn and its line not ended yet
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.steps += 1
@@ -160,7 +163,8 @@ class Reporter:
             fill = width * done // self.total
             eta = (time.perf_counter() - self.start) / self.steps * (self.total - done)
             self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}  loss {loss:.4f}  {rate:,.0f} tok/s  eta {eta:.0f}s ")
-            if done == self.total:
+            self.open_line = done < self.total
+            if not self.open_line:
                 self.stream.write("\n")
         elif done % self.every == 0 or done == self.total:
             self.stream.write(f"step {done:>5}/{self.total}  loss {loss:.4f}  {rate:,.0f} tok/s\n")
@@ -168,13 +172,12 @@ class Reporter:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            if self.bar and 0 < self.steps:
-                self.stream.write("\n")
-            self.stream.write(text + "\n")
+            self.stream.write(("\n" if self.open_line else "") + text + "\n")
+            self.open_line = False
             self.stream.flush()
 
 
-def make_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> vsf.jit:
+def make_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> Jitted:
     """The jitted train step: loss and gradients, clipping and AdamW, new params and state."""
 
     def train_step(params: dict[str, torch.Tensor], opt_state: Any, idx: torch.Tensor, targets: torch.Tensor):
@@ -280,12 +283,10 @@ def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Re
     rep.say(f"\n{n} steps in {result.seconds:.1f} s ({tokens / result.seconds:,.0f} tokens/s); "
             f"loss {head:.4f} (step {steps[0]}) -> {tail:.4f} (step {steps[-1]}); a perfect copier reaches {floor_loss(cfg):.4f}")
     rep.say("params + optimizer state per rank: " + ", ".join(f"{r}: {_kib(b)}" for r, b in result.memory.items()))
-    kinds = {}
-    for c in cost.collectives:
-        kinds[c.kind] = kinds.get(c.kind, 0) + 1
-    per_axis = ", ".join(f"{a} {_kib(b)}" for a, b in result.comm_bytes.items() if b) or "nothing"
+    kinds = collections.Counter(c.kind for c in cost.collectives)
+    per_axis = ", ".join(f"{a} {_kib(b)}" for a, b in result.comm_bytes.items() if b)
     rep.say(f"each step sends per rank (from the plan): {per_axis}; {len(cost.collectives)} collectives "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
+            f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else "each step sends nothing (one rank)")
     rep.say(f"checkpoints: {mngr.directory} steps {mngr.all_steps()}; metrics: {args.out / 'metrics.jsonl'}")
     rep.say(plot_losses(args.out / "metrics.jsonl", args.out / "loss.png", floor_loss(cfg)))
 

@@ -157,3 +157,17 @@ def test_errors(sim):
     w = {"w": vsf.device_put(torch.randn(8, 8), NamedSharding(mesh, P("dp", "tp")))}
     with pytest.raises(ValueError, match=r"laid out as P\('dp', 'tp'\) is split over \['dp', 'tp'\]; pass muon\(..., axis=...\)"):
         tx.update(w, tx.init(w), w)
+
+
+def test_matrices_only_and_empty_trees():
+    """Muon over params that are all matrices leaves AdamW's masked part empty; that, and any
+    optimizer on an empty tree, must work (it failed unpacking the results of no leaves)."""
+    params = _params()
+    grads = _grads(params)
+    matrices = {k: v for k, v in params.items() if v.ndim == 2}
+    got = run(optim.muon(0.02), matrices, [{k: g[k] for k in matrices} for g in grads])
+    want = reference(params, grads)   # each matrix's update depends only on its own gradients
+    for k in matrices:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+    for tx in (optim.adamw(1e-3), optim.lion(1e-3), optim.sgd(0.1, momentum=0.9)):
+        assert run(tx, {}, [{}]) == {}

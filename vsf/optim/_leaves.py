@@ -196,12 +196,15 @@ def leafwise(
     fn: Callable[..., tuple[list[torch.Tensor], ...]],
     operands: Sequence[Sequence[Any]],
     layout: Sequence[torch.Tensor],
+    outputs: int = 1,
 ) -> list[list[torch.Tensor]]:
     """Run ``fn`` over local shards, one ``(device, dtypes)`` group of leaves at a time.
 
     ``operands`` are columns (one entry per leaf), already settled to ``layout``; a column may
     hold per-leaf Python values (e.g. mask bools). ``fn(*columns)`` gets each column's entries
-    for one group and returns a tuple of lists; every result is wrapped like ``layout``.
+    for one group and returns a tuple of ``outputs`` lists; every result is wrapped like
+    ``layout``. Without leaves (an empty tree, e.g. what ``masked`` selects from matrices only)
+    ``fn`` is not called and the results are ``outputs`` empty lists.
     """
     cols = [[local(x) for x in col] for col in operands]
     groups: dict[tuple[Any, ...], list[int]] = {}
@@ -216,7 +219,7 @@ def leafwise(
         for out, res in zip(outs, results):
             for i, t in zip(idx, res):
                 out[i] = wrap(t, layout[i])
-    return outs if outs is not None else []
+    return outs if outs is not None else [[] for _ in range(outputs)]
 
 
 def param_units(state: Any, params: Flat) -> tuple[Flat, list[list[int] | None]]:

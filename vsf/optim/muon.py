@@ -109,7 +109,7 @@ def scale_by_muon(
             m = torch._foreach_lerp(m, g, 1 - beta)
             return (torch._foreach_lerp(g, m, beta) if nesterov else m), m
 
-        us, ms = _leaves.leafwise(momentum, [step.updates, step.ref.leaves], step.ref.leaves)
+        us, ms = _leaves.leafwise(momentum, [step.updates, step.ref.leaves], step.ref.leaves, outputs=2)
 
         def orthogonal(g: torch.Tensor) -> torch.Tensor:
             o = newton_schulz(g, ns_steps, coefficients, ns_dtype)

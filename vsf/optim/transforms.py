@@ -255,7 +255,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             torch._foreach_add_(t, g)
             return (torch._foreach_add(g, t, alpha=decay) if nesterov else t), t
 
-        out, new = _leaves.leafwise(momentum, [step.updates, step.ref.leaves], step.ref.leaves)
+        out, new = _leaves.leafwise(momentum, [step.updates, step.ref.leaves], step.ref.leaves, outputs=2)
         return step.ref.unflatten(out), TraceState(step.ref.unflatten(new))
 
     return GradientTransformation(init, update)
@@ -346,7 +346,7 @@ def _adam(
                 _add_scaled_(_pick(u, k), _pick(p, k), _leaves.opmath(1 - lr * weight_decay, u[0]) - 1)
             return u, m, v
 
-        u, mu, nu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, tree.leaves(state.nu), step.params, keep], step.ref.leaves)
+        u, mu, nu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, tree.leaves(state.nu), step.params, keep], step.ref.leaves, outputs=3)
         return step.ref.unflatten(u), ScaleByAdamState(count, step.ref.unflatten(mu), step.ref.unflatten(nu))
 
     return GradientTransformation(init, update)
@@ -443,7 +443,7 @@ def lion(
             torch._foreach_mul_(u, _leaves.opmath(-lr, g[0]))
             return u, torch._foreach_lerp(m, g, 1 - b2)
 
-        u, mu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, step.params, keep], step.ref.leaves)
+        u, mu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, step.params, keep], step.ref.leaves, outputs=2)
         return step.ref.unflatten(u), ScaleByLionState(count, step.ref.unflatten(mu))
 
     return GradientTransformation(init, update)

@@ -1,8 +1,9 @@
 """``vsf.optim.adamw`` update vs ``torch.optim.AdamW(foreach=True)`` on the same tensors, one process.
 
 The pytree is a GPT-2-small-like parameter set of mixed shapes (~110M fp32 parameters; about
-0.5M with ``--quick``). One vsf step is ``tx.update`` + ``apply_updates`` (functional: new
-params and state each step); one torch step is ``optimizer.step()`` (in place). Both run in
+0.5M with ``--quick``). One vsf step is ``tx.update`` + ``apply_updates``, eagerly (functional:
+new params and state each step) and in a ``vsf.jit`` step that donates params and state (on a
+one-rank mesh); one torch step is ``optimizer.step()`` (in place). Both run in
 the same process, interleaved, after a warm-up; the time is the median over repetitions.
 A ratio above 1 means vsf is slower. Run::
 
@@ -15,6 +16,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,37 +42,31 @@ def _timed(step: Callable[[], None], reps: list[float]) -> None:
     reps.append(time.perf_counter() - start)
 
 
-def bench_adamw(quick: bool, *, repeats: int) -> dict:
-    """One row: median seconds per AdamW step, vsf vs torch, same tensors and hyperparameters."""
+def _setup(quick: bool) -> tuple[dict, dict, dict, torch.optim.Optimizer]:
+    """The params, their grads, the hyperparameters and torch's AdamW over clones of the params."""
     torch.manual_seed(0)
     params = {k: torch.randn(s) for k, s in param_shapes(quick).items()}
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-
     torch_params = {k: v.clone().requires_grad_() for k, v in params.items()}
     for k, p in torch_params.items():
         p.grad = grads[k]
-    opt = torch.optim.AdamW(list(torch_params.values()), foreach=True, **hyper)
+    return params, grads, hyper, torch.optim.AdamW(list(torch_params.values()), foreach=True, **hyper)
 
-    tx = vsf.optim.adamw(hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
-    carry = {"params": params, "state": tx.init(params)}
 
-    def vsf_step() -> None:
-        updates, carry["state"] = tx.update(grads, carry["state"], carry["params"])
-        carry["params"] = vsf.optim.apply_updates(carry["params"], updates)
-
+def _race(name: str, vsf_step: Callable[[], None], ref_step: Callable[[], None], numel: int, leaves: int, repeats: int) -> dict:
+    """One row: median seconds per step of ``vsf_step`` and ``ref_step``, interleaved after a warm-up."""
     vsf_times: list[float] = []
     ref_times: list[float] = []
-    for _ in range(2):  # warm-up: allocator, lazy state
+    for _ in range(2):  # warm-up: allocator, lazy state, the jit's plan
         vsf_step()
-        opt.step()
+        ref_step()
     for _ in range(repeats):
         _timed(vsf_step, vsf_times)
-        _timed(opt.step, ref_times)
-    numel = sum(v.numel() for v in params.values())
+        _timed(ref_step, ref_times)
     vsf_s, ref_s = statistics.median(vsf_times), statistics.median(ref_times)
     return {
-        "name": f"adamw update vs torch.optim.AdamW(foreach=True), {numel / 1e6:.1f}M fp32 params, {len(params)} leaves",
+        "name": f"{name} vs torch.optim.AdamW(foreach=True), {numel / 1e6:.1f}M fp32 params, {leaves} leaves",
         "vsf": vsf_s,
         "ref": ref_s,
         "unit": "s",
@@ -80,9 +76,41 @@ def bench_adamw(quick: bool, *, repeats: int) -> dict:
     }
 
 
+def bench_adamw(quick: bool, *, repeats: int) -> list[dict]:
+    """Two rows, vsf vs torch on the same tensors and hyperparameters: the eager functional update
+    (``tx.update`` + ``apply_updates``, new params and state each step), and the same in a
+    ``vsf.jit`` step with params and state donated (the plan updates their buffers in place)."""
+    params, grads, hyper, opt = _setup(quick)
+    tx = vsf.optim.adamw(hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
+    numel = sum(v.numel() for v in params.values())
+    carry = {"params": params, "state": tx.init(params)}
+
+    def eager_step() -> None:
+        updates, carry["state"] = tx.update(grads, carry["state"], carry["params"])
+        carry["params"] = vsf.optim.apply_updates(carry["params"], updates)
+
+    @vsf.jit(donate_argnums=(0, 1))
+    def jit_step(params: dict, state: Any, grads: dict) -> tuple[dict, Any]:
+        updates, state = tx.update(grads, state, params)
+        return vsf.optim.apply_updates(params, updates), state
+
+    mesh = vsf.make_mesh((1,), ("dp",))
+    put = vsf.NamedSharding(mesh, vsf.P())
+    jit_carry = {"params": vsf.device_put({k: v.clone() for k, v in params.items()}, put), "grads": vsf.device_put(grads, put)}
+    jit_carry["state"] = tx.init(jit_carry["params"])
+
+    def donated_step() -> None:
+        jit_carry["params"], jit_carry["state"] = jit_step(jit_carry["params"], jit_carry["state"], jit_carry["grads"])
+
+    return [
+        _race("adamw update (eager, functional)", eager_step, opt.step, numel, len(params), repeats),
+        _race("adamw update in a donated vsf.jit step", donated_step, opt.step, numel, len(params), repeats),
+    ]
+
+
 def run(quick: bool) -> list[dict]:
     """Rows of the suite's table (see ``benchmarks``); ``ref``: ``torch.optim.AdamW(foreach=True)``."""
-    return [bench_adamw(quick, repeats=5 if quick else 7)]
+    return bench_adamw(quick, repeats=5 if quick else 7)
 
 
 def main() -> None:

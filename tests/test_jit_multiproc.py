@@ -29,7 +29,8 @@ def test_traced_program_runs_the_planned_collectives(ranks):
 
 
 def test_donated_state_buffers_are_updated_in_place(ranks):
-    # the optimizer state is donated: the traced program writes every new leaf (the count, the
-    # moments) into the buffer of the leaf it replaces
+    # the optimizer state and the params are donated: the traced program writes every new leaf
+    # (the count, the moments, each param after its last read) into the buffer of the leaf it replaces
     for r in ranks:
         assert r["state_buffers_reused"] == [r["state_leaves"]] * 3
+        assert r["param_buffers_reused"] == [r["param_leaves"]] * 3

@@ -179,16 +179,20 @@ def compile_local(plan: Plan, local_inputs: Sequence[torch.Tensor], donated: Seq
 
 def _reuse(gm: torch.fx.GraphModule, owned: set[torch.fx.Node]) -> None:
     """Turn ``op(x, ...)`` into ``op_(x, ...)`` where ``x`` is ours to overwrite (a donated input, or
-    a fresh result of an earlier op), this op is its only use, and the result has exactly ``x``'s
-    shape, stride and dtype. Each rewrite makes the result ours too, so chains update one buffer."""
+    a fresh result of an earlier op), this op is its last use (every other use came before it and
+    read ``x`` into a buffer of its own: no view, no collective still reading it), and the result
+    has exactly ``x``'s shape, stride and dtype. Each rewrite makes the result ours too, so chains
+    update one buffer (``p + u`` after ``u = c * p`` updates ``p`` itself)."""
     outputs = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         x = node.args[0]
         inplace = _inplace_variant(node.target)
         fresh = x in owned or (x.op == "call_function" and _allocates(x))
-        if inplace is None or not fresh or len(x.users) != 1 or x in outputs:
+        earlier = _done_before(x, node, order)
+        if inplace is None or not fresh or not earlier or x in outputs:
             continue
         a, out = x.meta.get("val"), node.meta.get("val")
         if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
@@ -208,6 +212,32 @@ def _allocates(node: torch.fx.Node) -> bool:
     if schema is None or schema.name.startswith("_c10d_functional") or node.target.__name__.split(".")[0] in _VIEWS:
         return False
     return not any(r.alias_info is not None for r in schema.returns)
+
+
+def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Node, int], *, view: bool = False) -> bool:
+    """Has every use of ``x`` but ``node`` run before ``node`` and only read ``x``: into a buffer of
+    its own, as a side input of an in-place op, or through a view whose own uses are done too
+    (never a collective, which may still be reading it; ``node`` may not read a ``view`` of it)?"""
+    for use in x.users:
+        if use is node:
+            if view:
+                return False
+            continue
+        if order[use] > order[node] or use.op != "call_function":
+            return False
+        if _allocates(use):
+            continue
+        schema = getattr(use.target, "_schema", None)
+        if schema is None or not schema.name.startswith("aten::") or not schema.arguments:
+            return False
+        first = schema.arguments[0].alias_info
+        if first is None or not all(r.alias_info is not None and r.alias_info.before_set == first.before_set for r in schema.returns):
+            return False
+        if first.is_write and use.args[0] is x:
+            return False
+        if not first.is_write and not (use.args[0] is x and _done_before(use, node, order, view=True)):
+            return False
+    return True
 
 
 def _inplace_variant(op: Any) -> Any:

@@ -27,11 +27,13 @@ p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(param
 s = optim.init_sharded(tx, p, zero_axes=("dp",))
 b = vsf.device_put(batch, vsf.NamedSharding(mesh, P("dp")))
 step = vsf.jit(train_step, donate_argnums=(0, 1))
-losses, reused = [], []
+losses, reused, params_reused = [], [], []
 for _ in range(3):
     before = [x.to_local().data_ptr() for x in vsf.tree.leaves(s)]
+    before_params = [x.to_local().data_ptr() for x in vsf.tree.leaves(p)]
     p, s, loss = step(p, s, *b)
     reused.append(sum(x.to_local().data_ptr() in before for x in vsf.tree.leaves(s)))
+    params_reused.append(sum(x.to_local().data_ptr() in before_params for x in vsf.tree.leaves(p)))
     losses.append(vsf.device_get(loss).item())
 got = vsf.device_get(p)
 program = next(iter(step._cache.values()))._local
@@ -45,5 +47,7 @@ report = {
     "plan_count": step.plan_count,
     "state_leaves": len(vsf.tree.leaves(s)),
     "state_buffers_reused": reused,
+    "param_leaves": len(vsf.tree.leaves(p)),
+    "param_buffers_reused": params_reused,
 }
 (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -213,6 +213,20 @@ def test_fsdp_gathers_each_param_once_and_scatters_each_grad(sim):
     assert c.comm_bytes["fsdp"] == round(2 * 3 / 4 * 4) + 2 * 3 / 4 * weights
 
 
+def test_data_parallel_gpt_sends_only_the_loss_and_each_gradient_once(sim):
+    # the analytic optimum for DP: the cross-entropy stays on each rank's rows (forward and
+    # backward), then one all-reduce of every gradient and of the loss's sum and count
+    params, batch, loss_fn = gpt_case()
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, P("dp")))
+    c = vsf.jit(make_step(loss_fn)).lower(p, *b).cost()
+    assert {x.kind for x in c.collectives} == {"all_reduce"}
+    weights = sum(v.numel() * 4 for v in params.values())
+    assert c.comm_bytes["dp"] == pytest.approx(2 * 3 / 4 * (weights + 2 * 4), abs=2)
+
+
 def test_cost_counts_the_collectives_that_run(sim):
     params, batch, loss_fn = gpt_case()
     shape, names, rules, batch_spec = LAYOUTS["5d"]

@@ -244,7 +244,7 @@ class Strategies:
         if node.target in VALUE_BLIND_OPS:
             inputs = [*_candidates(_meta(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if _is_shard(p) else R,)) for p in inputs], False
-        found = _single_dim(node, n) if _kind_of(node.target) == "single" else _by_first_input(node, n) if _kind_of(node.target) else None
+        found = _single_dim(node, n) if _kind_of(node.target) == "single" else _by_each_input(node, n) if _kind_of(node.target) else None
         if found:
             return _valid(found, node, n), False
         if self.fallback:
@@ -320,8 +320,10 @@ def _candidates(t: torch.Tensor, n: int) -> list[Placement]:
     return [R, PARTIAL] + [Shard(d) for d in range(t.ndim) if t.shape[d] >= n and t.shape[d] > 1]
 
 
-def _by_first_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
-    """Ask a whole-op strategy function (or rule) once per candidate placement of the first tensor input."""
+def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+    """Ask a whole-op strategy function (or rule) once per candidate placement of each tensor input
+    that is not a scalar, the other inputs replicated: most functions follow their first input,
+    some another one (``nll_loss_backward`` follows ``self``, its second)."""
     prop = _compat.sharding_propagator()
     op = node.target
     func = prop.op_strategy_funcs.get(op)
@@ -331,12 +333,13 @@ def _by_first_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
     mesh = _compat.abstract_device_mesh(n)
     ins = _tensor_args(node)
     found: dict[Strategy, None] = {}
-    for first in _candidates(_meta(ins[0]), n):
+    leads = [i for i, a in enumerate(ins) if i == 0 or _meta(a).ndim > 0]
+    for lead, first in ((i, c) for i in leads for c in _candidates(_meta(ins[i]), n)):
         seen = [0]
 
         def spec(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
-                p = first if seen[0] == 0 else R
+                p = first if seen[0] == lead else R
                 seen[0] += 1
                 return _compat.DTensorSpec(mesh, (p,), tensor_meta=_tmeta(a.meta["val"]))
             return a

@@ -23,6 +23,7 @@ from multiproc import WORKERS
 from vsf import P
 from vsf.checkpoint import ragged
 from vsf.checkpoint.checksum import BLOCK
+from vsf.checkpoint.storage import _PARALLEL_READ
 
 sys.path.insert(0, str(WORKERS))
 import ckpt_common as cc  # noqa: E402
@@ -210,12 +211,13 @@ def test_nothing_is_written_into_a_live_target_when_loading_fails(tmp_path):
     assert torch.equal(live["w"], torch.full((1000,), 7.0))
 
 
-def test_leaves_of_many_blocks_load_exactly_and_damage_in_any_block_names_the_leaf(tmp_path):
-    tree = {"small": torch.arange(5), "big": torch.randn(3 * BLOCK // 4 + 1000), "after": torch.ones(3)}  # ~3 MiB: 4 blocks
+@pytest.mark.parametrize("blocks", [3, _PARALLEL_READ // BLOCK + 1])  # checked as read / on a helper thread
+def test_leaves_of_many_blocks_load_exactly_and_damage_in_any_block_names_the_leaf(tmp_path, blocks):
+    tree = {"small": torch.arange(5), "big": torch.randn(blocks * BLOCK // 4 + 1000), "after": torch.ones(3)}  # blocks + 1 blocks
     _save(tmp_path / "c", tree)
     assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c"), tree) == []
     name, offset, length = cc.payload_of(tmp_path / "c", "big")
-    assert length > 3 * BLOCK
+    assert length > blocks * BLOCK
     for i, where in enumerate([offset + 100, offset + BLOCK + 5, offset + length // 2, offset + length - 100]):
         damaged = Path(shutil.copytree(tmp_path / "c", tmp_path / f"d{i}"))
         cc.flip(damaged / name, where)

@@ -11,9 +11,10 @@ truncated or altered file raises :class:`~vsf.checkpoint.format.CorruptCheckpoin
 the file and the leaves stored there, and no unchecked byte ever reaches DCP.
 
 Checking costs one pass of :func:`~vsf.checkpoint.checksum.checksums` over bytes just read,
-and no extra copy. (Tried and dropped: a memory map checksummed before reading, which
-page-faulted through every file a second time; checking on a helper thread that re-reads the
-blocks, slower on a busy 2-core machine.)
+and no extra copy; in a long read it runs on a helper thread, block ``i`` checked while block
+``i + 1`` is read, and the read returns once every block has passed. (Tried and dropped: a
+memory map checksummed before reading, which page-faulted through every file a second time;
+checking on a helper thread that re-reads the blocks, slower on a busy 2-core machine.)
 
 Both only replace the ``fs`` (a public ``FileSystem``) of the DCP class, and count bytes for
 :class:`~vsf.checkpoint.progress.Progress`.
@@ -22,6 +23,7 @@ Both only replace the ``fs`` (a public ``FileSystem``) of the DCP class, and cou
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -192,23 +194,26 @@ class _VerifiedStream(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")[: max(0, self._record.size - self._pos)]
-        done = 0
-        while done < len(out):  # block by block, each checked while its bytes are still in cache
-            i = bisect.bisect_right(self._starts, self._pos) - 1
-            offset, length, _ = self._record.blocks[i]
-            piece = out[done : done + min(len(out) - done, offset + length - self._pos)]
-            if i in self._verified:
-                _read_exactly(self._raw, self._pos, piece, self._path)
-            elif len(piece) == length:
-                _read_exactly(self._raw, offset, piece, self._path)
-                self._check(i, piece)
-            else:  # only part of the block is wanted: read it whole, aside, to check it
-                whole = self._aside[:length]
-                _read_exactly(self._raw, offset, whole, self._path)
-                self._check(i, whole)
-                piece[:] = whole[self._pos - offset : self._pos - offset + len(piece)]
-            self._pos += len(piece)
-            done += len(piece)
+        # A read of several whole blocks checks each on a helper thread while the next is read
+        # (both release the GIL); every check has passed before the read returns.
+        with _Checks(parallel=len(out) >= _PARALLEL_READ) as checks:
+            done = 0
+            while done < len(out):  # block by block, each checked while its bytes are still in cache
+                i = bisect.bisect_right(self._starts, self._pos) - 1
+                offset, length, _ = self._record.blocks[i]
+                piece = out[done : done + min(len(out) - done, offset + length - self._pos)]
+                if i in self._verified:
+                    _read_exactly(self._raw, self._pos, piece, self._path)
+                elif len(piece) == length:
+                    _read_exactly(self._raw, offset, piece, self._path)
+                    checks.run(self._check, i, piece)
+                else:  # only part of the block is wanted: read it whole, aside, to check it
+                    whole = self._aside[:length]
+                    _read_exactly(self._raw, offset, whole, self._path)
+                    self._check(i, whole)
+                    piece[:] = whole[self._pos - offset : self._pos - offset + len(piece)]
+                self._pos += len(piece)
+                done += len(piece)
         return done
 
     def _check(self, i: int, data: memoryview) -> None:
@@ -221,6 +226,35 @@ class _VerifiedStream(io.RawIOBase):
             )
         self._verified.add(i)
         self._meter.add(length)
+
+
+# Reads at least this long check their blocks on a helper thread (shorter ones are not worth a thread).
+_PARALLEL_READ = 4 * BLOCK
+
+
+class _Checks:
+    """Runs checks inline, or on one helper thread (``parallel``) whose checks all finish, and
+    whose first failure is raised, when the ``with`` block ends."""
+
+    def __init__(self, parallel: bool) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vsf-checkpoint-verify") if parallel else None
+        self._pending: list[concurrent.futures.Future] = []
+
+    def run(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._pool is None:
+            fn(*args)
+        else:
+            self._pending.append(self._pool.submit(fn, *args))
+
+    def __enter__(self) -> _Checks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            if exc[0] is None:  # else the read's own error goes up
+                for f in self._pending:
+                    f.result()
 
 
 def _read_exactly(f: Any, pos: int, out: memoryview, path: Path) -> None:

@@ -13,7 +13,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, launch, ops, optim, sharding, tree
+from vsf import checkpoint, config, debug, ops, optim, sharding, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
@@ -33,6 +33,15 @@ from vsf.sharding.inspect import typeof
 from vsf.sharding.spec import ragged
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``vsf.launch`` is imported on first use, so ``python -m vsf.launch`` runs it fresh."""
+    if name == "launch":
+        import importlib
+
+        return importlib.import_module("vsf.launch")
+    raise AttributeError(f"module 'vsf' has no attribute {name!r}")
 
 __all__ = [
     "Mesh",

@@ -23,6 +23,11 @@ def test_collective_matches_oracle(reports, name):
         assert report["cases"][name] == {"value": True, "grad": True}, f"rank {rank}"
 
 
+def test_shard_map_equals_one_device_with_gradients(reports):
+    for rank, report in enumerate(reports):
+        assert report["shard_map"] == {"value": True, "grad": True}, f"rank {rank}"
+
+
 # gloo's framing adds a few hundred bytes to each collective, whatever its size
 FRAMING = 2048
 

@@ -15,7 +15,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
 
 from vsf import checkpoint, config, debug, ops, optim, sharding, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
-from vsf.func import grad, value_and_grad, with_sharding_constraint
+from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
 from vsf.sharding import (
@@ -63,6 +63,7 @@ __all__ = [
     "optim",
     "ops",
     "ragged",
+    "shard_map",
     "sharding",
     "simulate",
     "tree",

@@ -1,13 +1,16 @@
-"""Function transforms over pytrees: ``grad``, ``value_and_grad``, ``with_sharding_constraint``.
+"""Function transforms over pytrees: ``grad``, ``value_and_grad``, ``with_sharding_constraint``,
+``shard_map``.
 
-They work eagerly on DTensors (using ``torch.autograd.grad``, which DTensor supports, with plain
-tensors a model creates treated as replicated) and inside :func:`vsf.jit`, where the backward ops
-they run are traced into the same joint graph as the forward.
+The first three work eagerly on DTensors (using ``torch.autograd.grad``, which DTensor supports,
+with plain tensors a model creates treated as replicated) and inside :func:`vsf.jit`, where the
+backward ops they run are traced into the same joint graph as the forward. ``shard_map`` runs a
+function on each rank's local shards, eagerly.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,10 +21,12 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
 from vsf.sharding.constraint import constrain
+from vsf.sharding.mesh import Mesh, current_mesh, use_mesh
 from vsf.sharding.named import NamedSharding, resolve
 from vsf.sharding.put import device_put, is_sharding_leaf
+from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["grad", "value_and_grad", "with_sharding_constraint"]
+__all__ = ["grad", "shard_map", "value_and_grad", "with_sharding_constraint"]
 
 _DEPTH = [0]  # nesting of grad transforms, so an inner grad keeps its graph for the outer one
 
@@ -154,3 +159,103 @@ def _reshard_in_graph(x: torch.Tensor, s: NamedSharding, where: str) -> torch.Te
 def _check_constraint(s: NamedSharding, x: torch.Tensor, where: str) -> None:
     if len(s.spec) > x.ndim:
         raise ValueError(f"with_sharding_constraint {s.spec!r} for {where} has {len(s.spec)} entries but the value has rank {x.ndim} (shape {tuple(x.shape)})")
+
+
+def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None) -> Callable[..., Any]:
+    """``f`` run on each rank's local shards, with collectives you write (JAX's ``shard_map``).
+
+    Each tensor argument is laid out as ``in_specs`` says (a pytree prefix of the arguments, one
+    ``P`` per leaf or subtree; arguments already laid out that way are not moved) and ``f`` gets
+    its local shards as plain tensors, with ``mesh`` as the current mesh, so the named-axis
+    collectives of :mod:`vsf.ops` (``psum``, ``all_gather``, ``psum_scatter``, ``ppermute``, ...)
+    work on them. ``f``'s tensor results are this rank's shards of global values laid out as
+    ``out_specs`` (a prefix of the results): a dim split over axes of total size ``k`` is ``k``
+    times as long globally, and over the axes a spec leaves out the result must be the same on
+    every rank (as JAX's ``check_rep`` asks; vsf does not check it). Every split dim must divide
+    evenly, as in JAX. Gradients flow through it (:func:`vsf.grad` of a function calling it).
+    Eager only: inside :func:`vsf.jit`, which places collectives itself, it is refused.
+
+    Example (Megatron's MLP: the hidden dim split over ``tp``, one all-reduce)::
+
+        >>> def mlp(x, w1, w2):
+        ...     return vsf.ops.psum(torch.relu(x @ w1) @ w2, "tp")
+        >>> y = vsf.shard_map(mlp, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp")), out_specs=P("dp"))(x, w1, w2)
+    """
+
+    @functools.wraps(f)
+    def mapped(*args: Any) -> Any:
+        m = mesh if mesh is not None else current_mesh()
+        if m is None:
+            raise ValueError("shard_map needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
+        in_pairs, in_def = tree.flatten_with_path(args)
+        if any(isinstance(x, torch.Tensor) and is_fake(x) for _, x in in_pairs):
+            raise NotImplementedError(
+                f"vsf.shard_map({getattr(f, '__name__', 'f')}) inside vsf.jit is not supported yet: jit places the "
+                "collectives itself (with_sharding_constraint pins layouts there); call shard_map outside the jitted function"
+            )
+        specs = tree.broadcast_prefix(in_specs, args, is_leaf=_is_spec, what="in_specs")
+        local = [_local_shard(x, _even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}")) if isinstance(x, torch.Tensor) else x
+                 for (path, x), spec in zip(in_pairs, specs)]
+        with use_mesh(m):
+            out = f(*tree.unflatten(in_def, local))
+        out_pairs, out_def = tree.flatten_with_path(out)
+        specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
+        return tree.unflatten(out_def, [_global(y, NamedSharding(m, spec), "the result" + (tree.keystr(path) if path else "")) for (path, y), spec in zip(out_pairs, specs)])
+
+    return mapped
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _even(s: NamedSharding, shape: tuple[int, ...], where: str) -> NamedSharding:
+    """``s`` if every dim it splits divides evenly (shard_map's rule), else a ``ValueError`` saying where."""
+    if s.ragged is not None:
+        raise ValueError(f"shard_map: {where} has the ragged spec {s.spec!r}; shard_map takes even splits only")
+    s.check(shape, where)
+    for d in range(len(shape)):
+        if shape[d] % s.num_shards(d):
+            raise ValueError(f"shard_map: {where} has {shape[d]} in dim {d}, which {s.spec!r} splits {s.num_shards(d)} ways: it must divide evenly")
+    return s
+
+
+def _local_shard(x: torch.Tensor, s: NamedSharding) -> torch.Tensor:
+    """This rank's shard of ``x`` laid out as ``s``, through autograd when ``x`` needs a gradient:
+    over the axes ``s`` replicates ``x``, each rank's gradient is a partial sum (JAX's transpose of
+    the implicit broadcast), reduced where the gradient is used."""
+    if not x.requires_grad:
+        return device_put(x, s).to_local()
+    placed = _reshard_in_graph(x, s, "")
+    return placed.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in placed.placements])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward divides the gradient by ``k``."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.k = k
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g / ctx.k, None
+
+
+def _global(y: Any, s: NamedSharding, where: str) -> Any:
+    """The DTensor whose local shard on this rank is ``y``, laid out as ``s`` (non-tensors pass through)."""
+    if not isinstance(y, torch.Tensor):
+        return y
+    if isinstance(y, DTensor):
+        raise TypeError(f"shard_map: {where} is a DTensor; the function must return its local shards as plain tensors")
+    if len(s.spec) > y.ndim:
+        raise ValueError(f"shard_map: {where} has {y.ndim} dims but out_specs gives it {s.spec!r}")
+    shape = tuple(n * s.num_shards(d) for d, n in enumerate(y.shape))
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    copies = s.mesh.size // math.prod(s.num_shards(d) for d in range(y.ndim))
+    if y.requires_grad and copies > 1:
+        # the ranks a spec replicates y over each get the whole gradient, and each sends it back
+        # through f; psum's backward sums them, so each takes its share (JAX's rule without check_rep)
+        y = _ScaleGrad.apply(y, copies)
+    return DTensor.from_local(y, s.mesh.device_mesh, s.placements, run_check=False, shape=shape, stride=stride)

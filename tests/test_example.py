@@ -93,7 +93,7 @@ def background(tmp_path_factory):
     """The one-process run and the 8-rank simulated run of the small config, started now."""
     runs = {
         "one": Background(tmp_path_factory.mktemp("one_process"), *SMALL, "--save-every", str(STEPS)),
-        "sim8": Background(tmp_path_factory.mktemp("simulate_8"), *SMALL, "--simulate", "8", "--save-every", str(STEPS)),
+        "sim8": Background(tmp_path_factory.mktemp("simulate_8"), *SMALL, "--simulate", "8", "--save-every", str(STEPS), "--print-plan"),
     }
     yield runs
     for run in runs.values():
@@ -157,6 +157,9 @@ def test_eight_simulated_ranks_learn_and_match_one_process(background, one_proce
     memory = re.search(r"params \+ optimizer state per rank: (.*)\n", out).group(1)
     assert [int(part.split(":")[0]) for part in memory.split(", ")] == list(range(8))
     assert f"steps [{STEPS}]" in out
+    # --print-plan printed the plan: one line per collective the summary counts
+    planned = int(re.search(r"; (\d+) collectives \(", out).group(1))
+    assert len(re.findall(r"^\s+(?:all_reduce|all_gather|reduce_scatter|all_to_all) over \w+: ", out, re.M)) == planned
 
 
 def test_mesh_shape_from_the_number_of_ranks():

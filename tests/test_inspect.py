@@ -38,6 +38,21 @@ def test_typeof_of_plain_tensors():
         vsf.typeof([1.0])
 
 
+def test_type_string_of_placements_no_spec_expresses(sim):
+    # dp and fsdp split dim 0 in mesh order, tp splits each of their pieces again, strided by 4:
+    # no P(...) entry orders the axes that way, so the text gives DTensor's own terms
+    from torch.distributed.tensor import Partial, Shard
+
+    from vsf._compat import StridedShard
+    from vsf.sharding.inspect import type_string
+
+    sim(8, compute=False)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    placements = (Shard(0), Shard(0), StridedShard(0, split_factor=4))
+    assert type_string((32, 16), torch.float32, mesh, placements) == "f32[32@<dp,fsdp,tp/sf4>,16]"
+    assert type_string((32, 16), torch.float32, mesh, (Partial(), Shard(0), StridedShard(0, split_factor=2))) == "f32[32@<fsdp,tp/sf2>,16]{U:dp}"
+
+
 def test_shards_lists_every_simulated_rank_with_its_index_and_data(sim):
     sim(4)
     mesh = vsf.make_mesh((4,), ("x",))

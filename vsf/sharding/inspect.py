@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh, mesh_of
@@ -50,7 +50,9 @@ def typeof(x: torch.Tensor) -> str:
 def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, placements: Sequence[Placement] = ()) -> str:
     """``typeof``'s text for a tensor of ``shape`` and ``dtype`` laid out on ``mesh`` as DTensor
     ``placements`` (``mesh=None``: unsharded). Partial sums show as ``{U:axis}`` (JAX's unreduced),
-    other pending reductions by their op, e.g. ``{avg:dp}``."""
+    other pending reductions by their op, e.g. ``{avg:dp}``. Placements no ``P`` expresses (nested
+    splits a redistribution passes through) show each dim's splits in mesh order, DTensor's way:
+    ``f32[128@<dp,fsdp,tp/sf16>]``."""
     name = _DTYPE.get(dtype, str(dtype).removeprefix("torch."))
     if mesh is None:
         return f"{name}[{','.join(str(n) for n in shape)}]"
@@ -59,14 +61,33 @@ def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, p
         if isinstance(p, Partial) and mesh.axis_size(axis) > 1:
             pending.setdefault("U" if p.reduce_op == "sum" else p.reduce_op, []).append(axis)
     plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-    s = from_placements(mesh, plain, len(shape))
+    try:
+        s = from_placements(mesh, plain, len(shape))
+    except ValueError:  # a layout no P expresses (a step of a redistribution): DTensor's own terms
+        return f"{name}[{','.join(_placements_string(n, d, mesh, plain) for d, n in enumerate(shape))}]" + _pending_string(pending)
     r = s.ragged
     dims = [] if r is None else [_ragged_string(shape, r)]
     for dim in range(0 if r is None else r.dims, len(shape)):
         n = shape[dim]
         axes = [a for a in s.spec.entry_axes(dim) if mesh.axis_size(a) > 1]
         dims.append(f"{n}@{axes[0]}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
-    return f"{name}[{','.join(dims)}]" + "".join("{" + f"{op}:{','.join(a)}" + "}" for op, a in pending.items())
+    return f"{name}[{','.join(dims)}]" + _pending_string(pending)
+
+
+def _pending_string(pending: dict[str, list[str]]) -> str:
+    return "".join("{" + f"{op}:{','.join(a)}" + "}" for op, a in pending.items())
+
+
+def _placements_string(n: int, dim: int, mesh: Mesh, placements: Sequence[Placement]) -> str:
+    """Dim ``dim`` (of size ``n``) as DTensor splits it, axis by axis in mesh order, each strided
+    split with its split factor: ``128@<dp,fsdp,tp/sf16>``."""
+    axes = []
+    for axis, p in zip(mesh.device_axes, placements):
+        if isinstance(p, _compat.StridedShard) and p.dim == dim:
+            axes.append(f"{axis}/sf{p.split_factor}")
+        elif isinstance(p, Shard) and p.dim == dim:
+            axes.append(axis)
+    return f"{n}@<{','.join(axes)}>" if axes else str(n)
 
 
 def _ragged_string(shape: tuple[int, ...], r: RaggedShard) -> str:

@@ -209,9 +209,7 @@ _VIEWS = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice"
 def _allocates(node: torch.fx.Node) -> bool:
     """Does ``node`` produce a new buffer (not a view of an input, not a collective's buffer)?"""
     schema = getattr(node.target, "_schema", None)
-    if schema is None or schema.name.startswith("_c10d_functional") or node.target.__name__.split(".")[0] in _VIEWS:
-        return False
-    return not any(r.alias_info is not None for r in schema.returns)
+    return schema is not None and not schema.name.startswith("_c10d_functional") and _allocates_op(node.target)
 
 
 def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Node, int], *, view: bool = False) -> bool:

@@ -334,12 +334,12 @@ def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
     ins = _tensor_args(node)
     found: dict[Strategy, None] = {}
     leads = [i for i, a in enumerate(ins) if i == 0 or _meta(a).ndim > 0]
-    for lead, first in ((i, c) for i in leads for c in _candidates(_meta(ins[i]), n)):
+    for lead, placement in ((i, c) for i in leads for c in _candidates(_meta(ins[i]), n)):
         seen = [0]
 
         def spec(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
-                p = first if seen[0] == lead else R
+                p = placement if seen[0] == lead else R
                 seen[0] += 1
                 return _compat.DTensorSpec(mesh, (p,), tensor_meta=_tmeta(a.meta["val"]))
             return a

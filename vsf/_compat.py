@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -30,10 +30,13 @@ from torch.distributed._local_tensor import (
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, OutputSharding, TupleStrategy
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
     _insert_single_dim_replication_strategy,
     _resolve_foreach_elementwise_overload,
+    _ShardingPlaceholder,
+    register_single_dim_strategy,
 )
 from torch.distributed.tensor._ops.utils import is_tensor_shardable
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
@@ -63,6 +66,8 @@ __all__ = [
     "is_tensor_shardable",
     "redistribute_local_tensor",
     "foreach_elementwise_op",
+    "fused_adam_",
+    "fused_adam_lr",
     "redistribute_steps",
     "register_stack_anchor",
     "sharding_propagator",
@@ -77,6 +82,7 @@ __all__ = [
     "one_rank_device_mesh",
     "position_in_copy",
     "quiet_redistribute",
+    "register_elementwise",
     "single_rank_device_mesh",
 ]
 
@@ -219,3 +225,36 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     shape: ``DTensor.from_local`` without its autograd function and view. ``local`` may live on
     another device than the mesh (a host copy staged for an async checkpoint)."""
     return DTensor(local, like._spec, requires_grad=local.requires_grad)
+
+
+def fused_adam_(
+    update: torch.Tensor, grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, count: torch.Tensor, lr: torch.Tensor, b1: float, b2: float, eps: float
+) -> None:
+    """PyTorch's fused Adam kernel (``torch.optim.Adam(fused=True)``'s) on one tensor of each kind,
+    all of one dtype and memory order: ``update`` is stepped as the param (no weight decay),
+    ``mu`` and ``nu`` are updated in place; ``count`` is the step number (float32, on their
+    device), ``lr`` from :func:`fused_adam_lr`."""
+    torch._fused_adam_(
+        [update], [grad], [mu], [nu], [], [count], lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False
+    )
+
+
+def fused_adam_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The learning rate as a 0-d tensor for the fused Adam kernel on ``device``, as
+    ``torch.optim.Adam(fused=True)`` passes it: a float64 CPU tensor (the CPU kernel reads it as
+    the double a Python float is, bit for bit), or a schedule's value computed on an accelerator,
+    kept there as float32."""
+    if not isinstance(lr, torch.Tensor):
+        return torch.full((), lr, dtype=torch.float64)
+    return lr.to(dtype=torch.float64) if device.type == "cpu" else lr.to(device=device, dtype=torch.float32)
+
+
+def register_elementwise(op: Any, tensors: int, scalars: int) -> None:
+    """Tell DTensor's sharding propagation that ``op`` is elementwise: its first ``tensors``
+    arguments (of one shape) and its ``tensors`` results may be split alike on any dim; the
+    ``scalars`` 0-d tensor arguments after them stay replicated."""
+
+    def rules(op: Any, args: Any, kwargs: Any) -> list[list[Any]]:
+        return [[_ShardingPlaceholder(d)] * (2 * tensors) + [Replicate()] * scalars for d in range(len(args[0].shape))]
+
+    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=tensors + scalars))(rules)

@@ -166,10 +166,9 @@ class Jitted:
         for i in self.donate_argnums:
             if i >= len(args):
                 continue
-            for path, leaf in tree.leaves_with_path(args[i]):
+            for k, leaf in enumerate(tree.leaves(args[i])):
                 if isinstance(leaf, DTensor):
-                    where = f"{self._name} (as args[{i}]{tree.keystr(path, brackets=True)})"
-                    leaf._local_tensor = _Donated(leaf._local_tensor, where)
+                    leaf._local_tensor = _Donated(leaf._local_tensor, self._name, i, args[i], k)
 
     # -- arguments ------------------------------------------------------------------------
 
@@ -367,13 +366,20 @@ def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) ->
 
 
 class _Donated(torch.Tensor):
-    """Stands in for a donated DTensor's local shard: any use raises an error that says why."""
+    """Stands in for a donated DTensor's local shard: any use raises an error that says why
+    (leaf ``k`` of argument ``i``, the tree ``arg``, donated to the function ``name``)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, where: str) -> "_Donated":
+    def __new__(cls, like: torch.Tensor, name: str, i: int, arg: Any, k: int) -> "_Donated":
         r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
-        r.where = where
+        r._donated_to = (name, i, arg, k)
         return r
+
+    @property
+    def where(self) -> str:
+        """``fn (as args[i]['path'])``: written only when an error needs it, not on every call."""
+        name, i, arg, k = self._donated_to
+        return f"{name} (as args[{i}]{tree.keystr(tree.leaves_with_path(arg)[k][0], brackets=True)})"
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:

@@ -13,6 +13,7 @@ collectives, which is what each step then runs.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -182,34 +183,53 @@ def _reuse(gm: torch.fx.GraphModule, owned: set[torch.fx.Node]) -> None:
     a fresh result of an earlier op), this op is its last use (every other use came before it and
     read ``x`` into a buffer of its own: no view, no collective still reading it), and the result
     has exactly ``x``'s shape, stride and dtype. Each rewrite makes the result ours too, so chains
-    update one buffer (``p + u`` after ``u = c * p`` updates ``p`` itself)."""
+    update one buffer (``p + u`` after ``u = c * p`` updates ``p`` itself). An op whose in-place
+    twin overwrites several arguments (``vsf::adam_step_``: both moments) is rewritten when every
+    one of them qualifies."""
     outputs = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        variant = _inplace_variant(node.target) if node.op == "call_function" else None
+        if variant is None:
             continue
-        x = node.args[0]
-        inplace = _inplace_variant(node.target)
-        fresh = x in owned or (x.op == "call_function" and _allocates(x))
-        earlier = _done_before(x, node, order)
-        if inplace is None or not fresh or not earlier or x in outputs:
-            continue
-        a, out = x.meta.get("val"), node.meta.get("val")
-        if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
-            continue
-        if a.shape != out.shape or a.dtype != out.dtype or a.stride() != out.stride():
-            continue
-        node.target = inplace
-        owned.add(node)
+        inplace, writes = variant
+        results = _results(node)
+        if all(_overwritable(node, i, results.get(j), owned, outputs, order) for i, j in writes):
+            node.target = inplace
+            owned.update(results[j] for _, j in writes)
+
+
+def _results(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    """The nodes that stand for each tensor ``node`` returns: itself, or its ``getitem`` users."""
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        return {0: node}
+    return {use.args[1]: use for use in node.users if use.target is operator.getitem}
+
+
+def _overwritable(node: torch.fx.Node, i: int, result: torch.fx.Node | None, owned: set[torch.fx.Node], outputs: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> bool:
+    """May ``node``'s argument ``i`` take the place of ``result``, the value computed from it?"""
+    x = node.args[i] if i < len(node.args) else None
+    if not isinstance(x, torch.fx.Node) or result is None or x in outputs:
+        return False
+    if not (x in owned or (x.op == "call_function" and _allocates(x))) or not _done_before(x, node, order):
+        return False
+    a, out = x.meta.get("val"), result.meta.get("val")
+    if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return False
+    return a.shape == out.shape and a.dtype == out.dtype and a.stride() == out.stride()
 
 
 _VIEWS = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "split", "unsqueeze", "squeeze", "alias", "detach", "as_strided", "reshape", "unbind", "diagonal", "narrow")
 
 
 def _allocates(node: torch.fx.Node) -> bool:
-    """Does ``node`` produce a new buffer (not a view of an input, not a collective's buffer)?"""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and not schema.name.startswith("_c10d_functional") and _allocates_op(node.target)
+    """Does ``node`` produce a new buffer (not a view of an input, not a collective's buffer)? For
+    one result of a multi-result op (a ``getitem``), does that result?"""
+    op, index = node.target, None
+    if op is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        op, index = node.args[0].target, node.args[1]
+    schema = getattr(op, "_schema", None)
+    return schema is not None and not schema.name.startswith("_c10d_functional") and _allocates_op(op, index)
 
 
 def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Node, int], *, view: bool = False) -> bool:
@@ -238,18 +258,24 @@ def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Nod
     return True
 
 
-def _inplace_variant(op: Any) -> Any:
-    """``aten.X_.<overload>`` for an out-of-place ``aten.X.<overload>`` with the same arguments (or ``None``)."""
+def _inplace_variant(op: Any) -> tuple[Any, list[tuple[int, int]]] | None:
+    """``X_.<overload>`` for an out-of-place ``X.<overload>`` (aten's, or vsf's own ops) with the same
+    arguments, and which arguments it overwrites: ``(argument, result)`` index pairs, read from
+    its schema's alias annotations (``add_``: ``[(0, 0)]``). ``None`` if there is none."""
     schema = getattr(op, "_schema", None)
-    if schema is None or not schema.name.startswith("aten::") or schema.is_mutable or not _allocates_op(op):
+    if schema is None or not schema.name.startswith(("aten::", "vsf::")) or schema.is_mutable or not _allocates_op(op):
         return None
-    base, overload = schema.name.split("::")[1], op._overloadname
-    packet = getattr(torch.ops.aten, base + "_", None)
-    target = getattr(packet, overload, None) if packet is not None else None
+    namespace, base = schema.name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), base + "_", None)
+    target = getattr(packet, op._overloadname, None) if packet is not None else None
     if target is None or len(target._schema.arguments) != len(schema.arguments):
         return None
-    return target
+    returns = [r.alias_info.before_set if r.alias_info is not None else None for r in target._schema.returns]
+    writes = [(i, returns.index(a.alias_info.before_set)) for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write and a.alias_info.before_set in returns]
+    return (target, writes) if writes else None
 
 
-def _allocates_op(op: Any) -> bool:
-    return op.__name__.split(".")[0] not in _VIEWS and not any(r.alias_info is not None for r in op._schema.returns)
+def _allocates_op(op: Any, index: int | None = None) -> bool:
+    """Are ``op``'s results (or its result ``index``) new tensors, not views or inputs it returns?"""
+    returns = op._schema.returns if index is None else op._schema.returns[index : index + 1]
+    return op.__name__.split(".")[0] not in _VIEWS and not any(r.alias_info is not None for r in returns)

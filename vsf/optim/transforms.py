@@ -2,7 +2,8 @@
 
 Each transform checks that the updates match its state (or the params) leaf for leaf, brings
 DTensor updates to its state's layout once (see :mod:`vsf.optim._leaves`), and does its math
-with ``torch._foreach_*`` ops on local shards, grouped by device and dtype.
+with ``torch._foreach_*`` ops on local shards, grouped by device and dtype; Adam's moments and
+step are one fused kernel per leaf (:mod:`vsf.optim._fused`).
 
 Where optax and ``torch.optim`` disagree, the optimizers here follow ``torch.optim`` (the
 numbers PyTorch users compare against) and say so; the building blocks follow optax.
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vsf import tree
-from vsf.optim import _leaves
+from vsf.optim import _fused, _leaves
 from vsf.optim.base import EmptyState, GradientTransformation, Params, Updates, chain
 from vsf.optim.schedules import Schedule
 
@@ -304,12 +305,12 @@ def _adam(
     decoupled: bool,
     mask: Any,
 ) -> GradientTransformation:
-    """Adam's update as one pass of foreach ops per group (see :func:`adam`).
+    """Adam's update, one fused pass over each leaf's memory (see :func:`adam` and :mod:`vsf.optim._fused`).
 
     With ``learning_rate=None`` the result is the direction ``m_hat / (sqrt(v_hat) + eps)``
     (:func:`scale_by_adam`); otherwise the finished update ``-lr * (...)`` with weight decay.
-    The moments, ``sqrt(v) / sqrt(1 - b2^t) + eps`` and ``(step * m) / denom`` are computed with
-    the same ops in the same order as ``torch.optim.Adam(foreach=True)``.
+    The moments and the step are PyTorch's fused Adam kernel's (``torch.optim.Adam(fused=True)``),
+    bit for bit.
     """
     if not 0 <= b1 < 1 or not 0 <= b2 < 1:
         raise ValueError(f"Adam needs 0 <= b1, b2 < 1, got b1={b1}, b2={b2}")
@@ -323,24 +324,13 @@ def _adam(
         step = _prepare(updates, state.mu, "the Adam state", params if weight_decay else None, need_params=needs)
         keep = _decay_mask(weight_decay, mask, params, len(step.updates))
         done, n, count = _leaves.bump(state.count)
-        lr = 1.0 if learning_rate is None else _value(learning_rate, done)
-        sign = 1.0 if learning_rate is None else -1.0
-        step_size = sign * lr / (1 - b1**n)
-        bc2_sqrt = (1 - b2**n).sqrt()
+        lr = -1.0 if learning_rate is None else _value(learning_rate, done)  # the kernel steps by -lr
 
         def kernel(g: Tensors, m: Tensors, v: Tensors, p: list[Any], k: list[bool]) -> tuple[Tensors, Tensors, Tensors]:
             if not decoupled:
                 g = _plus_decay(g, p, k, weight_decay)
-            m = torch._foreach_lerp(m, g, 1 - b1)
-            v = torch._foreach_mul(v, b2)
-            torch._foreach_addcmul_(v, g, g, 1 - b2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, _leaves.opmath(bc2_sqrt, v[0]))
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_mul(m, _leaves.opmath(step_size, m[0]))
-            torch._foreach_div_(u, denom)
-            del denom  # free it before the decay and the caller's apply_updates allocate
-            if decoupled:
+            u, m, v = _fused.adam_step(g, m, v, n, lr, b1, b2, eps)
+            if decoupled and any(k):
                 # torch multiplies the param by (1 - lr * wd) rounded to the compute dtype: use
                 # that same factor, minus one (exact), so both decay by the same amount.
                 _add_scaled_(_pick(u, k), _pick(p, k), _leaves.opmath(1 - lr * weight_decay, u[0]) - 1)

@@ -75,12 +75,17 @@ def test_clip_adamw_step_fsdp_tp_zero_dp_matches_unsharded(sim):
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_zero_over_a_minor_axis_reduce_scatters_gradients_under_jit(sim):
+@pytest.mark.parametrize("clip", [False, True], ids=["adamw", "clip+adamw"])
+def test_zero_over_a_minor_axis_reduce_scatters_gradients_under_jit(sim, clip):
     """FSDP x TP params leave no free dim, so ZeRO puts dp minor (a strided layout): gradients must
-    still be reduce-scattered into it (not all-reduced and sliced), and the updates all-gathered."""
+    still be reduce-scattered into it (not all-reduced and sliced), and the updates all-gathered.
+    With clipping, the norm reads the gradients first; they must still be reduced straight into
+    the state's nesting (fsdp, then dp on the local shard), not dp-major and regathered: over dp
+    the step then sends what the same step without ZeRO sends (a reduce-scatter and an all-gather
+    move what one all-reduce does)."""
     params = {"w1": torch.randn(32, 128), "w2": torch.randn(128, 32)}
     x, y = torch.randn(256, 32), torch.randn(256, 32)
-    tx = optim.adamw(1e-3)
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3)) if clip else optim.adamw(1e-3)
 
     def step(p, s, x, y):
         loss, g = vsf.value_and_grad(lambda p: ((torch.nn.functional.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2).mean())(p)
@@ -92,12 +97,15 @@ def test_zero_over_a_minor_axis_reduce_scatters_gradients_under_jit(sim):
     mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     p = vsf.device_put(params, {"w1": vsf.NamedSharding(mesh, P("fsdp", "tp")), "w2": vsf.NamedSharding(mesh, P("tp", "fsdp"))})
     s = optim.init_sharded(tx, p, zero_axes=("dp",))
-    assert vsf.typeof(s.mu["w1"]) == "f32[32@(fsdp,dp),128@tp]"
+    assert vsf.typeof((s[1] if clip else s).mu["w1"]) == "f32[32@(fsdp,dp),128@tp]"
     b = vsf.device_put((x, y), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
     jstep = vsf.jit(step)
     cost = jstep.lower(p, s, *b).cost()
+    plain = jstep.lower(p, optim.init_sharded(tx, p), *b).cost()
     assert cost.count("reduce_scatter", "dp") == 2 and cost.count("all_gather", "dp") == 2
-    assert all(c.shape == () for c in cost.collectives if c.kind == "all_reduce" and c.axis == "dp")  # only the loss
+    assert all(c.shape == () for c in cost.collectives if c.kind == "all_reduce" and c.axis == "dp")  # the loss, the norm
+    assert cost.comm_bytes["dp"] <= plain.comm_bytes["dp"] + 16
+    assert (cost.comm_bytes["fsdp"], cost.comm_bytes["tp"]) == (plain.comm_bytes["fsdp"], plain.comm_bytes["tp"])
     got_p, got_s, loss = jstep(p, s, *b)
     torch.testing.assert_close(vsf.device_get(loss), want_loss)
     for k in params:

@@ -58,7 +58,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             return env[v]
         if (v, dst) not in moved:
             local, prev = env[v], src
-            for nxt in transition_path(src, dst):
+            for nxt in transition_path(plan.mesh, src, dst):
                 local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
             moved[(v, dst)] = local
         return moved[(v, dst)]

@@ -817,6 +817,10 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
         return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
 
     users: dict[tuple[Value, Placements], list[torch.fx.Node]] = {}
+    nestings = _input_nestings(gm, in_placements)
+
+    def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
+        return p if t is None or p is None else _nested(nestings, t, p)
 
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
@@ -844,11 +848,12 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
             direct = True
         elif ins and not fallback and node.op == "call_function":
             direct = (_kind_of(node.target) == "single" and node.target not in _SPECIAL) or (node.target in RAGGED_REDUCTIONS and _has_ragged(want_in))
+            preferred = [nest(_meta(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(_outputs_meta(node), want_out)]
             if direct and not _has_ragged(want_in):
-                want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out)
+                want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
                 direct = _shardable(node, dm, want_in)
             if not direct:
-                want_in, want_out = _dtensor_decision(node, dm, want_in, asked)
+                want_in, want_out = _dtensor_decision(node, dm, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback, direct)
@@ -976,17 +981,20 @@ def _has_ragged(placements: Sequence[Placements]) -> bool:
     return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)
 
 
-def _keep_strided(actual: list[Placements], ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
+def _keep_strided(
+    actual: list[Placements], ins: list[Placements], outs: list[Placements | None], preferred: Sequence[Placements | None] = ()
+) -> tuple[list[Placements], list[Placements | None]]:
     """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
     shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
     same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
-    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing."""
+    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing. ``preferred``
+    (per input, then per output: see :func:`_nested`) counts like an input arriving strided."""
     ins, outs = [list(p) for p in ins], [None if p is None else list(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
             a[k].split_factor for a, want in zip(actual, ins)
             if isinstance(a[k], _compat.StridedShard) and isinstance(want[k], Shard) and want[k].dim == a[k].dim
-        }
+        } | {p[k].split_factor for p in preferred if p is not None and isinstance(p[k], _compat.StridedShard)}
         if len(factors) != 1:
             continue
         sf = factors.pop()
@@ -994,6 +1002,27 @@ def _keep_strided(actual: list[Placements], ins: list[Placements], outs: list[Pl
             if isinstance(p[k], Shard):
                 p[k] = _compat.StridedShard(p[k].dim, split_factor=sf)
     return [tuple(p) for p in ins], [None if o is None else tuple(o) for o in outs]
+
+
+def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements]) -> dict[tuple[int, ...], list[Placements]]:
+    """The strided layouts of the graph's inputs, by shape: a ZeRO state leaf ``P(("fsdp", "dp"))``
+    nests ``dp`` inside ``fsdp``, against mesh order."""
+    found: dict[tuple[int, ...], list[Placements]] = {}
+    for ph, pl in zip(_placeholders(gm), in_placements):
+        if any(isinstance(p, _compat.StridedShard) for p in pl) and tuple(pl) not in found.get(tuple(ph.meta["val"].shape), []):
+            found.setdefault(tuple(ph.meta["val"].shape), []).append(tuple(pl))
+    return found
+
+
+def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, placements: Placements) -> Placements | None:
+    """The strided layout of an input of ``t``'s shape whose mesh dims split the same tensor dims
+    as ``placements`` do (in mesh order), if there is one: values shaped like a ZeRO state leaf
+    (its gradient, its update) are split as the state is, so they reach it without regathering.
+    ``None`` if there is none."""
+    if any(isinstance(p, _compat.StridedShard) for p in placements):
+        return None
+    plain = tuple(_one_d(p) for p in placements)
+    return next((pl for pl in nestings.get(tuple(t.shape), ()) if tuple(_one_d(p) for p in pl) == plain), None)
 
 
 def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
@@ -1068,12 +1097,20 @@ def minor_step(mesh: Mesh, src: Placements, dst: Placements) -> tuple[int, int] 
     return (k, d) if not earlier and all(p.split_factor == later for p in strided) else None
 
 
-def transition_path(src: Placements, dst: Placements) -> list[Placements]:
+def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placements]:
     """The placements a value passes through from ``src`` to ``dst``, one mesh dim at a time, in the
     order that moves the fewest bytes: local slices first, then reductions (a reduce-scatter shrinks
     what later steps move), then all-to-alls, then all-gathers. Strided shards move in one step
-    (their order is part of the layout): a :func:`minor_step` when it is one, else DTensor's."""
+    (their order is part of the layout): DTensor's, except that a strided shard minor to the
+    other splits of its dim is taken last, as a :func:`minor_step` after the other mesh dims moved
+    (a gradient reduce-scattered over ``fsdp``, then over ``dp`` on its local shard: ZeRO's
+    ``P(("fsdp", "dp"))``)."""
     if any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)):
+        last = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b and isinstance(b, _compat.StridedShard)]
+        if len(last) == 1:
+            mid = tuple(src[k] if k == last[0] else p for k, p in enumerate(dst))
+            if mid != tuple(src) and not any(isinstance(p, _compat.StridedShard) for p in (*src, *mid)) and minor_step(mesh, mid, dst) is not None:
+                return [*transition_path(mesh, src, mid), tuple(dst)]
         return [tuple(dst)]
     dims = sorted((k for k, (a, b) in enumerate(zip(src, dst)) if a != b), key=lambda k: (_STEP_ORDER.get(_kind(src[k], dst[k]), 9), k))
     path, current = [], list(src)
@@ -1092,7 +1129,7 @@ def _collectives(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) 
     dm_axes = list(mesh.device_axes)
     out = []
     prev = tuple(src)
-    for nxt in transition_path(src, dst):
+    for nxt in transition_path(mesh, src, dst):
         current = list(prev)
         if _has_ragged([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
             steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]

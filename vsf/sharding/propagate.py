@@ -1019,10 +1019,11 @@ def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, 
     as ``placements`` do (in mesh order), if there is one: values shaped like a ZeRO state leaf
     (its gradient, its update) are split as the state is, so they reach it without regathering.
     ``None`` if there is none."""
-    if any(isinstance(p, _compat.StridedShard) for p in placements):
+    candidates = nestings.get(tuple(t.shape))
+    if not candidates or any(isinstance(p, _compat.StridedShard) for p in placements):
         return None
     plain = tuple(_one_d(p) for p in placements)
-    return next((pl for pl in nestings.get(tuple(t.shape), ()) if tuple(_one_d(p) for p in pl) == plain), None)
+    return next((pl for pl in candidates if tuple(_one_d(p) for p in pl) == plain), None)
 
 
 def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:

@@ -399,32 +399,51 @@ def test_donated_buffer_takes_a_result_at_its_last_use():
 @pytest.mark.parametrize("moment_read_later", [False, True])
 def test_donated_moments_take_the_fused_adam_step_in_place(moment_read_later):
     # vsf::adam_step overwrites both moments in its in-place twin: only when both are free to take
-    count, lr = torch.tensor(3.0), torch.tensor(1e-2, dtype=torch.float64)
+    count, lr, decay = torch.tensor(3.0), torch.tensor(1e-2, dtype=torch.float64), torch.tensor(-1e-3, dtype=torch.float64)
 
-    def step(g, m, v):
-        u, m2, v2 = torch.ops.vsf.adam_step(g, m, v, count, lr, 0.9, 0.999, 1e-8)
-        return (u, m2, v2, m * 2) if moment_read_later else (u, m2, v2)
+    def step(g, m, v, p):
+        u, m2, v2 = torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, 0.9, 0.999, 1e-8)
+        return (p + u, m2, v2, m * 2) if moment_read_later else (p + u, m2, v2)
 
-    g, m, v = torch.randn(8, 4), torch.randn(8, 4), torch.rand(8, 4)
-    outs, taken, inplace = _reused(step, g, m, v)
-    for got, want in zip(outs, step(g, m, v)):
+    g, m, v, p = torch.randn(8, 4), torch.randn(8, 4), torch.rand(8, 4), torch.randn(8, 4)
+    outs, taken, inplace = _reused(step, g, m, v, p)
+    for got, want in zip(outs, step(g, m, v, p)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (taken[1:3], "vsf.adam_step_.default" in inplace) == (([None, None], False) if moment_read_later else ([1, 2], True))
+    assert taken[0] == 3  # the op only read p (for the decay): p + u still takes p's buffer
 
 
-@pytest.mark.parametrize("case", ["view_read_later", "view_read_by_the_op"])
+def test_donated_buffer_takes_a_result_after_its_split_views_are_read():
+    # a local slice of a replicated param (ZeRO's decay term) is a split view of it; once that has
+    # been read, p + u may still overwrite p
+    def step(p, u):
+        decay = p.split(2)[1] * 0.5
+        return p + u, decay
+
+    p, u = torch.randn(4, 4), torch.randn(4, 4)
+    outs, taken, _ = _reused(step, p, u)
+    for got, want in zip(outs, step(p, u)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert taken[0] == 0
+
+
+@pytest.mark.parametrize("case", ["view_read_later", "view_read_by_the_op", "split_view_read_later"])
 def test_donated_buffer_is_not_overwritten_while_a_view_of_it_is_read(case):
     def view_read_later(p):
         t = p.t()
         return p + 1, t * 2     # t is read after p + 1: p + 1 may not overwrite p
 
     def view_read_by_the_op(p):
-        return p + p.t()        # an in-place add would read the transposed p while writing it
+        return [p + p.t()]      # an in-place add would read the transposed p while writing it
 
-    fn = {"view_read_later": view_read_later, "view_read_by_the_op": view_read_by_the_op}[case]
+    def split_view_read_later(p):
+        half = p.split(2)[1]
+        return p + 1, half * 2
+
+    fn = {"view_read_later": view_read_later, "view_read_by_the_op": view_read_by_the_op, "split_view_read_later": split_view_read_later}[case]
     p = torch.randn(4, 4)
     outs, taken, _ = _reused(fn, p)
-    for got, want in zip(outs if isinstance(outs, (list, tuple)) else [outs], fn(p) if case == "view_read_later" else [fn(p)]):
+    for got, want in zip(outs, fn(p)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert taken[0] is None
 

@@ -249,12 +249,17 @@ def fused_adam_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tenso
     return lr.to(dtype=torch.float64) if device.type == "cpu" else lr.to(device=device, dtype=torch.float32)
 
 
-def register_elementwise(op: Any, tensors: int, scalars: int) -> None:
-    """Tell DTensor's sharding propagation that ``op`` is elementwise: its first ``tensors``
-    arguments (of one shape) and its ``tensors`` results may be split alike on any dim; the
-    ``scalars`` 0-d tensor arguments after them stay replicated."""
+def register_elementwise(op: Any, outputs: int = 3) -> None:
+    """Tell DTensor's sharding propagation that ``op`` is elementwise: its tensor arguments of the
+    first one's shape and its ``outputs`` results may be split alike on any dim; its other tensor
+    arguments (0-d scalars) stay replicated."""
 
     def rules(op: Any, args: Any, kwargs: Any) -> list[list[Any]]:
-        return [[_ShardingPlaceholder(d)] * (2 * tensors) + [Replicate()] * scalars for d in range(len(args[0].shape))]
+        tensors = [a for a in args if isinstance(a, TensorMeta)]
+        shape = tensors[0].shape
+        return [
+            [_ShardingPlaceholder(d)] * outputs + [_ShardingPlaceholder(d) if t.shape == shape else Replicate() for t in tensors]
+            for d in range(len(shape))
+        ]
 
-    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=tensors + scalars))(rules)
+    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(rules)

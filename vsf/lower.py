@@ -243,19 +243,42 @@ def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Nod
             continue
         if order[use] > order[node] or use.op != "call_function":
             return False
-        if _allocates(use):
+        if use.target is operator.getitem:  # one of the views a split of x returns
+            if not _done_before(use, node, order, view=True):
+                return False
+            continue
+        if _allocates(use) or _reads_only(use, x):
             continue
         schema = getattr(use.target, "_schema", None)
         if schema is None or not schema.name.startswith("aten::") or not schema.arguments:
             return False
         first = schema.arguments[0].alias_info
-        if first is None or not all(r.alias_info is not None and r.alias_info.before_set == first.before_set for r in schema.returns):
+        if first is None or not all(_aliases(r, first) for r in schema.returns):
             return False
         if first.is_write and use.args[0] is x:
             return False
         if not first.is_write and not (use.args[0] is x and _done_before(use, node, order, view=True)):
             return False
     return True
+
+
+def _aliases(ret: Any, first: Any) -> bool:
+    """Does a schema return alias the first argument (``Tensor(a)``; a list of views of it,
+    ``Tensor(a)[]``, for a first argument marked ``Tensor(a -> *)``)?"""
+    info = ret.alias_info
+    return info is not None and (info.before_set == first.before_set or (not info.before_set and "*" in first.after_set))
+
+
+def _reads_only(use: torch.fx.Node, x: torch.fx.Node) -> bool:
+    """Does ``use`` (not a collective) take ``x`` only as plain inputs, never written nor returned as
+    a view (``vsf::adam_step_`` reads its ``param`` while it updates the moments in place)?"""
+    schema = getattr(use.target, "_schema", None)
+    if schema is None or schema.name.startswith("_c10d_functional"):
+        return False
+    by_name = {a.name: a for a in schema.arguments}
+    holding = [schema.arguments[i] for i, a in enumerate(use.args) if x in pytree.tree_leaves(a)]
+    holding += [by_name[k] for k, a in use.kwargs.items() if x in pytree.tree_leaves(a)]
+    return bool(holding) and all(a.alias_info is None for a in holding)
 
 
 def _inplace_variant(op: Any) -> tuple[Any, list[tuple[int, int]]] | None:

@@ -1,10 +1,11 @@
 """Adam's step in one pass over memory: two vsf ops on PyTorch's fused Adam kernel.
 
-``vsf::adam_step(grad, mu, nu, count, lr, b1, b2, eps) -> (update, mu', nu')`` reads the
-gradient and both moments once and writes the new moments and the update
-``-lr * m_hat / (sqrt(v_hat) + eps)`` (``m_hat``, ``v_hat`` bias-corrected with ``count``, the
-updates done including this one), where Adam in ``torch._foreach_*`` ops makes ~20 passes.
-The update is the fused kernel's step applied to a zero param, so it is bit for bit the step
+``vsf::adam_step(grad, mu, nu, param, count, lr, decay, b1, b2, eps) -> (update, mu', nu')``
+reads the gradient and both moments once and writes the new moments and the update
+``decay * param - lr * m_hat / (sqrt(v_hat) + eps)`` (``m_hat``, ``v_hat`` bias-corrected with
+``count``, the updates done including this one; ``param`` may be ``None``, for no decay), where
+Adam in ``torch._foreach_*`` ops makes ~20 passes. The update is the fused kernel's step applied
+to ``decay * param`` (to zeros without decay), so without decay it is bit for bit the step
 ``torch.optim.Adam(fused=True)`` adds to its param.
 
 ``adam_step`` is functional (new moments, as every vsf.optim transform); ``vsf::adam_step_``
@@ -12,8 +13,9 @@ updates ``mu`` and ``nu`` in place and returns them. Its schema says so (``Tenso
 is how ``vsf.jit``'s lowering finds it: where the moments are donated buffers used last here,
 the program calls ``adam_step_`` on them, as it calls ``add_`` for a donated ``add``.
 
-``adam_step`` is elementwise over ``grad``, ``mu`` and ``nu`` (``count`` and ``lr`` are 0-d);
-DTensor (hence ``vsf.jit``'s planner, which only ever sees ``adam_step``) learns that rule here.
+``adam_step`` is elementwise over ``grad``, ``mu``, ``nu`` and ``param`` (``count``, ``lr`` and
+``decay`` are 0-d); DTensor (hence ``vsf.jit``'s planner, which only ever sees ``adam_step``)
+learns that rule here.
 """
 
 from __future__ import annotations
@@ -24,56 +26,65 @@ from vsf import _compat
 
 __all__ = ["adam_step"]
 
-_ARGS = "Tensor count, Tensor lr, float b1, float b2, float eps"
+_ARGS = "Tensor? param, Tensor count, Tensor lr, Tensor decay, float b1, float b2, float eps"
 torch.library.define("vsf::adam_step", f"(Tensor grad, Tensor mu, Tensor nu, {_ARGS}) -> (Tensor, Tensor, Tensor)")
 torch.library.define("vsf::adam_step_", f"(Tensor grad, Tensor(a!) mu, Tensor(b!) nu, {_ARGS}) -> (Tensor, Tensor(a!), Tensor(b!))")
 
 
 @torch.library.impl("vsf::adam_step_", "CompositeExplicitAutograd")
 def _adam_step_inplace(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, count: torch.Tensor, lr: torch.Tensor, b1: float, b2: float, eps: float
+    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
+    b1: float, b2: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The kernel walks every tensor as one flat array: all must share one memory order.
     if not (mu.is_contiguous() and nu.is_contiguous()):
         raise ValueError(f"vsf::adam_step_ updates contiguous moments only, got strides {mu.stride()} and {nu.stride()}")
-    update = torch.zeros_like(mu)
+    if param is None:
+        update = torch.zeros_like(mu)
+    else:
+        update = torch.mul(param.to(mu.dtype), decay).contiguous()
     _compat.fused_adam_(update, grad.to(mu.dtype).contiguous(), mu, nu, count, lr, b1, b2, eps)
     return update, mu, nu
 
 
 @torch.library.impl("vsf::adam_step", "CompositeExplicitAutograd")
 def _adam_step(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, count: torch.Tensor, lr: torch.Tensor, b1: float, b2: float, eps: float
+    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
+    b1: float, b2: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, v = mu.clone(memory_format=torch.contiguous_format), nu.clone(memory_format=torch.contiguous_format)
-    return torch.ops.vsf.adam_step_(grad, m, v, count, lr, b1, b2, eps)
+    return torch.ops.vsf.adam_step_(grad, m, v, param, count, lr, decay, b1, b2, eps)
 
 
 @torch.library.register_fake("vsf::adam_step")
 def _adam_step_fake(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, count: torch.Tensor, lr: torch.Tensor, b1: float, b2: float, eps: float
+    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
+    b1: float, b2: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(torch.empty_like(mu, memory_format=torch.contiguous_format) for _ in range(3))  # type: ignore[return-value]
 
 
-_compat.register_elementwise(torch.ops.vsf.adam_step.default, tensors=3, scalars=2)
+_compat.register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)
 
 
 def adam_step(
-    grads: list[torch.Tensor], mus: list[torch.Tensor], nus: list[torch.Tensor], count: torch.Tensor, lr: float | torch.Tensor, b1: float, b2: float, eps: float
+    grads: list[torch.Tensor], mus: list[torch.Tensor], nus: list[torch.Tensor], params: list[torch.Tensor | None],
+    count: torch.Tensor, lr: float | torch.Tensor, decay: float | torch.Tensor, b1: float, b2: float, eps: float,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """``(updates, new mus, new nus)`` of one Adam step per leaf: ``-lr * m_hat / (sqrt(v_hat) + eps)``
-    (``lr=-1`` gives Adam's direction itself), ``count`` the updates done including this one.
-    The tensors are local shards (or the fake tensors of a trace), all on one device.
+    """``(updates, new mus, new nus)`` of one Adam step per leaf:
+    ``decay * param - lr * m_hat / (sqrt(v_hat) + eps)`` (``lr=-1`` and no params give Adam's
+    direction itself), ``count`` the updates done including this one; a ``None`` param has no
+    decay. The tensors are local shards (or the fake tensors of a trace), all on one device.
 
     Example::
 
-        >>> updates, mus, nus = adam_step(grads, mus, nus, torch.tensor(1.0), 1e-3, 0.9, 0.999, 1e-8)
+        >>> updates, mus, nus = adam_step(grads, mus, nus, [None] * len(grads), torch.tensor(1.0), 1e-3, 0.0, 0.9, 0.999, 1e-8)
     """
     if not grads:
         return [], [], []
     device = mus[0].device
     count = count.to(device=device, dtype=torch.float32)
     lr = _compat.fused_adam_lr(lr, device)
-    out = [torch.ops.vsf.adam_step(g, m, v, count, lr, b1, b2, eps) for g, m, v in zip(grads, mus, nus)]
+    decay = decay.to(dtype=torch.float64) if isinstance(decay, torch.Tensor) else torch.full((), decay, dtype=torch.float64)
+    out = [torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, b1, b2, eps) for g, m, v, p in zip(grads, mus, nus, params)]
     return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]

@@ -328,13 +328,11 @@ def _adam(
 
         def kernel(g: Tensors, m: Tensors, v: Tensors, p: list[Any], k: list[bool]) -> tuple[Tensors, Tensors, Tensors]:
             if not decoupled:
-                g = _plus_decay(g, p, k, weight_decay)
-            u, m, v = _fused.adam_step(g, m, v, n, lr, b1, b2, eps)
-            if decoupled and any(k):
-                # torch multiplies the param by (1 - lr * wd) rounded to the compute dtype: use
-                # that same factor, minus one (exact), so both decay by the same amount.
-                _add_scaled_(_pick(u, k), _pick(p, k), _leaves.opmath(1 - lr * weight_decay, u[0]) - 1)
-            return u, m, v
+                return _fused.adam_step(_plus_decay(g, p, k, weight_decay), m, v, [None] * len(g), n, lr, 0.0, b1, b2, eps)
+            # torch multiplies the param by (1 - lr * wd) rounded to the compute dtype: the update
+            # starts from that same factor, minus one (exact), times the param.
+            decay = _leaves.opmath(1 - lr * weight_decay, m[0]) - 1
+            return _fused.adam_step(g, m, v, [x if keep else None for x, keep in zip(p, k)], n, lr, decay, b1, b2, eps)
 
         u, mu, nu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, tree.leaves(state.nu), step.params, keep], step.ref.leaves, outputs=3)
         return step.ref.unflatten(u), ScaleByAdamState(count, step.ref.unflatten(mu), step.ref.unflatten(nu))

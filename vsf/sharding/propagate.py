@@ -521,9 +521,12 @@ class _AxisSolver:
         self.need: list[dict[int, int]] = [{} for _ in problem.values]
         for v, pl in problem.seeds[axis].items():
             self.label[vid[v]] = codes.code(pl)
+        self.final: dict[int, int] = {}  # graph outputs with a required placement
         for v, req in problem.out_req[axis]:
             c = codes.code(req)
             self.need[vid[v]][c] = self.need[vid[v]].get(c, 0) + 1
+            if req is not _NOT_PARTIAL:
+                self.final[vid[v]] = c
         self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(_outputs_meta(node)))) for node in problem.ops]
         self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
@@ -640,6 +643,10 @@ class _AxisSolver:
             if v < 0 or lab < 0:
                 continue
             total += self._value_cost(v, lab, need[v])
+            if self.final.get(v, lab) != lab:
+                # ties go to computing a result in the layout it leaves in: moved after the last
+                # op it lands in a fresh buffer, where a donated input's buffer could have held it
+                total += _TIE * fb[v]
             if greedy and self.codes.is_partial(lab):
                 # a partial will have to be reduced: charge an all-reduce's bytes (not its start-up:
                 # independent reductions share one bucket)

@@ -240,16 +240,15 @@ def fused_adam_(
 
 
 def fused_adam_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The learning rate as a 0-d tensor for the fused Adam kernel on ``device``, as
-    ``torch.optim.Adam(fused=True)`` passes it: a float64 CPU tensor (the CPU kernel reads it as
-    the double a Python float is, bit for bit), or a schedule's value computed on an accelerator,
-    kept there as float32."""
+    """The learning rate as a 0-d tensor for the fused Adam kernel on ``device``: a float64 CPU
+    tensor, which the CPU kernel reads as the double a Python float is (bit for bit), or a
+    schedule's value computed on an accelerator, kept there as float32 (not run: no GPU here)."""
     if not isinstance(lr, torch.Tensor):
         return torch.full((), lr, dtype=torch.float64)
     return lr.to(dtype=torch.float64) if device.type == "cpu" else lr.to(device=device, dtype=torch.float32)
 
 
-def register_elementwise(op: Any, outputs: int = 3) -> None:
+def register_elementwise(op: Any, *, outputs: int) -> None:
     """Tell DTensor's sharding propagation that ``op`` is elementwise: its tensor arguments of the
     first one's shape and its ``outputs`` results may be split alike on any dim; its other tensor
     arguments (0-d scalars) stay replicated."""

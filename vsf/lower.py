@@ -233,8 +233,8 @@ def _allocates(node: torch.fx.Node) -> bool:
 
 
 def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Node, int], *, view: bool = False) -> bool:
-    """Has every use of ``x`` but ``node`` run before ``node`` and only read ``x``: into a buffer of
-    its own, as a side input of an in-place op, or through a view whose own uses are done too
+    """Has every use of ``x`` but ``node`` run before ``node`` and only read ``x``: as a plain input
+    (:func:`_reads_only`), as a side input of an in-place op, or through a view whose own uses are done too
     (never a collective, which may still be reading it; ``node`` may not read a ``view`` of it)?"""
     for use in x.users:
         if use is node:
@@ -247,7 +247,7 @@ def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Nod
             if not _done_before(use, node, order, view=True):
                 return False
             continue
-        if _allocates(use) or _reads_only(use, x):
+        if _reads_only(use, x):
             continue
         schema = getattr(use.target, "_schema", None)
         if schema is None or not schema.name.startswith("aten::") or not schema.arguments:

@@ -309,8 +309,8 @@ def _adam(
 
     With ``learning_rate=None`` the result is the direction ``m_hat / (sqrt(v_hat) + eps)``
     (:func:`scale_by_adam`); otherwise the finished update ``-lr * (...)`` with weight decay.
-    The moments and the step are PyTorch's fused Adam kernel's (``torch.optim.Adam(fused=True)``),
-    bit for bit.
+    The moments and the step are PyTorch's fused Adam kernel's: without decoupled decay, bit for
+    bit ``torch.optim.Adam(fused=True)``'s.
     """
     if not 0 <= b1 < 1 or not 0 <= b2 < 1:
         raise ValueError(f"Adam needs 0 <= b1, b2 < 1, got b1={b1}, b2={b2}")
@@ -332,7 +332,7 @@ def _adam(
             # torch multiplies the param by (1 - lr * wd) rounded to the compute dtype: the update
             # starts from that same factor, minus one (exact), times the param.
             decay = _leaves.opmath(1 - lr * weight_decay, m[0]) - 1
-            return _fused.adam_step(g, m, v, [x if keep else None for x, keep in zip(p, k)], n, lr, decay, b1, b2, eps)
+            return _fused.adam_step(g, m, v, [x if decays else None for x, decays in zip(p, k)], n, lr, decay, b1, b2, eps)
 
         u, mu, nu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, tree.leaves(state.nu), step.params, keep], step.ref.leaves, outputs=3)
         return step.ref.unflatten(u), ScaleByAdamState(count, step.ref.unflatten(mu), step.ref.unflatten(nu))

@@ -827,7 +827,7 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
     nestings = _input_nestings(gm, in_placements)
 
     def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
-        return p if t is None or p is None else _nested(nestings, t, p)
+        return None if t is None or p is None else _nested(nestings, t, p)
 
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
@@ -989,7 +989,7 @@ def _has_ragged(placements: Sequence[Placements]) -> bool:
 
 
 def _keep_strided(
-    actual: list[Placements], ins: list[Placements], outs: list[Placements | None], preferred: Sequence[Placements | None] = ()
+    actual: list[Placements], ins: list[Placements], outs: list[Placements | None], preferred: Sequence[Placements | None]
 ) -> tuple[list[Placements], list[Placements | None]]:
     """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
     shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
@@ -1016,8 +1016,9 @@ def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements
     nests ``dp`` inside ``fsdp``, against mesh order."""
     found: dict[tuple[int, ...], list[Placements]] = {}
     for ph, pl in zip(_placeholders(gm), in_placements):
-        if any(isinstance(p, _compat.StridedShard) for p in pl) and tuple(pl) not in found.get(tuple(ph.meta["val"].shape), []):
-            found.setdefault(tuple(ph.meta["val"].shape), []).append(tuple(pl))
+        same_shape = found.setdefault(tuple(ph.meta["val"].shape), [])
+        if any(isinstance(p, _compat.StridedShard) for p in pl) and tuple(pl) not in same_shape:
+            same_shape.append(tuple(pl))
     return found
 
 

@@ -80,6 +80,7 @@ __all__ = [
     "local_shards",
     "make_local",
     "one_rank_device_mesh",
+    "op_schema",
     "position_in_copy",
     "quiet_redistribute",
     "register_elementwise",
@@ -165,6 +166,17 @@ def clear_sharding_caches() -> None:
 def sharding_propagator():  # noqa: ANN201  (DTensor's ShardingPropagator)
     """DTensor's registry of per-op sharding strategies and rules."""
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def op_schema(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpSchema:
+    """DTensor's description of a call of ``op`` (specs in place of tensors), with the op's
+    registered runtime info, as DTensor's dispatcher builds it: that info says which non-tensor
+    arguments (a reduction's dims, a view's shape) tell calls apart in DTensor's sharding cache.
+    Without it every call with equal specs is one cache entry: ``sum(x, [0, 1])`` answers for
+    ``sum(x, [2])``."""
+    prop = sharding_propagator()
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
 
 
 @functools.cache

@@ -358,7 +358,7 @@ def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
 def _run_strategy(func: Any, rule: Any, op: Any, args: Any, kwargs: Any, node: torch.fx.Node) -> list[Strategy]:
     n_in = len(_tensor_args(node))
     if func is not None:
-        schema = _compat.OpSchema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()})
+        schema = _compat.op_schema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()})
         result = func(schema)
         specs = result.strategies if isinstance(result, _compat.OpStrategy) else _tuple_strategy_specs(result)
         out = []
@@ -367,7 +367,7 @@ def _run_strategy(func: Any, rule: Any, op: Any, args: Any, kwargs: Any, node: t
             ins = s.input_specs if s.input_specs is not None else (s.output_specs,) * n_in
             out.append(Strategy(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs)))
         return out
-    schema = _compat.OpSchema(op, tuple(args), dict(kwargs))
+    schema = _compat.op_schema(op, tuple(args), dict(kwargs))
     res = rule(schema)
     if res.output_spec is None:
         schema = res.redistribute_schema
@@ -1059,7 +1059,7 @@ def _ask_dtensor(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> tup
             return _compat.DTensorSpec(dm, next(it), tensor_meta=_tmeta(a.meta["val"]))
         return a
 
-    schema = _compat.OpSchema(node.target, pytree.tree_map(spec, node.args), pytree.tree_map(spec, node.kwargs))
+    schema = _compat.op_schema(node.target, pytree.tree_map(spec, node.args), pytree.tree_map(spec, node.kwargs))
     out = _compat.sharding_propagator().propagate_op_sharding(schema)
     suggested = want_in
     if out.needs_redistribute and out.redistribute_schema is not None:

@@ -90,7 +90,11 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
                 v, dst = _value(a), next(wanted)
                 local = get(v, dst)
-                return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
+                if not as_dtensor:
+                    return local
+                # a shard cut from a replicated value or unpadded after an uneven reduce-scatter is
+                # a strided view of it, which DTensor's view rules take for a contiguous block
+                return _compat.dtensor_from_local(local.contiguous(), spec(v, dst))
             return a
 
         args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from vsf import _compat
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, RaggedPlacement
+from vsf.sharding.named import NamedSharding, RaggedPlacement, from_placements
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "propagate", "to_placements"]
@@ -813,7 +813,6 @@ def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
 
 def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]) -> Plan:
     mesh, gm = problem.mesh, problem.gm
-    dm = mesh.device_mesh
     dm_axes = list(mesh.device_axes)
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(_placeholders(gm), in_placements)}
     plans: dict[torch.fx.Node, NodePlan] = {}
@@ -831,6 +830,8 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
 
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
+        if any(_kind(_one_d(a), _one_d(b)) == "invalid" for a, b in zip(src, dst)):
+            raise PlanError(f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{_user_line(before)}")
         if src != dst:
             users.setdefault((v, dst), []).append(before)
             if (v, dst) not in moves:
@@ -857,10 +858,15 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
             direct = (_kind_of(node.target) == "single" and node.target not in _SPECIAL) or (node.target in RAGGED_REDUCTIONS and _has_ragged(want_in))
             preferred = [nest(_meta(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(_outputs_meta(node), want_out)]
             if direct and not _has_ragged(want_in):
-                want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
-                direct = _shardable(node, dm, want_in)
+                strided = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
+                if strided != (want_in, want_out):
+                    # DTensor keeps a strided shard only through rules written with placeholders
+                    # (elementwise ones), not through rules that name plain shards (embedding's)
+                    direct = _dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
+                want_in, want_out = strided
+                direct = direct and _runnable(mesh, node, want_in, want_out)
             if not direct:
-                want_in, want_out = _dtensor_decision(node, dm, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
+                want_in, want_out = _decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback, direct)
@@ -871,7 +877,7 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
     outs = [_value(a) for a in pytree.tree_leaves(output_node.args)]
     final = []
     for v, s in zip(outs, out_shardings):
-        dst = to_placements(s) if s is not None else tuple(R if isinstance(p, Partial) else p for p in actual[v])
+        dst = to_placements(s) if s is not None else _expressible(mesh, _meta(v), actual[v])
         move(v, dst, output_node)
         final.append(dst)
     moved = tuple(moves.values())
@@ -1034,20 +1040,58 @@ def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, 
     return next((pl for pl in candidates if tuple(_one_d(p) for p in pl) == plain), None)
 
 
-def _shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
-    """DTensor's own filter on a combined strategy: every sharded input dim has a row per shard."""
-    return all(
-        _compat.is_tensor_shardable(_meta(v).shape, _compat.DTensorSpec(dm, pl, tensor_meta=_tmeta(_meta(v))))
-        for v, pl in zip(_tensor_args(node), want_in)
-    )
+def _runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
+    """Can ``node`` run on local shards laid out as ``ins``, giving ``outs``? DTensor's own filter
+    (every sharded dim of an input *and an output* has a row per shard: per mesh dim each may,
+    and not together, as 2 rows over ``S(0), S(0)`` on 2 x 2 ranks), and a max or min over shards
+    needs a row on every rank (it has no identity for an empty shard)."""
+    dm = mesh.device_mesh
+    metas = [_meta(v) for v in _tensor_args(node)]
+    placed = [*zip(metas, ins), *((t, p) for t, p in zip(_outputs_meta(node), outs) if t is not None and p is not None)]
+    if not all(_compat.is_tensor_shardable(t.shape, _compat.DTensorSpec(dm, tuple(p), tensor_meta=_tmeta(t))) for t, p in placed):
+        return False
+    extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
+    return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
 
 
-def _dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
-    """What DTensor does for ``node`` when its inputs arrive as ``want_in`` (asked once per op
-    signature and input placements in ``asked``: a model's repeated layers ask the same questions)."""
+def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
+    """Does some rank hold no rows of ``t`` laid out as ``placements`` (``torch.chunk``'s split:
+    5 rows on 4 ranks are 2, 2, 1, 0)?"""
+    for d, size in enumerate(t.shape):
+        pieces = [size]
+        for axis, p in zip(mesh.device_axes, placements):
+            if isinstance(p, Shard) and not isinstance(p, _compat.StridedShard) and p.dim == d:
+                n = mesh.axis_size(axis)
+                pieces = [max(0, min(-(-s // n), s - i * -(-s // n))) for s in pieces for i in range(n)]
+        if 0 in pieces:
+            return True
+    return False
+
+
+def _decide(node: torch.fx.Node, mesh: Mesh, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in``; where DTensor refuses
+    those inputs (its strategy raises) or answers with a layout it cannot run (:func:`_runnable`),
+    what it does with them replicated over the last mesh dim, then the last two, and so on: the
+    per-axis choices combined may ask for what no single mesh dim does."""
+    ndim = len(mesh.device_axes)
+    for dropped in range(ndim + 1):
+        attempt = [tuple(R if k >= ndim - dropped else p for k, p in enumerate(pl)) for pl in want_in]
+        decision = _dtensor_decision(node, mesh.device_mesh, attempt, asked)
+        if decision is not None and _runnable(mesh, node, *decision):
+            return decision
+    raise PlanError(f"DTensor has no strategy that runs {node.target} on this mesh, not even replicated{_user_line(node)}")
+
+
+def _dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]] | None:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in``, ``None`` if it refuses
+    them (asked once per op signature and input placements in ``asked``: a model's repeated layers
+    ask the same questions)."""
     key = (node.target, _sig(node.args), _sig(node.kwargs), tuple(want_in))
     if key not in asked:
-        asked[key] = _ask_dtensor(node, dm, want_in)
+        try:
+            asked[key] = _ask_dtensor(node, dm, want_in)
+        except Exception:  # noqa: BLE001 - DTensor's strategy rejects these inputs (an uneven nll_loss, ...)
+            asked[key] = None
     return asked[key]
 
 
@@ -1066,6 +1110,18 @@ def _ask_dtensor(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> tup
         suggested = [s.placements for s in pytree.tree_leaves((out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema)) if isinstance(s, _compat.DTensorSpec)]
     specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else (out.output_spec,)
     return [tuple(p) for p in suggested], [None if s is None else tuple(s.placements) for s in specs]
+
+
+def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:
+    """Where a graph output left to propagation ends up: reduced (a partial becomes replicated) and
+    in a layout a spec can name (a strided shard that none names, as a view merging a dim sharded
+    on one axis into another leaves, is gathered)."""
+    out = tuple(R if isinstance(p, Partial) else p for p in placements)
+    try:
+        from_placements(mesh, out, t.ndim)
+    except ValueError:
+        return tuple(R if isinstance(p, _compat.StridedShard) else p for p in out)
+    return out
 
 
 def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[int, ...]:

@@ -251,6 +251,69 @@ def layer_norm(draw, rng):
     )
 
 
+def cumsum(draw, rng):
+    shape = _shape(draw)
+    dim = draw(st.integers(0, len(shape) - 1))
+    return Case(lambda x: aten.cumsum.default(x, dim), [_data(rng, shape)])
+
+
+def masked_fill(draw, rng):
+    shape = _shape(draw)
+    mask = torch.from_numpy(rng.standard_normal(shape) > 0)
+    return Case(lambda x, m: aten.masked_fill.Scalar(x, m, -1.0), [_data(rng, shape), mask])
+
+
+def stack(draw, rng):
+    shape = _shape(draw)
+    dim = draw(st.integers(0, len(shape)))
+    return Case(lambda a, b: aten.stack.default([a, b], dim), [_data(rng, shape), _data(rng, shape)])
+
+
+def gather(draw, rng):
+    shape = _shape(draw)
+    dim = draw(st.integers(0, len(shape) - 1))
+    index = torch.from_numpy(rng.integers(0, shape[dim], shape))
+    return Case(lambda x, i: aten.gather.default(x, dim, i), [_data(rng, shape), index])
+
+
+def index_select(draw, rng):
+    shape = _shape(draw)
+    dim = draw(st.integers(0, len(shape) - 1))
+    index = torch.from_numpy(rng.integers(0, shape[dim], _shape(draw, 1, 1)))
+    return Case(lambda x, i: aten.index_select.default(x, dim, i), [_data(rng, shape), index])
+
+
+def argmax(draw, rng):
+    shape = _shape(draw)
+    dim, keep = draw(st.integers(0, len(shape) - 1)), draw(st.booleans())
+    return Case(lambda x: aten.argmax.default(x, dim, keep), [_data(rng, shape)])
+
+
+def triu(draw, rng):
+    shape, diagonal = _shape(draw, 2, 3), draw(st.integers(-1, 1))
+    return Case(lambda x: aten.triu.default(x, diagonal), [_data(rng, shape)])
+
+
+def baddbmm(draw, rng):
+    b, m, k, n = _shape(draw, 4, 4)
+    return Case(lambda c, x, y: aten.baddbmm.default(c, x, y, beta=0.5, alpha=2.0), [_data(rng, (b, m, n)), _data(rng, (b, m, k)), _data(rng, (b, k, n))])
+
+
+def layer_norm_backward(draw, rng):
+    return layer_norm_backward_case(rng, _shape(draw, 2, 3), draw(st.integers(0, 2)))
+
+
+def layer_norm_backward_case(rng, shape, which):
+    """The gradient of the input (``which`` 0), the weight (1) or the bias (2) of a layer norm."""
+    width = shape[-1]
+    x, w, b = _data(rng, shape), _data(rng, (width,)), _data(rng, (width,))
+    _, mean, rstd = aten.native_layer_norm.default(x, [width], w, b, 1e-5)
+    return Case(
+        lambda g, x, mean, rstd, w, b: aten.native_layer_norm_backward.default(g, x, [width], mean, rstd, w, b, [True, True, True])[which],
+        [_data(rng, shape), x, mean, rstd, w, b],
+    )
+
+
 def nll_loss(draw, rng):
     return nll_loss_case(rng, *_shape(draw, 2, 2))
 
@@ -296,6 +359,15 @@ OPS: dict[str, Callable] = {
     "embedding_backward": embedding_backward,
     "layer_norm": layer_norm,
     "nll_loss": nll_loss,
+    "cumsum": cumsum,
+    "masked_fill": masked_fill,
+    "stack": stack,
+    "gather": gather,
+    "index_select": index_select,
+    "argmax": argmax,
+    "triu": triu,
+    "baddbmm": baddbmm,
+    "layer_norm_backward": layer_norm_backward,
 }
 
 
@@ -428,6 +500,8 @@ PINNED = {
     "view leaving a layout no spec names": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [4]), [_data(rng, (2, 2))]), [P(None, "tp")], None),
     # reduce-scattering 5 columns over 2 ranks unpads a column slice, which view cannot take
     "view of an uneven column shard": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [15]), [_data(rng, (3, 5))]), [P(unreduced="tp")], None),
+    # an all-to-all leaves rstd a strided view, which CPU layer-norm backward reads as contiguous
+    "layer-norm backward of a moved rstd": ((2,), lambda rng: layer_norm_backward_case(rng, (3, 2), 0), [P(), P(), P(), P(None, "dp"), P(), P()], None),
     # embedding's rules name plain shards: DTensor does not keep strided indices strided
     "embedding of strided indices": (
         (2, 2), lambda rng: Case(aten.embedding.default, [_data(rng, (3, 2)), torch.from_numpy(rng.integers(0, 3, (8,)))]), [P(), P(("tp", "dp"))], None,

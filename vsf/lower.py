@@ -60,7 +60,10 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             local, prev = env[v], src
             for nxt in transition_path(plan.mesh, src, dst):
                 local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
-            moved[(v, dst)] = local
+            # a shard cut from a replicated value, unpadded after an uneven collective or taken
+            # from an all-to-all is a strided view, which some kernels read as a contiguous block
+            # (CPU layer-norm backward's mean and rstd, view rules)
+            moved[(v, dst)] = local.contiguous()
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:
@@ -90,11 +93,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
                 v, dst = _value(a), next(wanted)
                 local = get(v, dst)
-                if not as_dtensor:
-                    return local
-                # a shard cut from a replicated value or unpadded after an uneven reduce-scatter is
-                # a strided view of it, which DTensor's view rules take for a contiguous block
-                return _compat.dtensor_from_local(local.contiguous(), spec(v, dst))
+                return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
             return a
 
         args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))

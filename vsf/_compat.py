@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     register_single_dim_strategy,
 )
 from torch.distributed.tensor._ops.utils import is_tensor_shardable
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import Placement, Shard
@@ -69,6 +70,7 @@ __all__ = [
     "is_tensor_shardable",
     "local_tensor_mode",
     "redistribute_local_tensor",
+    "reduce_partial",
     "foreach_elementwise_op",
     "fused_adam_",
     "fused_adam_lr",
@@ -242,6 +244,25 @@ def local_shards(t: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
+
+
+def reduce_partial(p: Placement, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What the pending reduction ``p`` (a DTensor ``Partial``) makes of the values the ranks
+    along its mesh dim hold: their sum, mean, max or min, or for a partial p-norm (DTensor's
+    ``_NormPartial``, e.g. ``linalg_vector_norm`` of a shard) ``(sum of v**p) ** (1/p)``.
+
+    Example::
+
+        >>> reduce_partial(Partial("max"), [torch.tensor(1.0), torch.tensor(3.0)])   # tensor(3.)
+    """
+    stacked = torch.stack(list(values))
+    if isinstance(p, _NormPartial):
+        stacked = p._pre_reduce_transform(stacked)
+    reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}
+    if p.reduce_op not in reduce:
+        raise ValueError(f"cannot carry out a pending {p.reduce_op!r} reduction ({p})")
+    out = reduce[p.reduce_op](stacked, dim=0)
+    return (p._post_reduce_transform(out) if isinstance(p, _NormPartial) else out).to(values[0].dtype)
 
 
 def clear_sharding_caches() -> None:

@@ -78,11 +78,16 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
     (``Partial``) are carried out, and replicas must agree with the first copy. A shard of the
     wrong shape or differing replicas raise (the message says which rank).
 
+    A nesting of splits no ``P`` expresses (a step of a redistribution) is gathered by DTensor instead.
+
     Example::
 
         >>> full = assemble(mesh, (Shard(0),), meta, x.to_local())
     """
-    layout = from_placements(mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements), meta.ndim)
+    try:
+        layout = from_placements(mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements), meta.ndim)
+    except ValueError:
+        return _gathered(mesh, placements, meta, local)
     partial = [(axis, p) for axis, p in zip(mesh.device_axes, placements) if isinstance(p, Partial)]
     held = {a for d in range(meta.ndim) for a in layout.spec.entry_axes(d)} | {a for a, _ in partial}
     shape = tuple(meta.shape)
@@ -103,6 +108,14 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
         for _, p in reversed(partial):
             copies = _reduce_last_axis(copies, p)
     return copies[()]
+
+
+def _gathered(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The full value as DTensor's redistribution to ``Replicate`` gathers it (first rank's copy)."""
+    tm = _compat.TensorMeta(meta.shape, meta.stride(), meta.dtype)
+    spec = lambda pl: _compat.DTensorSpec(mesh.device_mesh, tuple(pl), tensor_meta=tm)  # noqa: E731
+    full = _compat.redistribute_local_tensor(local, spec(placements), spec([Replicate()] * len(placements)))
+    return _compat.local_shards(full, runtime.rank())[mesh.devices[0]].detach().clone()
 
 
 def _reduce_last_axis(copies: dict[tuple[int, ...], torch.Tensor], p: Partial) -> dict[tuple[int, ...], torch.Tensor]:

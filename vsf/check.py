@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate
-from torch.utils import _pytree as pytree
+from torch.fx.node import map_arg
 
 from vsf import _compat, config, runtime
 from vsf.lower import execute
@@ -154,6 +154,13 @@ def _compare(got: torch.Tensor, want: torch.Tensor, what: str, than: str) -> Non
         raise _Differs(f"{what} differs from {than} in {int((~close).sum())} of {got.numel()} elements (rtol={rtol:g}, atol={atol:g})", float(err[~close].max()))
 
 
+def _nodes_in(args: Any) -> list[torch.fx.Node]:
+    """The graph nodes in (nested) fx arguments, in order, as often as they occur."""
+    found: list[torch.fx.Node] = []
+    map_arg(args, lambda n: found.append(n) or n)
+    return found
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
@@ -193,7 +200,7 @@ class Checker:
     def outputs(self, outs: Sequence[torch.Tensor]) -> None:
         """Compare the program's results (after their final redistributions) with the graph's outputs."""
         output = next(n for n in self.plan.graph.graph.nodes if n.op == "output")
-        for k, (a, placements, o) in enumerate(zip(pytree.tree_leaves(output.args), self.plan.outputs, outs)):
+        for k, (a, placements, o) in enumerate(zip(_nodes_in(output.args), self.plan.outputs, outs)):
             v = _value(a)
             try:
                 _compare(assemble(self.plan.mesh, placements, _meta(v), o), self.full[v], f"result {k} (node {v[0].name})", "the unsharded graph's")
@@ -210,7 +217,7 @@ class Checker:
         """The unsharded op on the full values of its inputs."""
         if node.op == "get_attr":
             return getattr(self.plan.graph, node.target)
-        args, kwargs = pytree.tree_map(lambda a: self.full[_value(a)] if isinstance(a, torch.fx.Node) and _is_tensor_node(a) else a, (node.args, node.kwargs))
+        args, kwargs = map_arg((node.args, node.kwargs), lambda a: self.full[_value(a)] if _is_tensor_node(a) else a)
         if node.target is CONSTRAINT_OP:
             return args[0]
         with _compat.local_mode_disabled():
@@ -229,7 +236,7 @@ class Checker:
         """Each tensor input as the planned program holds it -> as the op uses it."""
         if node.op == "placeholder" or node not in self.plan.nodes:
             return []
-        args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node) and _is_tensor_node(a)]
+        args = [a for a in _nodes_in((node.args, node.kwargs)) if _is_tensor_node(a)]
         out = []
         for a, used in zip(args, self.plan.nodes[node].ins):
             v = _value(a)

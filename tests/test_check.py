@@ -161,3 +161,16 @@ def test_pending_norm_is_assembled_as_a_norm(sim):
     xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
     assert any(isinstance(p, Partial) for s in f.lower(xs).plan.nodes.values() for out in s.outs if out for p in out)
     torch.testing.assert_close(vsf.device_get(f.check(xs)), torch.linalg.vector_norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_random_and_uninitialised_values_are_not_compared_but_feed_later_ops(sim, monkeypatch):
+    # dropout traces to empty_like + bernoulli: neither has a value the unsharded op would repeat
+    monkeypatch.setattr(vsf.config, "allow_replicated_fallback", True)  # bernoulli may lack a strategy
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.randn(8, 4), vsf.NamedSharding(mesh, P("dp")))
+    w = vsf.device_put(torch.randn(4, 4), vsf.NamedSharding(mesh, P()))
+    f = vsf.jit(lambda x, w: (F.dropout(x @ w, 0.5, training=True) * 3).sum())
+    targets = {str(n.target) for n in f.lower(x, w).plan.nodes}
+    assert {"aten.empty_like.default", "aten.bernoulli.p"} <= targets
+    assert torch.isfinite(vsf.device_get(f.check(x, w)))

@@ -7,8 +7,8 @@ against what the traced global graph computes. :class:`Checker` does that op by 
 :func:`vsf.lower.execute` walks the plan: each op of the unsharded graph runs on the full values
 the planned program gave its inputs, so rounding differences do not pile up and the first op that
 differs is the one at fault (its own sharding or the redistributions of its inputs). Random ops
-are not compared (the planned program draws its own numbers); their assembled result feeds the
-ops after them.
+(the planned program draws its own numbers) and ``empty`` buffers are not compared; their
+assembled result feeds the ops after them.
 
 Turn it on with ``vsf.config.check_plan = True`` (every jitted call checks) or call
 ``f.check(*args)`` (this call only). The error is a :class:`PlanCheckError` naming the op, the
@@ -161,8 +161,16 @@ def _nodes_in(args: Any) -> list[torch.fx.Node]:
     return found
 
 
-def _is_random(node: torch.fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+aten = torch.ops.aten
+_UNINITIALISED = frozenset({
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.empty_permuted.default,
+    aten.new_empty.default, aten.new_empty_strided.default,
+})
+
+
+def _unchecked(node: torch.fx.Node) -> bool:
+    """Is ``node``'s value not the unsharded op's to compare: random numbers, or memory left uninitialised?"""
+    return node.target in _UNINITIALISED or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 class Checker:
@@ -187,7 +195,7 @@ class Checker:
     def __call__(self, node: torch.fx.Node, outs: Sequence[Any]) -> None:
         """Compare the op ``node``'s local results ``outs`` with the unsharded op on its inputs' full values."""
         step = self.plan.nodes[node]
-        want = None if _is_random(node) else self._reference(node)
+        want = None if _unchecked(node) else self._reference(node)
         wants = want if isinstance(want, (list, tuple)) else [want]
         for i, (o, placements) in enumerate(zip(outs, step.outs)):
             if placements is None:

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 import vsf
 from vsf import P, _compat, optim
+from models import GPT, GPTConfig
 
 
 @torch.library.custom_op("vsftest::running_sum", mutates_args=())
@@ -126,6 +127,29 @@ def test_correct_plan_passes_on_an_mlp_train_step(sim, monkeypatch):
     torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
     for k, w in want_p.items():
         torch.testing.assert_close(vsf.device_get(p[k]), w, rtol=1e-5, atol=1e-5)
+
+
+def test_correct_plan_passes_on_a_gpt_step_on_the_5d_mesh(sim):
+    # every kind of value a real plan has: nested and strided splits, partial sums and norms, views
+    model = GPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1))
+    params = vsf.tree.from_module(model)
+    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
+
+    def step(p, s, idx, tgt):
+        loss, grads = vsf.value_and_grad(lambda q: vsf.tree.apply(model, q, idx, tgt))(p)
+        updates, s = tx.update(grads, s, p)
+        return optim.apply_updates(p, updates), s, loss
+
+    want = step(params, tx.init(params), *batch)[2]
+    sim(8)
+    mesh = vsf.make_mesh((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))
+    rules = [(r".*(qkv|fc1)\.weight", P("tp", "fsdp")), (r".*(qkv|fc1)\.bias", P("tp")), (r".*(proj|fc2)\.weight", P("fsdp", "tp")), (r".*", P())]
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    s = optim.init_sharded(tx, p, zero_axes=("dp",))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    _, _, loss = vsf.jit(step).check(p, s, *b)
+    torch.testing.assert_close(vsf.device_get(loss), want, rtol=1e-5, atol=1e-6)
 
 
 def test_check_mode_off_adds_no_work(sim, monkeypatch):

@@ -83,6 +83,23 @@ def test_draws_of_different_sizes_per_rank_keep_each_rank_its_own_state(sim):
     assert torch.equal(g.get_state(), state0)  # rank 0's, as its process leaves it
 
 
+def test_shuffling_data_loader_with_a_generator_gives_one_process_batches(sim):
+    # the sampler draws a permutation from the generator; ranks that drew different ones held
+    # per-rank indices, which indexing a dataset refuses
+    data = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(10, 2))
+
+    def batches():
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(SEED))
+        return [b for (b,) in loader]
+
+    want = batches()
+    sim(2)
+    got = batches()
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert all(torch.equal(v, b) for v in per_rank(a).values())
+
+
 def test_default_generator_stays_per_rank(sim):
     torch.manual_seed(3)
     want = torch.randn(2, 3), torch.randn(4)

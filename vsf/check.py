@@ -11,8 +11,12 @@ differs is the one at fault (its own sharding or the redistributions of its inpu
 assembled result feeds the ops after them.
 
 Turn it on with ``vsf.config.check_plan = True`` (every jitted call checks) or call
-``f.check(*args)`` (this call only). The error is a :class:`PlanCheckError` naming the op, the
-user's source line, the placements in and out and the largest error.
+``f.check(*args)`` (this call only): two switches, one code path. The flag checks a script as it
+is, whichever functions it jits and wherever it calls them (a step inside a library or a training
+loop); the method checks one call of one function, in a notebook or a test, and leaves no global
+state behind. The error is a :class:`PlanCheckError` naming the op, the user's source line, the
+placements in and out and the largest error. Checking mode holds every value whole, so it is for
+debugging, not for training.
 
 Example::
 

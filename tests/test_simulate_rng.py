@@ -27,7 +27,16 @@ DRAWS = {
     "normal": lambda g: torch.normal(torch.zeros(6), torch.ones(6), generator=g),
     "multinomial": lambda g: torch.multinomial(torch.tensor([0.1, 0.2, 0.7]), 5, replacement=True, generator=g),
     "init.kaiming_uniform_": lambda g: torch.nn.init.kaiming_uniform_(torch.empty(4, 3), generator=g),
+    "randn out=": lambda g: torch.randn(2, 3, generator=g, out=torch.empty(2, 3)),
+    "rrelu_with_noise": lambda g: _rrelu_and_noise(g),
 }
+
+
+def _rrelu_and_noise(g):
+    """A fresh result and an argument written in place (the noise), both drawn from ``g``."""
+    noise = torch.empty(6)
+    y = torch.ops.aten.rrelu_with_noise(torch.linspace(-1.0, 1.0, 6), noise, 0.1, 0.3, True, generator=g)
+    return torch.stack([y, noise])
 
 
 def plain(draw, times=2):

@@ -26,7 +26,6 @@ from torch.distributed._local_tensor import (
     LocalTensorMode,
     _check_for_subclass,
     _for_each_rank_run_func,
-    _is_inplace_op,
     enabled_local_tensor_mode,
     maybe_disable_local_tensor_mode,
 )
@@ -182,7 +181,7 @@ class _RankGeneratorsMode(LocalTensorMode):
                 per_rank[r] = g.get_state()
         for g, per_rank in states.items():
             self._leave(g, per_rank)
-        return _combine_one_rank_results(func, results)
+        return _combine_one_rank_results(results, _tree_leaves((args, kwargs)))
 
     def _runs_per_rank(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Would LocalTensorMode run this op once per rank (not once, on plain tensors)?"""
@@ -207,15 +206,15 @@ class _RankGeneratorsMode(LocalTensorMode):
             self._generator_states[g._cdata] = (first, per_rank)
 
 
-def _combine_one_rank_results(func: Any, results: dict[int, Any]) -> Any:
-    """One op's results, run rank by rank (each a LocalTensor of one rank), as one result over all ranks."""
-    last = results[max(results)]
-    if _is_inplace_op(func) or func._schema.is_mutable:
-        return last  # the mutated argument, which holds every rank's shard
+def _combine_one_rank_results(results: dict[int, Any], inputs: list[Any]) -> Any:
+    """One op's results, run rank by rank (each a LocalTensor of one rank), as one result over all
+    ranks; a result that is one of the op's ``inputs`` (in-place and ``out=`` ops) already holds
+    every rank's shard."""
+    given = {id(a) for a in inputs if isinstance(a, LocalTensor)}
     flat = {r: torch.utils._pytree.tree_flatten(v) for r, v in results.items()}
     leaves, spec = flat[max(results)]
     combined = [
-        LocalTensor({r: flat[r][0][i]._local_tensors[r] for r in results}) if isinstance(leaf, LocalTensor) else leaf
+        LocalTensor({r: flat[r][0][i]._local_tensors[r] for r in results}) if isinstance(leaf, LocalTensor) and id(leaf) not in given else leaf
         for i, leaf in enumerate(leaves)
     ]
     return torch.utils._pytree.tree_unflatten(combined, spec)

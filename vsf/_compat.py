@@ -26,6 +26,7 @@ from torch.distributed._local_tensor import (
     LocalTensorMode,
     _check_for_subclass,
     _for_each_rank_run_func,
+    _is_in_fake_tensor_mode,
     enabled_local_tensor_mode,
     maybe_disable_local_tensor_mode,
 )
@@ -169,7 +170,7 @@ class _RankGeneratorsMode(LocalTensorMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         generators = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
-        if not generators or self._disable or not self._runs_per_rank(args, kwargs):
+        if not generators or self._disable or _is_in_fake_tensor_mode() or not self._runs_per_rank(args, kwargs):
             return super().__torch_dispatch__(func, types, args, kwargs)
         states = {g: self._rank_states(g) for g in generators}
         results = {}

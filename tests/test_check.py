@@ -101,6 +101,24 @@ def test_plan_claiming_a_partial_sum_is_replicated_is_caught(sim):
     assert info.value.outputs == ("f32[32,16]",)
 
 
+def test_skipped_reduction_is_charged_to_the_op_that_reads_it(sim, monkeypatch):
+    # a redistribution that forgets to all-reduce a partial sum: the op using the value is named,
+    # with the input as held (partial) and as used (whole)
+    import vsf.lower as lower
+
+    move = lower._move
+    monkeypatch.setattr(lower, "_move", lambda plan, t, local, src, dst: local if any(isinstance(p, Partial) for p in src) else move(plan, t, local, src, dst))
+    params, batch, loss_fn = _mlp()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp")}))
+    with pytest.raises(vsf.PlanCheckError) as info:
+        vsf.jit(loss_fn).check(p, *batch)
+    assert info.value.op == "aten.sub.Tensor"
+    assert info.value.inputs == ("f32[32,16]{U:tp} -> f32[32,16]", "f32[32,16]")
+    assert "return ((F.gelu(x @ p[\"w1\"] + p[\"b1\"]) @ p[\"w2\"] - y) ** 2).mean()" in info.value.line
+
+
 def test_correct_plan_passes_on_an_mlp_train_step(sim, monkeypatch):
     params, batch, loss_fn = _mlp()
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))

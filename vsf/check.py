@@ -15,8 +15,8 @@ Turn it on with ``vsf.config.check_plan = True`` (every jitted call checks) or c
 is, whichever functions it jits and wherever it calls them (a step inside a library or a training
 loop); the method checks one call of one function, in a notebook or a test, and leaves no global
 state behind. The error is a :class:`PlanCheckError` naming the op, the user's source line, the
-placements in and out and the largest error. Checking mode holds every value whole, so it is for
-debugging, not for training.
+placements in and out and the largest error. Checking mode assembles every value whole (and keeps
+it until the last op that reads it) and computes every op twice: it is for debugging, not training.
 
 Example::
 
@@ -177,6 +177,20 @@ def _unchecked(node: torch.fx.Node) -> bool:
     return node.target in _UNINITIALISED or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:
+    """The op that reads each value last, in the order the program runs; graph results are read
+    at the end (by no op), so they are left out."""
+    last: dict[Value, torch.fx.Node] = {}
+    for node in plan.order:
+        if isinstance(node, torch.fx.Node) and node in plan.nodes:
+            for a in _nodes_in((node.args, node.kwargs)):
+                last[_value(a)] = node
+    output = next(n for n in plan.graph.graph.nodes if n.op == "output")
+    for a in _nodes_in(output.args):
+        last.pop(_value(a), None)
+    return last
+
+
 class Checker:
     """Checks one run of ``plan`` op by op: call it after each op with the op's local results
     (as :func:`vsf.lower.execute` does when given it), then :meth:`outputs` with the program's results.
@@ -192,6 +206,7 @@ class Checker:
             raise RuntimeError("vsf.config.check_plan / f.check need every rank's shard: run under vsf.simulate(n) with real numbers (compute=True)")
         self.plan = plan
         self.full: dict[Value, torch.Tensor] = {}
+        self.last_use = _last_uses(plan)
         for ph, placements, x in zip(_placeholders(plan.graph), plan.inputs, inputs):
             v = (ph, 0)
             self.full[v] = self._assembled(v, placements, x, ph)
@@ -208,6 +223,9 @@ class Checker:
             if want is not None:
                 self._check(node, got, wants[i], f"output {i}" if len(step.outs) > 1 else "the result")
             self.full[(node, i)] = got
+        for a in _nodes_in((node.args, node.kwargs)):
+            if self.last_use.get(_value(a)) is node:
+                self.full.pop(_value(a), None)
 
     def outputs(self, outs: Sequence[torch.Tensor]) -> None:
         """Compare the program's results (after their final redistributions) with the graph's outputs."""

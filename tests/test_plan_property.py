@@ -405,6 +405,15 @@ def _put(mesh: vsf.Mesh, full: torch.Tensor, spec: P, rng: np.random.Generator) 
     return DTensor.from_local(stacked.to_local()[0], mesh.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
+def _dtensor(mesh: vsf.Mesh, full: torch.Tensor, placements, rng: np.random.Generator) -> DTensor:
+    """``full`` as a DTensor laid out as ``placements``."""
+    try:
+        spec = from_placements(mesh, placements, full.ndim).spec
+    except ValueError:  # a layout no spec names (a strided shard the plan passes through): DTensor cuts it
+        return vsf.device_put(full, vsf.NamedSharding(mesh, P())).redistribute(mesh.device_mesh, placements)
+    return _put(mesh, full, spec, rng)
+
+
 def _whole_values(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> dict[torch.fx.Node, object]:
     """Every node's value when the traced graph runs on the whole inputs."""
     seen: dict[torch.fx.Node, object] = {}
@@ -430,8 +439,7 @@ def _check_direct_ops_are_dtensors(plan, whole: dict, mesh: vsf.Mesh, rng: np.ra
 
         def arg(a):
             if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                value = whole[a]
-                return _put(mesh, value, from_placements(mesh, next(ins), value.ndim).spec, rng)
+                return _dtensor(mesh, whole[a], next(ins), rng)
             return a
 
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), arg)
@@ -502,6 +510,12 @@ PINNED = {
     "view of an uneven column shard": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [15]), [_data(rng, (3, 5))]), [P(unreduced="tp")], None),
     # an all-to-all leaves rstd a strided view, which CPU layer-norm backward reads as contiguous
     "layer-norm backward of a moved rstd": ((2,), lambda rng: layer_norm_backward_case(rng, (3, 2), 0), [P(), P(), P(), P(None, "dp"), P(), P()], None),
+    # dp's split factor in P(("tp", "dp")) is tp's split: DTensor cannot gather tp and keep dp strided
+    "elementwise op gathering the major axis of a nesting": ((2, 2), lambda rng: Case(aten.neg.default, [_data(rng, (4,))]), [P(("tp", "dp"))], P("dp")),
+    # DTensor's view rule maps a strided input to a wrong layout (a silent wrong result), and makes
+    # nestings out of plain shards that no redistribution undoes
+    "view of a strided shard": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [6, 4]), [_data(rng, (24,))]), [P(("tp", "dp"))], None),
+    "view merging two sharded dims": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [8]), [_data(rng, (4, 2))]), [P("tp", unreduced="dp")], None),
     # embedding's rules name plain shards: DTensor does not keep strided indices strided
     "embedding of strided indices": (
         (2, 2), lambda rng: Case(aten.embedding.default, [_data(rng, (3, 2)), torch.from_numpy(rng.integers(0, 3, (8,)))]), [P(), P(("tp", "dp"))], None,

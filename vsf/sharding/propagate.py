@@ -1000,13 +1000,17 @@ def _keep_strided(
     """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
     shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
     same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
-    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing. ``preferred``
-    (per input, then per output: see :func:`_nested`) counts like an input arriving strided."""
+    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing. An input keeps its
+    shard only if it also keeps the other mesh dims' splits of that tensor dim, which the factor
+    counts (``dp``'s factor in ``P(("tp", "dp"))`` is ``tp``'s split: gathering ``tp`` and keeping
+    ``dp`` strided is a move DTensor cannot make). ``preferred`` (per input, then per output: see
+    :func:`_nested`) counts like an input arriving strided."""
     ins, outs = [list(p) for p in ins], [None if p is None else list(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
             a[k].split_factor for a, want in zip(actual, ins)
             if isinstance(a[k], _compat.StridedShard) and isinstance(want[k], Shard) and want[k].dim == a[k].dim
+            and all(_one_d(w) == _one_d(b) for j, (b, w) in enumerate(zip(a, want)) if j != k and _is_shard(b) and _split_dim(b) == a[k].dim)
         } | {p[k].split_factor for p in preferred if p is not None and isinstance(p[k], _compat.StridedShard)}
         if len(factors) != 1:
             continue
@@ -1043,15 +1047,50 @@ def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, 
 def _runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
     """Can ``node`` run on local shards laid out as ``ins``, giving ``outs``? DTensor's own filter
     (every sharded dim of an input *and an output* has a row per shard: per mesh dim each may,
-    and not together, as 2 rows over ``S(0), S(0)`` on 2 x 2 ranks), and a max or min over shards
-    needs a row on every rank (it has no identity for an empty shard)."""
+    and not together, as 2 rows over ``S(0), S(0)`` on 2 x 2 ranks), a reshape's dims split evenly
+    by all their mesh dims together (as DTensor asks of each alone: 24 elements over
+    ``P(("tp", "dp"))`` are 6 per rank, not rows of a ``(6, 4)`` view) from inputs without strided
+    shards (whose reshapes DTensor's rule gets wrong: ``(24,)`` as ``P(("tp", "dp"))`` viewed as
+    ``(6, 4)`` is not ``S(0)`` over tp and a strided ``S(1)`` over dp), and a max or min over
+    shards needs a row on every rank (it has no identity for an empty shard)."""
     dm = mesh.device_mesh
     metas = [_meta(v) for v in _tensor_args(node)]
     placed = [*zip(metas, ins), *((t, p) for t, p in zip(_outputs_meta(node), outs) if t is not None and p is not None)]
     if not all(_compat.is_tensor_shardable(t.shape, _compat.DTensorSpec(dm, tuple(p), tensor_meta=_tmeta(t))) for t, p in placed):
         return False
+    if node.target in _RESHAPES and (_has_strided(ins) or not all(_splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed)):
+        return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
     extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
     return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
+
+
+_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def _has_strided(placements: Sequence[Placements]) -> bool:
+    return any(isinstance(p, _compat.StridedShard) for pl in placements for p in pl)
+
+
+def _nests(mesh: Mesh, placements: Placements) -> bool:
+    """Is every strided shard of a dim that other mesh dims split too nested inside the later ones
+    (its split factor is their product, as a spec's ``P(("tp", "dp"))`` makes)? DTensor cannot
+    regather other nestings (a view of ``S(1), S(0)`` into one dim makes ``S(0)/sf4, S(0)``)."""
+    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
+    for k, p in enumerate(placements):
+        if isinstance(p, _compat.StridedShard):
+            others = [j for j, q in enumerate(placements) if j != k and _is_shard(q) and _split_dim(q) == p.dim]
+            if others and p.split_factor != math.prod(sizes[j] for j in others if j > k):
+                return False
+    return True
+
+
+def _splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
+    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together?"""
+    ways = [1] * t.ndim
+    for axis, p in zip(mesh.device_axes, placements):
+        if _is_shard(p):
+            ways[_split_dim(p)] *= mesh.axis_size(axis)
+    return all(size % n == 0 for size, n in zip(t.shape, ways))
 
 
 def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:

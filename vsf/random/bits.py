@@ -70,8 +70,9 @@ def at(key: torch.Tensor | tuple[int, int], row: torch.Tensor | int, col: torch.
     together) of a sample whose last dim is ``d``."""
     lanes = 4 // width
     k0, k1 = (key[0], key[1])
-    words = _words(k0, k1, row * -(-d // lanes) + col // lanes)
-    lane = col % lanes
+    shift = lanes.bit_length() - 1  # lanes is 4 or 2: // and % as bit ops, which every layer shards
+    words = _words(k0, k1, row * -(-d // lanes) + (col >> shift))
+    lane = col & (lanes - 1)
     mine = []
     for w in range(width):
         word = words[w]

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from vsf import _compat
 from vsf.random import samplers
@@ -50,7 +51,7 @@ class keyed:  # noqa: N801  (a context, like torch.no_grad)
         check_key(key, "vsf.random.keyed")
         self.key = key
         self.draws = 0
-        self._mode: Any = None
+        self._modes: list[Any] = []
 
     def next_key(self) -> torch.Tensor:
         """The key of the next draw: ``fold_in(key, draws)``."""
@@ -59,13 +60,42 @@ class keyed:  # noqa: N801  (a context, like torch.no_grad)
         return k
 
     def __enter__(self) -> "keyed":
-        self._mode = _mode_class()(self)
-        self._mode.__enter__()
+        self._modes = [_mode_class()(self), _DropoutMode(self)]
+        for mode in self._modes:
+            mode.__enter__()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        mode, self._mode = self._mode, None
-        mode.__exit__(exc_type, exc, tb)
+        modes, self._modes = self._modes, []
+        for mode in reversed(modes):
+            mode.__exit__(exc_type, exc, tb)
+
+
+class _DropoutMode(TorchFunctionMode):
+    """``F.dropout`` / ``torch.dropout`` as :func:`vsf.nn.dropout` on the next key, before they
+    reach aten (on CPU torch's dropout is an in-place ``bernoulli_`` on a fresh buffer, which a
+    traced step would have to copy)."""
+
+    def __init__(self, owner: keyed) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout or func is torch.dropout:
+            return _dropout(self.owner, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _dropout(owner: keyed, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, train: bool | None = None) -> torch.Tensor:
+    from vsf.nn import dropout  # the nn layer sits on this one
+
+    if train is not None:
+        training = train
+    if not training or p == 0:
+        return input
+    out = dropout(owner.next_key(), input, p)
+    return input.copy_(out) if inplace else out
 
 
 def _mode_class() -> type:

@@ -149,7 +149,7 @@ def _unit(w: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Uniform on ``[0, 1)`` in ``dtype`` from an element's words (exact: k * 2**-bits)."""
     if dtype == torch.float64:
         return ((w[0] << 21) | (w[1] >> 11)).to(torch.float64) * 2.0**-53
-    nbits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # the mantissa and its implicit bit
+    nbits = _precision(dtype)
     return ((w[0] >> (32 - nbits)).to(torch.float32) * 2.0**-nbits).to(dtype)
 
 
@@ -169,7 +169,7 @@ def uniform_transform(dtype: torch.dtype, minval: float = 0.0, maxval: float = 1
     """An element's words -> its ``uniform`` value on ``[minval, maxval)``."""
     if not maxval > minval:
         raise ValueError(f"vsf.random.uniform needs minval < maxval, got minval={minval}, maxval={maxval}")
-    top = torch.nextafter(torch.tensor(maxval, dtype=dtype), torch.tensor(-math.inf, dtype=dtype)).item()
+    top = _below(maxval, dtype)
 
     def transform(w: Sequence[torch.Tensor]) -> torch.Tensor:
         u = _unit(w, dtype)
@@ -192,13 +192,31 @@ def truncated_normal_transform(dtype: torch.dtype, lower: float, upper: float) -
         raise ValueError(f"vsf.random.truncated_normal needs lower < upper, got lower={lower}, upper={upper}")
     compute = _compute(dtype)
     a, b = math.erf(lower / _SQRT2), math.erf(upper / _SQRT2)
-    inside = torch.nextafter(torch.tensor([-1.0, 1.0], dtype=compute), torch.zeros(2, dtype=compute)).tolist()
+    inside = (-_below(1.0, compute), _below(1.0, compute))  # the open interval (-1, 1) erfinv is finite on
 
     def transform(w: Sequence[torch.Tensor]) -> torch.Tensor:
         x = torch.clamp(_unit(w, compute) * (b - a) + a, inside[0], inside[1])
         return torch.clamp(torch.erfinv(x) * _SQRT2, lower, upper).to(dtype)
 
     return transform
+
+
+def _precision(dtype: torch.dtype) -> int:
+    """Significand bits of ``dtype``, the implicit one included (24 for float32)."""
+    return round(-math.log2(torch.finfo(dtype).eps)) + 1
+
+
+def _below(x: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` value below ``x`` (``x`` rounded to ``dtype`` first), in Python
+    arithmetic (no tensor: it is a constant of the trace)."""
+    p, info = _precision(dtype), torch.finfo(dtype)
+    if x == 0:
+        return -info.tiny * info.eps
+    m, e = math.frexp(x)
+    r = round(m * 2**p) * 2.0 ** (e - p)
+    m, e = math.frexp(abs(r))
+    step = 2.0 ** (e - p - (1 if r > 0 and m == 0.5 else 0))
+    return r - max(step, info.tiny * info.eps)
 
 
 def scaled(transform: bits.Transform, factor: float, dtype: torch.dtype) -> bits.Transform:

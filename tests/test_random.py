@@ -405,3 +405,13 @@ def test_cuda_bits_equal_cpu():
         assert cuda.is_cuda and torch.equal(cuda.cpu(), cpu), name
     # normal uses torch.erfinv, whose CUDA and CPU kernels may differ in the last bit
     torch.testing.assert_close(vsf.random.normal(key.cuda(), shape).cpu(), vsf.random.normal(key, shape), rtol=2e-7, atol=0)
+
+
+def test_compiled_philox_gives_the_same_bits(monkeypatch):
+    """vsf.config.compile_random: the Philox chunk as one torch.compile'd kernel, same integers."""
+    key = vsf.random.key(77)
+    shape = (3, 70001)  # more than one chunk, and a partial one
+    eager = {name: SAMPLERS[name](key, shape) for name in ("normal", "randint", "uniform_f64")}
+    monkeypatch.setattr(vsf.config, "compile_random", True)
+    for name, ref in eager.items():
+        assert torch.equal(SAMPLERS[name](key, shape), ref), name

@@ -19,11 +19,13 @@ Two ways compute the same thing:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+from vsf import config
 from vsf.random.philox import MASK, Word, philox4x32
 
 __all__ = ["CHUNK", "Transform", "at", "fill"]
@@ -37,6 +39,26 @@ def _words(k0: Word, k1: Word, counter: torch.Tensor) -> tuple[Word, Word, Word,
     return philox4x32((k0, k1), (counter & MASK, counter >> 32, 0, 0))
 
 
+def _stacked(k0: Word, k1: Word, counter: torch.Tensor) -> torch.Tensor:
+    return torch.stack(_words(k0, k1, counter))
+
+
+@functools.cache
+def _compiled() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Philox on a chunk of exactly ``CHUNK`` counters as one compiled kernel (``vsf.config.compile_random``)."""
+    return torch.compile(_stacked, dynamic=False)
+
+
+def _chunk_words(key: tuple[int, int], counters: torch.Tensor) -> torch.Tensor:
+    """The four words of each counter of one chunk (at most ``CHUNK``), as a ``(4, n)`` tensor."""
+    if not config.compile_random:
+        return _stacked(key[0], key[1], counters)
+    n = counters.numel()
+    padded = counters if n == CHUNK else torch.cat([counters, counters.new_zeros(CHUNK - n)])
+    k = torch.tensor(key, dtype=torch.int64, device=counters.device)  # tensors, so a new key does not recompile
+    return _compiled()(k[0], k[1], padded)[:, :n]
+
+
 def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, int]], width: int, transform: Transform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The values of the elements of ``box`` (a ``(start, stop)`` per dim of ``shape``, rank >= 1)."""
     lanes = 4 // width
@@ -47,9 +69,8 @@ def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, in
     counters = (outer * -(-d // lanes) + torch.arange(first, stop, device=device)).reshape(-1)
     out = torch.empty((counters.numel(), lanes), dtype=dtype, device=device)
     for a in range(0, counters.numel(), CHUNK):
-        words = _words(key[0], key[1], counters[a : a + CHUNK])
-        for lane in range(lanes):
-            out[a : a + CHUNK, lane] = transform(words[lane * width : (lane + 1) * width])
+        words = _chunk_words(key, counters[a : a + CHUNK])  # (4, n): lane l's words are rows l*width ...
+        out[a : a + CHUNK] = transform([words[w::width] for w in range(width)]).T  # all lanes at once
     rows = out.view(*(b - a for a, b in box[:-1]), (stop - first) * lanes)
     return rows[..., lo - first * lanes : hi - first * lanes]
 

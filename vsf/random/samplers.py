@@ -158,7 +158,7 @@ def _symmetric(w: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float64:
         k = (w[0] << 20) | (w[1] >> 12)
         return (2 * k + 1 - 2**53).to(torch.float64) * 2.0**-53
-    return (2 * (w[0] >> 8) + 1 - 2**24).to(torch.float32) * 2.0**-24
+    return (((w[0] >> 7) | 1) - 2**24).to(torch.float32) * 2.0**-24  # (w >> 7) | 1 is 2 * (w >> 8) + 1
 
 
 def _compute(dtype: torch.dtype) -> torch.dtype:

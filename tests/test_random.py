@@ -415,3 +415,18 @@ def test_compiled_philox_gives_the_same_bits(monkeypatch):
     monkeypatch.setattr(vsf.config, "compile_random", True)
     for name, ref in eager.items():
         assert torch.equal(SAMPLERS[name](key, shape), ref), name
+
+
+def test_jitted_dropout_mask_is_computed_on_shards():
+    """Inside vsf.jit each rank computes only its shard of the mask: every full-size op of the
+    sampler runs sharded like the input, and the step sends nothing."""
+    from torch.distributed.tensor import Shard
+
+    with vsf.simulate(4):
+        mesh = vsf.make_mesh((4,), ("dp",))
+        x = vsf.device_put(torch.zeros(64, 32), vsf.NamedSharding(mesh, P("dp")))
+        lowered = vsf.jit(lambda x, k: vsf.nn.dropout(k, x, 0.1)).lower(x, vsf.random.key(0))
+        full = [(n, p.outs[0]) for n, p in lowered.plan.nodes.items()
+                if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape) == (64, 32)]
+        assert len(full) > 50 and all(out == (Shard(0),) for _, out in full)
+        assert lowered.cost().comm_bytes == {} or not any(lowered.cost().comm_bytes.values())

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vsf.nn import initializers
-from vsf.random.samplers import bernoulli
+from vsf.random import samplers
 from vsf.sharding.named import sharding_of
 
 __all__ = ["dropout", "initializers"]
@@ -34,5 +34,6 @@ def dropout(key: torch.Tensor, x: torch.Tensor, rate: float, deterministic: bool
         return x
     if rate == 1.0:
         return torch.zeros_like(x)
-    keep = bernoulli(key if isinstance(x, DTensor) else key.to(x.device), 1.0 - rate, tuple(x.shape), sharding=sharding_of(x))
+    k = key if isinstance(x, DTensor) else key.to(x.device)
+    keep = samplers.sample(k, tuple(x.shape), 1, samplers.bernoulli_transform(1.0 - rate), torch.bool, sharding_of(x), "vsf.nn.dropout", like=x)
     return x * keep * (1.0 / (1.0 - rate))

@@ -92,7 +92,7 @@ def at(key: torch.Tensor | tuple[int, int], row: torch.Tensor | int, col: torch.
     lanes = 4 // width
     k0, k1 = (key[0], key[1])
     shift = lanes.bit_length() - 1  # lanes is 4 or 2: // and % as bit ops, which every layer shards
-    words = _words(k0, k1, row * -(-d // lanes) + (col >> shift))
+    words = _words(k0, k1, row * -(-d // lanes) + (col >> shift))  # row first: it may carry the layout
     lane = col & (lanes - 1)
     mine = []
     for w in range(width):

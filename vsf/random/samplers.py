@@ -7,8 +7,9 @@ result is a plain tensor. The value of every element depends only on (key, globa
 (:mod:`vsf.random.bits`), so any two layouts give the same numbers bit for bit.
 
 Inside :func:`vsf.jit` a sampler is traced as elementwise integer ops over ``arange`` s, which
-the planner shards like any elementwise op; ``sharding`` there becomes a
-``with_sharding_constraint``.
+the planner shards like any elementwise op: the counters start from a zero tensor laid out as
+``sharding`` (a ``with_sharding_constraint``), or for :func:`vsf.nn.dropout` shaped like its
+input, so each rank computes only its own shard and nothing is communicated.
 
 Floating samples are built from exact integer-to-float steps: a ``float32`` uniform has 24
 random bits (the dtype's mantissa + 1, for ``float16``/``bfloat16`` too), a ``float64`` one 53.
@@ -47,7 +48,7 @@ from vsf.sharding.put import device_put, from_local, local_device
 from vsf.sharding.spec import PartitionSpec
 
 __all__ = [
-    "bernoulli", "build", "float_dtype", "normal", "normal_transform", "permutation", "randint", "sample", "scaled", "truncated_normal",
+    "bernoulli", "bernoulli_transform", "build", "float_dtype", "normal", "normal_transform", "permutation", "randint", "sample", "scaled", "truncated_normal",
     "truncated_normal_transform", "uniform", "uniform_transform", "width",
 ]
 
@@ -55,9 +56,11 @@ Sharding = NamedSharding | PartitionSpec | None
 _SQRT2 = math.sqrt(2.0)
 
 
-def sample(key: torch.Tensor, shape: Sequence[int], width: int, transform: bits.Transform, dtype: torch.dtype, sharding: Sharding, where: str) -> torch.Tensor:
+def sample(key: torch.Tensor, shape: Sequence[int], width: int, transform: bits.Transform, dtype: torch.dtype, sharding: Sharding, where: str, like: torch.Tensor | None = None) -> torch.Tensor:
     """``transform`` of each element's ``width`` Philox words over ``shape``, laid out as ``sharding``
-    (the one entry point of every sampler)."""
+    (the one entry point of every sampler). Inside a trace, ``like`` (a tensor of ``shape``, e.g.
+    the input of a dropout) lends its layout to the sample's ops, so that each rank computes its
+    own shard of them."""
     check_key(key, where)
     shape = _shape(shape, where)
     s = None if sharding is None else resolve(sharding, where)
@@ -66,8 +69,7 @@ def sample(key: torch.Tensor, shape: Sequence[int], width: int, transform: bits.
         if s.spec.unreduced:
             raise ValueError(f"{where}: a sample cannot be unreduced over {s.spec.unreduced} (its sharding is {s.spec!r})")
     if _compat.fake_mode_active():
-        out = _traced(key, shape, width, transform)
-        return out if s is None else constrain(out, s)
+        return _traced(key, shape, width, transform, s, like)
     words = key_words(key, where)
     if s is None:
         return _replicated(_box(words, shape, None, width, transform, dtype, key.device))
@@ -83,10 +85,19 @@ def _shape(shape: Sequence[int], where: str) -> tuple[int, ...]:
     return out
 
 
-def _traced(key: torch.Tensor, shape: tuple[int, ...], width: int, transform: bits.Transform) -> torch.Tensor:
+def _traced(key: torch.Tensor, shape: tuple[int, ...], width: int, transform: bits.Transform, s: NamedSharding | None, like: torch.Tensor | None) -> torch.Tensor:
+    """The sample as elementwise ops over ``arange`` s. The counters start from a zero tensor laid
+    out as ``s`` (or shaped like ``like``), so the planner computes every later op on shards
+    instead of whole on every rank and slicing at the end."""
     flat = shape or (1,)
     row, col = bits.grid(flat, key.device)
-    return bits.at(key, row, col, flat[-1], width, transform).reshape(shape)
+    if like is not None:
+        zero = torch.zeros_like(like, dtype=torch.int64).reshape(flat)
+    else:
+        zero = torch.zeros(flat, dtype=torch.int64, device=key.device)
+        zero = zero if s is None else constrain(zero, s)
+    out = bits.at(key, zero + row, col, flat[-1], width, transform).reshape(shape)
+    return out if s is None else constrain(out, s)
 
 
 def _box(words: tuple[int, int], shape: tuple[int, ...], box: Sequence[tuple[int, int]] | None, width: int, transform: bits.Transform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -277,7 +288,12 @@ def bernoulli(key: torch.Tensor, p: float | torch.Tensor = 0.5, shape: Sequence[
         shape = tuple(p.shape) if isinstance(p, torch.Tensor) else ()
     if isinstance(p, torch.Tensor):
         return uniform(key, shape, torch.float32, sharding=sharding) < p
-    return sample(key, shape, 1, lambda w: _unit(w, torch.float32) < p, torch.bool, sharding, "vsf.random.bernoulli")
+    return sample(key, shape, 1, bernoulli_transform(p), torch.bool, sharding, "vsf.random.bernoulli")
+
+
+def bernoulli_transform(p: float) -> bits.Transform:
+    """An element's word -> ``True`` with probability ``p`` (a float32 uniform below ``p``)."""
+    return lambda w: _unit(w, torch.float32) < p
 
 
 def randint(key: torch.Tensor, shape: Sequence[int], minval: int, maxval: int, dtype: torch.dtype = torch.int64, *, sharding: Sharding = None) -> torch.Tensor:

@@ -430,3 +430,13 @@ def test_jitted_dropout_mask_is_computed_on_shards():
                 if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape) == (64, 32)]
         assert len(full) > 50 and all(out == (Shard(0),) for _, out in full)
         assert lowered.cost().comm_bytes == {} or not any(lowered.cost().comm_bytes.values())
+
+
+def test_allow_unkeyed_random_runs_torch_rng(monkeypatch):
+    monkeypatch.setattr(vsf.config, "allow_unkeyed_random", True)
+    monkeypatch.setattr(vsf.config, "allow_replicated_fallback", True)  # CPU dropout's bernoulli has no strategy
+    with vsf.simulate(2):
+        mesh = vsf.make_mesh((2,), ("dp",))
+        x = vsf.device_put(torch.ones(4, 4), vsf.NamedSharding(mesh, P("dp")))
+        y = vsf.device_get(vsf.jit(lambda x: torch.nn.functional.dropout(x, 0.5))(x))
+        assert set(y.unique().tolist()) <= {0.0, 2.0}

@@ -7,9 +7,20 @@
 * ``jit_mode`` (default ``"auto"``): ``"trace"`` runs each step as a traced program over local
   shards, ``"interpret"`` walks the plan on DTensors, ``"auto"`` traces in real runs and
   interprets under ``vsf.simulate`` (where per-rank programs cannot be traced).
+* ``check_plan`` (default ``False``): checking mode for every jitted call (:mod:`vsf.check`;
+  ``f.check(*args)`` checks one call). Under ``vsf.simulate`` the planned program runs beside the
+  unsharded graph, op by op on the same full input values, and the first op whose assembled result
+  differs raises ``vsf.PlanCheckError`` naming the op, the user's source line, the placements in
+  and out and the largest error. Off, a call does nothing more than read this flag.
+* ``check_tolerance`` (default ``(1e-4, 1e-5)``): checking mode's ``(rtol, atol)`` for floating
+  results (at least ``(1e-2, 1e-3)`` for float16 and bfloat16); integers must match exactly.
 * ``compile_random`` (default ``False``): eager ``vsf.random`` samplers compute Philox with a
   ``torch.compile`` d kernel (integer ops only, so the same bits; about 10x faster on CPU, after
   a one-off compile of tens of seconds per process).
+* ``allow_unkeyed_random`` (default ``False``): inside ``vsf.jit`` an op that draws from torch's
+  generator (dropout without :class:`vsf.random.keyed`, ``torch.rand`` ...) is an error, since its
+  values would depend on the layout; set, it is planned like any op (DTensor's RNG where it has a
+  strategy, ``allow_replicated_fallback`` where not), with other values on every layout.
 
 Example::
 
@@ -19,4 +30,7 @@ Example::
 strict: bool = False
 allow_replicated_fallback: bool = False
 jit_mode: str = "auto"
+check_plan: bool = False
+check_tolerance: tuple[float, float] = (1e-4, 1e-5)
 compile_random: bool = False
+allow_unkeyed_random: bool = False

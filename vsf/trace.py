@@ -20,7 +20,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from vsf import _compat, tree
+from vsf import _compat, config, tree
 
 __all__ = ["Traced", "TraceError", "draws_random", "source_line", "trace"]
 
@@ -122,6 +122,8 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
     """A draw from torch's generator would give a different mask per layout: refuse it."""
+    if config.allow_unkeyed_random:
+        return
     for node in gm.graph.nodes:
         if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs):
             where = source_line(node)
@@ -129,7 +131,8 @@ def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
                 f"{_fun_name(fun)} draws random numbers from torch's generator ({node.target}"
                 f"{' at ' + where if where else ''}), which would differ between layouts inside vsf.jit. "
                 "Pass a key and use vsf.random (vsf.nn.dropout, vsf.random.normal, ...), or run the model "
-                "under `with vsf.random.keyed(key):` so that its dropout and torch.rand* calls draw from the key."
+                "under `with vsf.random.keyed(key):` so that its dropout and torch.rand* calls draw from the key "
+                "(vsf.config.allow_unkeyed_random = True plans it like any op, with other values on every layout)."
             )
 
 

@@ -27,6 +27,7 @@ import torch
 
 from vsf import _compat
 from vsf.random import samplers
+from vsf.random.bits import Transform
 from vsf.random.samplers import Sharding
 from vsf.sharding.named import resolve
 
@@ -103,7 +104,7 @@ def uniform(scale: float = 1e-2) -> Initializer:
     return init
 
 
-def _draw(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, sharding: Sharding, transform: samplers.bits.Transform, factor: float) -> torch.Tensor:
+def _draw(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, sharding: Sharding, transform: Transform, factor: float) -> torch.Tensor:
     """``factor`` times a sample, scaled per element (any layout, ragged ones too)."""
     where = "vsf.nn.initializers"
     return samplers.sample(key, shape, samplers.width(dtype), samplers.scaled(transform, factor, dtype), dtype, sharding, where)

@@ -28,7 +28,7 @@ import torch
 from vsf import config
 from vsf.random.philox import MASK, Word, philox4x32
 
-__all__ = ["CHUNK", "Transform", "at", "fill"]
+__all__ = ["CHUNK", "Transform", "at", "fill", "grid"]
 
 CHUNK = 1 << 16  # counters per chunk of an eager fill (its words and temporaries stay in cache)
 

@@ -223,6 +223,9 @@ def test_keyed_replaces_torch_rng():
     assert torch.equal(n, vsf.random.normal(vsf.random.fold_in(key, 2), (5,)))
     assert torch.equal(i, vsf.random.randint(vsf.random.fold_in(key, 3), (6,), 0, 10))
     assert torch.equal(w, vsf.random.normal(vsf.random.fold_in(key, 4), (4, 4)) * 0.1)
+    with vsf.random.keyed(key):  # CUDA's dropout path, at the aten level: the same mask as vsf.nn.dropout
+        out, mask = torch.ops.aten.native_dropout.default(x, 0.5, True)
+    assert torch.equal(out, a) and torch.equal(mask, a != 0)
     with pytest.raises(RuntimeError, match="no keyed replacement"):
         with vsf.random.keyed(key):
             torch.multinomial(torch.ones(4), 2)

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from vsf import _compat
 from vsf.random import samplers
+from vsf.random.dropout import dropout, keep_mask
 from vsf.random.keys import check_key, fold_in
 from vsf.sharding.named import sharding_of
 from vsf.trace import draws_random
@@ -88,8 +89,6 @@ class _DropoutMode(TorchFunctionMode):
 
 
 def _dropout(owner: keyed, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, train: bool | None = None) -> torch.Tensor:
-    from vsf.nn import dropout  # the nn layer sits on this one
-
     if train is not None:
         training = train
     if not training or p == 0:
@@ -142,7 +141,7 @@ def _uniform_like(owner: keyed, x: torch.Tensor, dtype: torch.dtype | None = Non
 def _native_dropout(owner: keyed, x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     if train is False or p == 0:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
-    keep = _uniform_like(owner, x, torch.float32) >= p
+    keep = keep_mask(owner.next_key(), x, p)
     return x * keep * (1.0 / (1.0 - p)), keep
 
 

@@ -443,3 +443,28 @@ def test_allow_unkeyed_random_runs_torch_rng(monkeypatch):
         x = vsf.device_put(torch.ones(4, 4), vsf.NamedSharding(mesh, P("dp")))
         y = vsf.device_get(vsf.jit(lambda x: torch.nn.functional.dropout(x, 0.5))(x))
         assert set(y.unique().tolist()) <= {0.0, 2.0}
+
+
+def test_hf_gpt2_with_dropout_through_jit_matches_one_device():
+    """A model no one here wrote: GPT-2 (transformers, tiny random config) with every dropout at
+    0.1, its F.dropout calls keyed, one DP step through vsf.jit against the same step on one device."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.1,
+                                  embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    params = {k: v.detach().clone() for k, v in vsf.tree.from_module(model).items()}
+    idx = torch.randint(0, 64, (4, 8))
+    key = vsf.random.key(1)
+
+    def step(params, idx, key):
+        with vsf.random.keyed(key):
+            return vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, input_ids=idx, labels=idx, use_cache=False).loss)(params)
+
+    ref_loss, ref_grads = step(params, idx, key)
+    assert not torch.equal(ref_loss, step(params, idx, vsf.random.key(2))[0])  # the masks matter
+    with vsf.simulate(2):
+        mesh = vsf.make_mesh((2,), ("dp",))
+        loss, grads = vsf.jit(step)(vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(idx, vsf.NamedSharding(mesh, P("dp"))), key)
+        torch.testing.assert_close(vsf.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
+        for name, g in vsf.device_get(grads).items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)

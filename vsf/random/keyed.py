@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -97,7 +98,9 @@ def _dropout(owner: keyed, input: torch.Tensor, p: float = 0.5, training: bool =
     return input.copy_(out) if inplace else out
 
 
+@functools.cache
 def _mode_class() -> type:
+    """The dispatch mode class (built on first use: its base comes from ``_compat``)."""
     base = _compat.dispatch_mode_base()
 
     class _KeyedMode(base):  # type: ignore[misc, valid-type]

@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
@@ -535,3 +535,17 @@ def test_pinned_cause_of_a_mismatch(sim, name):
     mesh = vsf.make_mesh(shape, ("dp", "tp")[: len(shape)])
     rng = np.random.default_rng(0)
     assert not check(mesh, build(rng), specs, out_spec, rng).startswith("planner declined")
+
+
+def test_a_move_no_redistribution_makes_is_a_plan_error(sim, monkeypatch):
+    """Were DTensor to ask for an input layout no redistribution reaches (a shard made a partial
+    max), the plan names the op and the user's line; the cost model's table of moves raised a
+    bare ``KeyError: 'invalid'`` there."""
+    import vsf.sharding.propagate as propagate
+
+    monkeypatch.setattr(propagate, "_ask_dtensor", lambda node, dm, want_in: ([(Partial("max"),)], [(Partial("max"),)]))
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4, 3), vsf.NamedSharding(mesh, P("dp")))
+    with pytest.raises(PlanError, match=r"aten.sum.dim_IntList wants %arg0_1 as \(Partial\(max\),\) but it is \(Shard\(dim=0\),\).*test_plan_property.py"):
+        vsf.jit(lambda x: x.sum(0)).lower(x)

@@ -13,7 +13,8 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, ops, optim, sharding, tree
+from vsf import checkpoint, config, debug, errors, ops, optim, sharding, tree
+from vsf.errors import CorruptCheckpointError, NotACheckpointError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
@@ -44,15 +45,21 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'vsf' has no attribute {name!r}")
 
 __all__ = [
+    "CorruptCheckpointError",
     "Mesh",
     "NamedSharding",
+    "NotACheckpointError",
     "P",
     "PartitionSpec",
+    "PlanError",
+    "PlanMismatch",
     "RaggedShard",
     "ShapeDtypeStruct",
+    "TraceError",
     "checkpoint",
     "config",
     "debug",
+    "errors",
     "device_get",
     "device_put",
     "eval_shape",

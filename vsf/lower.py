@@ -24,16 +24,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from vsf import _compat
+from vsf.errors import PlanMismatch
 from vsf.sharding import ragged
 from vsf.sharding.named import RaggedPlacement, from_placements
 from vsf.sharding.constraint import CONSTRAINT_OP
 from vsf.sharding.propagate import Bucket, Placements, Plan, Value, _is_tensor_node, _meta, _placeholders, _tmeta, _value, local_shape, minor_step, transition_path
 
-__all__ = ["PlanMismatch", "compile_local", "execute"]
+__all__ = ["compile_local", "execute"]
 
-
-class PlanMismatch(RuntimeError):
-    """DTensor produced a placement the plan did not predict (a bug in vsf: please report it)."""
 
 
 def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:

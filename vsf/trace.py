@@ -21,14 +21,12 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, tree
+from vsf.errors import TraceError
 
-__all__ = ["Traced", "TraceError", "source_line", "trace"]
+__all__ = ["Traced", "source_line", "trace"]
 
 aten = torch.ops.aten
 
-
-class TraceError(ValueError):
-    """The function cannot be traced to a sharded program (the message says why and where)."""
 
 
 @dataclasses.dataclass(frozen=True)

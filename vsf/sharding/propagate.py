@@ -38,21 +38,19 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from vsf import _compat
+from vsf.errors import PlanError
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, RaggedPlacement
 from vsf.sharding.spec import UNCONSTRAINED
 
-__all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "propagate", "to_placements"]
+__all__ = ["Collective", "NodePlan", "Plan", "Redistribution", "propagate", "to_placements"]
 
 Placements = tuple[Placement, ...]
 Value = tuple[torch.fx.Node, int]
 R, PARTIAL = Replicate(), Partial()
 _INF = float("inf")
 
-
-class PlanError(ValueError):
-    """No sharded program can be planned (the message names the op and the user's line)."""
 
 
 # -- the plan ---------------------------------------------------------------------------------

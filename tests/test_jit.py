@@ -369,7 +369,7 @@ def _reused(fn, *args):
     (its results on clones of ``args``, which clones its result buffers took over, the in-place ops)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from vsf.lower import _reuse
+    from vsf.jit.donation import _reuse
 
     gm = make_fx(fn)(*args)
     _reuse(gm, {n for n in gm.graph.nodes if n.op == "placeholder"})

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from vsf import _compat, tree
 from vsf.errors import TraceError
 
-__all__ = ["Traced", "source_line", "trace"]
+__all__ = ["Traced", "trace"]
 
 aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ def _fun_name(fun: Callable[..., Any]) -> str:
     return getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch and vsf
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -118,17 +118,6 @@ def _user_frame(exc: BaseException) -> str:
         return "<unknown location>"
     f = user[-1]
     return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
-
-
-def source_line(node: torch.fx.Node) -> str:
-    """The user's source line that produced ``node`` (as recorded while tracing), or ``""``."""
-    stack = node.meta.get("stack_trace") or ""
-    lines = [l.strip() for l in stack.strip().splitlines() if l.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            return f"{lines[i]}: `{code}`" if code else lines[i]
-    return ""
 
 
 def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:

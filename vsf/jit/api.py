@@ -2,8 +2,8 @@
 
 ``jit(f)(*args)`` flattens the arguments, and on the first call for a given (tree structure,
 shapes, dtypes, shardings, static arguments) it traces ``f`` on global fake tensors
-(:mod:`vsf.trace`), chooses a sharding for every value (:mod:`vsf.sharding.propagate`) and lowers
-the plan to a program over local shards (:mod:`vsf.lower`). Later calls with the same key run the
+(:mod:`vsf.jit.trace`), chooses a sharding for every value (:mod:`vsf.jit.propagate`) and lowers
+the plan to a program over local shards (:mod:`vsf.jit.lower`). Later calls with the same key run the
 cached program; any other call re-plans and says why (``f.replans`` and the ``vsf.jit`` logger).
 
 Example::
@@ -31,15 +31,18 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from vsf import _compat, config, tree
-from vsf.lower import compile_local, execute
-from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
+from vsf.jit.donation import check_not_donated, donate, reuse_donated
+from vsf.jit.graph import output_node
+from vsf.jit.lower import compile_local, execute
+from vsf.jit.plan import Placements, Plan
+from vsf.jit.propagate import propagate
+from vsf.jit.report import Cost, cost, plan_text
+from vsf.jit.trace import Traced, trace
 from vsf.sharding.inspect import type_string
+from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
-from vsf.sharding.propagate import Placements, Plan, propagate
 from vsf.sharding.put import device_put, is_sharding_leaf
-from vsf.sharding.report import Cost, cost, plan_text
 from vsf.sharding.spec import PartitionSpec
-from vsf.trace import Traced, trace
 
 __all__ = ["Compiled", "Jitted", "Lowered", "jit"]
 
@@ -148,7 +151,7 @@ class Jitted:
         call = self._prepare(args, kwargs)
         compiled = self._cache.get(call.key) or self._compile(call)
         result = compiled._run(call)
-        self._donate(args)
+        donate(args, self.donate_argnums, self._name)
         return result
 
     def lower(self, *args: Any, **kwargs: Any) -> "Lowered":
@@ -161,14 +164,6 @@ class Jitted:
         """
         call = self._prepare(args, kwargs)
         return Lowered(self._cache.get(call.key) or self._compile(call))
-
-    def _donate(self, args: tuple[Any, ...]) -> None:
-        for i in self.donate_argnums:
-            if i >= len(args):
-                continue
-            for k, leaf in enumerate(tree.leaves(args[i])):
-                if isinstance(leaf, DTensor):
-                    leaf._local_tensor = _Donated(leaf._local_tensor, self._name, i, args[i], k)
 
     # -- arguments ------------------------------------------------------------------------
 
@@ -236,8 +231,7 @@ class Jitted:
         found: dict[Mesh, int] = {}
         for i, (leaf, target) in enumerate(zip(leaves, targets)):
             if isinstance(leaf, DTensor):
-                if isinstance(leaf._local_tensor, _Donated):
-                    raise RuntimeError(f"{self._leaf_name(dyn, i)} was donated to {leaf._local_tensor.where}, which released its memory; pass the value that call returned")
+                check_not_donated(leaf, self._leaf_name(dyn, i))
                 found.setdefault(mesh_of(leaf.device_mesh), i)
             if isinstance(target, NamedSharding):
                 found.setdefault(target.mesh, i)
@@ -283,7 +277,7 @@ class Jitted:
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         traced = trace(self.fun, avals, call.rebuild, mesh.device_type)
-        out_metas = [n.meta["val"] for n in pytree.tree_leaves(next(n for n in traced.graph.graph.nodes if n.op == "output").args)]
+        out_metas = [n.meta["val"] for n in pytree.tree_leaves(output_node(traced.graph).args)]
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         plan = propagate(
             traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
@@ -362,31 +356,6 @@ def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) ->
     return "cache miss"
 
 
-# -- donation ------------------------------------------------------------------------------
-
-
-class _Donated(torch.Tensor):
-    """Stands in for a donated DTensor's local shard: any use raises an error that says why
-    (leaf ``k`` of argument ``i``, the tree ``arg``, donated to the function ``name``)."""
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str, i: int, arg: Any, k: int) -> "_Donated":
-        r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
-        r._donated_to = (name, i, arg, k)
-        return r
-
-    @property
-    def where(self) -> str:
-        """``fn (as args[i]['path'])``: written only when an error needs it, not on every call."""
-        name, i, arg, k = self._donated_to
-        return f"{name} (as args[{i}]{tree.keystr(tree.leaves_with_path(arg)[k][0], brackets=True)})"
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        where = next(a.where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _Donated))
-        raise RuntimeError(f"this value was donated to {where}, which released its memory; use the value that call returned")
-
-
 # -- compiled programs ---------------------------------------------------------------------
 
 
@@ -401,7 +370,7 @@ class Compiled:
         self.output_names = output_names
         self._local: torch.fx.GraphModule | None = None
         dm = plan.mesh.device_mesh
-        metas = [n.meta["val"] for n in pytree.tree_leaves(next(n for n in traced.graph.graph.nodes if n.op == "output").args)]
+        metas = [n.meta["val"] for n in pytree.tree_leaves(output_node(traced.graph).args)]
         self._out_specs = [
             _compat.DTensorSpec(dm, pl, tensor_meta=_compat.TensorMeta(m.shape, m.stride(), m.dtype)) for m, pl in zip(metas, plan.outputs)
         ]
@@ -411,7 +380,7 @@ class Compiled:
         if call.key not in self.owner._cache or self.owner._cache[call.key] is not self:
             raise ValueError(f"these arguments do not match the signature this program of {self.owner._name} was compiled for")
         result = self._run(call)
-        self.owner._donate(args)
+        donate(args, self.owner.donate_argnums, self.owner._name)
         return result
 
     def _run(self, call: _Call) -> Any:
@@ -424,7 +393,7 @@ class Compiled:
                 locals_out = execute(self.plan, locals_in)
         else:
             if self._local is None:
-                self._local = compile_local(self.plan, locals_in, call.donated(self.owner.donate_argnums))
+                self._local = reuse_donated(compile_local(self.plan, locals_in), locals_in, call.donated(self.owner.donate_argnums))
             locals_out = self._local.forward(*locals_in)
         outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
         it = iter(outs)

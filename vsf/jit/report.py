@@ -1,4 +1,10 @@
-"""Reading a plan: its text (every op's shardings, every collective) and its cost."""
+"""Reading a plan: its text (every op's shardings, every collective) and its cost.
+
+Example::
+
+    >>> print(plan_text(plan, "step", ["args[0]"], ["[0]"]))
+    >>> cost(plan).comm_bytes
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,10 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from vsf.jit.cost import local_bytes
+from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, tensor_args, value_of
+from vsf.jit.plan import Bucket, Collective, Plan
 from vsf.sharding.inspect import type_string
-from vsf.sharding.propagate import Bucket, Collective, Plan, Value, _is_tensor_node, _meta, _placeholders, _tensor_args, _value, local_bytes
 
 __all__ = ["Cost", "cost", "plan_text"]
 
@@ -54,19 +62,19 @@ def _peak(plan: Plan) -> int:
     last: dict[Value, int] = {}
     for node in gm.graph.nodes:
         for a in pytree.tree_leaves((node.args, node.kwargs)):
-            if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
-                last[_value(a)] = order[node]
+            if isinstance(a, torch.fx.Node) and is_tensor_node(a):
+                last[value_of(a)] = order[node]
     born: list[tuple[int, int, int]] = []
-    for ph, pl in zip(_placeholders(gm), plan.inputs):
+    for ph, pl in zip(placeholders_of(gm), plan.inputs):
         born.append((0, end, local_bytes(plan.mesh, ph.meta["val"], pl)))
-    outputs = {_value(a) for a in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)}
+    outputs = {value_of(a) for a in pytree.tree_leaves(output_node(gm).args)}
     for node, step in plan.nodes.items():
         for i, pl in enumerate(step.outs):
             if pl is not None:
                 v = (node, i)
-                born.append((order[node], end if v in outputs else last.get(v, order[node]), local_bytes(plan.mesh, _meta(v), pl)))
+                born.append((order[node], end if v in outputs else last.get(v, order[node]), local_bytes(plan.mesh, meta_of(v), pl)))
     for r in plan.redistributions:
-        born.append((order[r.before], last.get(r.value, order[r.before]), local_bytes(plan.mesh, _meta(r.value), r.dst)))
+        born.append((order[r.before], last.get(r.value, order[r.before]), local_bytes(plan.mesh, meta_of(r.value), r.dst)))
     events = sorted([(s, b) for s, _, b in born] + [(e + 1, -b) for _, e, b in born])
     live = peak = 0
     for _, delta in events:
@@ -88,7 +96,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     mesh = plan.mesh
     gm = plan.graph
     lines = [f"plan for {name} on mesh {' x '.join(f'{a}={s}' for a, s in mesh.shape.items())} ({mesh.size} ranks)", "inputs:"]
-    for ph, pl, label in zip(_placeholders(gm), plan.inputs, input_names):
+    for ph, pl, label in zip(placeholders_of(gm), plan.inputs, input_names):
         lines.append(f"  %{ph.name:<14} {_type(plan, ph.meta['val'], pl):<28} {label}")
     lines.append("ops:")
     moves: dict[torch.fx.Node, list[str]] = {}
@@ -106,15 +114,15 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
             continue
         lines.extend(moves.get(node, ()))
         step = plan.nodes[node]
-        ins = [f"%{v[0].name}{f'[{v[1]}]' if v[1] else ''}:{_type(plan, _meta(v), pl)}" for v, pl in zip(_tensor_args(node), step.ins)]
+        ins = [f"%{v[0].name}{f'[{v[1]}]' if v[1] else ''}:{_type(plan, meta_of(v), pl)}" for v, pl in zip(tensor_args(node), step.ins)]
         outs = [_type(plan, node.meta["val"][i] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"], pl) for i, pl in enumerate(step.outs) if pl is not None]
         flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
         lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
-    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output = output_node(gm)
     lines.extend(moves.get(output, ()))
     lines.append("outputs:")
     for a, pl, label in zip(pytree.tree_leaves(output.args), plan.outputs, output_names):
-        lines.append(f"  {label:<16} {_type(plan, _meta(_value(a)), pl)}  (from %{a.name})")
+        lines.append(f"  {label:<16} {_type(plan, meta_of(value_of(a)), pl)}  (from %{a.name})")
     c = cost(plan)
     per_axis = ", ".join(f"{a} {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
     lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{_fmt_bytes(c.peak_bytes)}")
@@ -129,7 +137,7 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _move_lines(plan: Plan, r: "object") -> list[str]:
-    t = _meta(r.value)
+    t = meta_of(r.value)
     src, dst = _type(plan, t, r.src), _type(plan, t, r.dst)
     if not r.collectives:
         return [f"    slice  %{r.value[0].name}: {src} -> {dst} (local, no communication)"]

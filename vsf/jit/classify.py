@@ -1,22 +1,36 @@
-"""What kind each op is, from DTensor's registries: the sets of ops the planner treats specially
-(value-blind ops, ragged reductions, ops DTensor's dispatcher runs its own way) and which kind of
-strategy DTensor registers for an op (per mesh dim, or for the whole op).
+"""What kind each op of a traced graph is, decided once per node (:func:`classify`) and carried
+on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lowering agree.
+
+* ``constant``: no tensor input (a ``get_attr`` constant, a factory op): replicated, needs no strategy;
+* ``constraint``: a ``with_sharding_constraint``: its value takes the sharding asked for;
+* ``value_blind``: the result depends on the input's shape only (``ones_like``): any placement will do;
+* ``strategy``: DTensor registers a strategy for it, per mesh dim (``rules == "single"``) or for
+  the whole op (``"full"``); ``local`` ops run as they are on local shards (their rules are per
+  mesh dim and DTensor's dispatcher has no special handler for them), the others run through
+  DTensor's dispatcher;
+* ``none``: no strategy: a ``PlanError``, or replicated under ``allow_replicated_fallback``.
+
+``ragged_reduction`` ops (sums, norms) also run on a rank's own ragged rows.
 
 Example::
 
-    >>> rules_of(torch.ops.aten.mm.default)
-    'single'
+    >>> classify(mm_node)
+    OpClass(kind='strategy', rules='single', local=True, ragged_reduction=False)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+import torch.fx
 
 from vsf import _compat
+from vsf.jit.graph import tensor_args
+from vsf.sharding import constraint
 
-__all__ = ["DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "VALUE_BLIND_OPS", "rules_of"]
+__all__ = ["DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "VALUE_BLIND_OPS", "OpClass", "classify", "rules_of"]
 
 aten = torch.ops.aten
 
@@ -40,9 +54,37 @@ DISPATCHER_SPECIAL = _compat.dispatcher_special_ops()
 
 
 def rules_of(op: Any) -> str | None:
+    """``"single"`` if DTensor registers per-mesh-dim rules for ``op``, ``"full"`` if a whole-op
+    strategy or rule, ``None`` if neither."""
     prop = _compat.sharding_propagator()
     if op in prop.op_single_dim_strategy_funcs:
         return "single"
     if op in prop.op_strategy_funcs or op in prop.op_to_rules:
         return "full"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpClass:
+    """What kind an op is (see the module docs)."""
+
+    kind: str
+    rules: str | None
+    local: bool
+    ragged_reduction: bool
+
+
+def classify(node: torch.fx.Node) -> OpClass:
+    """The kind of the op ``node`` runs (a ``call_function`` or ``get_attr`` node)."""
+    rules = rules_of(node.target)
+    local = rules == "single" and node.target not in DISPATCHER_SPECIAL
+    ragged_reduction = node.target in RAGGED_REDUCTIONS
+    if node.op == "get_attr" or not tensor_args(node):
+        kind = "constant"
+    elif node.target is constraint.CONSTRAINT_OP:
+        kind = "constraint"
+    elif node.target in VALUE_BLIND_OPS:
+        kind = "value_blind"
+    else:
+        kind = "strategy" if rules is not None else "none"
+    return OpClass(kind, rules, local, ragged_reduction)

@@ -27,7 +27,6 @@ from vsf.errors import PlanMismatch
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, tensor_meta, value_of
 from vsf.jit.plan import Bucket, Placements, Plan
 from vsf.jit.redistribute import move_local, transition_path
-from vsf.sharding.constraint import CONSTRAINT_OP
 
 __all__ = ["compile_local", "execute"]
 
@@ -80,7 +79,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             continue  # placeholders, tuple indexing and the output: nothing to run
         step = plan.nodes[node]
         wanted = iter(step.ins)
-        as_dtensor = not step.direct and bool(step.ins) and not step.fallback and node.target is not CONSTRAINT_OP
+        as_dtensor = step.op.kind == "strategy" and not step.direct and not step.fallback
 
         def arg(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
@@ -92,9 +91,9 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))
         if node.op == "get_attr":
             out: Any = _replicated(getattr(gm, node.target), plan)
-        elif node.target is CONSTRAINT_OP:
+        elif step.op.kind == "constraint":
             out = args[0]
-        elif not step.ins:
+        elif step.op.kind == "constant":
             out = pytree.tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
         elif as_dtensor:
             out = _unwrap(node, node.target(*args, **kwargs), step.outs)

@@ -20,6 +20,7 @@ import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from vsf import _compat
+from vsf.jit.classify import OpClass
 from vsf.jit.graph import Value, placeholders_of
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, RaggedPlacement
@@ -89,10 +90,12 @@ class NodePlan:
     ``direct``: the op runs as is on the local shards (its strategy is one DTensor's per-mesh-dim
     rules allow); otherwise it runs through DTensor's dispatcher (view ops whose shape arguments
     must become local, random ops). ``fallback``: no strategy exists; it runs replicated.
+    ``op``: what kind of op it is (:func:`vsf.jit.classify.classify`).
     """
 
     ins: tuple[Placements, ...]
     outs: tuple[Placements | None, ...]
+    op: OpClass
     fallback: bool = False
     direct: bool = False
 

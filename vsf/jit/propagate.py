@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
-from vsf.jit.classify import DISPATCHER_SPECIAL, RAGGED_REDUCTIONS, VALUE_BLIND_OPS, rules_of
+from vsf.jit.classify import classify
 from vsf.jit.cost import NOT_PARTIAL, Codes
 from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, has_ragged, one_d, to_placements
@@ -72,7 +72,7 @@ def propagate(
     problem = Problem(
         mesh=mesh, gm=gm, ops=ops,
         inputs={n: tensor_args(n) for n in ops},
-        strategies=Strategies(allow_replicated_fallback),
+        strategies=Strategies(allow_replicated_fallback, {n: classify(n) for n in ops}),
         seeds={}, out_req={}, pinned={}, solved={},
     )
     problem.index()
@@ -91,7 +91,7 @@ def propagate(
         problem.out_req[axis] = [
             (v, NOT_PARTIAL if s is None else one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
         ]
-        problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if n.target is constraint.CONSTRAINT_OP}
+        problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
     with _compat.local_mode_disabled():
         codes = {axis: Codes(mesh.axis_size(axis)) for axis in axes}
         encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
@@ -145,16 +145,17 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
             None if outputs_meta(node)[i] is None else combined({a: choice[a][1][i] for a in axes})
             for i in range(n_out)
         ]
+        op = problem.strategies.classes[node]
         fallback = bool(ins) and problem.strategies.of(node, 2)[1]
         direct = False
-        if node.target is constraint.CONSTRAINT_OP:
+        if op.kind == "constraint":
             s = constraint.parse(node.args[1])
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
-        elif node.target in VALUE_BLIND_OPS:
+        elif op.kind == "value_blind":
             direct = True
-        elif ins and not fallback and node.op == "call_function":
-            direct = (rules_of(node.target) == "single" and node.target not in DISPATCHER_SPECIAL) or (node.target in RAGGED_REDUCTIONS and has_ragged(want_in))
+        elif op.kind == "strategy" and not fallback:
+            direct = op.local or (op.ragged_reduction and has_ragged(want_in))
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
             if direct and not has_ragged(want_in):
                 want_in, want_out = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
@@ -163,7 +164,7 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
                 want_in, want_out = dtensor_decision(node, dm, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        plans[node] = NodePlan(tuple(want_in), tuple(want_out), fallback, direct)
+        plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct)
         for i, out in enumerate(want_out):
             if out is not None:
                 actual[(node, i)] = out

@@ -5,7 +5,7 @@ strategy registry.
 
 Example::
 
-    >>> strategies, is_fallback = Strategies(False).of(mm_node, 2)
+    >>> strategies, is_fallback = Strategies(False, {mm_node: classify(mm_node)}).of(mm_node, 2)
     >>> strategies[0]
     Strategy(ins=(Shard(dim=0), Replicate()), outs=(Shard(dim=0),))
 """
@@ -23,10 +23,9 @@ from torch.utils import _pytree as pytree
 
 from vsf import _compat
 from vsf.errors import PlanError
-from vsf.jit.classify import DISPATCHER_SPECIAL, RAGGED_REDUCTIONS, VALUE_BLIND_OPS, rules_of
+from vsf.jit.classify import OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, tensor_meta, user_line
 from vsf.jit.plan import PARTIAL, Placements, R, is_shard
-from vsf.sharding import constraint
 from vsf.sharding.named import RaggedPlacement
 
 __all__ = ["Strategies", "Strategy", "dtensor_decision", "shardable"]
@@ -39,10 +38,12 @@ class Strategy:
 
 
 class Strategies:
-    """DTensor's candidate strategies per op and axis size, cached by op signature."""
+    """DTensor's candidate strategies per op and axis size, cached by op signature; ``classes``
+    holds each op's :class:`~vsf.jit.classify.OpClass`."""
 
-    def __init__(self, allow_replicated_fallback: bool) -> None:
+    def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass]) -> None:
         self.fallback = allow_replicated_fallback
+        self.classes = classes
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
 
     def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
@@ -50,23 +51,24 @@ class Strategies:
         ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
         key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged))
         if key not in self.cache:
-            found, fallback = self._compute(node, n)
-            if ragged and (node.target in RAGGED_REDUCTIONS or (rules_of(node.target) == "single" and node.target not in DISPATCHER_SPECIAL)):
+            op = self.classes[node]
+            found, fallback = self._compute(node, op, n)
+            if ragged and (op.ragged_reduction or op.local):
                 found = found + _ragged_variants(node, found, ragged)
             self.cache[key] = (found, fallback)
         return self.cache[key]
 
-    def _compute(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
+    def _compute(self, node: torch.fx.Node, op: OpClass, n: int) -> tuple[list[Strategy], bool]:
         ins = tensor_args(node)
         outs = outputs_meta(node)
-        if node.op == "get_attr" or not ins:
+        if op.kind == "constant":
             return [Strategy((), tuple(R if o is not None else None for o in outs))], False
-        if node.target is constraint.CONSTRAINT_OP:
+        if op.kind == "constraint":
             return [Strategy((p,), (p,)) for p in _candidates(meta_of(ins[0]), n)], False
-        if node.target in VALUE_BLIND_OPS:
+        if op.kind == "value_blind":
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
-        found = _single_dim(node, n) if rules_of(node.target) == "single" else _by_each_input(node, n) if rules_of(node.target) else None
+        found = _single_dim(node, n) if op.rules == "single" else _by_each_input(node, n) if op.rules else None
         if found:
             return _valid(found, node, n), False
         if self.fallback:

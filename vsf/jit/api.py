@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
 from vsf import _compat, config, tree
 from vsf.jit.donation import check_not_donated, donate, reuse_donated
@@ -277,7 +276,7 @@ class Jitted:
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         traced = trace(self.fun, avals, call.rebuild, mesh.device_type)
-        out_metas = [n.meta["val"] for n in pytree.tree_leaves(output_node(traced.graph).args)]
+        out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         plan = propagate(
             traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
@@ -370,9 +369,9 @@ class Compiled:
         self.output_names = output_names
         self._local: torch.fx.GraphModule | None = None
         dm = plan.mesh.device_mesh
-        metas = [n.meta["val"] for n in pytree.tree_leaves(output_node(traced.graph).args)]
+        metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
         self._out_specs = [
-            _compat.DTensorSpec(dm, pl, tensor_meta=_compat.TensorMeta(m.shape, m.stride(), m.dtype)) for m, pl in zip(metas, plan.outputs)
+            _compat.dtensor_layout(dm, pl, m) for m, pl in zip(metas, plan.outputs)
         ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -387,7 +386,7 @@ class Compiled:
         mode = config.jit_mode
         if mode == "auto":
             mode = "interpret" if _compat.active_local_mode() is not None else "trace"
-        locals_in = [x._local_tensor for x in call.inputs]
+        locals_in = [_compat.dtensor_local(x) for x in call.inputs]
         if mode == "interpret":
             with _compat.quiet_redistribute():
                 locals_out = execute(self.plan, locals_in)

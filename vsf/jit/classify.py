@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.fx
@@ -30,7 +29,7 @@ from vsf import _compat
 from vsf.jit.graph import tensor_args
 from vsf.sharding import constraint
 
-__all__ = ["DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "VALUE_BLIND_OPS", "OpClass", "classify", "rules_of"]
+__all__ = ["DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "VALUE_BLIND_OPS", "OpClass", "classify"]
 
 aten = torch.ops.aten
 
@@ -53,17 +52,6 @@ RAGGED_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.lina
 DISPATCHER_SPECIAL = _compat.dispatcher_special_ops()
 
 
-def rules_of(op: Any) -> str | None:
-    """``"single"`` if DTensor registers per-mesh-dim rules for ``op``, ``"full"`` if a whole-op
-    strategy or rule, ``None`` if neither."""
-    prop = _compat.sharding_propagator()
-    if op in prop.op_single_dim_strategy_funcs:
-        return "single"
-    if op in prop.op_strategy_funcs or op in prop.op_to_rules:
-        return "full"
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class OpClass:
     """What kind an op is (see the module docs)."""
@@ -76,7 +64,7 @@ class OpClass:
 
 def classify(node: torch.fx.Node) -> OpClass:
     """The kind of the op ``node`` runs (a ``call_function`` or ``get_attr`` node)."""
-    rules = rules_of(node.target)
+    rules = _compat.registered_rules(node.target)
     local = rules == "single" and node.target not in DISPATCHER_SPECIAL
     ragged_reduction = node.target in RAGGED_REDUCTIONS
     if node.op == "get_attr" or not tensor_args(node):

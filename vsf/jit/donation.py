@@ -18,9 +18,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
-from vsf import tree
+from vsf import _compat, tree
 from vsf.jit.graph import output_node
 
 __all__ = ["Donated", "check_not_donated", "donate", "reuse_donated"]
@@ -32,7 +31,7 @@ class Donated(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, name: str, i: int, arg: Any, k: int) -> "Donated":
-        r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        r = _compat.wrapper_tensor(cls, like)
         r._donated_to = (name, i, arg, k)
         return r
 
@@ -44,7 +43,7 @@ class Donated(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        where = next(a.where for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Donated))
+        where = next(a.where for a in _compat.torch_tree_leaves((args, kwargs)) if isinstance(a, Donated))
         raise RuntimeError(f"this value was donated to {where}, which released its memory; use the value that call returned")
 
 
@@ -55,13 +54,14 @@ def donate(args: tuple[Any, ...], argnums: Sequence[int], name: str) -> None:
             continue
         for k, leaf in enumerate(tree.leaves(args[i])):
             if isinstance(leaf, DTensor):
-                leaf._local_tensor = Donated(leaf._local_tensor, name, i, args[i], k)
+                _compat.swap_local(leaf, Donated(_compat.dtensor_local(leaf), name, i, args[i], k))
 
 
 def check_not_donated(leaf: DTensor, name: str) -> None:
     """Refuse an argument (named ``name``) that an earlier call took as donated."""
-    if isinstance(leaf._local_tensor, Donated):
-        raise RuntimeError(f"{name} was donated to {leaf._local_tensor.where}, which released its memory; pass the value that call returned")
+    local = _compat.dtensor_local(leaf)
+    if isinstance(local, Donated):
+        raise RuntimeError(f"{name} was donated to {local.where}, which released its memory; pass the value that call returned")
 
 
 def reuse_donated(gm: torch.fx.GraphModule, local_inputs: Sequence[torch.Tensor], donated: Sequence[int]) -> torch.fx.GraphModule:
@@ -125,7 +125,7 @@ def _allocates(node: torch.fx.Node) -> bool:
     op, index = node.target, None
     if op is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         op, index = node.args[0].target, node.args[1]
-    schema = getattr(op, "_schema", None)
+    schema = _compat.op_schema(op)
     return schema is not None and not schema.name.startswith("_c10d_functional") and _allocates_op(op, index)
 
 
@@ -146,7 +146,7 @@ def _done_before(x: torch.fx.Node, node: torch.fx.Node, order: dict[torch.fx.Nod
             continue
         if _reads_only(use, x):
             continue
-        schema = getattr(use.target, "_schema", None)
+        schema = _compat.op_schema(use.target)
         if schema is None or not schema.name.startswith("aten::") or not schema.arguments:
             return False
         first = schema.arguments[0].alias_info
@@ -169,12 +169,12 @@ def _aliases(ret: Any, first: Any) -> bool:
 def _reads_only(use: torch.fx.Node, x: torch.fx.Node) -> bool:
     """Does ``use`` (not a collective) take ``x`` only as plain inputs, never written nor returned as
     a view (``vsf::adam_step_`` reads its ``param`` while it updates the moments in place)?"""
-    schema = getattr(use.target, "_schema", None)
+    schema = _compat.op_schema(use.target)
     if schema is None or schema.name.startswith("_c10d_functional"):
         return False
     by_name = {a.name: a for a in schema.arguments}
-    holding = [schema.arguments[i] for i, a in enumerate(use.args) if x in pytree.tree_leaves(a)]
-    holding += [by_name[k] for k, a in use.kwargs.items() if x in pytree.tree_leaves(a)]
+    holding = [schema.arguments[i] for i, a in enumerate(use.args) if x in _compat.torch_tree_leaves(a)]
+    holding += [by_name[k] for k, a in use.kwargs.items() if x in _compat.torch_tree_leaves(a)]
     return bool(holding) and all(a.alias_info is None for a in holding)
 
 
@@ -182,20 +182,20 @@ def _inplace_variant(op: Any) -> tuple[Any, list[tuple[int, int]]] | None:
     """``X_.<overload>`` for an out-of-place ``X.<overload>`` (aten's, or vsf's own ops) with the same
     arguments, and which arguments it overwrites: ``(argument, result)`` index pairs, read from
     its schema's alias annotations (``add_``: ``[(0, 0)]``). ``None`` if there is none."""
-    schema = getattr(op, "_schema", None)
+    schema = _compat.op_schema(op)
     if schema is None or not schema.name.startswith(("aten::", "vsf::")) or schema.is_mutable or not _allocates_op(op):
         return None
     namespace, base = schema.name.split("::")
     packet = getattr(getattr(torch.ops, namespace), base + "_", None)
-    target = getattr(packet, op._overloadname, None) if packet is not None else None
-    if target is None or len(target._schema.arguments) != len(schema.arguments):
+    target = getattr(packet, _compat.overload_name(op), None) if packet is not None else None
+    if target is None or len(_compat.op_schema(target).arguments) != len(schema.arguments):
         return None
-    returns = [r.alias_info.before_set if r.alias_info is not None else None for r in target._schema.returns]
-    writes = [(i, returns.index(a.alias_info.before_set)) for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write and a.alias_info.before_set in returns]
+    returns = [r.alias_info.before_set if r.alias_info is not None else None for r in _compat.op_schema(target).returns]
+    writes = [(i, returns.index(a.alias_info.before_set)) for i, a in enumerate(_compat.op_schema(target).arguments) if a.alias_info is not None and a.alias_info.is_write and a.alias_info.before_set in returns]
     return (target, writes) if writes else None
 
 
 def _allocates_op(op: Any, index: int | None = None) -> bool:
     """Are ``op``'s results (or its result ``index``) new tensors, not views or inputs it returns?"""
-    returns = op._schema.returns if index is None else op._schema.returns[index : index + 1]
+    returns = _compat.op_schema(op).returns if index is None else _compat.op_schema(op).returns[index : index + 1]
     return op.__name__.split(".")[0] not in _VIEWS and not any(r.alias_info is not None for r in returns)

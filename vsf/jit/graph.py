@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from vsf import _compat
 
@@ -32,7 +31,6 @@ __all__ = [
     "signature",
     "source_line",
     "tensor_args",
-    "tensor_meta",
     "user_line",
     "value_of",
 ]
@@ -69,7 +67,7 @@ def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
 
 
 def tensor_args(node: torch.fx.Node) -> list[Value]:
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    leaves = _compat.torch_tree_leaves((node.args, node.kwargs))
     return [value_of(a) for a in leaves if isinstance(a, torch.fx.Node) and is_tensor_node(a)]
 
 
@@ -81,10 +79,6 @@ def meta_of(v: Value) -> torch.Tensor:
     out = outputs_meta(v[0])[v[1]]
     assert out is not None
     return out
-
-
-def tensor_meta(t: torch.Tensor) -> Any:
-    return _compat.TensorMeta(t.shape, t.stride(), t.dtype)
 
 
 def op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -20,11 +20,10 @@ import torch
 import torch.fx
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 from vsf import _compat
 from vsf.errors import PlanMismatch
-from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, tensor_meta, value_of
+from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
 from vsf.jit.plan import Bucket, Placements, Plan
 from vsf.jit.redistribute import move_local, transition_path
 
@@ -33,7 +32,7 @@ __all__ = ["compile_local", "execute"]
 
 def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:
     """A value every rank holds whole, as a local tensor of this run (one per simulated rank)."""
-    if _compat.active_local_mode() is not None and not isinstance(t, _compat.LocalTensor):
+    if _compat.active_local_mode() is not None and not _compat.is_local_tensor(t):
         return _compat.make_local({r: t for r in plan.mesh.devices})
     return t
 
@@ -45,7 +44,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(placeholders_of(gm), inputs)}
     moved: dict[tuple[Value, Placements], torch.Tensor] = {}
     def spec(v: Value, placements: Placements) -> Any:
-        return _compat.DTensorSpec(dm, placements, tensor_meta=tensor_meta(meta_of(v)))
+        return _compat.dtensor_layout(dm, placements, meta_of(v))
 
     def get(v: Value, dst: Placements) -> torch.Tensor:
         src = plan.placement(v)
@@ -64,10 +63,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         averaged = [math.prod(sizes[k] for k in b.mesh_dims if r.src[k].reduce_op == "avg") for r in b.members]
         flat = torch.cat([(p / n if n > 1 else p).reshape(-1) for n, p in zip(averaged, pieces)])
         src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(len(b.members[0].src)))
-        meta = _compat.TensorMeta(flat.shape, flat.stride(), flat.dtype)
-        reduced = _compat.redistribute_local_tensor(
-            flat, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, (Replicate(),) * len(src), tensor_meta=meta)
-        )
+        reduced = _compat.redistribute_local(flat, dm, src, (Replicate(),) * len(src), shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
         for r, p, out in zip(b.members, pieces, reduced.split([p.numel() for p in pieces])):
             moved[(r.value, r.dst)] = out.view(p.shape)
 
@@ -88,13 +84,13 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
             return a
 
-        args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))
+        args, kwargs = _compat.torch_tree_map(arg, (node.args, node.kwargs))
         if node.op == "get_attr":
             out: Any = _replicated(getattr(gm, node.target), plan)
         elif step.op.kind == "constraint":
             out = args[0]
         elif step.op.kind == "constant":
-            out = pytree.tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
+            out = _compat.torch_tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
         elif as_dtensor:
             out = _unwrap(node, node.target(*args, **kwargs), step.outs)
         else:
@@ -104,7 +100,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             if want is not None:
                 env[(node, i)] = o
     output = output_node(gm)
-    return [get(value_of(a), dst) for a, dst in zip(pytree.tree_leaves(output.args), plan.outputs)]
+    return [get(value_of(a), dst) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
 
 
 def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:

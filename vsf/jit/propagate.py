@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Placement, Shard
-from torch.utils import _pytree as pytree
 
 from vsf import _compat
 from vsf.errors import PlanError
@@ -67,7 +66,7 @@ def propagate(
     """
     axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
     placeholders = placeholders_of(gm)
-    outputs = [value_of(a) for a in pytree.tree_leaves(output_node(gm).args)]
+    outputs = [value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)]
     ops = op_nodes(gm)
     problem = Problem(
         mesh=mesh, gm=gm, ops=ops,
@@ -169,7 +168,7 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
             if out is not None:
                 actual[(node, i)] = out
     out_node = output_node(gm)
-    outs = [value_of(a) for a in pytree.tree_leaves(out_node.args)]
+    outs = [value_of(a) for a in _compat.torch_tree_leaves(out_node.args)]
     final = []
     for v, s in zip(outs, out_shardings):
         dst = to_placements(s) if s is not None else tuple(R if isinstance(p, Partial) else p for p in actual[v])

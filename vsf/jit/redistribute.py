@@ -18,7 +18,6 @@ from torch.distributed.tensor import Partial, Replicate
 
 from vsf import _compat
 from vsf.jit.cost import local_shape, transition_bytes, transition_kind
-from vsf.jit.graph import tensor_meta
 from vsf.jit.plan import Collective, Placements, has_ragged, is_shard, one_d, split_dim
 from vsf.sharding import ragged
 from vsf.sharding.mesh import Mesh
@@ -78,7 +77,6 @@ def collectives_of(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements
     step as DTensor runs it, or vsf's ragged collectives for a ragged step), with the bytes each
     rank sends."""
     dm = mesh.device_mesh
-    meta = tensor_meta(t)
     dm_axes = list(mesh.device_axes)
     out = []
     prev = tuple(src)
@@ -87,7 +85,7 @@ def collectives_of(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements
         if has_ragged([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
             steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]
         else:
-            steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(_compat.DTensorSpec(dm, prev, tensor_meta=meta), _compat.DTensorSpec(dm, nxt, tensor_meta=meta))]
+            steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(dm, prev, nxt, t)]
         for mesh_dim, a, b in steps:
             before = local_shape(mesh, t, tuple(current))
             current[mesh_dim] = b
@@ -113,12 +111,10 @@ def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements
         level = list(src)
         level[k] = Replicate()
         shape = local_shape(mesh, t, tuple(level))
-        meta = _compat.TensorMeta(torch.Size(shape), _contiguous(shape), t.dtype)
         lone = lambda p: tuple(one_d(p) if j == k else Replicate() for j in range(len(src)))  # noqa: E731
-        return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, lone(src[k]), tensor_meta=meta), _compat.DTensorSpec(dm, lone(dst[k]), tensor_meta=meta))
+        return _compat.redistribute_local(local, dm, lone(src[k]), lone(dst[k]), shape=shape, stride=_contiguous(shape), dtype=t.dtype)
     if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):
-        meta = tensor_meta(t)
-        return _compat.redistribute_local_tensor(local, _compat.DTensorSpec(dm, src, tensor_meta=meta), _compat.DTensorSpec(dm, dst, tensor_meta=meta))
+        return _compat.redistribute_local(local, dm, src, dst, shape=t.shape, stride=t.stride(), dtype=t.dtype)
     for k, (a, b) in enumerate(zip(src, dst)):
         if a == b:
             continue

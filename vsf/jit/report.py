@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
+from vsf import _compat
 from vsf.jit.cost import local_bytes
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import Bucket, Collective, Plan
@@ -61,13 +61,13 @@ def _peak(plan: Plan) -> int:
     end = len(plan.order)
     last: dict[Value, int] = {}
     for node in gm.graph.nodes:
-        for a in pytree.tree_leaves((node.args, node.kwargs)):
+        for a in _compat.torch_tree_leaves((node.args, node.kwargs)):
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
                 last[value_of(a)] = order[node]
     born: list[tuple[int, int, int]] = []
     for ph, pl in zip(placeholders_of(gm), plan.inputs):
         born.append((0, end, local_bytes(plan.mesh, ph.meta["val"], pl)))
-    outputs = {value_of(a) for a in pytree.tree_leaves(output_node(gm).args)}
+    outputs = {value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)}
     for node, step in plan.nodes.items():
         for i, pl in enumerate(step.outs):
             if pl is not None:
@@ -121,7 +121,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     output = output_node(gm)
     lines.extend(moves.get(output, ()))
     lines.append("outputs:")
-    for a, pl, label in zip(pytree.tree_leaves(output.args), plan.outputs, output_names):
+    for a, pl, label in zip(_compat.torch_tree_leaves(output.args), plan.outputs, output_names):
         lines.append(f"  {label:<16} {_type(plan, meta_of(value_of(a)), pl)}  (from %{a.name})")
     c = cost(plan)
     per_axis = ", ".join(f"{a} {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"

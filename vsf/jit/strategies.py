@@ -19,12 +19,11 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Placement, Shard
-from torch.utils import _pytree as pytree
 
 from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit.classify import OpClass
-from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, tensor_meta, user_line
+from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.plan import PARTIAL, Placements, R, is_shard
 from vsf.sharding.named import RaggedPlacement
 
@@ -98,16 +97,11 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
     return out
 
 
-def _meta_args(node: torch.fx.Node) -> tuple[Any, Any]:
-    conv = lambda a: tensor_meta(a.meta["val"]) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
-    return pytree.tree_map(conv, node.args), pytree.tree_map(conv, node.kwargs)
-
-
 def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:
-    args, kwargs = _meta_args(node)
+    fake = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
     outs = outputs_meta(node)
-    out_meta = tensor_meta(outs[0]) if isinstance(node.meta.get("val"), torch.Tensor) else [None if o is None else tensor_meta(o) for o in outs]
-    rules = _compat.single_dim_strategies(node.target, args, kwargs, out_meta)
+    out = outs[0] if isinstance(node.meta.get("val"), torch.Tensor) else outs
+    rules = _compat.single_dim_strategies(node.target, _compat.torch_tree_map(fake, node.args), _compat.torch_tree_map(fake, node.kwargs), out)
     if rules is None:
         return None
     n_out = len(outs)
@@ -122,83 +116,30 @@ def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
     """Ask a whole-op strategy function (or rule) once per candidate placement of each tensor input
     that is not a scalar, the other inputs replicated: most functions follow their first input,
     some another one (``nll_loss_backward`` follows ``self``, its second)."""
-    prop = _compat.sharding_propagator()
-    op = node.target
-    func = prop.op_strategy_funcs.get(op)
-    rule = prop.op_to_rules.get(op)
-    if func is None and rule is None:
+    if _compat.registered_rules(node.target) != "full":
         return None
-    mesh = _compat.abstract_device_mesh(n)
     ins = tensor_args(node)
     found: dict[Strategy, None] = {}
     leads = [i for i, a in enumerate(ins) if i == 0 or meta_of(a).ndim > 0]
     for lead, placement in ((i, c) for i in leads for c in _candidates(meta_of(ins[i]), n)):
         seen = [0]
 
-        def spec(a: Any) -> Any:
+        def placed(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
                 p = placement if seen[0] == lead else R
                 seen[0] += 1
-                return _compat.DTensorSpec(mesh, (p,), tensor_meta=tensor_meta(a.meta["val"]))
+                return _compat.Placed(a.meta["val"], (p,))
             return a
 
-        args = pytree.tree_map(spec, node.args)
-        kwargs = pytree.tree_map(spec, node.kwargs)
+        args = _compat.torch_tree_map(placed, node.args)
+        kwargs = _compat.torch_tree_map(placed, node.kwargs)
         try:
-            strategy = _run_strategy(func, rule, op, args, kwargs, node)
+            strategy = _compat.whole_op_strategies(node.target, args, kwargs, n) or []
         except Exception:  # noqa: BLE001 - DTensor rejects this candidate input; try the next
             continue
-        for s in strategy:
-            found.setdefault(s)
+        for ins_, outs in strategy:
+            found.setdefault(Strategy(ins_, outs))
     return list(found)
-
-
-def _run_strategy(func: Any, rule: Any, op: Any, args: Any, kwargs: Any, node: torch.fx.Node) -> list[Strategy]:
-    n_in = len(tensor_args(node))
-    if func is not None:
-        schema = _compat.OpSchema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()})
-        result = func(schema)
-        specs = result.strategies if isinstance(result, _compat.OpStrategy) else _tuple_strategy_specs(result)
-        out = []
-        for s in specs:
-            outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
-            ins = s.input_specs if s.input_specs is not None else (s.output_specs,) * n_in
-            out.append(Strategy(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs)))
-        return out
-    schema = _compat.OpSchema(op, tuple(args), dict(kwargs))
-    res = rule(schema)
-    if res.output_spec is None:
-        schema = res.redistribute_schema
-        res = rule(schema)
-    ins = [a for a in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema)) if isinstance(a, _compat.DTensorSpec)]
-    outs = res.output_spec if isinstance(res.output_spec, (tuple, list)) else (res.output_spec,)
-    return [Strategy(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs))]
-
-
-def _wrap(a: Any) -> Any:
-    if isinstance(a, _compat.DTensorSpec):
-        return _compat.OpStrategy([_compat.OpSpec(a)])
-    if isinstance(a, (list, tuple)) and a and all(isinstance(x, _compat.DTensorSpec) for x in a):
-        return _compat.TupleStrategy(tuple(_wrap(x) for x in a))
-    return a
-
-
-def _tuple_strategy_specs(result: Any) -> list[Any]:
-    """A TupleStrategy (one child per output) as a list of combined single-output specs."""
-    children = result.children
-    if not children:
-        return []
-    combos = []
-    for i in range(len(children[0].strategies)):
-        specs = [c.strategies[min(i, len(c.strategies) - 1)] for c in children]
-        combos.append(_Combined(tuple(s.output_specs for s in specs), tuple(x for s in specs for x in (s.input_specs or ()))))
-    return combos
-
-
-@dataclasses.dataclass(frozen=True)
-class _Combined:
-    output_specs: Any
-    input_specs: Any
 
 
 def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Strategy]:
@@ -215,10 +156,7 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Stra
 
 def shardable(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> bool:
     """DTensor's own filter on a combined strategy: every sharded input dim has a row per shard."""
-    return all(
-        _compat.is_tensor_shardable(meta_of(v).shape, _compat.DTensorSpec(dm, pl, tensor_meta=tensor_meta(meta_of(v))))
-        for v, pl in zip(tensor_args(node), want_in)
-    )
+    return all(_compat.is_shardable(meta_of(v), dm, pl) for v, pl in zip(tensor_args(node), want_in))
 
 
 def dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
@@ -226,22 +164,8 @@ def dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], as
     signature and input placements in ``asked``: a model's repeated layers ask the same questions)."""
     key = (node.target, signature(node.args), signature(node.kwargs), tuple(want_in))
     if key not in asked:
-        asked[key] = _ask_dtensor(node, dm, want_in)
+        it = iter(want_in)
+        placed = lambda a: _compat.Placed(a.meta["val"], next(it)) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
+        args = _compat.torch_tree_map(placed, node.args)
+        asked[key] = _compat.dtensor_decision(node.target, args, _compat.torch_tree_map(placed, node.kwargs), dm)
     return asked[key]
-
-
-def _ask_dtensor(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> tuple[list[Placements], list[Placements | None]]:
-    it = iter(want_in)
-
-    def spec(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node) and is_tensor_node(a):
-            return _compat.DTensorSpec(dm, next(it), tensor_meta=tensor_meta(a.meta["val"]))
-        return a
-
-    schema = _compat.OpSchema(node.target, pytree.tree_map(spec, node.args), pytree.tree_map(spec, node.kwargs))
-    out = _compat.sharding_propagator().propagate_op_sharding(schema)
-    suggested = want_in
-    if out.needs_redistribute and out.redistribute_schema is not None:
-        suggested = [s.placements for s in pytree.tree_leaves((out.redistribute_schema.args_schema, out.redistribute_schema.kwargs_schema)) if isinstance(s, _compat.DTensorSpec)]
-    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else (out.output_spec,)
-    return [tuple(p) for p in suggested], [None if s is None else tuple(s.placements) for s in specs]

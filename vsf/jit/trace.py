@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, tree
@@ -60,13 +59,14 @@ def trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.
 
 
 def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], flat_fun: Callable[..., Any], out_info: dict[str, Any], device: str) -> Traced:
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
+    with _compat.fake_mode():
         fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
     _compat.register_stack_anchor(fun)
     try:
         joint = make_fx(flat_fun, tracing_mode="fake", record_stack_traces=True)(*fakes)
-    except DataDependentOutputException as e:
+    except Exception as e:
+        if not _compat.is_data_dependent_error(e):
+            raise
         raise TraceError(
             f"{_fun_name(fun)} branches on or reads a tensor value at {_user_frame(e)}: vsf.jit traces with "
             "abstract values, so data-dependent Python control flow (if/while on a tensor, .item(), "
@@ -89,7 +89,7 @@ def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch
 
 def _needs_rewrite(node: torch.fx.Node) -> bool:
     """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor) in a second pass."""
-    schema = getattr(node.target, "_schema", None)
+    schema = _compat.op_schema(node.target)
     return node.op == "call_function" and schema is not None and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
 
 

@@ -8,7 +8,7 @@ import torch
 
 import vsf
 from vsf import P, optim
-from models import adamw_gpt_case
+from toy_models import adamw_gpt_case
 
 STEPS = 10
 

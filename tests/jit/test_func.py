@@ -7,7 +7,7 @@ import torch
 
 import vsf
 from vsf import P
-from models import GPT, GPTConfig
+from toy_models import GPT, GPTConfig
 
 
 def test_value_and_grad_on_dtensor_params_equals_unsharded(sim):

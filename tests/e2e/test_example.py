@@ -28,7 +28,7 @@ import torch
 
 import vsf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 sys.path.insert(0, str(EXAMPLE.parent))
 import train_gpt  # noqa: E402

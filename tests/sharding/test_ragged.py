@@ -1,4 +1,5 @@
-"""RaggedShard: the value object, its layout, and redistributions on simulated ranks.
+"""RaggedShard: the value object, its layout, and redistributions on simulated ranks and on 4 real
+gloo processes (tier 3, ``multiprocess``).
 
 Oracles: hand-computed layouts, ``torch.chunk`` for ``Shard``, and the full tensor itself
 (every redistribution must hand each rank exactly its slice of it, ``workers/ops_oracles.py``).
@@ -11,18 +12,16 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
+from workers.ops_oracles import as_local, check_simulated, expected_piece, per_rank, ragged_case, reshard_case
 
 import vsf
 from vsf import P, _compat
 from vsf.sharding.ragged import RaggedShard, ragged, reshard
-from workers.ops_oracles import as_local, check_simulated, expected_piece, per_rank, ragged_case, reshard_case
+from multiproc import launch_once
 
 # -- the value object -------------------------------------------------------------------------------
-
-
 def test_value_semantics():
     r = ragged("fsdp", (1, 2, 1, 0), dims=2, block=4)
     assert r == RaggedShard("fsdp", [1, 2, 1, 0], dims=2, block=4)
@@ -175,3 +174,49 @@ def test_reshard_errors(sim):
             reshard(x, (4, 2), Replicate(), ragged("fsdp", (1, 1, 1)))
         with pytest.raises(ValueError, match="Shard.*names dim 2"):
             reshard(x, (4, 2), ragged("fsdp", (1, 1)), Shard(2))
+
+
+# -- on 4 real gloo processes ------------------------------------------------------------------
+# RaggedShard on 4 real gloo processes (tier 3), one torchrun launch: reshard and device_put
+# round trips, Muon on ragged params, the grouped all-gather.
+
+NPROC = 4
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return launch_once(tmp_path_factory, "ops_ragged.py", NPROC)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_round_trips_are_exact_across_processes(reports, mesh):
+    for rank, report in enumerate(reports):
+        assert report[mesh]["cases"] == 40
+        assert report[mesh]["failures"] == [], f"rank {rank}: {report[mesh]['failures'][:5]}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_device_put_round_trips_are_exact(reports, mesh):
+    for rank, report in enumerate(reports):
+        assert report[mesh]["put_cases"] == 16
+        assert report[mesh]["put_failures"] == [], f"rank {rank}: {report[mesh]['put_failures'][:5]}"
+
+
+@pytest.mark.multiprocess
+def test_muon_on_ragged_params_equals_one_device_and_each_matrix_runs_on_one_rank(reports):
+    everywhere = []
+    for rank, report in enumerate(reports):
+        assert all(report["muon"]["equal"].values()), (rank, report["muon"]["equal"])
+        assert all(r == rank for r, _ in report["muon"]["orthogonalized"])   # a process reports only itself
+        everywhere += [tuple(x) for x in report["muon"]["orthogonalized"]]
+    by_leaf = {path: {r for r, p in everywhere if p == path} for _, path in everywhere}
+    assert sorted(by_leaf) == ["a", "c", "d", "e"] and all(len(ranks) == 1 for ranks in by_leaf.values())
+    assert len(everywhere) == 4 * 3   # 4 matrices x 3 steps, each once
+
+
+@pytest.mark.multiprocess
+def test_gather_group_is_one_collective(reports):
+    for report in reports:
+        assert report["muon"]["gather_exact"] and report["muon"]["gather_collectives"] == 1

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import vsf
 from vsf import P, optim
-from models import adamw_gpt_case
+from toy_models import adamw_gpt_case
 
 
 def test_elementwise_sums_and_norms_stay_ragged(sim):

@@ -48,7 +48,6 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.distributed.tensor._ops.utils import is_tensor_shardable
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -181,8 +180,12 @@ def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def clear_sharding_caches() -> None:
-    """Empty DTensor's sharding-propagation caches (Python and C++ fast path)."""
-    _clear_sharding_prop_cache()
+    """Empty DTensor's sharding-propagation caches (Python and C++ fast path).
+
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does the same, but importing
+    that package imports numpy, which neither torch nor vsf depends on."""
+    sharding_propagator().propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 # -- PyTorch's pytree (fx op arguments, DTensor schemas; user pytrees go through vsf.tree) --------

@@ -184,7 +184,7 @@ def clear_sharding_caches() -> None:
 
     ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does the same, but importing
     that package imports numpy, which neither torch nor vsf depends on."""
-    sharding_propagator().propagate_op_sharding.cache_clear()
+    _propagator().propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
 
 

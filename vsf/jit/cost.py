@@ -47,6 +47,8 @@ NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: an
 
 
 def transition_bytes(kind: str, n: int, full_bytes: float) -> float:
+    """Bytes each rank sends for a ``kind`` collective over ``n`` ranks of a ``full_bytes`` tensor
+    (for an all-to-all: ``full_bytes`` of the tensor the local shards make up)."""
     factor = {
         "all_reduce": 2 * (n - 1) / n,
         "all_gather": (n - 1) / n,
@@ -58,6 +60,8 @@ def transition_bytes(kind: str, n: int, full_bytes: float) -> float:
 
 
 def transition_kind(src: Placement, dst: Placement) -> str | None:
+    """The collective that moves one mesh dim from ``src`` to ``dst`` (``"slice"`` when local,
+    ``"invalid"`` when none can, ``None`` when nothing moves)."""
     if src == dst:
         return None
     if isinstance(src, Replicate) and is_shard(dst):

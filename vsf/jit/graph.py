@@ -43,6 +43,7 @@ GETITEM = operator.getitem  # the fx target of tuple indexing
 
 
 def placeholders_of(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's inputs, in order (``placeholders_of(gm)[i]`` is the i-th flat input)."""
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
@@ -58,6 +59,7 @@ def value_of(arg: torch.fx.Node) -> Value:
 
 
 def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
+    """The fake tensor of each output of ``node`` (``None`` for a non-tensor output; ``[]`` for none)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return [val]
@@ -67,25 +69,30 @@ def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
 
 
 def tensor_args(node: torch.fx.Node) -> list[Value]:
+    """The values ``node`` takes as tensor arguments, in argument order (``add(x, x)``: ``x`` twice)."""
     leaves = _compat.torch_tree_leaves((node.args, node.kwargs))
     return [value_of(a) for a in leaves if isinstance(a, torch.fx.Node) and is_tensor_node(a)]
 
 
 def is_tensor_node(n: torch.fx.Node) -> bool:
+    """Does ``n`` produce one tensor (as opposed to a tuple, a number or nothing)?"""
     return isinstance(n.meta.get("val"), torch.Tensor)
 
 
 def meta_of(v: Value) -> torch.Tensor:
+    """The fake tensor of value ``v``: its global shape, stride and dtype."""
     out = outputs_meta(v[0])[v[1]]
     assert out is not None
     return out
 
 
 def op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's ops in order: function calls and constants, tuple indexing resolved away."""
     return [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr") and n.target is not GETITEM]
 
 
 def user_line(node: torch.fx.Node) -> str:
+    """`` at <user's file:line: `code`>`` for an error message about ``node``, or ``""``."""
     line = source_line(node)
     return f" at {line}" if line else ""
 
@@ -101,6 +108,7 @@ def source_line(node: torch.fx.Node) -> str:
     return ""
 
 def signature(x: Any) -> Any:
+    """A hashable summary of op arguments (tensors by shape and dtype), to cache per-op questions."""
     if isinstance(x, torch.fx.Node):
         t = x.meta.get("val")
         return ("T", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))

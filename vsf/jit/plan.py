@@ -129,10 +129,12 @@ class Plan:
 
 
 def to_placements(s: NamedSharding) -> Placements:
+    """``s``'s DTensor placements, one per mesh dim."""
     return tuple(s.placements)
 
 
 def is_shard(p: Any) -> bool:
+    """Does ``p`` split a tensor dim (a plain, strided or ragged shard)?"""
     return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement))
 
 
@@ -147,4 +149,5 @@ def one_d(p: Placement) -> Placement:
 
 
 def has_ragged(placements: Sequence[Placements]) -> bool:
+    """Does any of these layouts hold a ragged split?"""
     return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)

@@ -241,6 +241,9 @@ class AxisSolver:
 
 @dataclasses.dataclass
 class Problem:
+    """What every axis solver shares: the graph's ops and values, the seeds from the inputs, the
+    outputs' requirements and the constraints, per axis; and the solvers of the axes solved so far."""
+
     mesh: Mesh
     gm: torch.fx.GraphModule
     ops: list[torch.fx.Node]

@@ -32,6 +32,8 @@ __all__ = ["Strategies", "Strategy", "dtensor_decision", "shardable"]
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
+    """One way to run an op on one mesh axis: its tensor inputs' placements -> its outputs'."""
+
     ins: tuple[Placement, ...]
     outs: tuple[Placement | None, ...]
 

@@ -15,13 +15,12 @@ from vsf import _compat
 
 ROOT = pathlib.Path(vsf.__file__).parent
 
-# DESIGN.md's layers, bottom first: a module may import its own layer and the ones before it.
-# (errors, _compat and config are the foundation every layer may use; runtime says where the
-# ranks are, which a mesh needs.) A prefix ending in "." covers a package and its modules.
+# DESIGN.md's layer table, top first: a module may import its own layer and the ones before it.
+# (The foundation: errors, the _compat verbs, config, and runtime, which says where the ranks are.)
+# A prefix ending in "." covers a package and its modules.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("vsf.errors", "vsf._compat", "vsf.config")),
+    ("foundation", ("vsf.errors", "vsf._compat", "vsf.config", "vsf.runtime")),
     ("pytrees", ("vsf.tree",)),
-    ("runtime", ("vsf.runtime",)),
     ("values", tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "named", "rules", "inspect", "constraint"))),
     ("collectives", ("vsf.ops", "vsf.ops.")),
     ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing"))),

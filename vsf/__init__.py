@@ -14,7 +14,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
 """
 
 from vsf import checkpoint, config, debug, errors, ops, optim, sharding, tree
-from vsf.errors import CorruptCheckpointError, NotACheckpointError, PlanError, PlanMismatch, TraceError
+from vsf.errors import CorruptCheckpointError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
@@ -51,6 +51,7 @@ __all__ = [
     "NotACheckpointError",
     "P",
     "PartitionSpec",
+    "PlanCheckError",
     "PlanError",
     "PlanMismatch",
     "RaggedShard",

@@ -13,6 +13,7 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.buckets` - bucketing of all-reduces and the execution order;
 * :mod:`~vsf.jit.propagate` - the driver: per-axis choices combined and checked with DTensor;
 * :mod:`~vsf.jit.lower` - the plan run (or traced) on local shards;
+* :mod:`~vsf.jit.check` - checking mode: the plan run beside the unsharded graph, op by op;
 * :mod:`~vsf.jit.donation` - donated arguments released and their buffers reused;
 * :mod:`~vsf.jit.report` - the plan's text and cost.
 

@@ -30,6 +30,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, tree
+from vsf.jit.check import run_checked
 from vsf.jit.donation import check_not_donated, donate, reuse_donated
 from vsf.jit.graph import output_node
 from vsf.jit.lower import compile_local, execute
@@ -147,9 +148,23 @@ class Jitted:
         return len(self.replans)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(args, kwargs, check=config.check_plan)
+
+    def check(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function in checking mode (:mod:`vsf.jit.check`): under :func:`vsf.simulate`, run
+        the plan beside the unsharded graph and raise :class:`vsf.PlanCheckError` at the first op
+        whose assembled result differs. Returns what the call returns.
+
+        Example::
+
+            >>> params, loss = step.check(params, batch)
+        """
+        return self._call(args, kwargs, check=True)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> Any:
         call = self._prepare(args, kwargs)
         compiled = self._cache.get(call.key) or self._compile(call)
-        result = compiled._run(call)
+        result = compiled._run(call, check)
         donate(args, self.donate_argnums, self._name)
         return result
 
@@ -378,16 +393,18 @@ class Compiled:
         call = self.owner._prepare(args, kwargs)
         if call.key not in self.owner._cache or self.owner._cache[call.key] is not self:
             raise ValueError(f"these arguments do not match the signature this program of {self.owner._name} was compiled for")
-        result = self._run(call)
+        result = self._run(call, config.check_plan)
         donate(args, self.owner.donate_argnums, self.owner._name)
         return result
 
-    def _run(self, call: _Call) -> Any:
+    def _run(self, call: _Call, check: bool) -> Any:
         mode = config.jit_mode
         if mode == "auto":
             mode = "interpret" if _compat.active_local_mode() is not None else "trace"
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
-        if mode == "interpret":
+        if check:
+            locals_out = run_checked(self.plan, locals_in)
+        elif mode == "interpret":
             with _compat.quiet_redistribute():
                 locals_out = execute(self.plan, locals_in)
         else:

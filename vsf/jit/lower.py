@@ -13,7 +13,7 @@ collectives, which is what each step then runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,8 +37,12 @@ def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:
     return t
 
 
-def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run ``plan`` on local shards laid out as ``plan.inputs``; return local shards laid out as ``plan.outputs``."""
+def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.fx.Node, list[Any]], None] | None = None) -> list[torch.Tensor]:
+    """Run ``plan`` on local shards laid out as ``plan.inputs``; return local shards laid out as ``plan.outputs``.
+
+    ``check`` (checking mode, :class:`vsf.jit.check.Checker`) is called after each op with the op's
+    local results.
+    """
     gm = plan.graph
     dm = plan.mesh.device_mesh
     env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(placeholders_of(gm), inputs)}
@@ -99,6 +103,8 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for i, (o, want) in enumerate(zip(outs, step.outs)):
             if want is not None:
                 env[(node, i)] = o
+        if check is not None:
+            check(node, outs)
     output = output_node(gm)
     return [get(value_of(a), dst) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
 

@@ -20,7 +20,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, tree
-from vsf.jit.graph import output_node
+from vsf.jit.graph import output_node, placeholders_of
 
 __all__ = ["Donated", "check_not_donated", "donate", "reuse_donated"]
 
@@ -68,7 +68,7 @@ def reuse_donated(gm: torch.fx.GraphModule, local_inputs: Sequence[torch.Tensor]
     """Let the lowered program ``gm`` overwrite its inputs at positions ``donated``: it updates them
     in place where an op's result takes exactly their place (a donated optimizer state's ``lerp``,
     a donated param's ``sub``). An input passed twice is never overwritten."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = placeholders_of(gm)
     shared = {id(t) for t in local_inputs if sum(u is t for u in local_inputs) > 1}
     _reuse(gm, {placeholders[i] for i in donated if id(local_inputs[i]) not in shared})
     gm.recompile()

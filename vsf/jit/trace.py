@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, tree
 from vsf.errors import TraceError
+from vsf.jit.graph import placeholders_of
 
 __all__ = ["Traced", "trace"]
 
@@ -94,7 +95,7 @@ def _needs_rewrite(node: torch.fx.Node) -> bool:
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = placeholders_of(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in placeholders:
             index = placeholders.index(node.args[0])

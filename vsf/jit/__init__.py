@@ -17,6 +17,9 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.donation` - donated arguments released and their buffers reused;
 * :mod:`~vsf.jit.report` - the plan's text and cost.
 
+``vsf.jit`` (the attribute of ``vsf``) is the function; reach a stage as ``from vsf.jit import lower``
+(``import vsf.jit.lower`` would look it up on the function).
+
 Example::
 
     >>> step = vsf.jit(train_step, donate_argnums=(0, 1))

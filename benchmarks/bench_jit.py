@@ -38,7 +38,7 @@ FSDP_TP = [
 def _gpt(layers: int, dim: int, seq: int, vocab: int, meta: bool = False):
     sys.path.insert(0, str(ROOT / "tests"))
     import torch
-    from models import GPT, GPTConfig
+    from toy_models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=4, layers=layers)
     if meta:

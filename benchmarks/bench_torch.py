@@ -1,7 +1,7 @@
 """vsf's DP, FSDP and TP steps against what a user would pick instead: DDP, FSDP2 and torch TP.
 
 Every figure is measured side by side in one run of gloo processes (one thread each), on one AdamW
-train step of a GPT with separate q/k/v projections (``tests/models.py``; d=256, 4 layers,
+train step of a GPT with separate q/k/v projections (``tests/toy_models.py``; d=256, 4 layers,
 8 sequences of 128 tokens, 3.45M params; ``--quick``: d=128, 2 layers, 64 tokens):
 
 * ``step``: median step time (slowest rank) of each vsf layout next to torch's own way of running
@@ -51,7 +51,7 @@ LR = 1e-3
 
 def _config(quick: bool):
     sys.path.insert(0, str(ROOT / "tests"))
-    from models import GPTConfig
+    from toy_models import GPTConfig
 
     if quick:
         return GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=2, fused_qkv=False)
@@ -60,7 +60,7 @@ def _config(quick: bool):
 
 def _model(cfg):
     import torch
-    from models import GPT
+    from toy_models import GPT
 
     torch.manual_seed(0)
     model = GPT(cfg)

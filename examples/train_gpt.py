@@ -40,7 +40,7 @@ import torch.distributed as dist
 import vsf
 from vsf import P, optim
 from vsf.jit import Jitted
-from vsf.sharding.report import Cost
+from vsf.jit.report import Cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig, batch_at, floor_loss  # noqa: E402

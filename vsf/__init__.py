@@ -13,9 +13,9 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, nn, ops, optim, random, sharding, tree
+from vsf import checkpoint, config, debug, errors, nn, ops, optim, random, sharding, tree
+from vsf.errors import CorruptCheckpointError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
-from vsf.check import PlanCheckError
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
@@ -45,16 +45,22 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'vsf' has no attribute {name!r}")
 
 __all__ = [
+    "CorruptCheckpointError",
     "Mesh",
     "NamedSharding",
+    "NotACheckpointError",
     "P",
     "PartitionSpec",
     "PlanCheckError",
+    "PlanError",
+    "PlanMismatch",
     "RaggedShard",
     "ShapeDtypeStruct",
+    "TraceError",
     "checkpoint",
     "config",
     "debug",
+    "errors",
     "device_get",
     "device_put",
     "eval_shape",

@@ -2,17 +2,26 @@
 
 Everything that a PyTorch upgrade may rename or change lives here: the fake process group,
 ``LocalTensorMode`` / ``LocalTensor`` (simulated ranks with real numbers), ``_StridedShard``
-(a multi-axis spec entry whose order differs from the mesh order) and the functional
-collectives (``torch.distributed._functional_collectives``) that ``vsf.ops`` runs on. Other
-modules import these names from here only.
+(a multi-axis spec entry whose order differs from the mesh order), the functional
+collectives (``torch.distributed._functional_collectives``) that ``vsf.ops`` runs on, fake
+tensors, PyTorch's own pytree, and DTensor's strategy registry and redistribution.
+
+It exports verbs (ask DTensor for an op's strategies, for its decision on given input
+placements; redistribute a local tensor; swap a DTensor's local tensor; build a fake or local
+mode), not PyTorch's private types: other modules never construct or inspect those, so a
+PyTorch change breaks this file only (``tests/test_structure.py`` checks that no other module
+names a private PyTorch symbol). The one private type exported is ``StridedShard``, a placement
+value the layout layer builds and compares. It is one piece on purpose, though over 500 lines: a
+PyTorch upgrade is checked against this file alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +41,7 @@ from torch.distributed._local_tensor import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, OutputSharding, TupleStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
@@ -46,50 +55,53 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.proxy import _register_stack_trace_anchor
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
-    "DTensorSpec",
-    "FakeTensorMode",
-    "LocalTensor",
-    "LocalTensorMode",
-    "OpSchema",
-    "OpSpec",
-    "OpStrategy",
-    "OutputSharding",
+    "Placed",
     "StridedShard",
-    "TensorMeta",
-    "TupleStrategy",
-    "abstract_device_mesh",
     "active_local_mode",
     "clear_sharding_caches",
     "dispatcher_special_ops",
+    "dtensor_decision",
     "dtensor_from_local",
-    "is_tensor_shardable",
-    "local_tensor_mode",
-    "redistribute_local_tensor",
-    "reduce_partial",
-    "foreach_elementwise_op",
-    "fused_adam_",
-    "fused_adam_lr",
-    "redistribute_steps",
-    "register_stack_anchor",
-    "sharding_propagator",
-    "single_dim_strategies",
+    "dtensor_layout",
     "dtensor_like",
     "dtensor_local",
+    "fake_mode",
+    "foreach_elementwise_op",
     "functional_collectives",
+    "fused_adam_",
+    "fused_adam_lr",
     "init_fake_process_group",
+    "is_data_dependent_error",
+    "is_fake",
+    "is_local_tensor",
+    "is_shardable",
+    "local_tensor_mode",
     "local_mode_disabled",
     "local_shards",
     "make_local",
     "one_rank_device_mesh",
     "op_schema",
+    "overload_name",
     "position_in_copy",
+    "reduce_partial",
     "quiet_redistribute",
+    "redistribute_local",
+    "redistribute_steps",
     "register_elementwise",
+    "register_stack_anchor",
+    "registered_rules",
+    "single_dim_strategies",
     "single_rank_device_mesh",
+    "swap_local",
+    "torch_tree_leaves",
+    "torch_tree_map",
+    "whole_op_strategies",
+    "wrapper_tensor",
 ]
 
 
@@ -183,11 +195,11 @@ class _RankGeneratorsMode(LocalTensorMode):
                 per_rank[r] = g.get_state()
         for g, per_rank in states.items():
             self._leave(g, per_rank)
-        return _combine_one_rank_results(results, _tree_leaves((args, kwargs)))
+        return _combine_one_rank_results(results, torch_tree_leaves((args, kwargs)))
 
     def _runs_per_rank(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Would LocalTensorMode run this op once per rank (not once, on plain tensors)?"""
-        flat = _tree_leaves((args, kwargs))
+        flat = torch_tree_leaves((args, kwargs))
         if _check_for_subclass(flat):
             return False
         return any(isinstance(a, LocalTensor) for a in flat) or not any(isinstance(a, torch.Tensor) for a in flat)
@@ -241,6 +253,11 @@ def local_shards(t: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
     return {rank: t}
 
 
+def is_local_tensor(t: Any) -> bool:
+    """Does ``t`` hold one value per simulated rank (a ``LocalTensor``)?"""
+    return isinstance(t, LocalTensor)
+
+
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
@@ -270,57 +287,238 @@ def clear_sharding_caches() -> None:
 
     ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does the same, but importing
     that package imports numpy, which neither torch nor vsf depends on."""
-    sharding_propagator().propagate_op_sharding.cache_clear()
+    _propagator().propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
 
 
-def sharding_propagator():  # noqa: ANN201  (DTensor's ShardingPropagator)
+# -- PyTorch's pytree (fx op arguments, DTensor schemas; user pytrees go through vsf.tree) --------
+
+
+def torch_tree_leaves(x: Any) -> list[Any]:
+    """The leaves of ``x`` by PyTorch's own pytree, which knows fx's immutable lists and dicts."""
+    return torch.utils._pytree.tree_leaves(x)
+
+
+def torch_tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn`` applied to every leaf of ``x`` by PyTorch's own pytree (see :func:`torch_tree_leaves`)."""
+    return torch.utils._pytree.tree_map(fn, x)
+
+
+# -- fake tensors and op schemas -----------------------------------------------------------------
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake tensor mode (shapes and dtypes, no memory) that also accepts real inputs."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Is ``t`` a fake tensor (or a wrapper of one)?"""
+    return is_fake_tensor(t)
+
+
+def is_data_dependent_error(e: BaseException) -> bool:
+    """Did tracing stop because the function read a tensor's value (``if x.sum() > 0``, ``.item()``)?"""
+    return isinstance(e, DataDependentOutputException)
+
+
+def op_schema(op: Any) -> Any:
+    """The ``torch.FunctionSchema`` of an op overload, or ``None`` for anything else."""
+    return getattr(op, "_schema", None)
+
+
+def overload_name(op: Any) -> str:
+    """An op overload's name within its packet (``"Tensor"`` for ``aten.add.Tensor``)."""
+    return op._overloadname
+
+
+# -- DTensor's strategies and decisions ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A tensor argument of an op as DTensor's propagation sees it: its (fake) value and its
+    placements, one per mesh dim; the verbs below take op arguments with these in tensor positions."""
+
+    value: torch.Tensor
+    placements: tuple[Placement, ...]
+
+
+def _propagator() -> Any:
     """DTensor's registry of per-op sharding strategies and rules."""
     return DTensor._op_dispatcher.sharding_propagator
 
 
-def op_schema(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpSchema:
-    """DTensor's description of a call of ``op`` (specs in place of tensors), with the op's
-    registered runtime info, as DTensor's dispatcher builds it: that info says which non-tensor
-    arguments (a reduction's dims, a view's shape) tell calls apart in DTensor's sharding cache.
-    Without it every call with equal specs is one cache entry: ``sum(x, [0, 1])`` answers for
-    ``sum(x, [2])``."""
-    prop = sharding_propagator()
-    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
-    return OpSchema(op, args, kwargs, schema_info=info)
-
-
 @functools.cache
-def abstract_device_mesh(n: int) -> DeviceMesh:
+def _abstract_mesh(n: int) -> DeviceMesh:
     """A 1D DeviceMesh of ``n`` ranks with no process group: enough to ask DTensor's strategies."""
     return DeviceMesh("cpu", torch.arange(n), _init_backend=False, _rank=0)
 
 
-def single_dim_strategies(op: Any, args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any], out_meta: Any) -> list[list[Placement | None]] | None:
-    """DTensor's strategies for ``op`` over one mesh dim, as ``[outputs..., inputs...]`` placement lists
-    (``None`` if the op has no single-dim rule)."""
-    info = sharding_propagator().op_single_dim_strategy_funcs.get(op)
+def _tensor_meta(shape: Any, stride: Any, dtype: torch.dtype) -> TensorMeta:
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
+def _meta_of(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def _specs(x: Any, mesh: DeviceMesh) -> Any:
+    """``x`` with every :class:`Placed` replaced by DTensor's spec of it on ``mesh``."""
+    return torch_tree_map(lambda a: DTensorSpec(mesh, a.placements, tensor_meta=_meta_of(a.value)) if isinstance(a, Placed) else a, x)
+
+
+def registered_rules(op: Any) -> str | None:
+    """``"single"`` if DTensor registers per-mesh-dim rules for ``op``, ``"full"`` if a whole-op
+    strategy or rule, ``None`` if neither."""
+    prop = _propagator()
+    if op in prop.op_single_dim_strategy_funcs:
+        return "single"
+    if op in prop.op_strategy_funcs or op in prop.op_to_rules:
+        return "full"
+    return None
+
+
+def single_dim_strategies(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[list[Placement | None]] | None:
+    """DTensor's strategies for ``op`` over one mesh dim, as ``[outputs..., inputs...]`` placement
+    lists (``None`` if the op has no single-dim rule). ``args`` and ``kwargs`` hold the (fake)
+    tensors the op takes, ``out`` its result (a tensor, or a list of tensors and ``None``)."""
+    info = _propagator().op_single_dim_strategy_funcs.get(op)
     if info is None:
         return None
+    to_meta = lambda a: _meta_of(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    args_meta, kwargs_meta = torch_tree_map(to_meta, args), torch_tree_map(to_meta, kwargs)
+    out_meta = _meta_of(out) if isinstance(out, torch.Tensor) else [None if o is None else _meta_of(o) for o in out]
     rules = info.func(op, args_meta, kwargs_meta)
-    n_in = sum(isinstance(a, TensorMeta) for a in _tree_leaves((args_meta, kwargs_meta), is_leaf=lambda x: isinstance(x, TensorMeta)))
+    n_in = sum(isinstance(a, TensorMeta) for a in torch.utils._pytree.tree_leaves((args_meta, kwargs_meta), is_leaf=lambda x: isinstance(x, TensorMeta)))
     n_out = (len(rules[0]) - n_in) if rules else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
     rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
     return _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
 
 
-def _tree_leaves(x: Any, is_leaf: Any = None) -> list[Any]:
-    return torch.utils._pytree.tree_leaves(x, is_leaf=is_leaf)
+Strategy1D = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
 
 
-def foreach_elementwise_op(op: Any) -> Any:
-    """The per-tensor op a ``_foreach_*`` overload applies to each element (``None`` if unknown)."""
-    return _resolve_foreach_elementwise_overload(op)
+def whole_op_strategies(op: Any, args: Any, kwargs: dict[str, Any], n: int) -> list[Strategy1D] | None:
+    """What DTensor's whole-op strategy function (or rule) of ``op`` offers on a 1D mesh of ``n``
+    ranks for inputs placed as the :class:`Placed` arguments say: ``(input placements, output
+    placements)`` pairs (``None`` if the op has no such function). Raises whatever DTensor raises
+    when it rejects the input placements."""
+    prop = _propagator()
+    func, rule = prop.op_strategy_funcs.get(op), prop.op_to_rules.get(op)
+    if func is None and rule is None:
+        return None
+    n_in = sum(isinstance(a, Placed) for a in torch_tree_leaves((args, kwargs)))
+    mesh = _abstract_mesh(n)
+    args, kwargs = _specs(args, mesh), _specs(kwargs, mesh)
+    if func is not None:
+        result = func(_dispatch_schema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()}))
+        specs = result.strategies if isinstance(result, OpStrategy) else _tuple_strategy_specs(result)
+        out = []
+        for s in specs:
+            outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
+            ins = s.input_specs if s.input_specs is not None else (s.output_specs,) * n_in
+            out.append((tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs)))
+        return out
+    schema = _dispatch_schema(op, tuple(args), dict(kwargs))
+    res = rule(schema)
+    if res.output_spec is None:
+        schema = res.redistribute_schema
+        res = rule(schema)
+    ins = [a for a in torch_tree_leaves((schema.args_schema, schema.kwargs_schema)) if isinstance(a, DTensorSpec)]
+    outs = res.output_spec if isinstance(res.output_spec, (tuple, list)) else (res.output_spec,)
+    return [(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs))]
 
 
-def redistribute_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
-    """The per-mesh-dim steps DTensor takes from ``src`` to ``dst``: ``(mesh_dim, from, to, logical_shape)``."""
-    return [(t.mesh_dim, *t.src_dst_placements, tuple(t.logical_shape)) for t in _gen_transform_infos(src, dst)]
+def _dispatch_schema(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpSchema:
+    """DTensor's description of a call of ``op`` (specs in place of tensors) with the op's
+    registered runtime info, as DTensor's dispatcher builds it: that info says which non-tensor
+    arguments (a reduction's dims, a view's shape) tell calls apart in DTensor's sharding cache.
+    Without it every call with equal specs is one cache entry: ``sum(x, [0, 1])`` answered for
+    ``sum(x, [2])`` (the plan said Partial where the program got Shard(0))."""
+    prop = _propagator()
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
+
+
+def _wrap(a: Any) -> Any:
+    if isinstance(a, DTensorSpec):
+        return OpStrategy([OpSpec(a)])
+    if isinstance(a, (list, tuple)) and a and all(isinstance(x, DTensorSpec) for x in a):
+        return TupleStrategy(tuple(_wrap(x) for x in a))
+    return a
+
+
+def _tuple_strategy_specs(result: Any) -> list[Any]:
+    """A TupleStrategy (one child per output) as a list of combined single-output specs."""
+    children = result.children
+    if not children:
+        return []
+    combos = []
+    for i in range(len(children[0].strategies)):
+        specs = [c.strategies[min(i, len(c.strategies) - 1)] for c in children]
+        combos.append(_Combined(tuple(s.output_specs for s in specs), tuple(x for s in specs for x in (s.input_specs or ()))))
+    return combos
+
+
+@dataclasses.dataclass(frozen=True)
+class _Combined:
+    output_specs: Any
+    input_specs: Any
+
+
+def dtensor_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
+    """What DTensor's dispatcher does for ``op`` on ``mesh`` when its tensor inputs arrive placed as
+    the :class:`Placed` arguments say: the input placements it redistributes them to, and the
+    placements of its outputs (``None`` for a non-tensor output)."""
+    placed = [a.placements for a in torch_tree_leaves((args, kwargs)) if isinstance(a, Placed)]
+    out = _propagator().propagate_op_sharding(_dispatch_schema(op, _specs(args, mesh), _specs(kwargs, mesh)))
+    suggested = placed
+    if out.needs_redistribute and out.redistribute_schema is not None:
+        schema = out.redistribute_schema
+        suggested = [s.placements for s in torch_tree_leaves((schema.args_schema, schema.kwargs_schema)) if isinstance(s, DTensorSpec)]
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else (out.output_spec,)
+    return [tuple(p) for p in suggested], [None if s is None else tuple(s.placements) for s in specs]
+
+
+def is_shardable(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> bool:
+    """DTensor's own filter on a layout: every sharded dim of ``t`` has a row per shard."""
+    return is_tensor_shardable(t.shape, DTensorSpec(mesh, placements, tensor_meta=_meta_of(t)))
+
+
+# -- redistribution and DTensor internals ---------------------------------------------------------
+
+
+def redistribute_steps(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...], t: torch.Tensor) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
+    """The per-mesh-dim steps DTensor takes moving ``t`` from ``src`` to ``dst``: ``(mesh_dim, from, to, logical_shape)``."""
+    meta = _meta_of(t)
+    infos = _gen_transform_infos(DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta))
+    return [(i.mesh_dim, *i.src_dst_placements, tuple(i.logical_shape)) for i in infos]
+
+
+def redistribute_local(
+    local: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...], *, shape: Any, stride: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's shard of a tensor of global ``shape``/``stride``/``dtype``, moved from ``src`` to
+    ``dst`` by DTensor's redistribution (explicit collectives on the local shard)."""
+    meta = _tensor_meta(shape, stride, dtype)
+    return redistribute_local_tensor(local, DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta))
+
+
+def dtensor_layout(mesh: DeviceMesh, placements: tuple[Placement, ...], t: torch.Tensor) -> Any:
+    """DTensor's description of ``t``'s global shape laid out as ``placements`` on ``mesh``: built
+    once, passed to :func:`dtensor_from_local` on every call (an opaque value)."""
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=_meta_of(t))
+
+
+def swap_local(x: DTensor, local: torch.Tensor) -> None:
+    """Make ``local`` the local shard ``x`` holds (``x`` keeps its mesh, placements and shape)."""
+    x._local_tensor = local
+
+
+def wrapper_tensor(cls: type, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of subclass ``cls`` with ``like``'s shape, dtype and device and no storage."""
+    return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
 
 
 def register_stack_anchor(fn: Any) -> None:
@@ -328,15 +526,23 @@ def register_stack_anchor(fn: Any) -> None:
     _register_stack_trace_anchor(fn)
 
 
-def dtensor_from_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """Wrap ``local`` as a DTensor with ``spec`` (no checks, no autograd node: the fast path)."""
-    return DTensor(local, spec, requires_grad=False)
+def dtensor_from_local(local: torch.Tensor, layout: Any) -> DTensor:
+    """Wrap ``local`` as a DTensor laid out as ``layout`` (:func:`dtensor_layout`; no checks, no
+    autograd node: the fast path)."""
+    return DTensor(local, layout, requires_grad=False)
+
+
+def foreach_elementwise_op(op: Any) -> Any:
+    """The per-tensor op a ``_foreach_*`` overload applies to each element (``None`` if unknown)."""
+    return _resolve_foreach_elementwise_overload(op)
 
 
 def dispatcher_special_ops() -> frozenset[Any]:
     """Ops DTensor's dispatcher runs its own way (random ops, custom handlers): lower them through DTensor."""
     d = DTensor._op_dispatcher
     return frozenset(d._random_ops) | frozenset(d._custom_op_handlers)
+
+
 def dtensor_local(x: DTensor) -> torch.Tensor:
     """A DTensor's local shard itself: ``to_local()`` without its autograd function and view
     (which cost milliseconds per call under ``LocalTensorMode``). For non-differentiable math."""

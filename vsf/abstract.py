@@ -121,7 +121,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=state)
     """
     structs = tree.map(_describe, (args, kwargs))
-    with _compat.local_mode_disabled(), _compat.FakeTensorMode(allow_non_fake_inputs=True):
+    with _compat.local_mode_disabled(), _compat.fake_mode():
         fake_args, fake_kwargs = tree.map(lambda x: empty(x) if isinstance(x, ShapeDtypeStruct) else x, structs)
         out = fn(*fake_args, **fake_kwargs)
     return tree.map(lambda x: ShapeDtypeStruct.like(x) if isinstance(x, torch.Tensor) else x, out)

@@ -7,7 +7,7 @@
 * ``jit_mode`` (default ``"auto"``): ``"trace"`` runs each step as a traced program over local
   shards, ``"interpret"`` walks the plan on DTensors, ``"auto"`` traces in real runs and
   interprets under ``vsf.simulate`` (where per-rank programs cannot be traced).
-* ``check_plan`` (default ``False``): checking mode for every jitted call (:mod:`vsf.check`;
+* ``check_plan`` (default ``False``): checking mode for every jitted call (:mod:`vsf.jit.check`;
   ``f.check(*args)`` checks one call). Under ``vsf.simulate`` the planned program runs beside the
   unsharded graph, op by op on the same full input values, and the first op whose assembled result
   differs raises ``vsf.PlanCheckError`` naming the op, the user's source line, the placements in

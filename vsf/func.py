@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -133,7 +132,7 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
             out.append(leaf)
             continue
         s = resolve(s, tree.keystr(path))
-        if is_fake(leaf):
+        if _compat.is_fake(leaf):
             _check_constraint(s, leaf, tree.keystr(path))
             out.append(constrain(leaf, s))
         elif leaf.requires_grad and s.spec.ragged is None:
@@ -149,7 +148,7 @@ def _reshard_in_graph(x: torch.Tensor, s: NamedSharding, where: str) -> torch.Te
     s.check(tuple(x.shape), where)
     dm = s.mesh.device_mesh
     if not isinstance(x, DTensor):
-        if _compat.active_local_mode() is not None and not isinstance(x, _compat.LocalTensor):
+        if _compat.active_local_mode() is not None and not _compat.is_local_tensor(x):
             return device_put(x, s)  # a plain tensor made outside the simulation: no graph to keep
         x = DTensor.from_local(x, dm, [Replicate()] * dm.ndim, run_check=False)
     with _compat.quiet_redistribute():
@@ -188,7 +187,7 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
         if m is None:
             raise ValueError("shard_map needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
         in_pairs, in_def = tree.flatten_with_path(args)
-        if any(isinstance(x, torch.Tensor) and is_fake(x) for _, x in in_pairs):
+        if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for _, x in in_pairs):
             raise NotImplementedError(
                 f"vsf.shard_map({getattr(f, '__name__', 'f')}) inside vsf.jit is not supported yet: jit places the "
                 "collectives itself (with_sharding_constraint pins layouts there); call shard_map outside the jitted function"

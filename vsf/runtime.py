@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,18 @@ from vsf import _compat
 __all__ = ["default_device_type", "ensure_world", "is_simulated", "rank", "simulate", "world_size"]
 
 _ACTIVE: list["simulate"] = []
+_ON_STOP: list[Callable[[], None]] = []
+
+
+def on_stop(fn: Callable[[], None]) -> None:
+    """Call ``fn`` whenever a simulation stops, before its process group goes (a layer above
+    registers the caches it keeps per process group, so this module imports nothing of vsf's).
+
+    Example::
+
+        >>> vsf.runtime.on_stop(forget_meshes)
+    """
+    _ON_STOP.append(fn)
 
 
 class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
@@ -51,7 +65,7 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
             raise ValueError(f"simulate(n) needs a positive number of ranks, got {n!r}")
         self.n = n
         self.compute = compute
-        self._mode: _compat.LocalTensorMode | None = None
+        self._mode: Any = None
 
     def __repr__(self) -> str:
         return f"simulate({self.n}, compute={self.compute})"
@@ -76,9 +90,8 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
-        from vsf.sharding import mesh as _mesh  # the mesh cache is per process group
-
-        _mesh.forget_meshes()
+        for forget in _ON_STOP:  # caches per process group (the meshes)
+            forget()
         dist.destroy_process_group()
 
     def __enter__(self) -> "simulate":

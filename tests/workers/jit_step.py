@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vsf  # noqa: E402
-from models import adamw_gpt_case  # noqa: E402
+from toy_models import adamw_gpt_case  # noqa: E402
 from vsf import P, optim  # noqa: E402
 
 out = Path(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Worker for tests/test_optim_multiproc.py: chain(clip, adamw) with ZeRO stage 2 over every rank (gloo).
+"""Worker for tests/optim/test_optim_sharded.py: chain(clip, adamw) with ZeRO stage 2 over every rank (gloo).
 
 Every rank builds the same params and gradients from one seed; gradients arrive as unreduced
 partial sums (each rank holds its share), are reduce-scattered into the state's layout by the

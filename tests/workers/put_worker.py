@@ -1,4 +1,4 @@
-"""Tier-3 worker: run by ``torchrun --nproc-per-node 4`` (see tests/test_multiproc_put.py).
+"""Tier-3 worker: run by ``torchrun --nproc-per-node 4`` (see tests/sharding/test_put.py).
 
 A user-style script on a 2x2 gloo mesh: place a pytree with random specs (the same seed on every
 rank, so all ranks agree), check this rank's local pieces against hand slicing, gather it back,

@@ -27,7 +27,8 @@ Example::
     mngr.save(step, state, blocking=False)                      # copies shards, writes in the background
 """
 
-from vsf.checkpoint.format import FORMAT_VERSION, CorruptCheckpointError, NotACheckpointError
+from vsf.checkpoint.format import FORMAT_VERSION
+from vsf.errors import CorruptCheckpointError, NotACheckpointError
 from vsf.checkpoint.loading import load
 from vsf.checkpoint.manager import CheckpointManager
 from vsf.checkpoint.saving import AsyncSave, async_save, save

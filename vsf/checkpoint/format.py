@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vsf.checkpoint.checksum import BLOCK, checksums
+from vsf.errors import CorruptCheckpointError, NotACheckpointError
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
 from vsf.sharding.spec import PartitionSpec, RaggedShard
@@ -36,11 +37,9 @@ __all__ = [
     "MARKER",
     "TREE",
     "Checkpoint",
-    "CorruptCheckpointError",
     "DCP_METADATA",
     "FileRecord",
     "LeafRecord",
-    "NotACheckpointError",
     "decode_marker",
     "decode_tree",
     "encode_marker",
@@ -53,14 +52,6 @@ MARKER = "COMMITTED"
 TREE = "tree.json"
 DCP_METADATA = ".metadata"
 VALUE_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
-
-
-class NotACheckpointError(FileNotFoundError):
-    """The path is missing, or is not a committed vsf checkpoint (no valid ``COMMITTED`` marker)."""
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint file is truncated or its bytes differ from what was written."""
 
 
 @dataclasses.dataclass(frozen=True)

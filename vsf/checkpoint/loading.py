@@ -11,7 +11,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from vsf import _compat, runtime
 from vsf.checkpoint import group as group_mod, leaves, ragged
-from vsf.checkpoint.format import CorruptCheckpointError, read_checkpoint
+from vsf.checkpoint.format import read_checkpoint
+from vsf.errors import CorruptCheckpointError
 from vsf.checkpoint.progress import Progress
 from vsf.checkpoint.saving import wait_pending
 from vsf.checkpoint.storage import VerifyingReader

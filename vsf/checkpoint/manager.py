@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from vsf.checkpoint import commit, group as group_mod
-from vsf.checkpoint.format import NotACheckpointError
+from vsf.errors import NotACheckpointError
 from vsf.checkpoint.loading import load
 from vsf.checkpoint.saving import start_save, wait_pending
 

@@ -7,7 +7,7 @@ block, so no block spans two items. :class:`VerifyingReader` is DCP's ``FileSyst
 whose streams check the size of each file when it is opened and, for every read, read the
 bytes straight into the caller's buffer one block at a time and check each block while it is
 still in cache, before returning (a block wanted only in part is read whole, aside, once). So a
-truncated or altered file raises :class:`~vsf.checkpoint.format.CorruptCheckpointError` naming
+truncated or altered file raises :class:`~vsf.errors.CorruptCheckpointError` naming
 the file and the leaves stored there, and no unchecked byte ever reaches DCP.
 
 Checking costs one pass of :func:`~vsf.checkpoint.checksum.checksums` over bytes just read,
@@ -36,7 +36,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from vsf.checkpoint.checksum import BLOCK, checksums
-from vsf.checkpoint.format import CorruptCheckpointError, FileRecord
+from vsf.checkpoint.format import FileRecord
+from vsf.errors import CorruptCheckpointError
 from vsf.checkpoint.progress import Progress
 
 __all__ = ["EDGE", "ChecksumWriter", "VerifyingReader"]

@@ -194,4 +194,4 @@ def _check_rows(x: torch.Tensor, rows: int, g: AxisGroup, me: int) -> None:
 def _values(x: torch.Tensor, mesh: Mesh) -> dict[int, torch.Tensor]:
     """Every simulated rank's value of ``x`` (a plain tensor is the same value on every rank)."""
     shards = _compat.local_shards(x, mesh.devices[0])
-    return {r: shards.get(r, x) for r in mesh.devices} if isinstance(x, _compat.LocalTensor) else dict.fromkeys(mesh.devices, x)
+    return {r: shards.get(r, x) for r in mesh.devices} if _compat.is_local_tensor(x) else dict.fromkeys(mesh.devices, x)

@@ -242,6 +242,9 @@ def forget_meshes() -> None:
     _compat.clear_sharding_caches()
 
 
+runtime.on_stop(forget_meshes)
+
+
 def mesh_of(dm: DeviceMesh) -> Mesh:
     """The :class:`Mesh` a DeviceMesh was built for (or an equivalent one for a foreign DeviceMesh)."""
     if id(dm) in _MESH_OF:

@@ -223,7 +223,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
             return _assemble(t)
     with _compat.quiet_redistribute():
         full = t.full_tensor() if isinstance(t, DTensor) else t
-    if isinstance(full, _compat.LocalTensor):
+    if _compat.is_local_tensor(full):
         with _compat.local_mode_disabled():
             return full.reconcile()
     return full
@@ -236,7 +236,7 @@ def _layout_of(t: DTensor) -> NamedSharding:
 
 def _simulated_empty_shards(t: DTensor, *targets: NamedSharding) -> bool:
     """Simulated ranks with an empty shard, which DTensor cannot gather or move under LocalTensorMode."""
-    if not isinstance(t._local_tensor, _compat.LocalTensor):
+    if not _compat.is_local_tensor(_compat.dtensor_local(t)):
         return False
     layouts = [_layout_of(t), *targets]
     return any(sl.stop == sl.start for s in layouts for idx in s.devices_indices_map(t.shape).values() for sl in idx)
@@ -250,7 +250,7 @@ def _assemble(t: DTensor) -> torch.Tensor:
     """
     s = sharding_of(t)
     sharding_axes = {a for d in range(t.ndim) for a in s.spec.entry_axes(d)} | set(s.spec.unreduced)
-    shards = _compat.local_shards(t._local_tensor, runtime.rank())
+    shards = _compat.local_shards(_compat.dtensor_local(t), runtime.rank())
     with _compat.local_mode_disabled():
         full = torch.zeros(t.shape, dtype=t.dtype, device=next(iter(shards.values())).device)
         for r, local in shards.items():

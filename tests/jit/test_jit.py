@@ -1,0 +1,549 @@
+"""vsf.jit on simulated ranks and on 4 real gloo processes (tier 3, ``multiprocess``): every sharded
+run must equal the same step run unsharded."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy_models import Attention, GPT, GPTConfig
+from torch.distributed.tensor.debug import CommDebugMode
+
+import vsf
+from vsf import P
+from multiproc import launch_once
+STEPS = 2
+LR = 0.1
+
+
+def sgd(params, grads):
+    return vsf.tree.map(lambda p, g: p - LR * g, params, grads)
+
+
+def make_step(loss_fn):
+    def step(params, *batch):
+        loss, grads = vsf.value_and_grad(loss_fn)(params, *batch)
+        return sgd(params, grads), loss
+
+    return step
+
+
+def reference(step, params, batch, steps=STEPS):
+    losses = []
+    for _ in range(steps):
+        params, loss = step(params, *batch)
+        losses.append(loss)
+    return params, losses
+
+
+def run_sharded(step, params, batch, mesh, param_specs, batch_specs, steps=STEPS):
+    jitted = vsf.jit(step)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, param_specs))
+    b = vsf.device_put(batch, vsf.NamedSharding.tree(mesh, batch_specs))
+    losses = []
+    for _ in range(steps):
+        p, loss = jitted(p, *b)
+        losses.append(vsf.device_get(loss))
+    return jitted, vsf.device_get(p), losses
+
+
+def assert_close_trees(got, want, rtol=1e-5, atol=1e-5):
+    for (path, g), w in zip(vsf.tree.leaves_with_path(got), vsf.tree.leaves(want)):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{vsf.tree.keystr(path)}: {m}")
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+def mlp_case():
+    params = {"w1": torch.randn(16, 64), "w2": torch.randn(64, 16)}
+    batch = (torch.randn(32, 16), torch.randn(32, 16))
+
+    def loss_fn(p, x, y):
+        return ((F.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2).mean()
+
+    return params, batch, loss_fn
+
+
+def attention_case():
+    cfg = GPTConfig(dim=32, heads=4, seq=8)
+    module = Attention(cfg)
+    params = vsf.tree.from_module(module)
+    batch = (torch.randn(4, cfg.seq, cfg.dim), torch.randn(4, cfg.seq, cfg.dim))
+
+    def loss_fn(p, x, y):
+        return ((vsf.tree.apply(module, p, x) - y) ** 2).mean()
+
+    return params, batch, loss_fn
+
+
+def gpt_case(tied=True):
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, tied=tied)
+    model = GPT(cfg)
+    params = vsf.tree.from_module(model)
+    batch = (torch.randint(0, cfg.vocab, (8, cfg.seq)), torch.randint(0, cfg.vocab, (8, cfg.seq)))
+
+    def loss_fn(p, idx, tgt):
+        return vsf.tree.apply(model, p, idx, tgt)
+
+    return params, batch, loss_fn
+
+
+MEGATRON = [
+    (r".*(qkv|fc1)\.weight", P("tp")),
+    (r".*(qkv|fc1)\.bias", P("tp")),
+    (r".*(proj|fc2)\.weight", P(None, "tp")),
+    (r".*", P()),
+]
+FSDP = [(r".*weight", P("fsdp")), (r".*", P())]
+FSDP_TP = [
+    (r".*(qkv|fc1)\.weight", P("tp", "fsdp")),
+    (r".*(qkv|fc1)\.bias", P("tp")),
+    (r".*(proj|fc2)\.weight", P("fsdp", "tp")),
+    (r".*", P()),
+]
+REPLICATED = [(r".*", P())]
+
+LAYOUTS = {
+    "dp": ((4,), ("dp",), REPLICATED, P("dp")),
+    "fsdp": ((4,), ("fsdp",), FSDP, P("fsdp")),
+    "tp": ((2,), ("tp",), MEGATRON, P()),
+    "dp_tp": ((2, 2), ("dp", "tp"), MEGATRON, P("dp")),
+    "dp_cp": ((2, 2), ("dp", "cp"), REPLICATED, P("dp", "cp")),
+    "5d": ((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"), FSDP_TP, P(("dp", "fsdp"))),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gpt_matches_unsharded(sim, layout):
+    params, batch, loss_fn = gpt_case(tied=layout != "tp")
+    step = make_step(loss_fn)
+    want_params, want_losses = reference(step, params, batch)
+    shape, names, rules, batch_spec = LAYOUTS[layout]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    jitted, got, losses = run_sharded(step, params, batch, mesh, vsf.sharding.match(params, rules), batch_spec)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    assert_close_trees(got, want_params)
+    assert jitted.plan_count == 1
+
+
+@pytest.mark.parametrize("case,layout", [("mlp", "dp_tp"), ("mlp", "fsdp"), ("attention", "dp_tp"), ("attention", "dp_cp")])
+def test_blocks_match_unsharded(sim, case, layout):
+    params, batch, loss_fn = {"mlp": mlp_case, "attention": attention_case}[case]()
+    step = make_step(loss_fn)
+    want_params, want_losses = reference(step, params, batch)
+    shape, names, rules, batch_spec = LAYOUTS[layout]
+    if case == "mlp" and layout == "dp_tp":
+        rules = [("w1", P(None, "tp")), ("w2", P("tp", None))]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    _, got, losses = run_sharded(step, params, batch, mesh, vsf.sharding.match(params, rules), batch_spec)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    assert_close_trees(got, want_params)
+
+
+def test_uneven_batch_matches_unsharded(sim):
+    params, batch, loss_fn = mlp_case()
+    batch = (batch[0][:6], batch[1][:6])  # 6 rows over 4 ranks: 2, 2, 2, 0
+    step = make_step(loss_fn)
+    want_params, want_losses = reference(step, params, batch)
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    _, got, losses = run_sharded(step, params, batch, mesh, vsf.tree.map(lambda _: P(), params), P("dp"))
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    assert_close_trees(got, want_params)
+
+
+# -- plan quality against the analytic optimum ---------------------------------------------------
+
+
+def megatron_mlp(sim, input_grad: bool):
+    params, (x, y), loss_fn = mlp_case()
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    p = vsf.device_put(params, {"w1": vsf.NamedSharding(mesh, P(None, "tp")), "w2": vsf.NamedSharding(mesh, P("tp", None))})
+    xb, yb = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("dp")))
+
+    def step(params, x, y):
+        argnums = (0, 1) if input_grad else 0
+        loss, grads = vsf.value_and_grad(loss_fn, argnums=argnums)(params, x, y)
+        g = grads[0] if input_grad else grads
+        out = (sgd(params, g), loss)
+        return out + (grads[1],) if input_grad else out
+
+    return vsf.jit(step).lower(p, xb, yb), x, params
+
+
+def test_megatron_mlp_one_tp_all_reduce_forward(sim):
+    lowered, x, params = megatron_mlp(sim, input_grad=False)
+    c = lowered.cost()
+    assert c.count("all_reduce", "tp") == 1
+    assert c.count("all_gather") == c.count("reduce_scatter") == c.count("all_to_all") == 0
+    # one all-reduce of the [batch/dp, hidden] activations: 2(n-1)/n of its bytes
+    act_bytes = (x.shape[0] // 2) * params["w2"].shape[1] * 4
+    assert c.comm_bytes["tp"] == 2 * (2 - 1) / 2 * act_bytes
+    # dp: the loss and every gradient reduced exactly once, all in one bucket (one collective)
+    reduced = [r.value for r in lowered.plan.redistributions if r.collectives and r.collectives[0].axis == "dp"]
+    assert len(reduced) == len(set(reduced)) == 1 + len(params)
+    assert c.count("all_reduce", "dp") == 1 and len(lowered.plan.buckets) == 1
+    grads_bytes = sum(v.numel() // 2 * 4 for v in params.values())  # each grad is tp-sharded
+    assert c.comm_bytes["dp"] == round(2 * (2 - 1) / 2 * 4) + 2 * (2 - 1) / 2 * grads_bytes
+
+
+def test_megatron_mlp_backward_all_reduce_when_input_grad_needed(sim):
+    lowered, _, _ = megatron_mlp(sim, input_grad=True)
+    assert lowered.cost().count("all_reduce", "tp") == 2
+
+
+def test_fsdp_gathers_each_param_once_and_scatters_each_grad(sim):
+    params, (x, y), loss_fn = mlp_case()
+    x, y = x.repeat(8, 1), y.repeat(8, 1)  # enough tokens that gathering weights beats moving activations
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("fsdp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P("fsdp")))
+    b = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("fsdp")))
+    c = vsf.jit(make_step(loss_fn)).lower(p, *b).cost()
+    assert c.count("all_gather", "fsdp") == len(params)
+    assert c.count("reduce_scatter", "fsdp") == len(params)
+    assert c.count("all_reduce", "fsdp") == 1  # the loss
+    weights = sum(v.numel() * 4 for v in params.values())
+    assert c.comm_bytes["fsdp"] == round(2 * 3 / 4 * 4) + 2 * 3 / 4 * weights
+
+
+def test_data_parallel_gpt_sends_only_the_loss_and_each_gradient_once(sim):
+    # the analytic optimum for DP: the cross-entropy stays on each rank's rows (forward and
+    # backward), then one all-reduce of every gradient and of the loss's sum and count
+    params, batch, loss_fn = gpt_case()
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, P("dp")))
+    c = vsf.jit(make_step(loss_fn)).lower(p, *b).cost()
+    assert {x.kind for x in c.collectives} == {"all_reduce"}
+    weights = sum(v.numel() * 4 for v in params.values())
+    assert c.comm_bytes["dp"] == pytest.approx(2 * 3 / 4 * (weights + 2 * 4), abs=2)
+
+
+def test_cost_counts_the_collectives_that_run(sim):
+    params, batch, loss_fn = gpt_case()
+    shape, names, rules, batch_spec = LAYOUTS["5d"]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    step = vsf.jit(make_step(loss_fn))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec))
+    planned = step.lower(p, *b).cost()
+    with CommDebugMode() as comm:
+        step(p, *b)
+    ran = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    kinds = {
+        "all_reduce": ("all_reduce",),
+        "all_gather": ("all_gather_into_tensor",),
+        "reduce_scatter": ("reduce_scatter_tensor",),
+        "all_to_all": ("all_to_all_single", "shard_dim_alltoall"),
+    }
+    for kind, ops in kinds.items():
+        assert planned.count(kind) == sum(ran.get(op, 0) for op in ops), (kind, planned.count(kind), ran)
+    assert set(ran) <= {op for ops in kinds.values() for op in ops}, ran
+
+
+# -- caching and re-planning ----------------------------------------------------------------------
+
+
+def test_replans_only_on_shape_dtype_sharding_or_static_change(sim, caplog):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+
+    def f(x, w, scale):
+        return (x @ w * scale).sum(), x.shape[0]
+
+    jf = vsf.jit(f, static_argnums=(2,))
+    x = vsf.device_put(torch.randn(8, 4), vsf.NamedSharding(mesh, P("dp")))
+    w = vsf.device_put(torch.randn(4, 3), vsf.NamedSharding(mesh, P()))
+    with caplog.at_level(logging.INFO, logger="vsf.jit"):
+        for _ in range(3):
+            jf(x, w, 2.0)
+        assert jf.plan_count == 1
+        jf(vsf.device_put(torch.randn(8, 4), vsf.NamedSharding(mesh, P("dp"))), w, 2.0)  # new values only
+        assert jf.plan_count == 1
+        jf(vsf.device_put(torch.randn(6, 4), vsf.NamedSharding(mesh, P("dp"))), w, 2.0)
+        assert jf.plan_count == 2 and "shape" in jf.replans[-1]
+        jf(x.to(torch.float64), w.to(torch.float64), 2.0)
+        assert jf.plan_count == 3 and "dtype" in jf.replans[-1]
+        jf(vsf.device_put(x, vsf.NamedSharding(mesh, P())), w, 2.0)
+        assert jf.plan_count == 4 and "sharding" in jf.replans[-1] and jf.replans[-1].endswith("-> f32[8,4]")
+        jf(x, w, 3.0)
+        assert jf.plan_count == 5 and "static" in jf.replans[-1]
+        jf(x, w, 3.0)
+        assert jf.plan_count == 5
+    assert sum(r.message.startswith("planning") for r in caplog.records) == 5
+
+
+def test_python_numbers_are_traced_not_static(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    jf = vsf.jit(lambda x, lr: x * lr)
+    x = vsf.device_put(torch.arange(4.0), vsf.NamedSharding(mesh, P("dp")))
+    for lr in (0.5, 0.25, 2.0):
+        torch.testing.assert_close(vsf.device_get(jf(x, lr)), torch.arange(4.0) * lr)
+    assert jf.plan_count == 1
+
+
+# -- shardings given by the user -----------------------------------------------------------------
+
+
+def test_in_and_out_shardings(sim):
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    x = torch.randn(8, 6)
+    f = vsf.jit(lambda a: a * 2 + 1, in_shardings=vsf.NamedSharding(mesh, P("dp")), out_shardings=vsf.NamedSharding(mesh, P(None, "tp")))
+    out = f(x)
+    assert vsf.typeof(out) == "f32[8,6@tp]"
+    torch.testing.assert_close(vsf.device_get(out), x * 2 + 1)
+
+
+def test_committed_input_with_other_sharding_is_resharded_with_warning_or_refused(sim, caplog, monkeypatch):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.randn(4, 4), vsf.NamedSharding(mesh, P(None, "dp")))
+    f = vsf.jit(lambda a: a + 1, in_shardings=vsf.NamedSharding(mesh, P("dp")))
+    with caplog.at_level(logging.WARNING, logger="vsf.jit"):
+        out = f(x)
+    assert any("resharding" in r.message for r in caplog.records)
+    torch.testing.assert_close(vsf.device_get(out), vsf.device_get(x) + 1)
+    monkeypatch.setattr(vsf.config, "strict", True)
+    with pytest.raises(ValueError, match="strict"):
+        f(x)
+
+
+def test_with_sharding_constraint_pins_an_intermediate(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    w1 = vsf.device_put(torch.randn(8, 16), vsf.NamedSharding(mesh, P(None, "tp")))
+    x = vsf.device_put(torch.randn(4, 8), vsf.NamedSharding(mesh, P()))
+
+    def f(x, w1, pin):
+        h = x @ w1
+        if pin:
+            h = vsf.with_sharding_constraint(h, P())
+        return h.sum(0)
+
+    with vsf.use_mesh(mesh):
+        free = vsf.jit(f, static_argnums=2).lower(x, w1, False).cost()
+        pinned_fn = vsf.jit(f, static_argnums=2)
+        pinned = pinned_fn.lower(x, w1, True).cost()
+        out = pinned_fn(x, w1, True)
+    assert free.count("all_gather") == 0 and pinned.count("all_gather", "tp") == 1
+    torch.testing.assert_close(vsf.device_get(out), (vsf.device_get(x) @ vsf.device_get(w1)).sum(0))
+
+
+def test_plan_text_lists_ops_shardings_and_collectives(sim):
+    lowered, _, _ = megatron_mlp(sim, input_grad=False)
+    text = lowered.as_text()
+    assert "all_reduce over tp" in text
+    assert "args[0]['w1']" in text and "f32[16,64@tp]" in text
+    assert "mm(" in text and "cost per rank" in text
+
+
+# -- donation -------------------------------------------------------------------------------------
+
+
+def test_donated_arguments_are_released_and_refused_afterwards(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    f = vsf.jit(lambda p: vsf.tree.map(lambda t: t + 1, p), donate_argnums=0)
+    p = vsf.device_put({"b": torch.zeros(2), "w": torch.zeros(4)}, vsf.NamedSharding(mesh, P("dp")))
+    new = f(p)
+    torch.testing.assert_close(vsf.device_get(new["w"]), torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"donated to .*args\[0\]\['b'\]"):
+        f(p)
+    with pytest.raises(RuntimeError, match=r"donated to .*args\[0\]\['w'\]"):
+        p["w"] + 1
+
+
+def _reused(fn, *args):
+    """``fn`` traced and rewritten by the lowering's buffer-reuse pass with every input donated:
+    (its results on clones of ``args``, which clones its result buffers took over, the in-place ops)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vsf.jit.donation import _reuse
+
+    gm = make_fx(fn)(*args)
+    _reuse(gm, {n for n in gm.graph.nodes if n.op == "placeholder"})
+    gm.recompile()
+    mine = [a.clone() for a in args]
+    ptrs = [a.data_ptr() for a in mine]
+    outs = gm(*mine)
+    taken = [ptrs.index(o.data_ptr()) if o.data_ptr() in ptrs else None for o in outs]
+    return outs, taken, [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable]
+
+
+def test_donated_buffer_takes_a_result_at_its_last_use():
+    # p is read by the decay term first; p + u is its last use, so the new param goes into p's buffer
+    def step(p, m, g):
+        m = m.lerp(g, 0.1)
+        u = m * -0.01 + p * -0.001
+        return p + u, m
+
+    p, m, g = torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4)
+    outs, taken, inplace = _reused(step, p, m, g)
+    for got, want in zip(outs, step(p, m, g)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert taken == [0, 1]
+    assert "aten.add_.Tensor" in inplace and "aten.lerp_.Scalar" in inplace
+
+
+@pytest.mark.parametrize("moment_read_later", [False, True])
+def test_donated_moments_take_the_fused_adam_step_in_place(moment_read_later):
+    # vsf::adam_step overwrites both moments in its in-place twin: only when both are free to take
+    count, lr, decay = torch.tensor(3.0), torch.tensor(1e-2, dtype=torch.float64), torch.tensor(-1e-3, dtype=torch.float64)
+
+    def step(g, m, v, p):
+        u, m2, v2 = torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, 0.9, 0.999, 1e-8)
+        return (p + u, m2, v2, m * 2) if moment_read_later else (p + u, m2, v2)
+
+    g, m, v, p = torch.randn(8, 4), torch.randn(8, 4), torch.rand(8, 4), torch.randn(8, 4)
+    outs, taken, inplace = _reused(step, g, m, v, p)
+    for got, want in zip(outs, step(g, m, v, p)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (taken[1:3], "vsf.adam_step_.default" in inplace) == (([None, None], False) if moment_read_later else ([1, 2], True))
+    assert taken[0] == 3  # the op only read p (for the decay): p + u still takes p's buffer
+
+
+def test_donated_buffer_takes_a_result_after_its_split_views_are_read():
+    # a local slice of a replicated param (ZeRO's decay term) is a split view of it; once that has
+    # been read, p + u may still overwrite p
+    def step(p, u):
+        decay = p.split(2)[1] * 0.5
+        return p + u, decay
+
+    p, u = torch.randn(4, 4), torch.randn(4, 4)
+    outs, taken, _ = _reused(step, p, u)
+    for got, want in zip(outs, step(p, u)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert taken[0] == 0
+
+
+@pytest.mark.parametrize("case", ["view_read_later", "view_read_by_the_op", "split_view_read_later"])
+def test_donated_buffer_is_not_overwritten_while_a_view_of_it_is_read(case):
+    def view_read_later(p):
+        t = p.t()
+        return p + 1, t * 2     # t is read after p + 1: p + 1 may not overwrite p
+
+    def view_read_by_the_op(p):
+        return [p + p.t()]      # an in-place add would read the transposed p while writing it
+
+    def split_view_read_later(p):
+        half = p.split(2)[1]
+        return p + 1, half * 2
+
+    fn = {"view_read_later": view_read_later, "view_read_by_the_op": view_read_by_the_op, "split_view_read_later": split_view_read_later}[case]
+    p = torch.randn(4, 4)
+    outs, taken, _ = _reused(fn, p)
+    for got, want in zip(outs, fn(p)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert taken[0] is None
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_in_shardings_not_a_prefix_names_the_path(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    f = vsf.jit(lambda p: p["a"] + 1, in_shardings=({"b": vsf.NamedSharding(mesh, P())},))
+    with pytest.raises(ValueError, match=r"in_shardings is not a prefix .* at \[0\]"):
+        f({"a": torch.ones(2)})
+
+
+def test_sharding_on_another_mesh_is_refused(sim):
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    other = vsf.make_mesh((4,), ("x",))
+    x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
+    with vsf.use_mesh(other), pytest.raises(ValueError, match="current mesh"):
+        vsf.jit(lambda a: a + 1)(x)
+
+
+def test_out_sharding_that_cannot_hold_is_refused(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
+    f = vsf.jit(lambda a: a.sum(), out_shardings=vsf.NamedSharding(mesh, P("dp")))
+    with pytest.raises(ValueError, match=r"output .*rank 0"):
+        f(x)
+
+
+def test_constraint_with_unknown_axis_is_refused(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4, 2), vsf.NamedSharding(mesh, P("dp")))
+
+    def f(a):
+        return vsf.with_sharding_constraint(a * 2, vsf.NamedSharding(mesh, P("tp")))
+
+    with pytest.raises(ValueError, match="'tp'"):
+        vsf.jit(f)(x)
+
+
+def test_data_dependent_control_flow_is_a_clear_error(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
+
+    def f(a):
+        if a.sum() > 0:
+            return a
+        return -a
+
+    with pytest.raises(ValueError, match=r"test_jit.py:\d+ .*data-dependent"):
+        vsf.jit(f)(x)
+
+
+def test_input_mutation_is_refused(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
+
+    def f(a):
+        a.add_(1)
+        return a * 2
+
+    with pytest.raises(ValueError, match="mutates its input"):
+        vsf.jit(f)(x)
+
+
+# -- on 4 real gloo processes ------------------------------------------------------------------
+# vsf.jit on 4 real gloo processes (tier 3): each rank runs the traced program over its local shards.
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch_once(tmp_path_factory, "jit_step.py", 4)
+
+
+@pytest.mark.multiprocess
+def test_traced_step_matches_unsharded_on_every_rank(ranks):
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+        assert r["max_param_err"] < 1e-5
+        assert r["plan_count"] == 1
+
+
+@pytest.mark.multiprocess
+def test_traced_program_runs_the_planned_collectives(ranks):
+    for r in ranks:
+        assert r["traced_ops"] > 0
+        assert r["collectives_in_program"] == r["planned_collectives"]
+
+
+@pytest.mark.multiprocess
+def test_donated_state_buffers_are_updated_in_place(ranks):
+    # the optimizer state and the params are donated: the traced program writes every new leaf
+    # (the count, the moments, each param after its last read) into the buffer of the leaf it replaces
+    for r in ranks:
+        assert r["state_buffers_reused"] == [r["state_leaves"]] * 3
+        assert r["param_buffers_reused"] == [r["param_leaves"]] * 3

@@ -1,0 +1,247 @@
+"""The planner's pieces on small hand-built graphs: op classification, DTensor's strategies for an
+op, the cost of each collective kind, transition paths, bucket formation, and the driver on a
+two-op graph. Oracles: hand-computed placements and bytes (ring model: an all-reduce sends
+2(n-1)/n of the tensor, an all-gather or reduce-scatter (n-1)/n, an all-to-all (n-1)/n of the
+local shard), and PyTorch's own registry for which ops DTensor covers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import vsf
+from vsf._compat import StridedShard
+from vsf.jit.buckets import form_buckets
+from vsf.jit.classify import OpClass, classify
+from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_shape, transition_bytes
+from vsf.jit.graph import output_node, value_of
+from vsf.jit.plan import Collective, Redistribution
+from vsf.jit.propagate import propagate
+from vsf.jit.redistribute import collectives_of, minor_step, transition_path
+from vsf.jit.strategies import Strategies, Strategy
+from vsf.sharding import constraint
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+def _graph(fn, *shapes, mode="fake"):
+    return make_fx(fn, tracing_mode=mode)(*(torch.randn(*s) for s in shapes))
+
+
+def _node(gm, target):
+    (node,) = [n for n in gm.graph.nodes if n.target is target]
+    return node
+
+
+# -- op classification -----------------------------------------------------------------------
+
+
+def test_each_kind_of_op_is_classified_once_from_its_target_and_arguments():
+    const = torch.arange(4.0)
+    gm = _graph(lambda x, w: (x @ w, x.sum(), torch.ones_like(x), torch.ones(3), x.renorm(2, 0, 1.0), torch.bernoulli(x.sigmoid()), x + const), (4, 4), (4, 4), mode="real")
+    assert classify(_node(gm, aten.mm.default)) == OpClass("strategy", "single", local=True, ragged_reduction=False)
+    assert classify(_node(gm, aten.sum.default)) == OpClass("strategy", "full", local=False, ragged_reduction=True)
+    assert classify(_node(gm, aten.ones_like.default)).kind == "value_blind"
+    assert classify(_node(gm, aten.ones.default)).kind == "constant"  # a factory: no tensor input
+    assert classify(_node(gm, aten.renorm.default)).kind == "none"  # DTensor registers no strategy
+    # a random op has per-mesh-dim rules but DTensor's dispatcher runs it its own way
+    assert classify(_node(gm, aten.bernoulli.default)) == OpClass("strategy", "single", local=False, ragged_reduction=False)
+    (attr,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert classify(attr).kind == "constant"
+
+
+def test_a_constraint_is_classified_by_its_op():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 2, device="meta")
+    node = g.call_function(constraint.CONSTRAINT_OP, (x, "spec"))
+    assert classify(node).kind == "constraint"
+
+
+# -- DTensor's strategies --------------------------------------------------------------------
+
+
+def test_matmul_offers_the_megatron_strategies_on_one_axis():
+    gm = _graph(lambda x, w: x @ w, (4, 6), (6, 8))
+    mm = _node(gm, aten.mm.default)
+    found, fallback = Strategies(False, {mm: classify(mm)}).of(mm, 2)
+    assert not fallback
+    expected = {
+        Strategy((R, R), (R,)),  # replicated
+        Strategy((Shard(0), R), (Shard(0),)),  # rows of x: rows of the result
+        Strategy((R, Shard(1)), (Shard(1),)),  # columns of w: columns of the result
+        Strategy((Shard(1), Shard(0)), (P,)),  # the contracted dim split: partial sums
+    }
+    assert expected <= set(found)
+    assert all(s.ins[0] != Shard(1) or s.outs == (P,) for s in found)
+
+
+def test_an_op_without_strategy_is_a_plan_error_or_a_flagged_fallback():
+    gm = _graph(lambda x: x.renorm(2, 0, 1.0), (4, 4))
+    node = _node(gm, aten.renorm.default)
+    with pytest.raises(vsf.PlanError, match="renorm.default has no DTensor sharding strategy"):
+        Strategies(False, {node: classify(node)}).of(node, 2)
+    found, fallback = Strategies(True, {node: classify(node)}).of(node, 2)
+    assert fallback and found == [Strategy((R,), (R,))]
+
+
+# -- the cost of each collective kind ----------------------------------------------------------
+
+
+def test_transition_bytes_follow_the_ring_model():
+    assert transition_bytes("all_reduce", 4, 1000.0) == 1500.0
+    assert transition_bytes("all_gather", 4, 1000.0) == 750.0
+    assert transition_bytes("reduce_scatter", 4, 1000.0) == 750.0
+    assert transition_bytes("all_to_all", 4, 1000.0) == 187.5  # (n-1)/n of the 250-byte local shard
+    assert transition_bytes("slice", 4, 1000.0) < 1.01  # a token cost: local, nothing sent
+
+
+def test_the_cost_table_charges_a_latency_per_collective_and_forbids_impossible_moves():
+    codes = Codes(2)
+    r, s0, p = codes.code(R), codes.code(Shard(0)), codes.code(P)
+    assert codes.factor[p][r] == 1.0 and codes.fixed[p][r] == COLLECTIVE_LATENCY_BYTES  # all-reduce: 2(n-1)/n
+    assert codes.factor[s0][r] == 0.5 and codes.factor[p][s0] == 0.5
+    assert codes.fixed[r][s0] == 0.0  # a slice starts no collective
+    assert codes.factor[r][p] == float("inf") and codes.factor[s0][p] == float("inf")  # nothing becomes partial by moving
+
+
+def test_local_shapes_follow_ceil_division(sim):
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    t = torch.empty(5, 6, device="meta")
+    assert local_shape(mesh, t, (Shard(0), Shard(0))) == (2, 6)  # 5 rows over 4 ranks: 2, 2, 1, 0
+    assert local_shape(mesh, t, (Shard(0), Shard(1))) == (3, 3)
+    assert local_bytes(mesh, t, (R, Shard(1))) == 5 * 3 * 4
+
+
+@pytest.mark.parametrize(
+    "src, dst, kind, shape, sent",
+    [
+        ((P, R), (R, R), "all_reduce", (8, 4), 128),  # 128 bytes, 2(n-1)/n
+        ((Shard(0), R), (R, R), "all_gather", (8, 4), 64),  # gathers into the whole tensor
+        ((P, R), (Shard(0), R), "reduce_scatter", (8, 4), 64),
+        ((Shard(0), R), (Shard(1), R), "all_to_all", (4, 4), 32),  # (n-1)/n of the 64-byte shard
+        ((R, P), (R, R), "all_reduce", (8, 4), 128),  # the other axis
+    ],
+)
+def test_each_collective_kind_sends_what_the_ring_model_says(sim, src, dst, kind, shape, sent):
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    t = torch.empty(8, 4)  # 128 bytes
+    axis = "dp" if src[0] != dst[0] else "tp"
+    assert collectives_of(mesh, t, src, dst) == (Collective(kind, axis, shape, torch.float32, sent),)
+
+
+def test_a_local_slice_sends_nothing(sim):
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    assert collectives_of(mesh, torch.empty(8, 4), (R, R), (Shard(0), Shard(1))) == ()
+
+
+# -- transition paths --------------------------------------------------------------------------
+
+
+def test_paths_slice_first_then_reduce_then_all_to_all_then_gather(sim):
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    # the slice over tp comes before the reduce-scatter over dp (which then moves a smaller shard)
+    assert transition_path(mesh, (P, R), (Shard(0), Shard(1))) == [(P, Shard(1)), (Shard(0), Shard(1))]
+    # a gather goes last: the slice first
+    assert transition_path(mesh, (Shard(0), R), (R, Shard(0))) == [(Shard(0), Shard(0)), (R, Shard(0))]
+    assert transition_path(mesh, (P, Shard(0)), (R, Shard(1))) == [(R, Shard(0)), (R, Shard(1))]
+    assert transition_path(mesh, (R, R), (R, R)) == []
+
+
+def test_a_minor_strided_shard_is_reached_last_by_a_one_dim_step(sim):
+    # ZeRO's P(("fsdp", "dp")) on mesh (dp, fsdp): dp splits fsdp's local rows, so it is a strided
+    # shard of dim 0 with split factor fsdp = 2; a partial gradient is reduce-scattered over fsdp,
+    # then over dp on its local shard
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "fsdp"))
+    zero = (StridedShard(0, split_factor=2), Shard(0))
+    assert vsf.NamedSharding(mesh, vsf.P(("fsdp", "dp"))).placements == zero
+    assert transition_path(mesh, (P, P), zero) == [(P, Shard(0)), zero]
+    assert minor_step(mesh, (P, Shard(0)), zero) == (0, 0)
+    assert minor_step(mesh, (P, P), zero) is None  # two mesh dims change at once
+    assert minor_step(mesh, (P, R), (Shard(0), R)) is None  # no strided shard: DTensor's own step
+    kinds = [(c.kind, c.axis) for c in collectives_of(mesh, torch.empty(8, 4), (P, P), zero)]
+    assert kinds == [("reduce_scatter", "fsdp"), ("reduce_scatter", "dp")]
+
+
+# -- buckets -----------------------------------------------------------------------------------
+
+
+def _reduction(mesh, gm, node, before):
+    v = value_of(node)
+    t = node.meta["val"]
+    return Redistribution(v, (P,), (R,), collectives_of(mesh, t, (P,), (R,)), before)
+
+
+def test_independent_all_reduces_share_one_bucket(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = _graph(lambda a, b: (a * 2, b * 3), (8, 4), (8, 2))
+    out = output_node(gm)
+    muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    moves = [_reduction(mesh, gm, n, out) for n in muls]
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves})
+    (bucket,) = buckets
+    assert bucket.members == tuple(moves) and bucket.mesh_dims == (0,) and bucket.before is out
+    # one all-reduce of 32 + 16 floats: the members' bytes, 2(n-1)/n of 128 and 64 bytes
+    assert bucket.collectives == (Collective("all_reduce", "dp", (48,), torch.float32, 128 + 64),)
+    assert order.index(bucket) > max(order.index(n) for n in muls) and order.index(bucket) < order.index(out)
+
+
+def test_a_reduction_that_depends_on_another_is_not_bucketed_with_it(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = _graph(lambda a, b: (a * 2 + b) * 3, (8, 4), (8, 4))
+    out = output_node(gm)
+    first, last = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    (add,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
+    moves = [_reduction(mesh, gm, first, add), _reduction(mesh, gm, last, out)]
+    buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [add], id(moves[1]): [out]})
+    assert buckets == () and list(order) == list(gm.graph.nodes)
+
+
+def test_uneven_or_mixed_dtype_reductions_stay_apart(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = _graph(lambda a, b: (a * 2, b.double() * 3), (8, 4), (8, 4))
+    out = output_node(gm)
+    muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    moves = [_reduction(mesh, gm, n, out) for n in muls]
+    assert form_buckets(mesh, gm, moves, {id(r): [out] for r in moves})[0] == ()  # float32 and float64
+    odd = _graph(lambda a, b: (a * 2, b * 3), (5, 4), (8, 4))
+    out = output_node(odd)
+    moves = [Redistribution(value_of(n), (Shard(0),), (R,), (), out) for n in odd.graph.nodes if n.target is aten.mul.Tensor]
+    assert form_buckets(mesh, odd, moves, {id(r): [out] for r in moves})[0] == ()  # gathers, not reductions
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+
+def test_an_elementwise_op_keeps_its_input_sharding_and_moves_nothing(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = _graph(lambda x: x * 2, (8, 4))
+    plan = propagate(gm, mesh, [(Shard(0),)], [None])
+    mul = _node(gm, aten.mul.Tensor)
+    assert plan.nodes[mul].ins == ((Shard(0),),) and plan.nodes[mul].outs == ((Shard(0),),)
+    assert plan.nodes[mul].op.kind == "strategy" and plan.nodes[mul].direct
+    assert plan.collectives() == [] and plan.outputs == ((Shard(0),),)
+
+
+def test_a_split_contraction_is_reduced_once_where_the_output_asks(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = _graph(lambda x, w: x @ w, (4, 8), (8, 6))
+    plan = propagate(gm, mesh, [(Shard(1),), (Shard(0),)], [vsf.NamedSharding(mesh, vsf.P())])
+    mm = _node(gm, aten.mm.default)
+    assert plan.nodes[mm].outs == ((P,),)
+    # the 4x6 float32 result (96 bytes) all-reduced over 2 ranks: 2(n-1)/n * 96
+    assert plan.collectives() == [Collective("all_reduce", "dp", (4, 6), torch.float32, 96)]

@@ -1,0 +1,31 @@
+"""``vsf.jit``: a step traced once, planned over the mesh, and run as a program over local shards.
+
+The package's files are the stages of a call, read top-down:
+
+* :mod:`~vsf.jit.api` - ``jit``, ``Jitted``, ``Lowered``, ``Compiled``: arguments, cache, re-planning;
+* :mod:`~vsf.jit.trace` - the step as one functional aten graph on global fake tensors;
+* :mod:`~vsf.jit.graph` - facts about that fx graph every stage reads;
+* :mod:`~vsf.jit.classify` - what kind each op is (decided once, carried on the plan);
+* :mod:`~vsf.jit.plan` - the plan's types and the placements vocabulary;
+* :mod:`~vsf.jit.strategies` - DTensor's strategies for an op (the only place that asks them);
+* :mod:`~vsf.jit.cost` and :mod:`~vsf.jit.solver` - the cost model and the per-axis solver;
+* :mod:`~vsf.jit.redistribute` - transition paths between placements and their collectives;
+* :mod:`~vsf.jit.buckets` - bucketing of all-reduces and the execution order;
+* :mod:`~vsf.jit.propagate` - the driver: per-axis choices combined and checked with DTensor;
+* :mod:`~vsf.jit.lower` - the plan run (or traced) on local shards;
+* :mod:`~vsf.jit.check` - checking mode: the plan run beside the unsharded graph, op by op;
+* :mod:`~vsf.jit.donation` - donated arguments released and their buffers reused;
+* :mod:`~vsf.jit.report` - the plan's text and cost.
+
+``vsf.jit`` (the attribute of ``vsf``) is the function; reach a stage as ``from vsf.jit import lower``
+(``import vsf.jit.lower`` would look it up on the function).
+
+Example::
+
+    >>> step = vsf.jit(train_step, donate_argnums=(0, 1))
+    >>> print(step.lower(params, opt_state, batch).as_text())
+"""
+
+from vsf.jit.api import Compiled, Jitted, Lowered, jit
+
+__all__ = ["Compiled", "Jitted", "Lowered", "jit"]

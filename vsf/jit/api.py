@@ -1,0 +1,442 @@
+"""``vsf.jit``: trace a step over pytrees once, plan its shardings, run the planned program.
+
+``jit(f)(*args)`` flattens the arguments, and on the first call for a given (tree structure,
+shapes, dtypes, shardings, static arguments) it traces ``f`` on global fake tensors
+(:mod:`vsf.jit.trace`), chooses a sharding for every value (:mod:`vsf.jit.propagate`) and lowers
+the plan to a program over local shards (:mod:`vsf.jit.lower`). Later calls with the same key run the
+cached program; any other call re-plans and says why (``f.replans`` and the ``vsf.jit`` logger).
+
+Example::
+
+    >>> @vsf.jit(donate_argnums=(0,))
+    ... def sgd_step(params, batch):
+    ...     loss, grads = vsf.value_and_grad(loss_fn)(params, batch)
+    ...     return vsf.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+    >>> print(sgd_step.lower(params, batch).as_text())
+    >>> params, loss = sgd_step(params, batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor
+
+from vsf import _compat, config, tree
+from vsf.jit.check import run_checked
+from vsf.jit.donation import check_not_donated, donate, reuse_donated
+from vsf.jit.graph import output_node
+from vsf.jit.lower import compile_local, execute
+from vsf.jit.plan import Placements, Plan
+from vsf.jit.propagate import propagate
+from vsf.jit.report import Cost, cost, plan_text
+from vsf.jit.trace import Traced, trace
+from vsf.sharding.inspect import type_string
+from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
+from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
+from vsf.sharding.put import device_put, is_sharding_leaf
+from vsf.sharding.spec import PartitionSpec
+
+__all__ = ["Compiled", "Jitted", "Lowered", "jit"]
+
+log = logging.getLogger("vsf.jit")
+
+
+def jit(
+    fun: Callable[..., Any] | None = None,
+    *,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> Any:
+    """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
+
+    * ``in_shardings``: a pytree prefix of the positional (non-static) arguments; ``None`` keeps
+      each input's current sharding (plain tensors and Python numbers are replicated). A DTensor
+      whose sharding differs is resharded once with a logged warning (an error when
+      ``vsf.config.strict``).
+    * ``out_shardings``: a pytree prefix of the result; ``None`` lets propagation choose, except
+      that a result shaped exactly like an argument (a carried state such as params or optimizer
+      state) comes back sharded like that argument.
+    * ``static_argnums`` / ``static_argnames``: hashable arguments that select a different program
+      (Python control flow may depend on them).
+    * ``donate_argnums``: arguments whose DTensors are released after the call; using them
+      afterwards raises an error that says so.
+
+    Example::
+
+        >>> step = vsf.jit(train_step, donate_argnums=(0, 1))
+    """
+    if fun is None:
+        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums))
+
+
+def _tuple(x: Any) -> tuple[Any, ...]:
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call's arguments, prepared: every tensor leaf a DTensor on ``mesh``."""
+
+    mesh: Mesh
+    key: tuple[Any, ...]
+    inputs: list[DTensor]
+    dyn: tuple[tuple[Any, ...], dict[str, Any]]
+    rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
+    positions: list[int]  # each dynamic positional argument's position in the call
+
+    def donated(self, argnums: Sequence[int]) -> list[int]:
+        """Positions, among the tensor leaves, of the leaves of positional arguments ``argnums``."""
+        out, offset = [], 0
+        for pos, a in zip(self.positions, self.dyn[0]):
+            n = len(tree.leaves(a))
+            if pos in argnums:
+                out.extend(range(offset, offset + n))
+            offset += n
+        return out
+
+    @property
+    def names(self) -> list[str]:
+        """``args[0]['w']``-style names of the tensor leaves (computed only when needed)."""
+        return [_arg_name(p) for p, _ in tree.leaves_with_path(self.dyn)]
+
+    @property
+    def arg_trees(self) -> list[tuple[tree.PyTreeSpec, list[tuple[tuple[int, ...], torch.dtype, Placements]]]]:
+        """Each positional argument's structure and its leaves' (shape, dtype, placements)."""
+        out, offset = [], 0
+        for a in self.dyn[0]:
+            n = len(tree.leaves(a))
+            out.append((tree.structure(a), [k[:3] for k in self.key[1][offset : offset + n]]))
+            offset += n
+        return out
+
+
+class Jitted:
+    """A jitted function: call it, or ``lower`` it to read its plan."""
+
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...]) -> None:
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.static_argnums = static_argnums
+        self.static_argnames = static_argnames
+        self.donate_argnums = donate_argnums
+        overlap = set(static_argnums) & set(donate_argnums)
+        if overlap:
+            raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
+        self._cache: dict[tuple[Any, ...], Compiled] = {}
+        self._last_key: tuple[Any, ...] | None = None
+        self.replans: list[str] = []
+        self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
+        self._params = _param_names(fun)
+
+    @property
+    def plan_count(self) -> int:
+        """How many times this function has been planned (traced, propagated and lowered)."""
+        return len(self.replans)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(args, kwargs, check=config.check_plan)
+
+    def check(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function in checking mode (:mod:`vsf.jit.check`): under :func:`vsf.simulate`, run
+        the plan beside the unsharded graph and raise :class:`vsf.PlanCheckError` at the first op
+        whose assembled result differs. Returns what the call returns.
+
+        Example::
+
+            >>> params, loss = step.check(params, batch)
+        """
+        return self._call(args, kwargs, check=True)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> Any:
+        call = self._prepare(args, kwargs)
+        compiled = self._cache.get(call.key) or self._compile(call)
+        result = compiled._run(call, check)
+        donate(args, self.donate_argnums, self._name)
+        return result
+
+    def lower(self, *args: Any, **kwargs: Any) -> "Lowered":
+        """Plan this function for these arguments without running it.
+
+        Example::
+
+            >>> lowered = step.lower(params, batch)
+            >>> print(lowered.as_text()); lowered.cost().comm_bytes
+        """
+        call = self._prepare(args, kwargs)
+        return Lowered(self._cache.get(call.key) or self._compile(call))
+
+    # -- arguments ------------------------------------------------------------------------
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
+        if not self.static_argnums and not self.static_argnames:
+            return args, kwargs, ()
+        statics = []
+        for i in self.static_argnums:
+            if i >= len(args):
+                raise ValueError(f"static_argnums has {i} but {self._name} got {len(args)} positional arguments")
+            statics.append(("arg", i, args[i]))
+        for name in self.static_argnames:
+            if name in kwargs:
+                statics.append(("kw", name, kwargs[name]))
+            elif name in self._params and self._params.index(name) < len(args):
+                statics.append(("arg", self._params.index(name), args[self._params.index(name)]))
+        for s in statics:
+            try:
+                hash(s[2])
+            except TypeError:
+                raise TypeError(f"static argument {s[1]!r} of {self._name} must be hashable, got {type(s[2]).__name__}") from None
+        static_pos = {s[1] for s in statics if s[0] == "arg"}
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return dyn_args, dyn_kwargs, tuple(statics)
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+        dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
+        dyn = (dyn_args, dyn_kwargs)
+        leaves, treedef = tree.flatten(dyn)
+        targets = self._in_targets(dyn_args, len(leaves))
+        mesh = self._mesh(dyn, leaves, targets)
+        inputs, key_leaves = [], []
+        for i, (leaf, target) in enumerate(zip(leaves, targets)):
+            x = self._as_dtensor(leaf, target, mesh, dyn, i)
+            inputs.append(x)
+            key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__))
+        static_pos = {s[1] for s in statics if s[0] == "arg"}
+        positions = [i for i in range(len(args)) if i not in static_pos]
+
+        def rebuild(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            d_args, d_kwargs = tree.unflatten(treedef, tensors)
+            full = list(args)
+            for pos, value in zip(positions, d_args):
+                full[pos] = value
+            kw = dict(d_kwargs)
+            for kind, where, value in statics:
+                if kind == "kw":
+                    kw[where] = value
+            return tuple(full), kw
+
+        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh), inputs, dyn, rebuild, positions)
+
+    def _leaf_name(self, dyn: Any, index: int) -> str:
+        return _arg_name(tree.leaves_with_path(dyn)[index][0])
+
+    def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
+        if self.in_shardings is None:
+            return [None] * n
+        prefix = self.in_shardings if not is_sharding_leaf(self.in_shardings) else tuple(self.in_shardings for _ in dyn_args)
+        per_arg = tree.broadcast_prefix(prefix, dyn_args, is_leaf=is_sharding_leaf, what="in_shardings")
+        return per_arg + [None] * (n - len(per_arg))
+
+    def _mesh(self, dyn: Any, leaves: list[Any], targets: list[Any]) -> Mesh:
+        found: dict[Mesh, int] = {}
+        for i, (leaf, target) in enumerate(zip(leaves, targets)):
+            if isinstance(leaf, DTensor):
+                check_not_donated(leaf, self._leaf_name(dyn, i))
+                found.setdefault(mesh_of(leaf.device_mesh), i)
+            if isinstance(target, NamedSharding):
+                found.setdefault(target.mesh, i)
+        here = current_mesh()
+        if len(found) > 1:
+            detail = "; ".join(f"{self._leaf_name(dyn, i)} is on {m!r}" for m, i in found.items())
+            raise ValueError(f"the inputs of {self._name} live on different meshes: {detail}")
+        if found:
+            mesh, i = next(iter(found.items()))
+            if here is not None and here != mesh:
+                raise ValueError(f"{self._leaf_name(dyn, i)} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
+            return mesh
+        if here is None:
+            raise ValueError(f"{self._name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)")
+        return here
+
+    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, dyn: Any, index: int) -> DTensor:
+        if isinstance(leaf, DTensor) and target is None:
+            return leaf
+        name = self._leaf_name(dyn, index)
+        if isinstance(leaf, (bool, int, float)):
+            leaf = torch.tensor(leaf, dtype=torch.float32 if isinstance(leaf, float) else None)
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"argument {name} of {self._name} is a {type(leaf).__name__}; only tensors and Python numbers can be traced (mark the argument static)")
+        want = resolve(target, name) if target is not None else None
+        if isinstance(leaf, DTensor):
+            have = sharding_of(leaf)
+            if want == have:
+                return leaf
+            if config.strict:
+                raise ValueError(f"{name} arrives as {have.spec!r} but in_shardings asks for {want.spec!r} (vsf.config.strict is set)")
+            log.warning("%s: input %s arrives as %r but in_shardings asks for %r; resharding it", self._name, name, have.spec, want.spec)
+            return device_put(leaf, want)
+        return device_put(leaf, want or NamedSharding(mesh, PartitionSpec()))
+
+    # -- planning -------------------------------------------------------------------------
+
+    def _compile(self, call: _Call) -> "Compiled":
+        reason = _why(self._last_key, call.key, call.names)
+        self.replans.append(reason)
+        log.info("planning %s: %s", self._name, reason)
+        self._last_key = call.key
+        mesh = call.mesh
+        avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
+        traced = trace(self.fun, avals, call.rebuild, mesh.device_type)
+        out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
+        out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
+        plan = propagate(
+            traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
+            allow_replicated_fallback=config.allow_replicated_fallback,
+        )
+        compiled = Compiled(self, plan, traced, call.names, out_names)
+        self._cache[call.key] = compiled
+        return compiled
+
+    def _out_targets(self, traced: Traced, call: _Call, out_metas: list[torch.Tensor], mesh: Mesh) -> tuple[list[str], list[NamedSharding | None]]:
+        skeleton = tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
+        pairs = [(p, x) for p, x in tree.leaves_with_path(skeleton)]
+        tensor_paths = [p for (p, _), c in zip(pairs, traced.out_consts) if c is None]
+        names = [tree.keystr(p) for p in tensor_paths]
+        if self.out_shardings is not None:
+            full = tree.broadcast_prefix(self.out_shardings, skeleton, is_leaf=is_sharding_leaf, what="out_shardings")
+            targets = [resolve(s, tree.keystr(p)) if s is not None else None for s, c, (p, _) in zip(full, traced.out_consts, pairs) if c is None]
+            for s, m, name in zip(targets, out_metas, names):
+                if s is not None:
+                    s.check(tuple(m.shape), f"output {name}")
+            return names, targets
+        return names, _carried(skeleton, traced, call, out_metas, mesh)
+
+
+def _carried(skeleton: Any, traced: Traced, call: _Call, out_metas: list[torch.Tensor], mesh: Mesh) -> list[NamedSharding | None]:
+    """Default output shardings: a top-level result shaped exactly like an argument keeps its shardings."""
+    parts = list(skeleton) if isinstance(skeleton, (tuple, list)) else [skeleton]
+    consts = iter(traced.out_consts)
+    metas = iter(out_metas)
+    targets: list[NamedSharding | None] = []
+    used: set[int] = set()
+    for part in parts:
+        leaves = tree.leaves(part)
+        is_tensor = [next(consts) is None for _ in leaves]
+        avals = [(tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t]
+        match = next(
+            (j for j, (struct, arg_avals) in enumerate(call.arg_trees)
+             if j not in used and all(is_tensor) and struct == tree.structure(part) and [a[:2] for a in arg_avals] == avals),
+            None,
+        )
+        if match is None:
+            targets.extend(None for t in is_tensor if t)
+            continue
+        used.add(match)
+        targets.extend(from_placements(mesh, pl, len(shape)) for shape, _, pl in call.arg_trees[match][1])
+    return targets
+
+
+def _param_names(fun: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _arg_name(path: Any) -> str:
+    """``args[0]['w']``-style name of an argument leaf (path into ``(args, kwargs)``)."""
+    entries = list(path)
+    head = "args" if entries and entries[0].entry == 0 else "kwargs"
+    return head + tree.keystr(tuple(entries[1:]), brackets=True)
+
+
+def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) -> str:
+    if old is None:
+        return "first call"
+    if old[0] != new[0]:
+        return f"argument structure changed: {old[0]} -> {new[0]}"
+    if old[3] != new[3]:
+        return f"mesh changed: {old[3]!r} -> {new[3]!r}"
+    if old[2] != new[2]:
+        return f"static arguments changed: {old[2]} -> {new[2]}"
+    for name, a, b in zip(names, old[1], new[1]):
+        if a != b:
+            changed = [w for w, x, y in (("shape", a[0], b[0]), ("dtype", a[1], b[1]), ("sharding", a[2], b[2]), ("kind", a[3], b[3])) if x != y]
+            return f"{name}: {' and '.join(changed)} changed, {type_string(a[0], a[1], old[3], a[2])} -> {type_string(b[0], b[1], new[3], b[2])}"
+    return "cache miss"
+
+
+# -- compiled programs ---------------------------------------------------------------------
+
+
+class Compiled:
+    """A planned program for one argument signature; call it like the jitted function."""
+
+    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, input_names: list[str], output_names: list[str]) -> None:
+        self.owner = owner
+        self.plan = plan
+        self.traced = traced
+        self.input_names = input_names
+        self.output_names = output_names
+        self._local: torch.fx.GraphModule | None = None
+        dm = plan.mesh.device_mesh
+        metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
+        self._out_specs = [
+            _compat.dtensor_layout(dm, pl, m) for m, pl in zip(metas, plan.outputs)
+        ]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.owner._prepare(args, kwargs)
+        if call.key not in self.owner._cache or self.owner._cache[call.key] is not self:
+            raise ValueError(f"these arguments do not match the signature this program of {self.owner._name} was compiled for")
+        result = self._run(call, config.check_plan)
+        donate(args, self.owner.donate_argnums, self.owner._name)
+        return result
+
+    def _run(self, call: _Call, check: bool) -> Any:
+        mode = config.jit_mode
+        if mode == "auto":
+            mode = "interpret" if _compat.active_local_mode() is not None else "trace"
+        locals_in = [_compat.dtensor_local(x) for x in call.inputs]
+        if check:
+            locals_out = run_checked(self.plan, locals_in)
+        elif mode == "interpret":
+            with _compat.quiet_redistribute():
+                locals_out = execute(self.plan, locals_in)
+        else:
+            if self._local is None:
+                self._local = reuse_donated(compile_local(self.plan, locals_in), locals_in, call.donated(self.owner.donate_argnums))
+            locals_out = self._local.forward(*locals_in)
+        outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
+        it = iter(outs)
+        leaves = [next(it) if c is None else c for c in self.traced.out_consts]
+        return tree.unflatten(self.traced.out_tree, leaves)
+
+
+class Lowered:
+    """A plan, not yet run: read it with :meth:`as_text` and :meth:`cost`, run it via :meth:`compile`."""
+
+    def __init__(self, compiled: Compiled) -> None:
+        self._compiled = compiled
+
+    @property
+    def plan(self) -> Plan:
+        return self._compiled.plan
+
+    def as_text(self) -> str:
+        """Each op with its input/output shardings, each collective with its axis, shape and bytes."""
+        c = self._compiled
+        return plan_text(c.plan, c.owner._name, c.input_names, c.output_names)
+
+    def cost(self) -> Cost:
+        """Bytes each rank sends per mesh axis, the collectives, and the estimated peak memory per rank."""
+        return cost(self._compiled.plan)
+
+    def compile(self) -> Compiled:
+        """The runnable program (call it with the same arguments)."""
+        return self._compiled
+

@@ -1,0 +1,131 @@
+"""The cost model: what each collective moves, in bytes each rank sends (ring model).
+
+* all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
+  all-to-all ``(n-1)/n`` of the local shard;
+* each collective also costs a start-up latency of :data:`COLLECTIVE_LATENCY_BYTES`;
+* a local slice sends nothing but is charged a token cost.
+
+:class:`Codes` numbers the placements of one mesh axis and tabulates every transition's cost.
+
+Example::
+
+    >>> transition_bytes("all_reduce", 4, 1000.0)
+    1500.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate
+
+from vsf.jit.plan import Placements, R, is_shard, split_dim
+from vsf.sharding.mesh import Mesh
+
+__all__ = ["COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "local_bytes", "local_shape", "transition_bytes", "transition_kind"]
+
+
+INF = float("inf")
+
+
+# Taking a local slice of a replicated value sends nothing; it is charged a token cost so that
+# the planner does not reshard values gratuitously (a later op would pay to undo it).
+_SLICE_COST = 1e-3
+
+
+# Each collective also costs a start-up latency, charged as this many bytes: with equal bytes, one
+# all-reduce beats a reduce-scatter plus an all-gather.
+COLLECTIVE_LATENCY_BYTES = 4096.0
+
+
+_COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
+
+
+NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
+
+
+def transition_bytes(kind: str, n: int, full_bytes: float) -> float:
+    """Bytes each rank sends for a ``kind`` collective over ``n`` ranks of a ``full_bytes`` tensor
+    (for an all-to-all: ``full_bytes`` of the tensor the local shards make up)."""
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n / n,
+        "slice": _SLICE_COST,
+    }
+    return factor[kind] * full_bytes
+
+
+def transition_kind(src: Placement, dst: Placement) -> str | None:
+    """The collective that moves one mesh dim from ``src`` to ``dst`` (``"slice"`` when local,
+    ``"invalid"`` when none can, ``None`` when nothing moves)."""
+    if src == dst:
+        return None
+    if isinstance(src, Replicate) and is_shard(dst):
+        return "slice"
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        return "partition"  # local (one rank keeps the value): DTensor may ask for it, the planner never does
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if is_shard(dst) else "invalid"
+    if is_shard(src):
+        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if is_shard(dst) else "invalid"
+    return "invalid"
+
+
+class Codes:
+    """Placements of one axis as small ints, with the byte factor and the fixed (per-collective)
+    cost of every transition."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.of: dict[Any, int] = {}
+        self.placements: list[Any] = []
+        self.factor: list[list[float]] = []
+        self.fixed: list[list[float]] = []
+        self.code(R)
+
+    def code(self, p: Any) -> int:
+        if p not in self.of:
+            self.of[p] = len(self.placements)
+            self.placements.append(p)
+            self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
+            self.fixed = [[self._fixed(a, b) for b in self.placements] for a in self.placements]
+            self.shard = [is_shard(q) for q in self.placements]
+        return self.of[p]
+
+    def _fixed(self, a: Any, b: Any) -> float:
+        if b is NOT_PARTIAL:
+            return self._fixed(a, R) if isinstance(a, Partial) else 0.0
+        return COLLECTIVE_LATENCY_BYTES if transition_kind(a, b) in _COLLECTIVE_KINDS else 0.0
+
+    def _factor(self, a: Any, b: Any) -> float:
+        if b is NOT_PARTIAL:
+            return self._factor(a, R) if isinstance(a, Partial) else 0.0
+        if a is NOT_PARTIAL:
+            return INF
+        kind = transition_kind(a, b)
+        return 0.0 if kind is None else INF if kind in ("invalid", "partition") else transition_bytes(kind, self.n, 1.0)
+
+    def is_shard(self, c: int) -> bool:
+        return self.shard[c]
+
+    def is_partial(self, c: int) -> bool:
+        return isinstance(self.placements[c], Partial)
+
+
+def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[int, ...]:
+    """Shape of the largest local shard of ``t`` laid out as ``placements`` (over ``mesh.device_axes``)."""
+    shape = list(t.shape)
+    for axis, p in zip(mesh.device_axes, placements):
+        if is_shard(p):
+            d = split_dim(p)
+            shape[d] = -(-shape[d] // mesh.axis_size(axis))
+    return tuple(shape)
+
+
+def local_bytes(mesh: Mesh, t: torch.Tensor, placements: Placements) -> int:
+    """Bytes of the largest local shard of ``t`` laid out as ``placements``."""
+    return math.prod(local_shape(mesh, t, placements)) * t.element_size()

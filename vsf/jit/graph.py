@@ -1,0 +1,119 @@
+"""Facts about a traced fx graph that every stage of ``jit`` reads.
+
+A *value* is ``(node, output index)``: the result of an op, ``getitem`` resolved. These helpers
+find a graph's inputs, output and ops, the tensor arguments of an op and their fake tensors, and
+the user's source line an op came from (for errors).
+
+Example::
+
+    >>> [value_of(a) for a in output_node(gm).args[0]]   # the values the graph returns
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from vsf import _compat
+
+__all__ = [
+    "GETITEM",
+    "Value",
+    "is_tensor_node",
+    "meta_of",
+    "op_nodes",
+    "output_node",
+    "outputs_meta",
+    "placeholders_of",
+    "signature",
+    "source_line",
+    "tensor_args",
+    "user_line",
+    "value_of",
+]
+
+
+Value = tuple[torch.fx.Node, int]
+
+
+GETITEM = operator.getitem  # the fx target of tuple indexing
+
+
+def placeholders_of(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's inputs, in order (``placeholders_of(gm)[i]`` is the i-th flat input)."""
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The graph's ``output`` node (its arguments are the values the graph returns)."""
+    return next(n for n in gm.graph.nodes if n.op == "output")
+
+def value_of(arg: torch.fx.Node) -> Value:
+    """The (producer, output index) a graph argument refers to (``getitem`` nodes resolved)."""
+    if arg.op == "call_function" and arg.target is GETITEM:
+        return (arg.args[0], arg.args[1])
+    return (arg, 0)
+
+
+def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
+    """The fake tensor of each output of ``node`` (``None`` for a non-tensor output; ``[]`` for none)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def tensor_args(node: torch.fx.Node) -> list[Value]:
+    """The values ``node`` takes as tensor arguments, in argument order (``add(x, x)``: ``x`` twice)."""
+    leaves = _compat.torch_tree_leaves((node.args, node.kwargs))
+    return [value_of(a) for a in leaves if isinstance(a, torch.fx.Node) and is_tensor_node(a)]
+
+
+def is_tensor_node(n: torch.fx.Node) -> bool:
+    """Does ``n`` produce one tensor (as opposed to a tuple, a number or nothing)?"""
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def meta_of(v: Value) -> torch.Tensor:
+    """The fake tensor of value ``v``: its global shape, stride and dtype."""
+    out = outputs_meta(v[0])[v[1]]
+    assert out is not None
+    return out
+
+
+def op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's ops in order: function calls and constants, tuple indexing resolved away."""
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr") and n.target is not GETITEM]
+
+
+def user_line(node: torch.fx.Node) -> str:
+    """`` at <user's file:line: `code`>`` for an error message about ``node``, or ``""``."""
+    line = source_line(node)
+    return f" at {line}" if line else ""
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The user's source line that produced ``node`` (as recorded while tracing), or ``""``."""
+    stack = node.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in stack.strip().splitlines() if l.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return f"{lines[i]}: `{code}`" if code else lines[i]
+    return ""
+
+def signature(x: Any) -> Any:
+    """A hashable summary of op arguments (tensors by shape and dtype), to cache per-op questions."""
+    if isinstance(x, torch.fx.Node):
+        t = x.meta.get("val")
+        return ("T", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(signature(a) for a in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, signature(v)) for k, v in x.items()))
+    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)) else repr(x)

@@ -1,0 +1,131 @@
+"""Lowering a plan to a program over local shards.
+
+:func:`execute` walks the planned graph on this rank's local tensors: before each op it
+redistributes every input to the placement the plan chose (once per value and placement, with
+DTensor's own redistribution, i.e. explicit collectives), then runs the op. Most ops run as they
+are on the local shards; view ops (whose shape arguments must become local), random ops and the
+few ops DTensor handles specially run through DTensor's dispatcher, and must produce the plan's
+placements. Under ``vsf.simulate`` the walk runs as is (every simulated rank at once); in a real
+run it is traced once with ``make_fx`` into an fx graph of local aten ops and functional
+collectives, which is what each step then runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from vsf import _compat
+from vsf.errors import PlanMismatch
+from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
+from vsf.jit.plan import Bucket, Placements, Plan
+from vsf.jit.redistribute import move_local, transition_path
+
+__all__ = ["compile_local", "execute"]
+
+
+def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """A value every rank holds whole, as a local tensor of this run (one per simulated rank)."""
+    if _compat.active_local_mode() is not None and not _compat.is_local_tensor(t):
+        return _compat.make_local({r: t for r in plan.mesh.devices})
+    return t
+
+
+def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.fx.Node, list[Any]], None] | None = None) -> list[torch.Tensor]:
+    """Run ``plan`` on local shards laid out as ``plan.inputs``; return local shards laid out as ``plan.outputs``.
+
+    ``check`` (checking mode, :class:`vsf.jit.check.Checker`) is called after each op with the op's
+    local results.
+    """
+    gm = plan.graph
+    dm = plan.mesh.device_mesh
+    env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(placeholders_of(gm), inputs)}
+    moved: dict[tuple[Value, Placements], torch.Tensor] = {}
+    def spec(v: Value, placements: Placements) -> Any:
+        return _compat.dtensor_layout(dm, placements, meta_of(v))
+
+    def get(v: Value, dst: Placements) -> torch.Tensor:
+        src = plan.placement(v)
+        if src == dst:
+            return env[v]
+        if (v, dst) not in moved:
+            local, prev = env[v], src
+            for nxt in transition_path(plan.mesh, src, dst):
+                local, prev = move_local(plan.mesh, meta_of(v), local, prev, nxt), nxt
+            # a shard cut from a replicated value, unpadded after an uneven collective or taken
+            # from an all-to-all is a strided view, which some kernels read as a contiguous block
+            # (CPU layer-norm backward's mean and rstd, view rules)
+            moved[(v, dst)] = local.contiguous()
+        return moved[(v, dst)]
+
+    def run_bucket(b: Bucket) -> None:
+        sizes = [plan.mesh.axis_size(a) for a in plan.mesh.device_axes]
+        pieces = [env[r.value] for r in b.members]
+        averaged = [math.prod(sizes[k] for k in b.mesh_dims if r.src[k].reduce_op == "avg") for r in b.members]
+        flat = torch.cat([(p / n if n > 1 else p).reshape(-1) for n, p in zip(averaged, pieces)])
+        src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(len(b.members[0].src)))
+        reduced = _compat.redistribute_local(flat, dm, src, (Replicate(),) * len(src), shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
+        for r, p, out in zip(b.members, pieces, reduced.split([p.numel() for p in pieces])):
+            moved[(r.value, r.dst)] = out.view(p.shape)
+
+    for node in plan.order:
+        if isinstance(node, Bucket):
+            run_bucket(node)
+            continue
+        if node not in plan.nodes:
+            continue  # placeholders, tuple indexing and the output: nothing to run
+        step = plan.nodes[node]
+        wanted = iter(step.ins)
+        as_dtensor = step.op.kind == "strategy" and not step.direct and not step.fallback
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node) and is_tensor_node(a):
+                v, dst = value_of(a), next(wanted)
+                local = get(v, dst)
+                return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
+            return a
+
+        args, kwargs = _compat.torch_tree_map(arg, (node.args, node.kwargs))
+        if node.op == "get_attr":
+            out: Any = _replicated(getattr(gm, node.target), plan)
+        elif step.op.kind == "constraint":
+            out = args[0]
+        elif step.op.kind == "constant":
+            out = _compat.torch_tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
+        elif as_dtensor:
+            out = _unwrap(node, node.target(*args, **kwargs), step.outs)
+        else:
+            out = node.target(*args, **kwargs)
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        for i, (o, want) in enumerate(zip(outs, step.outs)):
+            if want is not None:
+                env[(node, i)] = o
+        if check is not None:
+            check(node, outs)
+    output = output_node(gm)
+    return [get(value_of(a), dst) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
+
+
+def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    for o, w in zip(outs, want):
+        if w is not None and tuple(o.placements) != w:
+            raise PlanMismatch(f"{node.target} (node {node.name}) produced {tuple(o.placements)}, the plan said {w}")
+    locals_ = [o.to_local() if isinstance(o, DTensor) else o for o in outs]
+    return locals_ if isinstance(out, (list, tuple)) else locals_[0]
+
+
+def compile_local(plan: Plan, local_inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """Trace :func:`execute` on this rank's local shards into a graph of local ops and collectives
+    (:func:`vsf.jit.donation.reuse_donated` then lets it overwrite donated inputs)."""
+    with _compat.quiet_redistribute():
+        gm = make_fx(lambda *xs: execute(plan, xs), tracing_mode="fake")(*local_inputs)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm

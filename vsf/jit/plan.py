@@ -1,0 +1,153 @@
+"""The plan ``jit`` makes and runs: a placement for every value, every redistribution between
+them, the buckets and the order the program runs in; and the vocabulary of placements the
+stages share (is a placement a shard, which dim it splits, how the per-axis solver sees it).
+
+Example::
+
+    >>> plan = vsf.jit(f).lower(x).plan
+    >>> [c.kind for c in plan.collectives()]
+    ['all_reduce']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from vsf import _compat
+from vsf.jit.classify import OpClass
+from vsf.jit.graph import Value, placeholders_of
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding, RaggedPlacement
+
+__all__ = [
+    "Bucket",
+    "Collective",
+    "NodePlan",
+    "PARTIAL",
+    "Placements",
+    "Plan",
+    "R",
+    "Redistribution",
+    "has_ragged",
+    "is_shard",
+    "one_d",
+    "split_dim",
+    "to_placements",
+]
+
+
+Placements = tuple[Placement, ...]
+
+
+R, PARTIAL = Replicate(), Partial()
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective the program runs: its kind, mesh axis, the local shape it reduces or gathers
+    into (per rank), and the bytes each rank sends."""
+
+    kind: str
+    axis: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Redistribution:
+    """Moving ``value`` from placements ``src`` to ``dst`` (before ``before`` uses it)."""
+
+    value: Value
+    src: Placements
+    dst: Placements
+    collectives: tuple[Collective, ...]
+    before: torch.fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """All-reduces over one mesh axis that run as one collective on a flat buffer, before
+    ``before`` (DDP's gradient buckets, found in the graph instead of at hook time). Partial
+    averages join partial sums: their local values are divided by the axis size first."""
+
+    members: tuple[Redistribution, ...]
+    mesh_dims: tuple[int, ...]  # the mesh dims whose partial sums are reduced (one all-reduce each)
+    before: torch.fx.Node
+    collectives: tuple[Collective, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlan:
+    """How one op runs: the placements of its tensor inputs and outputs (``None``: no tensor).
+
+    ``direct``: the op runs as is on the local shards (its strategy is one DTensor's per-mesh-dim
+    rules allow); otherwise it runs through DTensor's dispatcher (view ops whose shape arguments
+    must become local, random ops). ``fallback``: no strategy exists; it runs replicated.
+    ``op``: what kind of op it is (:func:`vsf.jit.classify.classify`).
+    """
+
+    ins: tuple[Placements, ...]
+    outs: tuple[Placements | None, ...]
+    op: OpClass
+    fallback: bool = False
+    direct: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A placement for every value of ``graph`` over ``mesh`` and every redistribution between."""
+
+    mesh: Mesh
+    graph: torch.fx.GraphModule
+    nodes: dict[torch.fx.Node, NodePlan]
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements, ...]
+    redistributions: tuple[Redistribution, ...]
+    buckets: tuple[Bucket, ...]
+    order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
+
+    def collectives(self) -> list[Collective]:
+        """Every collective the program runs (a bucket counts once)."""
+        bucketed = {id(r) for b in self.buckets for r in b.members}
+        out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
+        return out + [c for b in self.buckets for c in b.collectives]
+
+    def placement(self, value: Value) -> Placements:
+        node, i = value
+        if node.op == "placeholder":
+            return self.inputs[placeholders_of(self.graph).index(node)]
+        out = self.nodes[node].outs[i]
+        assert out is not None
+        return out
+
+
+def to_placements(s: NamedSharding) -> Placements:
+    """``s``'s DTensor placements, one per mesh dim."""
+    return tuple(s.placements)
+
+
+def is_shard(p: Any) -> bool:
+    """Does ``p`` split a tensor dim (a plain, strided or ragged shard)?"""
+    return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement))
+
+
+def split_dim(p: Any) -> int:
+    """The tensor dim a shard-like placement splits (a ragged split of leading dims: dim 0)."""
+    return 0 if isinstance(p, RaggedPlacement) else p.dim
+
+
+def one_d(p: Placement) -> Placement:
+    """A placement as the 1D solver sees it (strided shards are shards of their dim)."""
+    return Shard(p.dim) if isinstance(p, _compat.StridedShard) else p
+
+
+def has_ragged(placements: Sequence[Placements]) -> bool:
+    """Does any of these layouts hold a ragged split?"""
+    return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)

@@ -1,0 +1,248 @@
+"""Whole-graph sharding propagation: choose a placement for every value of a traced graph.
+
+The problem is solved one mesh axis at a time (as Shardy reasons per factor and DTensor's
+single-dim strategies do): on an axis of size ``n`` a value is ``Replicate``, ``Shard(d)`` or
+``Partial``, and every op offers the strategies DTensor registers for it (input placements ->
+output placements). The planner picks one strategy per op so that the redistributions it implies
+cost the fewest bytes, where
+
+* all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
+  all-to-all ``(n-1)/n`` of the local shard (ring model, bytes each rank sends);
+* a value redistributed to one placement is redistributed once, however many ops use it there
+  (so a gradient is reduced once, not once per use);
+* a ``Partial`` result stays partial until the cheapest point to reduce it (the greedy pass
+  charges a pending reduction to a partial output; the refinement passes then move it).
+
+Priority when annotations disagree: a ``with_sharding_constraint`` fixes its value; inputs keep
+the sharding they arrive with (``in_shardings``); ``out_shardings`` are met by a final
+redistribution. Nothing is replicated silently: an op without a DTensor strategy is an error
+naming the op and the user's line, unless ``allow_replicated_fallback`` is set, in which case the
+plan marks that op as replicated.
+
+The per-axis choices are then combined and checked op by op with DTensor's own propagation on the
+full mesh (the same decision the lowered program will make), so the plan is exactly what runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Placement, Shard
+
+from vsf import _compat
+from vsf.errors import PlanError
+from vsf.jit.buckets import form_buckets
+from vsf.jit.classify import classify
+from vsf.jit.cost import NOT_PARTIAL, Codes
+from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
+from vsf.jit.cost import transition_kind
+from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, has_ragged, is_shard, one_d, split_dim, to_placements
+from vsf.jit.redistribute import collectives_of
+from vsf.jit.solver import AxisSolver, Problem
+from vsf.jit.strategies import Strategies, decide, dtensor_decision, runnable
+from vsf.sharding import constraint
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding, RaggedPlacement, from_placements
+from vsf.sharding.spec import UNCONSTRAINED
+
+__all__ = ["propagate"]
+
+
+def propagate(
+    gm: torch.fx.GraphModule,
+    mesh: Mesh,
+    in_placements: Sequence[Placements],
+    out_shardings: Sequence[NamedSharding | None],
+    *,
+    allow_replicated_fallback: bool = False,
+) -> Plan:
+    """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
+
+    ``in_placements`` gives each placeholder's DTensor placements (over ``mesh.device_axes``);
+    ``out_shardings`` each output's required sharding, ``None`` to let propagation choose
+    (anything but an unreduced partial).
+    """
+    axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
+    placeholders = placeholders_of(gm)
+    outputs = [value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)]
+    ops = op_nodes(gm)
+    problem = Problem(
+        mesh=mesh, gm=gm, ops=ops,
+        inputs={n: tensor_args(n) for n in ops},
+        strategies=Strategies(allow_replicated_fallback, {n: classify(n) for n in ops}),
+        seeds={}, out_req={}, pinned={}, solved={},
+    )
+    problem.index()
+    for ph, pl in zip(placeholders, in_placements):
+        for p in pl:
+            if isinstance(p, RaggedPlacement) and p.ragged.dims != 1:
+                raise PlanError(f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})")
+    dm_axes = list(mesh.device_axes)
+    for axis in axes:
+        k = dm_axes.index(axis)
+        problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.ragged[axis] = sorted(
+            {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if isinstance(pl[k], RaggedPlacement)},
+            key=repr,
+        )
+        problem.out_req[axis] = [
+            (v, NOT_PARTIAL if s is None else one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
+        ]
+        problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
+    with _compat.local_mode_disabled():
+        codes = {axis: Codes(mesh.axis_size(axis)) for axis in axes}
+        encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
+        for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
+            for axis in axes:
+                solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
+                solver.solve()
+                problem.solved[axis] = solver
+        return _check_with_dtensor(problem, axes, in_placements, out_shardings)
+
+
+def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
+    s = constraint.parse(node.args[1])
+    if axis in s.spec.axes:
+        return {one_d(to_placements(s)[list(mesh.device_axes).index(axis)])}
+    free = {R} | {Shard(d) for d, e in enumerate(s.spec) if e is UNCONSTRAINED}
+    return free
+
+
+def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]) -> Plan:
+    mesh, gm = problem.mesh, problem.gm
+    dm_axes = list(mesh.device_axes)
+    actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
+    plans: dict[torch.fx.Node, NodePlan] = {}
+    moves: dict[tuple[Value, Placements], Redistribution] = {}
+    asked: dict[Any, Any] = {}
+
+    def combined(per_axis: dict[str, Placement | None]) -> Placements:
+        return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
+
+    users: dict[tuple[Value, Placements], list[torch.fx.Node]] = {}
+    nestings = _input_nestings(gm, in_placements)
+
+    def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
+        return None if t is None or p is None else _nested(nestings, t, p)
+
+    def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
+        src = actual[v]
+        if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
+            raise PlanError(f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}")
+        if src != dst:
+            users.setdefault((v, dst), []).append(before)
+            if (v, dst) not in moves:
+                moves[(v, dst)] = Redistribution(v, src, dst, collectives_of(mesh, meta_of(v), src, dst), before)
+
+    for k, node in enumerate(problem.ops):
+        ins = problem.inputs[node]
+        choice = {a: problem.solved[a].placement_of(k) for a in axes}
+        want_in = [combined({a: choice[a][0][i] for a in axes}) for i in range(len(ins))]
+        n_out = len(outputs_meta(node))
+        want_out = [
+            None if outputs_meta(node)[i] is None else combined({a: choice[a][1][i] for a in axes})
+            for i in range(n_out)
+        ]
+        op = problem.strategies.classes[node]
+        fallback = bool(ins) and problem.strategies.of(node, 2)[1]
+        direct = False
+        if op.kind == "constraint":
+            s = constraint.parse(node.args[1])
+            target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
+            want_in, want_out = [target], [target]
+        elif op.kind == "value_blind":
+            direct = True
+        elif op.kind == "strategy" and not fallback:
+            direct = op.local or (op.ragged_reduction and has_ragged(want_in))
+            preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
+            if direct and not has_ragged(want_in):
+                strided = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
+                if strided != (want_in, want_out):
+                    # DTensor keeps a strided shard only through rules written with placeholders
+                    # (elementwise ones), not through rules that name plain shards (embedding's)
+                    direct = dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
+                want_in, want_out = strided
+                direct = direct and runnable(mesh, node, want_in, want_out)
+            if not direct:
+                want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
+        for v, dst in zip(ins, want_in):
+            move(v, dst, node)
+        plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct)
+        for i, out in enumerate(want_out):
+            if out is not None:
+                actual[(node, i)] = out
+    out_node = output_node(gm)
+    outs = [value_of(a) for a in _compat.torch_tree_leaves(out_node.args)]
+    final = []
+    for v, s in zip(outs, out_shardings):
+        dst = to_placements(s) if s is not None else _expressible(mesh, meta_of(v), actual[v])
+        move(v, dst, out_node)
+        final.append(dst)
+    moved = tuple(moves.values())
+    buckets, order = form_buckets(mesh, gm, moved, {id(r): users[(r.value, r.dst)] for r in moved})
+    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
+
+
+def _keep_strided(
+    actual: list[Placements], ins: list[Placements], outs: list[Placements | None], preferred: Sequence[Placements | None]
+) -> tuple[list[Placements], list[Placements | None]]:
+    """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
+    shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
+    same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
+    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing. An input keeps its
+    shard only if it also keeps the other mesh dims' splits of that tensor dim, which the factor
+    counts (``dp``'s factor in ``P(("tp", "dp"))`` is ``tp``'s split: gathering ``tp`` and keeping
+    ``dp`` strided is a move DTensor cannot make). ``preferred`` (per input, then per output: see
+    :func:`_nested`) counts like an input arriving strided."""
+    ins, outs = [list(p) for p in ins], [None if p is None else list(p) for p in outs]
+    for k in range(len(ins[0]) if ins else 0):
+        factors = {
+            a[k].split_factor for a, want in zip(actual, ins)
+            if isinstance(a[k], _compat.StridedShard) and isinstance(want[k], Shard) and want[k].dim == a[k].dim
+            and all(one_d(w) == one_d(b) for j, (b, w) in enumerate(zip(a, want)) if j != k and is_shard(b) and split_dim(b) == a[k].dim)
+        } | {p[k].split_factor for p in preferred if p is not None and isinstance(p[k], _compat.StridedShard)}
+        if len(factors) != 1:
+            continue
+        sf = factors.pop()
+        for p in [*ins, *(o for o in outs if o is not None)]:
+            if isinstance(p[k], Shard):
+                p[k] = _compat.StridedShard(p[k].dim, split_factor=sf)
+    return [tuple(p) for p in ins], [None if o is None else tuple(o) for o in outs]
+
+
+def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:
+    """Where a graph output left to propagation ends up: reduced (a partial becomes replicated) and
+    in a layout a spec can name (a strided shard that none names, as a view merging a dim sharded
+    on one axis into another leaves, is gathered)."""
+    out = tuple(R if isinstance(p, Partial) else p for p in placements)
+    try:
+        from_placements(mesh, out, t.ndim)
+    except ValueError:
+        return tuple(R if isinstance(p, _compat.StridedShard) else p for p in out)
+    return out
+
+
+def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements]) -> dict[tuple[int, ...], list[Placements]]:
+    """The strided layouts of the graph's inputs, by shape: a ZeRO state leaf ``P(("fsdp", "dp"))``
+    nests ``dp`` inside ``fsdp``, against mesh order."""
+    found: dict[tuple[int, ...], list[Placements]] = {}
+    for ph, pl in zip(placeholders_of(gm), in_placements):
+        same_shape = found.setdefault(tuple(ph.meta["val"].shape), [])
+        if any(isinstance(p, _compat.StridedShard) for p in pl) and tuple(pl) not in same_shape:
+            same_shape.append(tuple(pl))
+    return found
+
+
+def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, placements: Placements) -> Placements | None:
+    """The strided layout of an input of ``t``'s shape whose mesh dims split the same tensor dims
+    as ``placements`` do (in mesh order), if there is one: values shaped like a ZeRO state leaf
+    (its gradient, its update) are split as the state is, so they reach it without regathering.
+    ``None`` if there is none."""
+    candidates = nestings.get(tuple(t.shape))
+    if not candidates or any(isinstance(p, _compat.StridedShard) for p in placements):
+        return None
+    plain = tuple(one_d(p) for p in placements)
+    return next((pl for pl in candidates if tuple(one_d(p) for p in pl) == plain), None)

@@ -1,0 +1,147 @@
+"""Reading a plan: its text (every op's shardings, every collective) and its cost.
+
+Example::
+
+    >>> print(plan_text(plan, "step", ["args[0]"], ["[0]"]))
+    >>> cost(plan).comm_bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+
+from vsf import _compat
+from vsf.jit.cost import local_bytes
+from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, tensor_args, value_of
+from vsf.jit.plan import Bucket, Collective, Plan
+from vsf.sharding.inspect import type_string
+
+__all__ = ["Cost", "cost", "plan_text"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What a plan costs each rank.
+
+    ``comm_bytes``: bytes each rank sends per mesh axis (ring model: all-reduce ``2(n-1)/n``,
+    all-gather and reduce-scatter ``(n-1)/n`` of the tensor, all-to-all ``(n-1)/n`` of the
+    shard). ``peak_bytes``: estimated peak of live local tensors on one rank.
+    ``collectives``: every collective the program runs, in order.
+    """
+
+    comm_bytes: dict[str, int]
+    peak_bytes: int
+    collectives: tuple[Collective, ...]
+
+    def count(self, kind: str, axis: str | None = None) -> int:
+        """How many collectives of ``kind`` (over ``axis``, if given) the program runs."""
+        return sum(1 for c in self.collectives if c.kind == kind and (axis is None or c.axis == axis))
+
+
+def _type(plan: Plan, t: torch.Tensor, placements: tuple) -> str:
+    return type_string(tuple(t.shape), t.dtype, plan.mesh, placements)
+
+
+def cost(plan: Plan) -> Cost:
+    """Communication per mesh axis and estimated peak memory of ``plan`` (per rank)."""
+    collectives = tuple(plan.collectives())
+    comm = {a: 0 for a in plan.mesh.axis_names}
+    for c in collectives:
+        comm[c.axis] += c.bytes
+    return Cost(comm, _peak(plan), collectives)
+
+
+def _peak(plan: Plan) -> int:
+    gm = plan.graph
+    order = {n: i for i, n in enumerate(plan.order) if not isinstance(n, Bucket)}
+    end = len(plan.order)
+    last: dict[Value, int] = {}
+    for node in gm.graph.nodes:
+        for a in _compat.torch_tree_leaves((node.args, node.kwargs)):
+            if isinstance(a, torch.fx.Node) and is_tensor_node(a):
+                last[value_of(a)] = order[node]
+    born: list[tuple[int, int, int]] = []
+    for ph, pl in zip(placeholders_of(gm), plan.inputs):
+        born.append((0, end, local_bytes(plan.mesh, ph.meta["val"], pl)))
+    outputs = {value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)}
+    for node, step in plan.nodes.items():
+        for i, pl in enumerate(step.outs):
+            if pl is not None:
+                v = (node, i)
+                born.append((order[node], end if v in outputs else last.get(v, order[node]), local_bytes(plan.mesh, meta_of(v), pl)))
+    for r in plan.redistributions:
+        born.append((order[r.before], last.get(r.value, order[r.before]), local_bytes(plan.mesh, meta_of(r.value), r.dst)))
+    events = sorted([(s, b) for s, _, b in born] + [(e + 1, -b) for _, e, b in born])
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: Sequence[str]) -> str:
+    """Every input, op, collective and output of ``plan``, with shardings in ``typeof`` notation."""
+    mesh = plan.mesh
+    gm = plan.graph
+    lines = [f"plan for {name} on mesh {' x '.join(f'{a}={s}' for a, s in mesh.shape.items())} ({mesh.size} ranks)", "inputs:"]
+    for ph, pl, label in zip(placeholders_of(gm), plan.inputs, input_names):
+        lines.append(f"  %{ph.name:<14} {_type(plan, ph.meta['val'], pl):<28} {label}")
+    lines.append("ops:")
+    moves: dict[torch.fx.Node, list[str]] = {}
+    bucketed = {id(r) for b in plan.buckets for r in b.members}
+    for r in plan.redistributions:
+        if id(r) not in bucketed:
+            moves.setdefault(r.before, []).extend(_move_lines(plan, r))
+    for node in plan.order:
+        if isinstance(node, Bucket):
+            names = ", ".join(f"%{r.value[0].name}" for r in node.members)
+            for c in node.collectives:
+                lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {_fmt_bytes(c.bytes)} sent")
+            continue
+        if node not in plan.nodes:
+            continue
+        lines.extend(moves.get(node, ()))
+        step = plan.nodes[node]
+        ins = [f"%{v[0].name}{f'[{v[1]}]' if v[1] else ''}:{_type(plan, meta_of(v), pl)}" for v, pl in zip(tensor_args(node), step.ins)]
+        outs = [_type(plan, node.meta["val"][i] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"], pl) for i, pl in enumerate(step.outs) if pl is not None]
+        flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
+        lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
+    output = output_node(gm)
+    lines.extend(moves.get(output, ()))
+    lines.append("outputs:")
+    for a, pl, label in zip(_compat.torch_tree_leaves(output.args), plan.outputs, output_names):
+        lines.append(f"  {label:<16} {_type(plan, meta_of(value_of(a)), pl)}  (from %{a.name})")
+    c = cost(plan)
+    per_axis = ", ".join(f"{a} {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
+    lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{_fmt_bytes(c.peak_bytes)}")
+    return "\n".join(lines)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "get_attr":
+        return f"constant {node.target}"
+    target = node.target
+    return str(getattr(target, "__name__", target)).replace(".default", "")
+
+
+def _move_lines(plan: Plan, r: "object") -> list[str]:
+    t = meta_of(r.value)
+    src, dst = _type(plan, t, r.src), _type(plan, t, r.dst)
+    if not r.collectives:
+        return [f"    slice  %{r.value[0].name}: {src} -> {dst} (local, no communication)"]
+    return [
+        f"    {c.kind} over {c.axis}: %{r.value[0].name} {list(c.shape)} {_fmt_bytes(c.bytes)} sent  ({src} -> {dst})"
+        for c in r.collectives
+    ]

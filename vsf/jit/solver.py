@@ -1,0 +1,277 @@
+"""The per-axis solver: on one mesh axis, choose one strategy per op so that the
+redistributions they imply cost the fewest bytes (:mod:`vsf.jit.cost`).
+
+It is greedy in graph order, then repairs locally (an op's choice is revisited when a producer's
+or a consumer's changed). A value redistributed to one placement is redistributed once however
+many ops use it there, and a ``Partial`` result stays partial until the cheapest point to reduce it.
+
+Example::
+
+    >>> solver = AxisSolver(problem, "tp", Codes(2), {})
+    >>> solver.solve(); solver.placement_of(0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Placement
+
+from vsf.errors import PlanError
+from vsf.jit.cost import INF, NOT_PARTIAL, Codes, transition_bytes
+from vsf.jit.graph import Value, meta_of, outputs_meta, placeholders_of, user_line
+from vsf.jit.plan import R, is_shard, split_dim
+from vsf.jit.strategies import Strategies, Strategy
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import RaggedPlacement
+
+__all__ = ["AxisSolver", "Problem"]
+
+
+_TIE = 1e-9
+
+
+def _encode(codes: "Codes", strategies: list[Strategy]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in strategies]
+
+
+class AxisSolver:
+    """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
+
+    def __init__(self, problem: "Problem", axis: str, codes: "Codes", encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
+        self.p = problem
+        self.axis = axis
+        self.n = problem.mesh.axis_size(axis)
+        self.codes = codes
+        vid = problem.value_ids
+        self.fb = [self._full_bytes(v) for v in problem.values]
+        self.label = [codes.code(R)] * len(problem.values)
+        self.need: list[dict[int, int]] = [{} for _ in problem.values]
+        for v, pl in problem.seeds[axis].items():
+            self.label[vid[v]] = codes.code(pl)
+        self.final: dict[int, int] = {}  # graph outputs with a required placement
+        for v, req in problem.out_req[axis]:
+            c = codes.code(req)
+            self.need[vid[v]][c] = self.need[vid[v]].get(c, 0) + 1
+            if req is not NOT_PARTIAL:
+                self.final[vid[v]] = c
+        self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
+        self.outs = [tuple(vid.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in problem.ops]
+        self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
+        for node in problem.ops:
+            allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
+            pinned = problem.pinned[axis].get(node)
+            if pinned is not None:
+                allowed = [st for st in allowed if st.outs[0] in pinned]
+                if not allowed:
+                    raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{user_line(node)}")
+                self.strategies.append(_encode(codes, allowed))
+                continue
+            if id(allowed) not in encoded:  # ops with one signature share one list: encode it once
+                encoded[id(allowed)] = _encode(codes, allowed)
+            self.strategies.append(encoded[id(allowed)])
+        self.choice = [-1] * len(problem.ops)
+        self.reorder = self._reorders()
+        self.hints = self._hints()
+
+    def _hints(self) -> list[frozenset[int]]:
+        """Shardings each value will be wanted in later, propagated backwards (as GSPMD does) from
+        the outputs' required shardings through ops that keep a sharding as it is (elementwise
+        ones: the same placement in and out). The greedy pass may shard a value into one of its
+        hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
+        optimizer will want sharded, before a norm of it decides for a full reduction."""
+        hints: list[set[int]] = [set() for _ in self.p.values]
+        for v, need in enumerate(self.need):
+            hints[v].update(c for c in need if self.codes.is_shard(c))
+        for k in range(len(self.p.ops) - 1, -1, -1):
+            wanted = [hints[v] if v >= 0 else set() for v in self.outs[k]]
+            if not any(wanted):
+                continue
+            for ins, outs in self.strategies[k]:
+                if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
+                    for v, req in zip(self.ins[k], ins):
+                        if self.codes.is_shard(req) and req in outs:
+                            hints[v].add(req)
+        return [frozenset(h) for h in hints]
+
+    def _reorders(self) -> dict[int, dict[int, float]]:
+        """For values that a later mesh axis already shards on some dim: what sharding that dim on
+        this (earlier, hence major) axis as well costs besides this axis's own move. The nested
+        layout changes which block the later axis's ranks hold, so DTensor gathers over it first."""
+        order = list(self.p.mesh.device_axes)
+        here = order.index(self.axis)
+        out: dict[int, dict[int, float]] = {}
+        for other, solver in self.p.solved.items():
+            if other == self.axis or order.index(other) < here:
+                continue
+            for v, c in enumerate(solver.label):
+                p = solver.codes.placements[c]
+                if is_shard(p):
+                    out.setdefault(v, {})[split_dim(p)] = transition_bytes("all_gather", solver.n, self.fb[v])
+        return out
+
+    def _full_bytes(self, v: Value) -> float:
+        t = meta_of(v)
+        size = float(t.numel() * t.element_size())
+        for other, solver in self.p.solved.items():
+            if other != self.axis and solver.codes.is_shard(solver.label[self.p.value_ids[v]]):
+                size /= solver.n
+        return size
+
+    def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
+        row, fixed = self.codes.factor[label], self.codes.fixed[label]
+        return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
+
+    def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
+        """Does this strategy shard an input on this axis when no input already arrives sharded
+        here, and no later op wants it so (:meth:`_hints`)?"""
+        is_shard, label, hints = self.codes.is_shard, self.label, self.hints
+        reshards = anchored = False
+        for v, req in zip(self.ins[k], ins):
+            if is_shard(req):
+                if req == label[v] or req in hints[v]:
+                    anchored = True
+                else:
+                    reshards = True
+        return reshards and not anchored
+
+    def _evaluate(self, k: int, j: int, greedy: bool, strict: bool) -> float:
+        ins, outs = self.strategies[k][j]
+        if strict and self._gratuitous(k, ins):
+            return INF
+        factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
+        total = 0.0
+        shard, placements, reorder = self.codes.is_shard, self.codes.placements, self.reorder
+        hints = self.hints
+        for v, req in zip(self.ins[k], ins):
+            if req != label[v]:
+                # ties go to using a value where it is (redistribute as late as possible), or else
+                # to moving it where a later op wants it anyway
+                total += _TIE * fb[v] * (0.5 if req in hints[v] else 1.0)
+                if v in reorder and shard(req) and not shard(label[v]) and req not in hints[v]:
+                    # (a sharding wanted later comes from a layout that already orders the axes:
+                    # ZeRO's minor axis, say)
+                    total += reorder[v].get(split_dim(placements[req]), 0.0)
+        if greedy:
+            for v, req in zip(self.ins[k], ins):
+                cur = label[v]
+                if req != cur and not need[v].get(req):
+                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req]
+        else:
+            old = self.strategies[k][self.choice[k]][0]
+            changed: dict[int, dict[int, int]] = {}
+            for v, req in zip(self.ins[k], ins):
+                d = changed.setdefault(v, dict(need[v]))
+                d[req] = d.get(req, 0) + 1
+            for v, req in zip(self.ins[k], old):
+                changed[v][req] -= 1
+            for v, d in changed.items():
+                total += self._value_cost(v, label[v], d) - self._value_cost(v, label[v], need[v])
+        for v, lab in zip(self.outs[k], outs):
+            if v < 0 or lab < 0:
+                continue
+            total += self._value_cost(v, lab, need[v])
+            if self.final.get(v, lab) != lab:
+                # ties go to computing a result in the layout it leaves in: moved after the last
+                # op it lands in a fresh buffer, where a donated input's buffer could have held it
+                total += _TIE * fb[v]
+            if greedy and self.codes.is_partial(lab):
+                # a partial will have to be reduced: charge an all-reduce's bytes (not its start-up:
+                # independent reductions share one bucket)
+                total += factor[lab][0] * fb[v]
+        return total
+
+    def _apply(self, k: int, j: int) -> None:
+        need = self.need
+        if self.choice[k] >= 0:
+            for v, req in zip(self.ins[k], self.strategies[k][self.choice[k]][0]):
+                need[v][req] -= 1
+        self.choice[k] = j
+        ins, outs = self.strategies[k][j]
+        for v, req in zip(self.ins[k], ins):
+            need[v][req] = need[v].get(req, 0) + 1
+        for v, lab in zip(self.outs[k], outs):
+            if v >= 0 and lab >= 0:
+                self.label[v] = lab
+
+    def _pick(self, k: int, greedy: bool) -> bool:
+        options = range(len(self.strategies[k]))
+        if len(options) == 1 and not greedy:
+            return False
+        # The first, greedy pass never shards inputs no other input is sharded like (it cannot see
+        # that a later op will want them so); the repair passes take any strategy that pays.
+        costs = [(self._evaluate(k, j, greedy, greedy), j) for j in options]
+        if all(c == INF for c, _ in costs):
+            costs = [(self._evaluate(k, j, greedy, False), j) for j in options]
+        best_cost, best = min(costs)
+        if best_cost == INF:
+            node = self.p.ops[k]
+            raise PlanError(f"{node.target} cannot be placed on axis {self.axis!r}{user_line(node)}: every strategy needs an impossible redistribution")
+        if not greedy and (best == self.choice[k] or best_cost >= costs[[j for _, j in costs].index(self.choice[k])][0] - 1e-9):
+            return False
+        self._apply(k, best)
+        return True
+
+    def solve(self, max_repairs: int = 3) -> None:
+        for k in range(len(self.p.ops)):
+            self._pick(k, greedy=True)
+        producers = self.p.producer_of
+        consumers = self.p.consumers_of
+        work = list(range(len(self.p.ops) - 1, -1, -1))
+        queued = set(work)
+        budget = max_repairs * len(work)
+        while work and budget > 0:
+            budget -= 1
+            k = work.pop()
+            queued.discard(k)
+            if self._pick(k, greedy=False):
+                for other in [producers.get(v) for v in self.ins[k]] + [c for v in self.outs[k] if v >= 0 for c in consumers.get(v, ())]:
+                    if other is not None and other not in queued:
+                        queued.add(other)
+                        work.append(other)
+
+    def placement_of(self, node_index: int) -> tuple[list[Any], list[Any]]:
+        ins, outs = self.strategies[node_index][self.choice[node_index]]
+        pl = self.codes.placements
+        return [pl[c] for c in ins], [None if c < 0 else pl[c] for c in outs]
+
+
+@dataclasses.dataclass
+class Problem:
+    """What every axis solver shares: the graph's ops and values, the seeds from the inputs, the
+    outputs' requirements and the constraints, per axis; and the solvers of the axes solved so far."""
+
+    mesh: Mesh
+    gm: torch.fx.GraphModule
+    ops: list[torch.fx.Node]
+    inputs: dict[torch.fx.Node, list[Value]]
+    strategies: Strategies
+    seeds: dict[str, dict[Value, Placement]]
+    out_req: dict[str, list[tuple[Value, Any]]]
+    pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
+    solved: dict[str, AxisSolver]
+    ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
+    values: list[Value] = dataclasses.field(default_factory=list)
+    value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
+    producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
+    consumers_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    def index(self) -> None:
+        """Number the values and record which op produces and which ops consume each."""
+        for ph in placeholders_of(self.gm):
+            self._add((ph, 0))
+        for k, node in enumerate(self.ops):
+            for i, meta in enumerate(outputs_meta(node)):
+                if meta is not None:
+                    self.producer_of[self._add((node, i))] = k
+        for k, node in enumerate(self.ops):
+            for v in self.inputs[node]:
+                self.consumers_of.setdefault(self.value_ids[v], []).append(k)
+
+    def _add(self, v: Value) -> int:
+        self.value_ids[v] = len(self.values)
+        self.values.append(v)
+        return self.value_ids[v]

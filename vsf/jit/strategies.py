@@ -1,0 +1,252 @@
+"""DTensor's sharding strategies for an op, as the planner uses them: per mesh axis of ``n``
+ranks, the list of (input placements -> output placements) an op allows; and DTensor's own
+decision for an op on the full mesh. This is the only module of the planner that asks DTensor's
+strategy registry.
+
+Example::
+
+    >>> strategies, is_fallback = Strategies(False, {mm_node: classify(mm_node)}).of(mm_node, 2)
+    >>> strategies[0]
+    Strategy(ins=(Shard(dim=0), Replicate()), outs=(Shard(dim=0),))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Placement, Shard
+
+from vsf import _compat
+from vsf.errors import PlanError
+from vsf.jit.classify import OpClass
+from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
+from vsf.jit.plan import PARTIAL, Placements, R, is_shard, split_dim
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import RaggedPlacement
+
+__all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "runnable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on one mesh axis: its tensor inputs' placements -> its outputs'."""
+
+    ins: tuple[Placement, ...]
+    outs: tuple[Placement | None, ...]
+
+
+class Strategies:
+    """DTensor's candidate strategies per op and axis size, cached by op signature; ``classes``
+    holds each op's :class:`~vsf.jit.classify.OpClass`."""
+
+    def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass]) -> None:
+        self.fallback = allow_replicated_fallback
+        self.classes = classes
+        self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
+
+    def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
+        """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
+        ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
+        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged))
+        if key not in self.cache:
+            op = self.classes[node]
+            found, fallback = self._compute(node, op, n)
+            if ragged and (op.ragged_reduction or op.local):
+                found = found + _ragged_variants(node, found, ragged)
+            self.cache[key] = (found, fallback)
+        return self.cache[key]
+
+    def _compute(self, node: torch.fx.Node, op: OpClass, n: int) -> tuple[list[Strategy], bool]:
+        ins = tensor_args(node)
+        outs = outputs_meta(node)
+        if op.kind == "constant":
+            return [Strategy((), tuple(R if o is not None else None for o in outs))], False
+        if op.kind == "constraint":
+            return [Strategy((p,), (p,)) for p in _candidates(meta_of(ins[0]), n)], False
+        if op.kind == "value_blind":
+            inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
+            return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
+        found = _single_dim(node, n) if op.rules == "single" else _by_each_input(node, n) if op.rules else None
+        if found:
+            return _valid(found, node, n), False
+        if self.fallback:
+            return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
+        raise PlanError(
+            f"{node.target} has no DTensor sharding strategy, so vsf cannot shard it{user_line(node)}. "
+            "Set vsf.config.allow_replicated_fallback = True to run it replicated (the plan flags it)."
+        )
+
+
+def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Sequence[tuple[RaggedPlacement, int]]) -> list[Strategy]:
+    """Per-row rules (every shard on dim 0 of a tensor with that many rows) run on a ragged split
+    of those rows too: an elementwise op keeps ragged rows ragged, a sum over the rows of ragged
+    operands is a partial sum."""
+    metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
+    out = []
+    for g, rows in ragged:
+        for st in strategies:
+            placed = [*st.ins, *st.outs]
+            shards = [(t, p) for t, p in zip(metas, placed) if t is not None and p is not None and is_shard(p)]
+            if not any(is_shard(p) for p in st.ins) or not all(isinstance(p, Shard) and p.dim == 0 and t.shape[0] == rows for t, p in shards):
+                continue
+            if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in st.outs if p is not None):
+                continue  # an average of per-rank averages is wrong when ranks hold different row counts
+            swap = lambda p: g if isinstance(p, Shard) else p  # noqa: E731
+            out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(None if p is None else swap(p) for p in st.outs)))
+    return out
+
+
+def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+    fake = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
+    outs = outputs_meta(node)
+    out = outs[0] if isinstance(node.meta.get("val"), torch.Tensor) else outs
+    rules = _compat.single_dim_strategies(node.target, _compat.torch_tree_map(fake, node.args), _compat.torch_tree_map(fake, node.kwargs), out)
+    if rules is None:
+        return None
+    n_out = len(outs)
+    return [Strategy(tuple(R if p is None else p for p in rule[n_out:]), tuple(rule[:n_out])) for rule in rules]
+
+
+def _candidates(t: torch.Tensor, n: int) -> list[Placement]:
+    return [R, PARTIAL] + [Shard(d) for d in range(t.ndim) if t.shape[d] >= n and t.shape[d] > 1]
+
+
+def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+    """Ask a whole-op strategy function (or rule) once per candidate placement of each tensor input
+    that is not a scalar, the other inputs replicated: most functions follow their first input,
+    some another one (``nll_loss_backward`` follows ``self``, its second)."""
+    if _compat.registered_rules(node.target) != "full":
+        return None
+    ins = tensor_args(node)
+    found: dict[Strategy, None] = {}
+    leads = [i for i, a in enumerate(ins) if i == 0 or meta_of(a).ndim > 0]
+    for lead, placement in ((i, c) for i in leads for c in _candidates(meta_of(ins[i]), n)):
+        seen = [0]
+
+        def placed(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node) and is_tensor_node(a):
+                p = placement if seen[0] == lead else R
+                seen[0] += 1
+                return _compat.Placed(a.meta["val"], (p,))
+            return a
+
+        args = _compat.torch_tree_map(placed, node.args)
+        kwargs = _compat.torch_tree_map(placed, node.kwargs)
+        try:
+            strategy = _compat.whole_op_strategies(node.target, args, kwargs, n) or []
+        except Exception:  # noqa: BLE001 - DTensor rejects this candidate input; try the next
+            continue
+        for ins_, outs in strategy:
+            found.setdefault(Strategy(ins_, outs))
+    return list(found)
+
+
+def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Strategy]:
+    metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
+    ok = []
+    for s in strategies:
+        placed = [*s.ins, *s.outs]
+        if len(placed) != len(metas):
+            continue
+        if all(t is None or p is None or not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= n) for t, p in zip(metas, placed)):
+            ok.append(s)
+    return ok
+
+
+def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
+    """Can ``node`` run on local shards laid out as ``ins``, giving ``outs``? DTensor's own filter
+    (every sharded dim of an input *and an output* has a row per shard: per mesh dim each may,
+    and not together, as 2 rows over ``S(0), S(0)`` on 2 x 2 ranks), a reshape's dims split evenly
+    by all their mesh dims together (as DTensor asks of each alone: 24 elements over
+    ``P(("tp", "dp"))`` are 6 per rank, not rows of a ``(6, 4)`` view) from inputs without strided
+    shards (whose reshapes DTensor's rule gets wrong: ``(24,)`` as ``P(("tp", "dp"))`` viewed as
+    ``(6, 4)`` is not ``S(0)`` over tp and a strided ``S(1)`` over dp), and a max or min over
+    shards needs a row on every rank (it has no identity for an empty shard)."""
+    dm = mesh.device_mesh
+    metas = [meta_of(v) for v in tensor_args(node)]
+    placed = [*zip(metas, ins), *((t, p) for t, p in zip(outputs_meta(node), outs) if t is not None and p is not None)]
+    if not all(_compat.is_shardable(t, dm, tuple(p)) for t, p in placed):
+        return False
+    if node.target in _RESHAPES and (_has_strided(ins) or not all(_splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed)):
+        return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
+    extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
+    return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
+
+
+aten = torch.ops.aten
+_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def _has_strided(placements: Sequence[Placements]) -> bool:
+    return any(isinstance(p, _compat.StridedShard) for pl in placements for p in pl)
+
+
+def _nests(mesh: Mesh, placements: Placements) -> bool:
+    """Is every strided shard of a dim that other mesh dims split too nested inside the later ones
+    (its split factor is their product, as a spec's ``P(("tp", "dp"))`` makes)? DTensor cannot
+    regather other nestings (a view of ``S(1), S(0)`` into one dim makes ``S(0)/sf4, S(0)``)."""
+    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
+    for k, p in enumerate(placements):
+        if isinstance(p, _compat.StridedShard):
+            others = [j for j, q in enumerate(placements) if j != k and is_shard(q) and split_dim(q) == p.dim]
+            if others and p.split_factor != math.prod(sizes[j] for j in others if j > k):
+                return False
+    return True
+
+
+def _splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
+    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together?"""
+    ways = [1] * t.ndim
+    for axis, p in zip(mesh.device_axes, placements):
+        if is_shard(p):
+            ways[split_dim(p)] *= mesh.axis_size(axis)
+    return all(size % n == 0 for size, n in zip(t.shape, ways))
+
+
+def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
+    """Does some rank hold no rows of ``t`` laid out as ``placements`` (``torch.chunk``'s split:
+    5 rows on 4 ranks are 2, 2, 1, 0)?"""
+    for d, size in enumerate(t.shape):
+        pieces = [size]
+        for axis, p in zip(mesh.device_axes, placements):
+            if isinstance(p, Shard) and not isinstance(p, _compat.StridedShard) and p.dim == d:
+                n = mesh.axis_size(axis)
+                pieces = [max(0, min(-(-s // n), s - i * -(-s // n))) for s in pieces for i in range(n)]
+        if 0 in pieces:
+            return True
+    return False
+
+
+def decide(node: torch.fx.Node, mesh: Mesh, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in``; where DTensor refuses
+    those inputs (its strategy raises) or answers with a layout it cannot run (:func:`runnable`),
+    what it does with them replicated over the last mesh dim, then the last two, and so on: the
+    per-axis choices combined may ask for what no single mesh dim does."""
+    ndim = len(mesh.device_axes)
+    for dropped in range(ndim + 1):
+        attempt = [tuple(R if k >= ndim - dropped else p for k, p in enumerate(pl)) for pl in want_in]
+        decision = dtensor_decision(node, mesh.device_mesh, attempt, asked)
+        if decision is not None and runnable(mesh, node, *decision):
+            return decision
+    raise PlanError(f"DTensor has no strategy that runs {node.target} on this mesh, not even replicated{user_line(node)}")
+
+
+def dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]] | None:
+    """What DTensor does for ``node`` when its inputs arrive as ``want_in``, ``None`` if it refuses
+    them (asked once per op signature and input placements in ``asked``: a model's repeated layers
+    ask the same questions)."""
+    key = (node.target, signature(node.args), signature(node.kwargs), tuple(want_in))
+    if key not in asked:
+        it = iter(want_in)
+        placed = lambda a: _compat.Placed(a.meta["val"], next(it)) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
+        args = _compat.torch_tree_map(placed, node.args)
+        try:
+            asked[key] = _compat.dtensor_decision(node.target, args, _compat.torch_tree_map(placed, node.kwargs), dm)
+        except Exception:  # noqa: BLE001 - DTensor's strategy rejects these inputs (an uneven nll_loss, ...)
+            asked[key] = None
+    return asked[key]

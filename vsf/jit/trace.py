@@ -1,0 +1,203 @@
+"""Tracing a step function to one functional aten graph on global fake tensors.
+
+The graph's inputs are the tensor leaves of the arguments in their *global* shapes; a step that
+calls :func:`vsf.grad` inside becomes one joint forward+backward graph, because the backward
+ops run (and are recorded) while the step is traced. In-place ops are functionalized away, and
+``_foreach_*`` ops are split into one op per tensor so every node has one tensor per operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from vsf import _compat, config, tree
+from vsf.errors import TraceError
+from vsf.jit.graph import placeholders_of, source_line
+
+__all__ = ["Traced", "draws_random", "trace"]
+
+aten = torch.ops.aten
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A traced step: ``graph`` maps the flat tensor inputs to the flat tensor outputs.
+
+    ``out_tree`` is the structure of everything the function returned; ``out_consts`` holds the
+    non-tensor leaves of the result (``None`` where a tensor output goes).
+    """
+
+    graph: torch.fx.GraphModule
+    out_tree: tree.PyTreeSpec
+    out_consts: tuple[Any, ...]
+
+
+def trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]], device: str) -> Traced:
+    """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
+    fake tensors of the given ``(shape, dtype)`` avals."""
+    out_info: dict[str, Any] = {}
+
+    def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        args, kwargs = rebuild(list(tensors))
+        out = fun(*args, **kwargs)
+        leaves, treedef = tree.flatten(out)
+        out_info["tree"] = treedef
+        out_info["consts"] = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    with _compat.local_mode_disabled():
+        return _trace(fun, avals, flat_fun, out_info, device)
+
+
+def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], flat_fun: Callable[..., Any], out_info: dict[str, Any], device: str) -> Traced:
+    with _compat.fake_mode():
+        fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
+    _compat.register_stack_anchor(fun)
+    try:
+        joint = make_fx(flat_fun, tracing_mode="fake", record_stack_traces=True)(*fakes)
+    except Exception as e:
+        if not _compat.is_data_dependent_error(e):
+            raise
+        raise TraceError(
+            f"{_fun_name(fun)} branches on or reads a tensor value at {_user_frame(e)}: vsf.jit traces with "
+            "abstract values, so data-dependent Python control flow (if/while on a tensor, .item(), "
+            "bool(tensor)) cannot be traced. Use torch.where, or pass the value as a static argument."
+        ) from None
+    if not any(_needs_rewrite(n) for n in joint.graph.nodes):
+        gm = joint
+    else:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(
+                torch.func.functionalize(torch.fx.Interpreter(joint).run, remove="mutations"),
+                decomposition_table=_FOREACH_DECOMPOSITIONS,
+                tracing_mode="fake",
+            )(*fakes)
+    _reject_input_mutation(gm, fun)
+    _reject_unkeyed_random(gm, fun)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return Traced(gm, out_info["tree"], out_info["consts"])
+
+
+def _needs_rewrite(node: torch.fx.Node) -> bool:
+    """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor) in a second pass."""
+    schema = _compat.op_schema(node.target)
+    return node.op == "call_function" and schema is not None and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
+
+
+def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    placeholders = placeholders_of(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in placeholders:
+            index = placeholders.index(node.args[0])
+            raise TraceError(
+                f"{_fun_name(fun)} mutates its input tensor #{index} in place; jitted functions must be pure. "
+                "Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`)."
+            )
+
+
+_NO_DRAW = {"dropout_p": 0.0, "dropout": 0.0, "p": 0.0, "train": False}  # argument values that make a seeded op deterministic
+
+
+def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of the aten ``op`` draws from torch's generator (tagged ``nondeterministic_seeded``,
+    unless its dropout probability is 0 or it is not training, e.g. attention without dropout)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    schema = _compat.op_schema(op)
+    bound = dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
+    return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
+
+
+def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    """A draw from torch's generator would give a different mask per layout: refuse it."""
+    if config.allow_unkeyed_random:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs):
+            where = source_line(node)
+            raise TraceError(
+                f"{_fun_name(fun)} draws random numbers from torch's generator ({node.target}"
+                f"{' at ' + where if where else ''}), which would differ between layouts inside vsf.jit. "
+                "Pass a key and use vsf.random (vsf.nn.dropout, vsf.random.normal, ...), or run the model "
+                "under `with vsf.random.keyed(key):` so that its dropout and torch.rand* calls draw from the key "
+                "(vsf.config.allow_unkeyed_random = True plans it like any op, with other values on every layout)."
+            )
+
+
+def _fun_name(fun: Callable[..., Any]) -> str:
+    return getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch and vsf
+
+
+def _user_frame(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
+    if not user:
+        return "<unknown location>"
+    f = user[-1]
+    return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+
+
+def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:
+    def per_tensor(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+        return [elementwise(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+
+    return per_tensor
+
+
+def _per_element(fn: Callable[..., torch.Tensor], lists: int) -> Callable[..., list[torch.Tensor]]:
+    """``fn(*tensors_i, *extra_i)`` per element of the first ``lists`` list arguments (a later
+    list argument, e.g. ``scalars``, is indexed per element too)."""
+
+    def per_tensor(*args: Any) -> list[torch.Tensor]:
+        n = len(args[0])
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+        return [fn(*(pick(a, i) for a in args)) for i in range(n)]
+
+    return per_tensor
+
+
+# Foreach ops whose per-tensor op has a different signature (DTensor's resolver does not map them).
+_MANUAL_FOREACH = {
+    aten._foreach_addcmul.Scalar: _per_element(lambda s, a, b, v=1: aten.addcmul.default(s, a, b, value=v), 3),
+    aten._foreach_addcmul.ScalarList: _per_element(lambda s, a, b, v: aten.addcmul.default(s, a, b, value=v), 3),
+    aten._foreach_addcdiv.Scalar: _per_element(lambda s, a, b, v=1: aten.addcdiv.default(s, a, b, value=v), 3),
+    aten._foreach_addcdiv.ScalarList: _per_element(lambda s, a, b, v: aten.addcdiv.default(s, a, b, value=v), 3),
+    aten._foreach_maximum.Scalar: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
+    aten._foreach_maximum.ScalarList: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
+    aten._foreach_minimum.Scalar: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
+    aten._foreach_minimum.ScalarList: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
+    aten._foreach_norm.Scalar: _per_element(lambda s, o=2, dtype=None: aten.linalg_vector_norm.default(s, o, dtype=dtype), 1),
+}
+
+
+def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
+    table = dict(_MANUAL_FOREACH)
+    for name in dir(aten):
+        if not name.startswith("_foreach_") or name.endswith("_"):
+            continue
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            elementwise = _compat.foreach_elementwise_op(op)
+            if elementwise is not None:
+                table[op] = _split_foreach(elementwise)
+    return table
+
+
+_FOREACH_DECOMPOSITIONS = _foreach_decompositions()

@@ -99,9 +99,9 @@ def local_ranks() -> list[int]:
 # -- even collectives: PyTorch's functional collectives (right on every backend) ----------------
 
 
-def all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
-    """Sum of ``x`` over the axis, on every member."""
-    return _wait(_compat.functional_collectives.all_reduce(x.contiguous(), "sum", g.group))
+def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """The reduction ``op`` (``"sum"``, ``"max"``) of ``x`` over the axis, on every member."""
+    return _wait(_compat.functional_collectives.all_reduce(x.contiguous(), op, g.group))
 
 
 def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:

@@ -37,7 +37,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +50,21 @@ from vsf.sharding.mesh import Mesh, current_mesh
 
 __all__ = [
     "Linear",
+    "Sent",
     "all_gather",
     "all_gather_v",
     "all_to_all",
     "all_to_all_v",
     "apply_linear",
+    "axis_index",
+    "axis_size",
+    "manual_axes",
+    "pmax",
+    "pmean",
     "ppermute",
     "psum",
     "psum_scatter",
+    "recording",
     "reduce_scatter_v",
 ]
 
@@ -79,11 +87,71 @@ class Linear:
     def transpose(self) -> "Linear":
         raise NotImplementedError
 
+    def abstract(self, x: torch.Tensor) -> "tuple[torch.Tensor, Sent]":
+        """What ``self(x)`` returns, without communicating (an empty tensor of the result's shape),
+        and what it would send: how a manual region is planned (:func:`recording`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be planned inside a jitted shard_map yet (ragged collectives run eagerly only)")
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One collective a manual region runs, as its plan lists it: kind, mesh axis, the local shape
+    it moves (the gathered shape for an all-gather), and the bytes each rank sends."""
+
+    kind: str
+    axis: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+
+_RECORDERS: list[list[Sent]] = []
+_MANUAL: list[tuple[str, frozenset[str]]] = []  # (region name, its manual axes), innermost last
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Sent]]:
+    """Collectives run inside record what they would send and return empty results of the right
+    shape instead of communicating (a manual region is planned this way, on fake local tensors).
+
+    Example::
+
+        >>> with recording() as sent:
+        ...     psum(torch.empty(4), "tp")
+        >>> sent[0].kind, sent[0].axis
+        ('all_reduce', 'tp')
+    """
+    _RECORDERS.append([])
+    try:
+        yield _RECORDERS[-1]
+    finally:
+        _RECORDERS.pop()
+
+
+@contextlib.contextmanager
+def manual_axes(region: str, axes: Sequence[str]) -> Iterator[None]:
+    """Inside, collectives may run only over ``axes`` (those a ``shard_map`` region makes manual)."""
+    _MANUAL.append((region, frozenset(axes)))
+    try:
+        yield
+    finally:
+        _MANUAL.pop()
+
+
+def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
+    """Bytes each rank sends for ``kind`` over ``n`` ranks on the local tensor ``x`` (ring model)."""
+    full = x.numel() * x.element_size()
+    return int(round(full * {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "ppermute": 1}.get(kind, (n - 1) / n)))
+
 
 class _Collective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, op: Linear) -> torch.Tensor:
         ctx.op = op
+        if _RECORDERS:
+            out, sent = op.abstract(x)
+            _RECORDERS[-1].append(sent)
+            return out
         return op(x)
 
     @staticmethod
@@ -108,6 +176,9 @@ class _Psum(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_reduce(x, self.g)
 
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        return _sent("all_reduce", self.g, x, tuple(x.shape))
+
     def transpose(self) -> Linear:
         return self
 
@@ -120,6 +191,11 @@ class _AllGather(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_gather(x, self.g, self.dim)
 
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        shape = list(x.shape)
+        shape[self.dim] *= self.g.size
+        return _sent("all_gather", self.g, x, tuple(shape))
+
     def transpose(self) -> Linear:
         return _PsumScatter(self.g, self.dim)
 
@@ -131,6 +207,13 @@ class _PsumScatter(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.reduce_scatter(x, self.g, self.dim)
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        if x.shape[self.dim] % self.g.size:
+            raise ValueError(f"psum_scatter over {self.g.axis!r} (size {self.g.size}) needs dim {self.dim} divisible by {self.g.size}, got shape {tuple(x.shape)}")
+        shape = list(x.shape)
+        shape[self.dim] //= self.g.size
+        return _sent("reduce_scatter", self.g, x, tuple(shape))
 
     def transpose(self) -> Linear:
         return _AllGather(self.g, self.dim)
@@ -153,6 +236,15 @@ class _AllToAll(Linear):
         blocks = recv.reshape(n, recv.shape[0] // n, *recv.shape[1:]).movedim(1, 1 + self.split_dim)
         return blocks.movedim(0, self.concat_dim).flatten(self.concat_dim, self.concat_dim + 1)
 
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        n = self.g.size
+        if x.shape[self.split_dim] % n:
+            raise ValueError(f"all_to_all over {self.g.axis!r} (size {n}) splits dim {self.split_dim} of shape {tuple(x.shape)}, which is not divisible by {n}")
+        shape = list(x.shape)
+        shape[self.split_dim] //= n
+        shape[self.concat_dim] *= n
+        return _sent("all_to_all", self.g, x, tuple(shape))
+
     def transpose(self) -> Linear:
         return _AllToAll(self.g, self.concat_dim, self.split_dim)
 
@@ -170,6 +262,9 @@ class _Permute(Linear):
         send = backend.per_rank(x.reshape(-1), self.g, lambda t, me: t if me in dest else t[:0])
         recv = backend.exchange(send, self.g, counts)
         return backend.per_rank(recv, self.g, lambda t, me: t if me in sources else t.new_zeros(numel)).reshape(shape)
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        return _sent("ppermute", self.g, x, tuple(x.shape))
 
     def transpose(self) -> Linear:
         return _Permute(self.g, tuple((d, s) for s, d in self.pairs))
@@ -234,6 +329,12 @@ class _AllToAllV(Linear):
         return _AllToAllV(self.g, tuple(zip(*self.counts)), self.dim)
 
 
+def _sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...]) -> tuple[torch.Tensor, Sent]:
+    """An empty result of ``out_shape`` and the record of what ``kind`` over ``g`` sends for ``x``."""
+    shape = out_shape if kind == "all_gather" else tuple(x.shape)
+    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x))
+
+
 def _rows(x: torch.Tensor, g: AxisGroup, expected: Any, op: str) -> torch.Tensor:
     """``x`` unchanged, after checking that member ``me`` holds ``expected(me)`` rows."""
 
@@ -273,7 +374,18 @@ def _groups(axis: AxisName, mesh: Mesh | None, op: str) -> list[AxisGroup]:
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     if not names or not all(isinstance(a, str) for a in names) or len(set(names)) != len(names):
         raise ValueError(f"{op} needs a mesh axis name or a tuple of distinct names, got {axis!r}")
+    for a in names:
+        _check_axis(m, a, op)
     return [backend.axis_group(m, a) for a in names if m.axis_size(a) > 1]
+
+
+def _check_axis(m: Mesh, axis: str, op: str) -> None:
+    """``axis`` is an axis of ``m`` and, inside a ``shard_map`` region, one it makes manual."""
+    where = f" inside shard_map({_MANUAL[-1][0]})" if _MANUAL else ""
+    if axis not in m.axis_names:
+        raise ValueError(f"{op} over {axis!r}{where}: the mesh has axes {tuple(m.axis_names)!r}")
+    if _MANUAL and axis not in _MANUAL[-1][1]:
+        raise ValueError(f"{op} over {axis!r}{where}: the region makes only {tuple(sorted(_MANUAL[-1][1]))!r} manual")
 
 
 def _one_group(axis: str, mesh: Mesh | None, op: str) -> AxisGroup | None:
@@ -284,7 +396,9 @@ def _one_group(axis: str, mesh: Mesh | None, op: str) -> AxisGroup | None:
 
 
 def _axis_size(axis: str, mesh: Mesh | None, op: str) -> int:
-    return _mesh(mesh, op).axis_size(axis)
+    m = _mesh(mesh, op)
+    _check_axis(m, axis, op)
+    return m.axis_size(axis)
 
 
 def _sizes(sizes: Sequence[int], n: int, axis: str, op: str) -> tuple[int, ...]:
@@ -307,6 +421,85 @@ def psum(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch.
     for g in _groups(axis, mesh, "psum"):
         x = apply_linear(x, _Psum(g))
     return x
+
+
+def pmean(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the ranks of ``axis`` (a tuple: over all of them), on every one of them.
+
+    Example::
+
+        >>> avg = vsf.ops.pmean(local_loss, "dp")
+    """
+    groups = _groups(axis, mesh, "pmean")
+    n = 1
+    for g in groups:
+        x, n = apply_linear(x, _Psum(g)), n * g.size
+    return x / n if n > 1 else x
+
+
+class _Pmax(torch.autograd.Function):
+    """Max over one axis; the gradient goes to the ranks holding the max, split evenly among ties
+    (as ``torch.amax``'s does), under the sum-over-ranks convention: ``psum`` of the cotangents."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
+        if _RECORDERS:
+            out, sent = _sent("all_reduce", g, x, tuple(x.shape))
+            _RECORDERS[-1].append(sent)
+        else:
+            out = backend.all_reduce(x, g, "max")
+        ctx.g = g
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, out = ctx.saved_tensors
+        hit = (x == out).to(grad.dtype)
+        ties = apply_linear(hit, _Psum(ctx.g))
+        return apply_linear(grad, _Psum(ctx.g)) * hit / ties.clamp_min(1), None
+
+
+def pmax(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Elementwise max of ``x`` over the ranks of ``axis``, on every one of them.
+
+    Example::
+
+        >>> top = vsf.ops.pmax(local_scores.amax(), "tp")
+    """
+    for g in _groups(axis, mesh, "pmax"):
+        x = _Pmax.apply(x, g)
+    return x
+
+
+def axis_index(axis: str, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """This rank's position along ``axis`` (an int64 scalar tensor; under ``vsf.simulate`` each
+    simulated rank holds its own).
+
+    Example::
+
+        >>> first = torch.where(vsf.ops.axis_index("pp") == 0, x, torch.zeros_like(x))
+    """
+    g = _one_group(axis, mesh, "axis_index")
+    zero = torch.zeros((), dtype=torch.int64)
+    if g is None or _RECORDERS:
+        return zero
+    return backend.per_rank(zero, g, lambda t, me: t + me)
+
+
+def axis_size(axis: AxisName, *, mesh: Mesh | None = None) -> int:
+    """The number of ranks along ``axis`` (a tuple: the product).
+
+    Example::
+
+        >>> vsf.ops.axis_size("tp")
+        4
+    """
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    n = 1
+    for a in names:
+        n *= _axis_size(a, mesh, "axis_size")
+    return n
 
 
 def all_gather(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True, *, mesh: Mesh | None = None) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""Manual regions (``vsf.shard_map`` inside ``jit``) as the planner and the lowering see them.
+
+A region node (:mod:`vsf.ops.region`) is planned with exactly one strategy: its inputs take the
+region's ``in_specs`` and its results its ``out_specs`` (the propagator redistributes into and out
+of them, as around a ``with_sharding_constraint``). Its backward node takes the inputs and the
+results' cotangents laid out the same way and gives each input's gradient that input's layout,
+``Partial`` (a sum) over the axes its spec replicates. The collectives the body runs are the
+program's: they come from the region, found when it was traced.
+
+Example::
+
+    >>> ins, outs = placements(region_node, mesh)
+    >>> [c.kind for c in collectives(region_node)]
+    ['all_reduce']
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Replicate
+
+from vsf.jit.graph import outputs_meta
+from vsf.jit.plan import PARTIAL, Collective, Placements, one_d, to_placements
+from vsf.jit.strategies import Strategy
+from vsf.ops.region import REGION_OP, Region, lookup
+from vsf.sharding.mesh import Mesh
+
+__all__ = ["collectives", "placements", "run", "strategy_on"]
+
+
+def _region(node: torch.fx.Node) -> Region:
+    return lookup(node.args[-1])
+
+
+def placements(node: torch.fx.Node, mesh: Mesh) -> tuple[list[Placements], list[Placements]]:
+    """The placements a region node (or its backward) takes its tensor inputs in and gives its results in."""
+    r = _region(node)
+    ins = [to_placements(s) for s in r.ins]
+    outs = [to_placements(s) for s in r.outs]
+    if node.target is REGION_OP:
+        return ins, outs
+    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
+    grads = [
+        tuple(PARTIAL if isinstance(p, Replicate) and n > 1 else p for p, n in zip(pl, sizes)) if t is not None and t.is_floating_point() else pl
+        for pl, t in zip(ins, outputs_meta(node))
+    ]
+    return ins + outs, grads
+
+
+def strategy_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy:
+    """The one strategy a region node has on mesh axis ``axis``."""
+    k = list(mesh.device_axes).index(axis)
+    ins, outs = placements(node, mesh)
+    return Strategy(tuple(one_d(p[k]) for p in ins), tuple(one_d(p[k]) for p in outs))
+
+
+def collectives(node: torch.fx.Node) -> tuple[Collective, ...]:
+    """The collectives a region node's body runs on each rank (its backward's, for a backward node)."""
+    r = _region(node)
+    return tuple(Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes) for s in (r.sent if node.target is REGION_OP else r.sent_vjp))
+
+
+def run(node: torch.fx.Node, args: tuple) -> list[torch.Tensor]:
+    """A region node on this rank's local shards (``args``: the node's arguments, tensors local)."""
+    r = _region(node)
+    return r.run(args[0]) if node.target is REGION_OP else r.vjp(args[0], args[1])

@@ -1,0 +1,148 @@
+"""The ops a ``shard_map`` region leaves in a traced graph, and what they stand for.
+
+Inside :func:`vsf.jit`, a call of :func:`vsf.shard_map` becomes one node of the step's graph,
+``vsf::manual_region(xs, key)``: it takes the region's tensor arguments in their *global* shapes
+and returns its results in theirs, and ``key`` names the :class:`Region` (its body, mesh, specs and
+the collectives its body runs, found by running the body once on fake local shards). Its backward
+(when the step differentiates through the region) is ``vsf::manual_region_vjp(xs, cts, key)``:
+the body's own backward on local shards, every collective transposed by :mod:`vsf.ops`.
+
+The planner pins a region's inputs to its ``in_specs`` and its results to its ``out_specs`` and
+leaves the body alone; the lowering runs the body on each rank's local shards.
+
+**Replicated values** (vsf's rule, the eager ``shard_map``'s, JAX's ``check_vma=False``): over an
+axis an input's spec leaves out, every rank gets the whole value, and its gradient is the sum over
+those ranks (each rank's gradient is a partial sum); over an axis an output's spec leaves out, the
+body must give every rank the same value (vsf does not check it), and the cotangent that comes in
+is split evenly among those ranks, so a ``psum`` whose backward sums the ranks' cotangents gives it
+back once.
+
+Example::
+
+    >>> region = lookup(node.args[-1])     # a manual_region node's key
+    >>> region.ins[0].spec, [c.kind for c in region.sent]
+    (P('dp', None), ['all_reduce'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from vsf.ops.collectives import Sent, manual_axes
+from vsf.sharding.mesh import Mesh, use_mesh
+from vsf.sharding.named import NamedSharding
+
+__all__ = ["REGION_OP", "REGION_VJP_OP", "Region", "lookup", "register"]
+
+Aval = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+    """One manual region of a traced step.
+
+    ``body`` maps the flat local tensor arguments to the flat local tensor results; ``ins`` and
+    ``outs`` are their shardings over ``mesh``; ``out_avals`` the results' global shapes and
+    dtypes; ``sent`` and ``sent_vjp`` the collectives the body runs per rank, forward and backward.
+    """
+
+    name: str
+    body: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    mesh: Mesh
+    ins: tuple[NamedSharding, ...]
+    outs: tuple[NamedSharding, ...]
+    out_avals: tuple[Aval, ...]
+    sent: tuple[Sent, ...] = ()
+    sent_vjp: tuple[Sent, ...] = ()
+
+    def run(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The body on this rank's local shards (every simulated rank's, under ``vsf.simulate``)."""
+        with use_mesh(self.mesh), manual_axes(self.name, self.mesh.axis_names):
+            return list(self.body(list(xs)))
+
+    def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of the local inputs, given the local cotangents of the results (the body
+        run again with autograd, its collectives transposed; see the module docs for replicated values)."""
+        with torch.enable_grad():
+            watched = [x.detach().requires_grad_(True) if _differentiable(x) else x for x in xs]
+            outs = self.run(watched)
+            pairs = [(y, ct / self.copies(i)) for i, (y, ct) in enumerate(zip(outs, cts)) if y.requires_grad]
+            wrt = [x for x in watched if _differentiable(x)]
+            grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True) if pairs and wrt else [None] * len(wrt))
+        return [(_zero_if_none(next(grads), x) if _differentiable(x) else torch.zeros_like(x)) for x in watched]
+
+    def copies(self, i: int) -> int:
+        """Over how many ranks result ``i`` is replicated (the ranks its spec leaves out)."""
+        s, shape = self.outs[i], self.out_avals[i][0]
+        return self.mesh.size // math.prod(s.num_shards(d) for d in range(len(shape)))
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
+
+
+def _zero_if_none(g: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x) if g is None else g
+
+
+_REGIONS: dict[int, Region] = {}
+_KEYS = itertools.count()
+
+
+def register(region: Region) -> int:
+    """Keep ``region`` for the graph that will name it; its key."""
+    key = next(_KEYS)
+    _REGIONS[key] = region
+    return key
+
+
+def lookup(key: int) -> Region:
+    """The region a ``manual_region`` node names."""
+    return _REGIONS[key]
+
+
+@torch.library.custom_op("vsf::manual_region", mutates_args=())
+def _manual_region(xs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    raise RuntimeError(f"shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into")
+
+
+@_manual_region.register_fake
+def _(xs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    device = xs[0].device if xs else torch.device("cpu")
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in lookup(key).out_avals]
+
+
+@torch.library.custom_op("vsf::manual_region_vjp", mutates_args=())
+def _manual_region_vjp(xs: list[torch.Tensor], cts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    raise RuntimeError(f"the backward of shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into")
+
+
+@_manual_region_vjp.register_fake
+def _(xs: list[torch.Tensor], cts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+REGION_OP = torch.ops.vsf.manual_region.default
+REGION_VJP_OP = torch.ops.vsf.manual_region_vjp.default
+
+
+def _save(ctx: object, inputs: tuple[list[torch.Tensor], int], output: list[torch.Tensor]) -> None:
+    ctx.save_for_backward(*inputs[0])
+    ctx.key = inputs[1]
+    ctx.avals = [(tuple(y.shape), y.dtype) for y in output]
+
+
+def _backward(ctx: object, cts: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], None]:
+    xs = list(ctx.saved_tensors)
+    device = xs[0].device if xs else torch.device("cpu")
+    full = [ct if ct is not None else torch.zeros(shape, dtype=dtype, device=device) for ct, (shape, dtype) in zip(cts, ctx.avals)]
+    grads = REGION_VJP_OP(xs, full, ctx.key)
+    return [g if _differentiable(x) else None for g, x in zip(grads, xs)], None
+
+
+_manual_region.register_autograd(_backward, setup_context=_save)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
-from vsf.ops.collectives import manual_axes, recording
+from vsf.ops.recording import manual_axes, recording
 from vsf.ops.region import REGION_OP, Region, register
 from vsf.sharding.constraint import constrain
 from vsf.sharding.mesh import Mesh, current_mesh, use_mesh

@@ -10,9 +10,7 @@ Example::
 from vsf.ops.collectives import (
     Linear,
     all_gather,
-    all_gather_v,
     all_to_all,
-    all_to_all_v,
     apply_linear,
     axis_index,
     axis_size,
@@ -21,8 +19,8 @@ from vsf.ops.collectives import (
     ppermute,
     psum,
     psum_scatter,
-    reduce_scatter_v,
 )
+from vsf.ops.ragged import all_gather_v, all_to_all_v, reduce_scatter_v
 
 __all__ = [
     "Linear",

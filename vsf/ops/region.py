@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vsf.ops.collectives import Sent, manual_axes
+from vsf.ops.recording import Sent, manual_axes
 from vsf.sharding.mesh import Mesh, use_mesh
 from vsf.sharding.named import NamedSharding
 

@@ -5,7 +5,9 @@ region's ``in_specs`` and its results its ``out_specs`` (the propagator redistri
 of them, as around a ``with_sharding_constraint``). Its backward node takes the inputs and the
 results' cotangents laid out the same way and gives each input's gradient that input's layout,
 ``Partial`` (a sum) over the axes its spec replicates. The collectives the body runs are the
-program's: they come from the region, found when it was traced.
+program's: they come from the region, found when it was traced. The backward node re-runs the
+body's forward on local shards before its backward (rematerialization: the forward node's
+autograd graph does not outlive it), so the forward's collectives run again there.
 
 Example::
 
@@ -56,9 +58,11 @@ def strategy_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy:
 
 
 def collectives(node: torch.fx.Node) -> tuple[Collective, ...]:
-    """The collectives a region node's body runs on each rank (its backward's, for a backward node)."""
+    """The collectives a region node's body runs on each rank; for a backward node, the forward's
+    again (the backward re-runs the body, as ``jax.checkpoint`` would) and then the transposed ones."""
     r = _region(node)
-    return tuple(Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes) for s in (r.sent if node.target is REGION_OP else r.sent_vjp))
+    sent = r.sent if node.target is REGION_OP else r.sent + r.sent_vjp
+    return tuple(Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes) for s in sent)
 
 
 def run(node: torch.fx.Node, args: tuple) -> list[torch.Tensor]:

@@ -5,7 +5,8 @@ Inside :func:`vsf.jit`, a call of :func:`vsf.shard_map` becomes one node of the 
 and returns its results in theirs, and ``key`` names the :class:`Region` (its body, mesh, specs and
 the collectives its body runs, found by running the body once on fake local shards). Its backward
 (when the step differentiates through the region) is ``vsf::manual_region_vjp(xs, cts, key)``:
-the body's own backward on local shards, every collective transposed by :mod:`vsf.ops`.
+the body run again on the local shards (rematerialized, as ``jax.checkpoint`` does: its forward
+collectives run a second time) and its own backward, every collective transposed by :mod:`vsf.ops`.
 
 The planner pins a region's inputs to its ``in_specs`` and its results to its ``out_specs`` and
 leaves the body alone; the lowering runs the body on each rank's local shards.

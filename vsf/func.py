@@ -10,7 +10,6 @@ function on each rank's local shards; inside ``jit`` it is one op of the graph.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
 from vsf.ops.recording import manual_axes, recording
-from vsf.ops.region import REGION_OP, Region, register
+from vsf.ops.region import REGION_OP, Region, copies, register, summed_over
 from vsf.sharding.constraint import constrain
 from vsf.sharding.mesh import Mesh, current_mesh, use_mesh
 from vsf.sharding.named import NamedSharding, resolve
@@ -172,12 +171,14 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
     ``all_to_all``, ``ppermute``, ``axis_index``, ...) work on them. ``f``'s tensor results are
     this rank's shards of global values laid out as ``out_specs`` (a prefix of the results): a dim
     split over axes of total size ``k`` is ``k`` times as long globally. Every split dim must
-    divide evenly, as in JAX. ``axis_names`` (JAX's): the manual axes; only all of the mesh's
-    (the default) is supported so far.
+    divide evenly, as in JAX. ``axis_names`` (JAX's partial-manual): the manual axes (default:
+    all); the specs may name only those, collectives may run only over those, and over the other
+    axes the body sees whole values (for now every rank there runs the same body: the body is not
+    yet planned over the automatic axes).
 
-    **Replicated values** (JAX's ``check_vma=False`` semantics; vsf checks nothing): over the axes
-    an input's spec leaves out every rank gets the whole value and its gradient is summed over
-    them; over the axes an output's spec leaves out the result must be the same on every rank,
+    **Replicated values** (JAX's ``check_vma=False`` semantics; vsf checks nothing): over the manual
+    axes an input's spec leaves out every rank gets the whole value and its gradient is summed over
+    them; over the manual axes an output's spec leaves out the result must be the same on every rank,
     and its cotangent is split evenly among them (so ``psum``'s backward, which sums the ranks'
     cotangents, gives it back once). A result that differs across such ranks gives rank 0's
     value's layout no meaning: the assembled value is not defined.
@@ -201,37 +202,46 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
         m = mesh if mesh is not None else current_mesh()
         if m is None:
             raise ValueError("shard_map needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
-        _check_manual(axis_names, m, name)
+        manual = _manual(axis_names, m, name)
         in_pairs, in_def = tree.flatten_with_path(args)
         specs = tree.broadcast_prefix(in_specs, args, is_leaf=_is_spec, what="in_specs")
-        placed = [(x, _even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}") if isinstance(x, torch.Tensor) else None)
+        placed = [(x, _only_manual(_even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}"), manual, name, "in_specs", f"args{tree.keystr(path)}") if isinstance(x, torch.Tensor) else None)
                   for (path, x), spec in zip(in_pairs, specs)]
         if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x, _ in placed):
-            return _traced_region(f, name, m, out_specs, in_def, placed)
-        local = [_local_shard(x, s) if s is not None else x for x, s in placed]
-        with use_mesh(m), manual_axes(name, m.axis_names):
+            return _traced_region(f, name, m, manual, out_specs, in_def, placed)
+        local = [_local_shard(x, s, manual) if s is not None else x for x, s in placed]
+        with use_mesh(m), manual_axes(name, manual):
             out = f(*tree.unflatten(in_def, local))
         out_pairs, out_def = tree.flatten_with_path(out)
         specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
-        return tree.unflatten(out_def, [_global(y, NamedSharding(m, spec), "the result" + (tree.keystr(path) if path else "")) for (path, y), spec in zip(out_pairs, specs)])
+        return tree.unflatten(out_def, [_global(y, NamedSharding(m, spec), _result(path), manual, name) for (path, y), spec in zip(out_pairs, specs)])
 
     return mapped
 
 
-def _check_manual(axis_names: Sequence[str] | None, m: Mesh, name: str) -> None:
+def _manual(axis_names: Sequence[str] | None, m: Mesh, name: str) -> tuple[str, ...]:
+    """The region's manual axes, in mesh order (all of them by default)."""
     if axis_names is None:
-        return
+        return tuple(m.axis_names)
     unknown = [a for a in axis_names if a not in m.axis_names]
     if unknown:
         raise ValueError(f"shard_map({name}): axis_names {tuple(axis_names)!r} names {unknown[0]!r}, which is not an axis of the mesh {tuple(m.axis_names)!r}")
-    if set(axis_names) != set(m.axis_names):
-        raise NotImplementedError(
-            f"shard_map({name}): axis_names={tuple(axis_names)!r} makes only some of the mesh's axes {tuple(m.axis_names)!r} "
-            "manual; partial-manual regions are not supported yet (leave axis_names out: every axis manual)"
-        )
+    return tuple(a for a in m.axis_names if a in axis_names)
 
 
-def _traced_region(f: Callable[..., Any], name: str, m: Mesh, out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]]) -> Any:
+def _only_manual(s: NamedSharding, manual: tuple[str, ...], name: str, what: str, where: str) -> NamedSharding:
+    """``s``, if its spec names manual axes only (the automatic ones are not the region's to split)."""
+    auto = [a for a in s.spec.axes if a not in manual]
+    if auto:
+        raise ValueError(f"shard_map({name}): {what} gives {where} the spec {s.spec!r}, which splits over {auto[0]!r}; the region is manual over {manual!r} only, and specs may name only those axes")
+    return s
+
+
+def _result(path: Any) -> str:
+    return "the result" + (tree.keystr(path) if path else "")
+
+
+def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]]) -> Any:
     """The region as one ``manual_region`` op of the graph being traced (see :mod:`vsf.ops.region`):
     the body is run once on fake local shards, outside the trace, to learn its results' layouts
     and the collectives it runs forward and backward."""
@@ -250,13 +260,13 @@ def _traced_region(f: Callable[..., Any], name: str, m: Mesh, out_specs: Any, in
 
     with _compat.outside_trace(tensors[0] if tensors else None):
         fakes = [torch.empty(s.shard_shape(tuple(x.shape)), dtype=x.dtype, device=x.device) for x, s in zip(tensors, ins)]
-        probe = Region(name, body, m, ins, (), ())
+        probe = Region(name, body, m, manual, ins, (), ())
         watched = [t.requires_grad_(True) if _differentiable(t) else t for t in fakes]
         with recording() as sent, torch.enable_grad():
             outs = probe.run(watched)
         out_pairs = tree.flatten_with_path(out_info["out"])[0]
         specs = tree.broadcast_prefix(out_specs, out_info["out"], is_leaf=_is_spec, what="out_specs")
-        out_sh = tuple(_out_sharding(y, NamedSharding(m, spec), "the result" + (tree.keystr(path) if path else ""))
+        out_sh = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
                        for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
         out_avals = tuple((tuple(n * s.num_shards(d) for d, n in enumerate(y.shape)), y.dtype) for y, s in zip(outs, out_sh))
         with recording() as sent_vjp:
@@ -264,17 +274,17 @@ def _traced_region(f: Callable[..., Any], name: str, m: Mesh, out_specs: Any, in
             diff_in = [t for t in watched if t.requires_grad]
             if diff_out and diff_in:
                 torch.autograd.grad(diff_out, diff_in, [torch.empty_like(y) for y in diff_out], allow_unused=True)
-    key = register(Region(name, body, m, ins, out_sh, out_avals, tuple(sent), tuple(sent_vjp)))
+    key = register(Region(name, body, m, manual, ins, out_sh, out_avals, tuple(sent), tuple(sent_vjp)))
     results = iter(REGION_OP(tensors, key))
     return tree.unflatten(out_info["tree"], [next(results) if c is None else c for c in out_info["consts"]])
 
 
-def _out_sharding(y: torch.Tensor, s: NamedSharding, where: str) -> NamedSharding:
+def _out_sharding(y: torch.Tensor, s: NamedSharding, where: str, manual: tuple[str, ...], name: str) -> NamedSharding:
     if isinstance(y, DTensor):
         raise TypeError(f"shard_map: {where} is a DTensor; the function must return its local shards as plain tensors")
     if len(s.spec) > y.ndim:
         raise ValueError(f"shard_map: {where} has {y.ndim} dims but out_specs gives it {s.spec!r}")
-    return s
+    return _only_manual(s, manual, name, "out_specs", where)
 
 
 def _is_spec(x: Any) -> bool:
@@ -292,14 +302,13 @@ def _even(s: NamedSharding, shape: tuple[int, ...], where: str) -> NamedSharding
     return s
 
 
-def _local_shard(x: torch.Tensor, s: NamedSharding) -> torch.Tensor:
+def _local_shard(x: torch.Tensor, s: NamedSharding, manual: tuple[str, ...]) -> torch.Tensor:
     """This rank's shard of ``x`` laid out as ``s``, through autograd when ``x`` needs a gradient:
-    over the axes ``s`` replicates ``x``, each rank's gradient is a partial sum (JAX's transpose of
-    the implicit broadcast), reduced where the gradient is used."""
+    over the manual axes ``s`` replicates ``x``, each rank's gradient is a partial sum (JAX's
+    transpose of the implicit broadcast), reduced where the gradient is used."""
     if not x.requires_grad:
         return device_put(x, s).to_local()
-    placed = _reshard_in_graph(x, s, "")
-    return placed.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in placed.placements])
+    return _reshard_in_graph(x, s, "").to_local(grad_placements=summed_over(s, manual))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -315,16 +324,16 @@ class _ScaleGrad(torch.autograd.Function):
         return g / ctx.k, None
 
 
-def _global(y: Any, s: NamedSharding, where: str) -> Any:
+def _global(y: Any, s: NamedSharding, where: str, manual: tuple[str, ...], name: str) -> Any:
     """The DTensor whose local shard on this rank is ``y``, laid out as ``s`` (non-tensors pass through)."""
     if not isinstance(y, torch.Tensor):
         return y
-    _out_sharding(y, s, where)
+    _out_sharding(y, s, where, manual, name)
     shape = tuple(n * s.num_shards(d) for d, n in enumerate(y.shape))
     stride = tuple(torch.empty(shape, device="meta").stride())
-    copies = s.mesh.size // math.prod(s.num_shards(d) for d in range(y.ndim))
-    if y.requires_grad and copies > 1:
+    k = copies(s, manual)
+    if y.requires_grad and k > 1:
         # the ranks a spec replicates y over each get the whole gradient, and each sends it back
         # through f; psum's backward sums them, so each takes its share (JAX's rule without check_rep)
-        y = _ScaleGrad.apply(y, copies)
+        y = _ScaleGrad.apply(y, k)
     return DTensor.from_local(y, s.mesh.device_mesh, s.placements, run_check=False, shape=shape, stride=stride)

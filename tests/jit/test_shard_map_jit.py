@@ -201,6 +201,35 @@ def test_replicated_inputs_and_outputs_follow_the_documented_rule(sim):
     torch.testing.assert_close(vsf.device_get(gv), vr.grad)
 
 
+def test_a_partial_manual_region_sees_whole_values_over_its_automatic_axes(sim):
+    # manual over dp only: the batch is split over dp, the body sees whole values over tp (where,
+    # for now, every rank runs the same body), and gradients over tp are whole, not partial sums
+    torch.manual_seed(0)
+    x, w, c = torch.randn(8, 3), torch.randn(3, 5), torch.randn(5)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ((xr @ wr).sum(0) * c).sum().backward()
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    seen = []
+
+    def body(x, w):
+        seen.append((tuple(x.shape), tuple(w.shape), vsf.ops.axis_size("dp")))
+        return vsf.ops.psum((x @ w).sum(0), "dp")
+
+    region = vsf.shard_map(body, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P(), axis_names=("dp",))
+    step = vsf.jit(lambda x, w, c: vsf.value_and_grad(lambda x, w: (region(x, w) * c).sum(), argnums=(0, 1))(x, w))
+    args = vsf.device_put((x, w, c), vsf.NamedSharding(mesh, P()))
+    loss, (gx, gw) = step(*args)
+    assert seen[0] == ((4, 3), (3, 5), 2)
+    torch.testing.assert_close(vsf.device_get(loss), ((x @ w).sum(0) * c).sum())
+    torch.testing.assert_close(vsf.device_get(gx), xr.grad)
+    torch.testing.assert_close(vsf.device_get(gw), wr.grad)
+    assert {c.axis for step_ in step.lower(*args).plan.nodes.values() for c in step_.collectives} == {"dp"}
+    # eagerly too, with the same rule
+    eager = vsf.grad(lambda w: (region(args[0], w) * args[2]).sum())(args[1])
+    torch.testing.assert_close(vsf.device_get(eager), wr.grad)
+
+
 def test_bad_regions_are_refused_saying_where(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
@@ -215,8 +244,16 @@ def test_bad_regions_are_refused_saying_where(sim):
         jitted(lambda a, b: (a, b), in_specs=P(), out_specs=(P(), P(), P()))(x)
     with pytest.raises(ValueError, match=r"axis_names \('dp', 'pp'\) names 'pp', which is not an axis of the mesh"):
         jitted(lambda a, b: a, in_specs=P(), out_specs=P(), axis_names=("dp", "pp"))(x)
-    with pytest.raises(NotImplementedError, match=r"partial-manual regions are not supported yet"):
-        jitted(lambda a, b: a, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
+    with pytest.raises(ValueError, match=r"in_specs gives args\[0\] the spec P\('dp'\), which splits over 'dp'; the region is manual over \('tp',\) only"):
+        jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P(), axis_names=("tp",))(x)
+    with pytest.raises(ValueError, match=r"out_specs gives the result the spec P\('dp'\), which splits over 'dp'"):
+        jitted(lambda a, b: a, in_specs=P(), out_specs=P("dp"), axis_names=("tp",))(x)
+
+    def sums_over_dp(a, b):
+        return vsf.ops.psum(a, "dp")
+
+    with pytest.raises(ValueError, match=r"psum over 'dp' inside shard_map\(sums_over_dp\): the region makes only \('tp',\) manual"):
+        jitted(sums_over_dp, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
 
     def sums_over_cp(a, b):
         return vsf.ops.psum(a, "cp")

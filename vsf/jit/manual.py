@@ -4,7 +4,7 @@ A region node (:mod:`vsf.ops.region`) is planned with exactly one strategy: its 
 region's ``in_specs`` and its results its ``out_specs`` (the propagator redistributes into and out
 of them, as around a ``with_sharding_constraint``). Its backward node takes the inputs and the
 results' cotangents laid out the same way and gives each input's gradient that input's layout,
-``Partial`` (a sum) over the axes its spec replicates. The collectives the body runs are the
+``Partial`` (a sum) over the manual axes its spec replicates. The collectives the body runs are the
 program's: they come from the region, found when it was traced. The backward node re-runs the
 body's forward on local shards before its backward (rematerialization: the forward node's
 autograd graph does not outlive it), so the forward's collectives run again there.
@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Replicate
-
 from vsf.jit.graph import outputs_meta
-from vsf.jit.plan import PARTIAL, Collective, Placements, one_d, to_placements
+from vsf.jit.plan import Collective, Placements, one_d, to_placements
 from vsf.jit.strategies import Strategy
-from vsf.ops.region import REGION_OP, Region, lookup
+from vsf.ops.region import REGION_OP, Region, lookup, summed_over
 from vsf.sharding.mesh import Mesh
 
 __all__ = ["collectives", "placements", "run", "strategy_on"]
@@ -42,11 +40,7 @@ def placements(node: torch.fx.Node, mesh: Mesh) -> tuple[list[Placements], list[
     outs = [to_placements(s) for s in r.outs]
     if node.target is REGION_OP:
         return ins, outs
-    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
-    grads = [
-        tuple(PARTIAL if isinstance(p, Replicate) and n > 1 else p for p, n in zip(pl, sizes)) if t is not None and t.is_floating_point() else pl
-        for pl, t in zip(ins, outputs_meta(node))
-    ]
+    grads = [summed_over(s, r.manual) if t is not None and t.is_floating_point() else pl for s, pl, t in zip(r.ins, ins, outputs_meta(node))]
     return ins + outs, grads
 
 

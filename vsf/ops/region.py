@@ -11,12 +11,16 @@ collectives run a second time) and its own backward, every collective transposed
 The planner pins a region's inputs to its ``in_specs`` and its results to its ``out_specs`` and
 leaves the body alone; the lowering runs the body on each rank's local shards.
 
-**Replicated values** (vsf's rule, the eager ``shard_map``'s, JAX's ``check_vma=False``): over an
-axis an input's spec leaves out, every rank gets the whole value, and its gradient is the sum over
-those ranks (each rank's gradient is a partial sum); over an axis an output's spec leaves out, the
-body must give every rank the same value (vsf does not check it), and the cotangent that comes in
-is split evenly among those ranks, so a ``psum`` whose backward sums the ranks' cotangents gives it
-back once.
+**Replicated values** (vsf's rule, the eager ``shard_map``'s, JAX's ``check_vma=False``): over a
+manual axis an input's spec leaves out, every rank gets the whole value, and its gradient is the
+sum over those ranks (each rank's gradient is a partial sum); over a manual axis an output's spec
+leaves out, the body must give every rank the same value (vsf does not check it), and the
+cotangent that comes in is split evenly among those ranks, so a ``psum`` whose backward sums the
+ranks' cotangents gives it back once.
+
+**Automatic axes** (``axis_names``, JAX's partial-manual): the specs name only manual axes; over
+the others the body sees whole values and, for now, every rank there runs the same body on them
+(replicated; planning the body over those axes is not done yet), so their gradients are whole too.
 
 Example::
 
@@ -33,12 +37,13 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import Partial, Placement, Replicate
 
 from vsf.ops.recording import Sent, manual_axes
 from vsf.sharding.mesh import Mesh, use_mesh
 from vsf.sharding.named import NamedSharding
 
-__all__ = ["REGION_OP", "REGION_VJP_OP", "Region", "lookup", "register"]
+__all__ = ["REGION_OP", "REGION_VJP_OP", "Region", "copies", "lookup", "register", "summed_over"]
 
 Aval = tuple[tuple[int, ...], torch.dtype]
 
@@ -47,14 +52,15 @@ Aval = tuple[tuple[int, ...], torch.dtype]
 class Region:
     """One manual region of a traced step.
 
-    ``body`` maps the flat local tensor arguments to the flat local tensor results; ``ins`` and
-    ``outs`` are their shardings over ``mesh``; ``out_avals`` the results' global shapes and
+    ``body`` maps the flat local tensor arguments to the flat local tensor results; ``manual``
+    names the mesh axes it is manual over; ``ins`` and ``outs`` are their shardings over ``mesh``; ``out_avals`` the results' global shapes and
     dtypes; ``sent`` and ``sent_vjp`` the collectives the body runs per rank, forward and backward.
     """
 
     name: str
     body: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     mesh: Mesh
+    manual: tuple[str, ...]
     ins: tuple[NamedSharding, ...]
     outs: tuple[NamedSharding, ...]
     out_avals: tuple[Aval, ...]
@@ -63,7 +69,7 @@ class Region:
 
     def run(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The body on this rank's local shards (every simulated rank's, under ``vsf.simulate``)."""
-        with use_mesh(self.mesh), manual_axes(self.name, self.mesh.axis_names):
+        with use_mesh(self.mesh), manual_axes(self.name, self.manual):
             return list(self.body(list(xs)))
 
     def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -78,9 +84,37 @@ class Region:
         return [(_zero_if_none(next(grads), x) if _differentiable(x) else torch.zeros_like(x)) for x in watched]
 
     def copies(self, i: int) -> int:
-        """Over how many ranks result ``i`` is replicated (the ranks its spec leaves out)."""
-        s, shape = self.outs[i], self.out_avals[i][0]
-        return self.mesh.size // math.prod(s.num_shards(d) for d in range(len(shape)))
+        """Over how many ranks result ``i`` is replicated (the manual axes its spec leaves out)."""
+        return copies(self.outs[i], self.manual)
+
+
+def copies(s: NamedSharding, manual: Sequence[str]) -> int:
+    """Over how many ranks of the ``manual`` axes a value laid out as ``s`` is replicated: the
+    ranks that share a result's cotangent (see the module docs).
+
+    Example::
+
+        >>> copies(NamedSharding(mesh, P("dp")), ("dp", "tp"))    # dp=2, tp=4
+        4
+    """
+    return math.prod(s.mesh.axis_size(a) for a in manual if a not in s.spec.axes)
+
+
+def summed_over(s: NamedSharding, manual: Sequence[str]) -> tuple[Placement, ...]:
+    """The placements of the gradient of an input laid out as ``s``: a partial sum over the manual
+    axes ``s`` replicates it over (each rank's body gave its own part), as ``s`` elsewhere (the
+    automatic axes: every rank there computed the same gradient).
+
+    Example::
+
+        >>> summed_over(NamedSharding(mesh, P("dp")), ("dp", "tp"))   # mesh ("dp", "tp")
+        (Shard(dim=0), Partial(sum))
+    """
+    m = s.mesh
+    return tuple(
+        Partial() if isinstance(p, Replicate) and a in manual and m.axis_size(a) > 1 else p
+        for p, a in zip(s.placements, m.device_axes)
+    )
 
 
 def _differentiable(x: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P, optim
@@ -144,6 +145,24 @@ def test_a_megatron_mlp_region_in_a_jitted_train_step_equals_the_unsharded_step(
     for got, w in zip(vsf.device_get(p), want):
         torch.testing.assert_close(got, w)
     assert step.plan_count == 1
+
+
+def test_commdebugmode_counts_the_planned_collectives_and_checking_mode_runs_the_region(sim):
+    x, w1, w2, _ = _mlp_case()
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    region = vsf.shard_map(mlp, mesh=mesh, in_specs=MEGATRON, out_specs=P("dp"))
+    step = vsf.jit(lambda p, x: vsf.value_and_grad(lambda p: region(x, *p).pow(2).sum())(p))
+    x, *p = vsf.device_put((x, w1, w2), vsf.NamedSharding(mesh, P()))
+    step(p, x)
+    with CommDebugMode() as comm:
+        step(p, x)
+    planned = step.lower(p, x).cost()
+    ran = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    assert ran == {"all_reduce": planned.count("all_reduce"), "all_gather_into_tensor": planned.count("all_gather")}
+    assert planned.count("all_reduce", "tp") == 3   # the region's psum, again in its backward, and its transpose
+    (loss, grads), want = step.check(p, x), step(p, x)
+    torch.testing.assert_close(vsf.device_get(loss), vsf.device_get(want[0]))
 
 
 def ring_sum(x):

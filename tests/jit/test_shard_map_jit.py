@@ -279,6 +279,8 @@ def test_bad_regions_are_refused_saying_where(sim):
 
     with pytest.raises(ValueError, match=r"psum over unknown mesh axis .cp. inside shard_map\(sums_over_cp\): the mesh has axes \('dp', 'tp'\)"):
         jitted(sums_over_cp, in_specs=P(), out_specs=P())(x)
+    with pytest.raises(NotImplementedError, match=r"_AllGatherV cannot be planned inside a jitted shard_map yet \(ragged collectives run eagerly only\)"):
+        jitted(lambda a, b: vsf.ops.all_gather_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
     with pytest.raises(ValueError, match=r"args\[0\] has 3 in dim 0, which P\('dp'\) splits 2 ways"):
         jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P("dp"))(vsf.device_put(torch.ones(3, 2), vsf.NamedSharding(mesh, P())))
     with pytest.raises(ValueError, match=r"the result\[1\] has 0 dims but out_specs gives it P\('dp'\)"):

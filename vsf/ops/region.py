@@ -130,14 +130,26 @@ _KEYS = itertools.count()
 
 
 def register(region: Region) -> int:
-    """Keep ``region`` for the graph that will name it; its key."""
+    """Keep ``region`` for the graph that will name it; its key.
+
+    Example::
+
+        >>> key = register(region); lookup(key) is region
+        True
+    """
     key = next(_KEYS)
     _REGIONS[key] = region
     return key
 
 
 def lookup(key: int) -> Region:
-    """The region a ``manual_region`` node names."""
+    """The region a ``manual_region`` node names (its last argument is the key).
+
+    Example::
+
+        >>> lookup(node.args[-1]).name
+        'mlp'
+    """
     return _REGIONS[key]
 
 

@@ -5,9 +5,8 @@ region's ``in_specs`` and its results its ``out_specs`` (the propagator redistri
 of them, as around a ``with_sharding_constraint``). Its backward node takes the inputs and the
 results' cotangents laid out the same way and gives each input's gradient that input's layout,
 ``Partial`` (a sum) over the manual axes its spec replicates. The collectives the body runs are the
-program's: they come from the region, found when it was traced. The backward node re-runs the
-body's forward on local shards before its backward (rematerialization: the forward node's
-autograd graph does not outlive it), so the forward's collectives run again there.
+program's: they come from the region, found when it was traced. A forward node keeps its
+autograd graph for its backward node, which runs only the transposed collectives.
 
 Example::
 
@@ -23,7 +22,7 @@ import torch.fx
 from vsf.jit.graph import outputs_meta
 from vsf.jit.plan import Collective, Placements, one_d, to_placements
 from vsf.jit.strategies import Strategy
-from vsf.ops.region import REGION_OP, Region, lookup, summed_over
+from vsf.ops.region import REGION_OP, REGION_VJP_OP, Region, lookup, summed_over
 from vsf.sharding.mesh import Mesh
 
 __all__ = ["collectives", "placements", "run", "strategy_on"]
@@ -52,14 +51,26 @@ def strategy_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy:
 
 
 def collectives(node: torch.fx.Node) -> tuple[Collective, ...]:
-    """The collectives a region node's body runs on each rank; for a backward node, the forward's
-    again (the backward re-runs the body, as ``jax.checkpoint`` would) and then the transposed ones."""
+    """The collectives a region node's body runs on each rank; for a backward node, the transposed
+    ones (preceded by the forward's when the forward node is not in the program to keep its graph)."""
     r = _region(node)
-    sent = r.sent if node.target is REGION_OP else r.sent + r.sent_vjp
+    if node.target is REGION_OP:
+        sent = r.sent
+    else:
+        sent = r.sent_vjp if _partner(node) is not None else r.sent + r.sent_vjp
     return tuple(Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes) for s in sent)
 
 
 def run(node: torch.fx.Node, args: tuple) -> list[torch.Tensor]:
-    """A region node on this rank's local shards (``args``: the node's arguments, tensors local)."""
+    """A region node on this rank's local shards (``args``: the node's arguments, tensors local).
+    A forward node whose backward node is in the program keeps its autograd graph for it."""
     r = _region(node)
-    return r.run(args[0]) if node.target is REGION_OP else r.vjp(args[0], args[1])
+    if node.target is not REGION_OP:
+        return r.vjp(args[0], args[1])
+    return r.run_for_vjp(args[0]) if _partner(node) is not None else r.run(args[0])
+
+
+def _partner(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The other node of the same region call (forward <-> backward) in the graph, if any."""
+    return next((n for n in node.graph.nodes if n is not node and n.op == "call_function"
+                 and n.target in (REGION_OP, REGION_VJP_OP) and n.args[-1] == node.args[-1]), None)

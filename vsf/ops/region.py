@@ -5,8 +5,9 @@ Inside :func:`vsf.jit`, a call of :func:`vsf.shard_map` becomes one node of the 
 and returns its results in theirs, and ``key`` names the :class:`Region` (its body, mesh, specs and
 the collectives its body runs, found by running the body once on fake local shards). Its backward
 (when the step differentiates through the region) is ``vsf::manual_region_vjp(xs, cts, key)``:
-the body run again on the local shards (rematerialized, as ``jax.checkpoint`` does: its forward
-collectives run a second time) and its own backward, every collective transposed by :mod:`vsf.ops`.
+the body's own backward on local shards, every collective transposed by :mod:`vsf.ops`, through
+the autograd graph the forward node kept (:meth:`Region.run_for_vjp`); a backward node without
+its forward node in the program runs the body again first (its forward collectives too).
 
 The planner pins a region's inputs to its ``in_specs`` and its results to its ``out_specs`` and
 leaves the body alone; the lowering runs the body on each rank's local shards.
@@ -35,6 +36,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate
@@ -53,8 +55,9 @@ class Region:
     """One manual region of a traced step.
 
     ``body`` maps the flat local tensor arguments to the flat local tensor results; ``manual``
-    names the mesh axes it is manual over; ``ins`` and ``outs`` are their shardings over ``mesh``; ``out_avals`` the results' global shapes and
-    dtypes; ``sent`` and ``sent_vjp`` the collectives the body runs per rank, forward and backward.
+    names the mesh axes it is manual over; ``ins`` and ``outs`` are their shardings over ``mesh``;
+    ``out_avals`` the results' global shapes and dtypes; ``sent`` and ``sent_vjp`` the collectives the body runs per rank, forward and backward;
+    ``kept`` the forward's autograd graph between the two nodes of one run.
     """
 
     name: str
@@ -66,18 +69,30 @@ class Region:
     out_avals: tuple[Aval, ...]
     sent: tuple[Sent, ...] = ()
     sent_vjp: tuple[Sent, ...] = ()
+    kept: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def run(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The body on this rank's local shards (every simulated rank's, under ``vsf.simulate``)."""
         with use_mesh(self.mesh), manual_axes(self.name, self.manual):
             return list(self.body(list(xs)))
 
-    def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients of the local inputs, given the local cotangents of the results (the body
-        run again with autograd, its collectives transposed; see the module docs for replicated values)."""
+    def run_for_vjp(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`run` with autograd, its graph kept for :meth:`vjp` (this call's backward node);
+        the results come back detached."""
         with torch.enable_grad():
-            watched = [x.detach().requires_grad_(True) if _differentiable(x) else x for x in xs]
+            watched = _watched(xs)
             outs = self.run(watched)
+        self.kept["graph"] = (watched, outs)
+        return [y.detach() for y in outs]
+
+    def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of the local inputs, given the local cotangents of the results: the body's
+        backward, its collectives transposed (see the module docs for replicated values), through
+        the graph :meth:`run_for_vjp` kept, or the body run again (rematerialized) if none was."""
+        with torch.enable_grad():
+            kept = self.kept.pop("graph", None)
+            watched, outs = kept if kept is not None else (_watched(xs), None)
+            outs = outs if outs is not None else self.run(watched)
             pairs = [(y, ct / self.copies(i)) for i, (y, ct) in enumerate(zip(outs, cts)) if y.requires_grad]
             wrt = [x for x in watched if _differentiable(x)]
             grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True) if pairs and wrt else [None] * len(wrt))
@@ -115,6 +130,10 @@ def summed_over(s: NamedSharding, manual: Sequence[str]) -> tuple[Placement, ...
         Partial() if isinstance(p, Replicate) and a in manual and m.axis_size(a) > 1 else p
         for p, a in zip(s.placements, m.device_axes)
     )
+
+
+def _watched(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.detach().requires_grad_(True) if _differentiable(x) else x for x in xs]
 
 
 def _differentiable(x: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from vsf.jit.graph import outputs_meta
+from vsf.jit.graph import GETITEM, outputs_meta
 from vsf.jit.plan import Collective, Placements, one_d, to_placements
 from vsf.jit.strategies import Strategy
 from vsf.ops.region import REGION_OP, REGION_VJP_OP, Region, lookup, summed_over
@@ -63,10 +63,11 @@ def collectives(node: torch.fx.Node) -> tuple[Collective, ...]:
 
 def run(node: torch.fx.Node, args: tuple) -> list[torch.Tensor]:
     """A region node on this rank's local shards (``args``: the node's arguments, tensors local).
-    A forward node whose backward node is in the program keeps its autograd graph for it."""
+    A forward node whose backward node is in the program keeps its autograd graph for it; a
+    backward node computes only the gradients the program reads."""
     r = _region(node)
     if node.target is not REGION_OP:
-        return r.vjp(args[0], args[1])
+        return r.vjp(args[0], args[1], {u.args[1] for u in node.users if u.target is GETITEM})
     return r.run_for_vjp(args[0]) if _partner(node) is not None else r.run(args[0])
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
@@ -85,18 +85,21 @@ class Region:
         self.kept["graph"] = (watched, outs)
         return [y.detach() for y in outs]
 
-    def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor], wanted: Container[int] | None = None) -> list[torch.Tensor]:
         """The gradients of the local inputs, given the local cotangents of the results: the body's
         backward, its collectives transposed (see the module docs for replicated values), through
-        the graph :meth:`run_for_vjp` kept, or the body run again (rematerialized) if none was."""
+        the graph :meth:`run_for_vjp` kept, or the body run again (rematerialized) if none was.
+        Only the inputs in ``wanted`` (positions; default all) get theirs computed, the others zeros."""
         with torch.enable_grad():
             kept = self.kept.pop("graph", None)
             watched, outs = kept if kept is not None else (_watched(xs), None)
             outs = outs if outs is not None else self.run(watched)
             pairs = [(y, ct / self.copies(i)) for i, (y, ct) in enumerate(zip(outs, cts)) if y.requires_grad]
-            wrt = [x for x in watched if _differentiable(x)]
-            grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True) if pairs and wrt else [None] * len(wrt))
-        return [(_zero_if_none(next(grads), x) if _differentiable(x) else torch.zeros_like(x)) for x in watched]
+            asked = [i for i, x in enumerate(watched) if _differentiable(x) and (wanted is None or i in wanted)]
+            wrt = [watched[i] for i in asked]
+            found = torch.autograd.grad([y for y, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True) if pairs and wrt else [None] * len(wrt)
+        grads = dict(zip(asked, found))
+        return [_zero_if_none(grads.get(i), x) for i, x in enumerate(watched)]
 
     def copies(self, i: int) -> int:
         """Over how many ranks result ``i`` is replicated (the manual axes its spec leaves out)."""

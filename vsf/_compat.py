@@ -591,3 +591,17 @@ def register_elementwise(op: Any, *, outputs: int) -> None:
         ]
 
     register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(rules)
+
+
+def fake_mode_active() -> bool:
+    """True while tensors are fake (inside ``make_fx`` tracing, ``FakeTensorMode``, ``vsf.eval_shape``)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``: the base of a mode that sees every aten op (below autograd, above subclasses)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -278,6 +278,9 @@ def test_bad_regions_are_refused_saying_where(sim):
 
     with pytest.raises(ValueError, match=r"psum over unknown mesh axis .cp. inside shard_map\(sums_over_cp\): the mesh has axes \('dp', 'tp'\)"):
         jitted(sums_over_cp, in_specs=P(), out_specs=P())(x)
+    line = vsf.make_mesh((4,), ("i",))
+    with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\) runs on Mesh\(\(4,\), \('i',\).*but the jitted step is planned over Mesh\(\(2, 2\), \('dp', 'tp'\)"):
+        vsf.jit(lambda x: vsf.shard_map(lambda a: a, mesh=line, in_specs=P(), out_specs=P())(x))(x)
     with pytest.raises(NotImplementedError, match=r"_AllGatherV cannot be planned inside a jitted shard_map yet \(ragged collectives run eagerly only\)"):
         jitted(lambda a, b: vsf.ops.all_gather_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
     with pytest.raises(ValueError, match=r"args\[0\] has 3 in dim 0, which P\('dp'\) splits 2 ways"):

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from vsf.jit.graph import GETITEM, outputs_meta
+from vsf.errors import PlanError
+from vsf.jit.graph import GETITEM, outputs_meta, user_line
 from vsf.jit.plan import Collective, Placements, one_d, to_placements
 from vsf.jit.strategies import Strategy
 from vsf.ops.region import REGION_OP, REGION_VJP_OP, Region, lookup, summed_over
@@ -33,8 +34,11 @@ def _region(node: torch.fx.Node) -> Region:
 
 
 def placements(node: torch.fx.Node, mesh: Mesh) -> tuple[list[Placements], list[Placements]]:
-    """The placements a region node (or its backward) takes its tensor inputs in and gives its results in."""
+    """The placements a region node (or its backward) takes its tensor inputs in and gives its
+    results in; a ``PlanError`` if the region's mesh is not the one the step is planned over."""
     r = _region(node)
+    if r.mesh != mesh:
+        raise PlanError(f"shard_map({r.name}) runs on {r.mesh!r}, but the jitted step is planned over {mesh!r}{user_line(node)}: give the region the step's mesh")
     ins = [to_placements(s) for s in r.ins]
     outs = [to_placements(s) for s in r.outs]
     if node.target is REGION_OP:

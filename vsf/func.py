@@ -180,8 +180,8 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
     axes an input's spec leaves out every rank gets the whole value and its gradient is summed over
     them; over the manual axes an output's spec leaves out the result must be the same on every rank,
     and its cotangent is split evenly among them (so ``psum``'s backward, which sums the ranks'
-    cotangents, gives it back once). A result that differs across such ranks gives rank 0's
-    value's layout no meaning: the assembled value is not defined.
+    cotangents, gives it back once). A result that differs across such ranks has no defined
+    global value (vsf does not check for it; JAX's ``check_vma=True`` would refuse it).
 
     Gradients flow through it (:func:`vsf.grad` of a function calling it). Inside
     :func:`vsf.jit` the call is one op of the step's graph (see :mod:`vsf.ops.region`): the plan

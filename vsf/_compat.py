@@ -54,6 +54,7 @@ from torch.distributed.tensor._ops.utils import is_tensor_shardable
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
@@ -73,6 +74,7 @@ __all__ = [
     "fake_mode",
     "foreach_elementwise_op",
     "functional_collectives",
+    "outside_trace",
     "fused_adam_",
     "fused_adam_lr",
     "init_fake_process_group",
@@ -315,6 +317,15 @@ def fake_mode() -> FakeTensorMode:
 def is_fake(t: torch.Tensor) -> bool:
     """Is ``t`` a fake tensor (or a wrapper of one)?"""
     return is_fake_tensor(t)
+
+
+@contextlib.contextmanager
+def outside_trace(like: torch.Tensor | None) -> Iterator[None]:
+    """Run code on fake tensors without recording it in the ``make_fx`` trace under way (in the
+    fake mode of ``like``, or a fresh one), as ``vsf.shard_map`` does to learn about its body."""
+    mode = like.fake_mode if like is not None and is_fake_tensor(like) else fake_mode()
+    with disable_proxy_modes_tracing(), mode:
+        yield
 
 
 def is_data_dependent_error(e: BaseException) -> bool:

@@ -4,13 +4,12 @@
 The first three work eagerly on DTensors (using ``torch.autograd.grad``, which DTensor supports,
 with plain tensors a model creates treated as replicated) and inside :func:`vsf.jit`, where the
 backward ops they run are traced into the same joint graph as the forward. ``shard_map`` runs a
-function on each rank's local shards, eagerly.
+function on each rank's local shards; inside ``jit`` it is one op of the graph.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
+from vsf.ops.recording import manual_axes, recording
+from vsf.ops.region import REGION_OP, Region, copies, register, summed_over
 from vsf.sharding.constraint import constrain
 from vsf.sharding.mesh import Mesh, current_mesh, use_mesh
 from vsf.sharding.named import NamedSharding, resolve
@@ -160,19 +161,33 @@ def _check_constraint(s: NamedSharding, x: torch.Tensor, where: str) -> None:
         raise ValueError(f"with_sharding_constraint {s.spec!r} for {where} has {len(s.spec)} entries but the value has rank {x.ndim} (shape {tuple(x.shape)})")
 
 
-def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None) -> Callable[..., Any]:
+def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None) -> Callable[..., Any]:
     """``f`` run on each rank's local shards, with collectives you write (JAX's ``shard_map``).
 
     Each tensor argument is laid out as ``in_specs`` says (a pytree prefix of the arguments, one
     ``P`` per leaf or subtree; arguments already laid out that way are not moved) and ``f`` gets
     its local shards as plain tensors, with ``mesh`` as the current mesh, so the named-axis
-    collectives of :mod:`vsf.ops` (``psum``, ``all_gather``, ``psum_scatter``, ``ppermute``, ...)
-    work on them. ``f``'s tensor results are this rank's shards of global values laid out as
-    ``out_specs`` (a prefix of the results): a dim split over axes of total size ``k`` is ``k``
-    times as long globally, and over the axes a spec leaves out the result must be the same on
-    every rank (as JAX's ``check_rep`` asks; vsf does not check it). Every split dim must divide
-    evenly, as in JAX. Gradients flow through it (:func:`vsf.grad` of a function calling it).
-    Eager only: inside :func:`vsf.jit`, which places collectives itself, it is refused.
+    collectives of :mod:`vsf.ops` (``psum``, ``pmean``, ``pmax``, ``all_gather``, ``psum_scatter``,
+    ``all_to_all``, ``ppermute``, ``axis_index``, ...) work on them. ``f``'s tensor results are
+    this rank's shards of global values laid out as ``out_specs`` (a prefix of the results): a dim
+    split over axes of total size ``k`` is ``k`` times as long globally. Every split dim must
+    divide evenly, as in JAX. ``axis_names`` (JAX's partial-manual): the manual axes (default:
+    all); the specs may name only those, collectives may run only over those, and over the other
+    axes the body sees whole values (for now every rank there runs the same body: the body is not
+    yet planned over the automatic axes).
+
+    **Replicated values** (JAX's ``check_vma=False`` semantics; vsf checks nothing): over the manual
+    axes an input's spec leaves out every rank gets the whole value and its gradient is summed over
+    them; over the manual axes an output's spec leaves out the result must be the same on every rank,
+    and its cotangent is split evenly among them (so ``psum``'s backward, which sums the ranks'
+    cotangents, gives it back once). A result that differs across such ranks has no defined
+    global value (vsf does not check for it; JAX's ``check_vma=True`` would refuse it).
+
+    Gradients flow through it (:func:`vsf.grad` of a function calling it). Inside
+    :func:`vsf.jit` the call is one op of the step's graph (see :mod:`vsf.ops.region`): the plan
+    pins its inputs to ``in_specs`` and its results to ``out_specs``, its collectives are the
+    program's (``Lowered.as_text()`` lists them), and its backward runs the body's backward on
+    local shards, every collective transposed.
 
     Example (Megatron's MLP: the hidden dim split over ``tp``, one all-reduce)::
 
@@ -180,28 +195,96 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
         ...     return vsf.ops.psum(torch.relu(x @ w1) @ w2, "tp")
         >>> y = vsf.shard_map(mlp, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp")), out_specs=P("dp"))(x, w1, w2)
     """
+    name = getattr(f, "__name__", "f")
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
         m = mesh if mesh is not None else current_mesh()
         if m is None:
             raise ValueError("shard_map needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
+        manual = _manual(axis_names, m, name)
         in_pairs, in_def = tree.flatten_with_path(args)
-        if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for _, x in in_pairs):
-            raise NotImplementedError(
-                f"vsf.shard_map({getattr(f, '__name__', 'f')}) inside vsf.jit is not supported yet: jit places the "
-                "collectives itself (with_sharding_constraint pins layouts there); call shard_map outside the jitted function"
-            )
         specs = tree.broadcast_prefix(in_specs, args, is_leaf=_is_spec, what="in_specs")
-        local = [_local_shard(x, _even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}")) if isinstance(x, torch.Tensor) else x
-                 for (path, x), spec in zip(in_pairs, specs)]
-        with use_mesh(m):
+        placed = [(x, _only_manual(_even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}"), manual, name, "in_specs", f"args{tree.keystr(path)}") if isinstance(x, torch.Tensor) else None)
+                  for (path, x), spec in zip(in_pairs, specs)]
+        if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x, _ in placed):
+            return _traced_region(f, name, m, manual, out_specs, in_def, placed)
+        local = [_local_shard(x, s, manual) if s is not None else x for x, s in placed]
+        with use_mesh(m), manual_axes(name, manual):
             out = f(*tree.unflatten(in_def, local))
         out_pairs, out_def = tree.flatten_with_path(out)
         specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
-        return tree.unflatten(out_def, [_global(y, NamedSharding(m, spec), "the result" + (tree.keystr(path) if path else "")) for (path, y), spec in zip(out_pairs, specs)])
+        return tree.unflatten(out_def, [_global(y, NamedSharding(m, spec), _result(path), manual, name) for (path, y), spec in zip(out_pairs, specs)])
 
     return mapped
+
+
+def _manual(axis_names: Sequence[str] | None, m: Mesh, name: str) -> tuple[str, ...]:
+    """The region's manual axes, in mesh order (all of them by default)."""
+    if axis_names is None:
+        return tuple(m.axis_names)
+    unknown = [a for a in axis_names if a not in m.axis_names]
+    if unknown:
+        raise ValueError(f"shard_map({name}): axis_names {tuple(axis_names)!r} names {unknown[0]!r}, which is not an axis of the mesh {tuple(m.axis_names)!r}")
+    return tuple(a for a in m.axis_names if a in axis_names)
+
+
+def _only_manual(s: NamedSharding, manual: tuple[str, ...], name: str, what: str, where: str) -> NamedSharding:
+    """``s``, if its spec names manual axes only (the automatic ones are not the region's to split)."""
+    auto = [a for a in s.spec.axes if a not in manual]
+    if auto:
+        raise ValueError(f"shard_map({name}): {what} gives {where} the spec {s.spec!r}, which splits over {auto[0]!r}; the region is manual over {manual!r} only, and specs may name only those axes")
+    return s
+
+
+def _result(path: Any) -> str:
+    return "the result" + (tree.keystr(path) if path else "")
+
+
+def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]]) -> Any:
+    """The region as one ``manual_region`` op of the graph being traced (see :mod:`vsf.ops.region`):
+    the body is run once on fake local shards, outside the trace, to learn its results' layouts
+    and the collectives it runs forward and backward."""
+    tensors = [x for x, s in placed if s is not None]
+    ins = tuple(s for _, s in placed if s is not None)
+    out_info: dict[str, Any] = {}
+
+    def body(local: list[torch.Tensor]) -> list[torch.Tensor]:
+        it = iter(local)
+        out = f(*tree.unflatten(in_def, [next(it) if s is not None else x for x, s in placed]))
+        leaves, out_def = tree.flatten(out)
+        out_info.setdefault("tree", out_def)
+        out_info.setdefault("consts", [None if isinstance(y, torch.Tensor) else y for y in leaves])
+        out_info.setdefault("out", out)
+        return [y for y in leaves if isinstance(y, torch.Tensor)]
+
+    with _compat.outside_trace(tensors[0] if tensors else None):
+        fakes = [torch.empty(s.shard_shape(tuple(x.shape)), dtype=x.dtype, device=x.device) for x, s in zip(tensors, ins)]
+        probe = Region(name, body, m, manual, ins, (), ())
+        watched = [t.requires_grad_(True) if _differentiable(t) else t for t in fakes]
+        with recording() as sent, torch.enable_grad():
+            outs = probe.run(watched)
+        out_pairs = tree.flatten_with_path(out_info["out"])[0]
+        specs = tree.broadcast_prefix(out_specs, out_info["out"], is_leaf=_is_spec, what="out_specs")
+        out_sh = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
+                       for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
+        out_avals = tuple((tuple(n * s.num_shards(d) for d, n in enumerate(y.shape)), y.dtype) for y, s in zip(outs, out_sh))
+        with recording() as sent_vjp:
+            diff_out = [y for y in outs if y.requires_grad]
+            diff_in = [t for t in watched if t.requires_grad]
+            if diff_out and diff_in:
+                torch.autograd.grad(diff_out, diff_in, [torch.empty_like(y) for y in diff_out], allow_unused=True)
+    key = register(Region(name, body, m, manual, ins, out_sh, out_avals, tuple(sent), tuple(sent_vjp)))
+    results = iter(REGION_OP(tensors, key))
+    return tree.unflatten(out_info["tree"], [next(results) if c is None else c for c in out_info["consts"]])
+
+
+def _out_sharding(y: torch.Tensor, s: NamedSharding, where: str, manual: tuple[str, ...], name: str) -> NamedSharding:
+    if isinstance(y, DTensor):
+        raise TypeError(f"shard_map: {where} is a DTensor; the function must return its local shards as plain tensors")
+    if len(s.spec) > y.ndim:
+        raise ValueError(f"shard_map: {where} has {y.ndim} dims but out_specs gives it {s.spec!r}")
+    return _only_manual(s, manual, name, "out_specs", where)
 
 
 def _is_spec(x: Any) -> bool:
@@ -219,14 +302,13 @@ def _even(s: NamedSharding, shape: tuple[int, ...], where: str) -> NamedSharding
     return s
 
 
-def _local_shard(x: torch.Tensor, s: NamedSharding) -> torch.Tensor:
+def _local_shard(x: torch.Tensor, s: NamedSharding, manual: tuple[str, ...]) -> torch.Tensor:
     """This rank's shard of ``x`` laid out as ``s``, through autograd when ``x`` needs a gradient:
-    over the axes ``s`` replicates ``x``, each rank's gradient is a partial sum (JAX's transpose of
-    the implicit broadcast), reduced where the gradient is used."""
+    over the manual axes ``s`` replicates ``x``, each rank's gradient is a partial sum (JAX's
+    transpose of the implicit broadcast), reduced where the gradient is used."""
     if not x.requires_grad:
         return device_put(x, s).to_local()
-    placed = _reshard_in_graph(x, s, "")
-    return placed.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in placed.placements])
+    return _reshard_in_graph(x, s, "").to_local(grad_placements=summed_over(s, manual))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -242,19 +324,16 @@ class _ScaleGrad(torch.autograd.Function):
         return g / ctx.k, None
 
 
-def _global(y: Any, s: NamedSharding, where: str) -> Any:
+def _global(y: Any, s: NamedSharding, where: str, manual: tuple[str, ...], name: str) -> Any:
     """The DTensor whose local shard on this rank is ``y``, laid out as ``s`` (non-tensors pass through)."""
     if not isinstance(y, torch.Tensor):
         return y
-    if isinstance(y, DTensor):
-        raise TypeError(f"shard_map: {where} is a DTensor; the function must return its local shards as plain tensors")
-    if len(s.spec) > y.ndim:
-        raise ValueError(f"shard_map: {where} has {y.ndim} dims but out_specs gives it {s.spec!r}")
+    _out_sharding(y, s, where, manual, name)
     shape = tuple(n * s.num_shards(d) for d, n in enumerate(y.shape))
     stride = tuple(torch.empty(shape, device="meta").stride())
-    copies = s.mesh.size // math.prod(s.num_shards(d) for d in range(y.ndim))
-    if y.requires_grad and copies > 1:
+    k = copies(s, manual)
+    if y.requires_grad and k > 1:
         # the ranks a spec replicates y over each get the whole gradient, and each sends it back
         # through f; psum's backward sums them, so each takes its share (JAX's rule without check_rep)
-        y = _ScaleGrad.apply(y, copies)
+        y = _ScaleGrad.apply(y, k)
     return DTensor.from_local(y, s.mesh.device_mesh, s.placements, run_check=False, shape=shape, stride=stride)

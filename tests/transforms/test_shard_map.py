@@ -72,6 +72,5 @@ def test_bad_calls_are_refused_saying_where(sim):
         vsf.shard_map(lambda x: vsf.device_put(x, vsf.NamedSharding(mesh, P())), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))
     with pytest.raises(ValueError, match="shard_map needs a mesh"):
         vsf.shard_map(lambda x: x, in_specs=P(), out_specs=P())(torch.ones(2))
-    jitted = vsf.jit(lambda x: vsf.shard_map(lambda t: t + 1, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))(x))
-    with pytest.raises(NotImplementedError, match="inside vsf.jit is not supported yet"):
-        jitted(vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp"))))
+    with pytest.raises(ValueError, match=r"psum over unknown mesh axis 'pp' inside shard_map\(<lambda>\): the mesh has axes \('dp', 'tp'\)"):
+        vsf.shard_map(lambda x: vsf.ops.psum(x, "pp"), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))

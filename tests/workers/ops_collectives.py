@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import vsf
+from vsf import _compat
 from ops_oracles import check_on_rank, collective_cases, payload_bytes
 
 ROW = 64  # float32 elements per row in the byte measurements
@@ -29,17 +30,18 @@ def written_bytes() -> int:
 
 
 class SplitRecorder:
-    """Wraps ``dist.all_to_all_single`` and adds up the bytes each call sends to other ranks."""
+    """Wraps the functional ``all_to_all_single`` vsf's ragged exchange runs on and adds up the
+    bytes each call sends to other ranks."""
 
     def __init__(self) -> None:
         self.sent = 0
-        self._call = dist.all_to_all_single
+        self._call = _compat.functional_collectives.all_to_all_single
 
-    def __call__(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    def __call__(self, input, output_split_sizes, input_split_sizes, group, *args, **kwargs):
         me = dist.get_rank(group)
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
         self.sent += sum(s for j, s in enumerate(input_split_sizes) if j != me) * row_bytes
-        return self._call(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        return self._call(input, output_split_sizes, input_split_sizes, group, *args, **kwargs)
 
 
 def check_cases(rank: int, device: str) -> dict[str, dict[str, bool]]:
@@ -52,7 +54,7 @@ def measure_bytes(rank: int) -> list[dict]:
     line = vsf.make_mesh((4,), ("x",), device_type="cpu")
     me = line.coordinate(rank)["x"]
     recorder = SplitRecorder()
-    dist.all_to_all_single = recorder
+    _compat.functional_collectives.all_to_all_single = recorder
     out = []
     try:
         for sizes in [(1000, 2000, 0, 3000), (2500, 2500, 2500, 2500), (0, 0, 10000, 0)]:
@@ -71,7 +73,7 @@ def measure_bytes(rank: int) -> list[dict]:
                 "correct": torch.equal(y, full),
             })
     finally:
-        dist.all_to_all_single = recorder._call
+        _compat.functional_collectives.all_to_all_single = recorder._call
     return out
 
 

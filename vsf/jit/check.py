@@ -39,6 +39,7 @@ from vsf.errors import PlanCheckError
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, source_line, value_of
 from vsf.jit.lower import execute
 from vsf.jit.plan import Placements, Plan
+from vsf.ops.region import REGION_OP, REGION_VJP_OP
 from vsf.sharding.inspect import type_string
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import from_placements
@@ -154,8 +155,10 @@ _UNINITIALISED = frozenset({
 
 
 def _unchecked(node: torch.fx.Node) -> bool:
-    """Is ``node``'s value not the unsharded op's to compare: random numbers, or memory left uninitialised?"""
-    return node.target in _UNINITIALISED or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """Is ``node``'s value not the unsharded op's to compare: random numbers, memory left
+    uninitialised, or a manual region (its body has no unsharded op; its assembled results are
+    what later ops are checked against)?"""
+    return node.target in _UNINITIALISED or node.target in (REGION_OP, REGION_VJP_OP) or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:

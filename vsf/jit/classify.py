@@ -3,6 +3,8 @@ on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lower
 
 * ``constant``: no tensor input (a ``get_attr`` constant, a factory op): replicated, needs no strategy;
 * ``constraint``: a ``with_sharding_constraint``: its value takes the sharding asked for;
+* ``region``: a ``shard_map`` region or its backward (:mod:`vsf.ops.region`): its inputs and
+  results take the region's shardings, and its body runs on local shards;
 * ``value_blind``: the result depends on the input's shape only (``ones_like``): any placement will do;
 * ``strategy``: DTensor registers a strategy for it, per mesh dim (``rules == "single"``) or for
   the whole op (``"full"``); ``local`` ops run as they are on local shards (their rules are per
@@ -27,6 +29,7 @@ import torch.fx
 
 from vsf import _compat
 from vsf.jit.graph import tensor_args
+from vsf.ops import region
 from vsf.sharding import constraint
 
 __all__ = ["DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "VALUE_BLIND_OPS", "OpClass", "classify"]
@@ -71,6 +74,8 @@ def classify(node: torch.fx.Node) -> OpClass:
         kind = "constant"
     elif node.target is constraint.CONSTRAINT_OP:
         kind = "constraint"
+    elif node.target in (region.REGION_OP, region.REGION_VJP_OP):
+        kind = "region"
     elif node.target in VALUE_BLIND_OPS:
         kind = "value_blind"
     else:

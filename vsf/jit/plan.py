@@ -90,7 +90,8 @@ class NodePlan:
     ``direct``: the op runs as is on the local shards (its strategy is one DTensor's per-mesh-dim
     rules allow); otherwise it runs through DTensor's dispatcher (view ops whose shape arguments
     must become local, random ops). ``fallback``: no strategy exists; it runs replicated.
-    ``op``: what kind of op it is (:func:`vsf.jit.classify.classify`).
+    ``op``: what kind of op it is (:func:`vsf.jit.classify.classify`). ``collectives``: those the
+    op runs itself (a manual region's body).
     """
 
     ins: tuple[Placements, ...]
@@ -98,6 +99,7 @@ class NodePlan:
     op: OpClass
     fallback: bool = False
     direct: bool = False
+    collectives: tuple[Collective, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +116,11 @@ class Plan:
     order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
 
     def collectives(self) -> list[Collective]:
-        """Every collective the program runs (a bucket counts once)."""
+        """Every collective the program runs (a bucket counts once; a manual region's own too)."""
         bucketed = {id(r) for b in self.buckets for r in b.members}
         out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
-        return out + [c for b in self.buckets for c in b.collectives]
+        inside = [c for node in self.order if isinstance(node, torch.fx.Node) and node in self.nodes for c in self.nodes[node].collectives]
+        return out + [c for b in self.buckets for c in b.collectives] + inside
 
     def placement(self, value: Value) -> Placements:
         node, i = value

@@ -13,7 +13,8 @@ cost the fewest bytes, where
 * a ``Partial`` result stays partial until the cheapest point to reduce it (the greedy pass
   charges a pending reduction to a partial output; the refinement passes then move it).
 
-Priority when annotations disagree: a ``with_sharding_constraint`` fixes its value; inputs keep
+Priority when annotations disagree: a ``with_sharding_constraint`` fixes its value, and a
+``shard_map`` region its inputs and results (:mod:`vsf.jit.manual`); inputs keep
 the sharding they arrive with (``in_shardings``); ``out_shardings`` are met by a final
 redistribution. Nothing is replicated silently: an op without a DTensor strategy is an error
 naming the op and the user's line, unless ``allow_replicated_fallback`` is set, in which case the
@@ -37,8 +38,9 @@ from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.classify import classify
 from vsf.jit.cost import NOT_PARTIAL, Codes
-from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
+from vsf.jit import manual
 from vsf.jit.cost import transition_kind
+from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, has_ragged, is_shard, one_d, split_dim, to_placements
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import AxisSolver, Problem
@@ -92,6 +94,7 @@ def propagate(
             (v, NOT_PARTIAL if s is None else one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
         ]
         problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
+        problem.fixed[axis] = {n: manual.strategy_on(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "region"}
     with _compat.local_mode_disabled():
         codes = {axis: Codes(mesh.axis_size(axis)) for axis in axes}
         encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
@@ -153,6 +156,8 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
             s = constraint.parse(node.args[1])
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
+        elif op.kind == "region":
+            want_in, want_out = manual.placements(node, mesh)
         elif op.kind == "value_blind":
             direct = True
         elif op.kind == "strategy" and not fallback:
@@ -170,7 +175,8 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
                 want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct)
+        inside = manual.collectives(node) if op.kind == "region" else ()
+        plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
         for i, out in enumerate(want_out):
             if out is not None:
                 actual[(node, i)] = out

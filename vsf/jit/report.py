@@ -118,6 +118,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         outs = [_type(plan, node.meta["val"][i] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"], pl) for i, pl in enumerate(step.outs) if pl is not None]
         flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
         lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
+        lines.extend(f"    {c.kind} over {c.axis} (inside the region): {list(c.shape)} {_fmt_bytes(c.bytes)} sent" for c in step.collectives)
     output = output_node(gm)
     lines.extend(moves.get(output, ()))
     lines.append("outputs:")

@@ -62,6 +62,10 @@ class AxisSolver:
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in problem.ops]
         self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
         for node in problem.ops:
+            fixed = problem.fixed.get(axis, {}).get(node)
+            if fixed is not None:  # a manual region: its specs are its only strategy
+                self.strategies.append(_encode(codes, [fixed]))
+                continue
             allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
             pinned = problem.pinned[axis].get(node)
             if pinned is not None:
@@ -242,7 +246,7 @@ class AxisSolver:
 @dataclasses.dataclass
 class Problem:
     """What every axis solver shares: the graph's ops and values, the seeds from the inputs, the
-    outputs' requirements and the constraints, per axis; and the solvers of the axes solved so far."""
+    outputs' requirements, the constraints and the manual regions' fixed strategies, per axis; and the solvers of the axes solved so far."""
 
     mesh: Mesh
     gm: torch.fx.GraphModule
@@ -254,6 +258,7 @@ class Problem:
     pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
     solved: dict[str, AxisSolver]
     ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
+    fixed: dict[str, dict[torch.fx.Node, Strategy]] = dataclasses.field(default_factory=dict)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)

@@ -68,6 +68,8 @@ class Strategies:
             return [Strategy((), tuple(R if o is not None else None for o in outs))], False
         if op.kind == "constraint":
             return [Strategy((p,), (p,)) for p in _candidates(meta_of(ins[0]), n)], False
+        if op.kind == "region":
+            return [], False  # one strategy per axis, from the region's specs (vsf.jit.manual)
         if op.kind == "value_blind":
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False

@@ -10,15 +10,17 @@ Example::
 from vsf.ops.collectives import (
     Linear,
     all_gather,
-    all_gather_v,
     all_to_all,
-    all_to_all_v,
     apply_linear,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
     ppermute,
     psum,
     psum_scatter,
-    reduce_scatter_v,
 )
+from vsf.ops.ragged import all_gather_v, all_to_all_v, reduce_scatter_v
 
 __all__ = [
     "Linear",
@@ -27,6 +29,10 @@ __all__ = [
     "all_to_all",
     "all_to_all_v",
     "apply_linear",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
     "ppermute",
     "psum",
     "psum_scatter",

@@ -99,9 +99,9 @@ def local_ranks() -> list[int]:
 # -- even collectives: PyTorch's functional collectives (right on every backend) ----------------
 
 
-def all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
-    """Sum of ``x`` over the axis, on every member."""
-    return _wait(_compat.functional_collectives.all_reduce(x.contiguous(), "sum", g.group))
+def all_reduce(x: torch.Tensor, g: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """The reduction ``op`` (``"sum"``, ``"max"``) of ``x`` over the axis, on every member."""
+    return _wait(_compat.functional_collectives.all_reduce(x.contiguous(), op, g.group))
 
 
 def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
@@ -163,11 +163,9 @@ def exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:
         return _simulated_exchange(x, g, counts)
     me = g.index(runtime.rank())
     _check_rows(x, sum(counts[me]), g, me)
-    send = x.contiguous()
-    out = send.new_empty((sum(counts[i][me] for i in range(n)), *send.shape[1:]))
-    dist.all_to_all_single(out, send, output_split_sizes=[counts[i][me] for i in range(n)],
-                           input_split_sizes=list(counts[me]), group=g.group)
-    return out
+    # the functional collective, so that a traced program (vsf.jit's, over local shards) records it
+    recv = [counts[i][me] for i in range(n)]
+    return _wait(_compat.functional_collectives.all_to_all_single(x.contiguous(), recv, list(counts[me]), g.group))
 
 
 def _simulated_exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:

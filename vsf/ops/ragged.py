@@ -1,0 +1,170 @@
+"""Ragged named-axis collectives: the pieces differ in size from rank to rank.
+
+``all_gather_v`` and ``reduce_scatter_v`` transpose to each other and ``all_to_all_v(M)`` to
+``all_to_all_v(M transposed)`` (see :mod:`vsf.ops.collectives` for the gradient convention).
+On gloo and simulated ranks they move exactly the data through one ``all_to_all_single`` with
+split sizes; on NCCL all-gather and reduce-scatter pad each piece to the largest one.
+
+Example::
+
+    >>> full = vsf.ops.all_gather_v(local_rows, "fsdp", sizes=(1, 2, 1, 0))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vsf.ops import backend
+from vsf.ops.backend import AxisGroup, Counts
+from vsf.ops.collectives import Linear, apply_linear, axis_size_of, one_group
+from vsf.sharding.mesh import Mesh
+
+__all__ = ["all_gather_v", "all_to_all_v", "reduce_scatter_v"]
+
+
+@dataclass(frozen=True)
+class _AllGatherV(Linear):
+    g: AxisGroup
+    sizes: tuple[int, ...]
+    dim: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, sizes = self.g.size, self.sizes
+        rows = _rows(x.movedim(self.dim, 0), self.g, lambda me: sizes[me], "all_gather_v")
+        if self.g.pads_ragged:
+            top = max(sizes)
+            padded = backend.per_rank(rows, self.g, lambda t, me: _pad_rows(t, top))
+            full = backend.all_gather(padded, self.g, 0)
+            out = torch.cat([full[i * top : i * top + s] for i, s in enumerate(sizes)])
+        else:
+            send = backend.per_rank(rows, self.g, lambda t, me: torch.cat([t] * n))
+            out = backend.exchange(send, self.g, tuple((s,) * n for s in sizes))
+        return out.movedim(0, self.dim)
+
+    def transpose(self) -> Linear:
+        return _ReduceScatterV(self.g, self.sizes, self.dim)
+
+
+@dataclass(frozen=True)
+class _ReduceScatterV(Linear):
+    g: AxisGroup
+    sizes: tuple[int, ...]
+    dim: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, sizes = self.g.size, self.sizes
+        rows = _rows(x.movedim(self.dim, 0), self.g, lambda me: sum(sizes), "reduce_scatter_v")
+        if self.g.pads_ragged:
+            top, starts = max(sizes), _starts(sizes)
+            padded = torch.cat([_pad_rows(rows[a : a + s], top) for a, s in zip(starts, sizes)])
+            summed = backend.reduce_scatter(padded, self.g, 0)
+            out = backend.per_rank(summed, self.g, lambda t, me: t[: sizes[me]])
+        else:
+            recv = backend.exchange(rows, self.g, (tuple(sizes),) * n)
+            out = backend.per_rank(recv, self.g, lambda t, me: t.reshape(n, sizes[me], *t.shape[1:]).sum(0))
+        return out.movedim(0, self.dim)
+
+    def transpose(self) -> Linear:
+        return _AllGatherV(self.g, self.sizes, self.dim)
+
+
+@dataclass(frozen=True)
+class _AllToAllV(Linear):
+    g: AxisGroup
+    counts: Counts
+    dim: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return backend.exchange(x.movedim(self.dim, 0), self.g, self.counts).movedim(0, self.dim)
+
+    def transpose(self) -> Linear:
+        return _AllToAllV(self.g, tuple(zip(*self.counts)), self.dim)
+
+
+def _rows(x: torch.Tensor, g: AxisGroup, expected: Any, op: str) -> torch.Tensor:
+    """``x`` unchanged, after checking that member ``me`` holds ``expected(me)`` rows."""
+
+    def check(t: torch.Tensor, me: int) -> torch.Tensor:
+        if t.ndim == 0 or t.shape[0] != expected(me):
+            raise ValueError(f"{op} over {g.axis!r}: member {me} should hold {expected(me)} rows along the collective's dim, got shape {tuple(t.shape)}")
+        return t
+
+    return backend.per_rank(x, g, check)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def _sizes(sizes: Sequence[int], n: int, axis: str, op: str) -> tuple[int, ...]:
+    out = tuple(int(s) for s in sizes)
+    if len(out) != n or any(s < 0 for s in out):
+        raise ValueError(f"{op} over {axis!r} (size {n}) needs {n} non-negative sizes, one per rank, got {tuple(sizes)!r}")
+    return out
+
+
+def all_gather_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Ragged all-gather: rank ``i`` of ``axis`` holds ``sizes[i]`` slices along ``dim`` (0
+    allowed); every rank gets all of them concatenated in rank order.
+
+    On gloo it moves exactly the data (each rank receives ``sum(sizes) - sizes[me]`` slices); on
+    NCCL it gathers pieces padded to ``max(sizes)`` and trims them.
+
+    Example::
+
+        >>> full = vsf.ops.all_gather_v(local_rows, "fsdp", sizes=(1, 2, 1, 0))
+    """
+    g = one_group(axis, mesh, "all_gather_v")
+    sizes = _sizes(sizes, axis_size_of(axis, mesh, "all_gather_v"), axis, "all_gather_v")
+    return _identity_rows(x, dim, sizes[0], axis, "all_gather_v") if g is None else apply_linear(x, _AllGatherV(g, sizes, dim % x.ndim))
+
+
+def reduce_scatter_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Ragged reduce-scatter: every rank holds ``sum(sizes)`` slices along ``dim``; rank ``i`` of
+    ``axis`` gets the sum over ranks of the ``i``-th run of ``sizes[i]`` slices.
+
+    Example::
+
+        >>> mine = vsf.ops.reduce_scatter_v(full_grad, "fsdp", sizes=(1, 2, 1, 0))
+    """
+    g = one_group(axis, mesh, "reduce_scatter_v")
+    sizes = _sizes(sizes, axis_size_of(axis, mesh, "reduce_scatter_v"), axis, "reduce_scatter_v")
+    return _identity_rows(x, dim, sizes[0], axis, "reduce_scatter_v") if g is None else apply_linear(x, _ReduceScatterV(g, sizes, dim % x.ndim))
+
+
+def all_to_all_v(x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Ragged all-to-all along ``dim``: ``send_sizes[i][j]`` slices go from rank ``i`` to rank ``j``.
+
+    ``send_sizes`` is the whole matrix, the same on every rank (a rank receives column ``me``).
+    Rank ``i``'s ``x`` holds ``sum(send_sizes[i])`` slices: the block for rank 0, then rank 1, ...;
+    the result stacks the blocks received from rank 0, 1, ... When each rank knows only its own
+    row, gather the matrix first: ``all_gather(counts[None], axis).tolist()``.
+
+    Example::
+
+        >>> y = vsf.ops.all_to_all_v(x, "ep", [[1, 0], [2, 3]])   # rank 0 keeps 1 row, rank 1 sends 2 to rank 0
+    """
+    n = axis_size_of(axis, mesh, "all_to_all_v") if isinstance(axis, str) else 0
+    counts = tuple(_sizes(row, n, axis, "all_to_all_v") for row in send_sizes)
+    if len(counts) != n:
+        raise ValueError(f"all_to_all_v over {axis!r} (size {n}) needs an {n}x{n} send_sizes matrix, got {len(counts)} rows")
+    g = one_group(axis, mesh, "all_to_all_v")
+    return _identity_rows(x, dim, counts[0][0], axis, "all_to_all_v") if g is None else apply_linear(x, _AllToAllV(g, counts, dim % x.ndim))
+
+
+def _identity_rows(x: torch.Tensor, dim: int, rows: int, axis: str, op: str) -> torch.Tensor:
+    if x.shape[dim] != rows:
+        raise ValueError(f"{op} over size-1 axis {axis!r}: dim {dim} of shape {tuple(x.shape)} should have {rows} slices")
+    return x

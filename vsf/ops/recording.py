@@ -1,0 +1,87 @@
+"""How a manual region (``vsf.shard_map`` inside ``vsf.jit``) sees the collectives its body runs.
+
+* :func:`recording`: collectives record what they would send (kind, axis, shape, bytes) and
+  return empty results of the right shape instead of communicating; a region's body is run this
+  way once, on fake local shards, to plan it.
+* :func:`manual_axes`: inside a region, a collective over an axis the region does not make
+  manual, or over an axis the mesh lacks, is an error naming the region (:func:`check_axis`).
+
+Example::
+
+    >>> with recording() as sent:
+    ...     vsf.ops.psum(torch.empty(4), "tp")
+    >>> sent[0].kind, sent[0].axis
+    ('all_reduce', 'tp')
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vsf.ops.backend import AxisGroup
+from vsf.sharding.mesh import Mesh
+
+__all__ = ["RECORDERS", "Sent", "check_axis", "manual_axes", "recording", "sent"]
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One collective a manual region runs, as its plan lists it: kind, mesh axis, the local shape
+    it moves (the gathered shape for an all-gather), and the bytes each rank sends."""
+
+    kind: str
+    axis: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+
+RECORDERS: list[list[Sent]] = []
+MANUAL: list[tuple[str, frozenset[str]]] = []  # (region name, its manual axes), innermost last
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Sent]]:
+    """Collectives run inside record what they would send and return empty results of the right
+    shape instead of communicating (a manual region is planned this way, on fake local tensors).
+    See the module docs for an example."""
+    RECORDERS.append([])
+    try:
+        yield RECORDERS[-1]
+    finally:
+        RECORDERS.pop()
+
+
+@contextlib.contextmanager
+def manual_axes(region: str, axes: Sequence[str]) -> Iterator[None]:
+    """Inside, collectives may run only over ``axes`` (those a ``shard_map`` region makes manual)."""
+    MANUAL.append((region, frozenset(axes)))
+    try:
+        yield
+    finally:
+        MANUAL.pop()
+
+
+def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
+    """Bytes each rank sends for ``kind`` over ``n`` ranks on the local tensor ``x`` (ring model)."""
+    full = x.numel() * x.element_size()
+    return int(round(full * {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "ppermute": 1}.get(kind, (n - 1) / n)))
+
+
+def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...]) -> tuple[torch.Tensor, Sent]:
+    """An empty result of ``out_shape`` and the record of what ``kind`` over ``g`` sends for ``x``."""
+    shape = out_shape if kind == "all_gather" else tuple(x.shape)
+    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x))
+
+
+def check_axis(m: Mesh, axis: str, op: str) -> None:
+    """``axis`` is an axis of ``m`` and, inside a ``shard_map`` region, one it makes manual."""
+    where = f" inside shard_map({MANUAL[-1][0]})" if MANUAL else ""
+    if axis not in m.axis_names:
+        raise ValueError(f"{op} over unknown mesh axis {axis!r}{where}: the mesh has axes {tuple(m.axis_names)!r}")
+    if MANUAL and axis not in MANUAL[-1][1]:
+        raise ValueError(f"{op} over {axis!r}{where}: the region makes only {tuple(sorted(MANUAL[-1][1]))!r} manual")

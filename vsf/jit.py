@@ -35,7 +35,7 @@ from vsf.lower import compile_local, execute
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.inspect import type_string
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
-from vsf.sharding.propagate import Placements, Plan, propagate
+from vsf.sharding.propagate import Placements, Plan, propagate, unplanned_ops
 from vsf.sharding.put import device_put, is_sharding_leaf
 from vsf.sharding.report import Cost, cost, plan_text
 from vsf.sharding.spec import PartitionSpec
@@ -282,7 +282,7 @@ class Jitted:
         self._last_key = call.key
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
-        traced = trace(self.fun, avals, call.rebuild, mesh.device_type)
+        traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops)
         out_metas = [n.meta["val"] for n in pytree.tree_leaves(next(n for n in traced.graph.graph.nodes if n.op == "output").args)]
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         plan = propagate(

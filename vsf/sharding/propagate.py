@@ -43,7 +43,7 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, RaggedPlacement
 from vsf.sharding.spec import UNCONSTRAINED
 
-__all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "propagate", "to_placements"]
+__all__ = ["Collective", "NodePlan", "Plan", "PlanError", "Redistribution", "constant_nodes", "propagate", "to_placements", "unplanned_ops"]
 
 Placements = tuple[Placement, ...]
 Value = tuple[torch.fx.Node, int]
@@ -222,23 +222,36 @@ class Strategies:
     def __init__(self, allow_replicated_fallback: bool) -> None:
         self.fallback = allow_replicated_fallback
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
+        self.constants: dict[int, set[torch.fx.Node]] = {}
 
     def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
         ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
-        key = (node.target, _sig(node.args), _sig(node.kwargs), n, tuple(ragged))
+        constant = self.is_constant(node)
+        key = (node.target, _sig(node.args), _sig(node.kwargs), n, tuple(ragged), constant)
         if key not in self.cache:
-            found, fallback = self._compute(node, n)
+            found, fallback = self._compute(node, n, constant)
             if ragged and (node.target in RAGGED_REDUCTIONS or (_kind_of(node.target) == "single" and node.target not in _SPECIAL)):
                 found = found + _ragged_variants(node, found, ragged)
             self.cache[key] = (found, fallback)
         return self.cache[key]
 
-    def _compute(self, node: torch.fx.Node, n: int) -> tuple[list[Strategy], bool]:
+    def is_constant(self, node: torch.fx.Node) -> bool:
+        """Is ``node`` an op with no DTensor strategy that computes a constant (only from values the
+        traced function made itself)? It needs none: it runs replicated, and its users take the
+        value in the layout they want (a local slice of a replicated value moves nothing)."""
+        if node.op != "call_function" or _kind_of(node.target) is not None:
+            return False
+        graph = node.graph
+        if id(graph) not in self.constants:
+            self.constants[id(graph)] = constant_nodes(graph)
+        return node in self.constants[id(graph)]
+
+    def _compute(self, node: torch.fx.Node, n: int, constant: bool = False) -> tuple[list[Strategy], bool]:
         ins = _tensor_args(node)
         outs = _outputs_meta(node)
-        if node.op == "get_attr" or not ins:
-            return [Strategy((), tuple(R if o is not None else None for o in outs))], False
+        if node.op == "get_attr" or not ins or constant:
+            return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], False
         if node.target is constraint.CONSTRAINT_OP:
             return [Strategy((p,), (p,)) for p in _candidates(_meta(ins[0]), n)], False
         if node.target in VALUE_BLIND_OPS:
@@ -256,6 +269,54 @@ class Strategies:
 
 
 aten = torch.ops.aten
+
+
+def constant_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The values of ``graph`` computed from constants alone: tensors the traced function made
+    itself (``get_attr`` constants, factory ops such as ``arange``/``full``/``scalar_tensor``) and
+    deterministic ops on those (a causal mask built in ``forward``). Random ops are not constants."""
+    found: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            found.add(node)
+        elif node.op == "call_function" and not _is_random(node.target) and all(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _is_random(op: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
+def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
+    """The aten ops of ``gm`` that the planner has no strategy for: no DTensor (or vsf) strategy,
+    and not computing a constant, a factory op or a sharding constraint (which need none).
+    :func:`vsf.trace.trace` decomposes them; what is left is a :class:`PlanError`.
+
+    Example::
+
+        >>> unplanned_ops(traced.graph)
+        {<OpOverload(op='aten.some_op', overload='default')>}
+    """
+    constants = constant_nodes(gm.graph)
+    return {
+        node.target for node in _op_nodes(gm)
+        if node.op == "call_function" and hasattr(node.target, "_schema") and _tensor_args(node) and node not in constants
+        and node.target is not constraint.CONSTRAINT_OP and node.target not in VALUE_BLIND_OPS
+        and _kind_of(node.target) is None and not _adopt_inplace_strategy(node.target)
+    }
+
+
+def _adopt_inplace_strategy(op: Any) -> bool:
+    """Functionalization turns ``x.foo_(...)`` into ``foo(x, ...)``; where DTensor registers a
+    strategy only for the in-place ``foo_`` (``copy_``: T5's ``shifted[..., 1:] = ids[..., :-1]``),
+    the functional op takes it (it computes the same values into a new tensor)."""
+    namespace, _, base = op._schema.name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), base + "_", None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if twin is None or len(twin._schema.arguments) != len(op._schema.arguments):
+        return False
+    return _compat.register_like(op, twin)
 
 # Ops whose result depends only on their input's shape, not its values: any placement of the input
 # will do (a partial sum has the full shape everywhere), and the result is replicated or sharded
@@ -851,7 +912,7 @@ def _check_with_dtensor(problem: _Problem, axes: list[str], in_placements: Seque
             s = constraint.parse(node.args[1])
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
-        elif node.target in VALUE_BLIND_OPS:
+        elif node.target in VALUE_BLIND_OPS or problem.strategies.is_constant(node):
             direct = True
         elif ins and not fallback and node.op == "call_function":
             direct = (_kind_of(node.target) == "single" and node.target not in _SPECIAL) or (node.target in RAGGED_REDUCTIONS and _has_ragged(want_in))
@@ -982,6 +1043,16 @@ def _bucket(mesh: Mesh, members: list[Redistribution], mesh_dims: tuple[int, ...
 
 
 _SPECIAL = _compat.dispatcher_special_ops()
+
+# Attention keeps a real strategy (decomposed, it would materialise a T x T product): the CPU
+# kernels SDPA traces to split over batch and heads, as DTensor's CUDA flash kernel does.
+ATTENTION_OPS = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+for _op in ATTENTION_OPS:
+    if _kind_of(_op) is None:
+        _compat.register_attention(_op)
 
 
 def _has_ragged(placements: Sequence[Placements]) -> bool:

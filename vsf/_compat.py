@@ -82,6 +82,7 @@ __all__ = [
     "local_shards",
     "make_local",
     "one_rank_device_mesh",
+    "op_schema",
     "position_in_copy",
     "quiet_redistribute",
     "register_attention",
@@ -189,6 +190,15 @@ def single_dim_strategies(op: Any, args_meta: tuple[Any, ...], kwargs_meta: dict
     n_out = (len(rules[0]) - n_in) if rules else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
     rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
     return _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+
+
+def op_schema(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpSchema:
+    """DTensor's ``OpSchema`` for ``op`` on these args, with the runtime schema info DTensor's own
+    dispatcher gives it: without it the schema's cache key leaves out the non-tensor arguments, so
+    ``view(x, [4, 16, 4, 8])`` and ``view(x, [64, 32])`` share one cached answer."""
+    prop = sharding_propagator()
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
 
 
 def _tree_leaves(x: Any, is_leaf: Any = None) -> list[Any]:

@@ -288,10 +288,18 @@ def _is_random(op: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
+# Ops whose DTensor strategy gives wrong numbers on some inputs: they are decomposed (and the pieces
+# planned) as if they had none. nll_loss's mean over a sharded batch is DTensor's Partial("avg") of
+# the shards' means, which is the mean only when every shard counts as many targets (ignore_index
+# or class weights make them differ: BERT's masked-LM labels).
+UNTRUSTED_STRATEGIES = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d_forward.default})
+
+
 def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
-    """The aten ops of ``gm`` that the planner has no strategy for: no DTensor (or vsf) strategy,
-    and not computing a constant, a factory op or a sharding constraint (which need none).
-    :func:`vsf.trace.trace` decomposes them; what is left is a :class:`PlanError`.
+    """The aten ops of ``gm`` that the planner has no (trusted) strategy for: no DTensor (or vsf)
+    strategy, or one in :data:`UNTRUSTED_STRATEGIES`, and not computing a constant, a factory op
+    or a sharding constraint (which need none). :func:`vsf.trace.trace` decomposes them; what is
+    left is a :class:`PlanError`.
 
     Example::
 
@@ -299,7 +307,7 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
         {<OpOverload(op='aten.some_op', overload='default')>}
     """
     constants = constant_nodes(gm.graph)
-    return {
+    return {node.target for node in _op_nodes(gm) if node.target in UNTRUSTED_STRATEGIES} | {
         node.target for node in _op_nodes(gm)
         if node.op == "call_function" and hasattr(node.target, "_schema") and _tensor_args(node) and node not in constants
         and node.target is not constraint.CONSTRAINT_OP and node.target not in VALUE_BLIND_OPS
@@ -419,7 +427,7 @@ def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
 def _run_strategy(func: Any, rule: Any, op: Any, args: Any, kwargs: Any, node: torch.fx.Node) -> list[Strategy]:
     n_in = len(_tensor_args(node))
     if func is not None:
-        schema = _compat.OpSchema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()})
+        schema = _compat.op_schema(op, tuple(_wrap(a) for a in args), {k: _wrap(v) for k, v in kwargs.items()})
         result = func(schema)
         specs = result.strategies if isinstance(result, _compat.OpStrategy) else _tuple_strategy_specs(result)
         out = []
@@ -428,7 +436,7 @@ def _run_strategy(func: Any, rule: Any, op: Any, args: Any, kwargs: Any, node: t
             ins = s.input_specs if s.input_specs is not None else (s.output_specs,) * n_in
             out.append(Strategy(tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs)))
         return out
-    schema = _compat.OpSchema(op, tuple(args), dict(kwargs))
+    schema = _compat.op_schema(op, tuple(args), dict(kwargs))
     res = rule(schema)
     if res.output_spec is None:
         schema = res.redistribute_schema
@@ -1130,7 +1138,7 @@ def _ask_dtensor(node: torch.fx.Node, dm: Any, want_in: list[Placements]) -> tup
             return _compat.DTensorSpec(dm, next(it), tensor_meta=_tmeta(a.meta["val"]))
         return a
 
-    schema = _compat.OpSchema(node.target, pytree.tree_map(spec, node.args), pytree.tree_map(spec, node.kwargs))
+    schema = _compat.op_schema(node.target, pytree.tree_map(spec, node.args), pytree.tree_map(spec, node.kwargs))
     out = _compat.sharding_propagator().propagate_op_sharding(schema)
     suggested = want_in
     if out.needs_redistribute and out.redistribute_schema is not None:

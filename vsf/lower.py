@@ -60,7 +60,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             local, prev = env[v], src
             for nxt in transition_path(plan.mesh, src, dst):
                 local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
-            moved[(v, dst)] = local
+            moved[(v, dst)] = _traced_layout(local, _meta(v))
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:
@@ -142,6 +142,23 @@ def _move(plan: Plan, t: torch.Tensor, local: torch.Tensor, src: Placements, dst
             local = _move(plan, t, local, plain(src), plain(mid))
         src = mid
     return local
+
+
+def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
+    """``local`` stored in the dim order the traced value had: a collective returns a contiguous
+    buffer, while a later view may rely on the traced strides (SDPA's CPU kernel returns its
+    ``[batch, heads, seq, dim]`` output stored as ``[batch, seq, heads, dim]``, which the model then
+    transposes and views)."""
+    order = _dim_order(traced)
+    if local.ndim != traced.ndim or order == _dim_order(local):
+        return local
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return local.permute(order).contiguous().permute(inverse)
+
+
+def _dim_order(t: torch.Tensor) -> list[int]:
+    """``t``'s dims from outermost to innermost in memory (dims of size 1, whose stride means nothing, last)."""
+    return sorted(range(t.ndim), key=lambda d: (0, -t.stride(d), d) if t.shape[d] > 1 else (1, 0, d))
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:

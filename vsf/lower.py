@@ -150,8 +150,8 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     ``[batch, heads, seq, dim]`` output stored as ``[batch, seq, heads, dim]``, which the model then
     transposes and views)."""
     order = _dim_order(traced)
-    if local.ndim != traced.ndim or order == _dim_order(local):
-        return local
+    if order == sorted(order):
+        return local  # row-major, as a collective's buffer is (permuting it back costs nothing when it already is)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
 

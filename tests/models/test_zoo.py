@@ -6,19 +6,15 @@ against the same model trained by plain PyTorch (``torch.optim.AdamW``) on one d
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import zoo
 
 import vsf
 from vsf import P, optim
 
-sys.path.insert(0, str(Path(__file__).parent))
-import zoo  # noqa: E402
-
-pytest.importorskip("transformers")
+pytestmark = pytest.mark.models
 
 # layout: (mesh shape, axis names, params' layout, batch spec)
 LAYOUTS = {

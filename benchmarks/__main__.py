@@ -3,8 +3,8 @@
 Each row is vsf next to its reference, measured side by side in the same run, the ratio, the
 target its issue set, and whether this run met it; the machine's CPU count, load average and
 torch version come first, since every figure depends on them. The table is Markdown, ready to
-paste into the README. ``jit`` runs first: its planning benchmark simulates ranks, which needs
-a process without a process group.
+paste into the README. ``torch`` and ``jit`` run first: each simulates ranks in this process,
+which needs a process without a process group.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 BENCHMARKS = {
+    "torch": "benchmarks.bench_torch",
     "jit": "benchmarks.bench_jit",
     "optim": "benchmarks.bench_optim",
     "ragged": "benchmarks.bench_ragged",
@@ -41,6 +42,8 @@ def machine() -> str:
 
 
 def _value(x: float, unit: str) -> str:
+    if unit == "":
+        return f"{x:.0f}"
     if unit == "B":
         for scale, name in ((1 << 20, "MiB"), (1 << 10, "KiB")):
             if x >= scale:

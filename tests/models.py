@@ -19,26 +19,30 @@ class GPTConfig:
     layers: int = 2
     tied: bool = True
     qkv_bias: bool = True
+    fused_qkv: bool = True  # False: separate q, k, v projections (what torch TP's colwise split needs)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
         # The key bias gets an exactly-zero gradient (softmax ignores a per-query constant), which
         # Adam turns into noise-sized steps; optimizer tests turn it off.
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.qkv_bias)
+        self.hd = cfg.dim // cfg.heads
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.qkv_bias)
+        else:
+            self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim, bias=cfg.qkv_bias) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=-1)
-        shape = (b, t, self.heads, c // self.heads)
-        q, k, v = (z.reshape(shape).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        qkv = self.qkv(x).split(c, dim=-1) if hasattr(self, "qkv") else (self.q(x), self.k(x), self.v(x))
+        # heads as -1: under torch TP each rank holds its own heads' columns (a local width)
+        q, k, v = (z.reshape(b, t, -1, self.hd).transpose(1, 2) for z in qkv)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
         mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
         return self.proj(y)
 
 

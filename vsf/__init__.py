@@ -15,6 +15,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
 
 from vsf import checkpoint, config, debug, ops, optim, sharding, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
+from vsf.check import PlanCheckError
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
@@ -48,6 +49,7 @@ __all__ = [
     "NamedSharding",
     "P",
     "PartitionSpec",
+    "PlanCheckError",
     "RaggedShard",
     "ShapeDtypeStruct",
     "checkpoint",

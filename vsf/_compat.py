@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
+    _check_for_subclass,
+    _for_each_rank_run_func,
+    _is_in_fake_tensor_mode,
     enabled_local_tensor_mode,
     maybe_disable_local_tensor_mode,
 )
@@ -39,8 +42,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     register_single_dim_strategy,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable, register_op_strategy
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,7 +69,9 @@ __all__ = [
     "dispatcher_special_ops",
     "dtensor_from_local",
     "is_tensor_shardable",
+    "local_tensor_mode",
     "redistribute_local_tensor",
+    "reduce_partial",
     "foreach_elementwise_op",
     "fused_adam_",
     "fused_adam_lr",
@@ -139,6 +144,89 @@ def position_in_copy(dm: DeviceMesh, rank: int) -> tuple[int, ...] | None:
     return tuple(hits[0, 1:].tolist()) if len(hits) else None
 
 
+def local_tensor_mode(n: int) -> LocalTensorMode:
+    """``LocalTensorMode(n)`` (``n`` simulated ranks, real numbers) in which an explicit
+    ``torch.Generator`` behaves as one generator per rank, as in ``n`` separate processes.
+
+    PyTorch's mode keeps per-rank states only for the default generator: it runs an op once per
+    rank, so an op given ``generator=g`` draws rank 0's values from ``g``, rank 1's from where
+    rank 0 left ``g``, and so on. Here every rank draws from its own copy of ``g``'s state (all
+    equal to ``g``'s state when it was seeded or last set), and ``g`` is left in the state one
+    process would leave it in (rank 0's when shards of different sizes made the ranks' states
+    differ; the others are kept for the next draw as long as ``g`` is not reseeded).
+
+    Example::
+
+        >>> with local_tensor_mode(2):
+        ...     x = torch.randint(9, (4,), generator=torch.Generator().manual_seed(7))   # equal on both ranks
+    """
+    return _RankGeneratorsMode(n)
+
+
+class _RankGeneratorsMode(LocalTensorMode):
+    """:func:`local_tensor_mode`'s mode: each explicit generator's state is kept per rank."""
+
+    def __init__(self, ranks: int) -> None:
+        super().__init__(ranks)
+        # While the ranks' states of a generator differ: the state it was left in and each rank's,
+        # keyed by the C++ generator (each op receives a new Python wrapper of it). An entry whose
+        # generator is gone or was reseeded no longer matches the generator's state, and is ignored.
+        self._generator_states: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        generators = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
+        if not generators or self._disable or _is_in_fake_tensor_mode() or not self._runs_per_rank(args, kwargs):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        states = {g: self._rank_states(g) for g in generators}
+        results = {}
+        for r in sorted(self.ranks):
+            for g, per_rank in states.items():
+                g.set_state(per_rank[r])
+            results[r] = _for_each_rank_run_func(func, frozenset({r}), args, kwargs)
+            for g, per_rank in states.items():
+                per_rank[r] = g.get_state()
+        for g, per_rank in states.items():
+            self._leave(g, per_rank)
+        return _combine_one_rank_results(results, _tree_leaves((args, kwargs)))
+
+    def _runs_per_rank(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Would LocalTensorMode run this op once per rank (not once, on plain tensors)?"""
+        flat = _tree_leaves((args, kwargs))
+        if _check_for_subclass(flat):
+            return False
+        return any(isinstance(a, LocalTensor) for a in flat) or not any(isinstance(a, torch.Tensor) for a in flat)
+
+    def _rank_states(self, g: torch.Generator) -> dict[int, torch.Tensor]:
+        visible = g.get_state()
+        kept = self._generator_states.get(g._cdata)
+        if kept is not None and torch.equal(kept[0], visible):
+            return dict(kept[1])
+        return {r: visible for r in self.ranks}
+
+    def _leave(self, g: torch.Generator, per_rank: dict[int, torch.Tensor]) -> None:
+        first = per_rank[min(per_rank)]
+        g.set_state(first)
+        if all(torch.equal(s, first) for s in per_rank.values()):
+            self._generator_states.pop(g._cdata, None)
+        else:
+            self._generator_states[g._cdata] = (first, per_rank)
+
+
+def _combine_one_rank_results(results: dict[int, Any], inputs: list[Any]) -> Any:
+    """One op's results, run rank by rank (each a LocalTensor of one rank), as one result over all
+    ranks; a result that is one of the op's ``inputs`` (in-place and ``out=`` ops) already holds
+    every rank's shard."""
+    given = {id(a) for a in inputs if isinstance(a, LocalTensor)}
+    flat = {r: torch.utils._pytree.tree_flatten(v) for r, v in results.items()}
+    leaves, spec = flat[max(results)]
+    combined = [
+        LocalTensor({r: flat[r][0][i]._local_tensors[r] for r in results}) if isinstance(leaf, LocalTensor) and id(leaf) not in given else leaf
+        for i, leaf in enumerate(leaves)
+    ]
+    return torch.utils._pytree.tree_unflatten(combined, spec)
+
+
 def active_local_mode() -> LocalTensorMode | None:
     """The enabled ``LocalTensorMode`` (simulated ranks with real numbers), if any."""
     return enabled_local_tensor_mode()
@@ -163,9 +251,32 @@ def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
 
 
+def reduce_partial(p: Placement, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What the pending reduction ``p`` (a DTensor ``Partial``) makes of the values the ranks
+    along its mesh dim hold: their sum, mean, max or min, or for a partial p-norm (DTensor's
+    ``_NormPartial``, e.g. ``linalg_vector_norm`` of a shard) ``(sum of v**p) ** (1/p)``.
+
+    Example::
+
+        >>> reduce_partial(Partial("max"), [torch.tensor(1.0), torch.tensor(3.0)])   # tensor(3.)
+    """
+    stacked = torch.stack(list(values))
+    if isinstance(p, _NormPartial):
+        stacked = p._pre_reduce_transform(stacked)
+    reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}
+    if p.reduce_op not in reduce:
+        raise ValueError(f"cannot carry out a pending {p.reduce_op!r} reduction ({p})")
+    out = reduce[p.reduce_op](stacked, dim=0)
+    return (p._post_reduce_transform(out) if isinstance(p, _NormPartial) else out).to(values[0].dtype)
+
+
 def clear_sharding_caches() -> None:
-    """Empty DTensor's sharding-propagation caches (Python and C++ fast path)."""
-    _clear_sharding_prop_cache()
+    """Empty DTensor's sharding-propagation caches (Python and C++ fast path).
+
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does the same, but importing
+    that package imports numpy, which neither torch nor vsf depends on."""
+    sharding_propagator().propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def sharding_propagator():  # noqa: ANN201  (DTensor's ShardingPropagator)

@@ -7,6 +7,13 @@
 * ``jit_mode`` (default ``"auto"``): ``"trace"`` runs each step as a traced program over local
   shards, ``"interpret"`` walks the plan on DTensors, ``"auto"`` traces in real runs and
   interprets under ``vsf.simulate`` (where per-rank programs cannot be traced).
+* ``check_plan`` (default ``False``): checking mode for every jitted call (:mod:`vsf.check`;
+  ``f.check(*args)`` checks one call). Under ``vsf.simulate`` the planned program runs beside the
+  unsharded graph, op by op on the same full input values, and the first op whose assembled result
+  differs raises ``vsf.PlanCheckError`` naming the op, the user's source line, the placements in
+  and out and the largest error. Off, a call does nothing more than read this flag.
+* ``check_tolerance`` (default ``(1e-4, 1e-5)``): checking mode's ``(rtol, atol)`` for floating
+  results (at least ``(1e-2, 1e-3)`` for float16 and bfloat16); integers must match exactly.
 
 Example::
 
@@ -16,3 +23,5 @@ Example::
 strict: bool = False
 allow_replicated_fallback: bool = False
 jit_mode: str = "auto"
+check_plan: bool = False
+check_tolerance: tuple[float, float] = (1e-4, 1e-5)

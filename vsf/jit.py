@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from vsf import _compat, config, tree
+from vsf.check import run_checked
 from vsf.lower import compile_local, execute
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.inspect import type_string
@@ -145,9 +146,23 @@ class Jitted:
         return len(self.replans)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(args, kwargs, check=config.check_plan)
+
+    def check(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function in checking mode (:mod:`vsf.check`): under :func:`vsf.simulate`, run
+        the plan beside the unsharded graph and raise :class:`vsf.PlanCheckError` at the first op
+        whose assembled result differs. Returns what the call returns.
+
+        Example::
+
+            >>> params, loss = step.check(params, batch)
+        """
+        return self._call(args, kwargs, check=True)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> Any:
         call = self._prepare(args, kwargs)
         compiled = self._cache.get(call.key) or self._compile(call)
-        result = compiled._run(call)
+        result = compiled._run(call, check)
         self._donate(args)
         return result
 
@@ -410,16 +425,18 @@ class Compiled:
         call = self.owner._prepare(args, kwargs)
         if call.key not in self.owner._cache or self.owner._cache[call.key] is not self:
             raise ValueError(f"these arguments do not match the signature this program of {self.owner._name} was compiled for")
-        result = self._run(call)
+        result = self._run(call, config.check_plan)
         self.owner._donate(args)
         return result
 
-    def _run(self, call: _Call) -> Any:
+    def _run(self, call: _Call, check: bool) -> Any:
         mode = config.jit_mode
         if mode == "auto":
             mode = "interpret" if _compat.active_local_mode() is not None else "trace"
         locals_in = [x._local_tensor for x in call.inputs]
-        if mode == "interpret":
+        if check:
+            locals_out = run_checked(self.plan, locals_in)
+        elif mode == "interpret":
             with _compat.quiet_redistribute():
                 locals_out = execute(self.plan, locals_in)
         else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,8 +43,12 @@ def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:
     return t
 
 
-def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run ``plan`` on local shards laid out as ``plan.inputs``; return local shards laid out as ``plan.outputs``."""
+def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.fx.Node, list[Any]], None] | None = None) -> list[torch.Tensor]:
+    """Run ``plan`` on local shards laid out as ``plan.inputs``; return local shards laid out as ``plan.outputs``.
+
+    ``check`` (checking mode, :class:`vsf.check.Checker`) is called after each op with the op's
+    local results.
+    """
     gm = plan.graph
     dm = plan.mesh.device_mesh
     env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(_placeholders(gm), inputs)}
@@ -108,6 +112,8 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for i, (o, want) in enumerate(zip(outs, step.outs)):
             if want is not None:
                 env[(node, i)] = o
+        if check is not None:
+            check(node, outs)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return [get(_value(a), dst) for a, dst in zip(pytree.tree_leaves(output.args), plan.outputs)]
 

@@ -2,7 +2,10 @@
 
 * ``with vsf.simulate(8):`` runs 8 ranks in this process with real numbers (PyTorch's fake
   process group plus ``LocalTensorMode``): every tensor holds one value per rank, and
-  collectives compute what the real ones would.
+  collectives compute what the real ones would. Random numbers are drawn as separate processes
+  would draw them: ``torch.manual_seed`` seeds every rank alike, and an explicit
+  ``torch.Generator`` acts as one copy per rank, so ``torch.randint(..., generator=g)`` gives
+  every rank the draw one process makes (and leaves ``g`` as that process would).
 * ``vsf.simulate(4096, compute=False)`` is planning-only: shapes, placements and plans are exact,
   values are meaningless. Use it to check a layout or a plan for a cluster you do not have.
 * Under ``torchrun`` the default process group is initialised from the environment (gloo on CPU,
@@ -60,7 +63,7 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
             raise RuntimeError(f"cannot start {self!r}: a process group already exists ({where}); stop it first")
         _compat.init_fake_process_group(self.n)
         if self.compute:
-            self._mode = _compat.LocalTensorMode(self.n)
+            self._mode = _compat.local_tensor_mode(self.n)
             self._mode.__enter__()
         _ACTIVE.append(self)
         return self

@@ -1,0 +1,313 @@
+"""vsf's DP, FSDP and TP steps against what a user would pick instead: DDP, FSDP2 and torch TP.
+
+Every figure is measured side by side in one run of gloo processes (one thread each), on one AdamW
+train step of a GPT with separate q/k/v projections (``tests/models.py``; d=256, 4 layers,
+8 sequences of 128 tokens, 3.45M params; ``--quick``: d=128, 2 layers, 64 tokens):
+
+* ``step``: median step time (slowest rank) of each vsf layout next to torch's own way of running
+  it, and next to the plain one-process step on the whole batch (every rank runs that one at
+  the same time, each on its own core): params replicated with the batch over ``dp`` vs
+  ``DistributedDataParallel``; params ``P("dp")`` on dim 0 vs ``fully_shard`` per block and root;
+  Megatron TP (column-parallel q/k/v/fc1, row-parallel proj/fc2) vs ``parallelize_module``
+  with ``ColwiseParallel``/``RowwiseParallel``.
+* ``bytes``: what each vsf plan sends per rank (``Lowered.cost()``) against the layout's
+  analytic optimum: DP all-reduces every gradient once, ``2(n-1)/n`` of the params; FSDP
+  gathers each sharded param in forward and again in backward and reduce-scatters its gradient,
+  ``3(n-1)/n`` (an unshardable param is all-reduced); Megatron TP all-reduces the activations
+  twice per block forward and twice backward.
+* ``launches``: collectives per step (``CommDebugMode``), vsf FSDP vs FSDP2.
+* ``memory``: the peak of tensor bytes allocated during one step on rank 0 (the profiler's
+  memory events, in time order), vsf FSDP vs FSDP2.
+* ``simulate``: a step under ``vsf.simulate(8)`` (8 ranks in this process, 5D layout) against
+  eight plain one-device steps of the same model and batch.
+
+Run::
+
+    python -m benchmarks.bench_torch [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MEGATRON = [
+    (r".*attn\.(q|k|v)\.(weight|bias)", ("tp",)),
+    (r".*fc1\.(weight|bias)", ("tp",)),
+    (r".*(proj|fc2)\.weight", (None, "tp")),
+    (r".*", ()),
+]
+LR = 1e-3
+
+
+def _config(quick: bool):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from models import GPTConfig
+
+    if quick:
+        return GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=2, fused_qkv=False)
+    return GPTConfig(vocab=1024, seq=128, dim=256, heads=4, layers=4, fused_qkv=False)
+
+
+def _model(cfg):
+    import torch
+    from models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with torch.no_grad():  # GPT-2's init (see bench_jit: torch's default makes the head's backward run on subnormals)
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def _batch(cfg, sequences: int = 8):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab, (sequences, cfg.seq), generator=g)
+    return idx, idx.roll(1, 1)
+
+
+def _torch_step(model, *params_groups) -> Callable[..., None]:
+    """A plain PyTorch step: forward, backward, ``torch.optim.AdamW(foreach=True)`` (one optimizer
+    per group, so DTensor and plain params never meet in one foreach call)."""
+    import torch
+
+    opts = [torch.optim.AdamW(g, lr=LR, foreach=True) for g in params_groups if g]
+
+    def step(idx, tgt) -> None:
+        loss = model(idx, tgt)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss.item()
+
+    return step
+
+
+def _vsf_step(model, mesh, rules, batch_spec, idx, tgt) -> tuple[Callable[[], None], object]:
+    """vsf's jitted, donated AdamW step on ``mesh`` with params laid out by ``rules``; its lowered plan."""
+    import vsf
+    from vsf import P, optim
+
+    params = vsf.tree.from_module(model)
+    params = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, [(rx, P(*s)) for rx, s in rules])))
+    tx = optim.adamw(LR)
+    opt_state = optim.init_sharded(tx, params)
+    batch = vsf.device_put((idx, tgt), vsf.NamedSharding(mesh, batch_spec))
+
+    @vsf.jit(donate_argnums=(0, 1))
+    def train_step(params, opt_state, idx, tgt):
+        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    lowered = train_step.lower(params, opt_state, *batch)
+    state = {"p": params, "o": opt_state}
+
+    def step() -> None:
+        state["p"], state["o"], loss = train_step(state["p"], state["o"], *batch)
+        vsf.device_get(loss)
+
+    return step, lowered
+
+
+def _fsdp_rules(model, n: int) -> list[tuple[str, tuple]]:
+    """Each param ``P("dp")`` on dim 0 where its rows divide over ``n`` ranks, else replicated."""
+    import re
+
+    return [(re.escape(name) + "$", ("dp",) if p.shape[0] % n == 0 else ()) for name, p in model.named_parameters()]
+
+
+def _peak_bytes(step: Callable[[], None]) -> int:
+    """The peak of tensor bytes allocated during one call of ``step`` (beyond what existed before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _launches(step: Callable[[], None]) -> int:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        step()
+    return comm.get_total_counts()
+
+
+def _worker(out: str, quick: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    import vsf
+    from vsf import P
+
+    cfg = _config(quick)
+    idx, tgt = _batch(cfg)
+    dp_mesh = vsf.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))
+    tp_mesh = vsf.make_mesh((dp_mesh.size,), ("tp",))
+    n, rank = dp_mesh.size, dist.get_rank()
+    rows = slice(rank * len(idx) // n, (rank + 1) * len(idx) // n)
+
+    plain = _model(cfg)
+    ddp = DistributedDataParallel(_model(cfg))
+    fsdp = _model(cfg)
+    torch_mesh = init_device_mesh("cpu", (n,))
+    for block in fsdp.blocks:
+        fully_shard(block, mesh=torch_mesh)
+    fully_shard(fsdp, mesh=torch_mesh)
+    tp = _model(cfg)
+    plan = {}
+    for i in range(cfg.layers):
+        plan.update({f"blocks.{i}.attn.{x}": ColwiseParallel() for x in "qkv"})
+        plan.update({f"blocks.{i}.fc1": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.fc2": RowwiseParallel()})
+    parallelize_module(tp, torch_mesh, plan)
+    tp_params = list(tp.parameters())
+
+    torch_steps = {
+        "plain": lambda s=_torch_step(plain, list(plain.parameters())): s(idx, tgt),
+        "ddp": lambda s=_torch_step(ddp, list(ddp.parameters())): s(idx[rows], tgt[rows]),
+        "fsdp2": lambda s=_torch_step(fsdp, list(fsdp.parameters())): s(idx[rows], tgt[rows]),
+        "torch_tp": lambda s=_torch_step(tp, [p for p in tp_params if isinstance(p, DTensor)], [p for p in tp_params if not isinstance(p, DTensor)]): s(idx, tgt),
+    }
+    vsf_dp, low_dp = _vsf_step(_model(cfg), dp_mesh, [(r".*", ())], P("dp"), idx, tgt)
+    fsdp_model = _model(cfg)
+    vsf_fsdp, low_fsdp = _vsf_step(fsdp_model, dp_mesh, _fsdp_rules(fsdp_model, n), P("dp"), idx, tgt)
+    vsf_tp, low_tp = _vsf_step(_model(cfg), tp_mesh, MEGATRON, P(), idx, tgt)
+    steps = {**torch_steps, "vsf_dp": vsf_dp, "vsf_fsdp": vsf_fsdp, "vsf_tp": vsf_tp}
+
+    for run in steps.values():  # warm up (the vsf steps trace their programs on the first call)
+        run()
+        run()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(3 if quick else 8):
+        for name, run in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dt = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[name].append(dt.item())
+    result = {"seconds": {k: statistics.median(v) for k, v in times.items()}}
+    result["launches"] = {"vsf_fsdp": _launches(vsf_fsdp), "fsdp2": _launches(steps["fsdp2"])}
+    result["peak"] = {"vsf_fsdp": _peak_bytes(vsf_fsdp), "fsdp2": _peak_bytes(steps["fsdp2"])}
+    result["plan_bytes"] = {k: sum(low.cost().comm_bytes.values()) for k, low in (("dp", low_dp), ("fsdp", low_fsdp), ("tp", low_tp))}
+    result["optimum"] = _optimum(fsdp_model, cfg, n, len(idx))
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def _optimum(model, cfg, n: int, sequences: int) -> dict[str, float]:
+    """Bytes per rank each layout must send at the least (ring model), from the module's params."""
+    total = sum(p.numel() * 4 for p in model.parameters())
+    sharded = sum(p.numel() * 4 for p in model.parameters() if p.shape[0] % n == 0)
+    ring = (n - 1) / n
+    activation = sequences * cfg.seq * cfg.dim * 4
+    return {
+        "dp": 2 * ring * total,
+        "fsdp": 3 * ring * sharded + 2 * ring * (total - sharded),
+        "tp": cfg.layers * 4 * 2 * ring * activation,
+    }
+
+
+def bench_layouts(quick: bool) -> list[dict]:
+    from vsf import launch
+
+    rows = []
+    for nproc in (2,) if quick else (2, 4):
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "torch.json")
+            launch.run(Path(__file__).resolve(), nproc, "--worker", out, *(["--quick"] if quick else []), timeout=1800)
+            r = json.loads(Path(out).read_text())
+        t = r["seconds"]
+        where = f"{nproc} gloo procs"
+        for mine, theirs, label in (("vsf_dp", "ddp", "DP vs DDP"), ("vsf_fsdp", "fsdp2", "FSDP vs FSDP2 fully_shard"), ("vsf_tp", "torch_tp", "Megatron TP vs torch parallelize_module")):
+            ratio = t[mine] / t[theirs]
+            rows.append({"name": f"step, {label}, {where}", "vsf": t[mine], "ref": t[theirs], "unit": "s", "ratio": ratio, "target": "<= 1.0", "met": ratio <= 1.0})
+        for mine, label in (("vsf_dp", "DP"), ("vsf_fsdp", "FSDP"), ("vsf_tp", "TP")):
+            rows.append({"name": f"step, vsf {label} vs the plain one-process step, {where}", "vsf": t[mine], "ref": t["plain"], "unit": "s", "ratio": t[mine] / t["plain"], "target": "-", "met": None})
+        for layout in ("dp", "fsdp", "tp"):
+            ratio = r["plan_bytes"][layout] / r["optimum"][layout]
+            rows.append({"name": f"plan bytes per rank vs analytic optimum, {layout.upper()}, {where}", "vsf": r["plan_bytes"][layout], "ref": r["optimum"][layout], "unit": "B", "ratio": ratio, "target": "1.0", "met": abs(ratio - 1) < 0.01})
+        launches = r["launches"]
+        rows.append({"name": f"collective launches per step, vsf FSDP vs FSDP2, {where}", "vsf": launches["vsf_fsdp"], "ref": launches["fsdp2"], "unit": "", "ratio": launches["vsf_fsdp"] / launches["fsdp2"], "target": "<= 1.0", "met": launches["vsf_fsdp"] <= launches["fsdp2"]})
+        peak = r["peak"]
+        ratio = peak["vsf_fsdp"] / peak["fsdp2"]
+        rows.append({"name": f"peak tensor bytes during a step, vsf FSDP vs FSDP2, {where}", "vsf": peak["vsf_fsdp"], "ref": peak["fsdp2"], "unit": "B", "ratio": ratio, "target": "<= 1.05", "met": ratio <= 1.05})
+    return rows
+
+
+def bench_simulate(quick: bool) -> list[dict]:
+    """A step under ``vsf.simulate(8)`` against eight plain one-device steps (the demo's model size)."""
+    import torch
+
+    import vsf
+    from vsf import P
+
+    cfg = dataclasses.replace(_config(quick=True), vocab=64, seq=32, dim=64)
+    idx, tgt = _batch(cfg, sequences=16)
+    model = _model(cfg)
+    plain = _torch_step(model, list(model.parameters()))
+    repeats = 2 if quick else 5
+
+    def median_time(fn: Callable[[], None]) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    one = median_time(lambda: plain(idx, tgt))
+    with vsf.simulate(8):
+        mesh = vsf.make_mesh((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))
+        rules = [(r".*(attn\.(q|k|v)|fc1)\.weight", ("tp", "fsdp")), (r".*(proj|fc2)\.weight", ("fsdp", "tp")), (r".*", ())]
+        step, _ = _vsf_step(_model(cfg), mesh, rules, P(("dp", "fsdp")), idx, tgt)
+        simulated = median_time(step)
+    ratio = simulated / (8 * one)
+    return [{"name": "vsf.simulate(8) step (5D) vs 8 plain one-device steps, demo-sized GPT", "vsf": simulated, "ref": 8 * one, "unit": "s", "ratio": ratio, "target": "<= 1.5", "met": ratio <= 1.5}]
+
+
+def run(quick: bool) -> list[dict]:
+    """All measurements as rows of the suite's table (see ``benchmarks``); the simulation first:
+    it needs a process without a process group."""
+    return bench_simulate(quick) + bench_layouts(quick)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repetitions")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        _worker(ns.worker, ns.quick)
+        return
+    for row in run(ns.quick):
+        print(f"{row['name']:<84} vsf {row['vsf']:>14.6g}  ref {row['ref']:>14.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})")
+
+
+if __name__ == "__main__":
+    main()

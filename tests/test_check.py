@@ -1,0 +1,218 @@
+"""Checking mode (``vsf.config.check_plan``, ``f.check``): a wrong plan is stopped at its op.
+
+The broken rules here are deliberate: a test-only op registered with DTensor as elementwise
+although it is a running sum (so sharding it gives each shard its own running sum), and a plan
+edited to claim that a partial sum is replicated. Both run without any error and give wrong
+numbers; checking mode must name the op, its source line and its placements. A correct plan
+must pass and give the one-device results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate
+
+import vsf
+from vsf import P, _compat, optim
+from models import GPT, GPTConfig
+
+
+@torch.library.custom_op("vsftest::running_sum", mutates_args=())
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    return x.cumsum(0)
+
+
+@running_sum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_compat.register_elementwise(torch.ops.vsftest.running_sum.default, outputs=1)  # wrong on purpose
+
+
+def doubled_running_total(x):
+    y = x * 2
+    z = torch.ops.vsftest.running_sum(y)  # the broken op
+    return z.sum()
+
+
+def _line_of(fn, marker):
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def test_wrong_strategy_is_named_with_its_op_line_and_placements(sim):
+    x = torch.arange(8.0)
+    y = 2 * x
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
+    f = vsf.jit(doubled_running_total)
+    assert vsf.device_get(f(xs)) != y.cumsum(0).sum()  # unchecked, the wrong rule is silent
+    with pytest.raises(vsf.PlanCheckError) as info:
+        f.check(xs)
+    e = info.value
+    assert e.op == "vsftest.running_sum.default"
+    assert f'{__file__}", line {_line_of(doubled_running_total, "# the broken op")}' in e.line
+    assert e.inputs == ("f32[8@dp]",) and e.outputs == ("f32[8@dp]",)
+    per_shard = torch.cat([y[:4].cumsum(0), y[4:].cumsum(0)])
+    assert e.max_error == (y.cumsum(0) - per_shard).abs().max().item()
+    assert "vsftest.running_sum.default" in str(e) and e.line in str(e)
+
+
+def test_config_switch_checks_every_call(sim, monkeypatch):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    xs = vsf.device_put(torch.arange(8.0), vsf.NamedSharding(mesh, P("dp")))
+    monkeypatch.setattr(vsf.config, "check_plan", True)
+    with pytest.raises(vsf.PlanCheckError, match="vsftest.running_sum"):
+        vsf.jit(doubled_running_total)(xs)
+
+
+def _mlp():
+    params = {"w1": torch.randn(16, 64), "b1": torch.randn(64), "w2": torch.randn(64, 16)}
+    batch = (torch.randn(32, 16), torch.randn(32, 16))
+
+    def loss_fn(p, x, y):
+        return ((F.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2).mean()
+
+    return params, batch, loss_fn
+
+
+def test_plan_claiming_a_partial_sum_is_replicated_is_caught(sim):
+    params, batch, loss_fn = _mlp()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp")}))
+    f = vsf.jit(loss_fn)
+    plan = f.lower(p, *batch).plan
+    # h @ w2 contracts the tp-split dim: a partial sum. Claim it is whole on every rank.
+    node = next(n for n, s in plan.nodes.items() if s.outs and isinstance(s.outs[0], tuple) and isinstance(s.outs[0][0], Partial))
+    plan.nodes[node] = dataclasses.replace(plan.nodes[node], outs=((Replicate(),),))
+    with pytest.raises(vsf.PlanCheckError) as info:
+        f.check(p, *batch)
+    assert info.value.node == node.name and info.value.op == str(node.target)
+    assert "rank 1's copy differs from the first copy's" in str(info.value)
+    assert info.value.outputs == ("f32[32,16]",)
+
+
+def test_skipped_reduction_is_charged_to_the_op_that_reads_it(sim, monkeypatch):
+    # a redistribution that forgets to all-reduce a partial sum: the op using the value is named,
+    # with the input as held (partial) and as used (whole)
+    import vsf.lower as lower
+
+    move = lower._move
+    monkeypatch.setattr(lower, "_move", lambda plan, t, local, src, dst: local if any(isinstance(p, Partial) for p in src) else move(plan, t, local, src, dst))
+    params, batch, loss_fn = _mlp()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp")}))
+    with pytest.raises(vsf.PlanCheckError) as info:
+        vsf.jit(loss_fn).check(p, *batch)
+    assert info.value.op == "aten.sub.Tensor"
+    assert info.value.inputs == ("f32[32,16]{U:tp} -> f32[32,16]", "f32[32,16]")
+    assert "return ((F.gelu(x @ p[\"w1\"] + p[\"b1\"]) @ p[\"w2\"] - y) ** 2).mean()" in info.value.line
+
+
+def test_correct_plan_passes_on_an_mlp_train_step(sim, monkeypatch):
+    params, batch, loss_fn = _mlp()
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
+
+    def step(p, s, x, y):
+        loss, grads = vsf.value_and_grad(loss_fn)(p, x, y)
+        updates, s = tx.update(grads, s, p)
+        return optim.apply_updates(p, updates), s, loss
+
+    want_p, want_s, want = params, tx.init(params), []
+    for _ in range(2):
+        want_p, want_s, loss = step(want_p, want_s, *batch)
+        want.append(loss)
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {"w1": P("fsdp", "tp"), "b1": P("tp"), "w2": P("tp", "fsdp")}))
+    s = optim.init_sharded(tx, p, zero_axes=("dp",))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    monkeypatch.setattr(vsf.config, "check_plan", True)
+    jitted, got = vsf.jit(step), []
+    for _ in range(2):
+        p, s, loss = jitted(p, s, *b)
+        got.append(vsf.device_get(loss))
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-5, atol=1e-5)
+    for k, w in want_p.items():
+        torch.testing.assert_close(vsf.device_get(p[k]), w, rtol=1e-5, atol=1e-5)
+
+
+def test_correct_plan_passes_on_a_gpt_step_on_the_5d_mesh(sim):
+    # every kind of value a real plan has: nested and strided splits, partial sums and norms, views
+    model = GPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1))
+    params = vsf.tree.from_module(model)
+    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
+
+    def step(p, s, idx, tgt):
+        loss, grads = vsf.value_and_grad(lambda q: vsf.tree.apply(model, q, idx, tgt))(p)
+        updates, s = tx.update(grads, s, p)
+        return optim.apply_updates(p, updates), s, loss
+
+    want = step(params, tx.init(params), *batch)[2]
+    sim(8)
+    mesh = vsf.make_mesh((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))
+    rules = [(r".*(qkv|fc1)\.weight", P("tp", "fsdp")), (r".*(qkv|fc1)\.bias", P("tp")), (r".*(proj|fc2)\.weight", P("fsdp", "tp")), (r".*", P())]
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    s = optim.init_sharded(tx, p, zero_axes=("dp",))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    _, _, loss = vsf.jit(step).check(p, s, *b)
+    torch.testing.assert_close(vsf.device_get(loss), want, rtol=1e-5, atol=1e-6)
+
+
+def test_check_mode_off_adds_no_work(sim, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("checking mode ran with vsf.config.check_plan off")
+
+    monkeypatch.setattr(vsf.check.Checker, "__init__", refuse)
+    monkeypatch.setattr(vsf.check.Checker, "__call__", refuse)
+    params, batch, loss_fn = _mlp()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    f = vsf.jit(loss_fn)
+    p, b = vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(batch, vsf.NamedSharding(mesh, P("dp")))
+    torch.testing.assert_close(vsf.device_get(f(p, *b)), loss_fn(params, *batch), rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError, match="checking mode ran"):
+        f.check(p, *b)  # the same call checked does reach the checker
+
+
+def test_check_needs_simulated_values(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    xs = vsf.device_put(torch.arange(8.0), vsf.NamedSharding(mesh, P("dp")))
+    with pytest.raises(RuntimeError, match=r"vsf\.simulate\(n\) with real numbers"):
+        vsf.jit(lambda x: x * 2).check(xs)
+
+
+def test_pending_norm_is_assembled_as_a_norm(sim):
+    # linalg_vector_norm of shards is a partial 2-norm: sqrt(sum of local norms ** 2), not a sum
+    x = torch.randn(12)
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    f = vsf.jit(lambda v: torch.linalg.vector_norm(v) * 1.0)
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
+    assert any(isinstance(p, Partial) for s in f.lower(xs).plan.nodes.values() for out in s.outs if out for p in out)
+    torch.testing.assert_close(vsf.device_get(f.check(xs)), torch.linalg.vector_norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_random_and_uninitialised_values_are_not_compared_but_feed_later_ops(sim, monkeypatch):
+    # dropout traces to empty_like + bernoulli: neither has a value the unsharded op would repeat
+    monkeypatch.setattr(vsf.config, "allow_replicated_fallback", True)  # bernoulli may lack a strategy
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.randn(8, 4), vsf.NamedSharding(mesh, P("dp")))
+    w = vsf.device_put(torch.randn(4, 4), vsf.NamedSharding(mesh, P()))
+    f = vsf.jit(lambda x, w: (F.dropout(x @ w, 0.5, training=True) * 3).sum())
+    targets = {str(n.target) for n in f.lower(x, w).plan.nodes}
+    assert {"aten.empty_like.default", "aten.bernoulli.p"} <= targets
+    assert torch.isfinite(vsf.device_get(f.check(x, w)))

@@ -390,7 +390,6 @@ def register_elementwise(op: Any, *, outputs: int) -> None:
     register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(rules)
 
 
-
 def decomposition(op: Any) -> Any:
     """PyTorch's own decomposition of ``op`` into other aten ops (``torch._decomp``), or ``None``."""
     return decomposition_table.get(op)

@@ -303,8 +303,9 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
 
     Example::
 
-        >>> unplanned_ops(traced.graph)
-        {<OpOverload(op='aten.some_op', overload='default')>}
+        >>> gm = make_fx(lambda x, y: torch.nn.functional.mse_loss(x, y))(torch.randn(4), torch.randn(4))
+        >>> unplanned_ops(gm)
+        {<OpOverload(op='aten.mse_loss', overload='default')>}
     """
     constants = constant_nodes(gm.graph)
     return {node.target for node in _op_nodes(gm) if node.target in UNTRUSTED_STRATEGIES} | {
@@ -325,6 +326,7 @@ def _adopt_inplace_strategy(op: Any) -> bool:
     if twin is None or len(twin._schema.arguments) != len(op._schema.arguments):
         return False
     return _compat.register_like(op, twin)
+
 
 # Ops whose result depends only on their input's shape, not its values: any placement of the input
 # will do (a partial sum has the full shape everywhere), and the result is replicated or sharded

@@ -41,9 +41,11 @@ def causal_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def masked_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Masked-LM labels on about 30% of the tokens, and padding: rows of different lengths."""
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     labels = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.3, ids, torch.full_like(ids, -100))
-    return {"input_ids": ids, "labels": labels}
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH, 1), generator=g)
+    return {"input_ids": ids, "labels": labels, "attention_mask": (torch.arange(SEQ) < lengths).long()}
 
 
 def seq2seq_batch(g: torch.Generator) -> dict[str, torch.Tensor]:

@@ -26,16 +26,7 @@ LAYOUTS = {
 }
 CORE = ["gpt2", "llama", "bert", "t5", "mixtral"]
 EXTRA = ["mistral", "qwen2", "gemma", "phi", "gpt_neox"]  # other families, on two layouts
-
-# The planner predicts a partial sum where DTensor's full-mesh propagation shards the sum over the
-# batch (issue #14 part 2, fixed by the `consistency` work in the solver / _check_with_dtensor).
-_MISMATCH = pytest.mark.xfail(strict=True, reason="PlanMismatch on aten.sum.dim_IntList: issue #14 part 2 (the plan is what runs)")
-XFAIL: dict[tuple[str, str], pytest.MarkDecorator] = {}
-
-
-def _cases() -> list:
-    cases = [(f, l) for f in CORE for l in LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")]
-    return [pytest.param(f, l, id=f"{f}-{l}", marks=[XFAIL[(f, l)]] if (f, l) in XFAIL else []) for f, l in cases]
+CASES = [(f, l) for f in CORE for l in LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")]
 
 
 @functools.cache
@@ -66,7 +57,7 @@ def _with_fsdp(spec: P, shape: torch.Size) -> P:
     return P(*entries)
 
 
-@pytest.mark.parametrize("name, layout", _cases())
+@pytest.mark.parametrize("name, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
 def test_trains_like_torch_on_one_device(sim, name, layout):
     family = _families()[name]
     want_losses, want_params = _oracle(name)

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "optim": "benchmarks.bench_optim",
     "ragged": "benchmarks.bench_ragged",
     "checkpoint": "benchmarks.bench_checkpoint",
+    "random": "benchmarks.bench_random",
 }
 
 

@@ -208,6 +208,7 @@ def test_pending_norm_is_assembled_as_a_norm(sim):
 def test_random_and_uninitialised_values_are_not_compared_but_feed_later_ops(sim, monkeypatch):
     # dropout traces to empty_like + bernoulli: neither has a value the unsharded op would repeat
     monkeypatch.setattr(vsf.config, "allow_replicated_fallback", True)  # bernoulli may lack a strategy
+    monkeypatch.setattr(vsf.config, "allow_unkeyed_random", True)  # torch's own draw, not a vsf.random key
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
     x = vsf.device_put(torch.randn(8, 4), vsf.NamedSharding(mesh, P("dp")))

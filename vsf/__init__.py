@@ -13,7 +13,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, ops, optim, sharding, tree
+from vsf import checkpoint, config, debug, nn, ops, optim, random, sharding, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.check import PlanCheckError
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
@@ -62,9 +62,11 @@ __all__ = [
     "jit",
     "launch",
     "make_mesh",
+    "nn",
     "optim",
     "ops",
     "ragged",
+    "random",
     "shard_map",
     "sharding",
     "simulate",

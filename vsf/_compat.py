@@ -496,3 +496,17 @@ def register_like(op: Any, twin: Any) -> bool:
     else:
         return False
     return True
+
+
+def fake_mode_active() -> bool:
+    """True while tensors are fake (inside ``make_fx`` tracing, ``FakeTensorMode``, ``vsf.eval_shape``)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``: the base of a mode that sees every aten op (below autograd, above subclasses)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -14,6 +14,13 @@
   and out and the largest error. Off, a call does nothing more than read this flag.
 * ``check_tolerance`` (default ``(1e-4, 1e-5)``): checking mode's ``(rtol, atol)`` for floating
   results (at least ``(1e-2, 1e-3)`` for float16 and bfloat16); integers must match exactly.
+* ``compile_random`` (default ``False``): eager ``vsf.random`` samplers compute Philox with a
+  ``torch.compile`` d kernel (integer ops only, so the same bits; about 10x faster on CPU, after
+  a one-off compile of tens of seconds per process).
+* ``allow_unkeyed_random`` (default ``False``): inside ``vsf.jit`` an op that draws from torch's
+  generator (dropout without :class:`vsf.random.keyed`, ``torch.rand`` ...) is an error, since its
+  values would depend on the layout; set, it is planned like any op (DTensor's RNG where it has a
+  strategy, ``allow_replicated_fallback`` where not), with other values on every layout.
 
 Example::
 
@@ -25,3 +32,5 @@ allow_replicated_fallback: bool = False
 jit_mode: str = "auto"
 check_plan: bool = False
 check_tolerance: tuple[float, float] = (1e-4, 1e-5)
+compile_random: bool = False
+allow_unkeyed_random: bool = False

@@ -20,9 +20,9 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from vsf import _compat, tree
+from vsf import _compat, config, tree
 
-__all__ = ["Traced", "TraceError", "source_line", "trace"]
+__all__ = ["Traced", "TraceError", "draws_random", "source_line", "trace"]
 
 aten = torch.ops.aten
 
@@ -99,6 +99,7 @@ def _trace(
             )(*fakes)
     gm = decompose(gm, fakes, unplanned)
     _reject_input_mutation(gm, fun)
+    _reject_unkeyed_random(gm, fun)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
@@ -138,6 +139,35 @@ def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
             raise TraceError(
                 f"{_fun_name(fun)} mutates its input tensor #{index} in place; jitted functions must be pure. "
                 "Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`)."
+            )
+
+
+_NO_DRAW = {"dropout_p": 0.0, "dropout": 0.0, "p": 0.0, "train": False}  # argument values that make a seeded op deterministic
+
+
+def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of the aten ``op`` draws from torch's generator (tagged ``nondeterministic_seeded``,
+    unless its dropout probability is 0 or it is not training, e.g. attention without dropout)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    schema = op._schema
+    bound = dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
+    return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
+
+
+def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    """A draw from torch's generator would give a different mask per layout: refuse it."""
+    if config.allow_unkeyed_random:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs):
+            where = source_line(node)
+            raise TraceError(
+                f"{_fun_name(fun)} draws random numbers from torch's generator ({node.target}"
+                f"{' at ' + where if where else ''}), which would differ between layouts inside vsf.jit. "
+                "Pass a key and use vsf.random (vsf.nn.dropout, vsf.random.normal, ...), or run the model "
+                "under `with vsf.random.keyed(key):` so that its dropout and torch.rand* calls draw from the key "
+                "(vsf.config.allow_unkeyed_random = True plans it like any op, with other values on every layout)."
             )
 
 

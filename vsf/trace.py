@@ -151,7 +151,8 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
     schema = op._schema
-    bound = dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}  # SDPA called without dropout_p
+    bound = defaults | dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
     return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
 
 

@@ -238,3 +238,12 @@ def test_a_redistributed_value_keeps_its_traced_memory_order(sim):
 
     got, _ = _jit_on(mesh, f, (x,), [P("dp")])
     torch.testing.assert_close(got, x.reshape(8, 24))
+
+
+def test_a_constraint_on_a_constant_lays_it_out_as_it_says(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    s = vsf.NamedSharding(mesh, P("dp"))
+    out = vsf.jit(lambda x: x + vsf.with_sharding_constraint(torch.arange(8.0)[:, None].expand(8, 6).clone(), s))(vsf.device_put(torch.ones(8, 6), s))
+    assert vsf.sharding.sharding_of(out) == s
+    torch.testing.assert_close(vsf.device_get(out), torch.arange(8.0)[:, None] + torch.ones(8, 6))

@@ -240,8 +240,8 @@ class Strategies:
         """Is ``node`` an op with no DTensor strategy that computes a constant (only from values the
         traced function made itself)? It needs none: it runs replicated, and its users take the
         value in the layout they want (a local slice of a replicated value moves nothing)."""
-        if node.op != "call_function" or _kind_of(node.target) is not None:
-            return False
+        if node.op != "call_function" or node.target is constraint.CONSTRAINT_OP or node.target in VALUE_BLIND_OPS or _kind_of(node.target) is not None:
+            return False  # (a constraint on a constant still lays it out as it says)
         graph = node.graph
         if id(graph) not in self.constants:
             self.constants[id(graph)] = constant_nodes(graph)

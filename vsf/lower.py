@@ -64,7 +64,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             local, prev = env[v], src
             for nxt in transition_path(plan.mesh, src, dst):
                 local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
-            moved[(v, dst)] = _traced_layout(local, _meta(v))
+            moved[(v, dst)] = _traced_layout(local, _meta(v)) if _allocates(v[0]) else local
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:
@@ -154,7 +154,8 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     """``local`` stored in the dim order the traced value had: a collective returns a contiguous
     buffer, while a later view may rely on the traced strides (SDPA's CPU kernel returns its
     ``[batch, heads, seq, dim]`` output stored as ``[batch, seq, heads, dim]``, which the model then
-    transposes and views)."""
+    transposes and views). Applied to results ops store so, not to views such as a weight's
+    ``t()``, which a matmul reads in either order (a copy per gathered weight would cost time)."""
     order = _dim_order(traced)
     if order == sorted(order):
         return local  # row-major, as a collective's buffer is (permuting it back costs nothing when it already is)

@@ -232,12 +232,12 @@ def test_a_redistributed_value_keeps_its_traced_memory_order(sim):
     mesh = vsf.make_mesh((2,), ("dp",))
 
     def f(x):
-        t = x.transpose(0, 1)  # [4, 8, 6] stored as [8, 4, 6]
+        t = x.transpose(0, 1) * 2  # a result [4, 8, 6] stored as [8, 4, 6] (mul keeps its input's order)
         t = vsf.with_sharding_constraint(t, vsf.NamedSharding(mesh, P()))
         return t.transpose(0, 1).view(8, 24)
 
     got, _ = _jit_on(mesh, f, (x,), [P("dp")])
-    torch.testing.assert_close(got, x.reshape(8, 24))
+    torch.testing.assert_close(got, 2 * x.reshape(8, 24))
 
 
 def test_a_constraint_on_a_constant_lays_it_out_as_it_says(sim):

@@ -64,7 +64,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             local, prev = env[v], src
             for nxt in transition_path(plan.mesh, src, dst):
                 local, prev = _move(plan, _meta(v), local, prev, nxt), nxt
-            moved[(v, dst)] = _traced_layout(local, _meta(v)) if _allocates(v[0]) else local
+            moved[(v, dst)] = local
         return moved[(v, dst)]
 
     def run_bucket(b: Bucket) -> None:
@@ -94,6 +94,8 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             if isinstance(a, torch.fx.Node) and _is_tensor_node(a):
                 v, dst = _value(a), next(wanted)
                 local = get(v, dst)
+                if node.target in _STRIDED_VIEWS:
+                    local = _traced_layout(local, _meta(v))
                 return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
             return a
 
@@ -150,15 +152,15 @@ def _move(plan: Plan, t: torch.Tensor, local: torch.Tensor, src: Placements, dst
     return local
 
 
+_STRIDED_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
 def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
-    """``local`` stored in the dim order the traced value had: a collective returns a contiguous
-    buffer, while a later view may rely on the traced strides (SDPA's CPU kernel returns its
-    ``[batch, heads, seq, dim]`` output stored as ``[batch, seq, heads, dim]``, which the model then
-    transposes and views). Applied to results ops store so, not to views such as a weight's
-    ``t()``, which a matmul reads in either order (a copy per gathered weight would cost time)."""
+    """``local`` stored in the dim order ``traced`` had, for a view that folds dims (it needs the
+    strides the trace had; a copy only where they differ). A shard's memory order can differ from
+    the traced value's: a collective returns a row-major buffer, and a kernel's output order may
+    follow its inputs' (SDPA's CPU kernel on q, k, v that a redistribution made row-major)."""
     order = _dim_order(traced)
-    if order == sorted(order):
-        return local  # row-major, as a collective's buffer is (permuting it back costs nothing when it already is)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
 

@@ -226,7 +226,8 @@ def test_dtensor_is_asked_with_the_arguments_that_decide_its_answer(sim, f, spec
 
 def test_a_redistributed_value_keeps_its_traced_memory_order(sim):
     """A value stored transposed (as SDPA's CPU output is) and gathered comes back from the collective
-    in row-major order; a later view that relied on the traced strides must still work."""
+    in row-major order; a later view that relied on the traced strides still works (the view's
+    input is put in its traced memory order first)."""
     x = torch.randn(8, 4, 6)
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))

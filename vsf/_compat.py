@@ -50,7 +50,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder,
     register_single_dim_strategy,
 )
-from torch.distributed.tensor._ops.utils import is_tensor_shardable
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable, register_op_strategy
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
@@ -58,6 +58,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
+from torch._decomp import decomposition_table, meta_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "StridedShard",
     "active_local_mode",
     "clear_sharding_caches",
+    "decomposition",
     "dispatcher_special_ops",
     "dtensor_decision",
     "dtensor_from_local",
@@ -94,7 +96,10 @@ __all__ = [
     "quiet_redistribute",
     "redistribute_local",
     "redistribute_steps",
+    "register_attention",
     "register_elementwise",
+    "register_fake_via_dtype",
+    "register_like",
     "register_stack_anchor",
     "registered_rules",
     "single_dim_strategies",
@@ -602,6 +607,114 @@ def register_elementwise(op: Any, *, outputs: int) -> None:
         ]
 
     register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(rules)
+
+
+def decomposition(op: Any) -> Any:
+    """PyTorch's own decomposition of ``op`` into other aten ops (``torch._decomp``), or ``None``."""
+    return decomposition_table.get(op)
+
+
+_MASKS = ("attn_mask", "attn_bias")
+
+
+def register_attention(op: Any) -> None:
+    """Tell DTensor's sharding propagation how the attention op ``op`` splits: on a mesh dim, over
+    the batch (dim 0) or the heads (dim 1) of every tensor alike, or replicated. A mask argument
+    (``attn_mask``/``attn_bias``, broadcast from the right) is split where it has that dim at full
+    size and replicated where it broadcasts; grouped-query heads (fewer key/value heads than query
+    heads) split only into equal parts (each rank's query heads must meet their own key/value
+    head); with dropout the op is only replicated (its random draw is not sharding-invariant).
+
+    Example::
+
+        >>> register_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    """
+    names = [a.name for a in op._schema.arguments]
+    n_out = sum(isinstance(r.type, torch.TensorType) for r in op._schema.returns)
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        mesh = op_schema.get_mesh_from_args(validate=False)
+        given = {**dict(zip(names, op_schema.args_schema)), **op_schema.kwargs_schema}
+        tensors = [(n, given[n].shape) for n in names if isinstance(given.get(n), OpStrategy)]
+        rank = len(given["query"].shape)
+        rules = [[Replicate()] * (n_out + len(tensors))]
+        if given.get("dropout_p", 0.0) == 0.0:
+            for d in (0, 1):
+                rules.append([Shard(d)] * n_out + [_attention_split(name, shape, d, rank) for name, shape in tensors])
+        grouped = given["query"].shape[1] != given["key"].shape[1]
+        return expand_to_full_mesh_op_strategy(
+            mesh, op_schema, rules, input_index=n_out, is_valid_strategy_cb=_equal_head_splits(mesh) if grouped else None
+        )
+
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=names.index("dropout_p")))(strategy)
+
+
+def _attention_split(name: str, shape: Any, d: int, rank: int) -> Placement:
+    if name not in _MASKS:
+        return Shard(d)
+    m = len(shape) - rank + d  # masks broadcast from the right
+    return Shard(m) if m >= 0 and shape[m] > 1 else Replicate()
+
+
+def _equal_head_splits(mesh: DeviceMesh) -> Any:
+    def ok(input_specs: list[DTensorSpec], output_specs: Any) -> bool:
+        specs = [*input_specs, *(output_specs if isinstance(output_specs, (tuple, list)) else (output_specs,))]
+        for s in specs:
+            if s is None or s.tensor_meta is None:
+                continue
+            parts = 1
+            for k, p in enumerate(s.placements):
+                if isinstance(p, Shard) and p.dim == 1:
+                    parts *= mesh.size(k)
+            if s.tensor_meta.shape[1] % parts:
+                return False
+        return True
+
+    return ok
+
+
+def register_fake_via_dtype(op: Any, dtype: torch.dtype) -> None:
+    """Trace ``op`` on fake tensors of any floating dtype where its meta kernel accepts only
+    ``dtype`` (while the real kernel runs others: ``_grouped_mm`` in fp32 on CPU): the fake runs
+    PyTorch's own meta on the floating inputs cast to ``dtype`` (for the shape and layout checks)
+    and returns a result of the dtype the op would return.
+
+    Example::
+
+        >>> register_fake_via_dtype(torch.ops.aten._grouped_mm.default, torch.bfloat16)
+    """
+    meta = meta_table[op]
+    names = [a.name for a in op._schema.arguments]
+
+    def fake(*args: Any, **kwargs: Any) -> torch.Tensor:
+        given = {**dict(zip(names, args)), **kwargs}
+        floats = [a for a in torch_tree_leaves(given) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        cast = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+        shaped = meta(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+        out_dtype = given.get("out_dtype") or floats[0].dtype
+        return torch.empty_strided(shaped.shape, shaped.stride(), dtype=out_dtype, device=shaped.device)
+
+    torch.library.register_fake(op, fake)
+
+
+def register_like(op: Any, twin: Any) -> bool:
+    """Give ``op`` the sharding strategy DTensor registers for ``twin``, an op of the same arguments
+    and results computed alike (the functional ``aten.copy`` that functionalization makes of an
+    in-place ``copy_``); ``False`` if ``twin`` has none.
+
+    Example::
+
+        >>> register_like(torch.ops.aten.copy.default, torch.ops.aten.copy_.default)
+        True
+    """
+    prop = _propagator()
+    if twin in prop.op_single_dim_strategy_funcs:
+        prop.register_single_dim_op_strategy(op, prop.op_single_dim_strategy_funcs[twin], prop.op_to_schema_info_for_single_dim_strategy.get(twin))
+    elif twin in prop.op_strategy_funcs:
+        prop.register_op_strategy(op, prop.op_strategy_funcs[twin], prop.op_to_schema_info.get(twin))
+    else:
+        return False
+    return True
 
 
 def fake_mode_active() -> bool:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, tree
 from vsf.jit.check import run_checked
+from vsf.jit.classify import unplanned_ops
 from vsf.jit.donation import check_not_donated, donate, reuse_donated
 from vsf.jit.graph import output_node
 from vsf.jit.lower import compile_local, execute
@@ -290,7 +291,7 @@ class Jitted:
         self._last_key = call.key
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
-        traced = trace(self.fun, avals, call.rebuild, mesh.device_type)
+        traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops)
         out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         plan = propagate(

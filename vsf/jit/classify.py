@@ -1,7 +1,8 @@
 """What kind each op of a traced graph is, decided once per node (:func:`classify`) and carried
 on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lowering agree.
 
-* ``constant``: no tensor input (a ``get_attr`` constant, a factory op): replicated, needs no strategy;
+* ``constant``: no tensor input (a ``get_attr`` constant, a factory op), or no strategy and only
+  constants as inputs (a mask built in ``forward``): replicated, needs no strategy;
 * ``constraint``: a ``with_sharding_constraint``: its value takes the sharding asked for;
 * ``region``: a ``shard_map`` region or its backward (:mod:`vsf.ops.region`): its inputs and
   results take the region's shardings, and its body runs on local shards;
@@ -14,6 +15,9 @@ on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lower
 
 ``ragged_reduction`` ops (sums, norms) also run on a rank's own ragged rows.
 
+:func:`unplanned_ops` names the ops of a traced graph of kind ``none`` (and those whose DTensor
+strategy is not trusted): the tracer decomposes them with PyTorch's own tables before planning.
+
 Example::
 
     >>> classify(mm_node)
@@ -23,16 +27,20 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.fx
 
 from vsf import _compat
-from vsf.jit.graph import tensor_args
+from vsf.jit.graph import op_nodes, tensor_args
 from vsf.ops import region
 from vsf.sharding import constraint
 
-__all__ = ["DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "VALUE_BLIND_OPS", "OpClass", "classify"]
+__all__ = [
+    "ATTENTION_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
+    "OpClass", "classify", "constant_nodes", "unplanned_ops",
+]
 
 aten = torch.ops.aten
 
@@ -55,6 +63,24 @@ RAGGED_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.lina
 DISPATCHER_SPECIAL = _compat.dispatcher_special_ops()
 
 
+# Ops whose DTensor strategy gives wrong numbers on some inputs: they are decomposed (and the pieces
+# planned) as if they had none. nll_loss's mean over a sharded batch is DTensor's Partial("avg") of
+# the shards' means, which is the mean only when every shard counts as many targets (ignore_index
+# or class weights make them differ: BERT's masked-LM labels).
+UNTRUSTED_STRATEGIES = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d_forward.default})
+
+
+# Attention keeps a real strategy (decomposed, it would materialise a T x T product): the CPU
+# kernels SDPA traces to split over batch and heads, as DTensor's CUDA flash kernel does.
+ATTENTION_OPS = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+for _op in ATTENTION_OPS:
+    if _compat.registered_rules(_op) is None:
+        _compat.register_attention(_op)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpClass:
     """What kind an op is (see the module docs)."""
@@ -65,8 +91,9 @@ class OpClass:
     ragged_reduction: bool
 
 
-def classify(node: torch.fx.Node) -> OpClass:
-    """The kind of the op ``node`` runs (a ``call_function`` or ``get_attr`` node)."""
+def classify(node: torch.fx.Node, constants: frozenset[torch.fx.Node] = frozenset()) -> OpClass:
+    """The kind of the op ``node`` runs (a ``call_function`` or ``get_attr`` node); ``constants``
+    are the graph's :func:`constant_nodes`."""
     rules = _compat.registered_rules(node.target)
     local = rules == "single" and node.target not in DISPATCHER_SPECIAL
     ragged_reduction = node.target in RAGGED_REDUCTIONS
@@ -79,5 +106,50 @@ def classify(node: torch.fx.Node) -> OpClass:
     elif node.target in VALUE_BLIND_OPS:
         kind = "value_blind"
     else:
-        kind = "strategy" if rules is not None else "none"
+        kind = "strategy" if rules is not None else "constant" if node in constants else "none"
     return OpClass(kind, rules, local, ragged_reduction)
+
+
+def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
+    """The values of ``graph`` computed from constants alone: tensors the traced function made
+    itself (``get_attr`` constants, factory ops such as ``arange``/``full``/``scalar_tensor``) and
+    deterministic ops on those (a causal mask built in ``forward``). Random ops are not constants."""
+    found: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            found.add(node)
+        elif node.op == "call_function" and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()) and all(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return frozenset(found)
+
+
+def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
+    """The aten ops of ``gm`` that the planner has no (trusted) strategy for: of kind ``none``
+    (no DTensor or vsf strategy, not computing a constant), or in :data:`UNTRUSTED_STRATEGIES`.
+    :func:`vsf.jit.trace.trace` decomposes them; what is left is a :class:`~vsf.errors.PlanError`.
+
+    Example::
+
+        >>> gm = make_fx(lambda x, y: torch.nn.functional.mse_loss(x, y))(torch.randn(4), torch.randn(4))
+        >>> unplanned_ops(gm)
+        {<OpOverload(op='aten.mse_loss', overload='default')>}
+    """
+    constants = constant_nodes(gm.graph)
+    return {
+        node.target for node in op_nodes(gm)
+        if node.target in UNTRUSTED_STRATEGIES
+        or (_compat.op_schema(node.target) is not None and classify(node, constants).kind == "none" and not _adopt_inplace_strategy(node.target))
+    }
+
+
+def _adopt_inplace_strategy(op: Any) -> bool:
+    """Functionalization turns ``x.foo_(...)`` into ``foo(x, ...)``; where DTensor registers a
+    strategy only for the in-place ``foo_`` (``copy_``: T5's ``shifted[..., 1:] = ids[..., :-1]``),
+    the functional op takes it (it computes the same values into a new tensor)."""
+    schema = _compat.op_schema(op)
+    namespace, _, base = schema.name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), base + "_", None)
+    twin = getattr(packet, _compat.overload_name(op), None) if packet is not None else None
+    if twin is None or len(_compat.op_schema(twin).arguments) != len(schema.arguments):
+        return False
+    return _compat.register_like(op, twin)

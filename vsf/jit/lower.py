@@ -30,6 +30,8 @@ from vsf.jit.redistribute import move_local, transition_path
 
 __all__ = ["compile_local", "execute"]
 
+aten = torch.ops.aten
+
 
 def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:
     """A value every rank holds whole, as a local tensor of this run (one per simulated rank)."""
@@ -89,6 +91,8 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
                 v, dst = value_of(a), next(wanted)
                 local = get(v, dst)
+                if node.target in _FOLDING_VIEWS:
+                    local = _traced_layout(local, meta_of(v))
                 return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
             return a
 
@@ -113,6 +117,24 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             check(node, outs)
     output = output_node(gm)
     return [get(value_of(a), dst) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
+
+
+_FOLDING_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default})  # (aten ops are public operators)
+
+
+def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
+    """``local`` stored in the dim order ``traced`` had, for a view that folds dims (it needs the
+    strides the trace had; a copy only where they differ). A shard's memory order can differ from
+    the traced value's: a collective returns a row-major buffer, and a kernel's output order may
+    follow its inputs' (SDPA's CPU kernel on q, k, v that a redistribution made row-major)."""
+    order = _dim_order(traced)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return local.permute(order).contiguous().permute(inverse)
+
+
+def _dim_order(t: torch.Tensor) -> list[int]:
+    """``t``'s dims from outermost to innermost in memory (dims of size 1, whose stride means nothing, last)."""
+    return sorted(range(t.ndim), key=lambda d: (0, -t.stride(d), d) if t.shape[d] > 1 else (1, 0, d))
 
 
 def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:

@@ -36,7 +36,7 @@ from torch.distributed.tensor import Partial, Placement, Shard
 from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
-from vsf.jit.classify import classify
+from vsf.jit.classify import classify, constant_nodes
 from vsf.jit.cost import NOT_PARTIAL, Codes
 from vsf.jit import manual
 from vsf.jit.cost import transition_kind
@@ -71,10 +71,11 @@ def propagate(
     placeholders = placeholders_of(gm)
     outputs = [value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)]
     ops = op_nodes(gm)
+    constants = constant_nodes(gm.graph)
     problem = Problem(
         mesh=mesh, gm=gm, ops=ops,
         inputs={n: tensor_args(n) for n in ops},
-        strategies=Strategies(allow_replicated_fallback, {n: classify(n) for n in ops}),
+        strategies=Strategies(allow_replicated_fallback, {n: classify(n, constants) for n in ops}),
         seeds={}, out_req={}, pinned={}, solved={},
     )
     problem.index()

@@ -65,7 +65,7 @@ class Strategies:
         ins = tensor_args(node)
         outs = outputs_meta(node)
         if op.kind == "constant":
-            return [Strategy((), tuple(R if o is not None else None for o in outs))], False
+            return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], False
         if op.kind == "constraint":
             return [Strategy((p,), (p,)) for p in _candidates(meta_of(ins[0]), n)], False
         if op.kind == "region":

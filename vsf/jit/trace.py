@@ -42,9 +42,16 @@ class Traced:
     out_consts: tuple[Any, ...]
 
 
-def trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]], device: str) -> Traced:
+def trace(
+    fun: Callable[..., Any],
+    avals: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]],
+    device: str,
+    unplanned: Callable[[torch.fx.GraphModule], set[Any]] = lambda gm: set(),
+) -> Traced:
     """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
-    fake tensors of the given ``(shape, dtype)`` avals."""
+    fake tensors of the given ``(shape, dtype)`` avals. Ops ``unplanned(graph)`` names (no sharding
+    strategy) are replaced by PyTorch's decompositions of them, recursively (see :func:`decompose`)."""
     out_info: dict[str, Any] = {}
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -56,10 +63,17 @@ def trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     with _compat.local_mode_disabled():
-        return _trace(fun, avals, flat_fun, out_info, device)
+        return _trace(fun, avals, flat_fun, out_info, device, unplanned)
 
 
-def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch.dtype]], flat_fun: Callable[..., Any], out_info: dict[str, Any], device: str) -> Traced:
+def _trace(
+    fun: Callable[..., Any],
+    avals: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    flat_fun: Callable[..., Any],
+    out_info: dict[str, Any],
+    device: str,
+    unplanned: Callable[[torch.fx.GraphModule], set[Any]],
+) -> Traced:
     with _compat.fake_mode():
         fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
     _compat.register_stack_anchor(fun)
@@ -82,11 +96,32 @@ def _trace(fun: Callable[..., Any], avals: Sequence[tuple[tuple[int, ...], torch
                 decomposition_table=_FOREACH_DECOMPOSITIONS,
                 tracing_mode="fake",
             )(*fakes)
+    gm = decompose(gm, fakes, unplanned)
     _reject_input_mutation(gm, fun)
     _reject_unkeyed_random(gm, fun)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
+
+
+def decompose(gm: torch.fx.GraphModule, fakes: Sequence[torch.Tensor], unplanned: Callable[[torch.fx.GraphModule], set[Any]]) -> torch.fx.GraphModule:
+    """Replace every op of ``gm`` that ``unplanned`` names by PyTorch's own decomposition of it
+    (``torch._decomp``), then do the same for the pieces, until each op is planned or has no
+    decomposition (the planner names what is left, with the user's line: node metadata, the
+    recorded stack traces included, carries over). ``fakes`` are the graph's fake inputs.
+
+    Example::
+
+        >>> gm = decompose(gm, fakes, vsf.jit.classify.unplanned_ops)
+    """
+    table: dict[Any, Callable[..., Any]] = {}
+    while True:
+        found = {op: d for op in unplanned(gm) if op not in table and (d := _compat.decomposition(op)) is not None}
+        if not found:
+            return gm
+        table.update(found)
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
 
 
 def _needs_rewrite(node: torch.fx.Node) -> bool:
@@ -115,7 +150,8 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
     schema = _compat.op_schema(op)
-    bound = dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}  # SDPA called without dropout_p
+    bound = defaults | dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
     return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
 
 
@@ -201,3 +237,7 @@ def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 _FOREACH_DECOMPOSITIONS = _foreach_decompositions()
+
+# Fake-tensor metas narrower than their kernels: grouped_mm's meta asks for bf16, while the CPU
+# kernel runs fp32 (Mixtral's experts). Traced through PyTorch's meta on bf16 stand-ins.
+_compat.register_fake_via_dtype(aten._grouped_mm.default, torch.bfloat16)

@@ -1,0 +1,171 @@
+"""The conformance zoo's models: tiny Hugging Face ``transformers`` families built from configs in
+code (random weights, no hub access), each with its default attention implementation and
+``use_cache``, its batches, and its Megatron tensor-parallel rules (all in this one place)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vsf import P
+
+VOCAB, SEQ, BATCH, HIDDEN, LAYERS, HEADS, FFN = 96, 16, 4, 32, 2, 4, 64
+STEPS = 3
+# AdamW's hyperparameters, for vsf.optim.adamw and torch.optim.AdamW alike. eps is larger than
+# torch's 1e-8 because Adam divides by the gradient's own scale: a gradient that is zero in exact
+# arithmetic (a key bias: softmax ignores a shift of every score) or nearly so comes out as
+# rounding noise of ~1e-8 whose value depends on the summation order, and a step changes by up to
+# lr * noise / eps. With eps = 1e-5 that stays below the params' atol of 1e-6 (with 1e-6, one
+# weight of T5 on dp x tp differed by 1.9e-6, where torch's own fp32 run is 1.5e-6 off a float64
+# run elsewhere).
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-5, 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its model built from a tiny config, a batch maker, its TP rules."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[torch.Generator], dict[str, torch.Tensor]]
+    tp_rules: tuple[tuple[str, Any], ...]
+
+
+def causal_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def masked_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Masked-LM labels on about 30% of the tokens, and padding: rows of different lengths."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH, 1), generator=g)
+    return {"input_ids": ids, "labels": labels, "attention_mask": (torch.arange(SEQ) < lengths).long()}
+
+
+def seq2seq_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        "labels": torch.randint(0, VOCAB, (BATCH, SEQ // 2), generator=g),
+    }
+
+
+def megatron(column: str, row: str, vocab: str, *, conv1d: bool = False, also: tuple[tuple[str, Any], ...] = ()) -> tuple[tuple[str, Any], ...]:
+    """Megatron's rules over ``tp``: column-parallel weights (q/k/v, gate/up, fc1) and their biases
+    split over their outputs, row-parallel weights (o, down, fc2) over their inputs, embeddings and
+    the head over the vocabulary, then the rules ``also`` gives; everything else replicated.
+    ``conv1d``: GPT-2's ``Conv1D`` stores weights as ``[in, out]`` (transposed from ``nn.Linear``)."""
+    col, rw = (P(None, "tp"), P("tp", None)) if conv1d else (P("tp", None), P(None, "tp"))
+    return (
+        *also,
+        (rf"({vocab})\.weight", P("tp", None)),
+        (rf".*({column})\.weight", col),
+        (rf".*({column})\.bias", P("tp")),
+        (rf".*({row})\.weight", rw),
+        (r".*", P()),
+    )
+
+
+def _llama_like(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[[], torch.nn.Module]:
+    return lambda: model_cls(config_cls(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=2 * SEQ, **extra,
+    ))
+
+
+_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB = r"q_proj|k_proj|v_proj|gate_proj|up_proj", r"o_proj|down_proj", r"model\.embed_tokens|lm_head"
+_LLAMA_TP = megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB)
+
+
+def families() -> dict[str, Family]:
+    """Every family of the zoo, by name (transformers is imported here, not at collection)."""
+    import transformers as T
+
+    return {f.name: f for f in [
+        Family(
+            "gpt2",
+            lambda: T.GPT2LMHeadModel(T.GPT2Config(
+                vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            )),
+            causal_batch,
+            megatron(r"c_attn|c_fc", r"attn\.c_proj|mlp\.c_proj", r"transformer\.wte", conv1d=True),
+        ),
+        Family("llama", _llama_like(T.LlamaConfig, T.LlamaForCausalLM), causal_batch, _LLAMA_TP),
+        Family(
+            "bert",
+            lambda: T.BertForMaskedLM(T.BertConfig(
+                vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                intermediate_size=FFN, max_position_embeddings=2 * SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            )),
+            masked_batch,
+            megatron(r"self\.query|self\.key|self\.value|intermediate\.dense", r"attention\.output\.dense|layer\.\d+\.output\.dense", r"bert\.embeddings\.word_embeddings",
+                     also=((r"cls\.predictions\.bias", P("tp")),)),
+        ),
+        Family(
+            "t5",
+            lambda: T.T5ForConditionalGeneration(T.T5Config(
+                vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS, num_heads=HEADS,
+                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+            )),
+            seq2seq_batch,
+            megatron(r"Attention\.q|Attention\.k|Attention\.v|DenseReluDense\.wi", r"Attention\.o|DenseReluDense\.wo", r"shared|lm_head"),
+        ),
+        Family(
+            "mixtral",
+            _llama_like(T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
+            causal_batch,
+            # the experts' fused [experts, 2 * ffn, hidden] and [experts, hidden, ffn] weights split over ffn
+            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=((r".*experts\.gate_up_proj", P(None, "tp", None)), (r".*experts\.down_proj", P(None, None, "tp")))),
+        ),
+        Family("mistral", _llama_like(T.MistralConfig, T.MistralForCausalLM), causal_batch, _LLAMA_TP),
+        Family("qwen2", _llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), causal_batch, _LLAMA_TP),
+        Family("gemma", _llama_like(T.GemmaConfig, T.GemmaForCausalLM, head_dim=HIDDEN // HEADS), causal_batch, _LLAMA_TP),
+        Family(
+            "phi",
+            lambda: T.PhiForCausalLM(T.PhiConfig(
+                vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                max_position_embeddings=2 * SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+            )),
+            causal_batch,
+            megatron(r"q_proj|k_proj|v_proj|fc1", r"self_attn\.dense|fc2", r"model\.embed_tokens|lm_head", also=((r"lm_head\.bias", P("tp")),)),
+        ),
+        Family(
+            "gpt_neox",
+            lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+                vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                max_position_embeddings=2 * SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+            )),
+            causal_batch,
+            megatron(r"query_key_value|dense_h_to_4h", r"attention\.dense|dense_4h_to_h", r"gpt_neox\.embed_in|embed_out"),
+        ),
+    ]}
+
+
+def built(family: Family) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
+    """The family's model (seeded random weights) and one batch per step (seeded)."""
+    torch.manual_seed(0)
+    model = family.build()
+    g = torch.Generator().manual_seed(1)
+    return model, [family.batch(g) for _ in range(STEPS)]
+
+
+def torch_run(family: Family) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The oracle: the model trained by plain PyTorch on one device (``torch.optim.AdamW``): the
+    loss of each step and every param after the last."""
+    model, batches = built(family)
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}

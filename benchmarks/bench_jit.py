@@ -44,16 +44,25 @@ def _gpt(layers: int, dim: int, seq: int, vocab: int, meta: bool = False):
     if meta:
         with torch.device("meta"):
             return GPT(cfg), cfg
+    return gpt(cfg), cfg
+
+
+def gpt(cfg):
+    """The test GPT of ``cfg`` (``tests/toy_models.py``), seeded, with GPT-2's init (matrices
+    N(0, 0.02)): with torch's default N(0, 1) embedding the tied head's logits are so peaked that
+    the loss gradient is mostly subnormal floats, and the two head matmuls of the backward pass
+    then take most of the step on a CPU, for vsf and its reference alike."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from toy_models import GPT
+
     torch.manual_seed(0)
     model = GPT(cfg)
-    # GPT-2's init (matrices N(0, 0.02)): with torch's default N(0, 1) embedding the tied head's
-    # logits are so peaked that the loss gradient is mostly subnormal floats, and the two head
-    # matmuls of the backward pass then take most of the step on a CPU, for jit and eager alike.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
-    return model, cfg
+    return model
 
 
 def _step_fn(model):

@@ -59,16 +59,10 @@ def _config(quick: bool):
 
 
 def _model(cfg):
-    import torch
-    from toy_models import GPT
+    sys.path.insert(0, str(ROOT))  # (a worker runs this file as a script)
+    from benchmarks.bench_jit import gpt
 
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    with torch.no_grad():  # GPT-2's init (see bench_jit: torch's default makes the head's backward run on subnormals)
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    return model
+    return gpt(cfg)
 
 
 def _batch(cfg, sequences: int = 8):

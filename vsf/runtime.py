@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -30,11 +33,13 @@ __all__ = ["default_device_type", "ensure_world", "is_simulated", "rank", "simul
 
 _ACTIVE: list["simulate"] = []
 _ON_STOP: list[Callable[[], None]] = []
+_CREATED: list["weakref.ref[dist.ProcessGroup]"] = []  # the default group ensure_world initialised, destroyed at exit
 
 
 def on_stop(fn: Callable[[], None]) -> None:
-    """Call ``fn`` whenever a simulation stops, before its process group goes (a layer above
-    registers the caches it keeps per process group, so this module imports nothing of vsf's).
+    """Call ``fn`` whenever a simulation stops, before its process group goes, and at interpreter
+    exit (a layer above registers the caches it keeps per process group, so this module imports
+    nothing of vsf's).
 
     Example::
 
@@ -142,3 +147,23 @@ def ensure_world(device_type: str) -> None:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _CREATED.append(weakref.ref(dist.group.WORLD))
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Let every process group go while the interpreter still runs.
+
+    vsf's caches (the DeviceMeshes) hold the meshes' sub-groups, and a group's worker threads are
+    joined only when the group itself is freed. Left to interpreter finalisation, a gloo worker
+    thread that releases a finished collective's tensors needs the GIL after Python has begun to
+    shut down and aborts the process ("terminate called without an active exception"), even
+    after ``dist.destroy_process_group()``. So at exit: drop the caches, destroy the default
+    group if :func:`ensure_world` created it, and collect.
+    """
+    for forget in _ON_STOP:
+        forget()
+    if _CREATED and dist.is_initialized() and dist.group.WORLD is _CREATED[-1]():
+        dist.destroy_process_group()
+    _CREATED.clear()
+    gc.collect()

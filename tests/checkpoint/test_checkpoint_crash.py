@@ -2,7 +2,8 @@
 
 One worker process commits step 0, then forks writer children that save steps in a loop with a
 CheckpointManager and are killed: after their first data bytes, in the middle of a tensor, right
-before the commit rename, and three times at random moments. (A rank killed in the middle of a
+before the commit rename, right after three commits, between a commit and the pruning of old
+steps, right after the next commit's pruning, and three times at random moments. (A rank killed in the middle of a
 4-rank save is covered by test_checkpoint.py.) The oracle is the values each step saved,
 regenerated from the step number.
 """
@@ -30,14 +31,22 @@ def rounds(tmp_path_factory):
 
 
 def test_every_round_was_a_kill(rounds):
-    assert [r["plan"] for r in rounds] == ["bytes:1", f"bytes:{3 << 21}", "before_rename", "random", "random", "random"]
+    assert [r["plan"] for r in rounds] == ["bytes:1", f"bytes:{3 << 21}", "before_rename", "random", "after_prune:3", "before_prune", "after_prune:1", "random", "random"]
     assert all(r["killed"] for r in rounds)
 
 
 def test_listed_steps_always_load_with_the_values_they_saved(rounds):
     for r in rounds:
         assert r["steps"] and r["bad_steps"] == [], r
-        assert len(r["steps"]) <= 3  # max_to_keep
+        # max_to_keep, plus the step committed just before a kill that came ahead of its pruning
+        assert len(r["steps"]) <= 3 + 1, r
+
+
+def test_a_kill_before_pruning_keeps_one_step_too_many_until_the_next_commit(rounds):
+    three, before, after = (next(r for r in rounds if r["plan"] == p) for p in ("after_prune:3", "before_prune", "after_prune:1"))
+    assert three["steps"] == [three["start"], three["start"] + 1, three["start"] + 2], three
+    assert before["steps"] == three["steps"] + [before["start"]], before
+    assert after["steps"] == [after["start"] - 2, after["start"] - 1, after["start"]], after
 
 
 def test_interrupted_saves_are_never_listed_nor_loaded(rounds):

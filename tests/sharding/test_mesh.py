@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -232,3 +236,37 @@ def test_named_sharding_tree_errors_name_the_key_path():
         vsf.NamedSharding.tree(mesh, {"w": P("dp"), "b": [P("ep")]})
     with pytest.raises(TypeError, match=r"the spec at \['w'\]\[0\] is 'dp', not a vsf.P"):
         vsf.NamedSharding.tree(mesh, {"w": ("dp",)})
+
+
+EXIT_SCRIPT = """
+import atexit, json, os, sys
+import torch, torch.distributed as dist
+import vsf
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.ones(2) + 1
+before = threads()
+mesh = vsf.make_mesh((1, 1), ("dp", "tp"), device_type="cpu")
+x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, vsf.P("dp")))
+(x * 2).full_tensor()
+during = threads()
+del x, mesh
+if sys.argv[1] == "user_destroys":
+    dist.destroy_process_group()
+atexit._run_exitfuncs()
+print(json.dumps([before, during, threads(), dist.is_initialized()]))
+"""
+
+
+@pytest.mark.parametrize("how", ["left_to_vsf", "user_destroys"])
+def test_process_groups_are_freed_before_interpreter_exit(how):
+    """A group's worker threads are joined only when the group is freed; left to interpreter
+    finalisation, a gloo thread releasing a finished collective's tensors aborts the process. The
+    exit hook frees them (the sub-groups vsf's cached DeviceMeshes hold too) while Python runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, how], capture_output=True, text=True, env=env, timeout=120, check=True)
+    before, during, after, initialized = json.loads(out.stdout.splitlines()[-1])
+    assert during > before  # the default group and the mesh's two sub-groups have threads
+    assert after == before and not initialized

@@ -3,8 +3,9 @@
 Usage: ckpt_crash_writer.py OUT SEED. One process (no process group) commits step 0, then forks a
 writer child per round; the child saves steps start, start+1, ... with a CheckpointManager (max_to_keep=3,
 alternating blocking and background saves) until it is SIGKILLed: by itself at a chosen point
-(after its first data bytes, after half a save's bytes, right before the commit rename) or by
-the parent after a random delay. After each kill the parent checks that every listed step
+(after its first data bytes, after half a save's bytes, right before the commit rename, between
+a commit and the pruning of old steps, right after the K-th pruning) or by the parent after a random
+delay. After each kill the parent checks that every listed step
 loads with exactly the values that step saved, that interrupted saves are not listed and cannot
 be loaded, and that the next round resumes from the latest committed step. Writes OUT/result.json.
 """
@@ -37,7 +38,7 @@ def die() -> None:
 
 
 def arm(plan: str) -> None:
-    """In the child: make the first save die at ``plan`` (``random`` is left to the parent)."""
+    """In the child: make a save die at ``plan`` (``random`` is left to the parent)."""
     if plan.startswith("bytes:"):
         limit, write = int(plan.split(":")[1]), storage._ChecksumStream.write
         written = [0]
@@ -59,6 +60,18 @@ def arm(plan: str) -> None:
             publish(staging, final, marker)
 
         commit.publish = publish_but_die
+    elif plan == "before_prune":
+        vsf.checkpoint.CheckpointManager._prune = lambda self, just_saved: die()
+    elif plan.startswith("after_prune:"):
+        prune, left = vsf.checkpoint.CheckpointManager._prune, [int(plan.split(":")[1])]
+
+        def prune_around_death(self, just_saved):
+            prune(self, just_saved)
+            left[0] -= 1
+            if left[0] == 0:
+                die()
+
+        vsf.checkpoint.CheckpointManager._prune = prune_around_death
 
 
 def writer(start: int, plan: str) -> None:
@@ -90,10 +103,11 @@ def _equal(a, b) -> bool:
     )
 
 
+PLANS = ["bytes:1", f"bytes:{N * 3}", "before_rename", "random", "after_prune:3", "before_prune", "after_prune:1", "random", "random"]
 rng = random.Random(seed)
 mngr.save(0, tree(0))
 rounds = []
-for plan in ["bytes:1", f"bytes:{N * 3}", "before_rename", "random", "random", "random"]:
+for plan in PLANS:
     start = (mngr.latest_step() or 0) + 1
     child = os.fork()
     if child == 0:

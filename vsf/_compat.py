@@ -93,6 +93,7 @@ __all__ = [
     "overload_name",
     "position_in_copy",
     "reduce_partial",
+    "shard_of",
     "quiet_redistribute",
     "redistribute_local",
     "redistribute_steps",
@@ -395,10 +396,15 @@ def registered_rules(op: Any) -> str | None:
     return None
 
 
-def single_dim_strategies(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[list[Placement | None]] | None:
+def single_dim_strategies(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, shards: Sequence[Placement] = ()
+) -> list[list[Placement | None]] | None:
     """DTensor's strategies for ``op`` over one mesh dim, as ``[outputs..., inputs...]`` placement
     lists (``None`` if the op has no single-dim rule). ``args`` and ``kwargs`` hold the (fake)
-    tensors the op takes, ``out`` its result (a tensor, or a list of tensors and ``None``)."""
+    tensors the op takes, ``out`` its result (a tensor, or a list of tensors and ``None``). A rule
+    that shards its tensors alike (a placeholder) is given once with plain shards and once per
+    strided shard in ``shards`` (its split factor on every dim the rule shards), as DTensor's
+    dispatcher fills it for inputs that arrive strided."""
     info = _propagator().op_single_dim_strategy_funcs.get(op)
     if info is None:
         return None
@@ -409,7 +415,7 @@ def single_dim_strategies(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     n_in = sum(isinstance(a, TensorMeta) for a in torch.utils._pytree.tree_leaves((args_meta, kwargs_meta), is_leaf=lambda x: isinstance(x, TensorMeta)))
     n_out = (len(rules[0]) - n_in) if rules else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
     rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
-    return _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+    return _fill_single_dim_strategy_placeholders({Shard(0), *shards}, rules)
 
 
 Strategy1D = tuple[tuple[Placement, ...], tuple[Placement | None, ...]]
@@ -500,6 +506,22 @@ def dtensor_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple
 def is_shardable(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> bool:
     """DTensor's own filter on a layout: every sharded dim of ``t`` has a row per shard."""
     return is_tensor_shardable(t.shape, DTensorSpec(mesh, placements, tensor_meta=_meta_of(t)))
+
+
+def shard_of(t: torch.Tensor, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]) -> torch.Tensor:
+    """The shard of ``t`` that the rank at ``coordinate`` of a mesh of ``sizes`` holds when ``t`` is
+    laid out as ``placements``: DTensor's own split of each sharded mesh dim in mesh order (as
+    ``distribute_tensor`` makes it), a strided shard's pieces included.
+
+    Example::
+
+        >>> shard_of(torch.arange(8), (StridedShard(0, split_factor=2),), (2,), (1,))
+        tensor([2, 3, 6, 7])
+    """
+    for p, n, c in zip(placements, sizes, coordinate):
+        if isinstance(p, (Shard, StridedShard)):
+            t = p._split_tensor(t, n, with_padding=False, contiguous=False)[0][c]
+    return t
 
 
 # -- redistribution and DTensor internals ---------------------------------------------------------

@@ -3,7 +3,9 @@
 * all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
   all-to-all ``(n-1)/n`` of the local shard;
 * each collective also costs a start-up latency of :data:`COLLECTIVE_LATENCY_BYTES`;
-* a local slice sends nothing but is charged a token cost.
+* a local slice sends nothing but is charged a token cost, and so is a local partition of a
+  replicated value into a partial one (each rank keeps its share, ``v / n`` of a sum: a bias
+  joining a row-parallel matmul's partial product, as torch TP adds it).
 
 :class:`Codes` numbers the placements of one mesh axis and tabulates every transition's cost.
 
@@ -30,8 +32,9 @@ __all__ = ["COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "local_byt
 INF = float("inf")
 
 
-# Taking a local slice of a replicated value sends nothing; it is charged a token cost so that
-# the planner does not reshard values gratuitously (a later op would pay to undo it).
+# Taking a local slice of a replicated value (or partitioning it into a partial one) sends nothing;
+# it is charged a token cost so that the planner does not reshard values gratuitously (a later op
+# would pay to undo it).
 _SLICE_COST = 1e-3
 
 
@@ -55,6 +58,7 @@ def transition_bytes(kind: str, n: int, full_bytes: float) -> float:
         "reduce_scatter": (n - 1) / n,
         "all_to_all": (n - 1) / n / n,
         "slice": _SLICE_COST,
+        "partition": _SLICE_COST,
     }
     return factor[kind] * full_bytes
 
@@ -67,7 +71,7 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
     if isinstance(src, Replicate) and is_shard(dst):
         return "slice"
     if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return "partition"  # local (one rank keeps the value): DTensor may ask for it, the planner never does
+        return "partition"  # local: each rank keeps its share of the value
     if isinstance(src, Partial):
         return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if is_shard(dst) else "invalid"
     if is_shard(src):
@@ -107,7 +111,7 @@ class Codes:
         if a is NOT_PARTIAL:
             return INF
         kind = transition_kind(a, b)
-        return 0.0 if kind is None else INF if kind in ("invalid", "partition") else transition_bytes(kind, self.n, 1.0)
+        return 0.0 if kind is None else INF if kind == "invalid" else transition_bytes(kind, self.n, 1.0)
 
     def is_shard(self, c: int) -> bool:
         return self.shard[c]

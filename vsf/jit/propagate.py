@@ -173,6 +173,7 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
                 want_in, want_out = strided
                 direct = direct and runnable(mesh, node, want_in, want_out)
             if not direct:
+                want_in = [_as_arrived(actual[v], w) for v, w in zip(ins, want_in)]
                 want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
@@ -203,8 +204,11 @@ def _keep_strided(
     shard only if it also keeps the other mesh dims' splits of that tensor dim, which the factor
     counts (``dp``'s factor in ``P(("tp", "dp"))`` is ``tp``'s split: gathering ``tp`` and keeping
     ``dp`` strided is a move DTensor cannot make). ``preferred`` (per input, then per output: see
-    :func:`_nested`) counts like an input arriving strided."""
-    ins, outs = [list(p) for p in ins], [None if p is None else list(p) for p in outs]
+    :func:`_nested`) counts like an input arriving strided. A strided shard the per-axis solver
+    chose (one axis's view of a merged dim: ``bmm`` on ``[b*h@tp, ...]``) counts as a plain shard
+    here: its factor on the full mesh is the arriving value's (``[b@dp, h@tp]`` merged leaves tp
+    a factor of ``b / dp``)."""
+    ins, outs = [[one_d(q) for q in p] for p in ins], [None if p is None else [one_d(q) for q in p] for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
             a[k].split_factor for a, want in zip(actual, ins)
@@ -218,6 +222,15 @@ def _keep_strided(
             if isinstance(p[k], Shard):
                 p[k] = _compat.StridedShard(p[k].dim, split_factor=sf)
     return [tuple(p) for p in ins], [None if o is None else tuple(o) for o in outs]
+
+
+def _as_arrived(actual: Placements, want: Placements) -> Placements:
+    """``want`` with each strided shard the per-axis solver chose replaced by the arriving shard of
+    that dim (the full mesh's factor of a merged dim differs from one axis's: see
+    :func:`_keep_strided`)."""
+    return tuple(
+        a if isinstance(w, _compat.StridedShard) and is_shard(a) and split_dim(a) == w.dim else w for a, w in zip(actual, want)
+    )
 
 
 def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:

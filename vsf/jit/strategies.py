@@ -12,7 +12,10 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +28,7 @@ from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
-from vsf.jit.plan import PARTIAL, Placements, R, is_shard, split_dim
+from vsf.jit.plan import PARTIAL, Placements, R, has_ragged, is_shard, split_dim
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
@@ -41,27 +44,50 @@ class Strategy:
 
 
 class Strategies:
-    """DTensor's candidate strategies per op and axis size, cached by op signature; ``classes``
-    holds each op's :class:`~vsf.jit.classify.OpClass`."""
+    """DTensor's candidate strategies per op and axis size, cached by op signature and the strided
+    shards its inputs may arrive with; ``classes`` holds each op's
+    :class:`~vsf.jit.classify.OpClass`, in graph order."""
 
     def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass]) -> None:
         self.fallback = allow_replicated_fallback
         self.classes = classes
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
+        self.order = {node: i for i, node in enumerate(classes)}
+        self.strided: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
 
     def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
         ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
-        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged))
+        strided = self.strided_inputs(node, n)
+        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), strided)
         if key not in self.cache:
             op = self.classes[node]
-            found, fallback = self._compute(node, op, n)
+            found, fallback = self._compute(node, op, n, strided)
             if ragged and (op.ragged_reduction or op.local):
                 found = found + _ragged_variants(node, found, ragged)
             self.cache[key] = (found, fallback)
         return self.cache[key]
 
-    def _compute(self, node: torch.fx.Node, op: OpClass, n: int) -> tuple[list[Strategy], bool]:
+    def strided_inputs(self, node: torch.fx.Node, n: int) -> tuple[tuple[Placement, ...], ...]:
+        """Per tensor input of ``node``, the strided shards it may arrive with on an axis of ``n``
+        ranks: those some strategy of its producer gives it (a view merging a dim split over this
+        axis into a larger one, ``[b, h@tp] -> [b*h]``, and the ops that keep such a split)."""
+        unknown, stack = set(), [node]
+        while stack:
+            for p, _ in tensor_args(stack.pop()):
+                if p in self.classes and (p, n) not in self.strided and p not in unknown:
+                    unknown.add(p)
+                    stack.append(p)
+        for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
+            outs: list[dict[Placement, None]] = [{} for _ in outputs_meta(p)]
+            for st in self.of(p, n)[0]:
+                for i, o in enumerate(st.outs):
+                    if isinstance(o, _compat.StridedShard):
+                        outs[i].setdefault(o)
+            self.strided[(p, n)] = tuple(tuple(o) for o in outs)
+        return tuple(self.strided[(p, n)][i] if (p, n) in self.strided else () for p, i in tensor_args(node))
+
+    def _compute(self, node: torch.fx.Node, op: OpClass, n: int, strided: tuple[tuple[Placement, ...], ...]) -> tuple[list[Strategy], bool]:
         ins = tensor_args(node)
         outs = outputs_meta(node)
         if op.kind == "constant":
@@ -73,7 +99,7 @@ class Strategies:
         if op.kind == "value_blind":
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
-        found = _single_dim(node, n) if op.rules == "single" else _by_each_input(node, n) if op.rules else None
+        found = _single_dim(node, n, strided) if op.rules == "single" else _by_each_input(node, n, strided) if op.rules else None
         if found:
             return _valid(found, node, n), False
         if self.fallback:
@@ -103,11 +129,12 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
     return out
 
 
-def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
     fake = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
     outs = outputs_meta(node)
     out = outs[0] if isinstance(node.meta.get("val"), torch.Tensor) else outs
-    rules = _compat.single_dim_strategies(node.target, _compat.torch_tree_map(fake, node.args), _compat.torch_tree_map(fake, node.kwargs), out)
+    shards = list(dict.fromkeys(p for ps in strided for p in ps))
+    rules = _compat.single_dim_strategies(node.target, _compat.torch_tree_map(fake, node.args), _compat.torch_tree_map(fake, node.kwargs), out, shards)
     if rules is None:
         return None
     n_out = len(outs)
@@ -118,16 +145,17 @@ def _candidates(t: torch.Tensor, n: int) -> list[Placement]:
     return [R, PARTIAL] + [Shard(d) for d in range(t.ndim) if t.shape[d] >= n and t.shape[d] > 1]
 
 
-def _by_each_input(node: torch.fx.Node, n: int) -> list[Strategy] | None:
+def _by_each_input(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
     """Ask a whole-op strategy function (or rule) once per candidate placement of each tensor input
-    that is not a scalar, the other inputs replicated: most functions follow their first input,
-    some another one (``nll_loss_backward`` follows ``self``, its second)."""
+    that is not a scalar (and each strided shard it may arrive with), the other inputs replicated:
+    most functions follow their first input, some another one (``nll_loss_backward`` follows
+    ``self``, its second)."""
     if _compat.registered_rules(node.target) != "full":
         return None
     ins = tensor_args(node)
     found: dict[Strategy, None] = {}
     leads = [i for i, a in enumerate(ins) if i == 0 or meta_of(a).ndim > 0]
-    for lead, placement in ((i, c) for i in leads for c in _candidates(meta_of(ins[i]), n)):
+    for lead, placement in ((i, c) for i in leads for c in [*_candidates(meta_of(ins[i]), n), *strided[i]]):
         seen = [0]
 
         def placed(a: Any) -> Any:
@@ -155,9 +183,17 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Stra
         placed = [*s.ins, *s.outs]
         if len(placed) != len(metas):
             continue
-        if all(t is None or p is None or not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= n) for t, p in zip(metas, placed)):
+        if all(t is None or p is None or not is_shard(p) or _fits(t, p, n) for t, p in zip(metas, placed)):
             ok.append(s)
     return ok
+
+
+def _fits(t: torch.Tensor, p: Placement, n: int) -> bool:
+    """Does ``t``'s dim have a row per shard of ``p`` (a strided shard: its split factor's pieces
+    split evenly, as a view merging an evenly split dim into a larger one leaves them)?"""
+    if isinstance(p, _compat.StridedShard):
+        return p.dim < t.ndim and t.shape[p.dim] % (p.split_factor * n) == 0
+    return not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= n)
 
 
 def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
@@ -165,17 +201,21 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     (every sharded dim of an input *and an output* has a row per shard: per mesh dim each may,
     and not together, as 2 rows over ``S(0), S(0)`` on 2 x 2 ranks), a reshape's dims split evenly
     by all their mesh dims together (as DTensor asks of each alone: 24 elements over
-    ``P(("tp", "dp"))`` are 6 per rank, not rows of a ``(6, 4)`` view) from inputs without strided
-    shards (whose reshapes DTensor's rule gets wrong: ``(24,)`` as ``P(("tp", "dp"))`` viewed as
-    ``(6, 4)`` is not ``S(0)`` over tp and a strided ``S(1)`` over dp), and a max or min over
-    shards needs a row on every rank (it has no identity for an empty shard)."""
+    ``P(("tp", "dp"))`` are 6 per rank, not rows of a ``(6, 4)`` view); a reshape of strided
+    shards only where each rank's local view holds its own output shard (:func:`_views_locally`:
+    DTensor's rule gets some wrong, ``(24,)`` as ``P(("tp", "dp"))`` viewed as ``(6, 4)`` is not
+    ``S(0)`` over tp and a strided ``S(1)`` over dp); and a max or min over shards needs a row on
+    every rank (it has no identity for an empty shard)."""
     dm = mesh.device_mesh
     metas = [meta_of(v) for v in tensor_args(node)]
     placed = [*zip(metas, ins), *((t, p) for t, p in zip(outputs_meta(node), outs) if t is not None and p is not None)]
     if not all(_compat.is_shardable(t, dm, tuple(p)) for t, p in placed):
         return False
-    if node.target in _RESHAPES and (_has_strided(ins) or not all(_splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed)):
-        return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
+    if node.target in _RESHAPES:
+        if not all(_splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed):
+            return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
+        if _has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
+            return False
     extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
     return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
 
@@ -189,16 +229,69 @@ def _has_strided(placements: Sequence[Placements]) -> bool:
 
 
 def _nests(mesh: Mesh, placements: Placements) -> bool:
-    """Is every strided shard of a dim that other mesh dims split too nested inside the later ones
-    (its split factor is their product, as a spec's ``P(("tp", "dp"))`` makes)? DTensor cannot
-    regather other nestings (a view of ``S(1), S(0)`` into one dim makes ``S(0)/sf4, S(0)``)."""
+    """Is every strided shard of a dim that later mesh dims split too nested inside them (its split
+    factor is their product, as a spec's ``P(("tp", "dp"))`` makes)? DTensor cannot regather other
+    nestings (a view of ``S(1), S(0)`` into one dim makes ``S(0)/sf4, S(0)``). A strided shard
+    that splits its dim last is one a view merging dims made (``[b@dp, h@tp]`` into ``b*h``:
+    ``S(0), S(0)/sf4``), which DTensor regathers first."""
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]
     for k, p in enumerate(placements):
         if isinstance(p, _compat.StridedShard):
-            others = [j for j, q in enumerate(placements) if j != k and is_shard(q) and split_dim(q) == p.dim]
-            if others and p.split_factor != math.prod(sizes[j] for j in others if j > k):
+            later = [j for j, q in enumerate(placements) if j > k and is_shard(q) and split_dim(q) == p.dim]
+            if later and p.split_factor != math.prod(sizes[j] for j in later):
                 return False
     return True
+
+
+def _views_locally(mesh: Mesh, src: torch.Tensor, src_p: Placements, dst: torch.Tensor, dst_p: Placements) -> bool:
+    """Does viewing each rank's local shard of ``src`` (laid out as ``src_p``) as its local shape
+    give that rank's shard of the reshaped ``dst`` (laid out as ``dst_p``), element for element?
+    Checked on the indices of each group of dims the reshape merges or splits, on every coordinate
+    of the mesh dims that split the group (:func:`vsf._compat.shard_of`: DTensor's own split)."""
+    if has_ragged([src_p, dst_p]):
+        return False
+    sizes = tuple(mesh.axis_size(a) for a in mesh.device_axes)
+    return _groups_view_locally(tuple(src.shape), tuple(src_p), tuple(dst.shape), tuple(dst_p), sizes)
+
+
+@functools.cache
+def _groups_view_locally(src: tuple[int, ...], src_p: Placements, dst: tuple[int, ...], dst_p: Placements, sizes: tuple[int, ...]) -> bool:
+    for src_dims, dst_dims in _view_groups(src, dst):
+        src_g, dst_g = _in_group(src_p, src_dims), _in_group(dst_p, dst_dims)
+        mesh_dims = [k for k, (a, b) in enumerate(zip(src_g, dst_g)) if is_shard(a) or is_shard(b)]
+        if not mesh_dims:
+            continue
+        index = torch.arange(math.prod(src[d] for d in src_dims))
+        for coordinate in itertools.product(*(range(sizes[k]) if k in mesh_dims else (0,) for k in range(len(sizes)))):
+            mine = _compat.shard_of(index.view([src[d] for d in src_dims]), src_g, sizes, coordinate)
+            theirs = _compat.shard_of(index.view([dst[d] for d in dst_dims]), dst_g, sizes, coordinate)
+            if not torch.equal(mine.reshape(-1), theirs.reshape(-1)):
+                return False
+    return True
+
+
+def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """The dims of ``src`` and of ``dst`` (same number of elements) that a reshape maps onto each
+    other, group by group: a group starts where a dim of each shape starts after as many outer
+    elements (the product of the dims before it) (``(8, 4, 32) -> (32, 32)``: ``[0, 1] -> [0]``
+    and ``[2] -> [1]``)."""
+    starts = lambda shape: [math.prod(shape[:d]) for d in range(len(shape))]  # noqa: E731
+    bounds = sorted(set(starts(src)) & set(starts(dst)))
+    group = lambda shape: [bisect.bisect_right(bounds, s) - 1 for s in starts(shape)]  # noqa: E731
+    of_src, of_dst = group(src), group(dst)
+    return [([d for d, g in enumerate(of_src) if g == k], [d for d, g in enumerate(of_dst) if g == k]) for k in range(len(bounds))]
+
+
+def _in_group(placements: Placements, dims: list[int]) -> Placements:
+    """``placements`` on the tensor made of ``dims`` alone (a shard of another dim: replicated)."""
+    out = []
+    for p in placements:
+        if is_shard(p) and split_dim(p) in dims:
+            d = dims.index(split_dim(p))
+            out.append(_compat.StridedShard(d, split_factor=p.split_factor) if isinstance(p, _compat.StridedShard) else Shard(d))
+        else:
+            out.append(R)
+    return tuple(out)
 
 
 def _splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:

@@ -106,7 +106,8 @@ def test_the_cost_table_charges_a_latency_per_collective_and_forbids_impossible_
     assert codes.factor[p][r] == 1.0 and codes.fixed[p][r] == COLLECTIVE_LATENCY_BYTES  # all-reduce: 2(n-1)/n
     assert codes.factor[s0][r] == 0.5 and codes.factor[p][s0] == 0.5
     assert codes.fixed[r][s0] == 0.0  # a slice starts no collective
-    assert codes.factor[r][p] == float("inf") and codes.factor[s0][p] == float("inf")  # nothing becomes partial by moving
+    assert codes.factor[r][p] == codes.factor[r][s0] and codes.fixed[r][p] == 0.0  # a replicated value's share: local, a token
+    assert codes.factor[s0][p] == float("inf")  # a shard never becomes partial by moving
 
 
 def test_local_shapes_follow_ceil_division(sim):

@@ -299,6 +299,19 @@ def baddbmm(draw, rng):
     return Case(lambda c, x, y: aten.baddbmm.default(c, x, y, beta=0.5, alpha=2.0), [_data(rng, (b, m, n)), _data(rng, (b, m, k)), _data(rng, (b, k, n))])
 
 
+def merged_bmm_case(rng, b, h, m, k, n):
+    """A 4D matmul as it traces: batch and heads merged into one dim (a split of the heads becomes
+    a strided shard of it), ``bmm``, and the result viewed back."""
+    return Case(
+        lambda x, y: aten._unsafe_view.default(aten.bmm.default(aten.view.default(x, [b * h, m, k]), aten.view.default(y, [b * h, k, n])), [b, h, m, n]),
+        [_data(rng, (b, h, m, k)), _data(rng, (b, h, k, n))],
+    )
+
+
+def merged_bmm(draw, rng):
+    return merged_bmm_case(rng, *_shape(draw, 5, 5, sizes=(1, 2, 4)))
+
+
 def layer_norm_backward(draw, rng):
     return layer_norm_backward_case(rng, _shape(draw, 2, 3), draw(st.integers(0, 2)))
 
@@ -367,6 +380,7 @@ OPS: dict[str, Callable] = {
     "argmax": argmax,
     "triu": triu,
     "baddbmm": baddbmm,
+    "merged_bmm": merged_bmm,
     "layer_norm_backward": layer_norm_backward,
 }
 
@@ -516,6 +530,12 @@ PINNED = {
     # nestings out of plain shards that no redistribution undoes
     "view of a strided shard": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [6, 4]), [_data(rng, (24,))]), [P(("tp", "dp"))], None),
     "view merging two sharded dims": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [8]), [_data(rng, (4, 2))]), [P("tp", unreduced="dp")], None),
+    # heads split on tp (and the batch on dp) merged into one dim: bmm and the view back keep the split
+    "bmm of merged batch and heads": ((2, 2), lambda rng: merged_bmm_case(rng, 2, 4, 3, 2, 3), [P("dp", "tp"), P("dp", "tp")], None),
+    "bmm of merged heads": ((2, 2), lambda rng: merged_bmm_case(rng, 3, 4, 2, 2, 2), [P(None, ("tp", "dp")), P(None, ("tp", "dp"))], None),
+    # DTensor moving (S(0)/sf2, R) to (R, S(0)) in one step slices tp first, then regathers dp as if
+    # it split the whole dim (each rank got all rows, wrongly ordered)
+    "strided shard gathered while another mesh dim slices": ((2, 2), lambda rng: merged_bmm_case(rng, 2, 2, 1, 1, 1), [P("tp"), P(None, "dp")], None),
     # embedding's rules name plain shards: DTensor does not keep strided indices strided
     "embedding of strided indices": (
         (2, 2), lambda rng: Case(aten.embedding.default, [_data(rng, (3, 2)), torch.from_numpy(rng.integers(0, 3, (8,)))]), [P(), P(("tp", "dp"))], None,

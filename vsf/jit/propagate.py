@@ -207,8 +207,14 @@ def _keep_strided(
     :func:`_nested`) counts like an input arriving strided. A strided shard the per-axis solver
     chose (one axis's view of a merged dim: ``bmm`` on ``[b*h@tp, ...]``) counts as a plain shard
     here: its factor on the full mesh is the arriving value's (``[b@dp, h@tp]`` merged leaves tp
-    a factor of ``b / dp``)."""
-    ins, outs = [[one_d(q) for q in p] for p in ins], [None if p is None else [one_d(q) for q in p] for p in outs]
+    a factor of ``b / dp``); where such an input arrives without a split of that dim, the op runs
+    replicated on that mesh dim (the split the per-axis solver counted on was not made)."""
+    unmet = {
+        k for a, want in zip(actual, ins) for k, w in enumerate(want)
+        if isinstance(w, _compat.StridedShard) and not (is_shard(a[k]) and split_dim(a[k]) == w.dim)
+    }
+    flat = lambda p: [R if k in unmet else one_d(q) for k, q in enumerate(p)]  # noqa: E731
+    ins, outs = [flat(p) for p in ins], [None if p is None else flat(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
             a[k].split_factor for a, want in zip(actual, ins)
@@ -227,10 +233,9 @@ def _keep_strided(
 def _as_arrived(actual: Placements, want: Placements) -> Placements:
     """``want`` with each strided shard the per-axis solver chose replaced by the arriving shard of
     that dim (the full mesh's factor of a merged dim differs from one axis's: see
-    :func:`_keep_strided`)."""
-    return tuple(
-        a if isinstance(w, _compat.StridedShard) and is_shard(a) and split_dim(a) == w.dim else w for a, w in zip(actual, want)
-    )
+    :func:`_keep_strided`), or by ``Replicate`` where the value arrives without one."""
+    strided = lambda a, w: a if is_shard(a) and split_dim(a) == w.dim else R  # noqa: E731
+    return tuple(strided(a, w) if isinstance(w, _compat.StridedShard) else w for a, w in zip(actual, want))
 
 
 def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:

@@ -56,13 +56,22 @@ def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placem
     (their order is part of the layout): DTensor's, except that a strided shard minor to the
     other splits of its dim is taken last, as a :func:`minor_step` after the other mesh dims moved
     (a gradient reduce-scattered over ``fsdp``, then over ``dp`` on its local shard: ZeRO's
-    ``P(("fsdp", "dp"))``)."""
+    ``P(("fsdp", "dp"))``); and a strided shard alone on its dim (a view merged it: not a
+    nesting) that becomes a plain placement moves first, alone: DTensor moving it with other mesh
+    dims slices those first and then regathers the strided shard as if it split the whole dim
+    (``(S(0)/sf2, R) -> (R, S(0))`` left each rank all rows, wrongly ordered)."""
     if any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)):
         last = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b and isinstance(b, _compat.StridedShard)]
         if len(last) == 1:
             mid = tuple(src[k] if k == last[0] else p for k, p in enumerate(dst))
             if mid != tuple(src) and not any(isinstance(p, _compat.StridedShard) for p in (*src, *mid)) and minor_step(mesh, mid, dst) is not None:
                 return [*transition_path(mesh, src, mid), tuple(dst)]
+        changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+        alone = lambda k: not any(j != k and is_shard(p) and split_dim(p) == src[k].dim for j, p in enumerate(src))  # noqa: E731
+        first = [k for k in changed if isinstance(src[k], _compat.StridedShard) and not isinstance(dst[k], _compat.StridedShard) and alone(k)]
+        if first and len(first) < len(changed):
+            mid = tuple(dst[k] if k in first else p for k, p in enumerate(src))
+            return [mid, *transition_path(mesh, mid, dst)]
         return [tuple(dst)]
     dims = sorted((k for k, (a, b) in enumerate(zip(src, dst)) if a != b), key=lambda k: (_STEP_ORDER.get(transition_kind(src[k], dst[k]), 9), k))
     path, current = [], list(src)

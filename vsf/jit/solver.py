@@ -236,6 +236,50 @@ class AxisSolver:
                     if other is not None and other not in queued:
                         queued.add(other)
                         work.append(other)
+        for k in range(len(self.p.ops)):
+            self._merge_partials(k)
+
+    def _merge_partials(self, k: int) -> None:
+        """Try each strategy of op ``k`` that sums partial inputs into a partial result together with
+        the producers (through views) that would make those inputs partial, as one move, kept if
+        the whole costs less: partial products summed before one reduction (the gradients of one
+        input used by the q, k and v projections), which no single op's change pays for (each alone
+        adds a reduction the sum would have shared)."""
+        partial = self.codes.is_partial
+        for j, (ins, outs) in enumerate(self.strategies[k]):
+            if j == self.choice[k] or not any(o >= 0 and partial(o) for o in outs):
+                continue
+            moves: dict[int, int] = {}
+            if all(not partial(req) or self.label[v] == req or self._make_partial(v, req, moves, 3) for v, req in zip(self.ins[k], ins)) and moves:
+                moves[k] = j
+                self._try(moves)
+
+    def _make_partial(self, v: int, req: int, moves: dict[int, int], depth: int) -> bool:
+        """Add to ``moves`` the strategies that make value ``v`` the partial ``req``: its producer's
+        cheapest strategy giving it, and so on up through its own partial inputs (``depth`` ops)."""
+        p = self.p.producer_of.get(v)
+        if p is None or depth == 0 or p in moves:
+            return False
+        i = self.outs[p].index(v)
+        options = sorted((self._evaluate(p, j, False, False), j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req)
+        if not options or options[0][0] == INF:
+            return False
+        j = options[0][1]
+        moves[p] = j
+        return all(not self.codes.is_partial(r) or self.label[u] == r or self._make_partial(u, r, moves, depth - 1) for u, r in zip(self.ins[p], self.strategies[p][j][0]))
+
+    def _try(self, moves: dict[int, int]) -> bool:
+        """Apply ``moves`` (op -> strategy) if the values they touch then cost less, else undo them."""
+        touched = {v for k in moves for v in (*self.ins[k], *self.outs[k]) if v >= 0}
+        before = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched)
+        old = {k: self.choice[k] for k in moves}
+        for k in sorted(moves):
+            self._apply(k, moves[k])
+        if sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) < before - 1e-6:
+            return True
+        for k in sorted(old, reverse=True):
+            self._apply(k, old[k])
+        return False
 
     def placement_of(self, node_index: int) -> tuple[list[Any], list[Any]]:
         ins, outs = self.strategies[node_index][self.choice[node_index]]

@@ -72,8 +72,10 @@ def test_llama_matches_one_device(sim, layout):
 
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=0)
     # Adam divides each gradient by its own scale, so a near-zero one's last digits (which depend
-    # on the reduction order) move its element: on dp x tp one element of up_proj ends 2.3e-6
-    # away after three 1e-3 steps (with plain SGD every param stays within 2e-7 relative)
+    # on the reduction order) move its element: on dp x tp one element of layer 1's up_proj, whose
+    # gradient is 2.8e-9 (1e-6 of the largest; every gradient is within 5e-7 of the largest of its
+    # param), ends 1.4e-5 away after three 1e-3 steps (with plain SGD every param stays within 2e-7
+    # relative)
     got = vsf.device_get(p)
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=5e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")

@@ -134,9 +134,8 @@ def test_megatron_gpt_step_sends_the_ring_models_optimum(sim):
     per_block = ring * (b * t * d + d * d) * 4 + 3 * 2 * ring * b * t * d * 4
     assert sum(cost.comm_bytes.values()) == cfg.layers * per_block
     assert sum(cost.comm_bytes.values()) < cfg.layers * 4 * 2 * ring * b * t * d * 4
-    assert sorted((c.kind, c.shape) for c in cost.collectives if c.kind != "all_reduce") == sorted(
-        [("all_gather", (b * t, d)), ("all_gather", (d, d))] * cfg.layers
-    )
+    gathered = [c for c in cost.collectives if c.kind != "all_reduce"]  # (proj's input and weight: one bucket or two)
+    assert {c.kind for c in gathered} == {"all_gather"} and sum(math.prod(c.shape) for c in gathered) == cfg.layers * (b * t * d + d * d)
 
 
 @pytest.mark.xfail(strict=True, reason=(

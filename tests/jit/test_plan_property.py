@@ -536,6 +536,9 @@ PINNED = {
     # DTensor moving (S(0)/sf2, R) to (R, S(0)) in one step slices tp first, then regathers dp as if
     # it split the whole dim (each rank got all rows, wrongly ordered)
     "strided shard gathered while another mesh dim slices": ((2, 2), lambda rng: merged_bmm_case(rng, 2, 2, 1, 1, 1), [P("tp"), P(None, "dp")], None),
+    # a replicated value may become partial by keeping a share on each rank, but integer indices
+    # cannot (embedding's rule, asked with partial indices, takes them)
+    "embedding of replicated indices on a split table": ((4,), lambda rng: Case(aten.embedding.default, [_data(rng, (4, 1)), torch.from_numpy(rng.integers(0, 4, (1,)))]), [P("dp"), P()], None),
     # embedding's rules name plain shards: DTensor does not keep strided indices strided
     "embedding of strided indices": (
         (2, 2), lambda rng: Case(aten.embedding.default, [_data(rng, (3, 2)), torch.from_numpy(rng.integers(0, 3, (8,)))]), [P(), P(("tp", "dp"))], None,

@@ -177,11 +177,15 @@ def _by_each_input(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, 
 
 
 def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Strategy]:
-    metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
+    """The strategies whose shards have a row per rank and whose partial inputs are floating point:
+    a replicated value becomes partial by keeping a share of it on each rank (``v / n``), which an
+    integer (embedding's indices, which DTensor's rule would take partial) cannot hold."""
+    ins = [meta_of(v) for v in tensor_args(node)]
+    metas = ins + outputs_meta(node)
     ok = []
     for s in strategies:
         placed = [*s.ins, *s.outs]
-        if len(placed) != len(metas):
+        if len(placed) != len(metas) or any(isinstance(p, Partial) and not t.is_floating_point() for t, p in zip(ins, s.ins)):
             continue
         if all(t is None or p is None or not is_shard(p) or _fits(t, p, n) for t, p in zip(metas, placed)):
             ok.append(s)

@@ -45,7 +45,7 @@ class Strategy:
 
 class Strategies:
     """DTensor's candidate strategies per op and axis size, cached by op signature and the strided
-    shards its inputs may arrive with; ``classes`` holds each op's
+    shards and partial sums its inputs may arrive with (:meth:`arrivals`); ``classes`` holds each op's
     :class:`~vsf.jit.classify.OpClass`, in graph order."""
 
     def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass]) -> None:
@@ -53,41 +53,42 @@ class Strategies:
         self.classes = classes
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
         self.order = {node: i for i, node in enumerate(classes)}
-        self.strided: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
+        self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
 
     def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
         ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
-        strided = self.strided_inputs(node, n)
-        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), strided)
+        arrivals = self.arrivals(node, n)
+        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), arrivals)
         if key not in self.cache:
             op = self.classes[node]
-            found, fallback = self._compute(node, op, n, strided)
+            found, fallback = self._compute(node, op, n, arrivals)
             if ragged and (op.ragged_reduction or op.local):
                 found = found + _ragged_variants(node, found, ragged)
             self.cache[key] = (found, fallback)
         return self.cache[key]
 
-    def strided_inputs(self, node: torch.fx.Node, n: int) -> tuple[tuple[Placement, ...], ...]:
-        """Per tensor input of ``node``, the strided shards it may arrive with on an axis of ``n``
-        ranks: those some strategy of its producer gives it (a view merging a dim split over this
-        axis into a larger one, ``[b, h@tp] -> [b*h]``, and the ops that keep such a split)."""
+    def arrivals(self, node: torch.fx.Node, n: int) -> tuple[tuple[Placement, ...], ...]:
+        """Per tensor input of ``node``, the strided shards and partial sums it may arrive with on
+        an axis of ``n`` ranks: those some strategy of its producer gives it (a view merging a dim
+        split over this axis into a larger one, ``[b, h@tp] -> [b*h]``, and the ops that keep such
+        a split; a sum over split rows)."""
         unknown, stack = set(), [node]
         while stack:
             for p, _ in tensor_args(stack.pop()):
-                if p in self.classes and (p, n) not in self.strided and p not in unknown:
+                if p in self.classes and (p, n) not in self.arriving and p not in unknown:
                     unknown.add(p)
                     stack.append(p)
         for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
             outs: list[dict[Placement, None]] = [{} for _ in outputs_meta(p)]
             for st in self.of(p, n)[0]:
                 for i, o in enumerate(st.outs):
-                    if isinstance(o, _compat.StridedShard):
+                    if isinstance(o, (_compat.StridedShard, Partial)):
                         outs[i].setdefault(o)
-            self.strided[(p, n)] = tuple(tuple(o) for o in outs)
-        return tuple(self.strided[(p, n)][i] if (p, n) in self.strided else () for p, i in tensor_args(node))
+            self.arriving[(p, n)] = tuple(tuple(o) for o in outs)
+        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in tensor_args(node))
 
-    def _compute(self, node: torch.fx.Node, op: OpClass, n: int, strided: tuple[tuple[Placement, ...], ...]) -> tuple[list[Strategy], bool]:
+    def _compute(self, node: torch.fx.Node, op: OpClass, n: int, arrivals: tuple[tuple[Placement, ...], ...]) -> tuple[list[Strategy], bool]:
         ins = tensor_args(node)
         outs = outputs_meta(node)
         if op.kind == "constant":
@@ -99,9 +100,10 @@ class Strategies:
         if op.kind == "value_blind":
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
+        strided = tuple(tuple(p for p in ps if isinstance(p, _compat.StridedShard)) for ps in arrivals)
         found = _single_dim(node, n, strided) if op.rules == "single" else _by_each_input(node, n, strided) if op.rules else None
         if found:
-            return _valid(found, node, n), False
+            return _valid(found, node, n, arrivals), False
         if self.fallback:
             return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
         raise PlanError(
@@ -176,16 +178,18 @@ def _by_each_input(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, 
     return list(found)
 
 
-def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int) -> list[Strategy]:
-    """The strategies whose shards have a row per rank and whose partial inputs are floating point:
-    a replicated value becomes partial by keeping a share of it on each rank (``v / n``), which an
-    integer (embedding's indices, which DTensor's rule would take partial) cannot hold."""
+def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int, arrivals: tuple[tuple[Placement, ...], ...]) -> list[Strategy]:
+    """The strategies whose shards have a row per rank and whose partial integer inputs may arrive
+    partial (a count summed over split rows): a replicated value becomes partial by keeping a share
+    of it on each rank (``v / n``), which an integer (embedding's indices, which DTensor's rule
+    would take partial) cannot hold."""
     ins = [meta_of(v) for v in tensor_args(node)]
     metas = ins + outputs_meta(node)
+    partitioned = lambda t, p, came: isinstance(p, Partial) and not t.is_floating_point() and p not in came  # noqa: E731
     ok = []
     for s in strategies:
         placed = [*s.ins, *s.outs]
-        if len(placed) != len(metas) or any(isinstance(p, Partial) and not t.is_floating_point() for t, p in zip(ins, s.ins)):
+        if len(placed) != len(metas) or any(partitioned(t, p, came) for t, p, came in zip(ins, s.ins, arrivals)):
             continue
         if all(t is None or p is None or not is_shard(p) or _fits(t, p, n) for t, p in zip(metas, placed)):
             ok.append(s)

@@ -52,7 +52,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable, register_op_strategy
 from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.proxy import _register_stack_trace_anchor
@@ -290,12 +290,15 @@ def reduce_partial(p: Placement, values: Sequence[torch.Tensor]) -> torch.Tensor
 
 
 def clear_sharding_caches() -> None:
-    """Empty DTensor's sharding-propagation caches (Python and C++ fast path).
+    """Empty DTensor's caches keyed by meshes: sharding propagation (Python and C++ fast path)
+    and redistribution plans, which hold their DeviceMeshes (and so the meshes' process groups).
 
-    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does the same, but importing
-    that package imports numpy, which neither torch nor vsf depends on."""
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` clears the first two, but
+    importing that package imports numpy, which neither torch nor vsf depends on."""
     _propagator().propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 # -- PyTorch's pytree (fx op arguments, DTensor schemas; user pytrees go through vsf.tree) --------

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -625,12 +625,20 @@ def register_attention(op: Any) -> None:
     heads) split only into equal parts (each rank's query heads must meet their own key/value
     head); with dropout the op is only replicated (its random draw is not sharding-invariant).
 
+    Without a causal mask it also splits over the queries' sequence (dim 2: context parallelism
+    with whole keys and values): the queries, the output, its log-sum-exp, the mask's query rows
+    and their cotangents are split, keys and values are replicated, and the backward's key and
+    value gradients are partial sums (each rank's queries' share). The kernel's causal mask starts
+    at the first query of the shard it is given, so a causal op is never split so (its context
+    parallelism is :mod:`vsf.jit.context_parallel`'s).
+
     Example::
 
         >>> register_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
     """
     names = [a.name for a in op._schema.arguments]
     n_out = sum(isinstance(r.type, torch.TensorType) for r in op._schema.returns)
+    results = [r.name for r in op._schema.returns if isinstance(r.type, torch.TensorType)]
 
     def strategy(op_schema: OpSchema) -> OpStrategy:
         mesh = op_schema.get_mesh_from_args(validate=False)
@@ -641,6 +649,8 @@ def register_attention(op: Any) -> None:
         if given.get("dropout_p", 0.0) == 0.0:
             for d in (0, 1):
                 rules.append([Shard(d)] * n_out + [_attention_split(name, shape, d, rank) for name, shape in tensors])
+            if not given.get("is_causal", False):
+                rules.append(_sequence_split(results, tensors, rank))
         grouped = given["query"].shape[1] != given["key"].shape[1]
         return expand_to_full_mesh_op_strategy(
             mesh, op_schema, rules, input_index=n_out, is_valid_strategy_cb=_equal_head_splits(mesh) if grouped else None
@@ -654,6 +664,17 @@ def _attention_split(name: str, shape: Any, d: int, rank: int) -> Placement:
         return Shard(d)
     m = len(shape) - rank + d  # masks broadcast from the right
     return Shard(m) if m >= 0 and shape[m] > 1 else Replicate()
+
+
+_KEYS_VALUES = ("key", "value", "grad_key", "grad_value")
+
+
+def _sequence_split(results: list[str], tensors: list[tuple[str, Any]], rank: int) -> list[Placement]:
+    """An attention op's rule for a split of the queries' sequence (dim 2): the forward's results
+    (output, log-sum-exp) split with the queries, as does the backward's query gradient; keys and
+    values are whole, their gradients partial sums."""
+    outs = [Partial() if name in _KEYS_VALUES else Shard(2) for name in results]
+    return outs + [Replicate() if name in _KEYS_VALUES else _attention_split(name, shape, 2, rank) for name, shape in tensors]
 
 
 def _equal_head_splits(mesh: DeviceMesh) -> Any:

@@ -96,6 +96,7 @@ __all__ = [
     "quiet_redistribute",
     "redistribute_local",
     "redistribute_steps",
+    "attention_sequence_rule",
     "register_attention",
     "register_elementwise",
     "register_fake_via_dtype",
@@ -638,7 +639,6 @@ def register_attention(op: Any) -> None:
     """
     names = [a.name for a in op._schema.arguments]
     n_out = sum(isinstance(r.type, torch.TensorType) for r in op._schema.returns)
-    results = [r.name for r in op._schema.returns if isinstance(r.type, torch.TensorType)]
 
     def strategy(op_schema: OpSchema) -> OpStrategy:
         mesh = op_schema.get_mesh_from_args(validate=False)
@@ -650,7 +650,7 @@ def register_attention(op: Any) -> None:
             for d in (0, 1):
                 rules.append([Shard(d)] * n_out + [_attention_split(name, shape, d, rank) for name, shape in tensors])
             if not given.get("is_causal", False):
-                rules.append(_sequence_split(results, tensors, rank))
+                rules.append(attention_sequence_rule(op, tensors))
         grouped = given["query"].shape[1] != given["key"].shape[1]
         return expand_to_full_mesh_op_strategy(
             mesh, op_schema, rules, input_index=n_out, is_valid_strategy_cb=_equal_head_splits(mesh) if grouped else None
@@ -669,10 +669,19 @@ def _attention_split(name: str, shape: Any, d: int, rank: int) -> Placement:
 _KEYS_VALUES = ("key", "value", "grad_key", "grad_value")
 
 
-def _sequence_split(results: list[str], tensors: list[tuple[str, Any]], rank: int) -> list[Placement]:
-    """An attention op's rule for a split of the queries' sequence (dim 2): the forward's results
-    (output, log-sum-exp) split with the queries, as does the backward's query gradient; keys and
-    values are whole, their gradients partial sums."""
+def attention_sequence_rule(op: Any, tensors: Sequence[tuple[str, Any]]) -> list[Placement]:
+    """The placements, on one mesh dim, of the attention op ``op``'s results then tensor arguments
+    (``tensors``: their names and shapes) for a split of the queries' sequence (dim 2): the
+    forward's results (output, log-sum-exp) split with the queries, as does the backward's query
+    gradient; keys and values are whole, their gradients partial sums; a mask's query rows split.
+
+    Example::
+
+        >>> attention_sequence_rule(aten._scaled_dot_product_flash_attention_for_cpu.default, [("query", q.shape), ("key", k.shape), ("value", v.shape)])
+        [Shard(dim=2), Shard(dim=2), Shard(dim=2), Replicate(), Replicate()]
+    """
+    rank = len(dict(tensors)["query"])
+    results = [r.name for r in op._schema.returns if isinstance(r.type, torch.TensorType)]
     outs = [Partial() if name in _KEYS_VALUES else Shard(2) for name in results]
     return outs + [Replicate() if name in _KEYS_VALUES else _attention_split(name, shape, 2, rank) for name, shape in tensors]
 

@@ -144,34 +144,67 @@ def _run_qkv(sim, layout, params, loss_fn):
     return vsf.device_get(jitted(p)), plan
 
 
+CAUSAL = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+
+
+@CAUSAL
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("layout", sorted(MESHES))
-def test_full_attention_on_sequence_shards_equals_one_device(sim, layout, kv_heads):
-    params, batch, loss_fn = _qkv_case(causal=False, kv_heads=kv_heads)
+def test_attention_on_sequence_shards_equals_one_device(sim, layout, kv_heads, causal):
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=kv_heads)
     want = _reference(loss_fn, params, batch)
     got, _ = _run_qkv(sim, layout, params, loss_fn)
     _assert_equal_to_one_device(got, want)
 
 
+@CAUSAL
 @pytest.mark.parametrize("layout", sorted(MESHES))
-def test_grouped_query_attention_gathers_only_keys_and_values_over_cp(sim, layout):
+def test_grouped_query_attention_gathers_only_keys_and_values_over_cp(sim, layout, causal):
     """With 2 key/value heads for 8 query heads, gathering k and v (and reduce-scattering their
     gradients) sends less than gathering q too. (With as many key/value heads, attention alone
     with nothing else in the step is cheaper in bytes fully gathered, with no gradient to reduce:
     the cost model counts bytes, not the work each rank repeats; in a block it splits, below.)"""
-    params, batch, loss_fn = _qkv_case(causal=False, kv_heads=2, heads=8)
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=2, heads=8)
     _, plan = _run_qkv(sim, layout, params, loss_fn)
     assert_attention_on_sequence_shards(plan)
 
 
+@CAUSAL
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_tp2"])
-def test_a_full_attention_block_keeps_its_tokens_split_on_cp(sim, layout, kv_heads):
+def test_an_attention_block_keeps_its_tokens_split_on_cp(sim, layout, kv_heads, causal):
     """A GPT-like block (projections, heads, SDPA) on one sequence: only keys and values are
     gathered. (A batch of several sequences split on cp merges into a strided shard of the
     projections' rows, which the planner does not keep through ``mm`` yet.)"""
-    params, batch, loss_fn = _block_case(causal=False, kv_heads=kv_heads, batch=1)
+    params, batch, loss_fn = _block_case(causal=causal, kv_heads=kv_heads, batch=1)
     want = _reference(loss_fn, params, batch)
     got, plan = _run(sim, layout, params, batch, loss_fn, MEGATRON)
     _assert_equal_to_one_device(got, want)
     assert_attention_on_sequence_shards(plan)
+
+
+@pytest.mark.parametrize("seq", [10, 6], ids=["uneven", "an-empty-shard"])
+def test_causal_attention_on_uneven_sequence_shards_is_gathered_and_equals_one_device(sim, seq):
+    """10 positions over 4 ranks are 3, 3, 3, 1 (6: 2, 2, 2, 0): the split is not offered, q is gathered."""
+    params, batch, loss_fn = _qkv_case(causal=True, kv_heads=2, heads=8, seq=seq)
+    want = _reference(loss_fn, params, batch)
+    got, plan = _run_qkv(sim, "cp4", params, loss_fn)
+    _assert_equal_to_one_device(got, want)
+    for p in _attention_plans(plan)[SDPA]:
+        assert _on_axis(plan, p.ins[0]) != Shard(2), p.ins
+
+
+def test_dtensor_never_runs_causal_attention_on_query_shards(sim):
+    """DTensor is told the query split only for full attention: eager DTensor SDPA on sequence
+    shards, causal or not, equals one device (a causal kernel on a later shard would mask from
+    that shard's first query)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    q, k, v = torch.randn(3, 2, 4, 8, 8).unbind(0)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("cp",)).device_mesh
+    placed = [distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v)]
+    for causal in (False, True):
+        got = F.scaled_dot_product_attention(*placed, is_causal=causal).full_tensor()
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(vsf.device_get(got), want, rtol=1e-5, atol=1e-6)

@@ -194,3 +194,19 @@ def test_the_toy_gpt_with_tokens_on_cp_equals_one_device(sim, layout, sdpa):
     assert_equal_to_one_device(got, want)
     if sdpa and batch == 1:
         assert_attention_on_sequence_shards(plan)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from multiproc import launch_once
+
+    return launch_once(tmp_path_factory, "jit_context_parallel.py", 4)
+
+
+@pytest.mark.multiprocess
+def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
+    """Each process's mask follows its own rank: 3 SGD steps on 4 gloo processes equal one device."""
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+        assert r["max_param_err"] < 1e-5
+        assert r["query_placements"] == [str((Shard(2),))] * 2

@@ -5,13 +5,16 @@ Full (non-causal) attention splits over the queries as it is (DTensor runs the k
 rank's rows: :func:`vsf._compat.attention_sequence_rule`). A causal kernel's mask starts at the
 first query it is given, which is position 0 only on the first shard, so DTensor is never told
 that rule for a causal op; the planner offers it here instead (:func:`sequence_rule`), and the
-program runs the op on each rank as full attention under a mask of the rank's own offset (query
-``i`` of the shard starting at ``o`` sees keys ``0 .. o + i``: :func:`run`). The backward runs the
-same way; its key and value gradients are partial sums over the split (each rank's queries'
-share), reduced where the plan says.
-
-The mask is a ``(local queries, keys)`` additive tensor per rank (the kernel takes no offset);
-the score matrix itself is never materialised (the CPU kernel is a flash kernel).
+program runs the op block by block (:func:`run`). With the sequence in ``n`` equal blocks and
+the rank's queries block ``me``, step ``s`` attends to key block ``me - s`` (mod ``n``): step 0 is
+the diagonal block, causal as the kernel's own mask is (queries and keys start at the same
+position); a step ``s <= me`` is an earlier block, seen whole; a later block (``s > me``) is not
+seen and weighs nothing. The blocks' outputs merge by the log-sum-exp rule (flash attention's
+and ring attention's). The backward walks the same blocks with the merged output and
+log-sum-exp; its key and value gradients are partial sums over the split (each rank's queries'
+share), reduced where the plan says. Every rank runs the same ops on same-shaped blocks (which
+blocks and what they weigh depend on the rank's values only), nothing is ``T x T``, and the
+per-rank work is ``n`` blocks (the unseen ones computed and dropped).
 
 Example::
 
@@ -22,7 +25,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -91,21 +94,52 @@ def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Seque
 
 def run(mesh: Mesh, node: torch.fx.Node, args: tuple, kwargs: dict[str, Any], ins: Sequence[Placements]) -> Any:
     """``node`` (a causal attention op whose inputs are laid out as ``ins``, :func:`runs`) on this
-    rank's local tensors ``args``/``kwargs``: full attention under the mask of the rank's queries'
-    offset. Returns the op's local results."""
+    rank's local tensors ``args``/``kwargs``, block by block (see the module docs). Returns the
+    op's local results."""
     given = {**dict(zip([a.name for a in _compat.op_schema(node.target).arguments], args)), **kwargs}
-    query = given["query"]
     q_meta = meta_of(tensor_args(node)[_query_index(node)])
     queries = from_placements(mesh, ins[_query_index(node)], q_meta.ndim)
-    keys = given["key"].shape[2]
+    block = given["query"].shape[2]
+    chunks = q_meta.shape[2] // block
     split = next(a for a, p in zip(mesh.device_axes, ins[_query_index(node)]) if is_shard(p) and split_dim(p) == 2)
+    me = backend.per_rank(torch.zeros((), dtype=torch.int64), backend.axis_group(mesh, split),
+                          lambda _, __, rank: torch.tensor(queries.index(q_meta.shape, rank)[2].start // block), with_rank=True)
+    steps = [_Step(torch.arange(block) + (me - s) % chunks * block, me >= s) for s in range(chunks)]
+    return (_forward if node.target is ATTENTION_OPS[0] else _backward)(given, steps)
 
-    def mask(_: torch.Tensor, __: int, rank: int) -> torch.Tensor:
-        start = queries.index(q_meta.shape, rank)[2].start
-        rows = torch.arange(start, start + query.shape[2], device=query.device)[:, None]
-        cols = torch.arange(keys, device=query.device)[None, :]
-        return torch.zeros(query.shape[2], keys, dtype=query.dtype, device=query.device).masked_fill(cols > rows, float("-inf"))
 
-    given["attn_mask"] = backend.per_rank(torch.zeros(()), backend.axis_group(mesh, split), mask, with_rank=True)
-    given["is_causal"] = False
-    return node.target(**given)
+class _Step(NamedTuple):
+    """Step ``s`` of a rank's walk over the key blocks: the positions of block ``me - s`` (mod the
+    block count), and whether the rank's queries see it (``me >= s``: it is not a later block)."""
+
+    keys: torch.Tensor
+    seen: torch.Tensor
+
+
+def _forward(given: dict[str, Any], steps: list[_Step]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp of the rank's queries: each key block's, merged by the
+    log-sum-exp rule (a block not seen weighs nothing)."""
+    q, k, v, scale = given["query"], given["key"], given["value"], given.get("scale")
+    outs, lses = [], []
+    for s, step in enumerate(steps):
+        out, lse = ATTENTION_OPS[0](q, k.index_select(2, step.keys), v.index_select(2, step.keys), 0.0, s == 0, scale=scale)
+        outs.append(out)
+        lses.append(lse.masked_fill(~step.seen, float("-inf")))
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    out = sum(torch.exp(part - lse).unsqueeze(-1) * o for o, part in zip(outs, lses))
+    return out.to(q.dtype), lse
+
+
+def _backward(given: dict[str, Any], steps: list[_Step]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query gradient and this rank's share of the key and value gradients: each seen key
+    block's, from the kernel's backward with the merged output and log-sum-exp."""
+    grad, q, k, v, out, lse = (given[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp"))
+    scale = given.get("scale")
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for s, step in enumerate(steps):
+        gq, gk, gv = ATTENTION_OPS[1](grad, q, k.index_select(2, step.keys), v.index_select(2, step.keys), out, lse, 0.0, s == 0, scale=scale)
+        zero = torch.zeros((), dtype=q.dtype)
+        dq = dq + torch.where(step.seen, gq, zero)  # (where, not a product: an unseen block's terms may overflow)
+        dk = dk.index_add(2, step.keys, torch.where(step.seen, gk, zero))
+        dv = dv.index_add(2, step.keys, torch.where(step.seen, gv, zero))
+    return dq, dk, dv

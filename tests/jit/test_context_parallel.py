@@ -210,3 +210,46 @@ def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
         assert r["max_param_err"] < 1e-5
         assert r["query_placements"] == [str((Shard(2),))] * 2
+
+
+# -- ring attention (vsf.config.context_parallel = "ring") ------------------------------------------
+
+
+@pytest.fixture
+def ring(monkeypatch):
+    monkeypatch.setattr(vsf.config, "context_parallel", "ring")
+
+
+def assert_attention_on_a_ring(plan):
+    """q, k, v, the output, its log-sum-exp and every gradient stay split on the sequence over cp."""
+    for p in [p for found in attention_plans(plan).values() for p in found]:
+        assert all(on_axis(plan, pl) == Shard(2) for pl in p.ins), p.ins
+        assert all(on_axis(plan, o) == Shard(2) for o in p.outs), p.outs
+
+
+@CAUSAL
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_ring_attention_equals_one_device(sim, ring, layout, kv_heads, causal):
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=kv_heads)
+    want = reference(loss_fn, params, batch)
+    got, plan = _run_qkv(sim, layout, params, loss_fn)
+    assert_equal_to_one_device(got, want)
+    assert_attention_on_a_ring(plan)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_sends_cp_minus_one_blocks_of_keys_and_values(sim, ring, n):
+    """Forward, each rank sends n - 1 blocks of k and of v; backward those again and n blocks of
+    their gradients; over cp nothing else moves but the loss's reduction."""
+    params, batch, loss_fn = _qkv_case(causal=True, kv_heads=2, seq=16)
+    sim(n)
+    mesh = vsf.make_mesh((n,), ("cp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P(None, None, "cp")))
+    cost = vsf.jit(_step(loss_fn)).lower(p).cost()
+    block = 4 * 2 * (16 // n) * 8 * 4  # [batch, kv heads, seq / n, head dim] fp32
+    ring_sends = [c for c in cost.collectives if c.kind == "ppermute"]
+    assert [c.bytes for c in ring_sends] == [block] * (2 * (n - 1) + 2 * (n - 1) + 2 * n)
+    assert all(c.axis == "cp" for c in ring_sends)
+    others = [c for c in cost.collectives if c.kind != "ppermute"]
+    assert [(c.kind, c.shape) for c in others] == [("all_reduce", ())]

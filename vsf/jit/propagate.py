@@ -178,7 +178,7 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
                 want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        inside = manual.collectives(node) if op.kind == "region" else ()
+        inside = manual.collectives(node) if op.kind == "region" else context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
         for i, out in enumerate(want_out):
             if out is not None:

@@ -105,11 +105,9 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
 
 
 def _context_parallel(node: torch.fx.Node) -> list[Strategy]:
-    """vsf's own split of a causal attention node over its queries' sequence (DTensor's rule
-    would run the kernel's causal mask from each shard's first query)."""
-    rule = context_parallel.sequence_rule(node)
+    """vsf's own splits of an attention node over its queries' sequence (:mod:`vsf.jit.context_parallel`)."""
     n_out = len(outputs_meta(node))
-    return [] if rule is None else [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out]))]
+    return [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node)]
 
 
 def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:

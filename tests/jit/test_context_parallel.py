@@ -253,3 +253,21 @@ def test_ring_attention_sends_cp_minus_one_blocks_of_keys_and_values(sim, ring, 
     assert all(c.axis == "cp" for c in ring_sends)
     others = [c for c in cost.collectives if c.kind != "ppermute"]
     assert [(c.kind, c.shape) for c in others] == [("all_reduce", ())]
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("layout", ["cp2", "cp4"])
+def test_the_toy_gpt_on_sequence_shards_passes_checking_mode(sim, monkeypatch, layout, mode):
+    """Op by op, each result assembled from the ranks' shards equals the unsharded graph's (the
+    causal blocks' merged output and log-sum-exp, and every gradient), and the step equals one device."""
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=1)
+    want = reference(loss_fn, params, tokens)
+    shape, names, spec = MESHES[layout]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(tokens, vsf.NamedSharding(mesh, spec))
+    jitted = vsf.jit(_step(loss_fn))
+    assert_equal_to_one_device(vsf.device_get(jitted.check(p, *b)), want)
+    (assert_attention_on_a_ring if mode == "ring" else assert_attention_on_sequence_shards)(jitted.lower(p, *b).plan)

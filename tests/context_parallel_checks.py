@@ -54,3 +54,10 @@ def assert_attention_on_sequence_shards(plan):
         grad_out, q, k, v, out, lse = (on_axis(plan, pl) for pl in p.ins[:6])
         assert (grad_out, q, out, lse) == (Shard(2),) * 4 and (k, v) == (Replicate(),) * 2, p.ins
         assert on_axis(plan, p.outs[0]) == Shard(2), p.outs
+
+
+def assert_attention_on_a_ring(plan):
+    """q, k, v, the output, its log-sum-exp and every gradient stay split on the sequence over cp."""
+    for p in [p for found in attention_plans(plan).values() for p in found]:
+        assert all(on_axis(plan, pl) == Shard(2) for pl in p.ins), p.ins
+        assert all(on_axis(plan, o) == Shard(2) for o in p.outs), p.outs

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from context_parallel_checks import SDPA, assert_attention_on_sequence_shards, assert_equal_to_one_device, attention_plans, on_axis, reference
+from context_parallel_checks import SDPA, assert_attention_on_a_ring, assert_attention_on_sequence_shards, assert_equal_to_one_device, attention_plans, on_axis, reference
 from torch.distributed.tensor import Shard
 
 import vsf
@@ -205,11 +205,15 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
-    """Each process's mask follows its own rank: 3 SGD steps on 4 gloo processes equal one device."""
+    """Each process's blocks follow its own rank: 3 SGD steps on 4 gloo processes equal one device,
+    keys and values gathered or passed around a ring."""
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
         assert r["max_param_err"] < 1e-5
         assert r["query_placements"] == [str((Shard(2),))] * 2
+        torch.testing.assert_close(torch.tensor(r["ring_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+        assert r["ring_max_param_err"] < 1e-5
+        assert r["ring_key_placements"] == [str((Shard(2),))] * 2
 
 
 # -- ring attention (vsf.config.context_parallel = "ring") ------------------------------------------
@@ -218,13 +222,6 @@ def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
 @pytest.fixture
 def ring(monkeypatch):
     monkeypatch.setattr(vsf.config, "context_parallel", "ring")
-
-
-def assert_attention_on_a_ring(plan):
-    """q, k, v, the output, its log-sum-exp and every gradient stay split on the sequence over cp."""
-    for p in [p for found in attention_plans(plan).values() for p in found]:
-        assert all(on_axis(plan, pl) == Shard(2) for pl in p.ins), p.ins
-        assert all(on_axis(plan, o) == Shard(2) for o in p.outs), p.outs
 
 
 @CAUSAL

@@ -50,3 +50,20 @@ report = {
     "query_placements": [str(pl.ins[0]) for n, pl in plan.nodes.items() if n.target is sdpa],
 }
 (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+# the same steps with keys and values passed around a ring of ppermutes
+vsf.config.context_parallel = "ring"
+p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+ring = vsf.jit(step)
+ring_losses = []
+for _ in range(3):
+    p, loss = ring(p, *b)
+    ring_losses.append(vsf.device_get(loss).item())
+got = vsf.device_get(p)
+ring_plan = ring.lower(p, *b).plan
+report.update({
+    "ring_losses": ring_losses,
+    "ring_max_param_err": max((got[k] - want[k]).abs().max().item() for k in want),
+    "ring_key_placements": [str(pl.ins[1]) for n, pl in ring_plan.nodes.items() if n.target is sdpa],
+})
+(out / f"rank{rank}.json").write_text(json.dumps(report))

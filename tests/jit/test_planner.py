@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import vsf
 from vsf._compat import StridedShard
-from vsf.jit.buckets import form_buckets
+from vsf.jit.buckets import bucket_kind, form_buckets
 from vsf.jit.classify import OpClass, classify
 from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_shape, transition_bytes
 from vsf.jit.graph import output_node, value_of
@@ -220,6 +220,44 @@ def test_uneven_or_mixed_dtype_reductions_stay_apart(sim):
     out = output_node(odd)
     moves = [Redistribution(value_of(n), (Shard(0),), (R,), (), out) for n in odd.graph.nodes if n.target is aten.mul.Tensor]
     assert form_buckets(mesh, odd, moves, {id(r): [out] for r in moves})[0] == ()  # gathers, not reductions
+
+
+def test_which_redistributions_can_join_a_bucket(sim):
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "fsdp"))
+    gm = _graph(lambda a: a * 2, (8, 4))
+    v = value_of(_node(gm, aten.mul.Tensor))
+    S0, S1, avg = Shard(0), Shard(1), Partial("avg")
+
+    def kind(src, dst):
+        return bucket_kind(mesh, Redistribution(v, src, dst, (), output_node(gm)))
+
+    assert kind((P, P), (R, R)) == ("all_reduce", (0, 1)) and kind((R, avg), (R, R)) == ("all_reduce", (1,))
+    assert kind((R, S0), (R, R)) == ("all_gather", (1,)) and kind((S1, S0), (S1, R)) == ("all_gather", (1,))
+    assert kind((R, P), (R, S0)) == ("reduce_scatter", (1,))
+    assert kind((S0, S0), (S0, R)) is None  # dim 0 split twice: the gathered rows interleave
+    assert kind((R, StridedShard(0, split_factor=2)), (R, R)) is None
+    assert kind((R, Partial("max")), (R, R)) is None
+    assert kind((S0, R), (R, S0)) is None  # two mesh dims change
+    odd = value_of(_node(_graph(lambda a: a * 2, (5, 4)), aten.mul.Tensor))  # 5 rows do not split over 2
+    assert bucket_kind(mesh, Redistribution(odd, (R, S1), (R, R), (), output_node(gm))) == ("all_gather", (1,))
+    assert bucket_kind(mesh, Redistribution(odd, (R, P), (R, S0), (), output_node(gm))) is None
+
+
+def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("fsdp",))
+    gm = _graph(lambda x, a, b: (x * 3) @ a @ b, (4, 8), (8, 8), (8, 8))
+    x, a, b = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mul = _node(gm, aten.mul.Tensor)
+    mm1, mm2 = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+    moves = [Redistribution(value_of(w), (Shard(0),), (R,), collectives_of(mesh, w.meta["val"], (Shard(0),), (R,)), mm) for w, mm in ((a, mm1), (b, mm2))]
+    buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [mm1], id(moves[1]): [mm2]})
+    (bucket,) = buckets
+    assert bucket.kind == "all_gather" and bucket.members == tuple(moves) and bucket.before is mm1
+    # one all-gather into 2 x 64 floats, each rank sending its halves: (n-1)/n of 256 bytes each
+    assert bucket.collectives == (Collective("all_gather", "fsdp", (128,), torch.float32, 128 + 128),)
+    assert order.index(mul) < order.index(bucket) < order.index(mm1)
 
 
 # -- the driver ------------------------------------------------------------------------------

@@ -51,9 +51,10 @@ def run_sharded(tx, params, grads, layout: Layout, stage: int, *, zero_axes=("dp
     placed = vsf.device_put(params, {k: NamedSharding(mesh, s) for k, s in layout.params.items()})
     zero = optim.zero_layout(tx, placed, zero_axes=zero_axes, stage=stage)
     placed = vsf.device_put(placed, zero.params)
-    state = optim.init_sharded(tx, placed, zero_axes=zero_axes, stage=stage)
+    stx = optim.sharded(tx, zero_axes=zero_axes, stage=stage)
+    state = stx.init(placed)
     for g in grads:
-        updates, state = tx.update(_place_grads(g, mesh, layout, zero, stage), state, placed)
+        updates, state = stx.update(_place_grads(g, mesh, layout, zero, stage), state, placed)
         placed = optim.apply_updates(placed, updates)
     return placed, state, zero
 
@@ -131,19 +132,28 @@ def test_each_gradient_is_reduced_once_and_each_update_gathered_once(sim):
     specs = {"w": P(None, "tp"), "b": P(), "e": P("tp")}
     params = vsf.device_put(_params(), {k: NamedSharding(mesh, s) for k, s in specs.items()})
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
-    state = optim.init_sharded(tx, params, zero_axes=("dp",))
+    stx = optim.sharded(tx, zero_axes=("dp",))
+    state = stx.init(params)
     grads = vsf.device_put(
         {k: torch.randn_like(v) for k, v in _params().items()},
         {k: NamedSharding(mesh, P(*s, unreduced=("dp",))) for k, s in specs.items()},
     )
     with CommDebugMode() as cm:
-        updates, state = tx.update(grads, state, params)
+        updates, new_state = stx.update(grads, state, params)
     # one reduce-scatter per leaf (Partial over dp -> state sharded over dp); the global norm:
     # one all-reduce per mesh axis; nothing per use.
     assert _comms(cm) == {"reduce_scatter_tensor": 3, "all_reduce": 2}
     with CommDebugMode() as cm:
         optim.apply_updates(params, updates)
     assert _comms(cm) == {"all_gather_into_tensor": 3}
+    # the plain chain on the same state: the same numbers, each gradient reduced where a
+    # transform needs it (clipping all-reduces the partial sums; Adam slices them to its shards)
+    with CommDebugMode() as cm:
+        plain, _ = tx.update(grads, state, params)
+    assert _comms(cm) == {"all_reduce": 3 + 2}
+    got, want = vsf.device_get(plain), vsf.device_get(updates)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL)
 
 
 def test_clip_by_global_norm_on_sharded_grads_equals_unsharded(sim):

@@ -28,7 +28,8 @@ def main(out_dir: str) -> None:
     mesh = vsf.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False, "e": True}))
     placed = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
-    state = optim.init_sharded(tx, placed, zero_axes=("dp",), stage=2, uneven=True)
+    tx = optim.sharded(tx, zero_axes=("dp",), stage=2, uneven=True)
+    state = tx.init(placed)
     share = 1.0 / dist.get_world_size()
     for g in grads:  # each rank's partial sum is an equal share of the full gradient
         partial = {k: DTensor.from_local(v * share, mesh.device_mesh, [Partial()], run_check=False) for k, v in g.items()}

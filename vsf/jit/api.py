@@ -210,10 +210,11 @@ class Jitted:
         dyn = (dyn_args, dyn_kwargs)
         leaves, treedef = tree.flatten(dyn)
         targets = self._in_targets(dyn_args, len(leaves))
-        mesh = self._mesh(dyn, leaves, targets)
+        name = _leaf_names(dyn)
+        mesh = self._mesh(name, leaves, targets)
         inputs, key_leaves = [], []
         for i, (leaf, target) in enumerate(zip(leaves, targets)):
-            x = self._as_dtensor(leaf, target, mesh, dyn, i)
+            x = self._as_dtensor(leaf, target, mesh, lambda i=i: name(i))
             inputs.append(x)
             key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__))
         static_pos = {s[1] for s in statics if s[0] == "arg"}
@@ -232,9 +233,6 @@ class Jitted:
 
         return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh), inputs, dyn, rebuild, positions)
 
-    def _leaf_name(self, dyn: Any, index: int) -> str:
-        return _arg_name(tree.leaves_with_path(dyn)[index][0])
-
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
             return [None] * n
@@ -242,31 +240,31 @@ class Jitted:
         per_arg = tree.broadcast_prefix(prefix, dyn_args, is_leaf=is_sharding_leaf, what="in_shardings")
         return per_arg + [None] * (n - len(per_arg))
 
-    def _mesh(self, dyn: Any, leaves: list[Any], targets: list[Any]) -> Mesh:
+    def _mesh(self, name: Callable[[int], str], leaves: list[Any], targets: list[Any]) -> Mesh:
         found: dict[Mesh, int] = {}
         for i, (leaf, target) in enumerate(zip(leaves, targets)):
             if isinstance(leaf, DTensor):
-                check_not_donated(leaf, self._leaf_name(dyn, i))
+                check_not_donated(leaf, lambda i=i: name(i))
                 found.setdefault(mesh_of(leaf.device_mesh), i)
             if isinstance(target, NamedSharding):
                 found.setdefault(target.mesh, i)
         here = current_mesh()
         if len(found) > 1:
-            detail = "; ".join(f"{self._leaf_name(dyn, i)} is on {m!r}" for m, i in found.items())
+            detail = "; ".join(f"{name(i)} is on {m!r}" for m, i in found.items())
             raise ValueError(f"the inputs of {self._name} live on different meshes: {detail}")
         if found:
             mesh, i = next(iter(found.items()))
             if here is not None and here != mesh:
-                raise ValueError(f"{self._leaf_name(dyn, i)} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
+                raise ValueError(f"{name(i)} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
             return mesh
         if here is None:
             raise ValueError(f"{self._name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)")
         return here
 
-    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, dyn: Any, index: int) -> DTensor:
+    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, name_of: Callable[[], str]) -> DTensor:
         if isinstance(leaf, DTensor) and target is None:
             return leaf
-        name = self._leaf_name(dyn, index)
+        name = name_of()
         if isinstance(leaf, (bool, int, float)):
             leaf = torch.tensor(leaf, dtype=torch.float32 if isinstance(leaf, float) else None)
         if not isinstance(leaf, torch.Tensor):
@@ -346,6 +344,13 @@ def _param_names(fun: Callable[..., Any]) -> list[str]:
         return list(inspect.signature(fun).parameters)
     except (TypeError, ValueError):
         return []
+
+
+def _leaf_names(dyn: Any) -> Callable[[int], str]:
+    """``name(i)``: the ``args[0]['w']``-style name of leaf ``i`` of ``dyn``; the names are
+    computed once, on the first call (only messages need them)."""
+    names = functools.cache(lambda: [_arg_name(p) for p, _ in tree.leaves_with_path(dyn)])
+    return lambda i: names()[i]
 
 
 def _arg_name(path: Any) -> str:

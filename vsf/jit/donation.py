@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,11 +57,11 @@ def donate(args: tuple[Any, ...], argnums: Sequence[int], name: str) -> None:
                 _compat.swap_local(leaf, Donated(_compat.dtensor_local(leaf), name, i, args[i], k))
 
 
-def check_not_donated(leaf: DTensor, name: str) -> None:
-    """Refuse an argument (named ``name``) that an earlier call took as donated."""
+def check_not_donated(leaf: DTensor, name: Callable[[], str]) -> None:
+    """Refuse an argument (named ``name()``, computed only for the error) that an earlier call took as donated."""
     local = _compat.dtensor_local(leaf)
     if isinstance(local, Donated):
-        raise RuntimeError(f"{name} was donated to {local.where}, which released its memory; pass the value that call returned")
+        raise RuntimeError(f"{name()} was donated to {local.where}, which released its memory; pass the value that call returned")
 
 
 def reuse_donated(gm: torch.fx.GraphModule, local_inputs: Sequence[torch.Tensor], donated: Sequence[int]) -> torch.fx.GraphModule:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat
@@ -67,19 +67,10 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             moved[(v, dst)] = local.contiguous()
         return moved[(v, dst)]
 
-    def run_bucket(b: Bucket) -> None:
-        sizes = [plan.mesh.axis_size(a) for a in plan.mesh.device_axes]
-        pieces = [env[r.value] for r in b.members]
-        averaged = [math.prod(sizes[k] for k in b.mesh_dims if r.src[k].reduce_op == "avg") for r in b.members]
-        flat = torch.cat([(p / n if n > 1 else p).reshape(-1) for n, p in zip(averaged, pieces)])
-        src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(len(b.members[0].src)))
-        reduced = _compat.redistribute_local(flat, dm, src, (Replicate(),) * len(src), shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
-        for r, p, out in zip(b.members, pieces, reduced.split([p.numel() for p in pieces])):
-            moved[(r.value, r.dst)] = out.view(p.shape)
-
     for node in plan.order:
         if isinstance(node, Bucket):
-            run_bucket(node)
+            outs = _run_bucket(plan, node, [env[r.value] for r in node.members])
+            moved.update(((r.value, r.dst), o) for r, o in zip(node.members, outs))
             continue
         if node not in plan.nodes:
             continue  # placeholders, tuple indexing and the output: nothing to run
@@ -120,6 +111,49 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             check(node, outs)
     output = output_node(gm)
     return [get(value_of(a), dst) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
+
+
+def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local values of ``b``'s members (``pieces``, laid out as their sources) moved to
+    their destinations by one collective per mesh dim on a flat buffer."""
+    dm, mesh = plan.mesh.device_mesh, plan.mesh
+    nd = len(b.members[0].src)
+    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
+    if b.kind != "all_gather":  # averages join sums: divide first
+        averaged = [math.prod(sizes[k] for k in b.mesh_dims if r.src[k].reduce_op == "avg") for r in b.members]
+        pieces = [p / n if n > 1 else p for n, p in zip(averaged, pieces)]
+    replicated = (Replicate(),) * nd
+    if b.kind == "all_reduce":
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(nd))
+        out = _compat.redistribute_local(flat, dm, src, replicated, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
+        return [o.view(p.shape) for p, o in zip(pieces, out.split([p.numel() for p in pieces]))]
+    (k,) = b.mesh_dims
+    n = sizes[k]
+    if b.kind == "all_gather":
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        src = tuple(Shard(0) if j == k else Replicate() for j in range(nd))
+        out = _compat.redistribute_local(flat, dm, src, replicated, shape=(n * flat.numel(),), stride=(1,), dtype=flat.dtype)
+        rows = out.view(n, -1).split([p.numel() for p in pieces], dim=1)
+        return [_unstack(row.reshape(n, *p.shape), r.src[k].dim) for r, p, row in zip(b.members, pieces, rows)]
+    chunks = [_stack(p, r.dst[k].dim, n).reshape(n, -1) for r, p in zip(b.members, pieces)]
+    flat = torch.cat(chunks, dim=1).reshape(-1)
+    src = tuple(Partial() if j == k else Replicate() for j in range(nd))
+    dst = tuple(Shard(0) if j == k else Replicate() for j in range(nd))
+    out = _compat.redistribute_local(flat, dm, src, dst, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
+    shards = [_stack(p, r.dst[k].dim, n)[0].shape for r, p in zip(b.members, pieces)]
+    return [o.view(shape) for shape, o in zip(shards, out.split([c.shape[1] for c in chunks]))]
+
+
+def _stack(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` cut into ``n`` equal pieces along ``dim``, stacked on a new leading dim (rank order)."""
+    return x.view(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :]).movedim(dim, 0)
+
+
+def _unstack(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of :func:`_stack`: ``y``'s leading pieces concatenated along ``dim``."""
+    piece = y.shape[1:]
+    return y.movedim(0, dim).reshape(*piece[:dim], y.shape[0] * piece[dim], *piece[dim + 1 :])
 
 
 _FOLDING_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default})  # (aten ops are public operators)

@@ -75,12 +75,15 @@ class Redistribution:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """All-reduces over one mesh axis that run as one collective on a flat buffer, before
-    ``before`` (DDP's gradient buckets, found in the graph instead of at hook time). Partial
-    averages join partial sums: their local values are divided by the axis size first."""
+    """Collectives of one ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``) over the
+    same mesh dims that run as one collective on a flat buffer, before ``before`` (DDP's gradient
+    buckets, FSDP's per-layer gathers and reduce-scatters, found in the graph instead of at hook
+    time). Partial averages join partial sums: their local values are divided by the axis size
+    first."""
 
+    kind: str
     members: tuple[Redistribution, ...]
-    mesh_dims: tuple[int, ...]  # the mesh dims whose partial sums are reduced (one all-reduce each)
+    mesh_dims: tuple[int, ...]  # the mesh dims it communicates over (one collective each; one dim unless all_reduce)
     before: torch.fx.Node
     collectives: tuple[Collective, ...]
 

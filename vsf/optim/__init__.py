@@ -3,8 +3,8 @@ laid out on the mesh (ZeRO stages 1-3).
 
 Example::
 
-    >>> tx = vsf.optim.chain(vsf.optim.clip_by_global_norm(1.0), vsf.optim.adamw(3e-4))
-    >>> state = vsf.optim.init_sharded(tx, params, zero_axes=("dp",))
+    >>> tx = vsf.optim.sharded(vsf.optim.chain(vsf.optim.clip_by_global_norm(1.0), vsf.optim.adamw(3e-4)), zero_axes=("dp",))
+    >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)
     >>> params = vsf.optim.apply_updates(params, updates)
 """
@@ -21,7 +21,7 @@ from vsf.optim.base import (
 )
 from vsf.optim.muon import NS_COEFFICIENTS, ScaleByMuonState, muon, newton_schulz, scale_by_muon
 from vsf.optim.schedules import Schedule, constant, cosine_decay, linear, warmup_cosine_decay
-from vsf.optim.sharded import ZeroLayout, init_sharded, state_shardings, zero_layout
+from vsf.optim.sharded import ZeroLayout, init_sharded, sharded, state_shardings, zero_layout
 from vsf.optim.transforms import (
     ScaleByAdamState,
     ScaleByLionState,
@@ -62,6 +62,7 @@ __all__ = [
     "constant",
     "cosine_decay",
     "init_sharded",
+    "sharded",
     "lion",
     "linear",
     "masked",

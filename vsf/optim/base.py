@@ -81,9 +81,9 @@ def _add(ps: list[torch.Tensor], us: list[torch.Tensor]) -> tuple[list[torch.Ten
 def chain(*txs: GradientTransformation) -> GradientTransformation:
     """Apply ``txs`` in order; the state is the tuple of their states (optax's ``chain``).
 
-    The gradients are brought to the layout of the first per-parameter state in the chain
-    (e.g. Adam's ``mu``) once, before the first transform, so a ``Partial`` gradient is
-    reduced straight into a ZeRO-sharded layout and every transform sees it reduced.
+    Layouts are not its business: each transform takes the gradients as they come and brings
+    them to its own state's layout; :func:`vsf.optim.sharded` reduces them into the state's
+    layout once, before the first transform.
 
     Example::
 
@@ -99,10 +99,6 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def update(updates: Updates, state: tuple[State, ...], params: Params | None = None) -> tuple[Updates, tuple[State, ...]]:
         if not isinstance(state, tuple) or len(state) != len(txs):
             raise ValueError(f"chain of {len(txs)} transforms needs a tuple of {len(txs)} states, got {type(state).__name__}")
-        ref = _leaves.flat(updates)
-        layout = _leaves.param_layout(state, ref)
-        if layout is not None:
-            updates = ref.unflatten(_leaves.settle(ref.leaves, layout, ref.paths, "updates"))
         new_state = []
         for t, s in zip(txs, state):
             updates, s = t.update(updates, s, params)

@@ -44,13 +44,13 @@ from torch.distributed.tensor import DTensor
 
 from vsf import _compat, tree
 from vsf.optim import _leaves
-from vsf.optim.base import GradientTransformation, Params, State
+from vsf.optim.base import GradientTransformation, Params, State, Updates
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, resolve, sharding_of
 from vsf.sharding.put import device_put, is_sharding_leaf
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["ZeroLayout", "init_sharded", "state_shardings", "zero_layout"]
+__all__ = ["ZeroLayout", "init_sharded", "sharded", "state_shardings", "zero_layout"]
 
 
 class ZeroLayout(NamedTuple):
@@ -118,7 +118,8 @@ def state_shardings(
 def init_sharded(
     tx: GradientTransformation, params: Params, *, zero_axes: Sequence[str] = (), stage: int = 1, uneven: bool = False
 ) -> State:
-    """``tx.init(params)`` with the state laid out by :func:`state_shardings`, built shard by shard.
+    """``tx.init(params)`` with the state laid out by :func:`state_shardings`, built shard by shard
+    (the ``init`` of :func:`sharded`).
 
     ``params`` must be DTensors on one mesh. ``tx.init`` runs on the params redistributed to
     the state's layout (a local slice: no communication, no full copy), so each rank allocates
@@ -156,6 +157,39 @@ def init_sharded(
                 f"(e.g. torch.zeros_like), so that each rank allocates only its shard"
             )
     return state
+
+
+def sharded(tx: GradientTransformation, *, zero_axes: Sequence[str] = (), stage: int = 1, uneven: bool = False) -> GradientTransformation:
+    """``tx`` with its state laid out by :func:`state_shardings` and each gradient reduced
+    straight into that layout.
+
+    ``init`` is :func:`init_sharded`; ``update`` brings the gradients to the layout of the first
+    per-parameter state leaf (e.g. Adam's ``mu``) once, before ``tx`` sees them: a ``Partial``
+    gradient becomes one reduce-scatter into the ZeRO-sharded layout, and stateless transforms
+    first in the chain (``clip_by_global_norm``) work on the shards. The state is ``tx``'s own,
+    so ``tx.update`` on it gives the same numbers, reducing each gradient where each transform
+    needs it. Under ``vsf.jit`` the planner lays the gradients out either way.
+
+    Example::
+
+        >>> stx = vsf.optim.sharded(vsf.optim.chain(vsf.optim.clip_by_global_norm(1.0), vsf.optim.adamw(1e-3)), zero_axes=("dp",))
+        >>> state = stx.init(params)                       # Adam's moments split over dp too
+        >>> updates, state = stx.update(grads, state, params)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"sharded needs a GradientTransformation, got {type(tx).__name__}")
+
+    def init(params: Params) -> State:
+        return init_sharded(tx, params, zero_axes=zero_axes, stage=stage, uneven=uneven)
+
+    def update(updates: Updates, state: State, params: Params | None = None) -> tuple[Updates, State]:
+        ref = _leaves.flat(updates)
+        layout = _leaves.param_layout(state, ref)
+        if layout is not None:
+            updates = ref.unflatten(_leaves.settle(ref.leaves, layout, ref.paths, "updates"))
+        return tx.update(updates, state, params)
+
+    return GradientTransformation(init, update)
 
 
 # -- the rule ------------------------------------------------------------------------------------

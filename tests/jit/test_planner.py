@@ -283,3 +283,31 @@ def test_a_split_contraction_is_reduced_once_where_the_output_asks(sim):
     assert plan.nodes[mm].outs == ((P,),)
     # the 4x6 float32 result (96 bytes) all-reduced over 2 ranks: 2(n-1)/n * 96
     assert plan.collectives() == [Collective("all_reduce", "dp", (4, 6), torch.float32, 96)]
+
+
+# -- overlap -------------------------------------------------------------------------------------
+
+
+def _collective_graph(in_place: bool) -> torch.fx.GraphModule:
+    """x all-reduced, waited for, viewed, and added to y * 2 (optionally after y.add_(1))."""
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    issued = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    waited = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (issued,))
+    flat = g.call_function(aten.view.default, (waited, [-1]))
+    doubled = g.call_function(aten.mul.Tensor, (y, 2))
+    if in_place:
+        g.call_function(aten.add_.Tensor, (y, 1))
+    g.output(g.call_function(aten.add.Tensor, (flat, doubled)))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_collective_is_waited_for_at_its_first_use_never_past_an_in_place_op(in_place):
+    from vsf.jit.overlap import wait_late
+
+    names = [str(n.target).split(".")[1] if n.op == "call_function" else n.op for n in wait_late(_collective_graph(in_place)).graph.nodes]
+    if in_place:
+        assert names == ["placeholder", "placeholder", "all_reduce", "mul", "wait_tensor", "view", "add_", "add", "output"]
+    else:
+        assert names == ["placeholder", "placeholder", "all_reduce", "mul", "wait_tensor", "view", "add", "output"]

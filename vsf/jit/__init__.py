@@ -11,11 +11,12 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.cost` and :mod:`~vsf.jit.solver` - the cost model and the per-axis solver;
 * :mod:`~vsf.jit.manual` - ``shard_map`` regions: their pinned placements, collectives and local run;
 * :mod:`~vsf.jit.redistribute` - transition paths between placements and their collectives;
-* :mod:`~vsf.jit.buckets` - bucketing of all-reduces and the execution order;
+* :mod:`~vsf.jit.buckets` - bucketing of all-reduces, all-gathers and reduce-scatters, and the execution order;
 * :mod:`~vsf.jit.propagate` - the driver: per-axis choices combined and checked with DTensor;
 * :mod:`~vsf.jit.lower` - the plan run (or traced) on local shards;
 * :mod:`~vsf.jit.check` - checking mode: the plan run beside the unsharded graph, op by op;
 * :mod:`~vsf.jit.donation` - donated arguments released and their buffers reused;
+* :mod:`~vsf.jit.overlap` - each collective waited for at its result's first use;
 * :mod:`~vsf.jit.report` - the plan's text and cost.
 
 ``vsf.jit`` (the attribute of ``vsf``) is the function; reach a stage as ``from vsf.jit import lower``

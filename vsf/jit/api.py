@@ -33,6 +33,7 @@ from vsf import _compat, config, tree
 from vsf.jit.check import run_checked
 from vsf.jit.classify import unplanned_ops
 from vsf.jit.donation import check_not_donated, donate, reuse_donated
+from vsf.jit.overlap import wait_late
 from vsf.jit.graph import output_node
 from vsf.jit.lower import compile_local, execute
 from vsf.jit.plan import Placements, Plan
@@ -415,7 +416,7 @@ class Compiled:
                 locals_out = execute(self.plan, locals_in)
         else:
             if self._local is None:
-                self._local = reuse_donated(compile_local(self.plan, locals_in), locals_in, call.donated(self.owner.donate_argnums))
+                self._local = wait_late(reuse_donated(compile_local(self.plan, locals_in), locals_in, call.donated(self.owner.donate_argnums)))
             locals_out = self._local.forward(*locals_in)
         outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
         it = iter(outs)

@@ -165,8 +165,20 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     the traced value's: a collective returns a row-major buffer, and a kernel's output order may
     follow its inputs' (SDPA's CPU kernel on q, k, v that a redistribution made row-major)."""
     order = _dim_order(traced)
+    if _dense_in(local, order):
+        return local
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
+
+
+def _dense_in(t: torch.Tensor, order: Sequence[int]) -> bool:
+    """Is ``t`` stored densely with its dims in ``order``, outermost first (read off its strides: no op)?"""
+    step = 1
+    for d in reversed(order):
+        if t.shape[d] > 1 and t.stride(d) != step:
+            return False
+        step *= t.shape[d]
+    return True
 
 
 def _dim_order(t: torch.Tensor) -> list[int]:
@@ -179,7 +191,7 @@ def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) ->
     for o, w in zip(outs, want):
         if w is not None and tuple(o.placements) != w:
             raise PlanMismatch(f"{node.target} (node {node.name}) produced {tuple(o.placements)}, the plan said {w}")
-    locals_ = [o.to_local() if isinstance(o, DTensor) else o for o in outs]
+    locals_ = [_compat.dtensor_local(o) if isinstance(o, DTensor) else o for o in outs]
     return locals_ if isinstance(out, (list, tuple)) else locals_[0]
 
 

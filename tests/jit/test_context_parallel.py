@@ -152,6 +152,21 @@ def test_causal_attention_on_uneven_sequence_shards_is_gathered_and_equals_one_d
         assert on_axis(plan, p.ins[0]) != Shard(2), p.ins
 
 
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_causal_attention_with_more_keys_than_queries_equals_one_device(sim, monkeypatch, mode):
+    """8 queries over 16 keys (the kernel's causal mask starts at the first key): the blocks are
+    the queries', so vsf does not split it; the plan gathers and equals one device."""
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    q = torch.randn(2, 4, 8, 8)
+    k, v = torch.randn(2, 2, 2, 16, 8).unbind(0)
+    params, loss_fn = {"q": q, "k": k, "v": v}, lambda p: _attention_loss(p["q"], p["k"], p["v"], True)
+    want = reference(loss_fn, params, ())
+    got, plan = _run_qkv(sim, "cp2", params, loss_fn)
+    assert_equal_to_one_device(got, want)
+    for p in attention_plans(plan)[SDPA]:
+        assert on_axis(plan, p.ins[0]) != Shard(2), p.ins
+
+
 def test_dtensor_never_runs_causal_attention_on_query_shards(sim):
     """DTensor is told the query split only for full attention: eager DTensor SDPA on sequence
     shards, causal or not, equals one device (a causal kernel on a later shard would mask from

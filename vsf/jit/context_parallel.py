@@ -108,16 +108,20 @@ def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Seque
     """Does :func:`run` compute ``node`` with inputs and results laid out as ``ins`` and ``outs``
     (the per-axis choices combined)? It does where they split the queries' sequence and every
     dim of every tensor into equal plain shards (each rank's query heads then meet their own key
-    and value heads, and its queries start at its shard's offset); keys and values are whole, or
-    split like the queries over one mesh dim (a ring)."""
+    and value heads, and its queries start at its shard's offset), queries and keys are as long
+    (the blocks are the queries'), and keys and values are whole, or split like the queries over
+    one mesh dim (a ring)."""
     if not splits_sequence(node, ins):
         return False
     metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
     placed = [*ins, *outs]
     shards = [(t, p) for t, p in zip(metas, placed) if t is not None and p is not None]
     keys, queries = _split_of(node, ins, "key"), _split_of(node, ins, "query")
+    names = _tensor_names(node)
+    lengths = {meta_of(tensor_args(node)[names.index(name)]).shape[2] for name in ("query", "key", "value")}
     return (
         len(metas) == len(placed)
+        and len(lengths) == 1
         and not any(isinstance(q, _compat.StridedShard) for _, p in shards for q in p)
         and all(splits_evenly(mesh, t, p) for t, p in shards)
         and (not keys or (keys == queries == _split_of(node, ins, "value") and len(keys) == 1))

@@ -23,9 +23,10 @@ from torch.distributed.tensor import Partial, Placement, Shard
 
 from vsf import _compat
 from vsf.errors import PlanError
+from vsf.jit import context_parallel
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
-from vsf.jit.plan import PARTIAL, Placements, R, is_shard, split_dim
+from vsf.jit.plan import PARTIAL, Placements, R, is_shard, split_dim, splits_evenly
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
@@ -75,7 +76,7 @@ class Strategies:
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
         found = _single_dim(node, n) if op.rules == "single" else _by_each_input(node, n) if op.rules else None
         if found:
-            return _valid(found, node, n), False
+            return _valid(found + _context_parallel(node), node, n), False
         if self.fallback:
             return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
         raise PlanError(
@@ -101,6 +102,12 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
             swap = lambda p: g if isinstance(p, Shard) else p  # noqa: E731
             out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(None if p is None else swap(p) for p in st.outs)))
     return out
+
+
+def _context_parallel(node: torch.fx.Node) -> list[Strategy]:
+    """vsf's own splits of an attention node over its queries' sequence (:mod:`vsf.jit.context_parallel`)."""
+    n_out = len(outputs_meta(node))
+    return [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node)]
 
 
 def _single_dim(node: torch.fx.Node, n: int) -> list[Strategy] | None:
@@ -174,7 +181,7 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     placed = [*zip(metas, ins), *((t, p) for t, p in zip(outputs_meta(node), outs) if t is not None and p is not None)]
     if not all(_compat.is_shardable(t, dm, tuple(p)) for t, p in placed):
         return False
-    if node.target in _RESHAPES and (_has_strided(ins) or not all(_splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed)):
+    if node.target in _RESHAPES and (_has_strided(ins) or not all(splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed)):
         return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
     extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
     return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
@@ -199,15 +206,6 @@ def _nests(mesh: Mesh, placements: Placements) -> bool:
             if others and p.split_factor != math.prod(sizes[j] for j in others if j > k):
                 return False
     return True
-
-
-def _splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together?"""
-    ways = [1] * t.ndim
-    for axis, p in zip(mesh.device_axes, placements):
-        if is_shard(p):
-            ways[split_dim(p)] *= mesh.axis_size(axis)
-    return all(size % n == 0 for size, n in zip(t.shape, ways))
 
 
 def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:

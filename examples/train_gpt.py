@@ -16,7 +16,8 @@ Run it::
     python examples/train_gpt.py --simulate 8 --resume      # continue from the last checkpoint
 
 The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in turn) unless
-``--dp/--fsdp/--tp`` say otherwise; pp and cp are 1 (their schedules are not implemented yet).
+``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
+parallelism: attention runs on sequence shards); pp is 1 (its schedules are not implemented yet).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
 and writes the loss curve to ``<out>/loss.png`` (with matplotlib installed).
 """
@@ -55,7 +56,7 @@ RULES = [
     (r"(wte|wpe)\.weight", P("fsdp")),
     (r".*", P()),
 ]
-BATCH = P(("dp", "fsdp"))   # the batch dim over every data-parallel axis
+BATCH = P(("dp", "fsdp"), "cp")   # the batch dim over every data-parallel axis, each sequence over cp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--simulate", type=int, metavar="N", help="simulate N ranks in this process (default: the ranks torchrun started, or 1)")
     for axis in ("dp", "fsdp", "tp"):
         run.add_argument(f"--{axis}", type=int, help=f"size of the {axis} axis (default: derived from the number of ranks)")
-    for axis in ("pp", "cp"):
-        run.add_argument(f"--{axis}", type=int, default=1, help=f"size of the {axis} axis (only 1: not implemented yet)")
+    run.add_argument("--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)")
+    run.add_argument("--pp", type=int, default=1, help="size of the pp axis (only 1: not implemented yet)")
     model = p.add_argument_group("model and data")
     model.add_argument("--vocab", type=int, default=16)
     model.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -89,8 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--log-every", type=int, default=None, help="steps between log lines when stdout is not a terminal (default: steps // 10)")
     out.add_argument("--print-plan", action="store_true", help="print the jitted step's plan (every op's shardings and every collective)")
     args = p.parse_args(argv)
-    if args.pp != 1 or args.cp != 1:
-        p.error("pipeline (pp) and context (cp) parallelism are not implemented yet: their axes must have size 1")
+    if args.pp != 1:
+        p.error("pipeline parallelism (pp) is not implemented yet: its axis must have size 1")
+    if args.cp < 1 or args.seq % args.cp:
+        p.error(f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)")
     return args
 
 
@@ -99,9 +102,10 @@ def config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers, period=args.period)
 
 
-def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: int | None = None) -> dict[str, int]:
-    """The 5D mesh for ``world`` ranks: given sizes are kept, factors of 2 of the rest go to the
-    unset axes among dp, fsdp, tp in turn (8 ranks: 2 x 2 x 2), an odd remainder to the first unset.
+def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: int | None = None, cp: int = 1) -> dict[str, int]:
+    """The 5D mesh for ``world`` ranks: ``cp`` and the given sizes are kept, factors of 2 of the
+    rest go to the unset axes among dp, fsdp, tp in turn (8 ranks: 2 x 2 x 2), an odd remainder
+    to the first unset.
 
     Example::
 
@@ -109,8 +113,13 @@ def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: i
         {'pp': 1, 'dp': 2, 'fsdp': 2, 'cp': 1, 'tp': 2}
         >>> mesh_shape(4, tp=1)
         {'pp': 1, 'dp': 2, 'fsdp': 2, 'cp': 1, 'tp': 1}
+        >>> mesh_shape(8, cp=2)
+        {'pp': 1, 'dp': 2, 'fsdp': 2, 'cp': 2, 'tp': 1}
     """
     given = {"dp": dp, "fsdp": fsdp, "tp": tp}
+    if world % cp:
+        raise ValueError(f"{world} ranks cannot be split as cp={cp}: it must divide {world}")
+    world //= cp
     fixed = math.prod(v for v in given.values() if v is not None)
     if world % fixed:
         raise ValueError(f"{world} ranks cannot be split as {({k: v for k, v in given.items() if v is not None})}: their product {fixed} must divide {world}")
@@ -126,7 +135,7 @@ def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: i
         i += 1
     if free:
         sizes[free[0]] *= rest
-    return {"pp": 1, "dp": sizes["dp"], "fsdp": sizes["fsdp"], "cp": 1, "tp": sizes["tp"]}
+    return {"pp": 1, "dp": sizes["dp"], "fsdp": sizes["fsdp"], "cp": cp, "tp": sizes["tp"]}
 
 
 @dataclasses.dataclass
@@ -196,7 +205,7 @@ def make_optimizer(args: argparse.Namespace) -> optim.GradientTransformation:
 
 def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor]) -> Result:
     """Lay out, restore or initialise, and train; runs on every rank (or inside ``vsf.simulate``)."""
-    shape = mesh_shape(args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp)
+    shape = mesh_shape(args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp, args.cp)
     mesh = vsf.make_mesh(tuple(shape.values()), AXES)
     cfg = model.cfg
     rep = Reporter(args.steps, args.batch * cfg.seq, args.log_every or max(1, args.steps // 10), vsf.runtime.rank() == 0)

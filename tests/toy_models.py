@@ -20,6 +20,7 @@ class GPTConfig:
     tied: bool = True
     qkv_bias: bool = True
     fused_qkv: bool = True  # False: separate q, k, v projections (what torch TP's colwise split needs)
+    sdpa: bool = False  # True: causal F.scaled_dot_product_attention in place of the explicit masked softmax
 
 
 class Attention(nn.Module):
@@ -33,12 +34,15 @@ class Attention(nn.Module):
         else:
             self.q, self.k, self.v = (nn.Linear(cfg.dim, cfg.dim, bias=cfg.qkv_bias) for _ in range(3))
         self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.sdpa = cfg.sdpa
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         qkv = self.qkv(x).split(c, dim=-1) if hasattr(self, "qkv") else (self.q(x), self.k(x), self.v(x))
         # heads as -1: under torch TP each rank holds its own heads' columns (a local width)
         q, k, v = (z.reshape(b, t, -1, self.hd).transpose(1, 2) for z in qkv)
+        if self.sdpa:
+            return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
         mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)

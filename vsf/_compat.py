@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -52,7 +52,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable, register_op_strategy
 from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor._redistribute import _gen_transform_infos, redistribute_local_tensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.proxy import _register_stack_trace_anchor
@@ -65,6 +65,7 @@ __all__ = [
     "Placed",
     "StridedShard",
     "active_local_mode",
+    "attention_sequence_rule",
     "clear_sharding_caches",
     "decomposition",
     "dispatcher_special_ops",
@@ -291,12 +292,15 @@ def reduce_partial(p: Placement, values: Sequence[torch.Tensor]) -> torch.Tensor
 
 
 def clear_sharding_caches() -> None:
-    """Empty DTensor's sharding-propagation caches (Python and C++ fast path).
+    """Empty DTensor's caches keyed by meshes: sharding propagation (Python and C++ fast path)
+    and redistribution plans, which hold their DeviceMeshes (and so the meshes' process groups).
 
-    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does the same, but importing
-    that package imports numpy, which neither torch nor vsf depends on."""
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` clears the first two, but
+    importing that package imports numpy, which neither torch nor vsf depends on."""
     _propagator().propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 # -- PyTorch's pytree (fx op arguments, DTensor schemas; user pytrees go through vsf.tree) --------
@@ -647,6 +651,13 @@ def register_attention(op: Any) -> None:
     heads) split only into equal parts (each rank's query heads must meet their own key/value
     head); with dropout the op is only replicated (its random draw is not sharding-invariant).
 
+    Without a causal mask it also splits over the queries' sequence (dim 2: context parallelism
+    with whole keys and values): the queries, the output, its log-sum-exp, the mask's query rows
+    and their cotangents are split, keys and values are replicated, and the backward's key and
+    value gradients are partial sums (each rank's queries' share). The kernel's causal mask starts
+    at the first query of the shard it is given, so a causal op is never split so (its context
+    parallelism is :mod:`vsf.jit.context_parallel`'s).
+
     Example::
 
         >>> register_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -663,6 +674,8 @@ def register_attention(op: Any) -> None:
         if given.get("dropout_p", 0.0) == 0.0:
             for d in (0, 1):
                 rules.append([Shard(d)] * n_out + [_attention_split(name, shape, d, rank) for name, shape in tensors])
+            if not given.get("is_causal", False):
+                rules.append(attention_sequence_rule(op, tensors))
         grouped = given["query"].shape[1] != given["key"].shape[1]
         return expand_to_full_mesh_op_strategy(
             mesh, op_schema, rules, input_index=n_out, is_valid_strategy_cb=_equal_head_splits(mesh) if grouped else None
@@ -676,6 +689,26 @@ def _attention_split(name: str, shape: Any, d: int, rank: int) -> Placement:
         return Shard(d)
     m = len(shape) - rank + d  # masks broadcast from the right
     return Shard(m) if m >= 0 and shape[m] > 1 else Replicate()
+
+
+_KEYS_VALUES = ("key", "value", "grad_key", "grad_value")
+
+
+def attention_sequence_rule(op: Any, tensors: Sequence[tuple[str, Any]]) -> list[Placement]:
+    """The placements, on one mesh dim, of the attention op ``op``'s results then tensor arguments
+    (``tensors``: their names and shapes) for a split of the queries' sequence (dim 2): the
+    forward's results (output, log-sum-exp) split with the queries, as does the backward's query
+    gradient; keys and values are whole, their gradients partial sums; a mask's query rows split.
+
+    Example::
+
+        >>> attention_sequence_rule(aten._scaled_dot_product_flash_attention_for_cpu.default, [("query", q.shape), ("key", k.shape), ("value", v.shape)])
+        [Shard(dim=2), Shard(dim=2), Shard(dim=2), Replicate(), Replicate()]
+    """
+    rank = len(dict(tensors)["query"])
+    results = [r.name for r in op._schema.returns if isinstance(r.type, torch.TensorType)]
+    outs = [Partial() if name in _KEYS_VALUES else Shard(2) for name in results]
+    return outs + [Replicate() if name in _KEYS_VALUES else _attention_split(name, shape, 2, rank) for name, shape in tensors]
 
 
 def _equal_head_splits(mesh: DeviceMesh) -> Any:

@@ -21,6 +21,11 @@
   generator (dropout without :class:`vsf.random.keyed`, ``torch.rand`` ...) is an error, since its
   values would depend on the layout; set, it is planned like any op (DTensor's RNG where it has a
   strategy, ``allow_replicated_fallback`` where not), with other values on every layout.
+* ``context_parallel`` (default ``"all_gather"``): how attention runs with its queries' sequence
+  split (:mod:`vsf.jit.context_parallel`): ``"all_gather"`` gathers keys and values over the
+  split (a ring sends as many bytes, so the cost model would not pick it), ``"ring"`` passes
+  their blocks around a ring of ppermutes instead (each rank holds one block of keys and
+  values at a time). Read when a step is planned.
 
 Example::
 
@@ -34,3 +39,4 @@ check_plan: bool = False
 check_tolerance: tuple[float, float] = (1e-4, 1e-5)
 compile_random: bool = False
 allow_unkeyed_random: bool = False
+context_parallel: str = "all_gather"

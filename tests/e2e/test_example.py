@@ -2,6 +2,8 @@
 
 * 8 ranks simulated in one process train a small GPT for 50 steps: the loss falls, and every
   step's loss equals (fp tolerance) the same run in one plain process (one rank, no simulation).
+* Sequences split over ``cp`` (4 simulated ranks, ``--cp 2`` with dp and with tp) give the
+  one-process losses too.
 * The same run on 2 real gloo processes, started with ``python -m vsf.launch``, is killed with
   SIGKILL once a checkpoint is committed; ``--resume`` continues from that checkpoint, repeats
   the steps the killed run took after it bit for bit, and ends with the uninterrupted losses.
@@ -94,6 +96,8 @@ def background(tmp_path_factory):
     runs = {
         "one": Background(tmp_path_factory.mktemp("one_process"), *SMALL, "--save-every", str(STEPS)),
         "sim8": Background(tmp_path_factory.mktemp("simulate_8"), *SMALL, "--simulate", "8", "--save-every", str(STEPS), "--print-plan"),
+        "cp2": Background(tmp_path_factory.mktemp("cp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--save-every", str(STEPS)),
+        "cp2tp2": Background(tmp_path_factory.mktemp("cp_2_tp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--tp", "2", "--save-every", str(STEPS)),
     }
     yield runs
     for run in runs.values():
@@ -162,6 +166,16 @@ def test_eight_simulated_ranks_learn_and_match_one_process(background, one_proce
     assert len(re.findall(r"^\s+(?:all_reduce|all_gather|reduce_scatter|all_to_all) over \w+: ", out, re.M)) == planned
 
 
+@pytest.mark.parametrize("run, mesh", [("cp2", "dp=2 x fsdp=1 x cp=2 x tp=1"), ("cp2tp2", "dp=1 x fsdp=1 x cp=2 x tp=2")])
+def test_sequences_split_over_cp_train_like_one_process(background, one_process, run, mesh):
+    out = background[run].wait()
+    assert f"mesh pp=1 x {mesh} (4 ranks, cpu, simulated)" in out
+    losses = [m["loss"] for m in metrics(background[run].out)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_process), rtol=1e-5, atol=0)
+    sends = re.search(r"each step sends per rank \(from the plan\): (.*);", out).group(1)
+    assert "cp " in sends
+
+
 def test_mesh_shape_from_the_number_of_ranks():
     assert train_gpt.mesh_shape(1) == {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 1}
     assert train_gpt.mesh_shape(2) == {"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "tp": 1}
@@ -174,12 +188,19 @@ def test_mesh_shape_from_the_number_of_ranks():
         train_gpt.mesh_shape(8, dp=3)
     with pytest.raises(ValueError, match="there are 8 ranks"):
         train_gpt.mesh_shape(8, dp=2, fsdp=1, tp=2)
+    assert train_gpt.mesh_shape(8, cp=2) == {"pp": 1, "dp": 2, "fsdp": 2, "cp": 2, "tp": 1}
+    assert train_gpt.mesh_shape(4, cp=2, tp=2) == {"pp": 1, "dp": 1, "fsdp": 1, "cp": 2, "tp": 2}
+    with pytest.raises(ValueError, match="cp=3"):
+        train_gpt.mesh_shape(8, cp=3)
 
 
-def test_pipeline_and_context_axes_are_refused(capsys):
+def test_pipeline_axis_and_uneven_sequence_splits_are_refused(capsys):
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--pp", "2"])
     assert "not implemented yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--cp", "3", "--seq", "32"])
+    assert "must be a positive divisor of --seq 32" in capsys.readouterr().err
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_otherwise():

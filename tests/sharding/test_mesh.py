@@ -241,6 +241,7 @@ def test_named_sharding_tree_errors_name_the_key_path():
 EXIT_SCRIPT = """
 import atexit, json, os, sys
 import torch, torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
 import vsf
 
 def threads():
@@ -251,12 +252,16 @@ before = threads()
 mesh = vsf.make_mesh((1, 1), ("dp", "tp"), device_type="cpu")
 x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, vsf.P("dp")))
 (x * 2).full_tensor()
+x.redistribute(x.device_mesh, [Shard(0)] * x.device_mesh.ndim).redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)  # DTensor caches these plans
 during = threads()
 del x, mesh
 if sys.argv[1] == "user_destroys":
     dist.destroy_process_group()
 atexit._run_exitfuncs()
-print(json.dumps([before, during, threads(), dist.is_initialized()]))
+import gc
+from torch.distributed.device_mesh import DeviceMesh
+alive = sum(isinstance(o, DeviceMesh) for o in gc.get_objects())  # what holds a mesh's sub-groups
+print(json.dumps([before, during, threads(), dist.is_initialized(), alive]))
 """
 
 
@@ -264,9 +269,10 @@ print(json.dumps([before, during, threads(), dist.is_initialized()]))
 def test_process_groups_are_freed_before_interpreter_exit(how):
     """A group's worker threads are joined only when the group is freed; left to interpreter
     finalisation, a gloo thread releasing a finished collective's tensors aborts the process. The
-    exit hook frees them (the sub-groups vsf's cached DeviceMeshes hold too) while Python runs."""
+    exit hook frees them (the sub-groups vsf's cached DeviceMeshes and DTensor's redistribution
+    plans hold too) while Python runs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, how], capture_output=True, text=True, env=env, timeout=120, check=True)
-    before, during, after, initialized = json.loads(out.stdout.splitlines()[-1])
+    before, during, after, initialized, device_meshes = json.loads(out.stdout.splitlines()[-1])
     assert during > before  # the default group and the mesh's two sub-groups have threads
-    assert after == before and not initialized
+    assert after == before and not initialized and device_meshes == 0

@@ -36,6 +36,7 @@ from torch.fx.node import map_arg
 
 from vsf import _compat, config, runtime
 from vsf.errors import PlanCheckError
+from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, source_line, value_of
 from vsf.jit.lower import execute
 from vsf.jit.plan import Placements, Plan
@@ -158,7 +159,18 @@ def _unchecked(node: torch.fx.Node) -> bool:
     """Is ``node``'s value not the unsharded op's to compare: random numbers, memory left
     uninitialised, or a manual region (its body has no unsharded op; its assembled results are
     what later ops are checked against)?"""
-    return node.target in _UNINITIALISED or node.target in (REGION_OP, REGION_VJP_OP) or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    return node.target in _UNINITIALISED or node.target in (REGION_OP, REGION_VJP_OP) or _draws(node)
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Does ``node`` draw random numbers? An attention kernel is tagged random for its dropout:
+    without dropout it draws none."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    if node.target in ATTENTION_OPS:
+        names = [a.name for a in _compat.op_schema(node.target).arguments]
+        return {**dict(zip(names, node.args)), **node.kwargs}.get("dropout_p", 0.0) != 0.0
+    return True
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:

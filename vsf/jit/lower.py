@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat
 from vsf.errors import PlanMismatch
-from vsf.jit import manual
+from vsf.jit import context_parallel, manual
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
 from vsf.jit.plan import Bucket, Placements, Plan
 from vsf.jit.redistribute import move_local, transition_path
@@ -76,7 +76,8 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             continue  # placeholders, tuple indexing and the output: nothing to run
         step = plan.nodes[node]
         wanted = iter(step.ins)
-        as_dtensor = step.op.kind == "strategy" and not step.direct and not step.fallback
+        split_queries = context_parallel.splits_sequence(node, step.ins)
+        as_dtensor = step.op.kind == "strategy" and not step.direct and not step.fallback and not split_queries
 
         def arg(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
@@ -96,6 +97,8 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             out = manual.run(node, args)
         elif step.op.kind == "constant":
             out = _compat.torch_tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
+        elif split_queries:
+            out = context_parallel.run(plan.mesh, node, args, kwargs, step.ins)
         elif as_dtensor:
             out = _unwrap(node, node.target(*args, **kwargs), step.outs)
         else:

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "is_shard",
     "one_d",
     "split_dim",
+    "splits_evenly",
     "to_placements",
 ]
 
@@ -157,3 +159,18 @@ def one_d(p: Placement) -> Placement:
 def has_ragged(placements: Sequence[Placements]) -> bool:
     """Does any of these layouts hold a ragged split?"""
     return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)
+
+
+def splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
+    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together?
+
+    Example::
+
+        >>> splits_evenly(mesh, torch.empty(10, 4), (Shard(0),))   # mesh of 4 ranks: 3, 3, 3, 1
+        False
+    """
+    ways = [1] * t.ndim
+    for axis, p in zip(mesh.device_axes, placements):
+        if is_shard(p):
+            ways[split_dim(p)] *= mesh.axis_size(axis)
+    return all(size % n == 0 for size, n in zip(t.shape, ways))

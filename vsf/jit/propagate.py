@@ -38,7 +38,7 @@ from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.classify import classify, constant_nodes
 from vsf.jit.cost import NOT_PARTIAL, Codes
-from vsf.jit import manual
+from vsf.jit import context_parallel, manual
 from vsf.jit.cost import transition_kind
 from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, has_ragged, is_shard, one_d, split_dim, to_placements
@@ -161,6 +161,8 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
             want_in, want_out = manual.placements(node, mesh)
         elif op.kind == "value_blind":
             direct = True
+        elif context_parallel.runs(mesh, node, want_in, want_out):
+            pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
         elif op.kind == "strategy" and not fallback:
             direct = op.local or (op.ragged_reduction and has_ragged(want_in))
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
@@ -177,7 +179,7 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
                 want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        inside = manual.collectives(node) if op.kind == "region" else ()
+        inside = manual.collectives(node) if op.kind == "region" else context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
         for i, out in enumerate(want_out):
             if out is not None:

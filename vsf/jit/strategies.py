@@ -26,9 +26,10 @@ from torch.distributed.tensor import Partial, Placement, Shard
 
 from vsf import _compat
 from vsf.errors import PlanError
+from vsf.jit import context_parallel
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
-from vsf.jit.plan import PARTIAL, Placements, R, has_ragged, is_shard, split_dim
+from vsf.jit.plan import PARTIAL, Placements, R, has_ragged, is_shard, split_dim, splits_evenly
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
@@ -103,7 +104,7 @@ class Strategies:
         strided = tuple(tuple(p for p in ps if isinstance(p, _compat.StridedShard)) for ps in arrivals)
         found = _single_dim(node, n, strided) if op.rules == "single" else _by_each_input(node, n, strided) if op.rules else None
         if found:
-            return _valid(found, node, n, arrivals), False
+            return _valid(found + _context_parallel(node), node, n, arrivals), False
         if self.fallback:
             return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
         raise PlanError(
@@ -129,6 +130,12 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
             swap = lambda p: g if isinstance(p, Shard) else p  # noqa: E731
             out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(None if p is None else swap(p) for p in st.outs)))
     return out
+
+
+def _context_parallel(node: torch.fx.Node) -> list[Strategy]:
+    """vsf's own splits of an attention node over its queries' sequence (:mod:`vsf.jit.context_parallel`)."""
+    n_out = len(outputs_meta(node))
+    return [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node)]
 
 
 def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
@@ -220,7 +227,7 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     if not all(_compat.is_shardable(t, dm, tuple(p)) for t, p in placed):
         return False
     if node.target in _RESHAPES:
-        if not all(_splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed):
+        if not all(splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed):
             return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
         if _has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
             return False
@@ -300,15 +307,6 @@ def _in_group(placements: Placements, dims: list[int]) -> Placements:
         else:
             out.append(R)
     return tuple(out)
-
-
-def _splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together?"""
-    ways = [1] * t.ndim
-    for axis, p in zip(mesh.device_axes, placements):
-        if is_shard(p):
-            ways[split_dim(p)] *= mesh.axis_size(axis)
-    return all(size % n == 0 for size, n in zip(t.shape, ways))
 
 
 def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:

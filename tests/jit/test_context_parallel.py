@@ -1,0 +1,285 @@
+"""Context parallelism inside vsf.jit: with the tokens' sequence dim sharded over ``cp``, attention
+runs on sequence shards (keys and values gathered over ``cp``, queries and the output left split)
+and the result's sequence dim stays on ``cp``. Oracle: the same step run unsharded on one device
+(fp32); the plan is read from ``step.lower(...)``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from context_parallel_checks import SDPA, assert_attention_on_a_ring, assert_attention_on_sequence_shards, assert_equal_to_one_device, attention_plans, on_axis, reference
+from torch.distributed.tensor import Shard
+
+import vsf
+from vsf import P
+
+MESHES = {
+    "cp2": ((2,), ("cp",), P(None, "cp")),
+    "cp4": ((4,), ("cp",), P(None, "cp")),
+    "cp2_tp2": ((2, 2), ("cp", "tp"), P(None, "cp")),
+    "dp2_cp2": ((2, 2), ("dp", "cp"), P("dp", "cp")),
+}
+MEGATRON = [(r"(q|k|v)\.weight", P("tp")), (r"proj\.weight", P(None, "tp")), (r".*", P())]
+
+
+class SDPABlock(nn.Module):
+    """A GPT-like attention block on SDPA, with ``kv_heads`` key/value heads (grouped-query when fewer than ``heads``)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 4, causal: bool = True) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd, self.causal = heads, kv_heads, dim // heads, causal
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.kv_heads != self.heads)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _block_case(causal: bool, kv_heads: int, seq: int = 16, batch: int = 4):
+    module = SDPABlock(kv_heads=kv_heads, causal=causal)
+    params = vsf.tree.from_module(module)
+    x, y = torch.randn(batch, seq, 32), torch.randn(batch, seq, 32)
+
+    def loss_fn(p, x, y):
+        return ((vsf.tree.apply(module, p, x) - y) ** 2).mean()
+
+    return params, (x, y), loss_fn
+
+
+def _step(loss_fn):
+    def step(params, *batch):
+        return vsf.value_and_grad(loss_fn)(params, *batch)
+
+    return step
+
+
+def _run(sim, layout, params, batch, loss_fn, rules=None):
+    """The step jitted on ``layout`` (batch laid out by its spec, params by ``rules``): gathered results and the plan."""
+    shape, names, batch_spec = MESHES[layout]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    rules = rules if "tp" in names else [(r".*", P())]
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec))
+    jitted = vsf.jit(_step(loss_fn))
+    plan = jitted.lower(p, *b).plan
+    return vsf.device_get(jitted(p, *b)), plan
+
+
+def _attention_loss(q, k, v, causal):
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return (out * torch.linspace(-1, 1, out.shape[-1])).sum()
+
+
+def _qkv_case(causal: bool, kv_heads: int, seq: int = 16, heads: int = 4):
+    q = torch.randn(4, heads, seq, 8)
+    k, v = torch.randn(2, 4, kv_heads, seq, 8).unbind(0)
+    return {"q": q, "k": k, "v": v}, (), lambda p: _attention_loss(p["q"], p["k"], p["v"], causal)
+
+
+QKV_SPECS = {"cp2": P(None, None, "cp"), "cp4": P(None, None, "cp"), "cp2_tp2": P(None, "tp", "cp"), "dp2_cp2": P("dp", None, "cp")}
+
+
+def _run_qkv(sim, layout, params, loss_fn):
+    """The attention step jitted with q, k and v laid out as ``QKV_SPECS[layout]``."""
+    shape, names, _ = MESHES[layout]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, QKV_SPECS[layout]))
+    jitted = vsf.jit(_step(loss_fn))
+    plan = jitted.lower(p).plan
+    return vsf.device_get(jitted(p)), plan
+
+
+CAUSAL = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+
+
+@CAUSAL
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_attention_on_sequence_shards_equals_one_device(sim, layout, kv_heads, causal):
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=kv_heads)
+    want = reference(loss_fn, params, batch)
+    got, _ = _run_qkv(sim, layout, params, loss_fn)
+    assert_equal_to_one_device(got, want)
+
+
+@CAUSAL
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_grouped_query_attention_gathers_only_keys_and_values_over_cp(sim, layout, causal):
+    """With 2 key/value heads for 8 query heads, gathering k and v (and reduce-scattering their
+    gradients) sends less than gathering q too. (With as many key/value heads, attention alone
+    with nothing else in the step is cheaper in bytes fully gathered, with no gradient to reduce:
+    the cost model counts bytes, not the work each rank repeats; in a block it splits, below.)"""
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=2, heads=8)
+    _, plan = _run_qkv(sim, layout, params, loss_fn)
+    assert_attention_on_sequence_shards(plan)
+
+
+@CAUSAL
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_tp2"])
+def test_an_attention_block_keeps_its_tokens_split_on_cp(sim, layout, kv_heads, causal):
+    """A GPT-like block (projections, heads, SDPA) on one sequence: only keys and values are
+    gathered. (A batch of several sequences split on cp merges into a strided shard of the
+    projections' rows, which the planner does not keep through ``mm`` yet.)"""
+    params, batch, loss_fn = _block_case(causal=causal, kv_heads=kv_heads, batch=1)
+    want = reference(loss_fn, params, batch)
+    got, plan = _run(sim, layout, params, batch, loss_fn, MEGATRON)
+    assert_equal_to_one_device(got, want)
+    assert_attention_on_sequence_shards(plan)
+
+
+@pytest.mark.parametrize("seq", [10, 6], ids=["uneven", "an-empty-shard"])
+def test_causal_attention_on_uneven_sequence_shards_is_gathered_and_equals_one_device(sim, seq):
+    """10 positions over 4 ranks are 3, 3, 3, 1 (6: 2, 2, 2, 0): the split is not offered, q is gathered."""
+    params, batch, loss_fn = _qkv_case(causal=True, kv_heads=2, heads=8, seq=seq)
+    want = reference(loss_fn, params, batch)
+    got, plan = _run_qkv(sim, "cp4", params, loss_fn)
+    assert_equal_to_one_device(got, want)
+    for p in attention_plans(plan)[SDPA]:
+        assert on_axis(plan, p.ins[0]) != Shard(2), p.ins
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_causal_attention_with_more_keys_than_queries_equals_one_device(sim, monkeypatch, mode):
+    """8 queries over 16 keys (the kernel's causal mask starts at the first key): the blocks are
+    the queries', so vsf does not split it; the plan gathers and equals one device."""
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    q = torch.randn(2, 4, 8, 8)
+    k, v = torch.randn(2, 2, 2, 16, 8).unbind(0)
+    params, loss_fn = {"q": q, "k": k, "v": v}, lambda p: _attention_loss(p["q"], p["k"], p["v"], True)
+    want = reference(loss_fn, params, ())
+    got, plan = _run_qkv(sim, "cp2", params, loss_fn)
+    assert_equal_to_one_device(got, want)
+    for p in attention_plans(plan)[SDPA]:
+        assert on_axis(plan, p.ins[0]) != Shard(2), p.ins
+
+
+def test_dtensor_never_runs_causal_attention_on_query_shards(sim):
+    """DTensor is told the query split only for full attention: eager DTensor SDPA on sequence
+    shards, causal or not, equals one device (a causal kernel on a later shard would mask from
+    that shard's first query)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    q, k, v = torch.randn(3, 2, 4, 8, 8).unbind(0)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("cp",)).device_mesh
+    placed = [distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v)]
+    for causal in (False, True):
+        got = F.scaled_dot_product_attention(*placed, is_causal=causal).full_tensor()
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(vsf.device_get(got), want, rtol=1e-5, atol=1e-6)
+
+
+GPT_MEGATRON = [(r".*(qkv|fc1)\.(weight|bias)", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+
+
+def _gpt_case(sdpa: bool, batch: int):
+    from toy_models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=32, seq=16, dim=16, heads=2, layers=2, tied=False, sdpa=sdpa)
+    model = GPT(cfg)
+    tokens = (torch.randint(0, cfg.vocab, (batch, cfg.seq)), torch.randint(0, cfg.vocab, (batch, cfg.seq)))
+    return vsf.tree.from_module(model), tokens, lambda p, idx, tgt: vsf.tree.apply(model, p, idx, tgt)
+
+
+@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "masked-softmax"])
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_the_toy_gpt_with_tokens_on_cp_equals_one_device(sim, layout, sdpa):
+    """The repo's GPT (causal), its tokens ``P(None, "cp")`` (``P("dp", "cp")`` on dp x cp). With
+    SDPA on one sequence the attention runs on sequence shards; a batch of sequences split on cp
+    merges into a strided shard of the projections' rows, which the planner does not keep through
+    ``mm`` yet (it gathers there), so dp x cp is checked for its numbers only."""
+    batch = 2 if layout.startswith("dp") else 1
+    params, tokens, loss_fn = _gpt_case(sdpa, batch)
+    want = reference(loss_fn, params, tokens)
+    got, plan = _run(sim, layout, params, tokens, loss_fn, GPT_MEGATRON)
+    assert_equal_to_one_device(got, want)
+    if sdpa and batch == 1:
+        assert_attention_on_sequence_shards(plan)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from multiproc import launch_once
+
+    return launch_once(tmp_path_factory, "jit_context_parallel.py", 4)
+
+
+@pytest.mark.multiprocess
+def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
+    """Each process's blocks follow its own rank: 3 SGD steps on 4 gloo processes equal one device,
+    keys and values gathered or passed around a ring."""
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+        assert r["max_param_err"] < 1e-5
+        assert r["query_placements"] == [str((Shard(2),))] * 2
+        torch.testing.assert_close(torch.tensor(r["ring_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+        assert r["ring_max_param_err"] < 1e-5
+        assert r["ring_key_placements"] == [str((Shard(2),))] * 2
+
+
+# -- ring attention (vsf.config.context_parallel = "ring") ------------------------------------------
+
+
+@pytest.fixture
+def ring(monkeypatch):
+    monkeypatch.setattr(vsf.config, "context_parallel", "ring")
+
+
+@CAUSAL
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_ring_attention_equals_one_device(sim, ring, layout, kv_heads, causal):
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=kv_heads)
+    want = reference(loss_fn, params, batch)
+    got, plan = _run_qkv(sim, layout, params, loss_fn)
+    assert_equal_to_one_device(got, want)
+    assert_attention_on_a_ring(plan)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_sends_cp_minus_one_blocks_of_keys_and_values(sim, ring, n):
+    """Forward, each rank sends n - 1 blocks of k and of v; backward those again and n blocks of
+    their gradients; over cp nothing else moves but the loss's reduction."""
+    params, batch, loss_fn = _qkv_case(causal=True, kv_heads=2, seq=16)
+    sim(n)
+    mesh = vsf.make_mesh((n,), ("cp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P(None, None, "cp")))
+    cost = vsf.jit(_step(loss_fn)).lower(p).cost()
+    block = 4 * 2 * (16 // n) * 8 * 4  # [batch, kv heads, seq / n, head dim] fp32
+    ring_sends = [c for c in cost.collectives if c.kind == "ppermute"]
+    assert [c.bytes for c in ring_sends] == [block] * (2 * (n - 1) + 2 * (n - 1) + 2 * n)
+    assert all(c.axis == "cp" for c in ring_sends)
+    others = [c for c in cost.collectives if c.kind != "ppermute"]
+    assert [(c.kind, c.shape) for c in others] == [("all_reduce", ())]
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("layout", ["cp2", "cp4"])
+def test_the_toy_gpt_on_sequence_shards_passes_checking_mode(sim, monkeypatch, layout, mode):
+    """Op by op, each result assembled from the ranks' shards equals the unsharded graph's (the
+    causal blocks' merged output and log-sum-exp, and every gradient), and the step equals one device."""
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=1)
+    want = reference(loss_fn, params, tokens)
+    shape, names, spec = MESHES[layout]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(tokens, vsf.NamedSharding(mesh, spec))
+    jitted = vsf.jit(_step(loss_fn))
+    assert_equal_to_one_device(vsf.device_get(jitted.check(p, *b)), want)
+    (assert_attention_on_a_ring if mode == "ring" else assert_attention_on_sequence_shards)(jitted.lower(p, *b).plan)

@@ -1,0 +1,38 @@
+"""Hugging Face models (tiny random configs, default SDPA attention, GQA where the family has it)
+with one sequence split over ``cp``: the loss and every gradient equal the one-device run, and
+every attention runs on sequence shards (keys and values gathered, or passed around a ring;
+queries and output kept split)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from context_parallel_checks import assert_attention_on_a_ring, assert_attention_on_sequence_shards, assert_equal_to_one_device, reference
+
+import vsf
+from vsf import P
+
+pytestmark = pytest.mark.models
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
+def test_one_sequence_on_cp_equals_one_device(sim, monkeypatch, name, mode):
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    model, _ = zoo.built(zoo.families()[name])
+    params = vsf.tree.from_module(model)
+    ids = torch.randint(0, zoo.VOCAB, (1, zoo.SEQ))
+
+    def loss_fn(p, ids):
+        return vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss
+
+    want = reference(loss_fn, params, (ids,))
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("cp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    tokens = vsf.device_put(ids, vsf.NamedSharding(mesh, P(None, "cp")))
+    step = vsf.jit(lambda p, ids: vsf.value_and_grad(loss_fn)(p, ids))
+    plan = step.lower(p, tokens).plan
+    assert_equal_to_one_device(vsf.device_get(step(p, tokens)), want)
+    (assert_attention_on_a_ring if mode == "ring" else assert_attention_on_sequence_shards)(plan)

@@ -111,7 +111,7 @@ class _Call:
     @property
     def names(self) -> list[str]:
         """``args[0]['w']``-style names of the tensor leaves (computed only when needed)."""
-        return [_arg_name(p) for p, _ in tree.leaves_with_path(self.dyn)]
+        return _all_names(self.dyn)
 
     @property
     def arg_trees(self) -> list[tuple[tree.PyTreeSpec, list[tuple[tuple[int, ...], torch.dtype, Placements]]]]:
@@ -350,8 +350,13 @@ def _param_names(fun: Callable[..., Any]) -> list[str]:
 def _leaf_names(dyn: Any) -> Callable[[int], str]:
     """``name(i)``: the ``args[0]['w']``-style name of leaf ``i`` of ``dyn``; the names are
     computed once, on the first call (only messages need them)."""
-    names = functools.cache(lambda: [_arg_name(p) for p, _ in tree.leaves_with_path(dyn)])
+    names = functools.cache(lambda: _all_names(dyn))
     return lambda i: names()[i]
+
+
+def _all_names(dyn: Any) -> list[str]:
+    """The ``args[0]['w']``-style names of every leaf of ``dyn``."""
+    return [_arg_name(p) for p, _ in tree.leaves_with_path(dyn)]
 
 
 def _arg_name(path: Any) -> str:

@@ -141,8 +141,13 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
     src = tuple(Partial() if j == k else Replicate() for j in range(nd))
     dst = tuple(Shard(0) if j == k else Replicate() for j in range(nd))
     out = _compat.redistribute_local(flat, dm, src, dst, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
-    shards = [_stack(p, r.dst[k].dim, n)[0].shape for r, p in zip(b.members, pieces)]
+    shards = [_piece_shape(p.shape, r.dst[k].dim, n) for r, p in zip(b.members, pieces)]
     return [o.view(shape) for shape, o in zip(shards, out.split([c.shape[1] for c in chunks]))]
+
+
+def _piece_shape(shape: Sequence[int], dim: int, n: int) -> list[int]:
+    """The shape of one of ``n`` equal pieces of ``shape`` along ``dim``."""
+    return [s // n if d == dim else s for d, s in enumerate(shape)]
 
 
 def _stack(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:

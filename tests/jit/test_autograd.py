@@ -215,3 +215,20 @@ def test_a_traced_step_is_not_differentiated_again(sim):
 
     new, loss = vsf.jit(step)(p, x)
     assert not loss.requires_grad and not new["w1"].requires_grad
+
+
+# -- on 2 real gloo processes ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch_once(tmp_path_factory, "jit_autograd.py", 2)
+
+
+@pytest.mark.multiprocess
+def test_block_backward_on_gloo_equals_one_device(ranks):
+    for got in ranks:
+        assert got["max_grad_err"] <= 1e-5 * got["max_scale"], got
+        assert got["x_grad_err"] <= 1e-5 * got["max_scale"], got
+        assert got["grad_placements_match"] and got["plan_count"] == 1 and got["x_grad_plain"]
+        assert got["traced_programs"] == [True, True]  # each program traced once into local ops and collectives

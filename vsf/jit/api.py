@@ -467,8 +467,8 @@ class DifferentiableCompiled(Compiled):
         super().__init__(owner, joint.plan, traced, input_names, output_names)
         self.parts = joint.parts
         self.grad_names = [f"grad of {input_names[i]}" for i in joint.with_grad]
-        runners = (Runner(joint.parts.forward), Runner(joint.parts.backward))
-        self._program = program(owner._name, joint, leaves, self._out_specs, _out_metas(traced), lambda k, xs, check: runners[k](xs, check))
+        self._runners = (Runner(joint.parts.forward), Runner(joint.parts.backward))
+        self._program = program(owner._name, joint, leaves, self._out_specs, _out_metas(traced), lambda k, xs, check: self._runners[k](xs, check))
 
     def _run(self, call: _Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]

@@ -61,6 +61,6 @@ for schedule in ("gpipe", "1f1b"):
         "max_param_err": max((got[k] - want[k]).abs().max().item() for k in got),
         "max_param_rel": max(((got[k] - want[k]).abs() / want[k].abs().clamp(min=1e-3)).max().item() for k in got),
         "ranks_of_lnf": list(vsf.sharding.named.sharding_of(p["lnf.weight"]).mesh.devices) if p["lnf.weight"] is not None else None,
-        "mu_held": sorted(k for k, v in s[1][0].mu.items() if v is not None) if hasattr(s[1][0], "mu") else None,
+        "mu_held": sorted(k for k, v in s[1].mu.items() if v is not None),
     }
 (out / f"rank{rank}.json").write_text(json.dumps(report))

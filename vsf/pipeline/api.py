@@ -53,10 +53,9 @@ from torch.distributed.tensor import DTensor
 
 from vsf import runtime, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
-from vsf.jit import jit
 from vsf.pipeline import schedule as sched
 from vsf.pipeline.split import Split, assign, leaf_names
-from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of
+from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, stage_program
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_put
@@ -112,7 +111,8 @@ class Pipeline:
         self.split: Split | None = None
         self._shapes: dict[str, ShapeDtypeStruct] = {}
         self._specs: dict[str, PartitionSpec] = {}
-        self._losses: dict[int, Any] = {}
+        self._programs: dict[tuple[int, NamedSharding], Any] = {}
+        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary]]] = {}
         if not runtime.is_simulated() and len(stages) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
 
@@ -219,14 +219,16 @@ class Pipeline:
         return out
 
     def _modules(self, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
-        bounds = self._boundaries(inputs, targets)
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in self._bounds:
+            self._bounds[key] = self._boundaries(inputs, targets)
+        bounds = self._bounds[key]
         lent = self._lend(values)
         mods = {}
         for s in self.local_stages():
             names = self.split.names[s]
             weights = [self._weight(k, s, values, {n: v for (n, b), v in lent.items() if b == s}) for k in names]
-            mods[s] = StageModule(self.stages[s], names, weights, bounds[s][0], bounds[s][1][0], s)
-            mods[s].out_shape = bounds[s][1][1]
+            mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
         last = self.num_stages - 1
         if last in mods:
             target_ins = [(NamedSharding(self.meshes[last], _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
@@ -234,11 +236,19 @@ class Pipeline:
             mods[last].loss_program = self._loss_program(last)
         return mods
 
+    def _program(self, s: int, out: NamedSharding) -> Any:
+        """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
+        with other shapes re-plans inside it, as any jitted function does)."""
+        key = (s, out)
+        if key not in self._programs:
+            self._programs[key] = stage_program(self.stages[s], out)
+        return self._programs[key]
+
     def _loss_program(self, last: int) -> Any:
-        key = (last, id(self.meshes[last].device_mesh))
-        if key not in self._losses:
-            self._losses[key] = jit(self.loss_fn, out_shardings=NamedSharding(self.meshes[last], PartitionSpec()))
-        return self._losses[key]
+        key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))
+        if key not in self._programs:
+            self._programs[key] = stage_program(self.loss_fn, key[1])
+        return self._programs[key]
 
     def _weight(self, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> torch.Tensor:
         """Stage ``stage``'s leaf ``k`` as a fresh autograd leaf: its own value, or the copy of a

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from vsf.jit import jit
 from vsf.sharding.named import NamedSharding
 
-__all__ = ["Boundary", "StageModule", "as_global", "local_of"]
+__all__ = ["Boundary", "StageModule", "as_global", "local_of", "stage_program"]
 
 Boundary = tuple[NamedSharding, tuple[int, ...]]   # a value's layout and global shape (one microbatch)
 
@@ -45,26 +45,32 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
     return x.to_local(grad_placements=sharding.placements)
 
 
+def stage_program(fn: Callable[..., Any], out: NamedSharding) -> Any:
+    """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
+    backward, and reused while shapes and layouts stay)."""
+    return jit(fn, out_shardings=out)
+
+
 class StageModule(torch.nn.Module):
     """A stage as an ``nn.Module`` over local tensors: ``forward(*x_local) -> y_local``.
 
     ``weights`` are the stage's params (DTensor leaves requiring grad, in ``names`` order), held
     as ``nn.Parameter`` s so torch's schedules accumulate their gradients; ``ins`` the layout and
-    global microbatch shape of each input, ``out`` the result's layout. The program is
-    ``vsf.jit(fn)`` with its result pinned to ``out``.
+    global microbatch shape of each input, ``out`` the result's layout and shape. ``program`` is
+    :func:`stage_program` of the stage function (made once, so later steps reuse its plan).
 
     Example::
 
-        >>> mod = StageModule(block_fn, ("blocks.1.fc1.weight", ...), weights, [(act, (2, 8, 16))], act, 1)
+        >>> mod = StageModule(stage_program(block_fn, act), names, weights, [(act, (2, 8, 16))], (act, (2, 8, 16)), 1)
         >>> y_local = mod(x_local)
     """
 
-    def __init__(self, fn: Callable[..., Any], names: Sequence[str], weights: Sequence[torch.Tensor], ins: Sequence[Boundary], out: NamedSharding, index: int) -> None:
+    def __init__(self, program: Any, names: Sequence[str], weights: Sequence[torch.Tensor], ins: Sequence[Boundary], out: Boundary, index: int) -> None:
         super().__init__()
         self.names = tuple(names)
         self.weights = torch.nn.ParameterList([torch.nn.Parameter(w) for w in weights])
-        self.ins, self.out, self.index = list(ins), out, index
-        self.program = jit(fn, out_shardings=out)
+        self.ins, (self.out, self.out_shape), self.index = list(ins), out, index
+        self.program = program
 
     def params(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.weights))

@@ -182,11 +182,20 @@ class Mesh:
             raise ValueError(f"{axis} index {index} is outside the mesh's {axis} axis of size {self.axis_size(axis)}")
         here = self.coordinate(runtime.rank()) if runtime.rank() in self._devices else dict.fromkeys(self._names, 0)
         names = tuple(n for n in self._names if n != axis)
-        if not runtime.is_simulated():
-            return self._sub(names, {**here, axis: index}, register=here[axis] == index)
-        sub = self._sub(names, {**here, axis: index}, register=False)
-        if sub not in _DEVICE_MESHES:
+        coord = {**here, axis: index}
+        if not names:   # a mesh of the one axis: one rank, kept under the axis's name
+            sub = Mesh((1,), (axis,), device_type=self._device_type, devices=(self._devices[self._flat_index(coord)],))
+            names = (axis,)
+        else:
+            sub = self._sub(names, coord, register=False)
+        if sub in _DEVICE_MESHES:
+            return sub
+        if runtime.is_simulated():
             _register(sub, self._rolled(axis, index, names))
+        elif here[axis] == index and names == (axis,):
+            _register(sub, _compat.one_rank_device_mesh(self._device_type, runtime.world_size(), axis))
+        elif here[axis] == index:
+            self._sub(names, coord)
         return sub
 
     def _rolled(self, axis: str, index: int, names: tuple[str, ...]) -> DeviceMesh:
@@ -195,7 +204,7 @@ class Mesh:
         coordinates, and the DeviceMesh differs from the other coordinates' (DTensor compares
         DeviceMeshes by their ranks: equal ones would be taken for each other)."""
         grid = torch.tensor(self._devices, dtype=torch.int).reshape(self._sizes).roll(-index, self.axis_index(axis))
-        big = tuple(n for n in self.device_axes if n in names and self.axis_size(n) > 1)
+        big = tuple(n for n in self.device_axes if n in names and n != axis and self.axis_size(n) > 1)
         if not big:
             return _compat.one_rank_device_mesh(self._device_type, runtime.world_size(), names[0], rank_map=grid.flatten())
         axes = self.device_axes

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from vsf import _compat, runtime
 
-__all__ = ["Mesh", "current_mesh", "make_mesh", "mesh_of", "use_mesh"]
+__all__ = ["Mesh", "current_mesh", "held_only_by_its_ranks", "make_mesh", "mesh_of", "use_mesh"]
 
 
 class Mesh:
@@ -188,6 +188,7 @@ class Mesh:
             names = (axis,)
         else:
             sub = self._sub(names, coord, register=False)
+        _AT.add(sub)
         if sub in _DEVICE_MESHES:
             return sub
         if runtime.is_simulated():
@@ -261,6 +262,24 @@ def _rebuild(sizes: tuple[int, ...], names: tuple[str, ...], device_type: str, d
 # the way back from a DTensor's DeviceMesh to the Mesh it was built for.
 _DEVICE_MESHES: dict[Mesh, DeviceMesh] = {}
 _MESH_OF: dict[int, tuple[DeviceMesh, Mesh]] = {}
+
+
+# the meshes Mesh.at made: only their own ranks hold their values (a simulation's copies of them
+# on the other coordinates are not memory a real run has)
+_AT: set[Mesh] = set()
+
+
+def held_only_by_its_ranks(mesh: Mesh) -> bool:
+    """Is ``mesh`` one coordinate of a bigger mesh (``Mesh.at``), whose values only its own ranks
+    hold? Under simulation its DeviceMesh has copies elsewhere too; ``memory_report`` counts
+    only its ranks.
+
+    Example::
+
+        >>> held_only_by_its_ranks(mesh.at("pp", 1)), held_only_by_its_ranks(mesh["dp"])
+        (True, False)
+    """
+    return mesh in _AT
 
 
 def _register(mesh: Mesh, dm: DeviceMesh) -> DeviceMesh:

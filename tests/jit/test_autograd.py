@@ -144,6 +144,32 @@ def test_accumulation_retain_graph_and_outputs_without_grad(sim):
     assert g.plan_count == 1
 
 
+def test_a_loss_an_input_returned_as_is_and_a_view_of_a_param(sim):
+    params, x = mlp_params(), torch.randn(8, 8)
+
+    def fn(p, x, scale):
+        return (mlp(p, x) ** 2).mean() * scale, x, p["w1"].t()
+
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref_x = x.clone().requires_grad_(True)
+    loss, same, view = fn(ref, ref_x, 3.0)
+    (loss + same.sum() + view.sum()).backward()
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    p = sharded_params(mesh, params, {"w1": P(None, "tp"), "w2": P("tp")})
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True)
+    g = vsf.jit(fn, static_argnums=(2,))
+    loss, same, view = g(p, xs, 3.0)
+    (loss + same.sum() + view.sum()).backward()
+    assert_grads(p, {k: v.grad for k, v in ref.items()})
+    torch.testing.assert_close(vsf.device_get(xs.grad), ref_x.grad, rtol=1e-5, atol=1e-6)
+    grads = vsf.grad(lambda p: g(p, xs, 3.0)[0])(p)  # eager vsf.grad through a jitted function
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    fn(ref, x, 3.0)[0].backward()
+    for k in grads:
+        torch.testing.assert_close(vsf.device_get(grads[k]), ref[k].grad, rtol=1e-5, atol=1e-6)
+
+
 def test_backward_program_does_not_rerun_the_forward(sim):
     params, x = mlp_params(), torch.randn(8, 8)
     sim(2)

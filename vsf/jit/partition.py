@@ -4,12 +4,14 @@ partitioner splits its joint graph.
 The *forward* program computes everything that does not depend on the cotangents; the *backward*
 program computes the rest. The forward values the backward reads are *saved*: the forward
 program returns them besides the function's outputs, and the backward program takes them before
-the cotangents. A value the joint plan redistributes before a backward use is saved as the forward
-moved it when the forward moved it there anyway and the move does not grow it; a gathered value
-(an FSDP weight, say) is saved as its shard and gathered again in the backward (FSDP's
-reshard-after-forward), so no program holds a gathered copy from one to the other. Values that
-depend on no input (constants) are computed where they are used. Each program is a :class:`Plan`
-of its own, with the joint plan's placements, so it runs, prints and costs like any plan.
+the cotangents. A value the joint plan redistributes before a backward use is saved as the
+forward moved it when the forward moved it there anyway and the move does not grow it, or when
+the move only slices it (the forward keeps the smaller shard); a gathered value (an FSDP weight,
+say) is saved as its shard and gathered again in the backward (FSDP's reshard-after-forward), so
+no program holds a gathered copy from one to the other. Views the backward reads (a weight's
+transpose) are computed again there from what they view; values that depend on no input
+(constants) are computed where they are used. Each program is a :class:`Plan` of its own, with
+the joint plan's placements, so it runs, prints and costs like any plan.
 
 Example::
 
@@ -76,9 +78,10 @@ def partition(plan: Plan, n_primals: int, n_outputs: int, live: Sequence[int]) -
     moved = _moves_made(plan, [n for n in gm.graph.nodes if n in fwd_nodes], fwd_outs)
     chosen: dict[tuple[Value, Placements], tuple[torch.fx.Node, Saved]] = {}
     for a, v, dst in reads:
-        src = plan.placement(v)
-        grows = local_bytes(mesh, meta_of(v), dst) > local_bytes(mesh, meta_of(v), src)
-        pl = dst if (v, dst) in moved and not grows else src
+        src, t = plan.placement(v), meta_of(v)
+        before, after = local_bytes(mesh, t, src), local_bytes(mesh, t, dst)
+        sliced = after < before and not collectives_of(mesh, t, src, dst)
+        pl = dst if ((v, dst) in moved and after <= before) or sliced else src
         chosen.setdefault((v, pl), (a, Saved(v, pl, local_bytes(mesh, meta_of(v), pl))))
     saved = tuple(s for _, s in chosen.values())
     forward = _program(

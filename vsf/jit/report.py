@@ -80,7 +80,8 @@ def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str
         plan_text(fwd, f"{name} (forward)", input_names, list(output_names) + saved),
         f"saved for the backward: {len(saved)} values, {_fmt_bytes(total)} per rank ({_fmt_bytes(inputs)} of it the call's inputs themselves)",
     ]
-    lines.extend(f"  {label:<28} {_type(fwd, meta_of(s.value), s.placements):<28} {_fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
+    width = max((len(label) for label in saved), default=0) + 1
+    lines.extend(f"  {label:<{width}} {_type(fwd, meta_of(s.value), s.placements):<28} {_fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
     lines.append(plan_text(bwd, f"{name} (backward)", saved + cotangents, grad_names))
     lines.append("a cotangent that arrives in another layout than the backward's input above is redistributed once, before the backward runs")
     c = differentiable_cost(parts)

@@ -297,3 +297,10 @@ def test_block_backward_on_gloo_equals_one_device(ranks):
         assert got["x_grad_err"] <= 1e-5 * got["max_scale"], got
         assert got["grad_placements_match"] and got["plan_count"] == 1 and got["x_grad_plain"]
         assert got["traced_programs"] == [True, True]  # each program traced once into local ops and collectives
+
+
+@pytest.mark.multiprocess
+def test_jitted_stages_under_torch_pipeline_schedule_equal_one_device(ranks):
+    for got in ranks:
+        assert got["pipeline_max_grad_err"] <= 1e-6 * got["pipeline_max_scale"], got
+        assert got["pipeline_plan_count"] == 1  # 4 microbatches, one plan

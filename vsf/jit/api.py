@@ -75,14 +75,11 @@ def jit(
     * ``donate_argnums``: arguments whose DTensors are released after the call; using them
       afterwards raises an error that says so.
 
-    Called with grad mode on and an input that requires grad (outside any vsf trace), the result
-    is differentiable by torch autograd, like any torch function: ``loss.backward()``,
-    ``torch.optim`` and ``torch.distributed.pipelining`` work on it. The call's joint graph
-    (forward + vjp) is planned once and split into a forward and a backward program, the forward
-    saving what the backward reads; a DTensor input's ``.grad`` comes back with its sharding, a
-    plain tensor's as a plain tensor. ``lower(...).as_text()`` shows both programs and the saved
-    values. Higher-order gradients (``create_graph=True``) are refused, and a function that calls
-    ``vsf.grad`` itself runs as a traced step (its results are not differentiated again).
+    Called with grad mode on and an input that requires grad, the result is differentiable by
+    torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
+    joint graph (forward + vjp) is planned once and run as a forward and a backward program; a
+    DTensor input's ``.grad`` has its sharding. ``create_graph=True`` is refused; a function that
+    calls ``vsf.grad`` itself is a traced step, not differentiated again.
 
     Example::
 
@@ -115,8 +112,7 @@ class _Call:
 
     @property
     def grad(self) -> tuple[Any, ...] | None:
-        """Per leaf, whether torch autograd differentiates the call with respect to it (see
-        :func:`vsf.jit.differentiable.grad_mask`); ``None`` when the call is not differentiated."""
+        """:func:`vsf.jit.differentiable.grad_mask` of the call's leaves."""
         return self.key[4]
 
     def donated(self, argnums: Sequence[int]) -> list[int]:
@@ -403,18 +399,13 @@ def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) ->
     if old[2] != new[2]:
         return f"static arguments changed: {old[2]} -> {new[2]}"
     if old[4] != new[4]:
-        return f"inputs differentiated by torch autograd changed: {_wrt(old[4], names)} -> {_wrt(new[4], names)}"
+        wrt = lambda g: ", ".join(n for n, m in zip(names, g or ()) if m is not None) or "none"  # noqa: E731
+        return f"inputs differentiated by torch autograd changed: {wrt(old[4])} -> {wrt(new[4])}"
     for name, a, b in zip(names, old[1], new[1]):
         if a != b:
             changed = [w for w, x, y in (("shape", a[0], b[0]), ("dtype", a[1], b[1]), ("sharding", a[2], b[2]), ("kind", a[3], b[3])) if x != y]
             return f"{name}: {' and '.join(changed)} changed, {type_string(a[0], a[1], old[3], a[2])} -> {type_string(b[0], b[1], new[3], b[2])}"
     return "cache miss"
-
-
-def _wrt(grad: tuple[Any, ...] | None, names: list[str]) -> str:
-    if grad is None:
-        return "none"
-    return ", ".join(n for n, g in zip(names, grad) if g is not None)
 
 
 # -- compiled programs ---------------------------------------------------------------------

@@ -64,7 +64,7 @@ def trace_joint(
     @functools.wraps(fun)
     def joint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         primals, cotangents = tensors[:n], tensors[n:]
-        watched = [p.detach().requires_grad_(True) if m else p for p, m in zip(primals, mask)]
+        watched = [p.requires_grad_(True) if m else p for p, m in zip(primals, mask)]
         args, kwargs = rebuild(watched)
         with torch.enable_grad():
             out = fun(*args, **kwargs)

@@ -4,12 +4,14 @@ partitioner splits its joint graph.
 The *forward* program computes everything that does not depend on the cotangents; the *backward*
 program computes the rest. The forward values the backward reads are *saved*: the forward
 program returns them besides the function's outputs, and the backward program takes them before
-the cotangents. A value the joint plan redistributes before a backward use is saved as the forward
-moved it when the forward moved it there anyway and the move does not grow it; a gathered value
-(an FSDP weight, say) is saved as its shard and gathered again in the backward (FSDP's
-reshard-after-forward), so no program holds a gathered copy from one to the other. Values that
-depend on no input (constants) are computed where they are used. Each program is a :class:`Plan`
-of its own, with the joint plan's placements, so it runs, prints and costs like any plan.
+the cotangents. A value the joint plan redistributes before a backward use is saved as the
+forward moved it when the forward moved it there anyway and the move does not grow it, or when
+the move only slices it (the forward keeps the smaller shard); a gathered value (an FSDP weight,
+say) is saved as its shard and gathered again in the backward (FSDP's reshard-after-forward), so
+no program holds a gathered copy from one to the other. Views the backward reads (a weight's
+transpose) are computed again there from what they view; values that depend on no input
+(constants) are computed where they are used. Each program is a :class:`Plan` of its own, with
+the joint plan's placements, so it runs, prints and costs like any plan.
 
 Example::
 
@@ -68,18 +70,18 @@ def partition(plan: Plan, n_primals: int, n_outputs: int, live: Sequence[int]) -
     fwd_outs, grads = out_args[:n_outputs], out_args[n_outputs:]
     on_tangents, on_primals = _dependence(gm, set(cotangents), set(primals))
     forward_side = lambda n: n not in on_tangents  # noqa: E731
-    backward_side = lambda n: n in on_tangents or (n not in on_primals and n.op != "placeholder")  # noqa: E731  (constants: where used)
-    bwd_nodes = _closure([a for a in grads if backward_side(a)], backward_side)
-    reads = [(a, v, pl) for node in gm.graph.nodes if node in bwd_nodes and node in plan.nodes for a, v, pl in _tensor_uses(plan, node)]
-    reads += [(a, value_of(a), pl) for a, pl in zip(grads, plan.outputs[n_outputs:])]
-    reads = [r for r in reads if not backward_side(r[0])]
+    computed = lambda n: n in on_tangents or (n not in on_primals and n.op != "placeholder")  # noqa: E731  (constants: where used)
+    views = _recomputed_views(plan, _reads(plan, grads, n_outputs, computed))
+    backward_side = lambda n: computed(n) or n in views  # noqa: E731
+    reads = _reads(plan, grads, n_outputs, backward_side)
     fwd_nodes = _closure(fwd_outs + [a for a, _, _ in reads], forward_side)
     moved = _moves_made(plan, [n for n in gm.graph.nodes if n in fwd_nodes], fwd_outs)
     chosen: dict[tuple[Value, Placements], tuple[torch.fx.Node, Saved]] = {}
     for a, v, dst in reads:
-        src = plan.placement(v)
-        grows = local_bytes(mesh, meta_of(v), dst) > local_bytes(mesh, meta_of(v), src)
-        pl = dst if (v, dst) in moved and not grows else src
+        src, t = plan.placement(v), meta_of(v)
+        before, after = local_bytes(mesh, t, src), local_bytes(mesh, t, dst)
+        sliced = after < before and not collectives_of(mesh, t, src, dst)
+        pl = dst if ((v, dst) in moved and after <= before) or sliced else src
         chosen.setdefault((v, pl), (a, Saved(v, pl, local_bytes(mesh, meta_of(v), pl))))
     saved = tuple(s for _, s in chosen.values())
     forward = _program(
@@ -89,6 +91,34 @@ def partition(plan: Plan, n_primals: int, n_outputs: int, live: Sequence[int]) -
     tangents = [cotangents[j] for j in live]
     backward = _program(plan, saved, tangents, grads, list(plan.outputs[n_outputs:]), backward_side)
     return Partitioned(forward, backward, saved, tuple(live))
+
+
+def _reads(plan: Plan, grads: Sequence[torch.fx.Node], n_outputs: int, backward_side: Callable[[torch.fx.Node], bool]) -> list[tuple[torch.fx.Node, Value, Placements]]:
+    """Every read of a forward value by the backward program (the nodes ``backward_side`` accepts
+    that the gradients need): (argument node, value, placement read in)."""
+    bwd_nodes = _closure([a for a in grads if backward_side(a)], backward_side)
+    reads = [(a, v, pl) for node in plan.graph.graph.nodes if node in bwd_nodes and node in plan.nodes for a, v, pl in _tensor_uses(plan, node)]
+    reads += [(a, value_of(a), pl) for a, pl in zip(grads, plan.outputs[n_outputs:])]
+    return [r for r in reads if not backward_side(r[0])]
+
+
+def _recomputed_views(plan: Plan, reads: Sequence[tuple[torch.fx.Node, Value, Placements]]) -> set[torch.fx.Node]:
+    """The views (``t``, ``view``, ``detach``, ...) of forward values the backward reads, through
+    chains of views: the backward computes them again from what they view, so that the forward
+    saves the viewed value (a parameter's shard, not a view of its gathered copy)."""
+    found: set[torch.fx.Node] = set()
+    pending = [a for a, _, _ in reads]
+    while pending:
+        a = pending.pop()
+        if a in found or not _is_view(plan, a):
+            continue
+        found.add(a)
+        pending.extend(src for src, _, _ in _tensor_uses(plan, a))
+    return found
+
+
+def _is_view(plan: Plan, n: torch.fx.Node) -> bool:
+    return n in plan.nodes and getattr(n.target, "is_view", False) and is_tensor_node(n) and len(_tensor_uses(plan, n)) == 1
 
 
 def _dependence(gm: torch.fx.GraphModule, tangents: set[torch.fx.Node], primals: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
@@ -144,9 +174,13 @@ def _program(
     gm = plan.graph
     graph = torch.fx.Graph()
     from_saved: dict[tuple[Value, Placements], torch.fx.Node] = {}
+    names: set[str] = set()
     for s in saved:
         node, i = s.value
-        p = graph.placeholder(f"{node.name}{f'_{i}' if i else ''}_saved")
+        name = f"{node.name}{f'_out{i}' if i else ''}_saved"
+        name = next(f"{name}{k or ''}" for k in range(len(names) + 1) if f"{name}{k or ''}" not in names)
+        names.add(name)
+        p = graph.placeholder(name)
         p.meta["val"] = meta_of(s.value)
         from_saved[(s.value, s.placements)] = p
     env = {ph: graph.node_copy(ph) for ph in inputs}

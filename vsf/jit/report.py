@@ -70,15 +70,18 @@ def differentiable_cost(parts: Partitioned) -> Cost:
 def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str], output_names: Sequence[str], grad_names: Sequence[str]) -> str:
     """The two programs of a call that torch autograd differentiates, and what the forward saves for the backward."""
     fwd, bwd = parts.forward, parts.backward
-    saved = [_saved_name(s) for s in parts.saved]
+    primals = {ph.name: name for ph, name in zip(placeholders_of(fwd.graph), input_names)}  # (copies of the joint graph's)
+    saved = [f"saved {primals[s.value[0].name] if s.value[0].op == 'placeholder' else _value_name(s)}" for s in parts.saved]
     cotangents = [f"cotangent of {output_names[j]}" for j in parts.live]
     total = sum(s.bytes for s in parts.saved)
+    inputs = sum(s.bytes for s in parts.saved if s.value[0].op == "placeholder")
     lines = [
         f"{name} differentiated by torch autograd: one joint graph (forward + vjp) planned once, run as two programs",
         plan_text(fwd, f"{name} (forward)", input_names, list(output_names) + saved),
-        f"saved for the backward: {len(saved)} values, {_fmt_bytes(total)} per rank",
+        f"saved for the backward: {len(saved)} values, {_fmt_bytes(total)} per rank ({_fmt_bytes(inputs)} of it the call's inputs themselves)",
     ]
-    lines.extend(f"  {label:<28} {_type(fwd, meta_of(s.value), s.placements):<28} {_fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
+    width = max((len(label) for label in saved), default=0) + 1
+    lines.extend(f"  {label:<{width}} {_type(fwd, meta_of(s.value), s.placements):<28} {_fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
     lines.append(plan_text(bwd, f"{name} (backward)", saved + cotangents, grad_names))
     lines.append("a cotangent that arrives in another layout than the backward's input above is redistributed once, before the backward runs")
     c = differentiable_cost(parts)
@@ -87,9 +90,9 @@ def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str
     return "\n".join(lines)
 
 
-def _saved_name(s: Saved) -> str:
+def _value_name(s: Saved) -> str:
     node, i = s.value
-    return f"saved %{node.name}{f'[{i}]' if i else ''}"
+    return f"%{node.name}{f'[{i}]' if i else ''}"
 
 
 def _peak(plan: Plan) -> int:

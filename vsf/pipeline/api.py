@@ -170,6 +170,8 @@ class Pipeline:
             raise RuntimeError("call pipe.place(params, specs) before pipe.value_and_grad: it assigns the params to stages")
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         targets = targets if isinstance(targets, tuple) else (targets,)
+        if len(targets) != 1 and not self._in_one_process():
+            raise ValueError(f"torch's pipeline schedules pass one target to the loss; got {len(targets)} targets (stack them into one tensor)")
         names, leaves = leaf_names(params), tree.leaves(params)
         values = dict(zip(names, leaves))
         first, last = 0, self.num_stages - 1
@@ -322,10 +324,11 @@ class Pipeline:
         mod = mods[s]
         # static metadata (no shape inference round): each microbatch's local shards; a stage's
         # received activation needs a gradient (torch reads that off the example)
-        example_in = tuple(torch.empty(sh.shard_shape(shape), requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
-        example_out = torch.empty(mod.out.shard_shape(mod.out_shape), requires_grad=True)
+        device = torch.device("cpu") if self.mesh.device_type == "cpu" else torch.device(self.mesh.device_type, torch.cuda.current_device())
+        example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
+        example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
         group = self.mesh.device_mesh.get_group(self.axis)
-        stage = PipelineStage(mod, s, self.num_stages, torch.device(self.mesh.device_type if self.mesh.device_type != "cpu" else "cpu"), input_args=example_in, output_args=example_out, group=group)
+        stage = PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group)
         # every rank passes the loss (torch runs backward only where the schedule has one); only
         # the last stage calls it
         loss_fn = lambda y, t: _loss_local(mod, y, [t])  # noqa: E731
@@ -333,7 +336,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         whole = lambda pieces: torch.cat(pieces)  # noqa: E731 (torch splits them again, the same way)
         if s == 0:
-            schedule.step(*[whole(p) for p in xs], target=whole(ts[0]) if s == last else None, losses=losses if s == last else None)
+            schedule.step(*[whole(p) for p in xs])
         elif s == last:
             schedule.step(target=whole(ts[0]), losses=losses)
         else:

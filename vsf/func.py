@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
-from vsf.ops.recording import manual_axes, recording
-from vsf.ops.region import REGION_OP, Region, copies, register, summed_over
+from vsf.ops.recording import manual_axes
+from vsf.ops.region import Region, boundary, copies, register, summed_over
 from vsf.sharding.constraint import constrain
 from vsf.sharding.mesh import Mesh, current_mesh, use_mesh
 from vsf.sharding.named import NamedSharding, resolve
@@ -242,41 +242,20 @@ def _result(path: Any) -> str:
 
 
 def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]]) -> Any:
-    """The region as one ``manual_region`` op of the graph being traced (see :mod:`vsf.ops.region`):
-    the body is run once on fake local shards, outside the trace, to learn its results' layouts
-    and the collectives it runs forward and backward."""
-    tensors = [x for x, s in placed if s is not None]
-    ins = tuple(s for _, s in placed if s is not None)
-    out_info: dict[str, Any] = {}
-
-    def body(local: list[torch.Tensor]) -> list[torch.Tensor]:
-        it = iter(local)
-        out = f(*tree.unflatten(in_def, [next(it) if s is not None else x for x, s in placed]))
-        leaves, out_def = tree.flatten(out)
-        out_info.setdefault("tree", out_def)
-        out_info.setdefault("consts", [None if isinstance(y, torch.Tensor) else y for y in leaves])
-        out_info.setdefault("out", out)
-        return [y for y in leaves if isinstance(y, torch.Tensor)]
-
-    with _compat.outside_trace(tensors[0] if tensors else None):
-        fakes = [torch.empty(s.shard_shape(tuple(x.shape)), dtype=x.dtype, device=x.device) for x, s in zip(tensors, ins)]
-        probe = Region(name, body, m, manual, ins, (), ())
-        watched = [t.requires_grad_(True) if _differentiable(t) else t for t in fakes]
-        with recording() as sent, torch.enable_grad():
-            outs = probe.run(watched)
-        out_pairs = tree.flatten_with_path(out_info["out"])[0]
-        specs = tree.broadcast_prefix(out_specs, out_info["out"], is_leaf=_is_spec, what="out_specs")
-        out_sh = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
-                       for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
-        out_avals = tuple((tuple(n * s.num_shards(d) for d, n in enumerate(y.shape)), y.dtype) for y, s in zip(outs, out_sh))
-        with recording() as sent_vjp:
-            diff_out = [y for y in outs if y.requires_grad]
-            diff_in = [t for t in watched if t.requires_grad]
-            if diff_out and diff_in:
-                torch.autograd.grad(diff_out, diff_in, [torch.empty_like(y) for y in diff_out], allow_unused=True)
-    key = register(Region(name, body, m, manual, ins, out_sh, out_avals, tuple(sent), tuple(sent_vjp)))
-    results = iter(REGION_OP(tensors, key))
-    return tree.unflatten(out_info["tree"], [next(results) if c is None else c for c in out_info["consts"]])
+    """The region traced into the graph under way (see :mod:`vsf.ops.region`): each tensor
+    argument enters it through a ``manual_in`` op, the body's ops and collectives are traced as
+    they run on the values it sees, and each tensor result leaves through a ``manual_out`` op."""
+    region = Region(name, m, manual, tuple(s for _, s in placed if s is not None))
+    key = register(region)
+    entered = iter(boundary(x, key, i, "manual_in") for i, x in enumerate(x for x, s in placed if s is not None))
+    with use_mesh(m), manual_axes(name, manual, key):
+        out = f(*tree.unflatten(in_def, [next(entered) if s is not None else x for x, s in placed]))
+    out_pairs, out_def = tree.flatten_with_path(out)
+    specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
+    region.outs = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
+                        for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
+    results = iter(boundary(y, key, i, "manual_out") for i, y in enumerate(y for _, y in out_pairs if isinstance(y, torch.Tensor)))
+    return tree.unflatten(out_def, [next(results) if isinstance(y, torch.Tensor) else y for _, y in out_pairs])
 
 
 def _out_sharding(y: torch.Tensor, s: NamedSharding, where: str, manual: tuple[str, ...], name: str) -> NamedSharding:

@@ -97,7 +97,7 @@ def _mlp_case():
     return torch.randn(8, 4), torch.randn(4, 8) / 2, torch.randn(8, 4) / 2, torch.randn(8, 4)
 
 
-def test_the_region_is_one_op_of_the_plan_and_its_psum_a_collective_of_the_program(sim):
+def test_the_body_is_traced_into_the_plan_and_its_psum_is_a_collective_of_the_program(sim):
     x, w1, w2, _ = _mlp_case()
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
@@ -106,7 +106,11 @@ def test_the_region_is_one_op_of_the_plan_and_its_psum_a_collective_of_the_progr
     args = vsf.device_put((x, w1, w2), vsf.NamedSharding(mesh, P()))
     lowered = f.lower(*args)
     text = lowered.as_text()
-    assert "manual_region(%arg0_1:f32[8@dp,4], %arg1_1:f32[4,8@tp], %arg2_1:f32[8@tp,4]) -> f32[8@dp,4]" in text
+    # each argument enters as its in_spec says; the body's ops run on the local [4, 4] blocks
+    assert "manual_in(%arg0_1:f32[8@dp,4]) -> f32[4,4]" in text
+    assert "manual_in(%arg1_1:f32[4,8@tp]) -> f32[4,4]" in text
+    assert "mm(%manual_in:f32[4,4], %manual_in_1:f32[4,4]) -> f32[4,4]" in text
+    assert "manual_out(%manual_collective:f32[4,4]) -> f32[8@dp,4]" in text
     # each rank's [4 rows, 4] partial product is all-reduced over tp=2: 2(n-1)/n of 64 bytes
     assert "all_reduce over tp (inside the region): [4, 4] 64 B sent" in text
     assert Collective("all_reduce", "tp", (4, 4), torch.float32, 64) in lowered.cost().collectives

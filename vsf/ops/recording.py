@@ -1,17 +1,15 @@
-"""How a manual region (``vsf.shard_map`` inside ``vsf.jit``) sees the collectives its body runs.
+"""How a manual region (``vsf.shard_map``) sees the collectives its body runs.
 
-* :func:`recording`: collectives record what they would send (kind, axis, shape, bytes) and
-  return empty results of the right shape instead of communicating; a region's body is run this
-  way once, on fake local shards, to plan it.
 * :func:`manual_axes`: inside a region, a collective over an axis the region does not make
-  manual, or over an axis the mesh lacks, is an error naming the region (:func:`check_axis`).
+  manual, or over an axis the mesh lacks, is an error naming the region (:func:`check_axis`);
+  :func:`current_region` names the region being traced into a ``vsf.jit`` graph, if any.
+* :func:`sent`: what a collective sends (kind, axis, local shape, bytes), as a plan lists it.
 
 Example::
 
-    >>> with recording() as sent:
-    ...     vsf.ops.psum(torch.empty(4), "tp")
-    >>> sent[0].kind, sent[0].axis
-    ('all_reduce', 'tp')
+    >>> with manual_axes("mlp", ("tp",)):
+    ...     vsf.ops.psum(x, "dp")
+    ValueError: psum over 'dp' inside shard_map(mlp): the region makes only ('tp',) manual
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 from vsf.ops.backend import AxisGroup
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["RECORDERS", "Sent", "check_axis", "manual_axes", "recording", "sent"]
+__all__ = ["Sent", "check_axis", "current_region", "manual_axes", "sent"]
 
 
 @dataclass(frozen=True)
@@ -40,30 +38,24 @@ class Sent:
     bytes: int
 
 
-RECORDERS: list[list[Sent]] = []
-MANUAL: list[tuple[str, frozenset[str]]] = []  # (region name, its manual axes), innermost last
+MANUAL: list[tuple[str, frozenset[str], int | None]] = []  # (region name, its manual axes, its key when traced), innermost last
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Sent]]:
-    """Collectives run inside record what they would send and return empty results of the right
-    shape instead of communicating (a manual region is planned this way, on fake local tensors).
-    See the module docs for an example."""
-    RECORDERS.append([])
-    try:
-        yield RECORDERS[-1]
-    finally:
-        RECORDERS.pop()
-
-
-@contextlib.contextmanager
-def manual_axes(region: str, axes: Sequence[str]) -> Iterator[None]:
-    """Inside, collectives may run only over ``axes`` (those a ``shard_map`` region makes manual)."""
-    MANUAL.append((region, frozenset(axes)))
+def manual_axes(region: str, axes: Sequence[str], key: int | None = None) -> Iterator[None]:
+    """Inside, collectives may run only over ``axes`` (those a ``shard_map`` region makes manual);
+    ``key``: the region is being traced into a ``vsf.jit`` graph under that key
+    (:mod:`vsf.ops.region`), so its collectives become nodes of the graph."""
+    MANUAL.append((region, frozenset(axes), key))
     try:
         yield
     finally:
         MANUAL.pop()
+
+
+def current_region() -> int | None:
+    """The key of the region being traced into a ``vsf.jit`` graph, if one is (innermost)."""
+    return MANUAL[-1][2] if MANUAL else None
 
 
 def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
@@ -73,7 +65,8 @@ def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
 
 
 def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...]) -> tuple[torch.Tensor, Sent]:
-    """An empty result of ``out_shape`` and the record of what ``kind`` over ``g`` sends for ``x``."""
+    """An empty result of ``out_shape`` (a traced collective's fake result) and the record of
+    what ``kind`` over ``g`` sends for ``x``."""
     shape = out_shape if kind == "all_gather" else tuple(x.shape)
     return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x))
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P, optim
+from vsf.jit import manual
 from vsf.jit.plan import Collective
 
 
@@ -291,3 +292,109 @@ def test_bad_regions_are_refused_saying_where(sim):
         jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P("dp"))(vsf.device_put(torch.ones(3, 2), vsf.NamedSharding(mesh, P())))
     with pytest.raises(ValueError, match=r"the result\[1\] has 0 dims but out_specs gives it P\('dp'\)"):
         jitted(lambda a, b: (a, a.sum()), in_specs=P(), out_specs=P("dp"))(x)
+
+
+# -- partial-manual regions: manual over some axes, planned automatically over the others ---------
+
+PARTIAL_MLP = dict(in_specs=(P(), P(None, "tp"), P("tp")), out_specs=P(), axis_names=("tp",))
+
+
+def _moved_axes(plan, inside: bool) -> set[str]:
+    """The mesh axes the plan moves values over, for values a region's body computes (``inside``)
+    or for the others."""
+    return {a for r in plan.redistributions if manual.inside(r.value[0]) == inside
+            for a, s, d in zip(plan.mesh.device_axes, r.src, r.dst) if s != d}
+
+
+def test_a_region_manual_over_tp_is_planned_over_dp_and_fsdp_and_its_train_step_equals_one_device(sim):
+    # Megatron's MLP by hand over tp; the batch split over (dp, fsdp) and the params over fsdp are
+    # left to the planner, which gathers the params inside the region (FSDP) instead of
+    # replicating the batch into it
+    x, w1, w2, t = _mlp_case()
+    tx = optim.adamw(1e-2, weight_decay=0.1)
+
+    def make_step(model):
+        def train_step(params, opt_state, x, t):
+            loss, grads = vsf.value_and_grad(lambda p: (model(x, *p) - t).pow(2).mean())(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optim.apply_updates(params, updates), opt_state, loss, grads
+        return train_step
+
+    want, state, plain = (w1, w2), tx.init((w1, w2)), []
+    for _ in range(3):
+        want, state, loss, grads = make_step(plain_mlp)(want, state, x, t)
+        plain.append((loss, grads))
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    region = vsf.shard_map(mlp, mesh=mesh, **PARTIAL_MLP)
+    p = vsf.device_put((w1, w2), (vsf.NamedSharding(mesh, P("fsdp", "tp")), vsf.NamedSharding(mesh, P("tp", "fsdp"))))
+    s = optim.init_sharded(tx, p)
+    b = vsf.device_put((x, t), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    step = vsf.jit(make_step(region))
+    lowered = step.lower(p, s, *b)
+    for want_loss, want_grads in plain:
+        p, s, loss, grads = step(p, s, *b)
+        torch.testing.assert_close(vsf.device_get(loss), want_loss)
+        for g, w in zip(vsf.device_get(grads), want_grads):
+            torch.testing.assert_close(g, w)
+    for got, w in zip(vsf.device_get(p), want):
+        torch.testing.assert_close(got, w)
+    assert step.plan_count == 1
+    text = lowered.as_text()
+    # the fsdp split of w1's rows enters the body as it is; the batch stays split over (dp, fsdp)
+    assert "manual_in(%detach:f32[4@fsdp,8@tp]) -> f32[4@fsdp,4]" in text
+    assert "manual_in(%arg7_1:f32[8@(dp,fsdp),4]) -> f32[8@(dp,fsdp),4]" in text
+    # inside the region only the automatic axes move values (the params' fsdp gathers, their
+    # gradients' reductions); over tp only the region's own psum and its transpose run
+    inside = _moved_axes(lowered.plan, inside=True)
+    assert "fsdp" in inside and inside <= {"dp", "fsdp"}
+    assert "tp" not in _moved_axes(lowered.plan, inside=False)
+    cost = lowered.cost()
+    assert [c.kind for c in cost.collectives if c.axis == "tp"] == ["all_reduce", "all_reduce"]
+    # each rank's psum sums its [2 rows, 4] piece of the batch: 2(n-1)/n of 32 bytes
+    assert Collective("all_reduce", "tp", (2, 4), torch.float32, 32) in cost.collectives
+    assert cost.count("all_gather", "dp") == 0 and cost.count("all_gather", "fsdp") >= 1
+    with CommDebugMode() as comm:
+        step(p, s, *b)
+    ran = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    assert ran == {
+        "all_reduce": cost.count("all_reduce"),
+        "all_gather_into_tensor": cost.count("all_gather"),
+        "reduce_scatter_tensor": cost.count("reduce_scatter"),
+    }
+
+
+def ring_over_cp(x):
+    n = vsf.ops.axis_size("cp")
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    acc = cur = x
+    for _ in range(n - 1):
+        cur = vsf.ops.ppermute(cur, "cp", perm)
+        acc = acc + cur
+    return acc
+
+
+def test_a_ring_of_ppermutes_manual_over_cp_runs_on_each_dp_piece_of_the_batch(sim):
+    # x: (batch 4, sequence 8, 3), the sequence in blocks over cp=4, the batch left to the planner
+    # over dp=2: each rank sums the 4 sequence blocks of its 2 rows, forward and backward
+    torch.manual_seed(0)
+    x, c = torch.randn(4, 8, 3), torch.randn(4, 8, 3)
+
+    def oracle(x):
+        return x.reshape(4, 4, 2, 3).sum(1, keepdim=True).expand(4, 4, 2, 3).reshape(4, 8, 3)
+
+    xr = x.clone().requires_grad_()
+    (oracle(xr) * c).sum().backward()
+    sim(8)
+    mesh = vsf.make_mesh((2, 4), ("dp", "cp"))
+    region = vsf.shard_map(ring_over_cp, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"), axis_names=("cp",))
+    step = vsf.jit(lambda x, c: _loss_and_y(region, x, c))
+    args = vsf.device_put((x, c), vsf.NamedSharding(mesh, P("dp", "cp")))
+    (loss, y), g = step(*args)
+    torch.testing.assert_close(vsf.device_get(y), oracle(x))
+    torch.testing.assert_close(vsf.device_get(loss), (oracle(x) * c).sum())
+    torch.testing.assert_close(vsf.device_get(g), xr.grad)
+    cost = step.lower(*args).cost()
+    # 3 ppermutes forward, 3 back, each of this rank's [2 rows, 2 positions, 3] block
+    assert [c_ for c_ in cost.collectives if c_.kind == "ppermute"] == [Collective("ppermute", "cp", (2, 2, 3), torch.float32, 48)] * 6
+    assert cost.count("all_gather", "dp") == 0

@@ -36,6 +36,17 @@ class Case:
     backward: tuple[str, ...]
 
 
+# rank i sends BALANCED[i][j] of its 4 rows to rank j: each sends 4 and receives 4, in uneven blocks
+BALANCED = ((1, 0, 2, 1), (0, 3, 0, 1), (2, 1, 0, 1), (1, 0, 2, 1))
+
+
+def balanced_rows() -> list[int]:
+    """The global rows ``all_to_all_v(x, BALANCED)`` gives over ``P("i")``, in order (hand-computed
+    from the matrix: rank j stacks the blocks rank 0, 1, ... send it)."""
+    starts = [[4 * i + sum(BALANCED[i][:j]) for j in range(4)] for i in range(4)]
+    return [starts[i][j] + k for j in range(4) for i in range(4) for k in range(BALANCED[i][j])]
+
+
 CASES = [
     Case("psum", lambda x: vsf.ops.psum(x, "i"), P("i"), P(), lambda x: blocks(x).sum(0), (8, 3), ("all_reduce",), ("all_reduce",)),
     Case("pmean", lambda x: vsf.ops.pmean(x, "i"), P("i"), P(), lambda x: blocks(x).mean(0), (8, 3), ("all_reduce",), ("all_reduce",)),
@@ -50,6 +61,9 @@ CASES = [
          lambda x: torch.roll(x, 2, 0), (8, 3), ("ppermute",), ("ppermute",)),
     Case("ppermute_partial", lambda x: vsf.ops.ppermute(x, "i", [(0, 2), (1, 3)]), P("i"), P("i"),
          lambda x: torch.cat([torch.zeros(4, 3), x[:4]]), (8, 3), ("ppermute",), ("ppermute",)),
+    Case("all_gather_v_even", lambda x: vsf.ops.all_gather_v(x, "i", sizes=(2, 2, 2, 2)), P("i"), P(), lambda x: x, (8, 3), ("all_gather",), ("reduce_scatter",)),
+    Case("reduce_scatter_v_even", lambda x: vsf.ops.reduce_scatter_v(x, "i", sizes=(1, 1, 1, 1)), P("i"), P("i"), lambda x: blocks(x).sum(0), (16, 3), ("reduce_scatter",), ("all_gather",)),
+    Case("all_to_all_v_balanced", lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED), P("i"), P("i"), lambda x: x[balanced_rows()], (16, 3), ("all_to_all_v",), ("all_to_all_v",)),
     Case("axis_index", lambda x: x * (vsf.ops.axis_index("i") + 1), P("i"), P("i"),
          lambda x: x * torch.arange(1.0, 5.0).repeat_interleave(2)[:, None], (8, 3), (), ()),
     Case("replicated_input", lambda x: x * vsf.ops.axis_size("i"), P(), P(), lambda x: x * 4, (8, 3), (), ()),
@@ -286,8 +300,13 @@ def test_bad_regions_are_refused_saying_where(sim):
     line = vsf.make_mesh((4,), ("i",))
     with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\) runs on Mesh\(\(4,\), \('i',\).*but the jitted step is planned over Mesh\(\(2, 2\), \('dp', 'tp'\)"):
         vsf.jit(lambda x: vsf.shard_map(lambda a: a, mesh=line, in_specs=P(), out_specs=P())(x))(x)
-    with pytest.raises(NotImplementedError, match=r"_AllGatherV cannot be planned inside a jitted shard_map yet \(ragged collectives run eagerly only\)"):
-        jitted(lambda a, b: vsf.ops.all_gather_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
+    # ragged pieces of different sizes would give a traced value a different shape on each rank
+    with pytest.raises(ValueError, match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1"):
+        jitted(lambda a, b: vsf.ops.all_gather_v(a[:3], "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
+    with pytest.raises(ValueError, match=r"reduce_scatter_v over 'tp' inside a jitted shard_map: its result would hold \(3, 1\) rows"):
+        jitted(lambda a, b: vsf.ops.reduce_scatter_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
+    with pytest.raises(ValueError, match=r"all_to_all_v over 'tp' inside a jitted shard_map: its result \(the send matrix's column sums\) would hold \(3, 5\) rows"):
+        jitted(lambda a, b: vsf.ops.all_to_all_v(a, "tp", [[1, 3], [2, 2]]), in_specs=P(), out_specs=P())(x)
     with pytest.raises(ValueError, match=r"args\[0\] has 3 in dim 0, which P\('dp'\) splits 2 ways"):
         jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P("dp"))(vsf.device_put(torch.ones(3, 2), vsf.NamedSharding(mesh, P())))
     with pytest.raises(ValueError, match=r"the result\[1\] has 0 dims but out_specs gives it P\('dp'\)"):
@@ -398,3 +417,19 @@ def test_a_ring_of_ppermutes_manual_over_cp_runs_on_each_dp_piece_of_the_batch(s
     # 3 ppermutes forward, 3 back, each of this rank's [2 rows, 2 positions, 3] block
     assert [c_ for c_ in cost.collectives if c_.kind == "ppermute"] == [Collective("ppermute", "cp", (2, 2, 3), torch.float32, 48)] * 6
     assert cost.count("all_gather", "dp") == 0
+
+
+def test_a_balanced_ragged_all_to_all_is_a_collective_of_the_plan_equal_to_the_eager_region(sim):
+    torch.manual_seed(0)
+    x = torch.randn(16, 3)
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("i",))
+    region = vsf.shard_map(lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED) * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("i")))
+    jitted = vsf.jit(region)
+    torch.testing.assert_close(vsf.device_get(jitted(xs)), vsf.device_get(region(xs)))
+    torch.testing.assert_close(vsf.device_get(jitted(xs)), 2 * x[balanced_rows()])
+    lowered = jitted.lower(xs)
+    # rank 2 keeps none of its 4 rows: 4 rows of 3 floats leave it, the most any rank sends
+    assert "all_to_all_v over i (inside the region): [4, 3] 48 B sent" in lowered.as_text()
+    assert lowered.cost().collectives == (Collective("all_to_all_v", "i", (4, 3), torch.float32, 48),)

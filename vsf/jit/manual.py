@@ -23,8 +23,9 @@ import torch.fx
 from torch.distributed.tensor import Partial, Shard
 
 from vsf.errors import PlanError
+from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of, op_nodes, outputs_meta, tensor_args, user_line
-from vsf.jit.plan import R, Collective, Placements, is_shard, one_d, split_dim
+from vsf.jit.plan import R, Collective, Placements, one_d
 from vsf.jit.strategies import Strategy
 from vsf.ops.collectives import rebound
 from vsf.ops.region import AXIS_INDEX_OP, BOUNDARY_OPS, COLLECTIVE_OP, REGION_OPS, Region, call, copies, lookup, summed_over
@@ -162,11 +163,7 @@ def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple
     if node.target is not COLLECTIVE_OP:
         return ()
     x = meta_of(tensor_args(node)[0])
-    shape = list(x.shape)
-    for a, p in zip(mesh.device_axes, ins[0]):
-        if is_shard(p):
-            shape[split_dim(p)] = -(-shape[split_dim(p)] // mesh.axis_size(a))
-    s = call(node.args[-1]).op.abstract(torch.empty(shape, dtype=x.dtype, device="meta"))[1]
+    s = call(node.args[-1]).op.abstract(torch.empty(local_shape(mesh, x, ins[0]), dtype=x.dtype, device="meta"))[1]
     return (Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes),)
 
 

@@ -64,11 +64,11 @@ def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
     return int(round(full * {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "ppermute": 1}.get(kind, (n - 1) / n)))
 
 
-def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...]) -> tuple[torch.Tensor, Sent]:
+def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None) -> tuple[torch.Tensor, Sent]:
     """An empty result of ``out_shape`` (a traced collective's fake result) and the record of
-    what ``kind`` over ``g`` sends for ``x``."""
+    what ``kind`` over ``g`` sends for ``x`` (``nbytes``, or the ring model's figure)."""
     shape = out_shape if kind == "all_gather" else tuple(x.shape)
-    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x))
+    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x) if nbytes is None else nbytes)
 
 
 def check_axis(m: Mesh, axis: str, op: str) -> None:

@@ -173,8 +173,10 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
     split over axes of total size ``k`` is ``k`` times as long globally. Every split dim must
     divide evenly, as in JAX. ``axis_names`` (JAX's partial-manual): the manual axes (default:
     all); the specs may name only those, collectives may run only over those, and over the other
-    axes the body sees whole values (for now every rank there runs the same body: the body is not
-    yet planned over the automatic axes).
+    (automatic) axes the body sees whole values. Inside :func:`vsf.jit` the propagator plans the
+    body over the automatic axes like the rest of the step (a batch split over ``dp`` stays split,
+    params split over ``fsdp`` are gathered where the body needs them); eagerly every rank there
+    runs the body on the whole values.
 
     **Replicated values** (JAX's ``check_vma=False`` semantics; vsf checks nothing): over the manual
     axes an input's spec leaves out every rank gets the whole value and its gradient is summed over
@@ -184,10 +186,12 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
     global value (vsf does not check for it; JAX's ``check_vma=True`` would refuse it).
 
     Gradients flow through it (:func:`vsf.grad` of a function calling it). Inside
-    :func:`vsf.jit` the call is one op of the step's graph (see :mod:`vsf.ops.region`): the plan
+    :func:`vsf.jit` the body is traced into the step's graph (see :mod:`vsf.ops.region`): the plan
     pins its inputs to ``in_specs`` and its results to ``out_specs``, its collectives are the
-    program's (``Lowered.as_text()`` lists them), and its backward runs the body's backward on
-    local shards, every collective transposed.
+    program's (``Lowered.as_text()`` lists them), and its backward is the body's, every collective
+    transposed. The body may read only its arguments and constants (a traced value it closes over
+    is an error: pass it in); ragged collectives run there where every rank's operand and result
+    have one shape (:mod:`vsf.ops.ragged`).
 
     Example (Megatron's MLP: the hidden dim split over ``tp``, one all-reduce)::
 

@@ -239,8 +239,8 @@ def test_replicated_inputs_and_outputs_follow_the_documented_rule(sim):
 
 
 def test_a_partial_manual_region_sees_whole_values_over_its_automatic_axes(sim):
-    # manual over dp only: the batch is split over dp, the body sees whole values over tp (where,
-    # for now, every rank runs the same body), and gradients over tp are whole, not partial sums
+    # manual over dp only: the batch is split over dp, the body sees whole values over tp (which
+    # the planner may split: tp is automatic here), and its collectives run over dp only
     torch.manual_seed(0)
     x, w, c = torch.randn(8, 3), torch.randn(3, 5), torch.randn(5)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -300,6 +300,11 @@ def test_bad_regions_are_refused_saying_where(sim):
     line = vsf.make_mesh((4,), ("i",))
     with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\) runs on Mesh\(\(4,\), \('i',\).*but the jitted step is planned over Mesh\(\(2, 2\), \('dp', 'tp'\)"):
         vsf.jit(lambda x: vsf.shard_map(lambda a: a, mesh=line, in_specs=P(), out_specs=P())(x))(x)
+    # the body sees only its arguments (and constants); a collective needs a region
+    with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\): aten.mul.Tensor reads %arg1_1, a value computed outside the region.*pass it to the region as an argument"):
+        vsf.jit(lambda x, w: vsf.shard_map(lambda a: a * w, mesh=mesh, in_specs=P(), out_specs=P())(x))(x, x)
+    with pytest.raises(ValueError, match=r"an all_reduce over 'tp' inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region"):
+        vsf.jit(lambda x: vsf.ops.psum(x, "tp", mesh=mesh))(x)
     # ragged pieces of different sizes would give a traced value a different shape on each rank
     with pytest.raises(ValueError, match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1"):
         jitted(lambda a, b: vsf.ops.all_gather_v(a[:3], "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
@@ -412,6 +417,8 @@ def test_a_ring_of_ppermutes_manual_over_cp_runs_on_each_dp_piece_of_the_batch(s
     (loss, y), g = step(*args)
     torch.testing.assert_close(vsf.device_get(y), oracle(x))
     torch.testing.assert_close(vsf.device_get(loss), (oracle(x) * c).sum())
+    torch.testing.assert_close(vsf.device_get(g), xr.grad)
+    (loss, y), g = step.check(*args)   # checking mode: every value outside the region against one device
     torch.testing.assert_close(vsf.device_get(g), xr.grad)
     cost = step.lower(*args).cost()
     # 3 ppermutes forward, 3 back, each of this rank's [2 rows, 2 positions, 3] block

@@ -115,7 +115,7 @@ def _run(x: torch.Tensor, op: Any, key: int | None) -> torch.Tensor:
     if not _compat.is_fake(x):
         return op(x)
     if key is None:
-        raise ValueError(f"{type(op).__name__.strip('_')} over {op.g.axis!r} inside vsf.jit: named-axis collectives run only inside a vsf.shard_map region")
+        raise ValueError(f"an {op.abstract(x)[1].kind} over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region")
     return region.collective(x, region.Call(op, key))
 
 

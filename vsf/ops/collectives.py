@@ -47,10 +47,9 @@ from typing import Any
 
 import torch
 
-from vsf import _compat
 from vsf.ops import backend, region
 from vsf.ops.backend import AxisGroup
-from vsf.ops.recording import Sent, check_axis, current_region, sent
+from vsf.ops.recording import Sent, check_axis, current_region, sent, traces_step
 from vsf.sharding.mesh import Mesh, current_mesh
 
 __all__ = [
@@ -111,12 +110,12 @@ class _Collective(torch.autograd.Function):
 
 
 def _run(x: torch.Tensor, op: Any, key: int | None) -> torch.Tensor:
-    """``op(x)``; while a ``vsf.jit`` step is traced (``x`` fake), the node of region ``key`` that runs it."""
-    if not _compat.is_fake(x):
-        return op(x)
-    if key is None:
+    """``op(x)``; inside region ``key`` traced into a ``vsf.jit`` step, the node that runs it."""
+    if key is not None:
+        return region.collective(x, region.Call(op, key))
+    if traces_step():
         raise ValueError(f"an {op.abstract(x)[1].kind} over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region")
-    return region.collective(x, region.Call(op, key))
+    return op(x)
 
 
 def apply_linear(x: torch.Tensor, op: Linear) -> torch.Tensor:

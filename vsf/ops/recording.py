@@ -23,7 +23,7 @@ import torch
 from vsf.ops.backend import AxisGroup
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["Sent", "check_axis", "current_region", "manual_axes", "sent"]
+__all__ = ["Sent", "check_axis", "current_region", "manual_axes", "sent", "tracing_step", "traces_step"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,25 @@ def manual_axes(region: str, axes: Sequence[str], key: int | None = None) -> Ite
 def current_region() -> int | None:
     """The key of the region being traced into a ``vsf.jit`` graph, if one is (innermost)."""
     return MANUAL[-1][2] if MANUAL else None
+
+
+_STEP_TRACES = [0]  # how many vsf.jit steps are being traced (on global shapes) right now
+
+
+@contextlib.contextmanager
+def tracing_step() -> Iterator[None]:
+    """Inside, a ``vsf.jit`` step is being traced on global shapes: a named-axis collective met
+    outside a region there is an error (its operand is a global value, not a rank's)."""
+    _STEP_TRACES[0] += 1
+    try:
+        yield
+    finally:
+        _STEP_TRACES[0] -= 1
+
+
+def traces_step() -> bool:
+    """Is a ``vsf.jit`` step being traced on global shapes (:func:`tracing_step`)?"""
+    return _STEP_TRACES[0] > 0
 
 
 def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:

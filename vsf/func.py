@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
-from vsf.ops.recording import manual_axes
-from vsf.ops.region import Region, boundary, copies, register, summed_over
+from vsf.ops.recording import current_region, manual_axes
+from vsf.ops.region import Region, boundary, copies, lookup, register, summed_over
 from vsf.sharding.constraint import constrain
 from vsf.sharding.mesh import Mesh, current_mesh, use_mesh
 from vsf.sharding.named import NamedSharding, resolve
@@ -249,6 +249,9 @@ def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str,
     """The region traced into the graph under way (see :mod:`vsf.ops.region`): each tensor
     argument enters it through a ``manual_in`` op, the body's ops and collectives are traced as
     they run on the values it sees, and each tensor result leaves through a ``manual_out`` op."""
+    outer = current_region()
+    if outer is not None:
+        raise ValueError(f"shard_map({name}) is called inside shard_map({lookup(outer).name}) in a vsf.jit step: nested regions are not supported there; make one region manual over both sets of axes")
     region = Region(name, m, manual, tuple(s for _, s in placed if s is not None))
     key = register(region)
     entered = iter(boundary(x, key, i, "manual_in") for i, x in enumerate(x for x, s in placed if s is not None))

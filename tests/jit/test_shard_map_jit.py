@@ -305,6 +305,11 @@ def test_bad_regions_are_refused_saying_where(sim):
         vsf.jit(lambda x, w: vsf.shard_map(lambda a: a * w, mesh=mesh, in_specs=P(), out_specs=P())(x))(x, x)
     with pytest.raises(ValueError, match=r"an all_reduce over 'tp' inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region"):
         vsf.jit(lambda x: vsf.ops.psum(x, "tp", mesh=mesh))(x)
+    def outer(a, b):
+        return vsf.shard_map(lambda a: a, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=("dp",))(a)
+
+    with pytest.raises(ValueError, match=r"shard_map\(<lambda>\) is called inside shard_map\(outer\) in a vsf.jit step: nested regions are not supported"):
+        jitted(outer, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
     # ragged pieces of different sizes would give a traced value a different shape on each rank
     with pytest.raises(ValueError, match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1"):
         jitted(lambda a, b: vsf.ops.all_gather_v(a[:3], "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)

@@ -161,7 +161,7 @@ def _check_constraint(s: NamedSharding, x: torch.Tensor, where: str) -> None:
         raise ValueError(f"with_sharding_constraint {s.spec!r} for {where} has {len(s.spec)} entries but the value has rank {x.ndim} (shape {tuple(x.shape)})")
 
 
-def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None) -> Callable[..., Any]:
+def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None, check_vma: bool = True) -> Callable[..., Any]:
     """``f`` run on each rank's local shards, with collectives you write (JAX's ``shard_map``).
 
     Each tensor argument is laid out as ``in_specs`` says (a pytree prefix of the arguments, one
@@ -178,12 +178,17 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
     params split over ``fsdp`` are gathered where the body needs them); eagerly every rank there
     runs the body on the whole values.
 
-    **Replicated values** (JAX's ``check_vma=False`` semantics; vsf checks nothing): over the manual
-    axes an input's spec leaves out every rank gets the whole value and its gradient is summed over
-    them; over the manual axes an output's spec leaves out the result must be the same on every rank,
-    and its cotangent is split evenly among them (so ``psum``'s backward, which sums the ranks'
-    cotangents, gives it back once). A result that differs across such ranks has no defined
-    global value (vsf does not check for it; JAX's ``check_vma=True`` would refuse it).
+    **Replicated values**: over the manual axes an input's spec leaves out every rank gets the
+    whole value and its gradient is summed over them; over the manual axes an output's spec leaves
+    out the result must be the same on every rank, and its cotangent is split evenly among them (so
+    ``psum``'s backward, which sums the ranks' cotangents, gives it back once). A result that
+    differs across such ranks has no defined global value. ``check_vma`` (JAX's name): inside
+    :func:`vsf.jit` such a result is an error naming its key path, found from the body's dataflow
+    (a value varies over an axis its input's spec splits, or ``axis_index``, ``ppermute``,
+    ``all_to_all`` or ``psum_scatter`` over it, made it vary; ``psum``, ``pmean``, ``pmax`` and
+    ``all_gather`` over it make it the same everywhere); ``check_vma=False`` trusts the body.
+    Eagerly vsf does not check. The gradient rule is the same either way (JAX's without
+    ``check_vma``).
 
     Gradients flow through it (:func:`vsf.grad` of a function calling it). Inside
     :func:`vsf.jit` the body is traced into the step's graph (see :mod:`vsf.ops.region`): the plan
@@ -212,7 +217,7 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
         placed = [(x, _only_manual(_even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}"), manual, name, "in_specs", f"args{tree.keystr(path)}") if isinstance(x, torch.Tensor) else None)
                   for (path, x), spec in zip(in_pairs, specs)]
         if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x, _ in placed):
-            return _traced_region(f, name, m, manual, out_specs, in_def, placed)
+            return _traced_region(f, name, m, manual, out_specs, in_def, placed, check_vma)
         local = [_local_shard(x, s, manual) if s is not None else x for x, s in placed]
         with use_mesh(m), manual_axes(name, manual):
             out = f(*tree.unflatten(in_def, local))
@@ -245,14 +250,14 @@ def _result(path: Any) -> str:
     return "the result" + (tree.keystr(path) if path else "")
 
 
-def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]]) -> Any:
+def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]], check_vma: bool) -> Any:
     """The region traced into the graph under way (see :mod:`vsf.ops.region`): each tensor
     argument enters it through a ``manual_in`` op, the body's ops and collectives are traced as
     they run on the values it sees, and each tensor result leaves through a ``manual_out`` op."""
     outer = current_region()
     if outer is not None:
         raise ValueError(f"shard_map({name}) is called inside shard_map({lookup(outer).name}) in a vsf.jit step: nested regions are not supported there; make one region manual over both sets of axes")
-    region = Region(name, m, manual, tuple(s for _, s in placed if s is not None))
+    region = Region(name, m, manual, tuple(s for _, s in placed if s is not None), check_vma)
     key = register(region)
     entered = iter(boundary(x, key, i, "manual_in") for i, x in enumerate(x for x, s in placed if s is not None))
     with use_mesh(m), manual_axes(name, manual, key):
@@ -261,6 +266,7 @@ def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str,
     specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
     region.outs = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
                         for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
+    region.out_names = tuple(_result(path) for path, y in out_pairs if isinstance(y, torch.Tensor))
     results = iter(boundary(y, key, i, "manual_out") for i, y in enumerate(y for _, y in out_pairs if isinstance(y, torch.Tensor)))
     return tree.unflatten(out_def, [next(results) if isinstance(y, torch.Tensor) else y for _, y in out_pairs])
 

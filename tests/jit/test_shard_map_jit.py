@@ -224,7 +224,7 @@ def _loss_and_y(region, x, w):
 
 def test_replicated_inputs_and_outputs_follow_the_documented_rule(sim):
     # over an axis an input's spec leaves out, its gradient is the sum over the ranks there; a
-    # result out_specs replicates has its cotangent split among them (check_vma=False semantics)
+    # result out_specs replicates has its cotangent split among them (JAX's rule without check_vma)
     torch.manual_seed(0)
     x, v = torch.randn(8, 3), torch.randn(3)
     xr, vr = x.clone().requires_grad_(), v.clone().requires_grad_()
@@ -310,6 +310,16 @@ def test_bad_regions_are_refused_saying_where(sim):
 
     with pytest.raises(ValueError, match=r"shard_map\(<lambda>\) is called inside shard_map\(outer\) in a vsf.jit step: nested regions are not supported"):
         jitted(outer, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
+    # a result out_specs replicates over a manual axis must not vary over it (check_vma)
+    def two_results(a, b):
+        return vsf.ops.psum(a, "tp"), vsf.ops.ppermute(a, "tp", [(0, 1), (1, 0)])
+
+    with pytest.raises(vsf.PlanError, match=r"shard_map\(two_results\): the result\[1\] varies over 'tp', but out_specs gives it P\(\), which says it is the same on every rank of 'tp'"):
+        jitted(two_results, in_specs=P(), out_specs=P())(x)
+    with pytest.raises(vsf.PlanError, match=r"the result varies over 'dp', but out_specs gives it P\(\)"):
+        jitted(lambda a, b: vsf.ops.psum(a * vsf.ops.axis_index("dp"), "tp"), in_specs=P(), out_specs=P())(x)
+    y, z = jitted(two_results, in_specs=P(), out_specs=P(), check_vma=False)(x)   # trusted: each rank's own
+    torch.testing.assert_close(vsf.device_get(y), 2 * torch.ones(4, 2))
     # ragged pieces of different sizes would give a traced value a different shape on each rank
     with pytest.raises(ValueError, match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1"):
         jitted(lambda a, b: vsf.ops.all_gather_v(a[:3], "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)

@@ -62,15 +62,17 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
     """Tag the ops of ``gm`` that compute a region's body values: those a boundary op into the
     region or a collective starts, and every op computed from them up to the boundary ops out.
     A body op that reads a value computed outside the region (not a constant) is a ``PlanError``:
-    the body sees only what it was given."""
+    the body sees only what it was given; so is a result that varies over a manual axis its spec
+    replicates it over (:func:`_check_replicated`)."""
+    varying: dict[torch.fx.Node, frozenset[str]] = {}  # the manual axes each body value may differ over
     for node in op_nodes(gm):
         node.meta.pop(_TAG, None)
         own = _key(node)
-        if node.target in _ENTER:
-            node.meta[_TAG] = own
-            continue
         found = {p.meta[_TAG] for p, _ in tensor_args(node) if _TAG in p.meta}
-        if node.target in _KINDS:  # manual_out, manual_in_grad: their results are outside
+        kind = _KINDS.get(node.target)
+        if kind == "manual_out":
+            _check_replicated(node, varying)
+        if kind in ("manual_out", "manual_in_grad"):  # their results are outside
             continue
         keys = found | ({own} if own is not None else set())
         if not keys:
@@ -80,12 +82,45 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
             raise PlanError(f"{node.target} computes with values of {names} at once{user_line(node)}: pass values between regions as their results and arguments")
         key = keys.pop()
         outer = [p for p, _ in tensor_args(node) if _TAG not in p.meta and p not in constants]
-        if outer:
+        if outer and node.target not in _ENTER:
             raise PlanError(
                 f"shard_map({lookup(key).name}): {node.target} reads %{outer[0].name}, a value computed outside the region"
                 f"{user_line(node)}; pass it to the region as an argument (with its in_specs)"
             )
         node.meta[_TAG] = key
+        varying[node] = _varies(node, varying)
+
+
+def _varies(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -> frozenset[str]:
+    """The manual axes over which body value ``node`` may differ from rank to rank (JAX's "varying
+    manual axes"): an argument over those its spec splits it over, a cotangent over those its
+    result's spec splits; a collective over axis ``a`` adds ``a`` (``ppermute``, ``all_to_all``,
+    ``psum_scatter``) or removes it (``psum``, ``all_gather``, ``pmax``), ``axis_index`` is ``a``;
+    any other op varies where its operands do."""
+    kind = _KINDS.get(node.target)
+    if kind is not None:
+        r = lookup(node.args[1])
+        return frozenset(a for a in r.manual if a in r.sharding(kind, node.args[2]).spec.axes)
+    if node.target is AXIS_INDEX_OP:
+        return frozenset({call(node.args[-1]).op.g.axis})
+    operands = frozenset().union(*(varying.get(p, frozenset()) for p, _ in tensor_args(node)))
+    if node.target is COLLECTIVE_OP:
+        op = call(node.args[-1]).op
+        return operands - {op.g.axis} if op.replicates else operands | {op.g.axis}
+    return operands
+
+
+def _check_replicated(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -> None:
+    """A region's result (``manual_out`` node) may vary only over the manual axes its spec splits."""
+    r, i = lookup(node.args[1]), node.args[2]
+    (p, _), = tensor_args(node)
+    extra = sorted(varying.get(p, frozenset()) - set(r.outs[i].spec.axes))
+    if extra and r.check_vma:
+        raise PlanError(
+            f"shard_map({r.name}): {r.out_names[i]} varies over {extra[0]!r}, but out_specs gives it {r.outs[i].spec!r}, which says it is the same "
+            f"on every rank of {extra[0]!r}{user_line(node)}: reduce it over {extra[0]!r} (psum, pmean, all_gather), give it a spec that splits "
+            f"over {extra[0]!r}, or pass check_vma=False if it is the same there by construction"
+        )
 
 
 def _manual_dim(node: torch.fx.Node, mesh: Mesh, axis: str) -> tuple[Region, int] | None:

@@ -96,6 +96,8 @@ class Linear:
     moves: tuple[int, ...] = ()
     #: a sum of per-rank terms goes through it term by term (it is linear)
     passes_partials = True
+    #: its result is the same on every rank of its axis (a sum, a gather), whatever each rank gave
+    replicates = False
 
 
 class _Collective(torch.autograd.Function):
@@ -142,6 +144,7 @@ def rebound(op: Any) -> Any:
 @dataclass(frozen=True)
 class _Psum(Linear):
     g: AxisGroup
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_reduce(x, self.g)
@@ -157,6 +160,7 @@ class _Psum(Linear):
 class _AllGather(Linear):
     g: AxisGroup
     dim: int
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_gather(x, self.g, self.dim)
@@ -324,6 +328,7 @@ class _Max:
     g: AxisGroup
     moves = ()
     passes_partials = False
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_reduce(x, self.g, "max")

@@ -39,6 +39,7 @@ class _AllGatherV(Linear):
     g: AxisGroup
     sizes: tuple[int, ...]
     dim: int
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, sizes = self.g.size, self.sizes

@@ -20,10 +20,11 @@ The planner (:mod:`vsf.jit.manual`) pins every value of the body to "as it is on
 (``Replicate`` placements that mean local) over the manual axes, and plans the body over the
 other (automatic) axes like any other ops of the step.
 
-**Replicated values** (vsf's rule, the eager ``shard_map``'s, JAX's ``check_vma=False``): over a
-manual axis an input's spec leaves out, every rank gets the whole value, and its gradient is the
-sum over those ranks (each rank's gradient is a partial sum); over a manual axis an output's spec
-leaves out, the body must give every rank the same value (vsf does not check it), and the
+**Replicated values** (vsf's rule, the eager ``shard_map``'s; JAX's gradients without
+``check_vma``): over a manual axis an input's spec leaves out, every rank gets the whole value, and
+its gradient is the sum over those ranks (each rank's gradient is a partial sum); over a manual
+axis an output's spec leaves out, the body must give every rank the same value (with
+``check_vma``, the planner refuses one that the body's dataflow lets vary there), and the
 cotangent that comes in is split evenly among those ranks, so a ``psum`` whose backward sums the
 ranks' cotangents gives it back once.
 
@@ -57,13 +58,17 @@ __all__ = [
 @dataclasses.dataclass(eq=False)
 class Region:
     """One manual region of a traced step: its name, mesh, manual axes and the shardings of its
-    tensor arguments (``ins``) and results (``outs``, known once the body has returned)."""
+    tensor arguments (``ins``) and results (``outs``, known once the body has returned, with
+    ``out_names``, their key paths); ``check_vma``: refuse a result that varies over a manual
+    axis its spec replicates it over (:func:`vsf.jit.manual.mark`)."""
 
     name: str
     mesh: Mesh
     manual: tuple[str, ...]
     ins: tuple[NamedSharding, ...]
+    check_vma: bool = True
     outs: tuple[NamedSharding, ...] = ()
+    out_names: tuple[str, ...] = ()
 
     def sharding(self, kind: str, i: int) -> NamedSharding:
         """The sharding of the value boundary op ``kind`` moves (argument ``i`` or result ``i``)."""

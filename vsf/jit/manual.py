@@ -31,7 +31,7 @@ from vsf.ops.collectives import rebound
 from vsf.ops.region import AXIS_INDEX_OP, BOUNDARY_OPS, COLLECTIVE_OP, REGION_OPS, Region, call, copies, lookup, summed_over
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["auto_strategies", "collectives", "fixed_on", "inside", "mark", "placements", "run"]
+__all__ = ["auto_strategies", "collectives", "fixed_on", "inside", "mark", "placements", "region_of", "run"]
 
 _KINDS = {op: kind for kind, op in BOUNDARY_OPS.items()}
 _ENTER = frozenset({BOUNDARY_OPS["manual_in"], BOUNDARY_OPS["manual_out_grad"]})  # their results are body values
@@ -48,13 +48,25 @@ def _key(node: torch.fx.Node) -> int | None:
 
 
 def region_of(node: torch.fx.Node) -> Region | None:
-    """The region whose body computes ``node``'s values (after :func:`mark`), if any."""
+    """The region whose body computes ``node``'s values (after :func:`mark`), if any.
+
+    Example::
+
+        >>> region_of(mm_node).manual
+        ('tp',)
+    """
     key = node.meta.get(_TAG)
     return None if key is None else lookup(key)
 
 
 def inside(node: torch.fx.Node) -> bool:
-    """Are ``node``'s values a region's body values (local over its manual axes)? (after :func:`mark`)"""
+    """Are ``node``'s values a region's body values (local over its manual axes)? (after :func:`mark`)
+
+    Example::
+
+        >>> inside(mm_node), inside(loss_node)
+        (True, False)
+    """
     return _TAG in node.meta
 
 
@@ -63,7 +75,12 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
     region or a collective starts, and every op computed from them up to the boundary ops out.
     A body op that reads a value computed outside the region (not a constant) is a ``PlanError``:
     the body sees only what it was given; so is a result that varies over a manual axis its spec
-    replicates it over (:func:`_check_replicated`)."""
+    replicates it over (:func:`_check_replicated`).
+
+    Example::
+
+        >>> mark(gm, constant_nodes(gm.graph))
+    """
     varying: dict[torch.fx.Node, frozenset[str]] = {}  # the manual axes each body value may differ over
     for node in op_nodes(gm):
         node.meta.pop(_TAG, None)
@@ -139,7 +156,13 @@ def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
     """The one strategy ``node`` has on mesh axis ``axis`` if that axis is manual in ``node``'s
     region: a boundary op takes (or gives) the region's spec and gives (or takes) the value as
     this rank holds it; every other op of the body runs on the values as they are. ``None`` for
-    an automatic axis, or an op outside every region."""
+    an automatic axis, or an op outside every region.
+
+    Example::
+
+        >>> fixed_on(manual_in_node, mesh, "tp")     # in_specs P(None, "tp")
+        Strategy(ins=(Shard(dim=1),), outs=(Replicate(),))
+    """
     found = _manual_dim(node, mesh, axis)
     if found is None:
         return None
@@ -158,7 +181,13 @@ def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
 
 def placements(node: torch.fx.Node, mesh: Mesh, ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
     """A region op's placements on the full mesh: the per-axis choices (``ins``, ``outs``), with a
-    boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry)."""
+    boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry).
+
+    Example::
+
+        >>> placements(manual_in_node, mesh, [(Shard(0), Shard(1))], [(Shard(0), Replicate())])
+        ([(Shard(dim=0), Shard(dim=1))], [(Shard(dim=0), Replicate())])
+    """
     kind = _KINDS.get(node.target)
     if kind is None:
         return ins, outs
@@ -177,7 +206,13 @@ def placements(node: torch.fx.Node, mesh: Mesh, ins: list[Placements], outs: lis
 
 def auto_strategies(node: torch.fx.Node, n: int) -> list[Strategy]:
     """A region op's strategies on an automatic axis of ``n`` ranks: replicated, a partial sum
-    where the op is linear, or split on any dim it leaves whole (each rank runs it on its piece)."""
+    where the op is linear, or split on any dim it leaves whole (each rank runs it on its piece).
+
+    Example::
+
+        >>> [st.ins for st in auto_strategies(psum_node, 2)]     # on a [8, 4] operand
+        [(Replicate(),), (Partial(sum),), (Shard(dim=0),), (Shard(dim=1),)]
+    """
     if node.target is AXIS_INDEX_OP:
         return [Strategy((), (R,))]
     if node.target is COLLECTIVE_OP:
@@ -194,7 +229,13 @@ def auto_strategies(node: torch.fx.Node, n: int) -> list[Strategy]:
 
 def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple[Collective, ...]:
     """The collective a ``manual_collective`` node runs, on this rank's piece of its operand
-    (laid out as ``ins[0]`` over the automatic axes); none for the other region ops."""
+    (laid out as ``ins[0]`` over the automatic axes); none for the other region ops.
+
+    Example::
+
+        >>> collectives(psum_node, mesh, [(Shard(0), Replicate())])    # [8, 4] over dp=2
+        (Collective(kind='all_reduce', axis='tp', shape=(4, 4), dtype=torch.float32, bytes=64),)
+    """
     if node.target is not COLLECTIVE_OP:
         return ()
     x = meta_of(tensor_args(node)[0])
@@ -205,7 +246,12 @@ def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple
 def run(node: torch.fx.Node, args: tuple) -> torch.Tensor:
     """A region op on this rank's local values (``args``: the node's arguments, tensors local):
     a collective over its manual axis; a boundary op moves nothing (a cotangent coming in for a
-    result its spec replicates is split among the ranks that hold it)."""
+    result its spec replicates is split among the ranks that hold it).
+
+    Example::
+
+        >>> run(psum_node, (local_block, key))    # this rank's sum over tp
+    """
     if node.target is AXIS_INDEX_OP:
         return rebound(call(args[-1]).op)()
     if node.target is COLLECTIVE_OP:

@@ -54,7 +54,14 @@ def manual_axes(region: str, axes: Sequence[str], key: int | None = None) -> Ite
 
 
 def current_region() -> int | None:
-    """The key of the region being traced into a ``vsf.jit`` graph, if one is (innermost)."""
+    """The key of the region being traced into a ``vsf.jit`` graph, if one is (innermost).
+
+    Example::
+
+        >>> with manual_axes("mlp", ("tp",), key=7):
+        ...     current_region()
+        7
+    """
     return MANUAL[-1][2] if MANUAL else None
 
 
@@ -64,7 +71,14 @@ _STEP_TRACES = [0]  # how many vsf.jit steps are being traced (on global shapes)
 @contextlib.contextmanager
 def tracing_step() -> Iterator[None]:
     """Inside, a ``vsf.jit`` step is being traced on global shapes: a named-axis collective met
-    outside a region there is an error (its operand is a global value, not a rank's)."""
+    outside a region there is an error (its operand is a global value, not a rank's).
+
+    Example::
+
+        >>> with tracing_step():
+        ...     traces_step()
+        True
+    """
     _STEP_TRACES[0] += 1
     try:
         yield
@@ -73,7 +87,13 @@ def tracing_step() -> Iterator[None]:
 
 
 def traces_step() -> bool:
-    """Is a ``vsf.jit`` step being traced on global shapes (:func:`tracing_step`)?"""
+    """Is a ``vsf.jit`` step being traced on global shapes (:func:`tracing_step`)?
+
+    Example::
+
+        >>> traces_step()     # outside vsf.jit's tracing
+        False
+    """
     return _STEP_TRACES[0] > 0
 
 

@@ -36,7 +36,7 @@ for _ in range(3):
     params_reused.append(sum(x.to_local().data_ptr() in before_params for x in vsf.tree.leaves(p)))
     losses.append(vsf.device_get(loss).item())
 got = vsf.device_get(p)
-program = next(iter(step._cache.values()))._local
+program = next(iter(step._cache.values()))._runner.local
 report = {
     "losses": losses,
     "want_losses": want_losses,
@@ -110,7 +110,7 @@ dispatch_loss, dispatch_g = dispatch_grad(*vsf.device_put((xd, cd), vsf.NamedSha
 
 
 def program_collectives(jitted):
-    return sum(1 for n in next(iter(jitted._cache.values()))._local.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+    return sum(1 for n in next(iter(jitted._cache.values()))._runner.local.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
 
 
 report.update({

@@ -54,7 +54,6 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
@@ -77,7 +76,6 @@ __all__ = [
     "fake_mode",
     "foreach_elementwise_op",
     "functional_collectives",
-    "outside_trace",
     "fused_adam_",
     "fused_adam_lr",
     "init_fake_process_group",
@@ -330,15 +328,6 @@ def fake_mode() -> FakeTensorMode:
 def is_fake(t: torch.Tensor) -> bool:
     """Is ``t`` a fake tensor (or a wrapper of one)?"""
     return is_fake_tensor(t)
-
-
-@contextlib.contextmanager
-def outside_trace(like: torch.Tensor | None) -> Iterator[None]:
-    """Run code on fake tensors without recording it in the ``make_fx`` trace under way (in the
-    fake mode of ``like``, or a fresh one), as ``vsf.shard_map`` does to learn about its body."""
-    mode = like.fake_mode if like is not None and is_fake_tensor(like) else fake_mode()
-    with disable_proxy_modes_tracing(), mode:
-        yield
 
 
 def is_data_dependent_error(e: BaseException) -> bool:

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "ragged": "benchmarks.bench_ragged",
     "checkpoint": "benchmarks.bench_checkpoint",
     "random": "benchmarks.bench_random",
+    "pipeline": "benchmarks.bench_pipeline",
 }
 
 
@@ -45,6 +46,8 @@ def machine() -> str:
 def _value(x: float, unit: str) -> str:
     if unit == "":
         return f"{x:.0f}"
+    if unit == "%":
+        return f"{100 * x:.1f}%"
     if unit == "B":
         for scale, name in ((1 << 20, "MiB"), (1 << 10, "KiB")):
             if x >= scale:

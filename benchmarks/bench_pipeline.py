@@ -1,0 +1,310 @@
+"""vsf.pipeline's bubble and activation memory on real gloo processes, against the schedule's theory.
+
+A GPT (``examples/gpt.py``: d=256, 4 heads, 8 blocks, vocab 256, microbatches of 2 sequences of 64
+tokens; ``--quick``: 4 blocks) is cut into ``pp`` stages of equal blocks (``pipeline_stages``) on
+``pp`` gloo processes with one thread each, and ``pipe.value_and_grad`` runs torch's
+``ScheduleGPipe`` / ``Schedule1F1B``. The microbatch size is fixed, so ``m`` microbatches are a batch
+of ``2m`` sequences and a stage's work per microbatch is the same for every ``m``.
+
+* **Idle fraction per stage.** Each rank times its stage's compute inside the step: every
+  ``PipelineStage.forward_one_chunk`` (the stage program's forward) and ``backward_one_chunk``
+  (its backward), wall clock. The step's span is from the first rank entering the schedule's
+  ``step`` to the last rank leaving it (``time.monotonic``, one clock for every process of the
+  machine). Stage ``s``'s idle fraction is ``1 - busy_s / span``, the median over the timed steps,
+  against :func:`vsf.pipeline.bubble` of the schedule's actions (``(p-1)/(m+p-1)`` for every
+  stage). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
+  sends, the last stage's loss forward (outside ``forward_one_chunk``), and the schedule's own
+  bookkeeping. Separately, ``pipelined step vs schedule span``: the whole ``value_and_grad`` (it
+  also builds the stages, lends the tied embedding, sums its gradient and broadcasts the loss).
+* **Peak activation memory per stage.** While one step runs, ``torch.autograd.graph.
+  saved_tensors_hooks`` count the bytes of the tensors autograd saves for the backward (the stage
+  programs save theirs with ``save_for_backward``), each storage once, params' storages excluded,
+  from when it is saved until autograd frees it (its backward ran): the peak of that sum over the
+  step. The theory beside it: the schedule's most microbatches in flight at once on the stage
+  (forwards run whose backward has not, from ``stage_actions``: 1F1B ``min(m, p - s)``, GPipe
+  ``m``) times one microbatch's saved bytes (measured the same way across its first forward; the
+  last stage's loss saves a little more after it). What is not counted: torch's
+  ``PipelineStage`` allocates the receive buffers of all ``m`` microbatches up front (one
+  activation and one gradient each), and the stage outputs it keeps until their backward.
+
+The machine has 2 cores shared with other work: 4 processes oversubscribe them, so a stage whose
+neighbours compute at the same time computes slower (in 1F1B's steady state every stage computes
+at once), which stretches ``busy`` and shrinks the measured idle fraction. ``pp=2`` on 2
+processes is run too.
+
+Run::
+
+    python -m benchmarks.bench_pipeline [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQUENCES_PER_MICROBATCH = 2
+TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))
+MEMORY = (("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("gpipe", 4), ("gpipe", 8), ("gpipe", 16))
+
+
+def _config(quick: bool):
+    sys.path[:0] = [str(ROOT), str(ROOT / "examples")]   # (a worker runs this file as a script)
+    from gpt import GPTConfig
+
+    return GPTConfig(vocab=256, seq=64, dim=256, heads=4, layers=4 if quick else 8, period=8)
+
+
+class _Clock:
+    """The wall time this rank spends in its stage's forwards and backwards, and when it enters
+    and leaves the schedule's ``step`` (while :func:`_timing` is active)."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.enter = self.leave = 0.0
+
+    def timed(self, fn: Callable, what: str) -> Callable:
+        def wrapper(*args, **kwargs):
+            t0 = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = time.monotonic()
+                if what == "busy":
+                    self.busy += t1 - t0
+                else:
+                    self.enter, self.leave = t0, t1
+
+        return wrapper
+
+
+@contextmanager
+def _patched(owner: type, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    own = name in vars(owner)
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+@contextmanager
+def _timing(clock: _Clock) -> Iterator[None]:
+    from torch.distributed.pipelining import PipelineStage
+
+    from vsf.pipeline.schedule import SCHEDULES
+
+    with _patched(PipelineStage, "forward_one_chunk", lambda f: clock.timed(f, "busy")), _patched(PipelineStage, "backward_one_chunk", lambda f: clock.timed(f, "busy")):
+        with _patched(SCHEDULES["gpipe"], "step", lambda f: clock.timed(f, "step")), _patched(SCHEDULES["1f1b"], "step", lambda f: clock.timed(f, "step")):
+            yield
+
+
+class _Saved:
+    """Bytes of the tensors autograd holds for the backward right now (each storage once, params'
+    storages excluded), their peak, and one microbatch's share (across the stage's first forward)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}   # storage address -> [holders, bytes]
+        self.params: set[int] = set()
+        self.now = self.peak = 0
+        self.per_microbatch = None
+
+    def pack(self, t):
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = local.untyped_storage().data_ptr()
+        if key in self.params or local.device.type == "meta":
+            return t
+        entry = self.live.setdefault(key, [0, local.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return _Holder(self, key, t) if isinstance(t, torch.Tensor) else t
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.live[key]
+
+    def forward(self, fn: Callable) -> Callable:
+        def wrapper(stage, chunk, *args, **kwargs):
+            self.params.update(w.to_local().untyped_storage().data_ptr() for w in stage.submod.parameters())
+            before = self.now
+            out = fn(stage, chunk, *args, **kwargs)
+            if chunk == 0:
+                self.per_microbatch = self.now - before
+            return out
+
+        return wrapper
+
+
+class _Holder:
+    """A saved tensor as autograd keeps it; its storage leaves the count when autograd drops it."""
+
+    __slots__ = ("owner", "key", "tensor")
+
+    def __init__(self, owner: _Saved, key: int, tensor) -> None:
+        self.owner, self.key, self.tensor = owner, key, tensor
+
+    def __del__(self) -> None:
+        self.owner.release(self.key)
+
+
+def _saved_bytes(step: Callable[[], None]) -> dict[str, int]:
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    saved = _Saved()
+    with _patched(PipelineStage, "forward_one_chunk", saved.forward):
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda h: h.tensor if isinstance(h, _Holder) else h):
+            step()
+    return {"peak": saved.peak, "per_microbatch": saved.per_microbatch or 0, "left": saved.now}
+
+
+def _worker(out: str, quick: bool) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    cfg = _config(quick)
+    import vsf
+    from gpt import GPT, batch_at, pipeline_stages
+
+    torch.set_num_threads(1)
+    pp = int(os.environ["WORLD_SIZE"])
+    mesh = vsf.make_mesh((pp,), ("pp",))
+    rank = dist.get_rank()
+    model = GPT(cfg)
+    params = vsf.tree.from_module(model)
+    fns, loss_fn, prefixes = pipeline_stages(model, pp)
+    repeats = 2 if quick else 5
+    result: dict = {"timed": {}, "memory": {}}
+    for schedule, m in dict.fromkeys(TIMED + MEMORY):
+        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, tied=("wte.weight",))
+        p = pipe.place(params)
+        batch = batch_at(0, SEQUENCES_PER_MICROBATCH * m, cfg)
+        step = lambda: vsf.device_get(pipe.value_and_grad(p, *batch)[0])  # noqa: E731
+        step()   # plans the stage programs
+        key = f"{schedule},{m}"
+        if (schedule, m) in TIMED:
+            rows = []
+            for _ in range(repeats):
+                clock = _Clock()
+                dist.barrier()
+                t0 = time.monotonic()
+                with _timing(clock):
+                    step()
+                whole = time.monotonic() - t0
+                gathered = [None] * pp
+                dist.all_gather_object(gathered, (clock.busy, clock.enter, clock.leave, whole))
+                rows.append(gathered)
+            result["timed"][key] = rows
+        if (schedule, m) in MEMORY:
+            dist.barrier()
+            result["memory"][key] = _saved_bytes(step)
+    gathered = [None] * pp
+    dist.all_gather_object(gathered, result["memory"])
+    if rank == 0:
+        result["memory"] = gathered
+        Path(out).write_text(json.dumps(result))
+
+
+def _idle(rows: list[list[tuple[float, float, float, float]]]) -> tuple[list[float], float, float]:
+    """Each stage's median idle fraction of the schedule's span, the median span, and the median
+    whole step (slowest rank)."""
+    fractions, spans, wholes = [], [], []
+    for ranks in rows:
+        span = max(r[2] for r in ranks) - min(r[1] for r in ranks)
+        spans.append(span)
+        wholes.append(max(r[3] for r in ranks))
+        fractions.append([1 - r[0] / span for r in ranks])
+    return [statistics.median(f[s] for f in fractions) for s in range(len(rows[0]))], statistics.median(spans), statistics.median(wholes)
+
+
+def _in_flight(actions: list[tuple[str, int]]) -> int:
+    """The most microbatches whose forward ran and whose backward has not, over ``actions``."""
+    now = most = 0
+    for kind, _ in actions:
+        now += 1 if kind == "F" else -1
+        most = max(most, now)
+    return most
+
+
+def bench(pp: int, quick: bool) -> list[dict]:
+    from vsf import launch
+    from vsf.pipeline import bubble, stage_actions
+
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "pipeline.json")
+        launch.run(Path(__file__).resolve(), pp, "--worker", out, *(["--quick"] if quick else []), timeout=1800)
+        r = json.loads(Path(out).read_text())
+    where = f"pp={pp}, {pp} gloo procs{' on 2 shared cores (oversubscribed)' if pp > 2 else ''}"
+    rows = []
+    for schedule, m in TIMED:
+        idle, span, whole = _idle(r["timed"][f"{schedule},{m}"])
+        theory = bubble(stage_actions(schedule, pp, m))
+        ratios = [a / b for a, b in zip(idle, theory)]
+        per_stage = "/".join(f"{x:.2f}" for x in idle)
+        rows.append({
+            "name": f"idle fraction per stage (stages 0-{pp - 1}: {per_stage}; ratios {'/'.join(f'{x:.2f}' for x in ratios)}), {schedule.upper()}, m={m}, {where}",
+            "vsf": statistics.mean(idle), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(ratios),
+            "target": "0.9-1.1 every stage", "met": all(0.9 <= x <= 1.1 for x in ratios),
+        })
+        rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
+    mem = r["memory"]
+    for schedule, m in MEMORY:
+        actions = stage_actions(schedule, pp, m)
+        peaks = [mem[s][f"{schedule},{m}"]["peak"] for s in range(pp)]
+        theory = [_in_flight(actions[s]) * mem[s][f"{schedule},{m}"]["per_microbatch"] for s in range(pp)]
+        per_stage = "/".join(f"{x / 2**20:.1f}" for x in peaks)
+        rows.append({
+            "name": f"peak saved activations, stage 0 (stages 0-{pp - 1}: {per_stage} MiB) vs in-flight x one microbatch's, {schedule.upper()}, m={m}, {where}",
+            "vsf": peaks[0], "ref": theory[0], "unit": "B", "ratio": peaks[0] / theory[0], "target": "1.0", "met": abs(peaks[0] / theory[0] - 1) < 0.05,
+        })
+    for schedule in ("1f1b", "gpipe"):
+        low, high = (mem[0][f"{schedule},{m}"]["peak"] for m in (4, 16))
+        flat = schedule == "1f1b"
+        rows.append({
+            "name": f"peak saved activations, stage 0, m=16 vs m=4, {schedule.upper()}, {where}",
+            "vsf": high, "ref": low, "unit": "B", "ratio": high / low,
+            "target": "1.0 (flat in m)" if flat else "- (grows with m: 4.0)", "met": abs(high / low - 1) < 0.05 if flat else None,
+        })
+    return rows
+
+
+def run(quick: bool) -> list[dict]:
+    """All measurements as rows of the suite's table (see ``benchmarks``): pp=4, then pp=2."""
+    return bench(4, quick) + bench(2, quick)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repetitions")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        _worker(ns.worker, ns.quick)
+        return
+    for row in run(ns.quick):
+        print(f"{row['name']:<84} vsf {row['vsf']:>14.6g}  ref {row['ref']:>14.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})")
+
+
+if __name__ == "__main__":
+    main()

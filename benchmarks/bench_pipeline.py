@@ -120,7 +120,6 @@ class _Saved:
         self.per_microbatch = None
 
     def pack(self, t):
-        import torch
         from torch.distributed.tensor import DTensor
 
         local = t.to_local() if isinstance(t, DTensor) else t
@@ -132,7 +131,7 @@ class _Saved:
             self.now += entry[1]
             self.peak = max(self.peak, self.now)
         entry[0] += 1
-        return _Holder(self, key, t) if isinstance(t, torch.Tensor) else t
+        return _Holder(self, key, t)
 
     def release(self, key: int) -> None:
         entry = self.live[key]
@@ -173,7 +172,7 @@ def _saved_bytes(step: Callable[[], None]) -> dict[str, int]:
     with _patched(PipelineStage, "forward_one_chunk", saved.forward):
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda h: h.tensor if isinstance(h, _Holder) else h):
             step()
-    return {"peak": saved.peak, "per_microbatch": saved.per_microbatch or 0, "left": saved.now}
+    return {"peak": saved.peak, "per_microbatch": saved.per_microbatch or 0}
 
 
 def _worker(out: str, quick: bool) -> None:

@@ -25,7 +25,7 @@ from vsf import _compat
 from vsf.errors import PlanMismatch
 from vsf.jit import context_parallel, manual
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
-from vsf.jit.plan import Bucket, Placements, Plan
+from vsf.jit.plan import Bucket, Placements, Plan, as_contiguous
 from vsf.jit.redistribute import move_local, transition_path
 
 __all__ = ["compile_local", "execute"]
@@ -51,7 +51,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
     env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(placeholders_of(gm), inputs)}
     moved: dict[tuple[Value, Placements], torch.Tensor] = {}
     def spec(v: Value, placements: Placements) -> Any:
-        return _compat.dtensor_layout(dm, placements, meta_of(v))
+        return _compat.dtensor_layout(dm, as_contiguous(placements), meta_of(v))  # a balanced split: the view's shards
 
     def get(v: Value, dst: Placements) -> torch.Tensor:
         src = plan.placement(v)
@@ -194,7 +194,7 @@ def _dim_order(t: torch.Tensor) -> list[int]:
 def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:
     outs = out if isinstance(out, (list, tuple)) else [out]
     for o, w in zip(outs, want):
-        if w is not None and tuple(o.placements) != w:
+        if w is not None and tuple(o.placements) != as_contiguous(w):
             raise PlanMismatch(f"{node.target} (node {node.name}) produced {tuple(o.placements)}, the plan said {w}")
     locals_ = [_compat.dtensor_local(o) if isinstance(o, DTensor) else o for o in outs]
     return locals_ if isinstance(out, (list, tuple)) else locals_[0]

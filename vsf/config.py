@@ -21,11 +21,16 @@
   generator (dropout without :class:`vsf.random.keyed`, ``torch.rand`` ...) is an error, since its
   values would depend on the layout; set, it is planned like any op (DTensor's RNG where it has a
   strategy, ``allow_replicated_fallback`` where not), with other values on every layout.
-* ``context_parallel`` (default ``"all_gather"``): how attention runs with its queries' sequence
+* ``context_parallel`` (default ``"auto"``): how attention runs with its queries' sequence
   split (:mod:`vsf.jit.context_parallel`): ``"all_gather"`` gathers keys and values over the
-  split (a ring sends as many bytes, so the cost model would not pick it), ``"ring"`` passes
-  their blocks around a ring of ppermutes instead (each rank holds one block of keys and
-  values at a time). Read when a step is planned.
+  split, ``"ring"`` passes their blocks around a ring of ppermutes instead (each rank holds one
+  block of keys and values at a time), ``"auto"`` chooses per attention op: the ring where its
+  gathered keys and values would take more than ``context_parallel_gather_bytes``, else the
+  gather (it sends no more bytes forward and fewer backward, and runs fewer, larger steps). Read
+  when a step is planned.
+* ``context_parallel_gather_bytes`` (default 64 MiB): ``"auto"``'s memory budget for one
+  attention op's gathered keys and values, counted on their whole shape (what a rank holds
+  gathered where no other axis splits them: an upper bound).
 
 Example::
 
@@ -39,4 +44,5 @@ check_plan: bool = False
 check_tolerance: tuple[float, float] = (1e-4, 1e-5)
 compile_random: bool = False
 allow_unkeyed_random: bool = False
-context_parallel: str = "all_gather"
+context_parallel: str = "auto"
+context_parallel_gather_bytes: int = 64 * 2**20

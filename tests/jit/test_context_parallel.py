@@ -412,3 +412,26 @@ def test_a_gpt_on_dp_x_cp_balanced_trains_like_one_device(sim, model_kind):
         plan = jitted["step"].lower(p, *b).plan
         for pl in attention_plans(plan)[SDPA]:
             assert isinstance(on_axis(plan, pl.ins[0]), BalancedPlacement), pl.ins
+
+
+# -- the choice between gathered keys and a ring ("auto") ---------------------------------------------
+
+
+@pytest.mark.parametrize("seq, chosen", [(16, "all_gather"), (64, "ring")])
+def test_auto_rings_where_the_gathered_keys_and_values_exceed_the_budget(sim, monkeypatch, seq, chosen):
+    """With a 16 KiB budget: 16 positions of keys and values (2 x 2 x 16 x 8 fp32, 8 KiB together)
+    are gathered, 64 (32 KiB) go around a ring; "all_gather" and "ring" force either; each equals
+    one device."""
+    monkeypatch.setattr(vsf.config, "context_parallel_gather_bytes", 16 * 2**10)
+    params, batch, loss_fn = _qkv_case(causal=True, kv_heads=2, heads=8, seq=seq)
+    want = reference(loss_fn, params, batch)
+    sim(2)
+    p = vsf.device_put(params, vsf.NamedSharding(vsf.make_mesh((2,), ("cp",)), P(None, None, "cp")))
+    for mode, expect in (("auto", chosen), ("all_gather", "all_gather"), ("ring", "ring")):
+        monkeypatch.setattr(vsf.config, "context_parallel", mode)
+        jitted = vsf.jit(_step(loss_fn))
+        plan = jitted.lower(p).plan
+        keys = {on_axis(plan, p.ins[1]) for p in attention_plans(plan)[SDPA]}
+        assert keys == ({Shard(2)} if expect == "ring" else {Replicate()}), (mode, keys)
+        if mode == "auto":
+            assert_equal_to_one_device(vsf.device_get(jitted(p)), want)

@@ -5,7 +5,9 @@ Full (non-causal) attention on query shards with whole keys runs as it is (DTens
 kernel on each rank's rows: :func:`vsf._compat.attention_sequence_rule`). A causal kernel's mask
 starts at the first query it is given, which is position 0 only on the first shard, so DTensor is
 never told that rule for a causal op; the planner offers it here instead (:func:`sequence_rules`),
-and with ``vsf.config.context_parallel = "ring"`` a rule that keeps keys and values split too.
+and a rule that keeps keys and values split too, passed around a ring: ``vsf.config.context_parallel``
+forces one (``"all_gather"``, ``"ring"``) or, ``"auto"`` (the default), :func:`mode_of` picks the
+ring where the gathered keys and values would exceed a memory budget.
 vsf runs those ops block by block (:func:`run`). With the sequence in ``n`` equal blocks and the
 rank's queries block ``me``, step ``s`` attends to key block ``me - s`` (mod ``n``), cut from the
 whole keys or, on a ring, received from the previous rank (``ppermute``): step 0 is the diagonal
@@ -47,9 +49,9 @@ from vsf.ops import backend, collectives as ops
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement, from_placements
 
-__all__ = ["collectives", "is_attention", "run", "runs", "sequence_rules", "splits_sequence"]
+__all__ = ["collectives", "is_attention", "mode_of", "run", "runs", "sequence_rules", "splits_sequence"]
 
-MODES = ("all_gather", "ring")
+MODES = ("auto", "all_gather", "ring")
 _FORWARD, _BACKWARD = ATTENTION_OPS
 
 
@@ -73,21 +75,35 @@ def _causal(node: torch.fx.Node) -> bool:
     return bool(_given(node).get("is_causal", False))
 
 
-def _mode() -> str:
+def mode_of(node: torch.fx.Node) -> str:
+    """How ``node`` runs on sequence shards: ``vsf.config.context_parallel`` when it forces one,
+    else (``"auto"``) the ring where the keys and values gathered would exceed
+    ``vsf.config.context_parallel_gather_bytes`` (on their whole shape), the gather where not.
+
+    Example::
+
+        >>> mode_of(causal_sdpa_node)           # 2 x 4 x 16 x 8 fp32 keys and values
+        'all_gather'
+    """
     if config.context_parallel not in MODES:
         raise ValueError(f"vsf.config.context_parallel must be one of {MODES}, got {config.context_parallel!r}")
-    return config.context_parallel
+    if config.context_parallel != "auto":
+        return config.context_parallel
+    given = _given(node)
+    kv = [given[name].meta["val"] for name in ("key", "value")]
+    gathered = sum(t.numel() * t.element_size() for t in kv)
+    return "ring" if gathered > config.context_parallel_gather_bytes else "all_gather"
 
 
 def sequence_rules(node: torch.fx.Node) -> list[list[Placement]]:
     """vsf's per-mesh-dim rules (results' placements, then the tensor inputs') that split an
     attention node over its queries' sequence: with keys and values whole for a causal node
-    (``vsf.config.context_parallel == "all_gather"``; a full one has DTensor's), or with every
-    tensor split, keys and values passed around a ring (``"ring"``, no mask argument)."""
+    (:func:`mode_of` ``"all_gather"``; a full one has DTensor's), or with every tensor split,
+    keys and values passed around a ring (``"ring"``, no mask argument)."""
     if not is_attention(node):
         return []
     names = _tensor_names(node)
-    if _mode() == "ring":
+    if mode_of(node) == "ring":
         if any(n in names for n in ("attn_mask", "attn_bias")):
             return []
         return [[Shard(2)] * (len(outputs_meta(node)) + len(names))]

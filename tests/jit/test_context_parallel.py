@@ -132,10 +132,10 @@ def test_grouped_query_attention_gathers_only_keys_and_values_over_cp(sim, layou
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_tp2"])
 def test_an_attention_block_keeps_its_tokens_split_on_cp(sim, layout, kv_heads, causal):
-    """A GPT-like block (projections, heads, SDPA) on one sequence: only keys and values are
-    gathered. (A batch of several sequences split on cp merges into a strided shard of the
-    projections' rows, which the planner does not keep through ``mm`` yet.)"""
-    params, batch, loss_fn = _block_case(causal=causal, kv_heads=kv_heads, batch=1)
+    """A GPT-like block (projections, heads, SDPA) on four sequences, each split on cp: only keys
+    and values are gathered (the projections' rows, the sequences merged, keep each sequence's
+    split as a strided shard)."""
+    params, batch, loss_fn = _block_case(causal=causal, kv_heads=kv_heads, batch=4)
     want = reference(loss_fn, params, batch)
     got, plan = _run(sim, layout, params, batch, loss_fn, MEGATRON)
     assert_equal_to_one_device(got, want)
@@ -199,16 +199,14 @@ def _gpt_case(sdpa: bool, batch: int):
 @pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "masked-softmax"])
 @pytest.mark.parametrize("layout", sorted(MESHES))
 def test_the_toy_gpt_with_tokens_on_cp_equals_one_device(sim, layout, sdpa):
-    """The repo's GPT (causal), its tokens ``P(None, "cp")`` (``P("dp", "cp")`` on dp x cp). With
-    SDPA on one sequence the attention runs on sequence shards; a batch of sequences split on cp
-    merges into a strided shard of the projections' rows, which the planner does not keep through
-    ``mm`` yet (it gathers there), so dp x cp is checked for its numbers only."""
-    batch = 2 if layout.startswith("dp") else 1
-    params, tokens, loss_fn = _gpt_case(sdpa, batch)
+    """The repo's GPT (causal) on two sequences, its tokens ``P(None, "cp")`` (``P("dp", "cp")`` on
+    dp x cp). With SDPA the attention runs on sequence shards (the masked softmax is checked for
+    its numbers)."""
+    params, tokens, loss_fn = _gpt_case(sdpa, 2)
     want = reference(loss_fn, params, tokens)
     got, plan = _run(sim, layout, params, tokens, loss_fn, GPT_MEGATRON)
     assert_equal_to_one_device(got, want)
-    if sdpa and batch == 1:
+    if sdpa:
         assert_attention_on_sequence_shards(plan)
 
 
@@ -279,7 +277,7 @@ def test_the_toy_gpt_on_sequence_shards_passes_checking_mode(sim, monkeypatch, l
     """Op by op, each result assembled from the ranks' shards equals the unsharded graph's (the
     causal blocks' merged output and log-sum-exp, and every gradient), and the step equals one device."""
     monkeypatch.setattr(vsf.config, "context_parallel", mode)
-    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=1)
+    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=2)
     want = reference(loss_fn, params, tokens)
     shape, names, spec = MESHES[layout]
     sim(math.prod(shape))

@@ -1,4 +1,4 @@
-"""Tier 3 worker: the toy GPT (causal SDPA) with its one sequence split over cp = 4 real gloo
+"""Tier 3 worker: the toy GPT (causal SDPA) with its two sequences each split over cp = 4 real gloo
 processes, SGD steps under vsf.jit (the traced program over local shards), against the same steps
 run unsharded in each process."""
 
@@ -20,7 +20,7 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab=32, seq=16, dim=16, heads=2, layers=2, tied=False, sdpa=True))
 params = vsf.tree.from_module(model)
-tokens = (torch.randint(0, 32, (1, 16)), torch.randint(0, 32, (1, 16)))
+tokens = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
 
 
 def step(p, idx, tgt):

@@ -433,3 +433,20 @@ def test_auto_rings_where_the_gathered_keys_and_values_exceed_the_budget(sim, mo
         assert keys == ({Shard(2)} if expect == "ring" else {Replicate()}), (mode, keys)
         if mode == "auto":
             assert_equal_to_one_device(vsf.device_get(jitted(p)), want)
+
+
+def test_a_gpt_on_dp_x_cp_balanced_ring_passes_checking_mode(sim, monkeypatch):
+    """Op by op, every value assembled from the balanced shards (those a view merges into the
+    projections' rows too) equals the unsharded graph's, keys and values on a ring."""
+    monkeypatch.setattr(vsf.config, "context_parallel", "ring")
+    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=2)
+    want = reference(loss_fn, params, tokens)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "cp"))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(tokens, vsf.NamedSharding(mesh, P("dp", vsf.balanced("cp"))))
+    jitted = vsf.jit(_step(loss_fn))
+    assert_equal_to_one_device(vsf.device_get(jitted.check(p, *b)), want)
+    plan = jitted.lower(p, *b).plan
+    for pl in attention_plans(plan)[SDPA]:
+        assert all(isinstance(on_axis(plan, x), BalancedPlacement) for x in pl.ins), pl.ins

@@ -39,6 +39,7 @@ def test_each_rank_holds_chunks_i_and_2n_minus_1_minus_i_and_the_round_trip_give
     s = vsf.NamedSharding(mesh, P("dp", vsf.balanced("cp")))
     placed = vsf.device_put({"tokens": x}, s)["tokens"]
     assert tuple(placed.placements) == (Shard(0), BalancedPlacement(1))
+    assert vsf.typeof(placed) == f"i64[2@dp,{seq}@cp~bal]"
     shards = _compat.local_shards(placed.to_local(), 0)
     for rank, local in shards.items():
         row, i = divmod(rank, n)

@@ -252,8 +252,9 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     ``P(("tp", "dp"))`` are 6 per rank, not rows of a ``(6, 4)`` view); a reshape of strided
     shards only where each rank's local view holds its own output shard (:func:`_views_locally`:
     DTensor's rule gets some wrong, ``(24,)`` as ``P(("tp", "dp"))`` viewed as ``(6, 4)`` is not
-    ``S(0)`` over tp and a strided ``S(1)`` over dp); and a max or min over shards needs a row on
-    every rank (it has no identity for an empty shard)."""
+    ``S(0)`` over tp and a strided ``S(1)`` over dp); an op DTensor's dispatcher runs by a handler
+    of its own takes no strided shard (argmax's raises ``NotImplementedError``); and a max or min
+    over shards needs a row on every rank (it has no identity for an empty shard)."""
     dm = mesh.device_mesh
     metas = [meta_of(v) for v in tensor_args(node)]
     placed = [*zip(metas, ins), *((t, p) for t, p in zip(outputs_meta(node), outs) if t is not None and p is not None)]
@@ -264,6 +265,8 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
             return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
         if _has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
             return False
+    if node.target in DISPATCHER_SPECIAL and _has_strided(ins):
+        return False
     extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
     return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
 

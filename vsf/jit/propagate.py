@@ -217,12 +217,12 @@ def _balanced_decision(
     node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
     preferred: list[Placements | None], asked: dict[Any, Any],
 ) -> tuple[list[Placements], list[Placements | None], bool]:
-    """:func:`_strategy_decision` for an op some of whose operands are split balanced: decided on
-    the contiguous shards of the balanced view (the same local shards, :func:`as_contiguous`) and
-    read back with every shard on those mesh dims balanced (a rule on contiguous blocks holds on
-    the balanced chunks when every operand holds the same ones:
-    :func:`vsf.jit.strategies._balanced_variants`)."""
-    dims = {k for p in [*arrived, *ins, *outs] if p is not None for k, q in enumerate(p) if isinstance(q, BalancedPlacement)}
+    """:func:`_strategy_decision` for an op some of whose operands arrive or are wanted split
+    balanced: decided on the contiguous shards of the balanced view (the same local shards,
+    :func:`as_contiguous`) and read back with every shard balanced on the mesh dims the per-axis
+    choices split balanced (a rule on contiguous blocks holds on the balanced chunks when every
+    operand holds the same ones: :func:`vsf.jit.strategies._balanced_variants`)."""
+    dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if isinstance(q, BalancedPlacement)}
     got_in, got_out, direct = _strategy_decision(
         node, mesh, op, [as_contiguous(p) for p in arrived], [as_contiguous(p) for p in ins], [as_contiguous(p) for p in outs],
         [as_contiguous(p) for p in preferred], asked,

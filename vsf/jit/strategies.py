@@ -31,7 +31,7 @@ from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.plan import PARTIAL, Placements, R, balanced_of, has_ragged, is_shard, split_dim, splits_evenly
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, RaggedPlacement
+from vsf.sharding.named import RaggedPlacement
 
 __all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "runnable"]
 
@@ -146,12 +146,13 @@ def _blind_to_offsets(node: torch.fx.Node) -> bool:
 def _balanced_variants(node: torch.fx.Node, strategies: list[Strategy], n: int) -> list[Strategy]:
     """Each rule whose shards on this axis are all plain or strided shards, with every one a
     balanced split instead (:class:`~vsf.sharding.named.BalancedPlacement`; a strided shard, a
-    view's merge of a split dim into a larger one, becomes a balanced split of each of its groups),
-    where each split dim cuts into ``2n`` equal chunks (per group). A rule that computes every contiguous block of a dim on its own
-    (what a shard rule says, for any number of ranks) computes every chunk on its own, so it holds
-    on chunks held in any order, as long as every split operand holds the same ones: all of the
-    rule's shards become balanced together. (Causal attention, which does know where its queries
-    start, runs its balanced blocks itself: :mod:`vsf.jit.context_parallel`.)"""
+    view's merge of a split dim into a larger one, becomes a balanced split of each of its
+    groups), where each split dim cuts into ``2n`` equal chunks (per group). A rule that computes
+    every contiguous block of a dim on its own (what a shard rule says, for any number of ranks)
+    computes every chunk on its own, so it holds on chunks held in any order, as long as every
+    split operand holds the same ones: all of the rule's shards become balanced together.
+    (Causal attention, which does know where its queries start, runs its balanced blocks itself:
+    :mod:`vsf.jit.context_parallel`.)"""
     metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
     out = []
     for st in strategies:

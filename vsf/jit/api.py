@@ -38,6 +38,7 @@ from vsf.jit.graph import output_node
 from vsf.jit.lower import compile_local, execute
 from vsf.jit.plan import Placements, Plan
 from vsf.jit.propagate import propagate
+from vsf.jit.replay import Replayed
 from vsf.jit.report import Cost, cost, plan_text
 from vsf.jit.trace import Traced, trace
 from vsf.sharding.inspect import type_string
@@ -395,6 +396,7 @@ class Compiled:
         self.input_names = input_names
         self.output_names = output_names
         self._local: torch.fx.GraphModule | None = None
+        self._replayed = Replayed(lambda xs: execute(plan, xs))
         dm = plan.mesh.device_mesh
         metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
         self._out_specs = [
@@ -412,10 +414,13 @@ class Compiled:
     def _run(self, call: _Call, check: bool) -> Any:
         mode = config.jit_mode
         if mode == "auto":
-            mode = "interpret" if _compat.active_local_mode() is not None else "trace"
+            mode = "replay" if _compat.active_local_mode() is not None else "trace"
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
         if check:
             locals_out = run_checked(self.plan, locals_in)
+        elif mode == "replay":
+            with _compat.quiet_redistribute():
+                locals_out = self._replayed(locals_in)
         elif mode == "interpret":
             with _compat.quiet_redistribute():
                 locals_out = execute(self.plan, locals_in)

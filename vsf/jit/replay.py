@@ -1,0 +1,225 @@
+"""Simulated steps recorded once and replayed as plain tensor code.
+
+Under :func:`vsf.simulate` a jitted step runs its plan (:func:`vsf.jit.lower.execute`) on
+``LocalTensor`` s: ``LocalTensorMode`` runs every op once per simulated rank and computes each
+collective from all ranks' buffers, at a cost of Python bookkeeping per op (flattening its
+arguments, per-rank RNG states, wrapping the results) many times that of the op itself.
+
+The program a plan lowers to does not depend on the values it computes (a real run traces it once
+with ``make_fx`` and reuses the trace), so :class:`Replayed` records the first call: a dispatch
+mode just below ``LocalTensorMode`` sees every plain op it runs, one rank's tensors at a time, the
+collectives' own arithmetic on the ranks' buffers included, and writes them into an fx graph over
+the ranks' input shards. Later calls with inputs laid out alike run that graph with no mode on the
+dispatch stack: the same ops in the same order on the same values, so the same bits. A program the
+record cannot replay faithfully (it draws random numbers, reads a computed value into Python,
+writes a tensor that existed before it, or needs autograd) keeps running under
+``LocalTensorMode``; :attr:`Replayed.why_not` says why.
+
+Example::
+
+    >>> program = Replayed(lambda xs: execute(plan, xs))
+    >>> outs = program(local_inputs)      # first call: runs under LocalTensorMode and records
+    >>> outs = program(local_inputs)      # later calls: the recorded plain ops
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import DTensor
+
+from vsf import _compat
+
+__all__ = ["Replayed"]
+
+_Signature = tuple[Any, ...]
+
+
+class Replayed:
+    """``run`` (a function of a list of local tensors, ``LocalTensor`` s under simulation, returning
+    such a list), recorded on its first call and replayed as plain tensor code on later calls whose
+    inputs have the recorded shapes, strides, dtypes and aliasing."""
+
+    def __init__(self, run: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+        self.run = run
+        self.program: torch.fx.GraphModule | None = None
+        self.why_not: str | None = None
+        self._signature: _Signature | None = None
+        self._ranks: list[int] = []
+        self._outputs: list[bool] = []  # per output: a LocalTensor (one value per rank) or a plain tensor
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        mode = _compat.active_local_mode()
+        if mode is None or self.why_not is not None or _needs_autograd(inputs):
+            return self.run(list(inputs))
+        ranks = sorted(mode.ranks)
+        flat = _flat_inputs(inputs, ranks)
+        signature = _signature_of(flat)
+        if self.program is None or signature != self._signature or ranks != self._ranks:
+            return self._record(inputs, flat, signature, ranks)
+        with _compat.dispatch_modes_off():
+            out = iter(self.program(*flat))
+            return [_compat.make_local({r: next(out) for r in ranks}) if local else next(out) for local in self._outputs]
+
+    def _record(self, inputs: Sequence[torch.Tensor], flat: list[torch.Tensor], signature: _Signature, ranks: list[int]) -> list[torch.Tensor]:
+        recorder = _Recorder(flat)
+        with _compat.below_local_mode(recorder):
+            outs = self.run(list(inputs))
+        if recorder.why_not is None and _needs_autograd(outs):
+            recorder.why_not = "its results need autograd"
+        if recorder.why_not is not None:
+            self.why_not, self.program = recorder.why_not, None
+            return outs
+        self.program = recorder.finish([t for o in outs for t in _rank_values(o, ranks)])
+        self._signature, self._ranks = signature, ranks
+        self._outputs = [_compat.is_local_tensor(o) for o in outs]
+        return outs
+
+
+def _needs_autograd(ts: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _rank_values(t: torch.Tensor, ranks: list[int]) -> list[torch.Tensor]:
+    """Every rank's value of ``t`` (one value for a plain tensor, which every rank shares)."""
+    if not _compat.is_local_tensor(t):
+        return [t]
+    shards = _compat.local_shards(t, ranks[0])
+    return [shards[r] for r in ranks]
+
+
+def _flat_inputs(inputs: Sequence[torch.Tensor], ranks: list[int]) -> list[torch.Tensor]:
+    return [v for t in inputs for v in _rank_values(t, ranks)]
+
+
+def _signature_of(flat: list[torch.Tensor]) -> _Signature:
+    """What the recorded program assumed of its inputs: each tensor's layout and which earlier
+    input (if any) shares its storage (an op's output layout follows its inputs')."""
+    storages: dict[int, int] = {}
+    out = []
+    for i, t in enumerate(flat):
+        ptr = t.untyped_storage().data_ptr()
+        out.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, storages.setdefault(ptr, i) if ptr else i))
+    return tuple(out)
+
+
+def _is_metadata(func: Any) -> bool:
+    """Does ``func`` read only a tensor's layout (``sym_size``, ``sym_stride``, ``is_contiguous`` ...)?"""
+    name = getattr(func, "__name__", "").split(".")[0]
+    return name.startswith("sym_") or name in _LAYOUT_QUERIES
+
+
+_LAYOUT_QUERIES = frozenset({"dim", "size", "stride", "storage_offset", "numel", "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense"})
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
+    """A dispatch mode that writes every plain op computing from ``inputs`` into an fx graph.
+
+    Tensors are known by identity (weakly: a freed tensor's id may come back). An op none of whose
+    tensors derive from the inputs (a factory, a copy of an RNG state, a mesh's bookkeeping) is not
+    written: its result, where the program uses it, is a constant of the program. ``why_not`` is
+    set at the first op that a replay would not reproduce."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.graph = torch.fx.Graph()
+        self.why_not: str | None = None
+        self._nodes: dict[int, tuple[weakref.ref[torch.Tensor], torch.fx.Node]] = {}
+        self._constants: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
+        for i, t in enumerate(inputs):
+            node = self.graph.placeholder(f"x{i}")
+            if self._node(t) is None:  # (an input given twice is one placeholder: the signature checks it)
+                self._nodes[id(t)] = (weakref.ref(t), node)
+
+    def _node(self, t: torch.Tensor) -> torch.fx.Node | None:
+        known = self._nodes.get(id(t))
+        return known[1] if known is not None and known[0]() is t else None
+
+    def _arg(self, t: torch.Tensor) -> torch.fx.Node:
+        node = self._node(t)
+        if node is not None:
+            return node
+        if id(t) not in self._constants:  # held, so that its id stays its own
+            self._constants[id(t)] = (t, self.graph.get_attr(f"c{len(self._constants)}"))
+        return self._constants[id(t)][1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = list(_tensors(args, kwargs))
+        if any(isinstance(t, DTensor) or _compat.is_local_tensor(t) for t in tensors):
+            return NotImplemented  # the subclass runs it; the plain ops it runs come back here
+        out = func(*args, **kwargs)
+        if self.why_not is None:
+            self.why_not = self._write(func, args, kwargs, tensors, out)
+        return out
+
+    def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor], out: Any) -> str | None:
+        """Write ``func``'s call into the graph if it computes from the inputs; why not, if a replay
+        would not reproduce it."""
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return f"it draws random numbers ({func})"
+        schema = _compat.op_schema(func)
+        if schema is not None and schema.is_mutable and any(id(w) in self._constants for w in _written(schema, args, kwargs)):
+            return f"it writes a constant of the program ({func})"
+        if not any(self._node(t) is not None for t in tensors):
+            return None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if any(isinstance(o, (bool, int, float, complex)) for o in outs):
+            return None if _is_metadata(func) else f"its Python code reads a computed value ({func})"
+        if any(type(t) not in _PLAIN for t in tensors):
+            return f"it runs {func} on a {next(type(t).__name__ for t in tensors if type(t) not in _PLAIN)}"
+        node = self.graph.call_function(func, _map_args(args, self._arg), {k: _map_arg(v, self._arg) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            self._nodes[id(out)] = (weakref.ref(out), node)
+        else:
+            for i, o in enumerate(outs):
+                if isinstance(o, torch.Tensor):
+                    self._nodes[id(o)] = (weakref.ref(o), self.graph.call_function(operator.getitem, (node, i)))
+        return None
+
+    def finish(self, outputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+        """The recorded program, returning ``outputs`` (flat, every rank's values in turn)."""
+        self.graph.output(tuple(self._arg(t) for t in outputs))
+        self.graph.eliminate_dead_code()
+        root = torch.nn.Module()
+        for t, node in self._constants.values():
+            setattr(root, node.target, t)
+        return torch.fx.GraphModule(root, self.graph)
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an aten op's arguments (a ``Tensor[]`` argument's too)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _map_arg(a: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(a, torch.Tensor):
+        return fn(a)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+        return [fn(x) if isinstance(x, torch.Tensor) else x for x in a]
+    return a
+
+
+def _map_args(args: tuple[Any, ...], fn: Callable[[torch.Tensor], Any]) -> tuple[Any, ...]:
+    return tuple(_map_arg(a, fn) for a in args)
+
+
+def _written(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors an op call writes (its mutable arguments)."""
+    for i, s in enumerate(schema.arguments):
+        if s.alias_info is not None and s.alias_info.is_write:
+            a = args[i] if i < len(args) else kwargs.get(s.name)
+            if isinstance(a, torch.Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from (x for x in a if isinstance(x, torch.Tensor))

@@ -93,6 +93,7 @@ __all__ = [
     "make_local",
     "one_rank_device_mesh",
     "op_schema",
+    "other_dispatch_modes",
     "overload_name",
     "position_in_copy",
     "reduce_partial",
@@ -818,6 +819,14 @@ def below_local_mode(mode: Any) -> Iterator[None]:
             raise RuntimeError("below_local_mode: the dispatch mode stack changed inside the block")
         for m in above:
             _push_mode(m)
+
+
+def other_dispatch_modes() -> bool:
+    """Is a dispatch mode other than ``LocalTensorMode`` enabled (``CommDebugMode``, a user's
+    mode watching the ops a program runs)?"""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(not isinstance(m, LocalTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 @contextlib.contextmanager

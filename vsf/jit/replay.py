@@ -13,7 +13,9 @@ the ranks' input shards. Later calls with inputs laid out alike run that graph w
 dispatch stack: the same ops in the same order on the same values, so the same bits. A program the
 record cannot replay faithfully (it draws random numbers, reads a computed value into Python,
 writes a tensor that existed before it, or needs autograd) keeps running under
-``LocalTensorMode``; :attr:`Replayed.why_not` says why.
+``LocalTensorMode``; :attr:`Replayed.why_not` says why. So does a call made while another
+dispatch mode watches the ops (``CommDebugMode`` counting collectives): it sees the program's
+collectives, which a replay computes as plain arithmetic.
 
 Example::
 
@@ -55,7 +57,7 @@ class Replayed:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         mode = _compat.active_local_mode()
-        if mode is None or self.why_not is not None or _needs_autograd(inputs):
+        if mode is None or self.why_not is not None or _needs_autograd(inputs) or _compat.other_dispatch_modes():
             return self.run(list(inputs))
         ranks = sorted(mode.ranks)
         flat = _flat_inputs(inputs, ranks)

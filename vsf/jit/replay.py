@@ -8,9 +8,9 @@ arguments, per-rank RNG states, wrapping the results) many times that of the op 
 The program a plan lowers to does not depend on the values it computes (a real run traces it once
 with ``make_fx`` and reuses the trace), so :class:`Replayed` records the first call: a dispatch
 mode just below ``LocalTensorMode`` sees every plain op it runs, one rank's tensors at a time, the
-collectives' own arithmetic on the ranks' buffers included, and writes them into an fx graph over
-the ranks' input shards. Later calls with inputs laid out alike run that graph with no mode on the
-dispatch stack: the same ops in the same order on the same values, so the same bits. A program the
+collectives' own arithmetic on the ranks' buffers included, and writes those that compute from
+the ranks' input shards into a :class:`Program` (the ops in order, over slots of values). Later
+calls with inputs laid out alike run that program with no mode on the dispatch stack: the same ops in the same order on the same values, so the same bits. A program the
 record cannot replay faithfully (it draws random numbers, reads a computed value into Python,
 writes a tensor that existed before it, or needs autograd) keeps running under
 ``LocalTensorMode``; :attr:`Replayed.why_not` says why. So does a call made while another
@@ -26,18 +26,17 @@ Example::
 
 from __future__ import annotations
 
-import operator
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat
 
-__all__ = ["Replayed"]
+__all__ = ["Program", "Replayed"]
 
 _Signature = tuple[Any, ...]
 
@@ -49,7 +48,7 @@ class Replayed:
 
     def __init__(self, run: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
         self.run = run
-        self.program: torch.fx.GraphModule | None = None
+        self.program: Program | None = None
         self.why_not: str | None = None
         self._signature: _Signature | None = None
         self._ranks: list[int] = []
@@ -65,7 +64,7 @@ class Replayed:
         if self.program is None or signature != self._signature or ranks != self._ranks:
             return self._record(inputs, flat, signature, ranks)
         with _compat.dispatch_modes_off():
-            out = iter(self.program(*flat))
+            out = iter(self.program(flat))
             return [_compat.make_local({r: next(out) for r in ranks}) if local else next(out) for local in self._outputs]
 
     def _record(self, inputs: Sequence[torch.Tensor], flat: list[torch.Tensor], signature: _Signature, ranks: list[int]) -> list[torch.Tensor]:
@@ -120,8 +119,56 @@ _LAYOUT_QUERIES = frozenset({"dim", "size", "stride", "storage_offset", "numel",
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+class _Slot(int):
+    """An argument of a recorded op: the value in this slot of the program's environment."""
+
+
+@dataclasses.dataclass
+class Program:
+    """A recorded program: ops over an environment of slots. The inputs fill the first slots,
+    the constants theirs; each op reads its tensor arguments from slots and writes its tensor
+    results to slots, and a value's slot is emptied after the op that reads it last.
+
+    Example::
+
+        >>> outs = program(inputs)      # plain tensors in, plain tensors out
+    """
+
+    n_inputs: int
+    constants: dict[int, torch.Tensor]
+    ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any, tuple[int, ...]]]  # (func, args, kwargs, result slots, slots to empty)
+    outputs: list[int]
+    size: int
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        env: list[Any] = [*inputs, *[None] * (self.size - self.n_inputs)]
+        for i, c in self.constants.items():
+            env[i] = c
+        for func, args, kwargs, out, done in self.ops:
+            result = func(*[_read(a, env) for a in args], **{k: _read(v, env) for k, v in kwargs.items()})
+            if type(out) is _Slot:
+                env[out] = result
+            else:
+                for i, slot in out:
+                    env[slot] = result[i]
+            for i in done:
+                env[i] = None
+        return [env[i] for i in self.outputs]
+
+
+def _read(a: Any, env: list[Any]) -> Any:
+    if type(a) is _Slot:
+        return env[a]
+    if type(a) is list:
+        return [env[x] if type(x) is _Slot else x for x in a]
+    return a
+
+
 class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
-    """A dispatch mode that writes every plain op computing from ``inputs`` into an fx graph.
+    """A dispatch mode that writes every plain op computing from ``inputs`` into a :class:`Program`.
 
     Tensors are known by identity (weakly: a freed tensor's id may come back). An op none of whose
     tensors derive from the inputs (a factory, a copy of an RNG state, a mesh's bookkeeping) is not
@@ -130,25 +177,29 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         super().__init__()
-        self.graph = torch.fx.Graph()
         self.why_not: str | None = None
-        self._nodes: dict[int, tuple[weakref.ref[torch.Tensor], torch.fx.Node]] = {}
-        self._constants: dict[int, tuple[torch.Tensor, torch.fx.Node]] = {}
-        for i, t in enumerate(inputs):
-            node = self.graph.placeholder(f"x{i}")
-            if self._node(t) is None:  # (an input given twice is one placeholder: the signature checks it)
-                self._nodes[id(t)] = (weakref.ref(t), node)
+        self._slots: dict[int, tuple[weakref.ref[torch.Tensor], _Slot]] = {}
+        self._constants: dict[int, tuple[torch.Tensor, _Slot]] = {}
+        self._ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self._size = len(inputs)
+        for i, t in reversed(list(enumerate(inputs))):  # (an input given twice is read from its first slot: the signature checks it)
+            self._slots[id(t)] = (weakref.ref(t), _Slot(i))
+        self._n_inputs = len(inputs)
 
-    def _node(self, t: torch.Tensor) -> torch.fx.Node | None:
-        known = self._nodes.get(id(t))
+    def _new(self) -> _Slot:
+        self._size += 1
+        return _Slot(self._size - 1)
+
+    def _slot(self, t: torch.Tensor) -> _Slot | None:
+        known = self._slots.get(id(t))
         return known[1] if known is not None and known[0]() is t else None
 
-    def _arg(self, t: torch.Tensor) -> torch.fx.Node:
-        node = self._node(t)
-        if node is not None:
-            return node
+    def _arg(self, t: torch.Tensor) -> _Slot:
+        slot = self._slot(t)
+        if slot is not None:
+            return slot
         if id(t) not in self._constants:  # held, so that its id stays its own
-            self._constants[id(t)] = (t, self.graph.get_attr(f"c{len(self._constants)}"))
+            self._constants[id(t)] = (t, self._new())
         return self._constants[id(t)][1]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
@@ -162,37 +213,51 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         return out
 
     def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor], out: Any) -> str | None:
-        """Write ``func``'s call into the graph if it computes from the inputs; why not, if a replay
-        would not reproduce it."""
+        """Write ``func``'s call into the program if it computes from the inputs; why not, if a
+        replay would not reproduce it."""
         if torch.Tag.nondeterministic_seeded in func.tags:
             return f"it draws random numbers ({func})"
         schema = _compat.op_schema(func)
         if schema is not None and schema.is_mutable and any(id(w) in self._constants for w in _written(schema, args, kwargs)):
             return f"it writes a constant of the program ({func})"
-        if not any(self._node(t) is not None for t in tensors):
+        if not any(self._slot(t) is not None for t in tensors):
             return None
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if any(isinstance(o, (bool, int, float, complex)) for o in outs):
             return None if _is_metadata(func) else f"its Python code reads a computed value ({func})"
         if any(type(t) not in _PLAIN for t in tensors):
             return f"it runs {func} on a {next(type(t).__name__ for t in tensors if type(t) not in _PLAIN)}"
-        node = self.graph.call_function(func, _map_args(args, self._arg), {k: _map_arg(v, self._arg) for k, v in kwargs.items()})
+        call_args, call_kwargs = _map_args(args, self._arg), {k: _map_arg(v, self._arg) for k, v in kwargs.items()}
         if isinstance(out, torch.Tensor):
-            self._nodes[id(out)] = (weakref.ref(out), node)
+            slot: Any = self._new()
+            self._slots[id(out)] = (weakref.ref(out), slot)
         else:
+            slot = []
             for i, o in enumerate(outs):
                 if isinstance(o, torch.Tensor):
-                    self._nodes[id(o)] = (weakref.ref(o), self.graph.call_function(operator.getitem, (node, i)))
+                    slot.append((i, self._new()))
+                    self._slots[id(o)] = (weakref.ref(o), slot[-1][1])
+        self._ops.append((func, call_args, call_kwargs, slot))
         return None
 
-    def finish(self, outputs: list[torch.Tensor]) -> torch.fx.GraphModule:
-        """The recorded program, returning ``outputs`` (flat, every rank's values in turn)."""
-        self.graph.output(tuple(self._arg(t) for t in outputs))
-        self.graph.eliminate_dead_code()
-        root = torch.nn.Module()
-        for t, node in self._constants.values():
-            setattr(root, node.target, t)
-        return torch.fx.GraphModule(root, self.graph)
+    def finish(self, outputs: list[torch.Tensor]) -> Program:
+        """The recorded program, returning ``outputs`` (flat, every rank's values in turn), without
+        the ops whose results nothing reads (an op that writes its arguments is kept)."""
+        wanted = [self._arg(t) for t in outputs]
+        live = set(wanted)
+        ops = []
+        for func, args, kwargs, out in reversed(self._ops):
+            written = [s for _, s in out] if type(out) is list else [out]
+            schema = _compat.op_schema(func)
+            if not live.intersection(written) and not (schema is not None and schema.is_mutable):
+                continue
+            reads = [x for a in (*args, *kwargs.values()) for x in (a if type(a) is list else [a]) if type(x) is _Slot]
+            done = tuple(sorted({x for x in reads if x not in live and x not in wanted}))
+            live.update(reads)
+            ops.append((func, args, kwargs, out, done))
+        ops.reverse()
+        constants = {slot: t for t, slot in self._constants.values() if slot in live}
+        return Program(self._n_inputs, constants, ops, wanted, self._size)
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
@@ -209,6 +274,8 @@ def _map_arg(a: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(a)
     if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
         return [fn(x) if isinstance(x, torch.Tensor) else x for x in a]
+    if isinstance(a, list):
+        return tuple(a)  # (a program's list arguments hold slots; a shape list is passed as a tuple)
     return a
 
 

@@ -197,3 +197,32 @@ def test_checking_mode_checks_a_replayed_program(sim):
     checked = jitted.check(p, *batch)
     for a, b in zip(vsf.tree.leaves(replayed), vsf.tree.leaves(checked)):
         assert torch.equal(vsf.device_get(a), vsf.device_get(b))
+
+
+def _region_step(body, in_spec, out_spec, mesh):
+    region = vsf.shard_map(body, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec)
+
+    def step(w, x):
+        loss, g = vsf.value_and_grad(lambda w: (region(x * w) ** 2).sum())(w)
+        return w - 0.1 * g, loss
+
+    return step
+
+
+@pytest.mark.parametrize("name", ["psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"])
+def test_manual_region_forward_and_backward(sim, name):
+    """A ``shard_map`` region's collectives (vsf.ops under simulation) and the backward node that
+    runs their transposes on the forward's autograd graph, replayed."""
+    bodies = {
+        "psum": (lambda x: vsf.ops.psum(x, "i"), P("i"), P()),
+        "all_gather": (lambda x: vsf.ops.all_gather(x, "i", dim=1), P("i"), P("i")),
+        "psum_scatter": (lambda x: vsf.ops.psum_scatter(x, "i", dim=0), P("i"), P("i")),
+        "all_to_all": (lambda x: vsf.ops.all_to_all(x, "i", 0, 1), P("i"), P("i")),
+        "ppermute": (lambda x: vsf.ops.ppermute(x, "i", [(j, (j + 1) % 4) for j in range(4)]), P("i"), P("i")),
+    }
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("i",))
+    step = _region_step(*bodies[name], mesh)
+    w = vsf.device_put(torch.randn(16, 4), vsf.NamedSharding(mesh, P("i")))
+    x = vsf.device_put(torch.randn(16, 4), vsf.NamedSharding(mesh, P("i")))
+    _assert_replayed_equals_interpreted(step, (w, x))

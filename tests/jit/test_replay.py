@@ -21,18 +21,17 @@ def _shards(tree):
     return [{r: t.clone() for r, t in _compat.local_shards(_compat.dtensor_local(x), 0).items()} for x in vsf.tree.leaves(tree)]
 
 
-def _run(step, args, mode, steps=STEPS):
-    """``steps`` calls of ``vsf.jit(step)`` in ``jit_mode`` ``mode``, each on the previous call's
-    carried state; returns the jitted function and each call's results."""
+def _run(jitted, args, mode, steps=STEPS):
+    """``steps`` calls of ``jitted`` in ``jit_mode`` ``mode``, each on the previous call's carried
+    state; returns each call's results."""
     config.jit_mode = mode
     try:
-        jitted = vsf.jit(step)
         outs = []
         for _ in range(steps):
             out = jitted(*args)
             args = _carry(out, args)
             outs.append(out)
-        return jitted, outs
+        return outs
     finally:
         config.jit_mode = "auto"
 
@@ -46,9 +45,11 @@ def _carry(out, args):
 def _assert_replayed_equals_interpreted(step, args, steps=STEPS):
     """Run ``step`` both ways from the same arguments; return the replayed run's jitted function
     and results after checking that the replay ran and every rank's shards are equal bit for bit."""
-    _, want = _run(step, args, "interpret", steps)
-    jitted, got = _run(step, args, "auto", steps)
+    jitted = vsf.jit(step)  # one plan: the mode is read at each call
+    want = _run(jitted, args, "interpret", steps)
     program = jitted.lower(*args).compile()._replayed
+    assert program.program is None  # (nothing recorded yet)
+    got = _run(jitted, args, "auto", steps)
     assert program.why_not is None and program.program is not None
     for k, (g, w) in enumerate(zip(got, want)):
         for i, (gs, ws) in enumerate(zip(_shards(g), _shards(w))):
@@ -85,8 +86,9 @@ def test_gpt_adamw_step_on_a_5d_layout(sim):
     params, tx, train_step = _adamw_gpt(cfg)
     g = torch.Generator().manual_seed(0)
     idx, tgt = torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g)
+    steps = 2  # recorded, then replayed
     want_p, want_o, want_losses = params, tx.init(params), []
-    for _ in range(STEPS):
+    for _ in range(steps):
         want_p, want_o, loss = train_step(want_p, want_o, idx, tgt)
         want_losses.append(loss)
     sim(8)
@@ -94,7 +96,7 @@ def test_gpt_adamw_step_on_a_5d_layout(sim):
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, FSDP_TP)))
     batch = vsf.device_put((idx, tgt), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
     o = optim.init_sharded(tx, p)
-    _, got = _assert_replayed_equals_interpreted(train_step, (p, o, *batch))
+    _, got = _assert_replayed_equals_interpreted(train_step, (p, o, *batch), steps)
     torch.testing.assert_close(torch.stack([vsf.device_get(out[2]) for out in got]), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
     for a, b in zip(vsf.tree.leaves(vsf.device_get(got[-1][0])), vsf.tree.leaves(want_p)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

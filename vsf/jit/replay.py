@@ -109,6 +109,13 @@ def _signature_of(flat: list[torch.Tensor]) -> _Signature:
     return tuple(out)
 
 
+def _real(out: Any) -> bool:
+    """Does an op's result hold plain tensors with memory (not fake or meta ones, which only
+    planning code makes)?"""
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    return bool(outs) and all(type(o) in _PLAIN and o.device.type != "meta" for o in outs)
+
+
 def _is_metadata(func: Any) -> bool:
     """Does ``func`` read only a tensor's layout (``sym_size``, ``sym_stride``, ``is_contiguous`` ...)?"""
     name = getattr(func, "__name__", "").split(".")[0]
@@ -170,10 +177,11 @@ def _read(a: Any, env: list[Any]) -> Any:
 class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
     """A dispatch mode that writes every plain op computing from ``inputs`` into a :class:`Program`.
 
-    Tensors are known by identity (weakly: a freed tensor's id may come back). An op none of whose
-    tensors derive from the inputs (a factory, a copy of an RNG state, a mesh's bookkeeping) is not
-    written: its result, where the program uses it, is a constant of the program. ``why_not`` is
-    set at the first op that a replay would not reproduce."""
+    Tensors are known by identity (weakly: a freed tensor's id may come back). A factory's result
+    is the program's (each replay makes it anew); an op whose tensors are all neither inputs nor
+    made by the program (a copy of an RNG state, a mesh's bookkeeping) is not written: its result,
+    where the program uses it, is a constant of the program. ``why_not`` is set at the first op
+    that a replay would not reproduce."""
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         super().__init__()
@@ -218,10 +226,13 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         if torch.Tag.nondeterministic_seeded in func.tags:
             return f"it draws random numbers ({func})"
         schema = _compat.op_schema(func)
-        if schema is not None and schema.is_mutable and any(id(w) in self._constants for w in _written(schema, args, kwargs)):
+        written = list(_written(schema, args, kwargs)) if schema is not None and schema.is_mutable else []
+        if any(id(w) in self._constants for w in written):
             return f"it writes a constant of the program ({func})"
-        if not any(self._slot(t) is not None for t in tensors):
-            return None
+        if not any(self._slot(t) is not None for t in tensors) and (tensors or not _real(out)):
+            return None  # computes from constants only (or makes a fake or meta tensor): where the program uses its result, a constant
+        if any(self._slot(w) is None for w in written):
+            return f"it writes a tensor the program did not make ({func})"
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if any(isinstance(o, (bool, int, float, complex)) for o in outs):
             return None if _is_metadata(func) else f"its Python code reads a computed value ({func})"

@@ -47,7 +47,7 @@ def _assert_replayed_equals_interpreted(step, args, steps=STEPS):
     and results after checking that the replay ran and every rank's shards are equal bit for bit."""
     jitted = vsf.jit(step)  # one plan: the mode is read at each call
     want = _run(jitted, args, "interpret", steps)
-    program = jitted.lower(*args).compile()._replayed
+    program = jitted.lower(*args).compile()._runner.replayed
     assert program.program is None  # (nothing recorded yet)
     got = _run(jitted, args, "auto", steps)
     assert program.why_not is None and program.program is not None
@@ -153,7 +153,7 @@ def test_inputs_laid_out_otherwise_are_recorded_again(sim):
     batch = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("dp")))
     jitted = vsf.jit(step)
     jitted(p, *batch)
-    program = jitted.lower(p, *batch).compile()._replayed
+    program = jitted.lower(p, *batch).compile()._runner.replayed
     first = program.program
     # the same values, each rank's shard of x stored column-major: the record assumed row-major
     local = _compat.dtensor_local(batch[0])
@@ -180,7 +180,7 @@ def test_random_draws_keep_running_under_local_tensor_mode(sim, monkeypatch):
     jitted = vsf.jit(lambda x: x + torch.rand(x.shape))
     jitted(x)
     jitted(x)
-    program = jitted.lower(x).compile()._replayed
+    program = jitted.lower(x).compile()._runner.replayed
     assert program.program is None and "random" in program.why_not
 
 
@@ -195,7 +195,7 @@ def test_checking_mode_checks_a_replayed_program(sim):
     jitted = vsf.jit(step)
     jitted(p, *batch)
     replayed = jitted(p, *batch)
-    assert jitted.lower(p, *batch).compile()._replayed.program is not None
+    assert jitted.lower(p, *batch).compile()._runner.replayed.program is not None
     checked = jitted.check(p, *batch)
     for a, b in zip(vsf.tree.leaves(replayed), vsf.tree.leaves(checked)):
         assert torch.equal(vsf.device_get(a), vsf.device_get(b))

@@ -36,7 +36,7 @@ for _ in range(3):
     params_reused.append(sum(x.to_local().data_ptr() in before_params for x in vsf.tree.leaves(p)))
     losses.append(vsf.device_get(loss).item())
 got = vsf.device_get(p)
-program = next(iter(step._cache.values()))._local
+program = next(iter(step._cache.values()))._runner.local
 report = {
     "losses": losses,
     "want_losses": want_losses,
@@ -97,6 +97,6 @@ report.update({
     "ring_loss_err": abs(vsf.device_get(ring_loss).item() - want_ring.item()),
     "ring_grad_err": (vsf.device_get(ring_g) - xr.grad).abs().max().item(),
     "region_planned_collectives": len(mlp_step.lower(w, ws, *xt).cost().collectives),
-    "region_collectives_in_program": sum(1 for n in next(iter(mlp_step._cache.values()))._local.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)),
+    "region_collectives_in_program": sum(1 for n in next(iter(mlp_step._cache.values()))._runner.local.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)),
 })
 (out / f"rank{rank}.json").write_text(json.dumps(report))

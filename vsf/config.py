@@ -6,7 +6,7 @@
   replicated (the plan text flags it) instead of being an error.
 * ``jit_mode`` (default ``"auto"``): ``"trace"`` runs each step as a traced program over local
   shards, ``"interpret"`` walks the plan on every call (under ``vsf.simulate`` every op runs
-  through ``LocalTensorMode``), ``"replay"`` (under ``vsf.simulate``) records the first call's
+  through ``LocalTensorMode``), ``"replay"`` (under ``vsf.simulate``) records the second call's
   plain per-rank ops and runs them again on later calls (:mod:`vsf.jit.replay`: the same bits as
   ``"interpret"``, several times faster), ``"auto"`` traces in real runs and replays under
   ``vsf.simulate``.

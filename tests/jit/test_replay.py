@@ -43,8 +43,9 @@ def _carry(out, args):
 
 
 def _assert_replayed_equals_interpreted(step, args, steps=STEPS):
-    """Run ``step`` both ways from the same arguments; return the replayed run's jitted function
-    and results after checking that the replay ran and every rank's shards are equal bit for bit."""
+    """Run ``step`` both ways from the same arguments (``steps`` >= 3: run, recorded, replayed);
+    return the replayed run's jitted function and results after checking that the replay ran and
+    every rank's shards are equal bit for bit."""
     jitted = vsf.jit(step)  # one plan: the mode is read at each call
     want = _run(jitted, args, "interpret", steps)
     program = jitted.lower(*args).compile()._runner.replayed
@@ -86,7 +87,7 @@ def test_gpt_adamw_step_on_a_5d_layout(sim):
     params, tx, train_step = _adamw_gpt(cfg)
     g = torch.Generator().manual_seed(0)
     idx, tgt = torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g)
-    steps = 2  # recorded, then replayed
+    steps = 3  # run, recorded, replayed
     want_p, want_o, want_losses = params, tx.init(params), []
     for _ in range(steps):
         want_p, want_o, loss = train_step(want_p, want_o, idx, tgt)
@@ -153,14 +154,17 @@ def test_inputs_laid_out_otherwise_are_recorded_again(sim):
     batch = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("dp")))
     jitted = vsf.jit(step)
     jitted(p, *batch)
+    jitted(p, *batch)
     program = jitted.lower(p, *batch).compile()._runner.replayed
     first = program.program
+    assert first is not None
     # the same values, each rank's shard of x stored column-major: the record assumed row-major
     local = _compat.dtensor_local(batch[0])
     shards = {r: t.t().contiguous().t() for r, t in _compat.local_shards(local, 0).items()}
     x_cm = _compat.dtensor_like(_compat.make_local(shards), batch[0])
+    jitted(p, x_cm, batch[1])
     got_p, got_loss = jitted(p, x_cm, batch[1])
-    assert program.program is not first
+    assert program.program is not None and program.program is not first
     config.jit_mode = "interpret"
     try:
         want_p, want_loss = vsf.jit(step)(p, x_cm, batch[1])

@@ -6,7 +6,7 @@ collective from all ranks' buffers, at a cost of Python bookkeeping per op (flat
 arguments, per-rank RNG states, wrapping the results) many times that of the op itself.
 
 The program a plan lowers to does not depend on the values it computes (a real run traces it once
-with ``make_fx`` and reuses the trace), so :class:`Replayed` records the first call: a dispatch
+with ``make_fx`` and reuses the trace), so :class:`Replayed` records the second call (a program called once is not worth it): a dispatch
 mode just below ``LocalTensorMode`` sees every plain op it runs, one rank's tensors at a time, the
 collectives' own arithmetic on the ranks' buffers included, and writes those that compute from
 the ranks' input shards into a :class:`Program` (the ops in order, over slots of values). Later
@@ -20,7 +20,8 @@ collectives, which a replay computes as plain arithmetic.
 Example::
 
     >>> program = Replayed(lambda xs: execute(plan, xs))
-    >>> outs = program(local_inputs)      # first call: runs under LocalTensorMode and records
+    >>> outs = program(local_inputs)      # first call: runs under LocalTensorMode
+    >>> outs = program(local_inputs)      # second call: the same, recorded
     >>> outs = program(local_inputs)      # later calls: the recorded plain ops
 """
 
@@ -43,15 +44,15 @@ _Signature = tuple[Any, ...]
 
 class Replayed:
     """``run`` (a function of a list of local tensors, ``LocalTensor`` s under simulation, returning
-    such a list), recorded on its first call and replayed as plain tensor code on later calls whose
-    inputs have the recorded shapes, strides, dtypes and aliasing."""
+    such a list), recorded on its second call with inputs laid out alike (shapes, strides, dtypes,
+    aliasing: a program called once is not worth the recording) and replayed as plain tensor code
+    on the calls after it."""
 
     def __init__(self, run: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
         self.run = run
         self.program: Program | None = None
         self.why_not: str | None = None
-        self._signature: _Signature | None = None
-        self._ranks: list[int] = []
+        self._signature: tuple[tuple[int, ...], _Signature] | None = None  # of the last call: its ranks and inputs
         self._outputs: list[bool] = []  # per output: a LocalTensor (one value per rank) or a plain tensor
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,14 +61,17 @@ class Replayed:
             return self.run(list(inputs))
         ranks = sorted(mode.ranks)
         flat = _flat_inputs(inputs, ranks)
-        signature = _signature_of(flat)
-        if self.program is None or signature != self._signature or ranks != self._ranks:
-            return self._record(inputs, flat, signature, ranks)
+        signature = (tuple(ranks), _signature_of(flat))
+        if signature != self._signature:  # a program run once is not worth recording: the second call records
+            self._signature, self.program = signature, None
+            return self.run(list(inputs))
+        if self.program is None:
+            return self._record(inputs, flat, ranks)
         with _compat.dispatch_modes_off():
             out = iter(self.program(flat))
             return [_compat.make_local({r: next(out) for r in ranks}) if local else next(out) for local in self._outputs]
 
-    def _record(self, inputs: Sequence[torch.Tensor], flat: list[torch.Tensor], signature: _Signature, ranks: list[int]) -> list[torch.Tensor]:
+    def _record(self, inputs: Sequence[torch.Tensor], flat: list[torch.Tensor], ranks: list[int]) -> list[torch.Tensor]:
         recorder = _Recorder(flat)
         with _compat.below_local_mode(recorder):
             outs = self.run(list(inputs))
@@ -77,7 +81,6 @@ class Replayed:
             self.why_not, self.program = recorder.why_not, None
             return outs
         self.program = recorder.finish([t for o in outs for t in _rank_values(o, ranks)])
-        self._signature, self._ranks = signature, ranks
         self._outputs = [_compat.is_local_tensor(o) for o in outs]
         return outs
 

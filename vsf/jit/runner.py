@@ -1,6 +1,6 @@
 """Running one planned program on this rank's local shards: under ``vsf.simulate`` interpreted op
-by op (:func:`vsf.jit.lower.execute`) on its first call, which records the plain ops every rank
-runs, and the record replayed on later calls (:mod:`vsf.jit.replay`); otherwise traced once into
+by op (:func:`vsf.jit.lower.execute`) on its first two calls, the second recording the plain ops
+every rank runs, and the record replayed on later calls (:mod:`vsf.jit.replay`); otherwise traced once into
 a graph of local ops and collectives (:func:`vsf.jit.lower.compile_local`, donated buffers reused,
 each collective waited for at its first use) and that graph run; in checking mode beside the
 unsharded graph. ``vsf.config.jit_mode`` can force any of them.

@@ -781,7 +781,6 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
-<<<<<<< HEAD
 @contextlib.contextmanager
 def below_local_mode(mode: Any) -> Iterator[None]:
     """Run with the dispatch mode ``mode`` just below the enabled ``LocalTensorMode``, where it sees
@@ -830,7 +829,8 @@ def dispatch_modes_off() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
-=======
+
+
 def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, list[tuple[int, str, int]]]:
     """The compute actions a single-stage ``torch.distributed.pipelining`` schedule class
     (``ScheduleGPipe``, ``Schedule1F1B``) runs on each pp rank, in its order, read from the
@@ -848,4 +848,3 @@ def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, 
         rank: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions if a is not None and a.computation_type.value in ("F", "B")]
         for rank, actions in order.items()
     }
->>>>>>> main

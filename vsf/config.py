@@ -5,8 +5,11 @@
 * ``allow_replicated_fallback`` (default ``False``): an op with no DTensor sharding strategy runs
   replicated (the plan text flags it) instead of being an error.
 * ``jit_mode`` (default ``"auto"``): ``"trace"`` runs each step as a traced program over local
-  shards, ``"interpret"`` walks the plan on DTensors, ``"auto"`` traces in real runs and
-  interprets under ``vsf.simulate`` (where per-rank programs cannot be traced).
+  shards, ``"interpret"`` walks the plan on every call (under ``vsf.simulate`` every op runs
+  through ``LocalTensorMode``), ``"replay"`` (under ``vsf.simulate``) records the second call's
+  plain per-rank ops and runs them again on later calls (:mod:`vsf.jit.replay`: the same bits as
+  ``"interpret"``, several times faster), ``"auto"`` traces in real runs and replays under
+  ``vsf.simulate``.
 * ``check_plan`` (default ``False``): checking mode for every jitted call (:mod:`vsf.jit.check`;
   ``f.check(*args)`` checks one call). Under ``vsf.simulate`` the planned program runs beside the
   unsharded graph, op by op on the same full input values, and the first op whose assembled result

@@ -5,8 +5,9 @@ redistributes every input to the placement the plan chose (once per value and pl
 DTensor's own redistribution, i.e. explicit collectives), then runs the op. Most ops run as they
 are on the local shards; view ops (whose shape arguments must become local), random ops and the
 few ops DTensor handles specially run through DTensor's dispatcher, and must produce the plan's
-placements; a ``shard_map`` region's collectives run over its manual axes (:mod:`vsf.jit.manual`). Under ``vsf.simulate`` the walk runs as is (every simulated rank at once); in a real
-run it is traced once with ``make_fx`` into an fx graph of local aten ops and functional
+placements; a ``shard_map`` region's collectives run over its manual axes (:mod:`vsf.jit.manual`). Under ``vsf.simulate`` the walk runs as is (every simulated rank at once), and
+:mod:`vsf.jit.replay` records the plain ops it runs for each rank once and replays them; in a
+real run it is traced once with ``make_fx`` into an fx graph of local aten ops and functional
 collectives, which is what each step then runs.
 """
 

@@ -24,7 +24,7 @@ from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
 from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import RaggedPlacement
+from vsf.sharding.named import BalancedPlacement, RaggedPlacement
 
 __all__ = ["BUCKET_BYTES", "GATHER_BUCKET_BYTES", "form_buckets"]
 
@@ -168,7 +168,10 @@ def _schedule(
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    return all(not is_shard(p) or (not isinstance(p, RaggedPlacement) and t.shape[p.dim] % mesh.axis_size(a) == 0) for a, p in zip(mesh.device_axes, placements))
+    return all(
+        not is_shard(p) or (not isinstance(p, (RaggedPlacement, BalancedPlacement)) and t.shape[p.dim] % mesh.axis_size(a) == 0)
+        for a, p in zip(mesh.device_axes, placements)
+    )
 
 
 def _bucket(mesh: Mesh, kind: str, members: list[Redistribution], mesh_dims: tuple[int, ...], before: torch.fx.Node) -> Bucket:

@@ -42,13 +42,13 @@ from vsf.jit.cost import NOT_PARTIAL, Codes
 from vsf.jit import context_parallel, manual
 from vsf.jit.cost import transition_kind
 from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
-from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, has_ragged, is_shard, one_d, split_dim, to_placements
+from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import AxisSolver, Problem
 from vsf.jit.strategies import Strategies, decide, dtensor_decision, runnable
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, RaggedPlacement, from_placements
+from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, from_placements
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["propagate"]
@@ -89,6 +89,7 @@ def propagate(
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.balanced[axis] = any(isinstance(pl[k], BalancedPlacement) for pl in in_placements)
         problem.ragged[axis] = sorted(
             {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if isinstance(pl[k], RaggedPlacement)},
             key=repr,
@@ -167,19 +168,12 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
         elif context_parallel.runs(mesh, node, want_in, want_out):
             pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
         elif op.kind == "strategy" and not fallback:
-            direct = op.local or (op.ragged_reduction and has_ragged(want_in))
+            arrived = [actual[v] for v in ins]
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
-            if direct and not has_ragged(want_in):
-                strided = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
-                if strided != (want_in, want_out):
-                    # DTensor keeps a strided shard only through rules written with placeholders
-                    # (elementwise ones), not through rules that name plain shards (embedding's)
-                    direct = dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
-                want_in, want_out = strided
-                direct = direct and runnable(mesh, node, want_in, want_out)
-            if not direct:
-                want_in = [_as_arrived(actual[v], w) for v, w in zip(ins, want_in)]
-                want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
+            if has_balanced([*arrived, *want_in, *want_out]):
+                want_in, want_out, direct = _balanced_decision(node, mesh, op, arrived, want_in, want_out, preferred, asked)
+            else:
+                want_in, want_out, direct = _strategy_decision(node, mesh, op, arrived, want_in, want_out, preferred, asked)
         if manual.inside(node) and op.kind != "manual":
             _local_over_manual(node, mesh, want_in, want_out)
         for v, dst in zip(ins, want_in):
@@ -201,6 +195,59 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
     return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
 
 
+def _strategy_decision(
+    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
+    preferred: list[Placements | None], asked: dict[Any, Any],
+) -> tuple[list[Placements], list[Placements | None], bool]:
+    """How an op with a DTensor strategy runs, given the per-axis choices ``ins``/``outs`` and the
+    layouts its inputs arrive with: directly on the local shards where its rule allows (strided
+    shards kept as they arrive), else as DTensor decides. Returns the placements and whether it
+    runs directly."""
+    direct = op.local or (op.ragged_reduction and has_ragged(ins))
+    if direct and not has_ragged(ins):
+        strided = _keep_strided(arrived, ins, outs, preferred)
+        if strided != (ins, outs):
+            # DTensor keeps a strided shard only through rules written with placeholders
+            # (elementwise ones), not through rules that name plain shards (embedding's)
+            direct = dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
+        ins, outs = strided
+        direct = direct and runnable(mesh, node, ins, outs)
+    if not direct:
+        ins = [_as_arrived(a, w) for a, w in zip(arrived, ins)]
+        ins, outs = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, ins)], asked)
+    return ins, outs, direct
+
+
+def _balanced_decision(
+    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
+    preferred: list[Placements | None], asked: dict[Any, Any],
+) -> tuple[list[Placements], list[Placements | None], bool]:
+    """:func:`_strategy_decision` for an op some of whose operands arrive or are wanted split
+    balanced: decided on the contiguous shards of the balanced view (the same local shards,
+    :func:`as_contiguous`) and read back with every shard balanced on the mesh dims the per-axis
+    choices split balanced (a rule on contiguous blocks holds on the balanced chunks when every
+    operand holds the same ones: :func:`vsf.jit.strategies._balanced_variants`)."""
+    dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if isinstance(q, BalancedPlacement)}
+    got_in, got_out, direct = _strategy_decision(
+        node, mesh, op, [as_contiguous(p) for p in arrived], [as_contiguous(p) for p in ins], [as_contiguous(p) for p in outs],
+        [as_contiguous(p) for p in preferred], asked,
+    )
+    metas = [meta_of(v) for v in tensor_args(node)] + list(outputs_meta(node))
+
+    def back(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
+        if p is None:
+            return None
+        out = list(p)
+        for k in dims:
+            if is_shard(p[k]):
+                b = balanced_of(p[k])
+                if t.shape[b.dim] % (2 * b.groups * mesh.axis_size(mesh.device_axes[k])):
+                    raise PlanError(f"{node.target} would split dim {b.dim} of {tuple(t.shape)} balanced over {mesh.device_axes[k]!r}, which does not cut it into equal chunks{user_line(node)}")
+                out[k] = b
+        return tuple(out)
+
+    placed = [back(t, p) for t, p in zip(metas, [*got_in, *got_out])]
+    return placed[: len(got_in)], placed[len(got_in) :], direct
 def _local_over_manual(node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> None:
     """A region's body op runs on each rank's values as they are over the region's manual axes:
     DTensor's decision on the full mesh must move nothing there."""
@@ -262,7 +309,8 @@ def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placeme
     try:
         from_placements(mesh, out, t.ndim)
     except ValueError:
-        return tuple(R if isinstance(p, _compat.StridedShard) else p for p in out)
+        strided = lambda p: isinstance(p, _compat.StridedShard) or (isinstance(p, BalancedPlacement) and p.split_factor is not None)  # noqa: E731
+        return tuple(R if strided(p) else p for p in out)
     return out
 
 

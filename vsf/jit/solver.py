@@ -66,7 +66,7 @@ class AxisSolver:
             if fixed is not None:  # a manual region: its specs are its only strategy
                 self.strategies.append(_encode(codes, [fixed]))
                 continue
-            allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
+            allowed = problem.strategies.of(node, self.n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
             pinned = problem.pinned[axis].get(node)
             if pinned is not None:
                 allowed = [st for st in allowed if st.outs[0] in pinned]
@@ -302,6 +302,7 @@ class Problem:
     pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
     solved: dict[str, AxisSolver]
     ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
+    balanced: dict[str, bool] = dataclasses.field(default_factory=dict)  # axes some input is split balanced over
     fixed: dict[str, dict[torch.fx.Node, Strategy]] = dataclasses.field(default_factory=dict)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)

@@ -14,8 +14,13 @@ of ``4m`` (``2m``) sequences and a stage's work per microbatch is the same for e
   against :func:`vsf.pipeline.bubble` of the schedule's actions (``(p-1)/(m+p-1)`` for every
   stage). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
   sends, the last stage's loss forward (outside ``forward_one_chunk``), and the schedule's own
-  bookkeeping. Separately, ``pipelined step vs schedule span``: the whole ``value_and_grad`` (it
-  also builds the stages, lends the tied embedding, sums its gradient and broadcasts the loss).
+  bookkeeping. ``the part with the input there``: the time a stage is free and the input of its
+  next action is there (the previous stage's forward of that microbatch has ended, or the next
+  stage's backward) but the action has not started: the sends, the receive, waking the process,
+  the schedule's bookkeeping; the idle fraction less this part is the time spent waiting for an
+  input (the bubble, and a neighbour computing slower). ``pipelined step vs schedule span``: the whole
+  ``value_and_grad`` (it also builds the stages, lends the tied embedding, sums its gradient and
+  broadcasts the loss).
 * **Peak activation memory per stage.** While one step runs, ``torch.autograd.graph.
   saved_tensors_hooks`` count the bytes of the tensors autograd saves for the backward (the stage
   programs save theirs with ``save_for_backward``), each storage once, params' storages excluded,
@@ -62,24 +67,25 @@ def _config(quick: bool):
 
 
 class _Clock:
-    """The wall time this rank spends in its stage's forwards and backwards, and when it enters
-    and leaves the schedule's ``step`` (while :func:`_timing` is active)."""
+    """Each forward ("F") and backward ("B") this rank's stage runs, ``(kind, microbatch, start,
+    end)``, and when the rank enters and leaves the schedule's ``step`` (while :func:`_timing` is
+    active)."""
 
     def __init__(self) -> None:
-        self.busy = 0.0
+        self.actions: list[tuple[str, int, float, float]] = []
         self.enter = self.leave = 0.0
 
     def timed(self, fn: Callable, what: str) -> Callable:
-        def wrapper(*args, **kwargs):
+        def wrapper(stage, *args, **kwargs):
             t0 = time.monotonic()
             try:
-                return fn(*args, **kwargs)
+                return fn(stage, *args, **kwargs)
             finally:
                 t1 = time.monotonic()
-                if what == "busy":
-                    self.busy += t1 - t0
-                else:
+                if what == "step":
                     self.enter, self.leave = t0, t1
+                else:
+                    self.actions.append((what, args[0], t0, t1))
 
         return wrapper
 
@@ -104,7 +110,7 @@ def _timing(clock: _Clock) -> Iterator[None]:
 
     from vsf.pipeline.schedule import SCHEDULES
 
-    with _patched(PipelineStage, "forward_one_chunk", lambda f: clock.timed(f, "busy")), _patched(PipelineStage, "backward_one_chunk", lambda f: clock.timed(f, "busy")):
+    with _patched(PipelineStage, "forward_one_chunk", lambda f: clock.timed(f, "F")), _patched(PipelineStage, "backward_one_chunk", lambda f: clock.timed(f, "B")):
         with _patched(SCHEDULES["gpipe"], "step", lambda f: clock.timed(f, "step")), _patched(SCHEDULES["1f1b"], "step", lambda f: clock.timed(f, "step")):
             yield
 
@@ -211,7 +217,7 @@ def _worker(out: str, quick: bool) -> None:
                     step()
                 whole = time.monotonic() - t0
                 gathered = [None] * pp
-                dist.all_gather_object(gathered, (clock.busy, clock.enter, clock.leave, whole))
+                dist.all_gather_object(gathered, (clock.actions, clock.enter, clock.leave, whole))
                 rows.append(gathered)
             result["timed"][key] = rows
         if (schedule, m) in MEMORY:
@@ -224,16 +230,31 @@ def _worker(out: str, quick: bool) -> None:
         Path(out).write_text(json.dumps(result))
 
 
-def _idle(rows: list[list[tuple[float, float, float, float]]]) -> tuple[list[float], float, float]:
-    """Each stage's median idle fraction of the schedule's span, the median span, and the median
-    whole step (slowest rank)."""
-    fractions, spans, wholes = [], [], []
+def _idle(rows: list[list]) -> tuple[list[float], list[float], float, float]:
+    """Each stage's median idle fraction of the schedule's span and the median part of it that is
+    not waiting for an input, the median span, and the median whole step (slowest rank)."""
+    fractions, excess, spans, wholes = [], [], [], []
     for ranks in rows:
         span = max(r[2] for r in ranks) - min(r[1] for r in ranks)
         spans.append(span)
         wholes.append(max(r[3] for r in ranks))
-        fractions.append([1 - r[0] / span for r in ranks])
-    return [statistics.median(f[s] for f in fractions) for s in range(len(rows[0]))], statistics.median(spans), statistics.median(wholes)
+        fractions.append([1 - sum(t1 - t0 for _, _, t0, t1 in r[0]) / span for r in ranks])
+        excess.append([_not_waiting(ranks, s) / span for s in range(len(ranks))])
+    med = lambda xs: [statistics.median(x[s] for x in xs) for s in range(len(rows[0]))]  # noqa: E731
+    return med(fractions), med(excess), statistics.median(spans), statistics.median(wholes)
+
+
+def _not_waiting(ranks: list, s: int) -> float:
+    """Stage ``s``'s time, between its step's start and its last action, with the stage free and
+    the input of its next action there but that action not started (the sends, the receive's
+    copy, waking the process, the schedule's bookkeeping): idle time that is not the bubble."""
+    ends = {(q, kind, mb): t1 for q, r in enumerate(ranks) for kind, mb, _, t1 in r[0]}
+    free, total = ranks[s][1], 0.0
+    for kind, mb, t0, t1 in ranks[s][0]:
+        need = ends.get((s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb), free)
+        total += max(0.0, t0 - max(free, need))
+        free = t1
+    return total
 
 
 def _in_flight(actions: list[tuple[str, int]]) -> int:
@@ -256,7 +277,7 @@ def bench(pp: int, quick: bool) -> list[dict]:
     where = f"pp={pp}, {pp} gloo procs{' on 2 shared cores (oversubscribed)' if pp > 2 else ''}"
     rows = []
     for schedule, m in TIMED:
-        idle, span, whole = _idle(r["timed"][f"{schedule},{m}"])
+        idle, excess, span, whole = _idle(r["timed"][f"{schedule},{m}"])
         theory = bubble(stage_actions(schedule, pp, m))
         ratios = [a / b for a, b in zip(idle, theory)]
         per_stage = "/".join(f"{x:.2f}" for x in idle)
@@ -264,6 +285,10 @@ def bench(pp: int, quick: bool) -> list[dict]:
             "name": f"idle fraction per stage (stages 0-{pp - 1}: {per_stage}; ratios {'/'.join(f'{x:.2f}' for x in ratios)}), {schedule.upper()}, m={m}, {where}",
             "vsf": statistics.mean(idle), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(ratios),
             "target": "0.9-1.1 every stage", "met": all(0.9 <= x <= 1.1 for x in ratios),
+        })
+        rows.append({
+            "name": f"of the idle fraction, the part with the input there (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in excess)}), {schedule.upper()}, m={m}, {where}",
+            "vsf": statistics.mean(excess), "ref": statistics.mean(idle), "unit": "%", "ratio": statistics.mean(excess) / statistics.mean(idle), "target": "-", "met": None,
         })
         rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
     mem = r["memory"]

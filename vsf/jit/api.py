@@ -59,6 +59,8 @@ def jit(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
+    reshard_after_forward: bool | None = None,
+    memory_budget: int | None = None,
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -73,14 +75,25 @@ def jit(
       (Python control flow may depend on them).
     * ``donate_argnums``: arguments whose DTensors are released after the call; using them
       afterwards raises an error that says so.
+    * ``reshard_after_forward`` (FSDP's memory/communication choice, as ``fully_shard`` names it):
+      ``True`` gathers a sharded input again for its later uses (a param gathered in the forward is
+      freed and gathered again in the backward: one more all-gather, less memory); ``False``
+      gathers it once and keeps it until its last use; ``None`` (default) lets ``memory_budget``
+      decide.
+    * ``memory_budget``: bytes per rank; with ``reshard_after_forward=None`` the plan reshards
+      when keeping inputs gathered would put its estimated peak (``.cost().peak_bytes``) above
+      the budget. No budget: keep gathered (the fewest bytes sent).
 
     Example::
 
         >>> step = vsf.jit(train_step, donate_argnums=(0, 1))
+        >>> fsdp_step = vsf.jit(train_step, donate_argnums=(0, 1), reshard_after_forward=True)
     """
     if fun is None:
-        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums)
-    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums))
+        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames,
+                             donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums),
+                  reshard_after_forward=reshard_after_forward, memory_budget=memory_budget)
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -127,7 +140,8 @@ class _Call:
 class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
-    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...]) -> None:
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...],
+                 *, reshard_after_forward: bool | None = None, memory_budget: int | None = None) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -135,6 +149,8 @@ class Jitted:
         self.static_argnums = static_argnums
         self.static_argnames = static_argnames
         self.donate_argnums = donate_argnums
+        self.reshard_after_forward = reshard_after_forward
+        self.memory_budget = memory_budget
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
@@ -296,6 +312,7 @@ class Jitted:
         plan = propagate(
             traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
             allow_replicated_fallback=config.allow_replicated_fallback,
+            reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
         )
         compiled = Compiled(self, plan, traced, call.names, out_names)
         self._cache[call.key] = compiled

@@ -86,10 +86,13 @@ def test_both_choices_equal_one_device(sim):
             torch.testing.assert_close(g, want_grads[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_resharding_gathers_each_layer_again_and_lowers_the_peak(sim):
-    """Planned only (shapes, no values): a GPT whose blocks each fill a gather bucket
-    (3 MiB of params), 4 ranks. Kept gathered, a block's params live from its forward to its
-    backward; resharded, each block is gathered again in the backward, one bucket per block."""
+def test_resharding_gathers_each_layer_again_lowers_the_peak_and_launches_no_more_than_fsdp2(sim):
+    """Planned only (shapes, no values): a GPT whose blocks each about fill a bucket (3 MiB of
+    params), 4 ranks. Kept gathered, a block's params live from its forward to its backward;
+    resharded, each block is gathered again in the backward. Either way the program launches no
+    more collectives than FSDP2 with ``fully_shard`` on each block and the root: one all-gather
+    per module in the forward (and one more in the backward when resharding), one reduce-scatter
+    per module, besides the loss's two scalar all-reduces."""
     cfg = GPTConfig(vocab=256, seq=64, dim=256, heads=4, layers=2, fused_qkv=False)
     model = GPT(cfg)
     sim(4, compute=False)
@@ -100,6 +103,10 @@ def test_resharding_gathers_each_layer_again_and_lowers_the_peak(sim):
     kept, again = (vsf.jit(_step(model), reshard_after_forward=r).lower(sharded, *batch).cost() for r in (False, True))
     assert again.count("all_gather") >= kept.count("all_gather") + cfg.layers
     assert again.peak_bytes < kept.peak_bytes
+    modules = cfg.layers + 1
+    for cost, gathers in ((kept, modules), (again, 2 * modules)):
+        assert cost.count("all_gather") <= gathers and cost.count("reduce_scatter") <= modules
+        assert cost.count("all_reduce") == 2 and len(cost.collectives) == cost.count("all_gather") + cost.count("reduce_scatter") + 2
 
 
 def test_a_memory_budget_chooses_resharding_only_when_keeping_would_exceed_it(sim):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import GPT, GPTConfig
+from toy_models import GPT, GPTConfig, params_saved_for_backward
 
 import vsf
 from vsf import P
@@ -25,27 +25,6 @@ def _step(model):
         return vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
 
     return step
-
-
-def _saved_for_backward(model, idx, tgt) -> set[str]:
-    """The params whose storage autograd saves for the backward of one plain forward."""
-    storages = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
-
-    def storage(t: torch.Tensor) -> int | None:
-        try:
-            return t.untyped_storage().data_ptr()
-        except RuntimeError:  # (a tensor without storage: not a param)
-            return None
-    saved: set[str] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if storage(t) in storages:
-            saved.add(storages[storage(t)])
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx, tgt)
-    return saved
 
 
 def _case(sim, n: int):
@@ -63,7 +42,7 @@ def _case(sim, n: int):
 def _optimum(model, params, whole, n: int, reshard: bool) -> float:
     ring = (n - 1) / n
     size = {k: p.numel() * p.element_size() for k, p in params.items()}
-    again = sum(size[k] for k in _saved_for_backward(model, *whole)) if reshard else 0
+    again = sum(size[k] for k in params_saved_for_backward(model, *whole)) if reshard else 0
     return ring * (2 * sum(size.values()) + again) + 2 * (2 * ring * 4)
 
 

@@ -214,22 +214,22 @@ def _scheduled(
 ) -> Plan:
     """The plan: with each gathered input gathered again for its later uses if ``regather``, the
     collectives bucketed and the program's order."""
-    moved = tuple(r for m in moves for r in (_regathered(gm, m) if regather else (m,)))
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
     buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved})
     return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
 
 
-def _regathered(gm: torch.fx.GraphModule, r: Redistribution) -> tuple[Redistribution, ...]:
+def _regathered(index: dict[torch.fx.Node, int], r: Redistribution) -> tuple[Redistribution, ...]:
     """FSDP's reshard after forward, for one redistribution: a gather of a graph input (or of a
-    view of one: a param, its transpose) whose users are far apart is split at the widest gap
-    between consecutive users, in graph order. The first copy is freed after the last use before
+    view of one: a param, its transpose) that several ops read is split at the widest gap
+    between consecutive readers, in graph order (``index``). The first copy is freed after the last use before
     the gap; the second is gathered again from the shard, which every rank keeps, before the
     first use after it (in a training step: a param gathered in the forward, and again in the
     backward). Anything else is returned as it is."""
-    if len(r.users) < 2 or not any(c.kind == "all_gather" for c in r.collectives) or not _input_view(r.value[0]):
+    users = sorted(set(r.users), key=index.__getitem__)  # (an op may read the value twice)
+    if len(users) < 2 or not any(c.kind == "all_gather" for c in r.collectives) or not _input_view(r.value[0]):
         return (r,)
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    users = sorted(r.users, key=index.__getitem__)
     cut = max(range(1, len(users)), key=lambda i: index[users[i]] - index[users[i - 1]])
     return dataclasses.replace(r, before=users[0], users=tuple(users[:cut])), dataclasses.replace(r, before=users[cut], users=tuple(users[cut:]))
 

@@ -60,7 +60,6 @@ def _config(quick: bool):
 
 
 def _model(cfg):
-    sys.path.insert(0, str(ROOT))  # (a worker runs this file as a script)
     from benchmarks.bench_jit import gpt
 
     return gpt(cfg)
@@ -309,6 +308,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
+        # a worker runs this file as a script: import this checkout's vsf and benchmarks, not an installed one
+        sys.path.insert(0, str(ROOT))
         _worker(ns.worker, ns.quick)
         return
     for row in run(ns.quick):

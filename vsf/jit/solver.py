@@ -2,7 +2,8 @@
 redistributions they imply cost the fewest bytes (:mod:`vsf.jit.cost`).
 
 It is greedy in graph order, then repairs locally (an op's choice is revisited when a producer's
-or a consumer's changed). A value redistributed to one placement is redistributed once however
+or a consumer's changed), then tries to remove each redistribution left by changing a region of
+ops at once (:meth:`AxisSolver._cascades`). A value redistributed to one placement is redistributed once however
 many ops use it there, and a ``Partial`` result stays partial until the cheapest point to reduce it.
 
 Example::
@@ -13,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -308,10 +310,10 @@ class AxisSolver:
             for v in self.outs[op]:
                 queue.extend(c for c in self.p.consumers_of.get(v, ()) if c not in old)
 
-        queue: list[int] = []
+        queue: collections.deque[int] = collections.deque()
         change(k, j)
         while queue and len(old) < max_ops:
-            c = queue.pop(0)
+            c = queue.popleft()
             if c in old or len(self.strategies[c]) == 1:
                 continue
             here = self._evaluate(c, self.choice[c], False, False)

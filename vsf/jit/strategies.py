@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Placement, Shard
 from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit import context_parallel
-from vsf.jit.classify import OpClass
+from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.plan import PARTIAL, Placements, R, has_ragged, is_shard, split_dim, splits_evenly
 from vsf.sharding.mesh import Mesh
@@ -219,8 +219,9 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     ``P(("tp", "dp"))`` are 6 per rank, not rows of a ``(6, 4)`` view); a reshape of strided
     shards only where each rank's local view holds its own output shard (:func:`_views_locally`:
     DTensor's rule gets some wrong, ``(24,)`` as ``P(("tp", "dp"))`` viewed as ``(6, 4)`` is not
-    ``S(0)`` over tp and a strided ``S(1)`` over dp); and a max or min over shards needs a row on
-    every rank (it has no identity for an empty shard)."""
+    ``S(0)`` over tp and a strided ``S(1)`` over dp); an op DTensor's dispatcher runs by a handler
+    of its own takes no strided shard (argmax's raises ``NotImplementedError``); and a max or min
+    over shards needs a row on every rank (it has no identity for an empty shard)."""
     dm = mesh.device_mesh
     metas = [meta_of(v) for v in tensor_args(node)]
     placed = [*zip(metas, ins), *((t, p) for t, p in zip(outputs_meta(node), outs) if t is not None and p is not None)]
@@ -231,6 +232,8 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
             return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
         if _has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
             return False
+    if node.target in DISPATCHER_SPECIAL and _has_strided(ins):
+        return False
     extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
     return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
 

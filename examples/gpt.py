@@ -23,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
 
-__all__ = ["GPT", "GPTConfig", "batch_at", "floor_loss"]
+__all__ = ["GPT", "GPTConfig", "batch_at", "floor_loss", "pipeline_stages"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +131,46 @@ def floor_loss(cfg: GPTConfig) -> float:
     token), every later token is certain. Averaged over the pattern lengths ``2 .. period``."""
     periods = range(2, cfg.period + 1)
     return sum((p - 1) / cfg.seq for p in periods) / len(periods) * math.log(cfg.vocab)
+
+
+def pipeline_stages(model: GPT, stages: int) -> tuple[list[Any], Any, list[list[str]]]:
+    """``model`` cut into ``stages`` pipeline stages of consecutive blocks: the stage functions
+    ``f(params, x) -> y`` (the first takes the token ids, the last returns the logits), the loss
+    of the logits, and each stage's key-path prefixes. ``wte.weight`` is used by the first stage
+    (the embedding) and the last (the tied output layer): pass ``tied=("wte.weight",)``.
+
+    Example::
+
+        >>> fns, loss, prefixes = pipeline_stages(GPT(GPTConfig(layers=4)), 2)
+        >>> prefixes
+        [['wte.', 'wpe.', 'blocks.0.', 'blocks.1.'], ['blocks.2.', 'blocks.3.', 'lnf.', 'wte.']]
+    """
+    n = model.cfg.layers
+    if not 1 <= stages <= n:
+        raise ValueError(f"{stages} stages for {n} blocks: each stage needs at least one block")
+    bounds = [n * s // stages for s in range(stages + 1)]
+
+    def sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+    def make(s: int) -> Any:
+        def stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            if s == 0:
+                t = x.shape[1]
+                x = functional_call(model.wte, sub(params, "wte."), (x,)) + functional_call(model.wpe, sub(params, "wpe."), (torch.arange(t, device=x.device),))
+            for i in range(bounds[s], bounds[s + 1]):
+                x = functional_call(model.blocks[i], sub(params, f"blocks.{i}."), (x,))
+            if s == stages - 1:
+                x = functional_call(model.lnf, sub(params, "lnf."), (x,)) @ params["wte.weight"].t()
+            return x
+
+        stage.__name__ = stage.__qualname__ = f"gpt_stage{s}"
+        return stage
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    prefixes = [[f"blocks.{i}." for i in range(bounds[s], bounds[s + 1])] for s in range(stages)]
+    prefixes[0] = ["wte.", "wpe.", *prefixes[0]]
+    prefixes[-1] = [*prefixes[-1], "lnf.", *(["wte."] if stages > 1 else [])]
+    return [make(s) for s in range(stages)], loss, prefixes

@@ -17,7 +17,9 @@ Run it::
 
 The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in turn) unless
 ``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
-parallelism: attention runs on sequence shards); pp is 1 (its schedules are not implemented yet).
+parallelism: attention runs on sequence shards); ``--pp N`` cuts the blocks into N pipeline stages
+over the pp axis (``vsf.pipeline``: GPipe or 1F1B over ``--microbatches``; dp, fsdp and tp apply
+inside each stage; a pipelined run saves no checkpoints yet).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
 and writes the loss curve to ``<out>/loss.png`` (with matplotlib installed).
 """
@@ -44,7 +46,7 @@ from vsf.jit import Jitted
 from vsf.jit.report import Cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, GPTConfig, batch_at, floor_loss  # noqa: E402
+from gpt import GPT, GPTConfig, batch_at, floor_loss, pipeline_stages  # noqa: E402
 
 AXES = ("pp", "dp", "fsdp", "cp", "tp")
 
@@ -66,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for axis in ("dp", "fsdp", "tp"):
         run.add_argument(f"--{axis}", type=int, help=f"size of the {axis} axis (default: derived from the number of ranks)")
     run.add_argument("--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)")
-    run.add_argument("--pp", type=int, default=1, help="size of the pp axis (only 1: not implemented yet)")
+    run.add_argument("--pp", type=int, default=1, help="pipeline stages over the pp axis, each a run of consecutive blocks (default 1)")
+    run.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --pp (default 4)")
+    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b)")
     model = p.add_argument_group("model and data")
     model.add_argument("--vocab", type=int, default=16)
     model.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -90,8 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--log-every", type=int, default=None, help="steps between log lines when stdout is not a terminal (default: steps // 10)")
     out.add_argument("--print-plan", action="store_true", help="print the jitted step's plan (every op's shardings and every collective)")
     args = p.parse_args(argv)
-    if args.pp != 1:
-        p.error("pipeline parallelism (pp) is not implemented yet: its axis must have size 1")
+    if not 1 <= args.pp <= args.layers:
+        p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
+    if args.pp > 1 and (args.cp > 1 or args.resume):
+        p.error("--pp > 1 runs neither with --cp nor with --resume yet (a pipelined run saves no checkpoints)")
     if args.cp < 1 or args.seq % args.cp:
         p.error(f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)")
     return args
@@ -102,8 +108,8 @@ def config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers, period=args.period)
 
 
-def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: int | None = None, cp: int = 1) -> dict[str, int]:
-    """The 5D mesh for ``world`` ranks: ``cp`` and the given sizes are kept, factors of 2 of the
+def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: int | None = None, cp: int = 1, pp: int = 1) -> dict[str, int]:
+    """The 5D mesh for ``world`` ranks: ``pp``, ``cp`` and the given sizes are kept, factors of 2 of the
     rest go to the unset axes among dp, fsdp, tp in turn (8 ranks: 2 x 2 x 2), an odd remainder
     to the first unset.
 
@@ -115,11 +121,13 @@ def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: i
         {'pp': 1, 'dp': 2, 'fsdp': 2, 'cp': 1, 'tp': 1}
         >>> mesh_shape(8, cp=2)
         {'pp': 1, 'dp': 2, 'fsdp': 2, 'cp': 2, 'tp': 1}
+        >>> mesh_shape(4, pp=2)
+        {'pp': 2, 'dp': 2, 'fsdp': 1, 'cp': 1, 'tp': 1}
     """
     given = {"dp": dp, "fsdp": fsdp, "tp": tp}
-    if world % cp:
-        raise ValueError(f"{world} ranks cannot be split as cp={cp}: it must divide {world}")
-    world //= cp
+    if world % (cp * pp):
+        raise ValueError(f"{world} ranks cannot be split as pp={pp} x cp={cp}: it must divide {world}")
+    world //= cp * pp
     fixed = math.prod(v for v in given.values() if v is not None)
     if world % fixed:
         raise ValueError(f"{world} ranks cannot be split as {({k: v for k, v in given.items() if v is not None})}: their product {fixed} must divide {world}")
@@ -135,7 +143,7 @@ def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: i
         i += 1
     if free:
         sizes[free[0]] *= rest
-    return {"pp": 1, "dp": sizes["dp"], "fsdp": sizes["fsdp"], "cp": cp, "tp": sizes["tp"]}
+    return {"pp": pp, "dp": sizes["dp"], "fsdp": sizes["fsdp"], "cp": cp, "tp": sizes["tp"]}
 
 
 @dataclasses.dataclass
@@ -197,6 +205,25 @@ def make_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> Jitte
     return vsf.jit(train_step, donate_argnums=(0, 1))
 
 
+def make_pipeline(args: argparse.Namespace, model: GPT, mesh: vsf.Mesh) -> vsf.pipeline.Pipeline:
+    """The model cut into ``--pp`` stages of consecutive blocks over the mesh's pp axis, the batch
+    over every data-parallel axis, the tied embedding held by the first stage."""
+    fns, loss, prefixes = pipeline_stages(model, args.pp)
+    return vsf.pipeline.Pipeline(fns, loss, prefixes, mesh=mesh, microbatches=args.microbatches, schedule=args.schedule,
+                                 batch=P(("dp", "fsdp")), tied=("wte.weight",))
+
+
+def make_pipelined_step(pipe: vsf.pipeline.Pipeline, tx: optim.GradientTransformation) -> Any:
+    """The train step with the pipelined loss and gradients: each stage's update where it lives."""
+
+    def train_step(params: dict[str, torch.Tensor | None], opt_state: Any, idx: torch.Tensor, targets: torch.Tensor):
+        loss, grads = pipe.value_and_grad(params, idx, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
 def make_optimizer(args: argparse.Namespace) -> optim.GradientTransformation:
     warmup = args.steps // 10 if args.warmup is None else args.warmup
     lr = optim.warmup_cosine_decay(0.0, args.lr, warmup_steps=warmup, decay_steps=args.steps)
@@ -205,7 +232,7 @@ def make_optimizer(args: argparse.Namespace) -> optim.GradientTransformation:
 
 def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor]) -> Result:
     """Lay out, restore or initialise, and train; runs on every rank (or inside ``vsf.simulate``)."""
-    shape = mesh_shape(args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp, args.cp)
+    shape = mesh_shape(args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp, args.cp, args.pp)
     mesh = vsf.make_mesh(tuple(shape.values()), AXES)
     cfg = model.cfg
     rep = Reporter(args.steps, args.batch * cfg.seq, args.log_every or max(1, args.steps // 10), vsf.runtime.rank() == 0)
@@ -213,26 +240,35 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
             f"{', simulated' if vsf.runtime.is_simulated() else ''}); {sum(p.numel() for p in params.values()):,} params")
 
     tx = make_optimizer(args)
-    state = {"params": vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, RULES)))}
+    specs = vsf.sharding.match(params, RULES)
+    pipe = make_pipeline(args, model, mesh) if args.pp > 1 else None
+    state = {"params": pipe.place(params, specs) if pipe else vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))}
     state["opt"] = optim.init_sharded(tx, state["params"], zero_axes=("dp",))
     for name in ("blocks.0.attn.qkv.weight", "wte.weight"):
         rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
-    mngr = vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
-    first, state = restore(args, mngr, state, rep)
+    if pipe:
+        for s in range(args.pp):
+            rep.say(f"  stage {s}: ranks {list(pipe.meshes[s].devices)}, {', '.join(pipe.prefixes[s])}")
+    mngr = None if pipe else vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
+    first, state = restore(args, mngr, state, rep) if mngr else (0, state)
 
-    step_fn = make_step(model, tx)
-    put_batch = vsf.NamedSharding(mesh, BATCH)
-    batch = vsf.device_put(batch_at(first, args.batch, cfg, seed=args.seed), put_batch)
-    lowered = step_fn.lower(state["params"], state["opt"], *batch)   # plans the step once; calls reuse it
-    if args.print_plan:
-        rep.say(lowered.as_text())
+    if pipe:
+        step_fn, put_batch, lowered = make_pipelined_step(pipe, tx), None, None
+    else:
+        step_fn = make_step(model, tx)
+        put_batch = vsf.NamedSharding(mesh, BATCH)
+        batch = vsf.device_put(batch_at(first, args.batch, cfg, seed=args.seed), put_batch)
+        lowered = step_fn.lower(state["params"], state["opt"], *batch)   # plans the step once; calls reuse it
+        if args.print_plan:
+            rep.say(lowered.as_text())
 
     losses: dict[int, float] = {}
     metrics = (args.out / "metrics.jsonl").open("a" if first else "w") if rep.enabled else None
     started = time.perf_counter()
     for step in range(first, args.steps):
         t0 = time.perf_counter()
-        batch = vsf.device_put(batch_at(step, args.batch, cfg, seed=args.seed), put_batch)
+        batch = batch_at(step, args.batch, cfg, seed=args.seed)
+        batch = vsf.device_put(batch, put_batch) if put_batch else batch
         state["params"], state["opt"], loss = step_fn(state["params"], state["opt"], *batch)
         losses[step] = float(vsf.device_get(loss))
         seconds = time.perf_counter() - t0
@@ -240,15 +276,17 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
         if metrics:
             metrics.write(json.dumps({"step": step, "loss": losses[step], "tokens_per_s": args.batch * cfg.seq / seconds}) + "\n")
             metrics.flush()
-        if mngr.save(step + 1, {**state, "step": step + 1}, force=step + 1 == args.steps, blocking=False):
+        if mngr and mngr.save(step + 1, {**state, "step": step + 1}, force=step + 1 == args.steps, blocking=False):
             rep.say(f"checkpoint {step + 1}: saving in the background to {mngr.step_path(step + 1)}")
     elapsed = time.perf_counter() - started
-    mngr.wait()
+    if mngr:
+        mngr.wait()
     if metrics:
         metrics.close()
-    result = Result(losses, first, shape, elapsed, lowered.cost().comm_bytes, _memory(state))
+    cost = lowered.cost() if lowered else None
+    result = Result(losses, first, shape, elapsed, cost.comm_bytes if cost else {}, _memory(state))
     if rep.enabled and losses:
-        _summary(rep, args, cfg, result, lowered.cost(), mngr)
+        _summary(rep, args, cfg, result, cost, mngr, pipe)
     return result
 
 
@@ -280,23 +318,37 @@ def _memory(state: dict[str, Any]) -> dict[int, int]:
     return {r: b for d in every for r, b in d.items()}
 
 
+def _pipeline_summary(rep: Reporter, args: argparse.Namespace, result: Result, pipe: vsf.pipeline.Pipeline) -> None:
+    """Per stage: the params + optimizer state its ranks hold (the most on one rank), and the
+    schedule's bubble (idle fraction of the step when a backward costs two forwards)."""
+    idle = vsf.pipeline.bubble(vsf.pipeline.stage_actions(args.schedule, args.pp, args.microbatches))
+    for s in range(args.pp):
+        ranks = pipe.meshes[s].devices
+        held = max(result.memory.get(r, 0) for r in ranks)
+        rep.say(f"stage {s} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
+                f"{args.schedule} bubble {idle[s]:.1%} of the step (theory (p-1)/(m+p-1) = {(args.pp - 1) / (args.microbatches + args.pp - 1):.1%})")
+
+
 def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Result, cost: Cost, mngr: vsf.checkpoint.CheckpointManager) -> None:
+def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Result, cost: Cost | None, mngr: vsf.checkpoint.CheckpointManager | None, pipe: vsf.pipeline.Pipeline | None) -> None:
     steps = sorted(result.losses)
     n = len(steps)
     tokens = n * args.batch * cfg.seq
     head, tail = result.losses[steps[0]], result.losses[steps[-1]]
     rep.say(f"\n{n} steps in {result.seconds:.1f} s ({tokens / result.seconds:,.0f} tokens/s); "
             f"loss {head:.4f} (step {steps[0]}) -> {tail:.4f} (step {steps[-1]}); a perfect copier reaches {floor_loss(cfg):.4f}")
-    rep.say("params + optimizer state per rank: " + ", ".join(f"{r}: {_kib(b)}" for r, b in result.memory.items()))
-    kinds = collections.Counter(c.kind for c in cost.collectives)
-    per_axis = ", ".join(f"{a} {_kib(b)}" for a, b in result.comm_bytes.items() if b)
-    rep.say(f"each step sends per rank (from the plan): {per_axis}; {len(cost.collectives)} collectives "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else "each step sends nothing (one rank)")
-    rep.say(f"checkpoints: {mngr.directory} steps {mngr.all_steps()}; metrics: {args.out / 'metrics.jsonl'}")
+    if pipe:
+        _pipeline_summary(rep, args, result, pipe)
+    else:
+        rep.say("params + optimizer state per rank: " + ", ".join(f"{r}: {_kib(b)}" for r, b in result.memory.items()))
+        kinds = collections.Counter(c.kind for c in cost.collectives)
+        per_axis = ", ".join(f"{a} {_kib(b)}" for a, b in result.comm_bytes.items() if b)
+        rep.say(f"each step sends per rank (from the plan): {per_axis}; {len(cost.collectives)} collectives "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else "each step sends nothing (one rank)")
+    rep.say((f"checkpoints: {mngr.directory} steps {mngr.all_steps()}; " if mngr else "checkpoints: none (pipelined run); ") + f"metrics: {args.out / 'metrics.jsonl'}")
     rep.say(plot_losses(args.out / "metrics.jsonl", args.out / "loss.png", floor_loss(cfg)))
 
 

@@ -13,8 +13,8 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, errors, nn, ops, optim, random, sharding, tree
-from vsf.errors import CorruptCheckpointError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
+from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, sharding, tree
+from vsf.errors import CorruptCheckpointError, HigherOrderGradError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
@@ -46,6 +46,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CorruptCheckpointError",
+    "HigherOrderGradError",
     "Mesh",
     "NamedSharding",
     "NotACheckpointError",
@@ -70,6 +71,7 @@ __all__ = [
     "make_mesh",
     "nn",
     "optim",
+    "pipeline",
     "ops",
     "ragged",
     "random",

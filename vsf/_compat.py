@@ -54,7 +54,6 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
@@ -77,7 +76,6 @@ __all__ = [
     "fake_mode",
     "foreach_elementwise_op",
     "functional_collectives",
-    "outside_trace",
     "fused_adam_",
     "fused_adam_lr",
     "init_fake_process_group",
@@ -97,6 +95,7 @@ __all__ = [
     "shard_of",
     "quiet_redistribute",
     "redistribute_local",
+    "pipeline_order",
     "redistribute_steps",
     "register_attention",
     "register_elementwise",
@@ -136,13 +135,15 @@ def single_rank_device_mesh(device_type: str, rank: int, name: str) -> DeviceMes
     return DeviceMesh(device_type, torch.tensor([rank]), mesh_dim_names=(name,), _init_backend=False)
 
 
-def one_rank_device_mesh(device_type: str, world_size: int, name: str) -> DeviceMesh:
+def one_rank_device_mesh(device_type: str, world_size: int, name: str, rank_map: torch.Tensor | None = None) -> DeviceMesh:
     """A DeviceMesh of one rank per copy, one copy for each of ``world_size`` ranks (a sub-mesh
-    of size-1 axes): every rank sees itself, and no communicator is created."""
+    of size-1 axes): every rank sees itself, and no communicator is created. ``rank_map`` (a
+    permutation of the ranks, default in order) only tells such meshes apart: DTensor takes equal
+    ones for each other."""
     return DeviceMesh(
         device_type,
         _layout=_MeshLayout.from_sizes_strides((1,), (1,)),
-        _rank_map=torch.arange(world_size, dtype=torch.int),
+        _rank_map=(torch.arange(world_size) if rank_map is None else rank_map).to(torch.int),
         mesh_dim_names=(name,),
         _init_backend=False,
     )
@@ -327,15 +328,6 @@ def fake_mode() -> FakeTensorMode:
 def is_fake(t: torch.Tensor) -> bool:
     """Is ``t`` a fake tensor (or a wrapper of one)?"""
     return is_fake_tensor(t)
-
-
-@contextlib.contextmanager
-def outside_trace(like: torch.Tensor | None) -> Iterator[None]:
-    """Run code on fake tensors without recording it in the ``make_fx`` trace under way (in the
-    fake mode of ``like``, or a fresh one), as ``vsf.shard_map`` does to learn about its body."""
-    mode = like.fake_mode if like is not None and is_fake_tensor(like) else fake_mode()
-    with disable_proxy_modes_tracing(), mode:
-        yield
 
 
 def is_data_dependent_error(e: BaseException) -> bool:
@@ -784,3 +776,22 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, list[tuple[int, str, int]]]:
+    """The compute actions a single-stage ``torch.distributed.pipelining`` schedule class
+    (``ScheduleGPipe``, ``Schedule1F1B``) runs on each pp rank, in its order, read from the
+    schedule's own IR (``_get_pipeline_order``, which needs only the two sizes): ``{rank:
+    [(stage, "F" | "B", microbatch), ...]}`` (its gradient-reduction markers left out).
+
+    Example::
+
+        >>> pipeline_order(Schedule1F1B, 2, 2)[1]
+        [(1, 'F', 0), (1, 'B', 0), (1, 'F', 1), (1, 'B', 1)]
+    """
+    sizes = type("_Sizes", (), {"_num_stages": stages, "_n_microbatches": microbatches})()
+    order = schedule._get_pipeline_order(sizes)
+    return {
+        rank: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions if a is not None and a.computation_type.value in ("F", "B")]
+        for rank, actions in order.items()
+    }

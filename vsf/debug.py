@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from vsf import tree
+from vsf.sharding.mesh import held_only_by_its_ranks, mesh_of
 from vsf.sharding.inspect import AddressableShard, shards, visualize_sharding
 
 __all__ = ["AddressableShard", "memory_report", "shards", "visualize_sharding"]
@@ -30,6 +32,11 @@ def memory_report(x: Any) -> dict[int, int]:
     report: dict[int, int] = {}
     for leaf in tree.leaves(x):
         if isinstance(leaf, torch.Tensor):
+            # a pipeline stage's value under simulation has a copy on every pp coordinate (see
+            # Mesh.at); only its own mesh's ranks hold it in a real run
+            mesh = mesh_of(leaf.device_mesh) if isinstance(leaf, DTensor) else None
+            ranks = set(mesh.devices) if mesh is not None and held_only_by_its_ranks(mesh) else None
             for s in shards(leaf):
-                report[s.rank] = report.get(s.rank, 0) + s.data.numel() * s.data.element_size()
+                if ranks is None or s.rank in ranks:
+                    report[s.rank] = report.get(s.rank, 0) + s.data.numel() * s.data.element_size()
     return dict(sorted(report.items()))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["CorruptCheckpointError", "NotACheckpointError", "PlanCheckError", "PlanError", "PlanMismatch", "TraceError"]
+__all__ = ["CorruptCheckpointError", "HigherOrderGradError", "NotACheckpointError", "PlanCheckError", "PlanError", "PlanMismatch", "TraceError"]
 
 
 class TraceError(ValueError):
@@ -24,6 +24,11 @@ class TraceError(ValueError):
 
 class PlanError(ValueError):
     """No sharded program can be planned (the message names the op and the user's line)."""
+
+
+class HigherOrderGradError(NotImplementedError):
+    """A gradient of a jitted function's gradient was asked for (``backward(create_graph=True)``
+    through a ``vsf.jit``-ted call): not supported; differentiate inside it with ``vsf.grad``."""
 
 
 class PlanMismatch(RuntimeError):

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 
 from vsf import _compat, tree
-from vsf.ops.recording import manual_axes, recording
-from vsf.ops.region import REGION_OP, Region, copies, register, summed_over
+from vsf.ops.recording import current_region, manual_axes
+from vsf.ops.region import Region, boundary, copies, lookup, register, summed_over
 from vsf.sharding.constraint import constrain
 from vsf.sharding.mesh import Mesh, current_mesh, use_mesh
 from vsf.sharding.named import NamedSharding, resolve
@@ -161,7 +161,7 @@ def _check_constraint(s: NamedSharding, x: torch.Tensor, where: str) -> None:
         raise ValueError(f"with_sharding_constraint {s.spec!r} for {where} has {len(s.spec)} entries but the value has rank {x.ndim} (shape {tuple(x.shape)})")
 
 
-def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None) -> Callable[..., Any]:
+def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None, check_vma: bool = True) -> Callable[..., Any]:
     """``f`` run on each rank's local shards, with collectives you write (JAX's ``shard_map``).
 
     Each tensor argument is laid out as ``in_specs`` says (a pytree prefix of the arguments, one
@@ -173,21 +173,30 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
     split over axes of total size ``k`` is ``k`` times as long globally. Every split dim must
     divide evenly, as in JAX. ``axis_names`` (JAX's partial-manual): the manual axes (default:
     all); the specs may name only those, collectives may run only over those, and over the other
-    axes the body sees whole values (for now every rank there runs the same body: the body is not
-    yet planned over the automatic axes).
+    (automatic) axes the body sees whole values. Inside :func:`vsf.jit` the propagator plans the
+    body over the automatic axes like the rest of the step (a batch split over ``dp`` stays split,
+    params split over ``fsdp`` are gathered where the body needs them); eagerly every rank there
+    runs the body on the whole values.
 
-    **Replicated values** (JAX's ``check_vma=False`` semantics; vsf checks nothing): over the manual
-    axes an input's spec leaves out every rank gets the whole value and its gradient is summed over
-    them; over the manual axes an output's spec leaves out the result must be the same on every rank,
-    and its cotangent is split evenly among them (so ``psum``'s backward, which sums the ranks'
-    cotangents, gives it back once). A result that differs across such ranks has no defined
-    global value (vsf does not check for it; JAX's ``check_vma=True`` would refuse it).
+    **Replicated values**: over the manual axes an input's spec leaves out every rank gets the
+    whole value and its gradient is summed over them; over the manual axes an output's spec leaves
+    out the result must be the same on every rank, and its cotangent is split evenly among them (so
+    ``psum``'s backward, which sums the ranks' cotangents, gives it back once). A result that
+    differs across such ranks has no defined global value. ``check_vma`` (JAX's name): inside
+    :func:`vsf.jit` such a result is an error naming its key path, found from the body's dataflow
+    (a value varies over an axis its input's spec splits, or ``axis_index``, ``ppermute``,
+    ``all_to_all`` or ``psum_scatter`` over it, made it vary; ``psum``, ``pmean``, ``pmax`` and
+    ``all_gather`` over it make it the same everywhere); ``check_vma=False`` trusts the body.
+    Eagerly vsf does not check. The gradient rule is the same either way (JAX's without
+    ``check_vma``).
 
     Gradients flow through it (:func:`vsf.grad` of a function calling it). Inside
-    :func:`vsf.jit` the call is one op of the step's graph (see :mod:`vsf.ops.region`): the plan
+    :func:`vsf.jit` the body is traced into the step's graph (see :mod:`vsf.ops.region`): the plan
     pins its inputs to ``in_specs`` and its results to ``out_specs``, its collectives are the
-    program's (``Lowered.as_text()`` lists them), and its backward runs the body's backward on
-    local shards, every collective transposed.
+    program's (``Lowered.as_text()`` lists them), and its backward is the body's, every collective
+    transposed. The body may read only its arguments and constants (a traced value it closes over
+    is an error: pass it in); ragged collectives run there where every rank's operand and result
+    have one shape (:mod:`vsf.ops.ragged`).
 
     Example (Megatron's MLP: the hidden dim split over ``tp``, one all-reduce)::
 
@@ -208,7 +217,7 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
         placed = [(x, _only_manual(_even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}"), manual, name, "in_specs", f"args{tree.keystr(path)}") if isinstance(x, torch.Tensor) else None)
                   for (path, x), spec in zip(in_pairs, specs)]
         if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x, _ in placed):
-            return _traced_region(f, name, m, manual, out_specs, in_def, placed)
+            return _traced_region(f, name, m, manual, out_specs, in_def, placed, check_vma)
         local = [_local_shard(x, s, manual) if s is not None else x for x, s in placed]
         with use_mesh(m), manual_axes(name, manual):
             out = f(*tree.unflatten(in_def, local))
@@ -241,42 +250,25 @@ def _result(path: Any) -> str:
     return "the result" + (tree.keystr(path) if path else "")
 
 
-def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]]) -> Any:
-    """The region as one ``manual_region`` op of the graph being traced (see :mod:`vsf.ops.region`):
-    the body is run once on fake local shards, outside the trace, to learn its results' layouts
-    and the collectives it runs forward and backward."""
-    tensors = [x for x, s in placed if s is not None]
-    ins = tuple(s for _, s in placed if s is not None)
-    out_info: dict[str, Any] = {}
-
-    def body(local: list[torch.Tensor]) -> list[torch.Tensor]:
-        it = iter(local)
-        out = f(*tree.unflatten(in_def, [next(it) if s is not None else x for x, s in placed]))
-        leaves, out_def = tree.flatten(out)
-        out_info.setdefault("tree", out_def)
-        out_info.setdefault("consts", [None if isinstance(y, torch.Tensor) else y for y in leaves])
-        out_info.setdefault("out", out)
-        return [y for y in leaves if isinstance(y, torch.Tensor)]
-
-    with _compat.outside_trace(tensors[0] if tensors else None):
-        fakes = [torch.empty(s.shard_shape(tuple(x.shape)), dtype=x.dtype, device=x.device) for x, s in zip(tensors, ins)]
-        probe = Region(name, body, m, manual, ins, (), ())
-        watched = [t.requires_grad_(True) if _differentiable(t) else t for t in fakes]
-        with recording() as sent, torch.enable_grad():
-            outs = probe.run(watched)
-        out_pairs = tree.flatten_with_path(out_info["out"])[0]
-        specs = tree.broadcast_prefix(out_specs, out_info["out"], is_leaf=_is_spec, what="out_specs")
-        out_sh = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
-                       for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
-        out_avals = tuple((tuple(n * s.num_shards(d) for d, n in enumerate(y.shape)), y.dtype) for y, s in zip(outs, out_sh))
-        with recording() as sent_vjp:
-            diff_out = [y for y in outs if y.requires_grad]
-            diff_in = [t for t in watched if t.requires_grad]
-            if diff_out and diff_in:
-                torch.autograd.grad(diff_out, diff_in, [torch.empty_like(y) for y in diff_out], allow_unused=True)
-    key = register(Region(name, body, m, manual, ins, out_sh, out_avals, tuple(sent), tuple(sent_vjp)))
-    results = iter(REGION_OP(tensors, key))
-    return tree.unflatten(out_info["tree"], [next(results) if c is None else c for c in out_info["consts"]])
+def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]], check_vma: bool) -> Any:
+    """The region traced into the graph under way (see :mod:`vsf.ops.region`): each tensor
+    argument enters it through a ``manual_in`` op, the body's ops and collectives are traced as
+    they run on the values it sees, and each tensor result leaves through a ``manual_out`` op."""
+    outer = current_region()
+    if outer is not None:
+        raise ValueError(f"shard_map({name}) is called inside shard_map({lookup(outer).name}) in a vsf.jit step: nested regions are not supported there; make one region manual over both sets of axes")
+    region = Region(name, m, manual, tuple(s for _, s in placed if s is not None), check_vma)
+    key = register(region)
+    entered = iter(boundary(x, key, i, "manual_in") for i, x in enumerate(x for x, s in placed if s is not None))
+    with use_mesh(m), manual_axes(name, manual, key):
+        out = f(*tree.unflatten(in_def, [next(entered) if s is not None else x for x, s in placed]))
+    out_pairs, out_def = tree.flatten_with_path(out)
+    specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
+    region.outs = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
+                        for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
+    region.out_names = tuple(_result(path) for path, y in out_pairs if isinstance(y, torch.Tensor))
+    results = iter(boundary(y, key, i, "manual_out") for i, y in enumerate(y for _, y in out_pairs if isinstance(y, torch.Tensor)))
+    return tree.unflatten(out_def, [next(results) if isinstance(y, torch.Tensor) else y for _, y in out_pairs])
 
 
 def _out_sharding(y: torch.Tensor, s: NamedSharding, where: str, manual: tuple[str, ...], name: str) -> NamedSharding:

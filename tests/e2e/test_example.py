@@ -4,6 +4,8 @@
   step's loss equals (fp tolerance) the same run in one plain process (one rank, no simulation).
 * Sequences split over ``cp`` (4 simulated ranks, ``--cp 2`` with dp and with tp) give the
   one-process losses too.
+* Two pipeline stages (``--pp 2`` with ``--dp 2`` and with ``--tp 2``, 4 simulated ranks, 1F1B
+  and GPipe over 4 microbatches) give the losses of ``--pp 1`` in one process.
 * The same run on 2 real gloo processes, started with ``python -m vsf.launch``, is killed with
   SIGKILL once a checkpoint is committed; ``--resume`` continues from that checkpoint, repeats
   the steps the killed run took after it bit for bit, and ends with the uninterrupted losses.
@@ -37,7 +39,10 @@ import train_gpt  # noqa: E402
 
 STEPS = 50
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "16", "--steps", str(STEPS)]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+PIPE_STEPS = 10
+PIPE = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "16", "--steps", str(PIPE_STEPS)]
+# the example imports this checkout's vsf, whatever the environment has installed
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def example_command(*args: str, nproc: int | None = None) -> list[str]:
@@ -98,6 +103,9 @@ def background(tmp_path_factory):
         "sim8": Background(tmp_path_factory.mktemp("simulate_8"), *SMALL, "--simulate", "8", "--save-every", str(STEPS), "--print-plan"),
         "cp2": Background(tmp_path_factory.mktemp("cp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--save-every", str(STEPS)),
         "cp2tp2": Background(tmp_path_factory.mktemp("cp_2_tp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--tp", "2", "--save-every", str(STEPS)),
+        "pp1": Background(tmp_path_factory.mktemp("pp_1"), *PIPE, "--save-every", str(PIPE_STEPS)),
+        "pp2dp2": Background(tmp_path_factory.mktemp("pp_2_dp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--dp", "2"),
+        "pp2tp2": Background(tmp_path_factory.mktemp("pp_2_tp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--tp", "2", "--schedule", "gpipe"),
     }
     yield runs
     for run in runs.values():
@@ -176,6 +184,19 @@ def test_sequences_split_over_cp_train_like_one_process(background, one_process,
     assert "cp " in sends
 
 
+@pytest.mark.parametrize("run, mesh, schedule", [("pp2dp2", "pp=2 x dp=2 x fsdp=1 x cp=1 x tp=1", "1f1b"), ("pp2tp2", "pp=2 x dp=1 x fsdp=1 x cp=1 x tp=2", "gpipe")])
+def test_two_pipeline_stages_train_like_one_process(background, run, mesh, schedule):
+    background["pp1"].wait()
+    want = [m["loss"] for m in metrics(background["pp1"].out)]
+    out = background[run].wait()
+    assert f"mesh {mesh} (4 ranks, cpu, simulated)" in out
+    losses = [m["loss"] for m in metrics(background[run].out)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
+    # the summary: each stage's ranks, what they hold, and the schedule's bubble ((p-1)/(m+p-1) = 20%)
+    assert re.search(r"stage 0 \(ranks \[0, 1\]\): params \+ optimizer state [\d.]+ KiB per rank; " + schedule + r" bubble 20\.0%", out)
+    assert re.search(r"stage 1 \(ranks \[2, 3\]\): params \+ optimizer state [\d.]+ KiB per rank", out)
+
+
 def test_mesh_shape_from_the_number_of_ranks():
     assert train_gpt.mesh_shape(1) == {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 1}
     assert train_gpt.mesh_shape(2) == {"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "tp": 1}
@@ -192,12 +213,16 @@ def test_mesh_shape_from_the_number_of_ranks():
     assert train_gpt.mesh_shape(4, cp=2, tp=2) == {"pp": 1, "dp": 1, "fsdp": 1, "cp": 2, "tp": 2}
     with pytest.raises(ValueError, match="cp=3"):
         train_gpt.mesh_shape(8, cp=3)
+    assert train_gpt.mesh_shape(8, pp=2, tp=2) == {"pp": 2, "dp": 2, "fsdp": 1, "cp": 1, "tp": 2}
 
 
-def test_pipeline_axis_and_uneven_sequence_splits_are_refused(capsys):
+def test_unfit_pipelines_and_uneven_sequence_splits_are_refused(capsys):
     with pytest.raises(SystemExit):
-        train_gpt.parse_args(["--pp", "2"])
-    assert "not implemented yet" in capsys.readouterr().err
+        train_gpt.parse_args(["--pp", "3", "--layers", "2"])
+    assert "--pp 3 must be between 1 and --layers 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--pp", "2", "--cp", "2"])
+    assert "neither with --cp nor with --resume" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--cp", "3", "--seq", "32"])
     assert "must be a positive divisor of --seq 32" in capsys.readouterr().err

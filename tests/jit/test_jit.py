@@ -602,3 +602,15 @@ def test_a_manual_region_runs_on_real_processes(ranks):
         assert r["region_max_param_err"] < 1e-5
         assert r["ring_loss_err"] < 1e-4 and r["ring_grad_err"] < 1e-5
         assert r["region_collectives_in_program"] == r["region_planned_collectives"]
+
+
+@pytest.mark.multiprocess
+def test_a_partial_manual_region_and_a_ragged_all_to_all_run_on_real_processes(ranks):
+    # manual over tp, dp left to the planner: the same SGD steps as unsharded; a balanced
+    # all_to_all_v's value and gradient equal the rows it moves, by hand; each program runs the
+    # collectives its plan lists
+    for r in ranks:
+        assert r["partial_max_param_err"] < 1e-5
+        assert r["partial_collectives_in_program"] == r["partial_planned_collectives"]
+        assert r["dispatch_loss_err"] < 1e-4 and r["dispatch_grad_err"] < 1e-6
+        assert r["dispatch_collectives_in_program"] == r["dispatch_planned_collectives"]

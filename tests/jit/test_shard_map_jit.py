@@ -13,6 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P, optim
+from vsf.jit import manual
 from vsf.jit.plan import Collective
 
 
@@ -35,6 +36,17 @@ class Case:
     backward: tuple[str, ...]
 
 
+# rank i sends BALANCED[i][j] of its 4 rows to rank j: each sends 4 and receives 4, in uneven blocks
+BALANCED = ((1, 0, 2, 1), (0, 3, 0, 1), (2, 1, 0, 1), (1, 0, 2, 1))
+
+
+def balanced_rows() -> list[int]:
+    """The global rows ``all_to_all_v(x, BALANCED)`` gives over ``P("i")``, in order (hand-computed
+    from the matrix: rank j stacks the blocks rank 0, 1, ... send it)."""
+    starts = [[4 * i + sum(BALANCED[i][:j]) for j in range(4)] for i in range(4)]
+    return [starts[i][j] + k for j in range(4) for i in range(4) for k in range(BALANCED[i][j])]
+
+
 CASES = [
     Case("psum", lambda x: vsf.ops.psum(x, "i"), P("i"), P(), lambda x: blocks(x).sum(0), (8, 3), ("all_reduce",), ("all_reduce",)),
     Case("pmean", lambda x: vsf.ops.pmean(x, "i"), P("i"), P(), lambda x: blocks(x).mean(0), (8, 3), ("all_reduce",), ("all_reduce",)),
@@ -49,6 +61,9 @@ CASES = [
          lambda x: torch.roll(x, 2, 0), (8, 3), ("ppermute",), ("ppermute",)),
     Case("ppermute_partial", lambda x: vsf.ops.ppermute(x, "i", [(0, 2), (1, 3)]), P("i"), P("i"),
          lambda x: torch.cat([torch.zeros(4, 3), x[:4]]), (8, 3), ("ppermute",), ("ppermute",)),
+    Case("all_gather_v_even", lambda x: vsf.ops.all_gather_v(x, "i", sizes=(2, 2, 2, 2)), P("i"), P(), lambda x: x, (8, 3), ("all_gather",), ("reduce_scatter",)),
+    Case("reduce_scatter_v_even", lambda x: vsf.ops.reduce_scatter_v(x, "i", sizes=(1, 1, 1, 1)), P("i"), P("i"), lambda x: blocks(x).sum(0), (16, 3), ("reduce_scatter",), ("all_gather",)),
+    Case("all_to_all_v_balanced", lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED), P("i"), P("i"), lambda x: x[balanced_rows()], (16, 3), ("all_to_all_v",), ("all_to_all_v",)),
     Case("axis_index", lambda x: x * (vsf.ops.axis_index("i") + 1), P("i"), P("i"),
          lambda x: x * torch.arange(1.0, 5.0).repeat_interleave(2)[:, None], (8, 3), (), ()),
     Case("replicated_input", lambda x: x * vsf.ops.axis_size("i"), P(), P(), lambda x: x * 4, (8, 3), (), ()),
@@ -97,7 +112,7 @@ def _mlp_case():
     return torch.randn(8, 4), torch.randn(4, 8) / 2, torch.randn(8, 4) / 2, torch.randn(8, 4)
 
 
-def test_the_region_is_one_op_of_the_plan_and_its_psum_a_collective_of_the_program(sim):
+def test_the_body_is_traced_into_the_plan_and_its_psum_is_a_collective_of_the_program(sim):
     x, w1, w2, _ = _mlp_case()
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
@@ -106,7 +121,11 @@ def test_the_region_is_one_op_of_the_plan_and_its_psum_a_collective_of_the_progr
     args = vsf.device_put((x, w1, w2), vsf.NamedSharding(mesh, P()))
     lowered = f.lower(*args)
     text = lowered.as_text()
-    assert "manual_region(%arg0_1:f32[8@dp,4], %arg1_1:f32[4,8@tp], %arg2_1:f32[8@tp,4]) -> f32[8@dp,4]" in text
+    # each argument enters as its in_spec says; the body's ops run on the local [4, 4] blocks
+    assert "manual_in(%arg0_1:f32[8@dp,4]) -> f32[4,4]" in text
+    assert "manual_in(%arg1_1:f32[4,8@tp]) -> f32[4,4]" in text
+    assert "mm(%manual_in:f32[4,4], %manual_in_1:f32[4,4]) -> f32[4,4]" in text
+    assert "manual_out(%manual_collective:f32[4,4]) -> f32[8@dp,4]" in text
     # each rank's [4 rows, 4] partial product is all-reduced over tp=2: 2(n-1)/n of 64 bytes
     assert "all_reduce over tp (inside the region): [4, 4] 64 B sent" in text
     assert Collective("all_reduce", "tp", (4, 4), torch.float32, 64) in lowered.cost().collectives
@@ -205,7 +224,7 @@ def _loss_and_y(region, x, w):
 
 def test_replicated_inputs_and_outputs_follow_the_documented_rule(sim):
     # over an axis an input's spec leaves out, its gradient is the sum over the ranks there; a
-    # result out_specs replicates has its cotangent split among them (check_vma=False semantics)
+    # result out_specs replicates has its cotangent split among them (JAX's rule without check_vma)
     torch.manual_seed(0)
     x, v = torch.randn(8, 3), torch.randn(3)
     xr, vr = x.clone().requires_grad_(), v.clone().requires_grad_()
@@ -220,8 +239,8 @@ def test_replicated_inputs_and_outputs_follow_the_documented_rule(sim):
 
 
 def test_a_partial_manual_region_sees_whole_values_over_its_automatic_axes(sim):
-    # manual over dp only: the batch is split over dp, the body sees whole values over tp (where,
-    # for now, every rank runs the same body), and gradients over tp are whole, not partial sums
+    # manual over dp only: the batch is split over dp, the body sees whole values over tp (which
+    # the planner may split: tp is automatic here), and its collectives run over dp only
     torch.manual_seed(0)
     x, w, c = torch.randn(8, 3), torch.randn(3, 5), torch.randn(5)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -281,9 +300,158 @@ def test_bad_regions_are_refused_saying_where(sim):
     line = vsf.make_mesh((4,), ("i",))
     with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\) runs on Mesh\(\(4,\), \('i',\).*but the jitted step is planned over Mesh\(\(2, 2\), \('dp', 'tp'\)"):
         vsf.jit(lambda x: vsf.shard_map(lambda a: a, mesh=line, in_specs=P(), out_specs=P())(x))(x)
-    with pytest.raises(NotImplementedError, match=r"_AllGatherV cannot be planned inside a jitted shard_map yet \(ragged collectives run eagerly only\)"):
-        jitted(lambda a, b: vsf.ops.all_gather_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
+    # the body sees only its arguments (and constants); a collective needs a region
+    with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\): aten.mul.Tensor reads %arg1_1, a value computed outside the region.*pass it to the region as an argument"):
+        vsf.jit(lambda x, w: vsf.shard_map(lambda a: a * w, mesh=mesh, in_specs=P(), out_specs=P())(x))(x, x)
+    with pytest.raises(ValueError, match=r"an all_reduce over 'tp' inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region"):
+        vsf.jit(lambda x: vsf.ops.psum(x, "tp", mesh=mesh))(x)
+    def outer(a, b):
+        return vsf.shard_map(lambda a: a, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=("dp",))(a)
+
+    with pytest.raises(ValueError, match=r"shard_map\(<lambda>\) is called inside shard_map\(outer\) in a vsf.jit step: nested regions are not supported"):
+        jitted(outer, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
+    # a result out_specs replicates over a manual axis must not vary over it (check_vma)
+    def two_results(a, b):
+        return vsf.ops.psum(a, "tp"), vsf.ops.ppermute(a, "tp", [(0, 1), (1, 0)])
+
+    with pytest.raises(vsf.PlanError, match=r"shard_map\(two_results\): the result\[1\] varies over 'tp', but out_specs gives it P\(\), which says it is the same on every rank of 'tp'"):
+        jitted(two_results, in_specs=P(), out_specs=P())(x)
+    with pytest.raises(vsf.PlanError, match=r"the result varies over 'dp', but out_specs gives it P\(\)"):
+        jitted(lambda a, b: vsf.ops.psum(a * vsf.ops.axis_index("dp"), "tp"), in_specs=P(), out_specs=P())(x)
+    y, z = jitted(two_results, in_specs=P(), out_specs=P(), check_vma=False)(x)   # trusted: each rank's own
+    torch.testing.assert_close(vsf.device_get(y), 2 * torch.ones(4, 2))
+    # ragged pieces of different sizes would give a traced value a different shape on each rank
+    with pytest.raises(ValueError, match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1"):
+        jitted(lambda a, b: vsf.ops.all_gather_v(a[:3], "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
+    with pytest.raises(ValueError, match=r"reduce_scatter_v over 'tp' inside a jitted shard_map: its result would hold \(3, 1\) rows"):
+        jitted(lambda a, b: vsf.ops.reduce_scatter_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
+    with pytest.raises(ValueError, match=r"all_to_all_v over 'tp' inside a jitted shard_map: its result \(the send matrix's column sums\) would hold \(3, 5\) rows"):
+        jitted(lambda a, b: vsf.ops.all_to_all_v(a, "tp", [[1, 3], [2, 2]]), in_specs=P(), out_specs=P())(x)
     with pytest.raises(ValueError, match=r"args\[0\] has 3 in dim 0, which P\('dp'\) splits 2 ways"):
         jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P("dp"))(vsf.device_put(torch.ones(3, 2), vsf.NamedSharding(mesh, P())))
     with pytest.raises(ValueError, match=r"the result\[1\] has 0 dims but out_specs gives it P\('dp'\)"):
         jitted(lambda a, b: (a, a.sum()), in_specs=P(), out_specs=P("dp"))(x)
+
+
+# -- partial-manual regions: manual over some axes, planned automatically over the others ---------
+
+PARTIAL_MLP = dict(in_specs=(P(), P(None, "tp"), P("tp")), out_specs=P(), axis_names=("tp",))
+
+
+def _moved_axes(plan, inside: bool) -> set[str]:
+    """The mesh axes the plan moves values over, for values a region's body computes (``inside``)
+    or for the others."""
+    return {a for r in plan.redistributions if manual.inside(r.value[0]) == inside
+            for a, s, d in zip(plan.mesh.device_axes, r.src, r.dst) if s != d}
+
+
+def test_a_region_manual_over_tp_is_planned_over_dp_and_fsdp_and_its_train_step_equals_one_device(sim):
+    # Megatron's MLP by hand over tp; the batch split over (dp, fsdp) and the params over fsdp are
+    # left to the planner, which gathers the params inside the region (FSDP) instead of
+    # replicating the batch into it
+    x, w1, w2, t = _mlp_case()
+    tx = optim.adamw(1e-2, weight_decay=0.1)
+
+    def make_step(model):
+        def train_step(params, opt_state, x, t):
+            loss, grads = vsf.value_and_grad(lambda p: (model(x, *p) - t).pow(2).mean())(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optim.apply_updates(params, updates), opt_state, loss, grads
+        return train_step
+
+    want, state, plain = (w1, w2), tx.init((w1, w2)), []
+    for _ in range(3):
+        want, state, loss, grads = make_step(plain_mlp)(want, state, x, t)
+        plain.append((loss, grads))
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    region = vsf.shard_map(mlp, mesh=mesh, **PARTIAL_MLP)
+    p = vsf.device_put((w1, w2), (vsf.NamedSharding(mesh, P("fsdp", "tp")), vsf.NamedSharding(mesh, P("tp", "fsdp"))))
+    s = optim.init_sharded(tx, p)
+    b = vsf.device_put((x, t), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    step = vsf.jit(make_step(region))
+    lowered = step.lower(p, s, *b)
+    for want_loss, want_grads in plain:
+        p, s, loss, grads = step(p, s, *b)
+        torch.testing.assert_close(vsf.device_get(loss), want_loss)
+        for g, w in zip(vsf.device_get(grads), want_grads):
+            torch.testing.assert_close(g, w)
+    for got, w in zip(vsf.device_get(p), want):
+        torch.testing.assert_close(got, w)
+    assert step.plan_count == 1
+    text = lowered.as_text()
+    # the fsdp split of w1's rows enters the body as it is; the batch stays split over (dp, fsdp)
+    assert "manual_in(%detach:f32[4@fsdp,8@tp]) -> f32[4@fsdp,4]" in text
+    assert "manual_in(%arg7_1:f32[8@(dp,fsdp),4]) -> f32[8@(dp,fsdp),4]" in text
+    # inside the region only the automatic axes move values (the params' fsdp gathers, their
+    # gradients' reductions); over tp only the region's own psum and its transpose run
+    inside = _moved_axes(lowered.plan, inside=True)
+    assert "fsdp" in inside and inside <= {"dp", "fsdp"}
+    assert "tp" not in _moved_axes(lowered.plan, inside=False)
+    cost = lowered.cost()
+    assert [c.kind for c in cost.collectives if c.axis == "tp"] == ["all_reduce", "all_reduce"]
+    # each rank's psum sums its [2 rows, 4] piece of the batch: 2(n-1)/n of 32 bytes
+    assert Collective("all_reduce", "tp", (2, 4), torch.float32, 32) in cost.collectives
+    assert cost.count("all_gather", "dp") == 0 and cost.count("all_gather", "fsdp") >= 1
+    with CommDebugMode() as comm:
+        step(p, s, *b)
+    ran = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    assert ran == {
+        "all_reduce": cost.count("all_reduce"),
+        "all_gather_into_tensor": cost.count("all_gather"),
+        "reduce_scatter_tensor": cost.count("reduce_scatter"),
+    }
+
+
+def ring_over_cp(x):
+    n = vsf.ops.axis_size("cp")
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    acc = cur = x
+    for _ in range(n - 1):
+        cur = vsf.ops.ppermute(cur, "cp", perm)
+        acc = acc + cur
+    return acc
+
+
+def test_a_ring_of_ppermutes_manual_over_cp_runs_on_each_dp_piece_of_the_batch(sim):
+    # x: (batch 4, sequence 8, 3), the sequence in blocks over cp=4, the batch left to the planner
+    # over dp=2: each rank sums the 4 sequence blocks of its 2 rows, forward and backward
+    torch.manual_seed(0)
+    x, c = torch.randn(4, 8, 3), torch.randn(4, 8, 3)
+
+    def oracle(x):
+        return x.reshape(4, 4, 2, 3).sum(1, keepdim=True).expand(4, 4, 2, 3).reshape(4, 8, 3)
+
+    xr = x.clone().requires_grad_()
+    (oracle(xr) * c).sum().backward()
+    sim(8)
+    mesh = vsf.make_mesh((2, 4), ("dp", "cp"))
+    region = vsf.shard_map(ring_over_cp, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"), axis_names=("cp",))
+    step = vsf.jit(lambda x, c: _loss_and_y(region, x, c))
+    args = vsf.device_put((x, c), vsf.NamedSharding(mesh, P("dp", "cp")))
+    (loss, y), g = step(*args)
+    torch.testing.assert_close(vsf.device_get(y), oracle(x))
+    torch.testing.assert_close(vsf.device_get(loss), (oracle(x) * c).sum())
+    torch.testing.assert_close(vsf.device_get(g), xr.grad)
+    (loss, y), g = step.check(*args)   # checking mode: every value outside the region against one device
+    torch.testing.assert_close(vsf.device_get(g), xr.grad)
+    cost = step.lower(*args).cost()
+    # 3 ppermutes forward, 3 back, each of this rank's [2 rows, 2 positions, 3] block
+    assert [c_ for c_ in cost.collectives if c_.kind == "ppermute"] == [Collective("ppermute", "cp", (2, 2, 3), torch.float32, 48)] * 6
+    assert cost.count("all_gather", "dp") == 0
+
+
+def test_a_balanced_ragged_all_to_all_is_a_collective_of_the_plan_equal_to_the_eager_region(sim):
+    torch.manual_seed(0)
+    x = torch.randn(16, 3)
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("i",))
+    region = vsf.shard_map(lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED) * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("i")))
+    jitted = vsf.jit(region)
+    torch.testing.assert_close(vsf.device_get(jitted(xs)), vsf.device_get(region(xs)))
+    torch.testing.assert_close(vsf.device_get(jitted(xs)), 2 * x[balanced_rows()])
+    lowered = jitted.lower(xs)
+    # rank 2 keeps none of its 4 rows: 4 rows of 3 floats leave it, the most any rank sends
+    assert "all_to_all_v over i (inside the region): [4, 3] 48 B sent" in lowered.as_text()
+    assert lowered.cost().collectives == (Collective("all_to_all_v", "i", (4, 3), torch.float32, 48),)

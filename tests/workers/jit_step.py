@@ -36,7 +36,7 @@ for _ in range(3):
     params_reused.append(sum(x.to_local().data_ptr() in before_params for x in vsf.tree.leaves(p)))
     losses.append(vsf.device_get(loss).item())
 got = vsf.device_get(p)
-program = next(iter(step._cache.values()))._local
+program = next(iter(step._cache.values()))._runner.local
 report = {
     "losses": losses,
     "want_losses": want_losses,
@@ -92,11 +92,39 @@ xr = x.clone().requires_grad_()
 want_ring = (xr.reshape(2, 2, 2, 4).sum(1, keepdim=True).expand(2, 2, 2, 4).reshape(8, 4) * c).sum()
 want_ring.backward()
 ring_loss, ring_g = ring_grad(*vsf.device_put((x, c), vsf.NamedSharding(mesh, P())))
+# a region manual over tp only: dp is left to the planner (the batch stays split over dp, the
+# params' dp splits are gathered inside the region); and a balanced ragged all-to-all over tp
+partial = vsf.shard_map(lambda x, a, b: vsf.ops.psum(torch.relu(x @ a) @ b, "tp"), mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp")), out_specs=P(), axis_names=("tp",))
+partial_step = vsf.jit(sgd_step(partial))
+pw = vsf.device_put((w1, w2), (vsf.NamedSharding(mesh, P("dp", "tp")), vsf.NamedSharding(mesh, P("tp", "dp"))))
+pws = optim.init_sharded(sgd, pw)
+for _ in range(2):
+    pw, pws, _ = partial_step(pw, pws, *xt)
+dispatch = vsf.shard_map(lambda x: vsf.ops.all_to_all_v(x, "tp", [[2, 1], [1, 2]]), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), axis_names=("tp",))
+dispatch_grad = vsf.jit(lambda x, c: vsf.value_and_grad(lambda x: (dispatch(x) * c).sum())(x))
+xd, cd = torch.randn(6, 4), torch.randn(6, 4)
+xdr = xd.clone().requires_grad_()
+want_dispatch = (xdr[[0, 1, 3, 2, 4, 5]] * cd).sum()   # rank 0 keeps rows 0, 1 and gets row 3; rank 1 gets row 2, keeps 4, 5
+want_dispatch.backward()
+dispatch_loss, dispatch_g = dispatch_grad(*vsf.device_put((xd, cd), vsf.NamedSharding(mesh, P("tp", "dp"))))
+
+
+def program_collectives(jitted):
+    return sum(1 for n in next(iter(jitted._cache.values()))._runner.local.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target))
+
+
 report.update({
+    "partial_max_param_err": max((a - b).abs().max().item() for a, b in zip(vsf.device_get(pw), want_w)),
+    "partial_planned_collectives": len(partial_step.lower(pw, pws, *xt).cost().collectives),
+    "partial_collectives_in_program": program_collectives(partial_step),
+    "dispatch_loss_err": abs(vsf.device_get(dispatch_loss).item() - want_dispatch.item()),
+    "dispatch_grad_err": (vsf.device_get(dispatch_g) - xdr.grad).abs().max().item(),
+    "dispatch_planned_collectives": len(dispatch_grad.lower(*vsf.device_put((xd, cd), vsf.NamedSharding(mesh, P("tp", "dp")))).cost().collectives),
+    "dispatch_collectives_in_program": program_collectives(dispatch_grad),
     "region_max_param_err": max((a - b).abs().max().item() for a, b in zip(vsf.device_get(w), want_w)),
     "ring_loss_err": abs(vsf.device_get(ring_loss).item() - want_ring.item()),
     "ring_grad_err": (vsf.device_get(ring_g) - xr.grad).abs().max().item(),
     "region_planned_collectives": len(mlp_step.lower(w, ws, *xt).cost().collectives),
-    "region_collectives_in_program": sum(1 for n in next(iter(mlp_step._cache.values()))._local.graph.nodes if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)),
+    "region_collectives_in_program": program_collectives(mlp_step),
 })
 (out / f"rank{rank}.json").write_text(json.dumps(report))

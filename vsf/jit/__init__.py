@@ -9,11 +9,15 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.plan` - the plan's types and the placements vocabulary;
 * :mod:`~vsf.jit.strategies` - DTensor's strategies for an op (the only place that asks them);
 * :mod:`~vsf.jit.cost` and :mod:`~vsf.jit.solver` - the cost model and the per-axis solver;
-* :mod:`~vsf.jit.manual` - ``shard_map`` regions: their pinned placements, collectives and local run;
+* :mod:`~vsf.jit.manual` - ``shard_map`` regions: which ops are a body's, their placements over the manual axes, collectives and local run;
 * :mod:`~vsf.jit.redistribute` - transition paths between placements and their collectives;
 * :mod:`~vsf.jit.buckets` - bucketing of all-reduces, all-gathers and reduce-scatters, and the execution order;
 * :mod:`~vsf.jit.propagate` - the driver: per-axis choices combined and checked with DTensor;
 * :mod:`~vsf.jit.lower` - the plan run (or traced) on local shards;
+* :mod:`~vsf.jit.runner` - one planned program run: interpreted, traced once, or checked;
+* :mod:`~vsf.jit.joint` - the joint graph (forward + vjp) of a call torch autograd differentiates;
+* :mod:`~vsf.jit.partition` - a planned joint graph split into forward and backward programs, with the saved values;
+* :mod:`~vsf.jit.differentiable` - the joint plan of such a call and the ``torch.autograd.Function`` that runs it;
 * :mod:`~vsf.jit.check` - checking mode: the plan run beside the unsharded graph, op by op;
 * :mod:`~vsf.jit.donation` - donated arguments released and their buffers reused;
 * :mod:`~vsf.jit.overlap` - each collective waited for at its result's first use;

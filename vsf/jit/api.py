@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -30,15 +31,15 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, tree
-from vsf.jit.check import run_checked
+from vsf.jit.differentiable import JointPlan, attach, grad_mask, plan_joint, program
+from vsf.jit.joint import runs_backward
 from vsf.jit.classify import unplanned_ops
-from vsf.jit.donation import check_not_donated, donate, reuse_donated
-from vsf.jit.overlap import wait_late
+from vsf.jit.donation import check_not_donated, donate
 from vsf.jit.graph import output_node
-from vsf.jit.lower import compile_local, execute
 from vsf.jit.plan import Placements, Plan
 from vsf.jit.propagate import propagate
-from vsf.jit.report import Cost, cost, plan_text
+from vsf.jit.runner import Runner
+from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text
 from vsf.jit.trace import Traced, trace
 from vsf.sharding.inspect import type_string
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
@@ -84,10 +85,20 @@ def jit(
       when keeping inputs gathered would put its estimated peak (``.cost().peak_bytes``) above
       the budget. No budget: keep gathered (the fewest bytes sent).
 
+    Called with grad mode on and an input that requires grad, the result is differentiable by
+    torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
+    joint graph (forward + vjp) is planned once and run as a forward and a backward program; a
+    DTensor input's ``.grad`` has its sharding. ``create_graph=True`` is refused; a function that
+    calls ``vsf.grad`` itself is a traced step, not differentiated again.
+
     Example::
 
         >>> step = vsf.jit(train_step, donate_argnums=(0, 1))
         >>> fsdp_step = vsf.jit(train_step, donate_argnums=(0, 1), reshard_after_forward=True)
+        >>> block = vsf.jit(lambda p, x: vsf.tree.apply(module, p, x))   # in a torch training loop
+        >>> params = vsf.tree.map(lambda t: t.requires_grad_(), vsf.device_put(params, shardings))
+        >>> opt = torch.optim.AdamW(vsf.tree.leaves(params))
+        >>> block(params, x).square().mean().backward(); opt.step()      # param.grad: DTensors
     """
     if fun is None:
         return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames,
@@ -110,6 +121,12 @@ class _Call:
     dyn: tuple[tuple[Any, ...], dict[str, Any]]
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
     positions: list[int]  # each dynamic positional argument's position in the call
+    leaves: list[Any]  # the leaves as passed (autograd's graph attaches to these)
+
+    @property
+    def grad(self) -> tuple[Any, ...] | None:
+        """:func:`vsf.jit.differentiable.grad_mask` of the call's leaves."""
+        return self.key[4]
 
     def donated(self, argnums: Sequence[int]) -> list[int]:
         """Positions, among the tensor leaves, of the leaves of positional arguments ``argnums``."""
@@ -248,7 +265,7 @@ class Jitted:
                     kw[where] = value
             return tuple(full), kw
 
-        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh), inputs, dyn, rebuild, positions)
+        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves)), inputs, dyn, rebuild, positions, leaves)
 
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
@@ -306,15 +323,21 @@ class Jitted:
         self._last_key = call.key
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
-        traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops)
-        out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
+        with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
+            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops)
+        out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
-        plan = propagate(
-            traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
-            allow_replicated_fallback=config.allow_replicated_fallback,
-            reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
-        )
-        compiled = Compiled(self, plan, traced, call.names, out_names)
+        compiled = None
+        if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
+            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets)
+            compiled = DifferentiableCompiled(self, joint, traced, call.names, out_names, call.leaves) if joint is not None else None
+        if compiled is None:
+            plan = propagate(
+                traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
+                allow_replicated_fallback=config.allow_replicated_fallback,
+                reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
+            )
+            compiled = Compiled(self, plan, traced, call.names, out_names)
         self._cache[call.key] = compiled
         return compiled
 
@@ -392,6 +415,9 @@ def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) ->
         return f"mesh changed: {old[3]!r} -> {new[3]!r}"
     if old[2] != new[2]:
         return f"static arguments changed: {old[2]} -> {new[2]}"
+    if old[4] != new[4]:
+        wrt = lambda g: ", ".join(n for n, m in zip(names, g or ()) if m is not None) or "none"  # noqa: E731
+        return f"inputs differentiated by torch autograd changed: {wrt(old[4])} -> {wrt(new[4])}"
     for name, a, b in zip(names, old[1], new[1]):
         if a != b:
             changed = [w for w, x, y in (("shape", a[0], b[0]), ("dtype", a[1], b[1]), ("sharding", a[2], b[2]), ("kind", a[3], b[3])) if x != y]
@@ -411,12 +437,9 @@ class Compiled:
         self.traced = traced
         self.input_names = input_names
         self.output_names = output_names
-        self._local: torch.fx.GraphModule | None = None
+        self._runner = Runner(plan)
         dm = plan.mesh.device_mesh
-        metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
-        self._out_specs = [
-            _compat.dtensor_layout(dm, pl, m) for m, pl in zip(metas, plan.outputs)
-        ]
+        self._out_specs = [_compat.dtensor_layout(dm, pl, m) for m, pl in zip(_out_metas(traced), plan.outputs)]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self.owner._prepare(args, kwargs)
@@ -427,23 +450,47 @@ class Compiled:
         return result
 
     def _run(self, call: _Call, check: bool) -> Any:
-        mode = config.jit_mode
-        if mode == "auto":
-            mode = "interpret" if _compat.active_local_mode() is not None else "trace"
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
-        if check:
-            locals_out = run_checked(self.plan, locals_in)
-        elif mode == "interpret":
-            with _compat.quiet_redistribute():
-                locals_out = execute(self.plan, locals_in)
-        else:
-            if self._local is None:
-                self._local = wait_late(reuse_donated(compile_local(self.plan, locals_in), locals_in, call.donated(self.owner.donate_argnums)))
-            locals_out = self._local.forward(*locals_in)
-        outs = [_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)]
+        locals_out = self._runner(locals_in, check, lambda: call.donated(self.owner.donate_argnums))
+        return self._result([_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)])
+
+    def _result(self, outs: list[DTensor]) -> Any:
         it = iter(outs)
         leaves = [next(it) if c is None else c for c in self.traced.out_consts]
         return tree.unflatten(self.traced.out_tree, leaves)
+
+    def _text(self) -> str:
+        return plan_text(self.plan, self.owner._name, self.input_names, self.output_names)
+
+    def _cost(self) -> Cost:
+        return cost(self.plan)
+
+
+class DifferentiableCompiled(Compiled):
+    """A planned call that torch autograd differentiates: ``plan`` is the joint graph's plan, run
+    as its forward and backward programs inside one ``torch.autograd.Function``
+    (:mod:`vsf.jit.differentiable`)."""
+
+    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, input_names: list[str], output_names: list[str], leaves: list[Any]) -> None:
+        super().__init__(owner, joint.plan, traced, input_names, output_names)
+        self.parts = joint.parts
+        self.grad_names = [f"grad of {input_names[i]}" for i in joint.with_grad]
+        self._runners = (Runner(joint.parts.forward), Runner(joint.parts.backward))
+        self._program = program(owner._name, joint, leaves, self._out_specs, _out_metas(traced), lambda k, xs, check: self._runners[k](xs, check))
+
+    def _run(self, call: _Call, check: bool) -> Any:
+        locals_in = [_compat.dtensor_local(x) for x in call.inputs]
+        return self._result(attach(self._program, [x for x in call.leaves if isinstance(x, torch.Tensor)], locals_in, check))
+
+    def _text(self) -> str:
+        return differentiable_text(self.parts, self.owner._name, self.input_names, self.output_names, self.grad_names)
+
+    def _cost(self) -> Cost:
+        return differentiable_cost(self.parts)
+
+
+def _out_metas(traced: Traced) -> list[torch.Tensor]:
+    return [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
 
 
 class Lowered:
@@ -458,12 +505,11 @@ class Lowered:
 
     def as_text(self) -> str:
         """Each op with its input/output shardings, each collective with its axis, shape and bytes."""
-        c = self._compiled
-        return plan_text(c.plan, c.owner._name, c.input_names, c.output_names)
+        return self._compiled._text()
 
     def cost(self) -> Cost:
         """Bytes each rank sends per mesh axis, the collectives, and the estimated peak memory per rank."""
-        return cost(self._compiled.plan)
+        return self._compiled._cost()
 
     def compile(self) -> Compiled:
         """The runnable program (call it with the same arguments)."""

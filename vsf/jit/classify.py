@@ -4,8 +4,9 @@ on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lower
 * ``constant``: no tensor input (a ``get_attr`` constant, a factory op), or no strategy and only
   constants as inputs (a mask built in ``forward``): replicated, needs no strategy;
 * ``constraint``: a ``with_sharding_constraint``: its value takes the sharding asked for;
-* ``region``: a ``shard_map`` region or its backward (:mod:`vsf.ops.region`): its inputs and
-  results take the region's shardings, and its body runs on local shards;
+* ``manual``: an op a ``shard_map`` region leaves in the graph (:mod:`vsf.ops.region`): where a
+  value enters or leaves the region, a collective of its body, ``axis_index``; vsf gives their
+  strategies and runs them (:mod:`vsf.jit.manual`);
 * ``value_blind``: the result depends on the input's shape only (``ones_like``): any placement will do;
 * ``strategy``: DTensor registers a strategy for it, per mesh dim (``rules == "single"``) or for
   the whole op (``"full"``); ``local`` ops run as they are on local shards (their rules are per
@@ -97,12 +98,12 @@ def classify(node: torch.fx.Node, constants: frozenset[torch.fx.Node] = frozense
     rules = _compat.registered_rules(node.target)
     local = rules == "single" and node.target not in DISPATCHER_SPECIAL
     ragged_reduction = node.target in RAGGED_REDUCTIONS
-    if node.op == "get_attr" or not tensor_args(node):
+    if node.target in region.REGION_OPS:
+        kind = "manual"
+    elif node.op == "get_attr" or not tensor_args(node):
         kind = "constant"
     elif node.target is constraint.CONSTRAINT_OP:
         kind = "constraint"
-    elif node.target in (region.REGION_OP, region.REGION_VJP_OP):
-        kind = "region"
     elif node.target in VALUE_BLIND_OPS:
         kind = "value_blind"
     else:
@@ -113,12 +114,14 @@ def classify(node: torch.fx.Node, constants: frozenset[torch.fx.Node] = frozense
 def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
     """The values of ``graph`` computed from constants alone: tensors the traced function made
     itself (``get_attr`` constants, factory ops such as ``arange``/``full``/``scalar_tensor``) and
-    deterministic ops on those (a causal mask built in ``forward``). Random ops are not constants."""
+    deterministic ops on those (a causal mask built in ``forward``). Random ops are not constants,
+    nor a region's ``axis_index`` (each rank has its own)."""
     found: set[torch.fx.Node] = set()
     for node in graph.nodes:
         if node.op == "get_attr":
             found.add(node)
-        elif node.op == "call_function" and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()) and all(a in found for a in node.all_input_nodes):
+        elif (node.op == "call_function" and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+              and node.target is not region.AXIS_INDEX_OP and all(a in found for a in node.all_input_nodes)):
             found.add(node)
     return frozenset(found)
 

@@ -5,7 +5,7 @@ redistributes every input to the placement the plan chose (once per value and pl
 DTensor's own redistribution, i.e. explicit collectives), then runs the op. Most ops run as they
 are on the local shards; view ops (whose shape arguments must become local), random ops and the
 few ops DTensor handles specially run through DTensor's dispatcher, and must produce the plan's
-placements; a ``shard_map`` region runs its body on the local shards. Under ``vsf.simulate`` the walk runs as is (every simulated rank at once); in a real
+placements; a ``shard_map`` region's collectives run over its manual axes (:mod:`vsf.jit.manual`). Under ``vsf.simulate`` the walk runs as is (every simulated rank at once); in a real
 run it is traced once with ``make_fx`` into an fx graph of local aten ops and functional
 collectives, which is what each step then runs.
 """
@@ -95,7 +95,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
             out: Any = _replicated(getattr(gm, node.target), plan)
         elif step.op.kind == "constraint":
             out = args[0]
-        elif step.op.kind == "region":
+        elif step.op.kind == "manual":
             out = manual.run(node, args)
         elif step.op.kind == "constant":
             out = _compat.torch_tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))

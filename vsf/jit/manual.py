@@ -1,81 +1,263 @@
 """Manual regions (``vsf.shard_map`` inside ``jit``) as the planner and the lowering see them.
 
-A region node (:mod:`vsf.ops.region`) is planned with exactly one strategy: its inputs take the
-region's ``in_specs`` and its results its ``out_specs`` (the propagator redistributes into and out
-of them, as around a ``with_sharding_constraint``). Its backward node takes the inputs and the
-results' cotangents laid out the same way and gives each input's gradient that input's layout,
-``Partial`` (a sum) over the manual axes its spec replicates. The collectives the body runs are the
-program's: they come from the region, found when it was traced. A forward node keeps its
-autograd graph for its backward node, which runs only the transposed collectives.
+A region is traced into the step's graph (:mod:`vsf.ops.region`): boundary ops where values
+enter and leave it, its body's ops in between, its collectives as ``manual_collective`` nodes.
+:func:`mark` finds the body's nodes. Over the region's **manual** axes each body value is what
+this rank holds (the solver sees ``Replicate``: the op runs as it is on the local value, nothing
+moves), and the boundary ops take and give the region's ``in_specs`` / ``out_specs``, so the
+propagator redistributes into and out of them as around a ``with_sharding_constraint``
+(:func:`fixed_on`). Over the **automatic** axes (those ``axis_names`` leaves out) the body's ops
+are planned like every other op of the step; a boundary op or a collective keeps any layout that
+leaves the dims it moves whole (:func:`auto_strategies`), so each rank runs it on its piece.
 
 Example::
 
-    >>> ins, outs = placements(region_node, mesh)
-    >>> [c.kind for c in collectives(region_node)]
-    ['all_reduce']
+    >>> mark(gm, constant_nodes(gm.graph)); [n.name for n in op_nodes(gm) if inside(n)]
+    ['manual_in', 'mm', 'relu', 'mm_1', 'manual_collective']
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.distributed.tensor import Partial, Shard
+
 from vsf.errors import PlanError
-from vsf.jit.graph import GETITEM, outputs_meta, user_line
-from vsf.jit.plan import Collective, Placements, one_d, to_placements
+from vsf.jit.cost import local_shape
+from vsf.jit.graph import meta_of, op_nodes, outputs_meta, tensor_args, user_line
+from vsf.jit.plan import R, Collective, Placements, one_d
 from vsf.jit.strategies import Strategy
-from vsf.ops.region import REGION_OP, REGION_VJP_OP, Region, lookup, summed_over
+from vsf.ops.collectives import rebound
+from vsf.ops.region import AXIS_INDEX_OP, BOUNDARY_OPS, COLLECTIVE_OP, REGION_OPS, Region, call, copies, lookup, summed_over
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["collectives", "placements", "run", "strategy_on"]
+__all__ = ["auto_strategies", "collectives", "fixed_on", "inside", "mark", "placements", "region_of", "run"]
+
+_KINDS = {op: kind for kind, op in BOUNDARY_OPS.items()}
+_ENTER = frozenset({BOUNDARY_OPS["manual_in"], BOUNDARY_OPS["manual_out_grad"]})  # their results are body values
+_TAG = "vsf_region"
 
 
-def _region(node: torch.fx.Node) -> Region:
-    return lookup(node.args[-1])
+def _key(node: torch.fx.Node) -> int | None:
+    """The key of the region a region op belongs to (``None`` for any other op)."""
+    if node.target in _KINDS:
+        return node.args[1]
+    if node.target in (COLLECTIVE_OP, AXIS_INDEX_OP):
+        return call(node.args[-1]).region
+    return None
 
 
-def placements(node: torch.fx.Node, mesh: Mesh) -> tuple[list[Placements], list[Placements]]:
-    """The placements a region node (or its backward) takes its tensor inputs in and gives its
-    results in; a ``PlanError`` if the region's mesh is not the one the step is planned over."""
-    r = _region(node)
+def region_of(node: torch.fx.Node) -> Region | None:
+    """The region whose body computes ``node``'s values (after :func:`mark`), if any.
+
+    Example::
+
+        >>> region_of(mm_node).manual
+        ('tp',)
+    """
+    key = node.meta.get(_TAG)
+    return None if key is None else lookup(key)
+
+
+def inside(node: torch.fx.Node) -> bool:
+    """Are ``node``'s values a region's body values (local over its manual axes)? (after :func:`mark`)
+
+    Example::
+
+        >>> inside(mm_node), inside(loss_node)
+        (True, False)
+    """
+    return _TAG in node.meta
+
+
+def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
+    """Tag the ops of ``gm`` that compute a region's body values: those a boundary op into the
+    region or a collective starts, and every op computed from them up to the boundary ops out.
+    A body op that reads a value computed outside the region (not a constant) is a ``PlanError``:
+    the body sees only what it was given; so is a result that varies over a manual axis its spec
+    replicates it over (:func:`_check_replicated`).
+
+    Example::
+
+        >>> mark(gm, constant_nodes(gm.graph))
+    """
+    varying: dict[torch.fx.Node, frozenset[str]] = {}  # the manual axes each body value may differ over
+    for node in op_nodes(gm):
+        node.meta.pop(_TAG, None)
+        own = _key(node)
+        found = {p.meta[_TAG] for p, _ in tensor_args(node) if _TAG in p.meta}
+        kind = _KINDS.get(node.target)
+        if kind == "manual_out":
+            _check_replicated(node, varying)
+        if kind in ("manual_out", "manual_in_grad"):  # their results are outside
+            continue
+        keys = found | ({own} if own is not None else set())
+        if not keys:
+            continue
+        if len(keys) > 1:
+            names = " and ".join(sorted(f"shard_map({lookup(k).name})" for k in keys))
+            raise PlanError(f"{node.target} computes with values of {names} at once{user_line(node)}: pass values between regions as their results and arguments")
+        key = keys.pop()
+        outer = [p for p, _ in tensor_args(node) if _TAG not in p.meta and p not in constants]
+        if outer and node.target not in _ENTER:
+            raise PlanError(
+                f"shard_map({lookup(key).name}): {node.target} reads %{outer[0].name}, a value computed outside the region"
+                f"{user_line(node)}; pass it to the region as an argument (with its in_specs)"
+            )
+        node.meta[_TAG] = key
+        varying[node] = _varies(node, varying)
+
+
+def _varies(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -> frozenset[str]:
+    """The manual axes over which body value ``node`` may differ from rank to rank (JAX's "varying
+    manual axes"): an argument over those its spec splits it over, a cotangent over those its
+    result's spec splits; a collective over axis ``a`` adds ``a`` (``ppermute``, ``all_to_all``,
+    ``psum_scatter``) or removes it (``psum``, ``all_gather``, ``pmax``), ``axis_index`` is ``a``;
+    any other op varies where its operands do."""
+    kind = _KINDS.get(node.target)
+    if kind is not None:
+        r = lookup(node.args[1])
+        return frozenset(a for a in r.manual if a in r.sharding(kind, node.args[2]).spec.axes)
+    if node.target is AXIS_INDEX_OP:
+        return frozenset({call(node.args[-1]).op.g.axis})
+    operands = frozenset().union(*(varying.get(p, frozenset()) for p, _ in tensor_args(node)))
+    if node.target is COLLECTIVE_OP:
+        op = call(node.args[-1]).op
+        return operands - {op.g.axis} if op.replicates else operands | {op.g.axis}
+    return operands
+
+
+def _check_replicated(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -> None:
+    """A region's result (``manual_out`` node) may vary only over the manual axes its spec splits."""
+    r, i = lookup(node.args[1]), node.args[2]
+    (p, _), = tensor_args(node)
+    extra = sorted(varying.get(p, frozenset()) - set(r.outs[i].spec.axes))
+    if extra and r.check_vma:
+        raise PlanError(
+            f"shard_map({r.name}): {r.out_names[i]} varies over {extra[0]!r}, but out_specs gives it {r.outs[i].spec!r}, which says it is the same "
+            f"on every rank of {extra[0]!r}{user_line(node)}: reduce it over {extra[0]!r} (psum, pmean, all_gather), give it a spec that splits "
+            f"over {extra[0]!r}, or pass check_vma=False if it is the same there by construction"
+        )
+
+
+def _manual_dim(node: torch.fx.Node, mesh: Mesh, axis: str) -> tuple[Region, int] | None:
+    """The region ``node`` belongs to and the position of ``axis`` among the mesh dims, if ``axis``
+    is one of that region's manual axes (else ``None``)."""
+    key = _key(node) if node.target in REGION_OPS else node.meta.get(_TAG)
+    if key is None:
+        return None
+    r = lookup(key)
     if r.mesh != mesh:
         raise PlanError(f"shard_map({r.name}) runs on {r.mesh!r}, but the jitted step is planned over {mesh!r}{user_line(node)}: give the region the step's mesh")
-    ins = [to_placements(s) for s in r.ins]
-    outs = [to_placements(s) for s in r.outs]
-    if node.target is REGION_OP:
+    return (r, list(mesh.device_axes).index(axis)) if axis in r.manual else None
+
+
+def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
+    """The one strategy ``node`` has on mesh axis ``axis`` if that axis is manual in ``node``'s
+    region: a boundary op takes (or gives) the region's spec and gives (or takes) the value as
+    this rank holds it; every other op of the body runs on the values as they are. ``None`` for
+    an automatic axis, or an op outside every region.
+
+    Example::
+
+        >>> fixed_on(manual_in_node, mesh, "tp")     # in_specs P(None, "tp")
+        Strategy(ins=(Shard(dim=1),), outs=(Replicate(),))
+    """
+    found = _manual_dim(node, mesh, axis)
+    if found is None:
+        return None
+    r, k = found
+    ins = tuple(R for _ in tensor_args(node))
+    outs = tuple(None if t is None else R for t in outputs_meta(node))
+    kind = _KINDS.get(node.target)
+    if kind is None:
+        return Strategy(ins, outs)
+    s = r.sharding(kind, node.args[2])
+    spec = one_d(s.placements[k])
+    if kind in ("manual_in", "manual_out_grad"):
+        return Strategy((spec,), (R,))
+    return Strategy((R,), (spec if kind == "manual_out" else one_d(summed_over(s, r.manual)[k]),))
+
+
+def placements(node: torch.fx.Node, mesh: Mesh, ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
+    """A region op's placements on the full mesh: the per-axis choices (``ins``, ``outs``), with a
+    boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry).
+
+    Example::
+
+        >>> placements(manual_in_node, mesh, [(Shard(0), Shard(1))], [(Shard(0), Replicate())])
+        ([(Shard(dim=0), Shard(dim=1))], [(Shard(dim=0), Replicate())])
+    """
+    kind = _KINDS.get(node.target)
+    if kind is None:
         return ins, outs
-    grads = [summed_over(s, r.manual) if t is not None and t.is_floating_point() else pl for s, pl, t in zip(r.ins, ins, outputs_meta(node))]
-    return ins + outs, grads
+    r = lookup(node.args[1])
+    s = r.sharding(kind, node.args[2])
+    exact = summed_over(s, r.manual) if kind == "manual_in_grad" else tuple(s.placements)
+    manual = [k for k, a in enumerate(mesh.device_axes) if a in r.manual]
+
+    def spec_side(p: Placements) -> Placements:
+        return tuple(exact[k] if k in manual else q for k, q in enumerate(p))
+
+    if kind in ("manual_in", "manual_out_grad"):
+        return [spec_side(ins[0])], outs
+    return ins, [spec_side(outs[0])]
 
 
-def strategy_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy:
-    """The one strategy a region node has on mesh axis ``axis``."""
-    k = list(mesh.device_axes).index(axis)
-    ins, outs = placements(node, mesh)
-    return Strategy(tuple(one_d(p[k]) for p in ins), tuple(one_d(p[k]) for p in outs))
+def auto_strategies(node: torch.fx.Node, n: int) -> list[Strategy]:
+    """A region op's strategies on an automatic axis of ``n`` ranks: replicated, a partial sum
+    where the op is linear, or split on any dim it leaves whole (each rank runs it on its piece).
 
+    Example::
 
-def collectives(node: torch.fx.Node) -> tuple[Collective, ...]:
-    """The collectives a region node's body runs on each rank; for a backward node, the transposed
-    ones (preceded by the forward's when the forward node is not in the program to keep its graph)."""
-    r = _region(node)
-    if node.target is REGION_OP:
-        sent = r.sent
+        >>> [st.ins for st in auto_strategies(psum_node, 2)]     # on a [8, 4] operand
+        [(Replicate(),), (Partial(sum),), (Shard(dim=0),), (Shard(dim=1),)]
+    """
+    if node.target is AXIS_INDEX_OP:
+        return [Strategy((), (R,))]
+    if node.target is COLLECTIVE_OP:
+        op = call(node.args[-1]).op
+        moves, partials = {d % meta_of(tensor_args(node)[0]).ndim for d in op.moves}, op.passes_partials
     else:
-        sent = r.sent_vjp if _partner(node) is not None else r.sent + r.sent_vjp
-    return tuple(Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes) for s in sent)
+        r = lookup(node.args[1])
+        s = r.sharding(_KINDS[node.target], node.args[2])
+        moves, partials = {d for d in range(len(s.spec)) if s.num_shards(d) > 1}, True
+    x, y = meta_of(tensor_args(node)[0]), outputs_meta(node)[0]
+    out = [Strategy((R,), (R,))] + ([Strategy((Partial(),), (Partial(),))] if partials else [])
+    return out + [Strategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d not in moves and x.shape[d] >= n and y.shape[d] >= n]
 
 
-def run(node: torch.fx.Node, args: tuple) -> list[torch.Tensor]:
-    """A region node on this rank's local shards (``args``: the node's arguments, tensors local).
-    A forward node whose backward node is in the program keeps its autograd graph for it; a
-    backward node computes only the gradients the program reads."""
-    r = _region(node)
-    if node.target is not REGION_OP:
-        return r.vjp(args[0], args[1], {u.args[1] for u in node.users if u.target is GETITEM})
-    return r.run_for_vjp(args[0]) if _partner(node) is not None else r.run(args[0])
+def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple[Collective, ...]:
+    """The collective a ``manual_collective`` node runs, on this rank's piece of its operand
+    (laid out as ``ins[0]`` over the automatic axes); none for the other region ops.
+
+    Example::
+
+        >>> collectives(psum_node, mesh, [(Shard(0), Replicate())])    # [8, 4] over dp=2
+        (Collective(kind='all_reduce', axis='tp', shape=(4, 4), dtype=torch.float32, bytes=64),)
+    """
+    if node.target is not COLLECTIVE_OP:
+        return ()
+    x = meta_of(tensor_args(node)[0])
+    s = call(node.args[-1]).op.abstract(torch.empty(local_shape(mesh, x, ins[0]), dtype=x.dtype, device="meta"))[1]
+    return (Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes),)
 
 
-def _partner(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The other node of the same region call (forward <-> backward) in the graph, if any."""
-    return next((n for n in node.graph.nodes if n is not node and n.op == "call_function"
-                 and n.target in (REGION_OP, REGION_VJP_OP) and n.args[-1] == node.args[-1]), None)
+def run(node: torch.fx.Node, args: tuple) -> torch.Tensor:
+    """A region op on this rank's local values (``args``: the node's arguments, tensors local):
+    a collective over its manual axis; a boundary op moves nothing (a cotangent coming in for a
+    result its spec replicates is split among the ranks that hold it).
+
+    Example::
+
+        >>> run(psum_node, (local_block, key))    # this rank's sum over tp
+    """
+    if node.target is AXIS_INDEX_OP:
+        return rebound(call(args[-1]).op)()
+    if node.target is COLLECTIVE_OP:
+        return rebound(call(args[-1]).op)(args[0])
+    if _KINDS[node.target] == "manual_out_grad":
+        r = lookup(args[1])
+        k = copies(r.outs[args[2]], r.manual)
+        return args[0] / k if k > 1 else args[0]
+    return args[0]

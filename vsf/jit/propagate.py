@@ -14,7 +14,8 @@ cost the fewest bytes, where
   charges a pending reduction to a partial output; the refinement passes then move it).
 
 Priority when annotations disagree: a ``with_sharding_constraint`` fixes its value, and a
-``shard_map`` region its inputs and results (:mod:`vsf.jit.manual`); inputs keep
+``shard_map`` region its inputs and results, and its body's values over its manual axes
+(:mod:`vsf.jit.manual`); inputs keep
 the sharding they arrive with (``in_shardings``); ``out_shardings`` are met by a final
 redistribution. Nothing is replicated silently: an op without a DTensor strategy is an error
 naming the op and the user's line, unless ``allow_replicated_fallback`` is set, in which case the
@@ -78,10 +79,11 @@ def propagate(
     outputs = [value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)]
     ops = op_nodes(gm)
     constants = constant_nodes(gm.graph)
+    manual.mark(gm, constants)
     problem = Problem(
         mesh=mesh, gm=gm, ops=ops,
         inputs={n: tensor_args(n) for n in ops},
-        strategies=Strategies(allow_replicated_fallback, {n: classify(n, constants) for n in ops}),
+        strategies=Strategies(allow_replicated_fallback, {n: classify(n, constants) for n in ops}, manual.auto_strategies),
         seeds={}, out_req={}, pinned={}, solved={},
     )
     problem.index()
@@ -101,7 +103,7 @@ def propagate(
             (v, NOT_PARTIAL if s is None else one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
         ]
         problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
-        problem.fixed[axis] = {n: manual.strategy_on(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "region"}
+        problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
         codes = {axis: Codes(mesh.axis_size(axis)) for axis in axes}
         encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
@@ -171,8 +173,9 @@ def _check_with_dtensor(
             s = constraint.parse(node.args[1])
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
-        elif op.kind == "region":
-            want_in, want_out = manual.placements(node, mesh)
+        elif op.kind == "manual":
+            want_in, want_out = manual.placements(node, mesh, want_in, want_out)
+            direct = True
         elif op.kind == "value_blind":
             direct = True
         elif context_parallel.runs(mesh, node, want_in, want_out):
@@ -191,9 +194,11 @@ def _check_with_dtensor(
             if not direct:
                 want_in = [_as_arrived(actual[v], w) for v, w in zip(ins, want_in)]
                 want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
+        if manual.inside(node) and op.kind != "manual":
+            _local_over_manual(node, mesh, want_in, want_out)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        inside = manual.collectives(node) if op.kind == "region" else context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
+        inside = manual.collectives(node, mesh, want_in) if op.kind == "manual" else context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
         for i, out in enumerate(want_out):
             if out is not None:
@@ -242,6 +247,15 @@ def _input_view(node: torch.fx.Node) -> bool:
             return False
         node = node.all_input_nodes[0]
     return True
+
+
+def _local_over_manual(node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> None:
+    """A region's body op runs on each rank's values as they are over the region's manual axes:
+    DTensor's decision on the full mesh must move nothing there."""
+    r = manual.region_of(node)
+    for k, a in enumerate(mesh.device_axes):
+        if a in r.manual and any(p is not None and p[k] != R for p in [*ins, *outs]):
+            raise PlanError(f"{node.target} in shard_map({r.name}) would need {list(ins)} -> {list(outs)}, which moves values over its manual axis {a!r}{user_line(node)}")
 
 
 def _keep_strided(

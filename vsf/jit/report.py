@@ -15,12 +15,14 @@ import torch
 import torch.fx
 
 from vsf import _compat
+from vsf.jit.cost import local_bytes
 from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.memory import peak_bytes
+from vsf.jit.partition import Partitioned, Saved
 from vsf.jit.plan import Bucket, Collective, Plan
 from vsf.sharding.inspect import type_string
 
-__all__ = ["Cost", "cost", "plan_text"]
+__all__ = ["Cost", "cost", "differentiable_cost", "differentiable_text", "plan_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,45 @@ def cost(plan: Plan) -> Cost:
     for c in collectives:
         comm[c.axis] += c.bytes
     return Cost(comm, peak_bytes(plan), collectives)
+
+
+def differentiable_cost(parts: Partitioned) -> Cost:
+    """What a call that torch autograd differentiates costs each rank: both programs' bytes and
+    collectives; the peak is the larger of the forward's and the backward's, the latter with the
+    call's inputs alive beside it (the caller holds them) unless it holds them as saved values."""
+    fwd, bwd = cost(parts.forward), cost(parts.backward)
+    comm = {a: fwd.comm_bytes[a] + bwd.comm_bytes[a] for a in fwd.comm_bytes}
+    held = sum(local_bytes(parts.forward.mesh, ph.meta["val"], pl) for ph, pl in zip(placeholders_of(parts.forward.graph), parts.forward.inputs))
+    held -= sum(s.bytes for s in parts.saved if s.value[0].op == "placeholder")
+    return Cost(comm, max(fwd.peak_bytes, bwd.peak_bytes + held), fwd.collectives + bwd.collectives)
+
+
+def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str], output_names: Sequence[str], grad_names: Sequence[str]) -> str:
+    """The two programs of a call that torch autograd differentiates, and what the forward saves for the backward."""
+    fwd, bwd = parts.forward, parts.backward
+    primals = {ph.name: name for ph, name in zip(placeholders_of(fwd.graph), input_names)}  # (copies of the joint graph's)
+    saved = [f"saved {primals[s.value[0].name] if s.value[0].op == 'placeholder' else _value_name(s)}" for s in parts.saved]
+    cotangents = [f"cotangent of {output_names[j]}" for j in parts.live]
+    total = sum(s.bytes for s in parts.saved)
+    inputs = sum(s.bytes for s in parts.saved if s.value[0].op == "placeholder")
+    lines = [
+        f"{name} differentiated by torch autograd: one joint graph (forward + vjp) planned once, run as two programs",
+        plan_text(fwd, f"{name} (forward)", input_names, list(output_names) + saved),
+        f"saved for the backward: {len(saved)} values, {_fmt_bytes(total)} per rank ({_fmt_bytes(inputs)} of it the call's inputs themselves)",
+    ]
+    width = max((len(label) for label in saved), default=0) + 1
+    lines.extend(f"  {label:<{width}} {_type(fwd, meta_of(s.value), s.placements):<28} {_fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
+    lines.append(plan_text(bwd, f"{name} (backward)", saved + cotangents, grad_names))
+    lines.append("a cotangent that arrives in another layout than the backward's input above is redistributed once, before the backward runs")
+    c = differentiable_cost(parts)
+    per_axis = ", ".join(f"{a} {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if fwd.mesh.axis_size(a) > 1) or "none"
+    lines.append(f"cost per rank of both programs: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{_fmt_bytes(c.peak_bytes)}")
+    return "\n".join(lines)
+
+
+def _value_name(s: Saved) -> str:
+    node, i = s.value
+    return f"%{node.name}{f'[{i}]' if i else ''}"
 
 
 def _fmt_bytes(n: float) -> str:

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,9 +49,11 @@ class Strategies:
     shards and partial sums its inputs may arrive with (:meth:`arrivals`); ``classes`` holds each op's
     :class:`~vsf.jit.classify.OpClass`, in graph order."""
 
-    def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass]) -> None:
+    def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass],
+                 own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None) -> None:
         self.fallback = allow_replicated_fallback
         self.classes = classes
+        self.own = own  # vsf's strategies for the ops it runs itself (kind "manual": vsf.jit.manual)
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
@@ -96,8 +98,9 @@ class Strategies:
             return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], False
         if op.kind == "constraint":
             return [Strategy((p,), (p,)) for p in _candidates(meta_of(ins[0]), n)], False
-        if op.kind == "region":
-            return [], False  # one strategy per axis, from the region's specs (vsf.jit.manual)
+        if op.kind == "manual":
+            assert self.own is not None, f"{node.target} needs vsf's own strategies"
+            return self.own(node, n), False
         if op.kind == "value_blind":
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False

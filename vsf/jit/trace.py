@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from vsf import _compat, config, tree
 from vsf.errors import TraceError
 from vsf.jit.graph import placeholders_of, source_line
+from vsf.ops.recording import tracing_step
 
 __all__ = ["Traced", "draws_random", "trace"]
 
@@ -62,7 +63,7 @@ def trace(
         out_info["consts"] = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    with _compat.local_mode_disabled():
+    with _compat.local_mode_disabled(), tracing_step():
         return _trace(fun, avals, flat_fun, out_info, device, unplanned)
 
 

@@ -18,7 +18,8 @@ forward                backward
 
 The ragged variants live in :mod:`vsf.ops.ragged`; ``axis_index`` and ``axis_size`` say where a
 rank is. Inside a manual region (:mod:`vsf.ops.recording`) a collective may run only over the
-axes the region makes manual.
+axes the region makes manual; inside a region traced into a ``vsf.jit`` graph each collective is
+a node of the graph (:mod:`vsf.ops.region`), and its transpose the backward's.
 
 **Gradient convention** (JAX's classic one, and PyTorch's functional collectives'): the objective
 is the *sum over ranks* of what each rank computes, so a cotangent arriving on a rank is that
@@ -39,16 +40,16 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vsf.ops import backend
+from vsf.ops import backend, region
 from vsf.ops.backend import AxisGroup
-from vsf.ops import recording as _recording
-from vsf.ops.recording import Sent, check_axis, sent
+from vsf.ops.recording import Sent, check_axis, current_region, sent, traces_step
 from vsf.sharding.mesh import Mesh, current_mesh
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "rebound",
 ]
 
 AxisName = str | Sequence[str]
@@ -86,23 +88,36 @@ class Linear:
 
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         """What ``self(x)`` returns, without communicating (an empty tensor of the result's shape),
-        and what it would send: how a manual region is planned (:func:`vsf.ops.recording.recording`)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be planned inside a jitted shard_map yet (ragged collectives run eagerly only)")
+        and what it would send: a traced region's node (:mod:`vsf.ops.region`) and its plan line."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside a jitted shard_map")
+
+    #: the tensor dims whose layout the collective changes: over the automatic axes of a jitted
+    #: region its operand may be split on any other dim (each rank then runs it on its piece)
+    moves: tuple[int, ...] = ()
+    #: a sum of per-rank terms goes through it term by term (it is linear)
+    passes_partials = True
+    #: its result is the same on every rank of its axis (a sum, a gather), whatever each rank gave
+    replicates = False
 
 
 class _Collective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, op: Linear) -> torch.Tensor:
-        ctx.op = op
-        if _recording.RECORDERS:
-            out, record = op.abstract(x)
-            _recording.RECORDERS[-1].append(record)
-            return out
-        return op(x)
+    def forward(ctx: Any, x: torch.Tensor, op: Linear, key: int | None) -> torch.Tensor:
+        ctx.op, ctx.key = op, key
+        return _run(x, op, key)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Collective.apply(grad, ctx.op.transpose()), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _Collective.apply(grad, ctx.op.transpose(), ctx.key), None, None
+
+
+def _run(x: torch.Tensor, op: Any, key: int | None) -> torch.Tensor:
+    """``op(x)``; inside region ``key`` traced into a ``vsf.jit`` step, the node that runs it."""
+    if key is not None:
+        return region.collective(x, region.Call(op, key))
+    if traces_step():
+        raise ValueError(f"an {op.abstract(x)[1].kind} over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region")
+    return op(x)
 
 
 def apply_linear(x: torch.Tensor, op: Linear) -> torch.Tensor:
@@ -112,12 +127,24 @@ def apply_linear(x: torch.Tensor, op: Linear) -> torch.Tensor:
 
         >>> y = apply_linear(x, my_redistribution)   # my_redistribution: a vsf.ops.Linear
     """
-    return _Collective.apply(x, op)
+    return _Collective.apply(x, op, current_region())
+
+
+def rebound(op: Any) -> Any:
+    """``op`` (a collective a traced region recorded) with its axis's communicator as this run has
+    it (a step is traced with the simulation switched off, and runs with it on).
+
+    Example::
+
+        >>> rebound(call(node.args[-1]).op)(local)
+    """
+    return dataclasses.replace(op, g=backend.axis_group(op.g.mesh, op.g.axis))
 
 
 @dataclass(frozen=True)
 class _Psum(Linear):
     g: AxisGroup
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_reduce(x, self.g)
@@ -133,9 +160,14 @@ class _Psum(Linear):
 class _AllGather(Linear):
     g: AxisGroup
     dim: int
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.all_gather(x, self.g, self.dim)
+
+    @property
+    def moves(self) -> tuple[int, ...]:
+        return (self.dim,)
 
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         shape = list(x.shape)
@@ -153,6 +185,10 @@ class _PsumScatter(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.reduce_scatter(x, self.g, self.dim)
+
+    @property
+    def moves(self) -> tuple[int, ...]:
+        return (self.dim,)
 
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         if x.shape[self.dim] % self.g.size:
@@ -181,6 +217,10 @@ class _AllToAll(Linear):
         recv = backend.all_to_all(x.movedim(self.split_dim, 0), self.g)
         blocks = recv.reshape(n, recv.shape[0] // n, *recv.shape[1:]).movedim(1, 1 + self.split_dim)
         return blocks.movedim(0, self.concat_dim).flatten(self.concat_dim, self.concat_dim + 1)
+
+    @property
+    def moves(self) -> tuple[int, ...]:
+        return (self.split_dim, self.concat_dim)
 
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         n = self.g.size
@@ -281,27 +321,40 @@ def pmean(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch
     return x / n if n > 1 else x
 
 
+@dataclass(frozen=True)
+class _Max:
+    """The elementwise max over one axis (not linear: a partial sum does not go through it)."""
+
+    g: AxisGroup
+    moves = ()
+    passes_partials = False
+    replicates = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return backend.all_reduce(x, self.g, "max")
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        return sent("all_reduce", self.g, x, tuple(x.shape))
+
+
 class _Pmax(torch.autograd.Function):
     """Max over one axis; the gradient goes to the ranks holding the max, split evenly among ties
     (as ``torch.amax``'s does), under the sum-over-ranks convention: ``psum`` of the cotangents."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
-        if _recording.RECORDERS:
-            out, record = sent("all_reduce", g, x, tuple(x.shape))
-            _recording.RECORDERS[-1].append(record)
-        else:
-            out = backend.all_reduce(x, g, "max")
-        ctx.g = g
+    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup, key: int | None) -> torch.Tensor:
+        out = _run(x, _Max(g), key)
+        ctx.g, ctx.key = g, key
         ctx.save_for_backward(x, out)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         x, out = ctx.saved_tensors
         hit = (x == out).to(grad.dtype)
-        ties = apply_linear(hit, _Psum(ctx.g))
-        return apply_linear(grad, _Psum(ctx.g)) * hit / ties.clamp_min(1), None
+        psum = _Psum(ctx.g)
+        ties = _Collective.apply(hit, psum, ctx.key)
+        return _Collective.apply(grad, psum, ctx.key) * hit / ties.clamp_min(1), None, None
 
 
 def pmax(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -312,7 +365,7 @@ def pmax(x: torch.Tensor, axis: AxisName, *, mesh: Mesh | None = None) -> torch.
         >>> top = vsf.ops.pmax(local_scores.amax(), "tp")
     """
     for g in _groups(axis, mesh, "pmax"):
-        x = _Pmax.apply(x, g)
+        x = _Pmax.apply(x, g, current_region())
     return x
 
 
@@ -325,10 +378,25 @@ def axis_index(axis: str, *, mesh: Mesh | None = None) -> torch.Tensor:
         >>> first = torch.where(vsf.ops.axis_index("pp") == 0, x, torch.zeros_like(x))
     """
     g = one_group(axis, mesh, "axis_index")
-    zero = torch.zeros((), dtype=torch.int64)
-    if g is None or _recording.RECORDERS:
-        return zero
-    return backend.per_rank(zero, g, lambda t, me: t + me)
+    if g is None:
+        return torch.zeros((), dtype=torch.int64)
+    key = current_region()
+    return Index(g)() if key is None else region.axis_index(region.Call(Index(g), key))
+
+
+@dataclass(frozen=True)
+class Index:
+    """This rank's position along one axis, as a tensor (every simulated rank's under ``vsf.simulate``).
+
+    Example::
+
+        >>> Index(backend.axis_group(mesh, "tp"))()
+    """
+
+    g: AxisGroup
+
+    def __call__(self) -> torch.Tensor:
+        return backend.per_rank(torch.zeros((), dtype=torch.int64), self.g, lambda t, me: t + me)
 
 
 def axis_size(axis: AxisName, *, mesh: Mesh | None = None) -> int:

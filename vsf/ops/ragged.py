@@ -5,6 +5,13 @@
 On gloo and simulated ranks they move exactly the data through one ``all_to_all_single`` with
 split sizes; on NCCL all-gather and reduce-scatter pad each piece to the largest one.
 
+**Inside a jitted region** (``vsf.shard_map`` in ``vsf.jit``) each is a collective of the plan
+where its operand and its result have one shape on every rank, as every value of a traced graph
+has: ``all_to_all_v`` whose send matrix has equal row sums (each rank sends as many rows) and
+equal column sums (each receives as many), which covers a capacity-balanced MoE dispatch; and
+``all_gather_v`` / ``reduce_scatter_v`` with equal sizes. Other sizes would give a value a
+different shape on each rank, which a traced graph cannot hold: an error says so.
+
 Example::
 
     >>> full = vsf.ops.all_gather_v(local_rows, "fsdp", sizes=(1, 2, 1, 0))
@@ -21,6 +28,7 @@ import torch
 from vsf.ops import backend
 from vsf.ops.backend import AxisGroup, Counts
 from vsf.ops.collectives import Linear, apply_linear, axis_size_of, one_group
+from vsf.ops.recording import Sent, sent
 from vsf.sharding.mesh import Mesh
 
 __all__ = ["all_gather_v", "all_to_all_v", "reduce_scatter_v"]
@@ -31,6 +39,7 @@ class _AllGatherV(Linear):
     g: AxisGroup
     sizes: tuple[int, ...]
     dim: int
+    replicates = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, sizes = self.g.size, self.sizes
@@ -44,6 +53,17 @@ class _AllGatherV(Linear):
             send = backend.per_rank(rows, self.g, lambda t, me: torch.cat([t] * n))
             out = backend.exchange(send, self.g, tuple((s,) * n for s in sizes))
         return out.movedim(0, self.dim)
+
+    @property
+    def moves(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        _one_shape(self.sizes, "all_gather_v", self.g.axis, "its operand")
+        _traced_rows(x, self.dim, self.sizes[0], "all_gather_v")
+        shape = list(x.shape)
+        shape[self.dim] = sum(self.sizes)
+        return sent("all_gather", self.g, x, tuple(shape))
 
     def transpose(self) -> Linear:
         return _ReduceScatterV(self.g, self.sizes, self.dim)
@@ -68,6 +88,17 @@ class _ReduceScatterV(Linear):
             out = backend.per_rank(recv, self.g, lambda t, me: t.reshape(n, sizes[me], *t.shape[1:]).sum(0))
         return out.movedim(0, self.dim)
 
+    @property
+    def moves(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        _one_shape(self.sizes, "reduce_scatter_v", self.g.axis, "its result")
+        _traced_rows(x, self.dim, sum(self.sizes), "reduce_scatter_v")
+        shape = list(x.shape)
+        shape[self.dim] = self.sizes[0]
+        return sent("reduce_scatter", self.g, x, tuple(shape))
+
     def transpose(self) -> Linear:
         return _AllGatherV(self.g, self.sizes, self.dim)
 
@@ -81,8 +112,38 @@ class _AllToAllV(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return backend.exchange(x.movedim(self.dim, 0), self.g, self.counts).movedim(0, self.dim)
 
+    @property
+    def moves(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        """The result's shape and what the rank that sends the most sends (rows to other ranks)."""
+        _one_shape(tuple(sum(row) for row in self.counts), "all_to_all_v", self.g.axis, "its operand (the send matrix's row sums)")
+        _one_shape(tuple(sum(col) for col in zip(*self.counts)), "all_to_all_v", self.g.axis, "its result (the send matrix's column sums)")
+        _traced_rows(x, self.dim, sum(self.counts[0]), "all_to_all_v")
+        shape = list(x.shape)
+        shape[self.dim] = sum(row[0] for row in self.counts)
+        row_bytes = x.numel() // max(x.shape[self.dim], 1) * x.element_size()
+        most = max(sum(c for j, c in enumerate(row) if j != i) for i, row in enumerate(self.counts))
+        return sent("all_to_all_v", self.g, x, tuple(shape), most * row_bytes)
+
     def transpose(self) -> Linear:
         return _AllToAllV(self.g, tuple(zip(*self.counts)), self.dim)
+
+
+def _one_shape(rows: tuple[int, ...], op: str, axis: str, what: str) -> None:
+    """Inside a jitted region: ``rows`` (per rank) must be equal, a traced value having one shape."""
+    if len(set(rows)) > 1:
+        raise ValueError(
+            f"{op} over {axis!r} inside a jitted shard_map: {what} would hold {rows} rows on ranks 0..{len(rows) - 1}, "
+            "but a value of a traced graph has one shape on every rank. Inside vsf.jit give every rank as many rows "
+            "(pad to the largest piece), or run it outside vsf.jit (eager shard_map takes any sizes)"
+        )
+
+
+def _traced_rows(x: torch.Tensor, dim: int, rows: int, op: str) -> None:
+    if x.shape[dim] != rows:
+        raise ValueError(f"{op}: every rank should hold {rows} rows along dim {dim}, got shape {tuple(x.shape)}")
 
 
 def _rows(x: torch.Tensor, g: AxisGroup, expected: Any, op: str) -> torch.Tensor:

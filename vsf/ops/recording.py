@@ -1,17 +1,15 @@
-"""How a manual region (``vsf.shard_map`` inside ``vsf.jit``) sees the collectives its body runs.
+"""How a manual region (``vsf.shard_map``) sees the collectives its body runs.
 
-* :func:`recording`: collectives record what they would send (kind, axis, shape, bytes) and
-  return empty results of the right shape instead of communicating; a region's body is run this
-  way once, on fake local shards, to plan it.
 * :func:`manual_axes`: inside a region, a collective over an axis the region does not make
-  manual, or over an axis the mesh lacks, is an error naming the region (:func:`check_axis`).
+  manual, or over an axis the mesh lacks, is an error naming the region (:func:`check_axis`);
+  :func:`current_region` names the region being traced into a ``vsf.jit`` graph, if any.
+* :func:`sent`: what a collective sends (kind, axis, local shape, bytes), as a plan lists it.
 
 Example::
 
-    >>> with recording() as sent:
-    ...     vsf.ops.psum(torch.empty(4), "tp")
-    >>> sent[0].kind, sent[0].axis
-    ('all_reduce', 'tp')
+    >>> with manual_axes("mlp", ("tp",)):
+    ...     vsf.ops.psum(x, "dp")
+    ValueError: psum over 'dp' inside shard_map(mlp): the region makes only ('tp',) manual
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 from vsf.ops.backend import AxisGroup
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["RECORDERS", "Sent", "check_axis", "manual_axes", "recording", "sent"]
+__all__ = ["Sent", "check_axis", "current_region", "manual_axes", "sent", "tracing_step", "traces_step"]
 
 
 @dataclass(frozen=True)
@@ -40,30 +38,63 @@ class Sent:
     bytes: int
 
 
-RECORDERS: list[list[Sent]] = []
-MANUAL: list[tuple[str, frozenset[str]]] = []  # (region name, its manual axes), innermost last
+MANUAL: list[tuple[str, frozenset[str], int | None]] = []  # (region name, its manual axes, its key when traced), innermost last
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Sent]]:
-    """Collectives run inside record what they would send and return empty results of the right
-    shape instead of communicating (a manual region is planned this way, on fake local tensors).
-    See the module docs for an example."""
-    RECORDERS.append([])
-    try:
-        yield RECORDERS[-1]
-    finally:
-        RECORDERS.pop()
-
-
-@contextlib.contextmanager
-def manual_axes(region: str, axes: Sequence[str]) -> Iterator[None]:
-    """Inside, collectives may run only over ``axes`` (those a ``shard_map`` region makes manual)."""
-    MANUAL.append((region, frozenset(axes)))
+def manual_axes(region: str, axes: Sequence[str], key: int | None = None) -> Iterator[None]:
+    """Inside, collectives may run only over ``axes`` (those a ``shard_map`` region makes manual);
+    ``key``: the region is being traced into a ``vsf.jit`` graph under that key
+    (:mod:`vsf.ops.region`), so its collectives become nodes of the graph."""
+    MANUAL.append((region, frozenset(axes), key))
     try:
         yield
     finally:
         MANUAL.pop()
+
+
+def current_region() -> int | None:
+    """The key of the region being traced into a ``vsf.jit`` graph, if one is (innermost).
+
+    Example::
+
+        >>> with manual_axes("mlp", ("tp",), key=7):
+        ...     current_region()
+        7
+    """
+    return MANUAL[-1][2] if MANUAL else None
+
+
+_STEP_TRACES = [0]  # how many vsf.jit steps are being traced (on global shapes) right now
+
+
+@contextlib.contextmanager
+def tracing_step() -> Iterator[None]:
+    """Inside, a ``vsf.jit`` step is being traced on global shapes: a named-axis collective met
+    outside a region there is an error (its operand is a global value, not a rank's).
+
+    Example::
+
+        >>> with tracing_step():
+        ...     traces_step()
+        True
+    """
+    _STEP_TRACES[0] += 1
+    try:
+        yield
+    finally:
+        _STEP_TRACES[0] -= 1
+
+
+def traces_step() -> bool:
+    """Is a ``vsf.jit`` step being traced on global shapes (:func:`tracing_step`)?
+
+    Example::
+
+        >>> traces_step()     # outside vsf.jit's tracing
+        False
+    """
+    return _STEP_TRACES[0] > 0
 
 
 def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
@@ -72,10 +103,11 @@ def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
     return int(round(full * {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "ppermute": 1}.get(kind, (n - 1) / n)))
 
 
-def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...]) -> tuple[torch.Tensor, Sent]:
-    """An empty result of ``out_shape`` and the record of what ``kind`` over ``g`` sends for ``x``."""
+def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None) -> tuple[torch.Tensor, Sent]:
+    """An empty result of ``out_shape`` (a traced collective's fake result) and the record of
+    what ``kind`` over ``g`` sends for ``x`` (``nbytes``, or the ring model's figure)."""
     shape = out_shape if kind == "all_gather" else tuple(x.shape)
-    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x))
+    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x) if nbytes is None else nbytes)
 
 
 def check_axis(m: Mesh, axis: str, op: str) -> None:

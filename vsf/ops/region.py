@@ -1,33 +1,38 @@
 """The ops a ``shard_map`` region leaves in a traced graph, and what they stand for.
 
-Inside :func:`vsf.jit`, a call of :func:`vsf.shard_map` becomes one node of the step's graph,
-``vsf::manual_region(xs, key)``: it takes the region's tensor arguments in their *global* shapes
-and returns its results in theirs, and ``key`` names the :class:`Region` (its body, mesh, specs and
-the collectives its body runs, found by running the body once on fake local shards). Its backward
-(when the step differentiates through the region) is ``vsf::manual_region_vjp(xs, cts, key)``:
-the body's own backward on local shards, every collective transposed by :mod:`vsf.ops`, through
-the autograd graph the forward node kept (:meth:`Region.run_for_vjp`); a backward node without
-its forward node in the program runs the body again first (its forward collectives too).
+Inside :func:`vsf.jit`, a call of :func:`vsf.shard_map` is traced *into* the step's graph: its
+body's ops become ops of the graph, on values whose shapes are the body's (local over the
+region's manual axes, global over the others). Four boundary ops mark where values cross:
 
-The planner pins a region's inputs to its ``in_specs`` and its results to its ``out_specs`` and
-leaves the body alone; the lowering runs the body on each rank's local shards.
+* ``vsf::manual_in(x, key, i)``: argument ``i`` (global shape) -> the body's view of it (each rank
+  its block over the manual axes, laid out as ``in_specs`` says);
+* ``vsf::manual_out(y, key, i)``: result ``i`` of the body -> the global value ``out_specs`` says
+  it is a block of;
+* ``vsf::manual_in_grad`` and ``vsf::manual_out_grad``: their transposes, which the backward of a
+  step that differentiates through the region runs.
 
-**Replicated values** (vsf's rule, the eager ``shard_map``'s, JAX's ``check_vma=False``): over a
-manual axis an input's spec leaves out, every rank gets the whole value, and its gradient is the
-sum over those ranks (each rank's gradient is a partial sum); over a manual axis an output's spec
-leaves out, the body must give every rank the same value (vsf does not check it), and the
+The named-axis collectives the body runs are ``vsf::manual_collective(x, op)`` nodes and
+``axis_index`` is ``vsf::manual_axis_index(op)``; ``key`` and ``op`` name a :class:`Region` or a
+:class:`Call` registered here. Their autograd (each collective's transpose, :mod:`vsf.ops.collectives`)
+is recorded while the step is traced, so the backward is ops of the same graph.
+
+The planner (:mod:`vsf.jit.manual`) pins every value of the body to "as it is on this rank"
+(``Replicate`` placements that mean local) over the manual axes, and plans the body over the
+other (automatic) axes like any other ops of the step.
+
+**Replicated values** (vsf's rule, the eager ``shard_map``'s; JAX's gradients without
+``check_vma``): over a manual axis an input's spec leaves out, every rank gets the whole value, and
+its gradient is the sum over those ranks (each rank's gradient is a partial sum); over a manual
+axis an output's spec leaves out, the body must give every rank the same value (with
+``check_vma``, the planner refuses one that the body's dataflow lets vary there), and the
 cotangent that comes in is split evenly among those ranks, so a ``psum`` whose backward sums the
 ranks' cotangents gives it back once.
 
-**Automatic axes** (``axis_names``, JAX's partial-manual): the specs name only manual axes; over
-the others the body sees whole values and, for now, every rank there runs the same body on them
-(replicated; planning the body over those axes is not done yet), so their gradients are whole too.
-
 Example::
 
-    >>> region = lookup(node.args[-1])     # a manual_region node's key
-    >>> region.ins[0].spec, [c.kind for c in region.sent]
-    (P('dp', None), ['all_reduce'])
+    >>> region = lookup(node.args[1])     # a manual_in node's region
+    >>> region.ins[0].spec, region.manual
+    (P('dp', None), ('dp', 'tp'))
 """
 
 from __future__ import annotations
@@ -35,75 +40,48 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate
 
-from vsf.ops.recording import Sent, manual_axes
-from vsf.sharding.mesh import Mesh, use_mesh
+from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
 
-__all__ = ["REGION_OP", "REGION_VJP_OP", "Region", "copies", "lookup", "register", "summed_over"]
+__all__ = [
+    "AXIS_INDEX_OP", "BOUNDARY_OPS", "COLLECTIVE_OP", "REGION_OPS", "Call", "Region",
+    "axis_index", "boundary", "call", "collective", "copies", "lookup", "register", "summed_over",
+]
 
-Aval = tuple[tuple[int, ...], torch.dtype]
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class Region:
-    """One manual region of a traced step.
-
-    ``body`` maps the flat local tensor arguments to the flat local tensor results; ``manual``
-    names the mesh axes it is manual over; ``ins`` and ``outs`` are their shardings over ``mesh``;
-    ``out_avals`` the results' global shapes and dtypes; ``sent`` and ``sent_vjp`` the collectives the body runs per rank, forward and backward;
-    ``kept`` the forward's autograd graph between the two nodes of one run.
-    """
+    """One manual region of a traced step: its name, mesh, manual axes and the shardings of its
+    tensor arguments (``ins``) and results (``outs``, known once the body has returned, with
+    ``out_names``, their key paths); ``check_vma``: refuse a result that varies over a manual
+    axis its spec replicates it over (:func:`vsf.jit.manual.mark`)."""
 
     name: str
-    body: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     mesh: Mesh
     manual: tuple[str, ...]
     ins: tuple[NamedSharding, ...]
-    outs: tuple[NamedSharding, ...]
-    out_avals: tuple[Aval, ...]
-    sent: tuple[Sent, ...] = ()
-    sent_vjp: tuple[Sent, ...] = ()
-    kept: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    check_vma: bool = True
+    outs: tuple[NamedSharding, ...] = ()
+    out_names: tuple[str, ...] = ()
 
-    def run(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The body on this rank's local shards (every simulated rank's, under ``vsf.simulate``)."""
-        with use_mesh(self.mesh), manual_axes(self.name, self.manual):
-            return list(self.body(list(xs)))
+    def sharding(self, kind: str, i: int) -> NamedSharding:
+        """The sharding of the value boundary op ``kind`` moves (argument ``i`` or result ``i``)."""
+        return self.ins[i] if kind.startswith("manual_in") else self.outs[i]
 
-    def run_for_vjp(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`run` with autograd, its graph kept for :meth:`vjp` (this call's backward node);
-        the results come back detached."""
-        with torch.enable_grad():
-            watched = _watched(xs)
-            outs = self.run(watched)
-        self.kept["graph"] = (watched, outs)
-        return [y.detach() for y in outs]
 
-    def vjp(self, xs: Sequence[torch.Tensor], cts: Sequence[torch.Tensor], wanted: Container[int] | None = None) -> list[torch.Tensor]:
-        """The gradients of the local inputs, given the local cotangents of the results: the body's
-        backward, its collectives transposed (see the module docs for replicated values), through
-        the graph :meth:`run_for_vjp` kept, or the body run again (rematerialized) if none was.
-        Only the inputs in ``wanted`` (positions; default all) get theirs computed, the others zeros."""
-        with torch.enable_grad():
-            kept = self.kept.pop("graph", None)
-            watched, outs = kept if kept is not None else (_watched(xs), None)
-            outs = outs if outs is not None else self.run(watched)
-            pairs = [(y, ct / self.copies(i)) for i, (y, ct) in enumerate(zip(outs, cts)) if y.requires_grad]
-            asked = [i for i, x in enumerate(watched) if _differentiable(x) and (wanted is None or i in wanted)]
-            wrt = [watched[i] for i in asked]
-            found = torch.autograd.grad([y for y, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True) if pairs and wrt else [None] * len(wrt)
-        grads = dict(zip(asked, found))
-        return [_zero_if_none(grads.get(i), x) for i, x in enumerate(watched)]
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+    """What a ``manual_collective`` or ``manual_axis_index`` node runs: ``op`` (a
+    :class:`vsf.ops.Linear`, a max, or the axis whose index it is) inside region ``region``."""
 
-    def copies(self, i: int) -> int:
-        """Over how many ranks result ``i`` is replicated (the manual axes its spec leaves out)."""
-        return copies(self.outs[i], self.manual)
+    op: Any
+    region: int
 
 
 def copies(s: NamedSharding, manual: Sequence[str]) -> int:
@@ -120,8 +98,7 @@ def copies(s: NamedSharding, manual: Sequence[str]) -> int:
 
 def summed_over(s: NamedSharding, manual: Sequence[str]) -> tuple[Placement, ...]:
     """The placements of the gradient of an input laid out as ``s``: a partial sum over the manual
-    axes ``s`` replicates it over (each rank's body gave its own part), as ``s`` elsewhere (the
-    automatic axes: every rank there computed the same gradient).
+    axes ``s`` replicates it over (each rank's body gave its own part), as ``s`` elsewhere.
 
     Example::
 
@@ -135,24 +112,12 @@ def summed_over(s: NamedSharding, manual: Sequence[str]) -> tuple[Placement, ...
     )
 
 
-def _watched(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [x.detach().requires_grad_(True) if _differentiable(x) else x for x in xs]
-
-
-def _differentiable(x: torch.Tensor) -> bool:
-    return x.is_floating_point() or x.is_complex()
-
-
-def _zero_if_none(g: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(x) if g is None else g
-
-
-_REGIONS: dict[int, Region] = {}
+_REGISTRY: dict[int, Any] = {}
 _KEYS = itertools.count()
 
 
-def register(region: Region) -> int:
-    """Keep ``region`` for the graph that will name it; its key.
+def register(entry: Region | Call) -> int:
+    """Keep a region (or a collective call) for the graph that will name it; its key.
 
     Example::
 
@@ -160,58 +125,123 @@ def register(region: Region) -> int:
         True
     """
     key = next(_KEYS)
-    _REGIONS[key] = region
+    _REGISTRY[key] = entry
     return key
 
 
-def lookup(key: int) -> Region:
-    """The region a ``manual_region`` node names (its last argument is the key).
+def lookup(key: int) -> Any:
+    """The :class:`Region` or :class:`Call` a node names by ``key``.
 
     Example::
 
-        >>> lookup(node.args[-1]).name
+        >>> lookup(node.args[1]).name
         'mlp'
     """
-    return _REGIONS[key]
+    return _REGISTRY[key]
 
 
-@torch.library.custom_op("vsf::manual_region", mutates_args=())
-def _manual_region(xs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    raise RuntimeError(f"shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into")
+def _shape(kind: str, region: Region, i: int, shape: Sequence[int]) -> list[int]:
+    """The shape boundary op ``kind`` gives a value of ``shape``: into the body, each dim divided by
+    its manual split; out of it, multiplied."""
+    s = region.sharding(kind, i)
+    into = kind in ("manual_in", "manual_out_grad")
+    return [n // s.num_shards(d) if into else n * s.num_shards(d) for d, n in enumerate(shape)]
 
 
-@_manual_region.register_fake
-def _(xs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    device = xs[0].device if xs else torch.device("cpu")
-    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in lookup(key).out_avals]
+def _define_boundary(kind: str) -> Any:
+    @torch.library.custom_op(f"vsf::{kind}", mutates_args=())
+    def op(x: torch.Tensor, key: int, i: int) -> torch.Tensor:
+        raise RuntimeError(f"{kind} of shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into")
+
+    @op.register_fake
+    def _(x: torch.Tensor, key: int, i: int) -> torch.Tensor:
+        return x.new_empty(_shape(kind, lookup(key), i, x.shape))
+
+    return getattr(torch.ops.vsf, kind).default
 
 
-@torch.library.custom_op("vsf::manual_region_vjp", mutates_args=())
-def _manual_region_vjp(xs: list[torch.Tensor], cts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    raise RuntimeError(f"the backward of shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into")
+BOUNDARY_OPS = {kind: _define_boundary(kind) for kind in ("manual_in", "manual_in_grad", "manual_out", "manual_out_grad")}
 
 
-@_manual_region_vjp.register_fake
-def _(xs: list[torch.Tensor], cts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    return [torch.empty_like(x) for x in xs]
+@torch.library.custom_op("vsf::manual_collective", mutates_args=())
+def _manual_collective(x: torch.Tensor, key: int) -> torch.Tensor:
+    raise RuntimeError("a shard_map region's collective runs only inside the program vsf.jit lowers it into")
 
 
-REGION_OP = torch.ops.vsf.manual_region.default
-REGION_VJP_OP = torch.ops.vsf.manual_region_vjp.default
+@_manual_collective.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    return lookup(key).op.abstract(x)[0]
 
 
-def _save(ctx: object, inputs: tuple[list[torch.Tensor], int], output: list[torch.Tensor]) -> None:
-    ctx.save_for_backward(*inputs[0])
-    ctx.key = inputs[1]
-    ctx.avals = [(tuple(y.shape), y.dtype) for y in output]
+@torch.library.custom_op("vsf::manual_axis_index", mutates_args=())
+def _manual_axis_index(key: int) -> torch.Tensor:
+    raise RuntimeError("a shard_map region's axis_index runs only inside the program vsf.jit lowers it into")
 
 
-def _backward(ctx: object, cts: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], None]:
-    xs = list(ctx.saved_tensors)
-    device = xs[0].device if xs else torch.device("cpu")
-    full = [ct if ct is not None else torch.zeros(shape, dtype=dtype, device=device) for ct, (shape, dtype) in zip(cts, ctx.avals)]
-    grads = REGION_VJP_OP(xs, full, ctx.key)
-    return [g if _differentiable(x) else None for g, x in zip(grads, xs)], None
+@_manual_axis_index.register_fake
+def _(key: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
 
 
-_manual_region.register_autograd(_backward, setup_context=_save)
+COLLECTIVE_OP = torch.ops.vsf.manual_collective.default
+AXIS_INDEX_OP = torch.ops.vsf.manual_axis_index.default
+REGION_OPS = frozenset({*BOUNDARY_OPS.values(), COLLECTIVE_OP, AXIS_INDEX_OP})  # every op a traced region leaves
+
+
+class _Boundary(torch.autograd.Function):
+    """A boundary op whose backward is its transpose (``manual_in`` <-> ``manual_in_grad``,
+    ``manual_out`` <-> ``manual_out_grad``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, key: int, i: int, kind: str) -> torch.Tensor:
+        ctx.args = (key, i, kind)
+        return BOUNDARY_OPS[kind](x, key, i)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        key, i, kind = ctx.args
+        return BOUNDARY_OPS[kind + "_grad"](g.contiguous(), key, i), None, None, None
+
+
+def boundary(x: torch.Tensor, key: int, i: int, kind: str) -> torch.Tensor:
+    """``x`` crossing into (``kind="manual_in"``) or out of (``"manual_out"``) region ``key`` as its
+    argument or result ``i``, differentiable.
+
+    Example::
+
+        >>> inner = boundary(x, key, 0, "manual_in")
+    """
+    return _Boundary.apply(x, key, i, kind)
+
+
+def collective(x: torch.Tensor, c: Call) -> torch.Tensor:
+    """The node of a traced region that runs ``c.op`` on ``x`` (autograd is the caller's).
+
+    Example::
+
+        >>> y = collective(x, Call(psum_over_tp, key))
+    """
+    return COLLECTIVE_OP(x, register(c))
+
+
+def axis_index(c: Call) -> torch.Tensor:
+    """The node of a traced region that gives this rank's index along the axis ``c.op`` names.
+
+    Example::
+
+        >>> i = axis_index(Call(group_of_tp, key))
+    """
+    return AXIS_INDEX_OP(register(c))
+
+
+def call(key: int) -> Call:
+    """The :class:`Call` a ``manual_collective`` or ``manual_axis_index`` node runs.
+
+    Example::
+
+        >>> call(node.args[-1]).op
+        _Psum(g=...)
+    """
+    c = lookup(key)
+    assert isinstance(c, Call)
+    return c

@@ -25,9 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vsf import _compat, tree
+from vsf.pipeline import stage_group
 from vsf.sharding.mesh import mesh_of
 from vsf.sharding.named import RaggedPlacement, from_placements
 from vsf.sharding.put import device_put
@@ -329,12 +331,21 @@ def global_norm(xs: Sequence[torch.Tensor]) -> torch.Tensor:
             squares = squares * torch.tensor(weights, dtype=acc, device=squares.device)
         per_mesh.setdefault(mesh, []).append(squares.sum())
     total = None
+    over_stages: dict[Any, torch.Tensor] = {}
     for mesh, sums in per_mesh.items():
         s = sum(sums[1:], sums[0]) if len(sums) > 1 else sums[0]
         if mesh is not None:
             with _compat.quiet_redistribute():
                 partial = DTensor.from_local(s, mesh, [Partial()] * mesh.ndim, run_check=False)
                 s = local(partial.redistribute(mesh, [Replicate()] * mesh.ndim))
+        group = stage_group(mesh)
+        if group is not None:
+            over_stages[group] = over_stages[group] + s if group in over_stages else s
+            continue
+        total = s if total is None else total + s
+    for group, s in over_stages.items():
+        # a pipeline stage's leaves: the other stages' processes hold the rest of the tree
+        dist.all_reduce(s, group=group)
         total = s if total is None else total + s
     if total is None:
         return torch.zeros(())

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from vsf import _compat, tree
 from vsf.optim import _leaves
 from vsf.optim.base import GradientTransformation, Params, State, Updates
-from vsf.sharding.mesh import Mesh
+from vsf.sharding.mesh import Mesh, held_only_by_its_ranks
 from vsf.sharding.named import NamedSharding, resolve, sharding_of
 from vsf.sharding.put import device_put, is_sharding_leaf
 from vsf.sharding.spec import PartitionSpec
@@ -121,7 +121,8 @@ def init_sharded(
     """``tx.init(params)`` with the state laid out by :func:`state_shardings`, built shard by shard
     (the ``init`` of :func:`sharded`).
 
-    ``params`` must be DTensors on one mesh. ``tx.init`` runs on the params redistributed to
+    ``params`` must be DTensors on one mesh (or on the stage meshes of a ``vsf.pipeline``, each
+    leaf's state on its own stage's mesh; scalars such as Adam's count on the first's). ``tx.init`` runs on the params redistributed to
     the state's layout (a local slice: no communication, no full copy), so each rank allocates
     only its own shards. With ``stage=3`` the params must already be sharded over ``zero_axes``
     (``vsf.device_put(params, zero_layout(...).params)``).
@@ -227,7 +228,9 @@ def _plan(params: Params, param_shardings: Any, zero_axes: Sequence[str], uneven
             shardings.append(s)
     mesh = shardings[0].mesh
     for path, s in zip(ref.paths, shardings):
-        if s.mesh != mesh:
+        # a pipeline's params live on its stages' meshes (each pp coordinate's), alike but for their ranks
+        stages = held_only_by_its_ranks(s.mesh) and held_only_by_its_ranks(mesh) and s.mesh.shape == mesh.shape
+        if s.mesh != mesh and not stages:
             first = tree.keystr(ref.paths[0])
             raise ValueError(f"params live on more than one mesh: {first} on {mesh!r}, {tree.keystr(path)} on {s.mesh!r}")
     axes = tuple(zero_axes) if not isinstance(zero_axes, str) else (zero_axes,)

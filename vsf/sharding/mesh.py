@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from vsf import _compat, runtime
 
-__all__ = ["Mesh", "current_mesh", "make_mesh", "mesh_of", "use_mesh"]
+__all__ = ["Mesh", "current_mesh", "held_only_by_its_ranks", "make_mesh", "mesh_of", "use_mesh"]
 
 
 class Mesh:
@@ -163,6 +163,57 @@ class Mesh:
         if len(set(names)) != len(names):
             raise ValueError(f"sub-mesh axes must be distinct, got {names!r}")
         here = self.coordinate(runtime.rank()) if runtime.rank() in self._devices else dict.fromkeys(self._names, 0)
+        return self._sub(names, here)
+
+    def at(self, axis: str, index: int) -> "Mesh":
+        """The sub-mesh over the other axes at position ``index`` of ``axis`` (a pipeline stage's
+        ranks: ``mesh.at("pp", 1)``), its other coordinates this rank's.
+
+        Its ranks hold values there; under :class:`vsf.simulate` every simulated rank can compute
+        on it (each in the copy of its own pp coordinate). Under ``torchrun`` only the ranks at
+        ``index`` may compute on it: elsewhere it is a value that names the ranks, without a
+        DeviceMesh.
+
+        Example::
+
+            >>> mesh.at("pp", 1).devices          # (4, 5, 6, 7) on a (2, 2, 2) pp x dp x tp mesh
+        """
+        if not 0 <= index < self.axis_size(axis):
+            raise ValueError(f"{axis} index {index} is outside the mesh's {axis} axis of size {self.axis_size(axis)}")
+        here = self.coordinate(runtime.rank()) if runtime.rank() in self._devices else dict.fromkeys(self._names, 0)
+        names = tuple(n for n in self._names if n != axis)
+        coord = {**here, axis: index}
+        if not names:   # a mesh of the one axis: one rank, kept under the axis's name
+            sub = Mesh((1,), (axis,), device_type=self._device_type, devices=(self._devices[self._flat_index(coord)],))
+            names = (axis,)
+        else:
+            sub = self._sub(names, coord, register=False)
+        _AT.add(sub)
+        if sub in _DEVICE_MESHES:
+            return sub
+        if runtime.is_simulated():
+            _register(sub, self._rolled(axis, index, names))
+        elif here[axis] == index and names == (axis,):
+            _register(sub, _compat.one_rank_device_mesh(self._device_type, runtime.world_size(), axis))
+        elif here[axis] == index:
+            self._sub(names, coord)
+        return sub
+
+    def _rolled(self, axis: str, index: int, names: tuple[str, ...]) -> DeviceMesh:
+        """Under simulation, ``at(axis, index)``'s DeviceMesh: the copies over ``names`` of this
+        mesh with ``axis`` rolled by ``index``, so every simulated rank sits in a copy at its own
+        coordinates, and the DeviceMesh differs from the other coordinates' (DTensor compares
+        DeviceMeshes by their ranks: equal ones would be taken for each other)."""
+        grid = torch.tensor(self._devices, dtype=torch.int).reshape(self._sizes).roll(-index, self.axis_index(axis))
+        big = tuple(n for n in self.device_axes if n in names and n != axis and self.axis_size(n) > 1)
+        if not big:
+            return _compat.one_rank_device_mesh(self._device_type, runtime.world_size(), names[0], rank_map=grid.flatten())
+        axes = self.device_axes
+        with _compat.local_mode_disabled():
+            root = DeviceMesh(self._device_type, grid.reshape([self.axis_size(a) for a in axes]), mesh_dim_names=axes)
+        return root[big]
+
+    def _sub(self, names: tuple[str, ...], here: dict[str, int], register: bool = True) -> "Mesh":
         sub_sizes = tuple(self.axis_size(n) for n in names)
         devices = []
         for idx in range(math.prod(sub_sizes)):
@@ -171,6 +222,8 @@ class Mesh:
                 idx, coord[n] = divmod(idx, s)
             devices.append(self._devices[self._flat_index(coord)])
         sub = Mesh(sub_sizes, names, device_type=self._device_type, devices=devices)
+        if not register:
+            return sub
         in_parent_order = tuple(n for n in self.device_axes if n in names and self.axis_size(n) > 1)
         if in_parent_order:
             _register(sub, self.device_mesh[in_parent_order])
@@ -209,6 +262,24 @@ def _rebuild(sizes: tuple[int, ...], names: tuple[str, ...], device_type: str, d
 # the way back from a DTensor's DeviceMesh to the Mesh it was built for.
 _DEVICE_MESHES: dict[Mesh, DeviceMesh] = {}
 _MESH_OF: dict[int, tuple[DeviceMesh, Mesh]] = {}
+
+
+# the meshes Mesh.at made: only their own ranks hold their values (a simulation's copies of them
+# on the other coordinates are not memory a real run has)
+_AT: set[Mesh] = set()
+
+
+def held_only_by_its_ranks(mesh: Mesh) -> bool:
+    """Is ``mesh`` one coordinate of a bigger mesh (``Mesh.at``), whose values only its own ranks
+    hold? Under simulation its DeviceMesh has copies elsewhere too; ``memory_report`` counts
+    only its ranks.
+
+    Example::
+
+        >>> held_only_by_its_ranks(mesh.at("pp", 1)), held_only_by_its_ranks(mesh["dp"])
+        (True, False)
+    """
+    return mesh in _AT
 
 
 def _register(mesh: Mesh, dm: DeviceMesh) -> DeviceMesh:

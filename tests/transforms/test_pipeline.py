@@ -1,0 +1,149 @@
+"""vsf.pipeline under vsf.simulate: a GPT split into stages over pp (GPipe and 1F1B, alone and with
+dp / tp inside the stages) trains with the losses and params of the same steps on one device; the
+in-order runner plays torch's schedule order; bad splits are errors that name the key path."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+import vsf
+from vsf import P, _compat, optim
+from vsf.pipeline import schedule as sched
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
+
+BATCH, STEPS = 8, 2
+TX = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
+MEGATRON = [(r".*(qkv|fc1)\.weight", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+
+
+def _model(layers: int) -> tuple[GPT, dict[str, torch.Tensor]]:
+    model = GPT(GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=layers, period=4))
+    return model, vsf.tree.from_module(model)
+
+
+def _one_device(model: GPT, params: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    p, s, losses, first = params, TX.init(params), [], None
+    for i in range(STEPS):
+        idx, tgt = batch_at(i, BATCH, model.cfg)
+        loss, g = vsf.value_and_grad(lambda q: vsf.tree.apply(model, q, idx, tgt))(p)
+        first = g if first is None else first
+        u, s = TX.update(g, s, p)
+        p = optim.apply_updates(p, u)
+        losses.append(loss.item())
+    return losses, first, p
+
+
+CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs every op once per rank
+    (2, 1, 1, "gpipe", 8),
+    (2, 2, 1, "1f1b", 4),
+    (2, 1, 2, "1f1b", 4),
+    (4, 1, 1, "1f1b", 4),
+]
+
+
+@pytest.mark.parametrize("pp,dp,tp,schedule,m", CASES, ids=[f"pp{c[0]}-dp{c[1]}-tp{c[2]}-{c[3]}-m{c[4]}" for c in CASES])
+def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
+    model, params = _model(layers=pp)
+    want_losses, want_grads, want = _one_device(model, params)
+    fns, loss_fn, prefixes = pipeline_stages(model, pp)
+    sim(pp * dp * tp)
+    mesh = vsf.make_mesh((pp, dp, tp), ("pp", "dp", "tp"))
+    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
+    p = pipe.place(params, vsf.sharding.match(params, MEGATRON))
+    s = TX.init(p)
+
+    def train_step(params, opt_state, idx, targets):
+        loss, grads = pipe.value_and_grad(params, idx, targets)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss, grads
+
+    losses = []
+    for i in range(STEPS):
+        p, s, loss, grads = train_step(p, s, *batch_at(i, BATCH, model.cfg))
+        losses.append(vsf.device_get(loss).item())
+        if i == 0:
+            first = vsf.device_get(grads)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
+    for k in want:   # gradients of the first step (tied wte: both stages' parts summed), params after the last
+        torch.testing.assert_close(first[k], want_grads[k], rtol=1e-5, atol=1e-7, msg=lambda e, k=k: f"grad {k}: {e}")
+        # AdamW's step normalises each element's gradient: where a gradient is ~0 its rounding
+        # decides the step, so params are compared to 1% of the learning rate (1e-3)
+        torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
+    # each stage's params and Adam moments live on its pp coordinate's ranks only
+    ranks = lambda k: tuple(range(pipe.split.owner[k] * dp * tp, (pipe.split.owner[k] + 1) * dp * tp))  # noqa: E731
+    for k, v in p.items():
+        assert vsf.sharding.named.sharding_of(v).mesh.devices == ranks(k), k
+    moments = [(k, name, leaf) for name, leaf in ((vsf.tree.keystr(path), leaf) for path, leaf in vsf.tree.leaves_with_path(s)) for k in params if name.endswith(f"[{k!r}]")]
+    assert len(moments) == 2 * len(params)   # Adam's mu and nu
+    for k, name, leaf in moments:
+        assert vsf.sharding.named.sharding_of(leaf).mesh.devices == ranks(k), name
+    # the runner played each stage's actions in torch's schedule order
+    assert [[(k, mb) for st, k, mb in pipe.order if st == stage] for stage in range(pp)] == sched.stage_actions(schedule, pp, m)
+
+
+@pytest.mark.parametrize("schedule,cls", [("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 5)])
+def test_stage_order_is_torchs(schedule, cls, p, m):
+    ours = sched.stage_actions(schedule, p, m)
+    theirs = _compat.pipeline_order(cls, p, m)
+    for rank in range(p):
+        want = [(k, mb) for _, k, mb in theirs[rank]]
+        if sorted(want) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
+            # torch's IR of Schedule1F1B numbers the last rank's microbatches from 1 (a bug in
+            # _get_pipeline_order, not in its runtime, which runs 1F1B: min(m, p - s) forwards first)
+            assert schedule == "1f1b" and rank == p - 1
+            continue
+        assert ours[rank] == want, rank
+    in_flight = []
+    for acts in ours:
+        live = peak = 0
+        for k, _ in acts:
+            live += 1 if k == "F" else -1
+            peak = max(peak, live)
+        in_flight.append(peak)
+    assert in_flight == ([m] * p if schedule == "gpipe" else [min(m, p - s) for s in range(p)])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_bubble_is_the_theory(schedule, p, m):
+    # forward and backward of equal cost: each stage idles (p - 1) / (m + p - 1) of the step
+    assert sched.bubble(sched.stage_actions(schedule, p, m), 1.0, 1.0) == pytest.approx([(p - 1) / (m + p - 1)] * p)
+
+
+def test_bad_splits_are_errors_naming_the_key_path(sim):
+    model, params = _model(layers=2)
+    fns, loss_fn, prefixes = pipeline_stages(model, 2)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("pp",))
+
+    def pipe(prefixes=prefixes, tied=("wte.weight",), **kw):
+        args = {"mesh": mesh, "microbatches": 4, "tied": tied, **kw}
+        return vsf.pipeline.Pipeline(fns[: len(prefixes)], loss_fn, prefixes, **args)
+
+    with pytest.raises(ValueError, match=r"'wte\.weight' is in stages \[0, 1\].*tied"):
+        pipe(tied=()).place(params)
+    with pytest.raises(ValueError, match=r"'lnf\.weight' is in no pipeline stage"):
+        pipe([prefixes[0], [p for p in prefixes[1] if p != "lnf."]]).place(params)
+    with pytest.raises(ValueError, match=r"prefix 'blocks\.7\.' matches no param"):
+        pipe([prefixes[0], [*prefixes[1], "blocks.7."]]).place(params)
+    with pytest.raises(ValueError, match=r"pp axis has size 2 but the pipeline has 1 stages"):
+        pipe([prefixes[0] + prefixes[1]], tied=())
+    with pytest.raises(ValueError, match=r"'blocks\.0\.fc1\.weight' has the spec P\('pp'\)"):
+        pipe().place(params, {k: P("pp") if k == "blocks.0.fc1.weight" else P() for k in params})
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        pipe(schedule="zb")
+    good = pipe()
+    p = good.place(params)
+    idx, tgt = batch_at(0, 6, model.cfg)
+    with pytest.raises(ValueError, match=r"inputs\[0\] has 6 rows .*4 microbatches must divide"):
+        good.value_and_grad(p, idx, tgt)
+    with pytest.raises(RuntimeError, match=r"call pipe.place\(params, specs\) before"):
+        pipe().value_and_grad(p, idx, tgt)

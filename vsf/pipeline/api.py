@@ -1,0 +1,401 @@
+"""``vsf.pipeline.Pipeline``: a model split into stages over the mesh's ``pp`` axis.
+
+**The API, and why.** A pipeline is described the way optax describes an optimizer: a value
+built once from small pure pieces, whose methods are pure functions of pytrees.
+
+* The model is split by **stage functions over per-stage param subtrees**: ``stages[s](params_s,
+  *x) -> y``, with ``params_s`` the leaves whose dotted key paths start with one of
+  ``params[s]``'s prefixes (``"blocks.0."``). A function per stage says exactly what crosses the
+  cut (one activation, or a tuple), works for any model written as a function of a params
+  pytree (``vsf.tree.apply(module, ...)`` on a sub-module), and needs no rewriting of the model:
+  a list of layer key paths alone cannot say how layers connect (GPT's embedding sum, its final
+  norm and tied head). JAX's stacked-layer ``scan`` form is not offered: its backward is one
+  reverse chain over the schedule, so 1F1B's bounded activation memory is out of reach.
+* ``loss_fn(y, *targets)`` turns the last stage's output into the microbatch's mean loss; the
+  step's loss is the mean over the ``microbatches`` equal microbatches, so gradients are their
+  mean: exactly the one-device gradient of the whole batch's mean loss.
+* ``schedule`` is ``"gpipe"`` or ``"1f1b"``: torch's ``ScheduleGPipe`` / ``Schedule1F1B`` over
+  the ``pp`` process groups on real processes; the same order played in one process under
+  ``vsf.simulate``.
+* The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets)``
+  stands where ``vsf.value_and_grad(loss)(params, batch)`` stood, and the optimizer update that
+  follows is the usual ``tx.update`` / ``apply_updates``, applied where each param lives.
+  ``params`` is the model's own tree; each leaf is a DTensor on the mesh of the stage that owns
+  it (``mesh.at("pp", s)``: ``vsf.NamedSharding`` and ``typeof`` show its ranks), laid out by the
+  specs of the other axes (dp, fsdp, tp apply inside each stage). Under ``torchrun`` a rank holds
+  only its own stage's leaves; the others are ``None`` there (an empty subtree, so ``tx.init``,
+  ``tx.update`` and ``apply_updates`` work unchanged, and the optimizer state of a stage lives
+  on its ranks only). ``clip_by_global_norm`` sums the squared norms over the stages (one
+  all-reduce over ``pp``).
+* Tied params (``tied=("wte.weight",)``) are held by the first stage naming them; each step the
+  later stages that name them get a copy and their gradients are summed into the owner's
+  (Megatron's rule), so the tree, the optimizer state and checkpoints hold one value.
+
+Example::
+
+    >>> pipe = vsf.pipeline.Pipeline([embed, head], loss, [["wte.", "wpe.", "blocks.0."], ["blocks.1.", "lnf.", "wte."]],
+    ...                              mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
+    >>> params = pipe.place(params, specs)
+    >>> def train_step(params, opt_state, idx, targets):
+    ...     loss, grads = pipe.value_and_grad(params, idx, targets)
+    ...     updates, opt_state = tx.update(grads, opt_state, params)
+    ...     return vsf.optim.apply_updates(params, updates), opt_state, loss
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from vsf import runtime, tree
+from vsf.abstract import ShapeDtypeStruct, eval_shape
+from vsf.pipeline import schedule as sched
+from vsf.pipeline.split import Split, assign, leaf_names
+from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, stage_program
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding, sharding_of
+from vsf.sharding.put import device_put
+from vsf.sharding.spec import PartitionSpec
+
+__all__ = ["Pipeline", "stage_group"]
+
+# the pp process group of each real-process stage mesh (DeviceMesh id -> group), for sums over stages
+_STAGE_GROUPS: dict[int, Any] = {}
+
+
+def stage_group(device_mesh: Any) -> Any:
+    """The ``pp`` process group joining a real-process stage mesh's ranks to the other stages'
+    ranks at the same coordinates (``None`` for any other mesh, and under ``vsf.simulate``, where
+    one process holds every stage)."""
+    return _STAGE_GROUPS.get(id(device_mesh))
+
+
+class Pipeline:
+    """A model split into pipeline stages over ``mesh``'s ``axis`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        stages: Sequence[Callable[..., Any]],
+        loss_fn: Callable[..., torch.Tensor],
+        params: Sequence[Sequence[str]],
+        *,
+        mesh: Mesh,
+        microbatches: int,
+        schedule: str = "1f1b",
+        batch: PartitionSpec = PartitionSpec(),
+        activations: PartitionSpec | None = None,
+        tied: Sequence[str] = (),
+        axis: str = "pp",
+    ) -> None:
+        if len(stages) != len(params):
+            raise ValueError(f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage")
+        if axis not in mesh.axis_names:
+            raise ValueError(f"the pipeline axis {axis!r} is not an axis of the mesh {mesh.shape}")
+        if mesh.axis_size(axis) != len(stages):
+            raise ValueError(f"the mesh's {axis} axis has size {mesh.axis_size(axis)} but the pipeline has {len(stages)} stages; they must be equal")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if axis in PartitionSpec(*batch).axes:
+            raise ValueError(f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch")
+        self.stages, self.loss_fn, self.prefixes, self.tied = list(stages), loss_fn, [list(p) for p in params], tuple(tied)
+        self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
+        self.schedule = sched.check_schedule(schedule)
+        self.batch = batch
+        self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
+        self.meshes = [mesh.at(axis, s) for s in range(len(stages))]
+        self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
+        self.split: Split | None = None
+        self._shapes: dict[str, ShapeDtypeStruct] = {}
+        self._specs: dict[str, PartitionSpec] = {}
+        self._programs: dict[tuple[int, NamedSharding], Any] = {}
+        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary]]] = {}
+        if not runtime.is_simulated() and len(stages) > 1:
+            _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def local_stages(self) -> list[int]:
+        """The stages this process computes: all of them under ``vsf.simulate`` (and with one
+        stage), else the one at this rank's ``pp`` coordinate."""
+        return list(range(self.num_stages)) if self._in_one_process() else [self.here]
+
+    def _in_one_process(self) -> bool:
+        return runtime.is_simulated() or self.num_stages == 1
+
+    # -- params ---------------------------------------------------------------------------------
+
+    def place(self, params: dict[str, torch.Tensor], specs: Any = None) -> dict[str, torch.Tensor | None]:
+        """Lay out ``params`` (every leaf, on every rank) on their stages: leaf ``k`` on the mesh of
+        the stage that owns it, by ``specs`` (a pytree prefix of ``params`` of ``P`` over the other
+        axes; default replicated). Leaves of stages this process does not compute are ``None``.
+
+        Example::
+
+            >>> params = pipe.place(params, vsf.sharding.match(params, rules))
+        """
+        self.split = assign(params, self.prefixes, self.tied)
+        self._shapes = {k: ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in zip(leaf_names(params), tree.leaves(params))}
+        specs = tree.broadcast_prefix(specs if specs is not None else PartitionSpec(), params, is_leaf=lambda x: isinstance(x, PartitionSpec), what="specs")
+        self._specs = dict(zip(leaf_names(params), specs))
+        mine = set(self.local_stages())
+        out = []
+        for k, v, spec in zip(leaf_names(params), tree.leaves(params), specs):
+            owner = self.split.owner[k]
+            if self.axis in PartitionSpec(*spec).axes:
+                raise ValueError(f"param {k!r} has the spec {spec!r}, which splits over the pipeline axis {self.axis!r}; a stage's params live on its own pp coordinate")
+            out.append(device_put(v, NamedSharding(self.meshes[owner], spec)) if owner in mine else None)
+        return tree.unflatten(tree.structure(params), out)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def value_and_grad(self, params: Any, inputs: Any, targets: Any) -> tuple[DTensor, Any]:
+        """The mean loss of the batch and its gradient with respect to ``params``, computed
+        microbatch by microbatch through the schedule. ``inputs`` go to the first stage,
+        ``targets`` to ``loss_fn`` (a tensor or a tuple of tensors each; plain tensors holding the
+        whole batch, or DTensors laid out by ``batch``). The loss is a replicated DTensor on this
+        process's last stage mesh (every rank gets it); gradients have ``params``' structure
+        (``None`` where ``params`` are), each on its param's mesh.
+
+        Example::
+
+            >>> loss, grads = pipe.value_and_grad(params, idx, targets)
+        """
+        if self.split is None:
+            raise RuntimeError("call pipe.place(params, specs) before pipe.value_and_grad: it assigns the params to stages")
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        targets = targets if isinstance(targets, tuple) else (targets,)
+        if len(targets) != 1 and not self._in_one_process():
+            raise ValueError(f"torch's pipeline schedules pass one target to the loss; got {len(targets)} targets (stack them into one tensor)")
+        names, leaves = leaf_names(params), tree.leaves(params)
+        values = dict(zip(names, leaves))
+        first, last = 0, self.num_stages - 1
+        xs = [self._microbatches(x, first, f"inputs[{i}]") for i, x in enumerate(inputs)] if first in self.local_stages() else []
+        ts = [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)] if last in self.local_stages() else []
+        mods = self._modules(values, inputs, targets)
+        if self._in_one_process():
+            loss_parts = self._run_in_order(mods, xs, ts)
+        else:
+            loss_parts = self._run_torch(mods, xs, ts)
+        grads = self._gradients(mods)
+        loss = self._loss(loss_parts)
+        out = [grads.get(k) if values.get(k) is not None else None for k in names]
+        return loss, tree.unflatten(tree.structure(params), out)
+
+    def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:
+        """``x`` laid out by ``batch`` on ``stage``'s mesh, as ``microbatches`` local pieces."""
+        s = NamedSharding(self.meshes[stage], _first(self.batch, x.ndim))
+        if isinstance(x, DTensor):
+            have = sharding_of(x)
+            if have.spec != s.spec:
+                raise ValueError(f"{what} is laid out as {have.spec!r}, but the pipeline's batch spec is {s.spec!r}")
+            local = x.to_local()
+        else:
+            local = device_put(x, s).to_local()
+        m = self.microbatches
+        if x.shape[0] % m or local.shape[0] % m:
+            raise ValueError(f"{what} has {x.shape[0]} rows ({local.shape[0]} on each rank of {s.spec!r}); {m} microbatches must divide both")
+        return list(torch.tensor_split(local, m))
+
+    def _boundaries(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary]]:
+        """Each stage's input and output layouts and global microbatch shapes, from the stage
+        functions run on shapes (``vsf.eval_shape``)."""
+        m = self.microbatches
+        mb = lambda x: ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)  # noqa: E731
+        current = [mb(x) for x in inputs]
+        out = []
+        for s, fn in enumerate(self.stages):
+            mesh = self.meshes[s]
+            spec = PartitionSpec(*self.batch) if s == 0 else self.activations
+            ins = [(NamedSharding(mesh, _first(spec, len(c.shape))), tuple(c.shape)) for c in current]
+            p = {k: self._shapes[k] for k in self.split.names[s]}
+            y = eval_shape(fn, p, *current)
+            act = NamedSharding(mesh, _first(self.activations, len(y.shape)))
+            out.append((ins, (act, tuple(y.shape))))
+            current = [y]
+        return out
+
+    def _modules(self, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in self._bounds:
+            self._bounds[key] = self._boundaries(inputs, targets)
+        bounds = self._bounds[key]
+        lent = self._lend(values)
+        mods = {}
+        for s in self.local_stages():
+            names = self.split.names[s]
+            weights = [self._weight(k, s, values, {n: v for (n, b), v in lent.items() if b == s}) for k in names]
+            mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
+        last = self.num_stages - 1
+        if last in mods:
+            target_ins = [(NamedSharding(self.meshes[last], _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
+            mods[last].loss_ins = [(bounds[last][1][0], bounds[last][1][1]), *target_ins]
+            mods[last].loss_program = self._loss_program(last)
+        return mods
+
+    def _program(self, s: int, out: NamedSharding) -> Any:
+        """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
+        with other shapes re-plans inside it, as any jitted function does)."""
+        key = (s, out)
+        if key not in self._programs:
+            self._programs[key] = stage_program(self.stages[s], out)
+        return self._programs[key]
+
+    def _loss_program(self, last: int) -> Any:
+        key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))
+        if key not in self._programs:
+            self._programs[key] = stage_program(self.loss_fn, key[1])
+        return self._programs[key]
+
+    def _weight(self, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> torch.Tensor:
+        """Stage ``stage``'s leaf ``k`` as a fresh autograd leaf: its own value, or the copy of a
+        tied leaf it borrows."""
+        if self.split.owner[k] != stage:
+            return lent[k].detach().requires_grad_(True)
+        v = values[k]
+        if not isinstance(v, DTensor):
+            raise TypeError(f"param {k!r} is a {type(v).__name__}, not a DTensor on stage {stage}'s mesh: lay the params out with pipe.place(params, specs)")
+        return v.detach().requires_grad_(True)
+
+    def _lend(self, values: dict[str, Any]) -> dict[tuple[str, int], DTensor]:
+        """Each borrowed tied leaf's copy on its borrower's mesh, keyed ``(name, borrower)``: the
+        owner's shard at the same coordinates of the other axes (sent over ``pp`` between
+        processes)."""
+        out = {}
+        mine = self.local_stages()
+        for k in self.tied:
+            owner = self.split.owner[k]
+            where = lambda b: (NamedSharding(self.meshes[b], self._specs[k]), self._shapes[k].shape)  # noqa: E731
+            for b in self.split.users[k][1:]:
+                if self._in_one_process():
+                    out[(k, b)] = as_global(values[k].to_local(), where(b))
+                elif owner in mine:
+                    dist.send(values[k].to_local().contiguous(), dst=self._peer(b))
+                elif b in mine:
+                    buf = torch.empty(where(b)[0].shard_shape(where(b)[1]), dtype=self._shapes[k].dtype)
+                    dist.recv(buf, src=self._peer(owner))
+                    out[(k, b)] = as_global(buf, where(b))
+        return out
+
+    def _peer(self, stage: int) -> int:
+        """The global rank at pp coordinate ``stage`` and this rank's other coordinates."""
+        return self.meshes[stage].devices[self.meshes[self.here].devices.index(runtime.rank())]
+
+    # -- runners ----------------------------------------------------------------------------------
+
+    def _run_in_order(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The schedule played in this process (every stage here)."""
+        p, last = self.num_stages, self.num_stages - 1
+        inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
+        grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        kept: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}
+        losses: list[torch.Tensor | None] = [None] * self.microbatches
+
+        def run(s: int, kind: str, mb: int) -> None:
+            mod = mods[s]
+            if kind == "F":
+                x = [piece[mb] for piece in xs] if s == 0 else inbox.pop((s, mb))
+                y = mod(*x)
+                if s == last:
+                    y = _loss_local(mod, y, [piece[mb] for piece in ts])
+                    losses[mb] = y.detach()
+                else:
+                    inbox[(s + 1, mb)] = [y.detach().requires_grad_(True)]
+                kept[(s, mb)] = (x, y)
+                return
+            x, y = kept.pop((s, mb))
+            torch.autograd.backward(y, None if s == last else grads_in.pop((s, mb)))
+            if s > 0:
+                grads_in[(s - 1, mb)] = x[0].grad
+
+        self.order = sched.run_in_order(sched.stage_actions(self.schedule, p, self.microbatches), run)
+        return [t for t in losses if t is not None]
+
+    def _run_torch(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """One stage of torch's schedule on this process, talking to the others over ``pp``."""
+        from torch.distributed.pipelining import PipelineStage
+
+        s, last = self.here, self.num_stages - 1
+        mod = mods[s]
+        # static metadata (no shape inference round): each microbatch's local shards; a stage's
+        # received activation needs a gradient (torch reads that off the example)
+        device = torch.device("cpu") if self.mesh.device_type == "cpu" else torch.device(self.mesh.device_type, torch.cuda.current_device())
+        example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
+        example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
+        group = self.mesh.device_mesh.get_group(self.axis)
+        stage = PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group)
+        # every rank passes the loss (torch runs backward only where the schedule has one); only
+        # the last stage calls it
+        loss_fn = lambda y, t: _loss_local(mod, y, [t])  # noqa: E731
+        schedule = sched.SCHEDULES[self.schedule](stage, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        losses: list[torch.Tensor] = []
+        whole = lambda pieces: torch.cat(pieces)  # noqa: E731 (torch splits them again, the same way)
+        if s == 0:
+            schedule.step(*[whole(p) for p in xs])
+        elif s == last:
+            schedule.step(target=whole(ts[0]), losses=losses)
+        else:
+            schedule.step()
+        return losses
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def _gradients(self, mods: dict[int, StageModule]) -> dict[str, DTensor]:
+        """Each owned leaf's gradient: the mean over microbatches, the borrowers' summed in (sent
+        over ``pp`` to the owner between processes)."""
+        m = self.microbatches
+        grads: dict[str, DTensor] = {}
+        lent: dict[tuple[str, int], DTensor] = {}
+        for s, mod in sorted(mods.items()):
+            for k, w in zip(mod.names, mod.weights):
+                g = _settled(w.grad if w.grad is not None else torch.zeros_like(w), w) / m
+                if self.split.owner[k] == s:
+                    grads[k] = g
+                else:
+                    lent[(k, s)] = g
+        for k in self.tied:
+            owner = self.split.owner[k]
+            for b in self.split.users[k][1:]:
+                if (k, b) in lent and owner in mods:
+                    grads[k] = grads[k] + as_global(lent[(k, b)].to_local(), (sharding_of(grads[k]), tuple(grads[k].shape)))
+                elif (k, b) in lent:
+                    dist.send(lent[(k, b)].to_local().contiguous(), dst=self._peer(owner))
+                elif owner in mods:
+                    buf = torch.empty_like(grads[k].to_local())
+                    dist.recv(buf, src=self._peer(b))
+                    grads[k] = grads[k] + as_global(buf, (sharding_of(grads[k]), tuple(grads[k].shape)))
+        return grads
+
+    def _loss(self, parts: list[torch.Tensor]) -> DTensor:
+        last = self.num_stages - 1
+        if self._in_one_process():
+            total = sum(parts[1:], parts[0]) / len(parts)
+            return as_global(total, (NamedSharding(self.meshes[last], PartitionSpec()), ()))
+        here = NamedSharding(self.meshes[self.here], PartitionSpec())
+        value = (sum(parts[1:], parts[0]) / len(parts)).detach() if self.here == last else torch.zeros(())
+        dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
+        return as_global(value, (here, ()))
+
+
+def _first(spec: PartitionSpec, n: int) -> PartitionSpec:
+    """``spec``'s first ``n`` entries (a batch spec applied to a value of rank ``n``)."""
+    return PartitionSpec(*tuple(spec)[:n])
+
+
+def _loss_local(mod: StageModule, y: torch.Tensor, targets: list[torch.Tensor]) -> torch.Tensor:
+    """``loss_fn`` of the last stage's local output and targets: the whole microbatch's mean loss,
+    here (a replicated scalar's local value)."""
+    loss = mod.loss_program(*[as_global(v, where) for v, where in zip([y, *targets], mod.loss_ins)])
+    return local_of(loss, mod.loss_program.out_shardings)
+
+
+def _settled(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A gradient in its param's layout (a pending ``Partial`` reduced once)."""
+    if isinstance(g, DTensor) and tuple(g.placements) != tuple(w.placements):
+        return g.redistribute(w.device_mesh, w.placements)
+    return g

@@ -1,0 +1,83 @@
+"""One pipeline stage: its programs, and the local tensors it exchanges with its neighbours.
+
+A stage is a function ``f(params, *x) -> y`` over the stage's params (DTensors on the stage's
+mesh: the pipeline mesh at that ``pp`` coordinate, over the other axes, see ``Mesh.at``) and its
+inputs. It runs as a ``vsf.jit``-ted program planned over the stage's mesh, which torch autograd
+differentiates (its forward and backward are planned programs), so a schedule can run the
+forward of one microbatch now and its backward later.
+
+Between stages activations travel as local tensors: each rank sends its shard to the rank at
+the same coordinates of the other axes in the next stage, so a stage's result is pinned to the
+activation layout (``out``, e.g. the batch dim over ``dp``) that the next stage reads it in.
+:class:`StageModule` is what ``torch.distributed.pipelining.PipelineStage`` runs (and what the
+in-order runner runs under ``vsf.simulate``): ``forward`` takes and returns local tensors and
+wraps them as DTensors around the jitted program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from vsf.jit import jit
+from vsf.sharding.named import NamedSharding
+
+__all__ = ["Boundary", "StageModule", "as_global", "local_of", "stage_program"]
+
+Boundary = tuple[NamedSharding, tuple[int, ...]]   # a value's layout and global shape (one microbatch)
+
+
+def as_global(local: torch.Tensor, where: Boundary) -> DTensor:
+    """The DTensor of global shape ``where[1]`` laid out as ``where[0]`` whose shard here is
+    ``local`` (differentiable: the gradient comes back as ``local``'s)."""
+    sharding, shape = where
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=shape, stride=stride)
+
+
+def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
+    """``x``'s shard here, laid out as ``sharding`` (differentiable)."""
+    if tuple(x.placements) != tuple(sharding.placements):
+        x = x.redistribute(sharding.mesh.device_mesh, sharding.placements)
+    return x.to_local(grad_placements=sharding.placements)
+
+
+def stage_program(fn: Callable[..., Any], out: NamedSharding) -> Any:
+    """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
+    backward, and reused while shapes and layouts stay)."""
+    return jit(fn, out_shardings=out)
+
+
+class StageModule(torch.nn.Module):
+    """A stage as an ``nn.Module`` over local tensors: ``forward(*x_local) -> y_local``.
+
+    ``weights`` are the stage's params (DTensor leaves requiring grad, in ``names`` order), held
+    as ``nn.Parameter`` s so torch's schedules accumulate their gradients; ``ins`` the layout and
+    global microbatch shape of each input, ``out`` the result's layout and shape. ``program`` is
+    :func:`stage_program` of the stage function (made once, so later steps reuse its plan).
+
+    Example::
+
+        >>> mod = StageModule(stage_program(block_fn, act), names, weights, [(act, (2, 8, 16))], (act, (2, 8, 16)), 1)
+        >>> y_local = mod(x_local)
+    """
+
+    def __init__(self, program: Any, names: Sequence[str], weights: Sequence[torch.Tensor], ins: Sequence[Boundary], out: Boundary, index: int) -> None:
+        super().__init__()
+        self.names = tuple(names)
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(w) for w in weights])
+        self.ins, (self.out, self.out_shape), self.index = list(ins), out, index
+        self.program = program
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.weights))
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        y = self.program(self.params(), *[as_global(x, where) for x, where in zip(xs, self.ins)])
+        if torch.is_grad_enabled() and y.grad_fn is None and any(w.requires_grad for w in self.weights):
+            raise RuntimeError(f"pipeline stage {self.index}: its vsf.jit program returned a result without an autograd graph, so no gradient could reach the stage's params")
+        return local_of(y, self.out)
+

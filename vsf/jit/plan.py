@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -67,13 +68,17 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Redistribution:
-    """Moving ``value`` from placements ``src`` to ``dst`` (before ``before`` uses it)."""
+    """Moving ``value`` from placements ``src`` to ``dst`` (before ``before`` uses it), for the ops
+    ``users`` (``before`` first, in graph order). A value has one redistribution per placement,
+    or, where the plan reshards a gathered input between distant uses (FSDP's reshard after
+    forward), one per group of users."""
 
     value: Value
     src: Placements
     dst: Placements
     collectives: tuple[Collective, ...]
     before: torch.fx.Node
+    users: tuple[torch.fx.Node, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +134,14 @@ class Plan:
         out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
         inside = [c for node in self.order if isinstance(node, torch.fx.Node) and node in self.nodes for c in self.nodes[node].collectives]
         return out + [c for b in self.buckets for c in b.collectives] + inside
+
+    def serving(self, user: torch.fx.Node, value: Value, dst: Placements) -> Redistribution:
+        """The redistribution that gives ``user`` its input ``value`` laid out as ``dst``."""
+        return self._served[(user, value, dst)]
+
+    @functools.cached_property
+    def _served(self) -> dict[tuple[torch.fx.Node, Value, Placements], Redistribution]:
+        return {(u, r.value, r.dst): r for r in self.redistributions for u in r.users}
 
     def placement(self, value: Value) -> Placements:
         node, i = value

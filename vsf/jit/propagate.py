@@ -27,6 +27,7 @@ full mesh (the same decision the lowered program will make), so the plan is exac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,8 @@ from vsf.jit.classify import classify, constant_nodes
 from vsf.jit.cost import NOT_PARTIAL, Codes
 from vsf.jit import context_parallel, manual
 from vsf.jit.cost import transition_kind
-from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
+from vsf.jit.memory import peak_bytes
+from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import AxisSolver, Problem
@@ -61,12 +63,16 @@ def propagate(
     out_shardings: Sequence[NamedSharding | None],
     *,
     allow_replicated_fallback: bool = False,
+    reshard_after_forward: bool | None = None,
+    memory_budget: int | None = None,
 ) -> Plan:
     """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
 
     ``in_placements`` gives each placeholder's DTensor placements (over ``mesh.device_axes``);
     ``out_shardings`` each output's required sharding, ``None`` to let propagation choose
-    (anything but an unreduced partial).
+    (anything but an unreduced partial). ``reshard_after_forward``: whether a gathered input is
+    gathered again for its later uses (:func:`_regathered`); ``None`` lets ``memory_budget``
+    (bytes per rank) decide: kept gathered unless the plan's estimated peak would exceed it.
     """
     axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
     placeholders = placeholders_of(gm)
@@ -107,7 +113,11 @@ def propagate(
                 solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
                 solver.solve()
                 problem.solved[axis] = solver
-        return _check_with_dtensor(problem, axes, in_placements, out_shardings)
+        plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings)
+    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=bool(reshard_after_forward))
+    if reshard_after_forward is None and memory_budget is not None and peak_bytes(plan) > memory_budget:
+        plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=True)
+    return plan
 
 
 def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
@@ -118,7 +128,11 @@ def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
     return free
 
 
-def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]) -> Plan:
+def _check_with_dtensor(
+    problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]
+) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
+    """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
+    propagation), every redistribution with its users, and the outputs' placements."""
     mesh, gm = problem.mesh, problem.gm
     dm_axes = list(mesh.device_axes)
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
@@ -190,8 +204,18 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
         dst = to_placements(s) if s is not None else _expressible(mesh, meta_of(v), actual[v])
         move(v, dst, out_node)
         final.append(dst)
-    moved = tuple(moves.values())
-    buckets, order = form_buckets(mesh, gm, moved, {id(r): users[(r.value, r.dst)] for r in moved})
+    return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final
+
+
+def _scheduled(
+    mesh: Mesh, gm: torch.fx.GraphModule, plans: dict[torch.fx.Node, NodePlan], in_placements: Sequence[Placements],
+    final: list[Placements], moves: list[Redistribution], *, regather: bool,
+) -> Plan:
+    """The plan: with each gathered input gathered again for its later uses if ``regather``, the
+    collectives bucketed and the program's order."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
+    buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved})
     return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
 
 
@@ -248,6 +272,32 @@ def _balanced_decision(
 
     placed = [back(t, p) for t, p in zip(metas, [*got_in, *got_out])]
     return placed[: len(got_in)], placed[len(got_in) :], direct
+
+
+def _regathered(index: dict[torch.fx.Node, int], r: Redistribution) -> tuple[Redistribution, ...]:
+    """FSDP's reshard after forward, for one redistribution: a gather of a graph input (or of a
+    view of one: a param, its transpose) that several ops read is split at the widest gap
+    between consecutive readers, in graph order (``index``). The first copy is freed after the last use before
+    the gap; the second is gathered again from the shard, which every rank keeps, before the
+    first use after it (in a training step: a param gathered in the forward, and again in the
+    backward). Anything else is returned as it is."""
+    users = sorted(set(r.users), key=index.__getitem__)  # (an op may read the value twice)
+    if len(users) < 2 or not any(c.kind == "all_gather" for c in r.collectives) or not _input_view(r.value[0]):
+        return (r,)
+    cut = max(range(1, len(users)), key=lambda i: index[users[i]] - index[users[i - 1]])
+    return dataclasses.replace(r, before=users[0], users=tuple(users[:cut])), dataclasses.replace(r, before=users[cut], users=tuple(users[cut:]))
+
+
+def _input_view(node: torch.fx.Node) -> bool:
+    """Is ``node`` a graph input, or a chain of views (ops whose result aliases their one tensor
+    argument: ``detach``, ``t``, ``view``) of one?"""
+    while node.op != "placeholder":
+        if not is_view(node):
+            return False
+        node = node.all_input_nodes[0]
+    return True
+
+
 def _local_over_manual(node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> None:
     """A region's body op runs on each rank's values as they are over the region's manual axes:
     DTensor's decision on the full mesh must move nothing there."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pickle
 import threading
 import uuid
 from collections.abc import Callable
@@ -110,7 +111,8 @@ def start_save(
     wait_pending(group)
     if final.exists():
         raise FileExistsError(f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)")
-    treedef, records, state = leaves.flatten(tree)
+    slots, mine, state = leaves.flatten(tree)
+    treedef, records = leaves.merge(slots, group.all_gather((pickle.dumps(slots), mine)))
     if not blocking and not runtime.is_simulated():  # (simulated leaves are gathered copies already)
         state = group.staging.stage(state)
     meter = Progress(f"vsf.checkpoint saving {final}", enabled=progress if group.rank == 0 else False)

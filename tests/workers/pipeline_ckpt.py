@@ -98,6 +98,18 @@ result["flat_to_pp2"] = mismatches(got, {k: ref[k] + 1 for k in mine})
 result["flat_to_pp2_held"] = sorted(got)
 result["flat_to_pp2_none_where"] = sorted(vsf.tree.keystr(k) for k, v in vsf.tree.flatten_with_path(back, is_leaf=lambda x: x is None)[0] if v is None)
 
+# resume: one more step from the loaded pp=2 checkpoint is the live run's next step
+def step(state):
+    loss, grads = pipe.value_and_grad(state["params"], *batch_at(2, 8, cfg))
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return {"params": optim.apply_updates(state["params"], updates), "opt": opt}, vsf.device_get(loss)
+
+
+resumed, resumed_loss = step(vsf.checkpoint.load(out / "pp2", vsf.eval_shape(init_pp)))
+live, live_loss = step(state)
+result["resume_loss_equal"] = bool(torch.equal(resumed_loss, live_loss))
+result["resume_mismatches"] = mismatches(flat(resumed), flat(live))
+
 # wrong targets
 abstract = vsf.eval_shape(init_pp)
 bad = {**abstract, "params": dict(abstract["params"])}

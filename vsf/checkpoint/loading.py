@@ -28,13 +28,19 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
     a ``NamedSharding`` on any mesh of this run: a DTensor laid out so), or a live tensor / DTensor
     to take the layout of (it is not written to). Shapes and dtypes must match what was saved;
     the mesh, specs and number of ranks may differ. Without ``target``, leaves come back as saved,
-    which needs a mesh of the same size. Every byte read is checked against the checksums written
-    at save time; nothing is returned unless all of it loaded.
+    which needs a mesh of the same size. ``None`` in a rank's target at a saved leaf means "held
+    by other ranks" (a ``vsf.pipeline`` stage's leaf on another stage's ranks): this rank reads
+    nothing there and gets ``None``; every saved leaf must be asked for by some rank. A target that
+    does not fit on any rank raises on every rank, naming that rank and the key path. Every byte
+    read is checked against the checksums written at save time; nothing is returned unless all of
+    it loaded.
 
     Example::
 
         >>> abstract = vsf.eval_shape(lambda: {"params": params, "opt": tx.init(params), "step": 0})
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=abstract)
+        >>> staged = vsf.eval_shape(lambda: {"params": pipe.place(params, specs), "step": 0})   # onto pipeline stages
+        >>> state = vsf.checkpoint.load("ckpt/step_100", target=staged)
     """
     group = group_mod.current()
     wait_pending(group)

@@ -245,8 +245,9 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     pipe = make_pipeline(args, model, mesh) if args.pp > 1 else None
     state = {"params": pipe.place(params, specs) if pipe else vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))}
     state["opt"] = optim.init_sharded(tx, state["params"], zero_axes=("dp",))
-    for name in ("blocks.0.attn.qkv.weight", "wte.weight"):
-        rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
+    for name in ("blocks.0.attn.qkv.weight", "wte.weight"):   # (both on rank 0; None on the later stages' ranks)
+        if rep.enabled:
+            rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
     if pipe:
         for s in range(args.pp):
             rep.say(f"  stage {s}: ranks {list(pipe.meshes[s].devices)}, {', '.join(pipe.prefixes[s])}")

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "ragged": "benchmarks.bench_ragged",
     "checkpoint": "benchmarks.bench_checkpoint",
     "random": "benchmarks.bench_random",
+    "context_parallel": "benchmarks.bench_context_parallel",
 }
 
 

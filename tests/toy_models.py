@@ -84,6 +84,29 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t))
 
 
+def params_saved_for_backward(model: nn.Module, *args) -> set[str]:
+    """The names of ``model``'s params whose storage autograd saves for the backward of one plain
+    ``model(*args)`` (what a backward reads of them: FSDP gathers these again when it reshards
+    after forward)."""
+    storages = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    saved: set[str] = set()
+
+    def storage(t: torch.Tensor) -> int | None:
+        try:
+            return t.untyped_storage().data_ptr()
+        except RuntimeError:  # (a tensor without storage: not a param)
+            return None
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if storage(t) in storages:
+            saved.add(storages[storage(t)])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args)
+    return saved
+
+
 def adamw_gpt_case():
     """A 1-layer GPT (no qkv bias: the key bias gets an exactly-zero gradient, which Adam turns into
     noise-sized steps), its params, a batch, ``chain(clip, adamw)`` and the train step over them."""

@@ -20,6 +20,7 @@ from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
 from vsf.sharding import (
+    BalancedShard,
     Mesh,
     NamedSharding,
     P,
@@ -31,7 +32,7 @@ from vsf.sharding import (
     use_mesh,
 )
 from vsf.sharding.inspect import typeof
-from vsf.sharding.spec import ragged
+from vsf.sharding.spec import balanced, ragged
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'vsf' has no attribute {name!r}")
 
 __all__ = [
+    "BalancedShard",
     "CorruptCheckpointError",
     "HigherOrderGradError",
     "Mesh",
@@ -58,6 +60,7 @@ __all__ = [
     "RaggedShard",
     "ShapeDtypeStruct",
     "TraceError",
+    "balanced",
     "checkpoint",
     "config",
     "debug",

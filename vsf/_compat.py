@@ -65,8 +65,10 @@ __all__ = [
     "StridedShard",
     "active_local_mode",
     "attention_sequence_rule",
+    "below_local_mode",
     "clear_sharding_caches",
     "decomposition",
+    "dispatch_modes_off",
     "dispatcher_special_ops",
     "dtensor_decision",
     "dtensor_from_local",
@@ -89,6 +91,7 @@ __all__ = [
     "make_local",
     "one_rank_device_mesh",
     "op_schema",
+    "other_dispatch_modes",
     "overload_name",
     "position_in_copy",
     "reduce_partial",
@@ -776,6 +779,56 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+@contextlib.contextmanager
+def below_local_mode(mode: Any) -> Iterator[None]:
+    """Run with the dispatch mode ``mode`` just below the enabled ``LocalTensorMode``, where it sees
+    the plain ops that mode runs for each simulated rank (and those LocalTensor itself runs, as
+    ``contiguous``), one rank's tensors at a time, instead of the ops on ``LocalTensor`` s.
+
+    Example::
+
+        >>> with below_local_mode(recorder):
+        ...     y = x + 1          # recorder sees aten.add on each rank's tensor
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    local = next((i for i, m in enumerate(stack) if isinstance(m, LocalTensorMode)), None)
+    if local is None:
+        raise RuntimeError("below_local_mode needs an enabled LocalTensorMode (vsf.simulate)")
+    above = [_pop_mode() for _ in range(len(stack) - local)][::-1]  # bottom first: the LocalTensorMode, then the modes above it
+    _push_mode(mode)
+    for m in above:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in range(len(above)):
+            _pop_mode()
+        if _pop_mode() is not mode:
+            raise RuntimeError("below_local_mode: the dispatch mode stack changed inside the block")
+        for m in above:
+            _push_mode(m)
+
+
+def other_dispatch_modes() -> bool:
+    """Is a dispatch mode other than ``LocalTensorMode`` enabled (``CommDebugMode``, a user's
+    mode watching the ops a program runs)?"""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(not isinstance(m, LocalTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def dispatch_modes_off() -> Iterator[None]:
+    """Run plain tensor code with no dispatch mode on the stack (under ``vsf.simulate`` a plain op
+    otherwise passes through ``LocalTensorMode``'s handler, 8x the cost of the op on small tensors)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, list[tuple[int, str, int]]]:

@@ -5,8 +5,11 @@
 * ``allow_replicated_fallback`` (default ``False``): an op with no DTensor sharding strategy runs
   replicated (the plan text flags it) instead of being an error.
 * ``jit_mode`` (default ``"auto"``): ``"trace"`` runs each step as a traced program over local
-  shards, ``"interpret"`` walks the plan on DTensors, ``"auto"`` traces in real runs and
-  interprets under ``vsf.simulate`` (where per-rank programs cannot be traced).
+  shards, ``"interpret"`` walks the plan on every call (under ``vsf.simulate`` every op runs
+  through ``LocalTensorMode``), ``"replay"`` (under ``vsf.simulate``) records the second call's
+  plain per-rank ops and runs them again on later calls (:mod:`vsf.jit.replay`: the same bits as
+  ``"interpret"``, several times faster), ``"auto"`` traces in real runs and replays under
+  ``vsf.simulate``.
 * ``check_plan`` (default ``False``): checking mode for every jitted call (:mod:`vsf.jit.check`;
   ``f.check(*args)`` checks one call). Under ``vsf.simulate`` the planned program runs beside the
   unsharded graph, op by op on the same full input values, and the first op whose assembled result
@@ -21,11 +24,16 @@
   generator (dropout without :class:`vsf.random.keyed`, ``torch.rand`` ...) is an error, since its
   values would depend on the layout; set, it is planned like any op (DTensor's RNG where it has a
   strategy, ``allow_replicated_fallback`` where not), with other values on every layout.
-* ``context_parallel`` (default ``"all_gather"``): how attention runs with its queries' sequence
+* ``context_parallel`` (default ``"auto"``): how attention runs with its queries' sequence
   split (:mod:`vsf.jit.context_parallel`): ``"all_gather"`` gathers keys and values over the
-  split (a ring sends as many bytes, so the cost model would not pick it), ``"ring"`` passes
-  their blocks around a ring of ppermutes instead (each rank holds one block of keys and
-  values at a time). Read when a step is planned.
+  split, ``"ring"`` passes their blocks around a ring of ppermutes instead (each rank holds one
+  block of keys and values at a time), ``"auto"`` chooses per attention op: the ring where its
+  gathered keys and values would take more than ``context_parallel_gather_bytes``, else the
+  gather (it sends no more bytes forward and fewer backward, and runs fewer, larger steps). Read
+  when a step is planned.
+* ``context_parallel_gather_bytes`` (default 64 MiB): ``"auto"``'s memory budget for one
+  attention op's gathered keys and values, counted on their whole shape (what a rank holds
+  gathered where no other axis splits them: an upper bound).
 
 Example::
 
@@ -39,4 +47,5 @@ check_plan: bool = False
 check_tolerance: tuple[float, float] = (1e-4, 1e-5)
 compile_random: bool = False
 allow_unkeyed_random: bool = False
-context_parallel: str = "all_gather"
+context_parallel: str = "auto"
+context_parallel_gather_bytes: int = 64 * 2**20

@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from context_parallel_checks import SDPA, assert_attention_on_a_ring, assert_attention_on_sequence_shards, assert_equal_to_one_device, attention_plans, on_axis, reference
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import vsf
 from vsf import P
+from vsf.sharding.named import BalancedPlacement
 
 MESHES = {
     "cp2": ((2,), ("cp",), P(None, "cp")),
@@ -131,10 +132,10 @@ def test_grouped_query_attention_gathers_only_keys_and_values_over_cp(sim, layou
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("layout", ["cp2", "cp4", "cp2_tp2"])
 def test_an_attention_block_keeps_its_tokens_split_on_cp(sim, layout, kv_heads, causal):
-    """A GPT-like block (projections, heads, SDPA) on one sequence: only keys and values are
-    gathered. (A batch of several sequences split on cp merges into a strided shard of the
-    projections' rows, which the planner does not keep through ``mm`` yet.)"""
-    params, batch, loss_fn = _block_case(causal=causal, kv_heads=kv_heads, batch=1)
+    """A GPT-like block (projections, heads, SDPA) on four sequences, each split on cp: only keys
+    and values are gathered (the projections' rows, the sequences merged, keep each sequence's
+    split as a strided shard)."""
+    params, batch, loss_fn = _block_case(causal=causal, kv_heads=kv_heads, batch=4)
     want = reference(loss_fn, params, batch)
     got, plan = _run(sim, layout, params, batch, loss_fn, MEGATRON)
     assert_equal_to_one_device(got, want)
@@ -198,16 +199,14 @@ def _gpt_case(sdpa: bool, batch: int):
 @pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "masked-softmax"])
 @pytest.mark.parametrize("layout", sorted(MESHES))
 def test_the_toy_gpt_with_tokens_on_cp_equals_one_device(sim, layout, sdpa):
-    """The repo's GPT (causal), its tokens ``P(None, "cp")`` (``P("dp", "cp")`` on dp x cp). With
-    SDPA on one sequence the attention runs on sequence shards; a batch of sequences split on cp
-    merges into a strided shard of the projections' rows, which the planner does not keep through
-    ``mm`` yet (it gathers there), so dp x cp is checked for its numbers only."""
-    batch = 2 if layout.startswith("dp") else 1
-    params, tokens, loss_fn = _gpt_case(sdpa, batch)
+    """The repo's GPT (causal) on two sequences, its tokens ``P(None, "cp")`` (``P("dp", "cp")`` on
+    dp x cp). With SDPA the attention runs on sequence shards (the masked softmax is checked for
+    its numbers)."""
+    params, tokens, loss_fn = _gpt_case(sdpa, 2)
     want = reference(loss_fn, params, tokens)
     got, plan = _run(sim, layout, params, tokens, loss_fn, GPT_MEGATRON)
     assert_equal_to_one_device(got, want)
-    if sdpa and batch == 1:
+    if sdpa:
         assert_attention_on_sequence_shards(plan)
 
 
@@ -221,7 +220,8 @@ def ranks(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
     """Each process's blocks follow its own rank: 3 SGD steps on 4 gloo processes equal one device,
-    keys and values gathered or passed around a ring."""
+    keys and values gathered or passed around a ring, the tokens split contiguous or balanced
+    (each process then runs only the causal blocks it sees)."""
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
         assert r["max_param_err"] < 1e-5
@@ -229,6 +229,10 @@ def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
         torch.testing.assert_close(torch.tensor(r["ring_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
         assert r["ring_max_param_err"] < 1e-5
         assert r["ring_key_placements"] == [str((Shard(2),))] * 2
+        for mode, arg in (("balanced", "query"), ("balanced_ring", "key")):
+            torch.testing.assert_close(torch.tensor(r[f"{mode}_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+            assert r[f"{mode}_max_param_err"] < 1e-5
+            assert r[f"{mode}_{arg}_placements"] == [str((BalancedPlacement(2),))] * 2
 
 
 # -- ring attention (vsf.config.context_parallel = "ring") ------------------------------------------
@@ -273,7 +277,7 @@ def test_the_toy_gpt_on_sequence_shards_passes_checking_mode(sim, monkeypatch, l
     """Op by op, each result assembled from the ranks' shards equals the unsharded graph's (the
     causal blocks' merged output and log-sum-exp, and every gradient), and the step equals one device."""
     monkeypatch.setattr(vsf.config, "context_parallel", mode)
-    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=1)
+    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=2)
     want = reference(loss_fn, params, tokens)
     shape, names, spec = MESHES[layout]
     sim(math.prod(shape))
@@ -283,3 +287,166 @@ def test_the_toy_gpt_on_sequence_shards_passes_checking_mode(sim, monkeypatch, l
     jitted = vsf.jit(_step(loss_fn))
     assert_equal_to_one_device(vsf.device_get(jitted.check(p, *b)), want)
     (assert_attention_on_a_ring if mode == "ring" else assert_attention_on_sequence_shards)(jitted.lower(p, *b).plan)
+
+
+# -- the balanced causal layout (vsf.balanced("cp"): rank i holds chunks i and 2n-1-i) -------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("chunks", [1, 2], ids=["contiguous", "balanced"])
+def test_the_causal_pieces_of_each_step_are_the_chunk_pairs_positions_allow(n, chunks):
+    """Oracle: a query chunk sees a key chunk where its positions come after (the diagonal chunk
+    causally). Each rank's chunks, as the layout lays them out; every seen pair is computed once,
+    no unseen pair is (a causal kernel on several chunks masks by their order in the block);
+    balanced, every rank computes as much."""
+    from vsf.jit.context_parallel import _Layout
+
+    layout = _Layout(n, chunks, causal=True)
+    order = [i for i in range(n)] if chunks == 1 else list(vsf.BalancedShard.chunk_order(n))
+    held = [order[r * chunks : (r + 1) * chunks] for r in range(n)]
+    work = []
+    for me in range(n):
+        pairs = {}
+        for s in range(n):
+            keys = held[(me - s) % n]
+            for piece in layout.pieces(s, me):
+                if not piece.seen:
+                    continue
+                for u, a in enumerate(held[me][piece.qs]):
+                    for w, b in enumerate(keys[piece.ks]):
+                        if piece.causal and u < w:  # a causal kernel's mask hides later local chunks
+                            assert b > a, (me, s, a, b)
+                            continue
+                        assert (piece.causal and u == w) == (a == b), (me, s, a, b)
+                        pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        assert pairs == {(a, b): 1 for a in held[me] for b in range(n * chunks) if b <= a}, me
+        work.append(sum(1 if a == b else 2 for a, b in pairs))  # half-chunk units: a diagonal pair costs half
+    assert len(set(work)) == 1 if chunks == 2 else work == sorted(work)
+
+
+BALANCED = {"cp2": 2, "cp4": 4}
+
+
+def _run_balanced(sim, n, params, loss_fn):
+    sim(n)
+    mesh = vsf.make_mesh((n,), ("cp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P(None, None, vsf.balanced("cp"))))
+    jitted = vsf.jit(_step(loss_fn))
+    return vsf.device_get(jitted(p)), jitted.lower(p).plan
+
+
+@CAUSAL
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("layout", sorted(BALANCED))
+def test_attention_on_balanced_sequence_shards_equals_one_device(sim, monkeypatch, layout, mode, causal):
+    """q, k, v (GQA: 8 query heads, 2 key/value heads) laid out balanced over cp: the output and
+    every gradient equal one device's SDPA, and the plan keeps the queries (and on a ring the keys)
+    on the balanced chunks."""
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    params, batch, loss_fn = _qkv_case(causal=causal, kv_heads=2, heads=8)
+    want = reference(loss_fn, params, batch)
+    got, plan = _run_balanced(sim, BALANCED[layout], params, loss_fn)
+    assert_equal_to_one_device(got, want)
+    for p in attention_plans(plan)[SDPA]:
+        assert isinstance(on_axis(plan, p.ins[0]), BalancedPlacement), p.ins
+        assert isinstance(on_axis(plan, p.ins[1]), BalancedPlacement if mode == "ring" else Replicate), p.ins
+
+
+def test_positions_made_in_the_step_follow_the_balanced_layout(sim):
+    """``arange(t)`` inside the step (a model's learned positions) meets the tokens' balanced
+    chunks: each rank gets its chunks' positions, and the result comes back in order."""
+    x = torch.zeros(2, 16)
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("cp",))
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P(None, vsf.balanced("cp"))))
+    got = vsf.jit(lambda x: x + torch.arange(x.shape[1]))(xs)
+    assert isinstance(got.placements[0], BalancedPlacement)
+    torch.testing.assert_close(vsf.device_get(got), x + torch.arange(16), rtol=0, atol=0)
+
+
+def _sgd_steps(model, params, tokens, steps, run):
+    def step(p, idx, tgt):
+        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(p)
+        return vsf.tree.map(lambda w, g: w - 0.1 * g, p, grads), loss
+
+    losses = []
+    for _ in range(steps):
+        params, loss = run(step)(params, *tokens)
+        losses.append(vsf.device_get(loss))
+    return vsf.device_get(params), torch.stack(losses)
+
+
+@pytest.mark.parametrize("model_kind", ["toy-sdpa", "example"])
+def test_a_gpt_on_dp_x_cp_balanced_trains_like_one_device(sim, model_kind):
+    """Three SGD steps of a GPT with learned positions (``wpe(arange(t))``), two sequences on
+    ``dp`` each balanced over ``cp``: the losses and params equal the one-device steps. The
+    repo's toy GPT (SDPA) keeps its attention on the balanced chunks; examples/gpt.py (masked
+    softmax, T x T scores) is checked for its numbers."""
+    import sys
+    from pathlib import Path
+
+    from toy_models import GPT, GPTConfig
+
+    if model_kind == "example":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        import gpt
+
+        model = gpt.GPT(gpt.GPTConfig(vocab=32, seq=16, dim=16, heads=2, layers=1))
+    else:
+        model = GPT(GPTConfig(vocab=32, seq=16, dim=16, heads=2, layers=1, tied=False, sdpa=True))
+    params = vsf.tree.from_module(model)
+    tokens = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
+    want, want_losses = _sgd_steps(model, params, tokens, 3, lambda f: f)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "cp"))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(tokens, vsf.NamedSharding(mesh, P("dp", vsf.balanced("cp"))))
+    jitted = {}
+    got, losses = _sgd_steps(model, p, b, 3, lambda f: jitted.setdefault("step", vsf.jit(f)))
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    if model_kind == "toy-sdpa":
+        plan = jitted["step"].lower(p, *b).plan
+        for pl in attention_plans(plan)[SDPA]:
+            assert isinstance(on_axis(plan, pl.ins[0]), BalancedPlacement), pl.ins
+
+
+# -- the choice between gathered keys and a ring ("auto") ---------------------------------------------
+
+
+@pytest.mark.parametrize("seq, chosen", [(16, "all_gather"), (64, "ring")])
+def test_auto_rings_where_the_gathered_keys_and_values_exceed_the_budget(sim, monkeypatch, seq, chosen):
+    """With a 16 KiB budget: 16 positions of keys and values (2 x 2 x 16 x 8 fp32, 8 KiB together)
+    are gathered, 64 (32 KiB) go around a ring; "all_gather" and "ring" force either; each equals
+    one device."""
+    monkeypatch.setattr(vsf.config, "context_parallel_gather_bytes", 16 * 2**10)
+    params, batch, loss_fn = _qkv_case(causal=True, kv_heads=2, heads=8, seq=seq)
+    want = reference(loss_fn, params, batch)
+    sim(2)
+    p = vsf.device_put(params, vsf.NamedSharding(vsf.make_mesh((2,), ("cp",)), P(None, None, "cp")))
+    for mode, expect in (("auto", chosen), ("all_gather", "all_gather"), ("ring", "ring")):
+        monkeypatch.setattr(vsf.config, "context_parallel", mode)
+        jitted = vsf.jit(_step(loss_fn))
+        plan = jitted.lower(p).plan
+        keys = {on_axis(plan, p.ins[1]) for p in attention_plans(plan)[SDPA]}
+        assert keys == ({Shard(2)} if expect == "ring" else {Replicate()}), (mode, keys)
+        if mode == "auto":
+            assert_equal_to_one_device(vsf.device_get(jitted(p)), want)
+
+
+def test_a_gpt_on_dp_x_cp_balanced_ring_passes_checking_mode(sim, monkeypatch):
+    """Op by op, every value assembled from the balanced shards (those a view merges into the
+    projections' rows too) equals the unsharded graph's, keys and values on a ring."""
+    monkeypatch.setattr(vsf.config, "context_parallel", "ring")
+    params, tokens, loss_fn = _gpt_case(sdpa=True, batch=2)
+    want = reference(loss_fn, params, tokens)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "cp"))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    b = vsf.device_put(tokens, vsf.NamedSharding(mesh, P("dp", vsf.balanced("cp"))))
+    jitted = vsf.jit(_step(loss_fn))
+    assert_equal_to_one_device(vsf.device_get(jitted.check(p, *b)), want)
+    plan = jitted.lower(p, *b).plan
+    for pl in attention_plans(plan)[SDPA]:
+        assert all(isinstance(on_axis(plan, x), BalancedPlacement) for x in pl.ins), pl.ins

@@ -1,5 +1,5 @@
 """Hugging Face models (tiny random configs, default SDPA attention, GQA where the family has it)
-with one sequence split over ``cp``: the loss and every gradient equal the one-device run, and
+with two sequences, each split over ``cp``: the loss and every gradient equal the one-device run, and
 every attention runs on sequence shards (keys and values gathered, or passed around a ring;
 queries and output kept split)."""
 
@@ -18,11 +18,11 @@ pytestmark = pytest.mark.models
 
 @pytest.mark.parametrize("mode", ["all_gather", "ring"])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
-def test_one_sequence_on_cp_equals_one_device(sim, monkeypatch, name, mode):
+def test_two_sequences_on_cp_equal_one_device(sim, monkeypatch, name, mode):
     monkeypatch.setattr(vsf.config, "context_parallel", mode)
     model, _ = zoo.built(zoo.families()[name])
     params = vsf.tree.from_module(model)
-    ids = torch.randint(0, zoo.VOCAB, (1, zoo.SEQ))
+    ids = torch.randint(0, zoo.VOCAB, (2, zoo.SEQ))
 
     def loss_fn(p, ids):
         return vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss

@@ -1,4 +1,4 @@
-"""Tier 3 worker: the toy GPT (causal SDPA) with its one sequence split over cp = 4 real gloo
+"""Tier 3 worker: the toy GPT (causal SDPA) with its two sequences each split over cp = 4 real gloo
 processes, SGD steps under vsf.jit (the traced program over local shards), against the same steps
 run unsharded in each process."""
 
@@ -20,7 +20,7 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab=32, seq=16, dim=16, heads=2, layers=2, tied=False, sdpa=True))
 params = vsf.tree.from_module(model)
-tokens = (torch.randint(0, 32, (1, 16)), torch.randint(0, 32, (1, 16)))
+tokens = (torch.randint(0, 32, (2, 16)), torch.randint(0, 32, (2, 16)))
 
 
 def step(p, idx, tgt):
@@ -33,13 +33,15 @@ for _ in range(3):
     want, loss = step(want, *tokens)
     want_losses.append(loss.item())
 mesh = vsf.make_mesh((world,), ("cp",))
-b = vsf.device_put(tokens, vsf.NamedSharding(mesh, P(None, "cp")))
+contiguous = vsf.device_put(tokens, vsf.NamedSharding(mesh, P(None, "cp")))
+balanced = vsf.device_put(tokens, vsf.NamedSharding(mesh, P(None, vsf.balanced("cp"))))
 sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-def run(arg: int) -> tuple[list[float], float, list[str]]:
-    """Three jitted steps in ``vsf.config.context_parallel``'s mode: their losses, the largest
-    param difference from the unsharded steps, and placement ``arg`` of each attention node."""
+def run(arg: int, b: tuple = contiguous) -> tuple[list[float], float, list[str]]:
+    """Three jitted steps in ``vsf.config.context_parallel``'s mode on tokens ``b``: their losses,
+    the largest param difference from the unsharded steps, and placement ``arg`` of each attention
+    node."""
     p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
     jitted = vsf.jit(step)
     losses = []
@@ -53,10 +55,19 @@ def run(arg: int) -> tuple[list[float], float, list[str]]:
 
 
 losses, err, queries = run(0)
+# the tokens balanced over cp (each process runs only the causal blocks it sees)
+balanced_losses, balanced_err, balanced_queries = run(0, balanced)
 # the same steps with keys and values passed around a ring of ppermutes
 vsf.config.context_parallel = "ring"
 ring_losses, ring_err, ring_keys = run(1)
+balanced_ring_losses, balanced_ring_err, balanced_ring_keys = run(1, balanced)
 report = {
+    "balanced_losses": balanced_losses,
+    "balanced_max_param_err": balanced_err,
+    "balanced_query_placements": balanced_queries,
+    "balanced_ring_losses": balanced_ring_losses,
+    "balanced_ring_max_param_err": balanced_ring_err,
+    "balanced_ring_key_placements": balanced_ring_keys,
     "losses": losses,
     "want_losses": want_losses,
     "max_param_err": err,

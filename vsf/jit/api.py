@@ -53,13 +53,9 @@ log = logging.getLogger("vsf.jit")
 
 
 def jit(
-    fun: Callable[..., Any] | None = None,
-    *,
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_argnums: int | Sequence[int] = (),
+    fun: Callable[..., Any] | None = None, *, in_shardings: Any = None, out_shardings: Any = None,
+    static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+    reshard_after_forward: bool | None = None, memory_budget: int | None = None,
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -74,6 +70,8 @@ def jit(
       (Python control flow may depend on them).
     * ``donate_argnums``: arguments whose DTensors are released after the call; using them
       afterwards raises an error that says so.
+    * ``reshard_after_forward`` (FSDP2's name): ``True`` gathers a sharded param again in the backward, ``False``
+      keeps it; ``None``: only if ``.cost().peak_bytes`` would exceed ``memory_budget`` (bytes per rank).
 
     Called with grad mode on and an input that requires grad, the result is differentiable by
     torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
@@ -90,8 +88,8 @@ def jit(
         >>> block(params, x).square().mean().backward(); opt.step()      # param.grad: DTensors
     """
     if fun is None:
-        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums)
-    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums))
+        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget)
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -144,7 +142,7 @@ class _Call:
 class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
-    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...]) -> None:
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -152,6 +150,7 @@ class Jitted:
         self.static_argnums = static_argnums
         self.static_argnames = static_argnames
         self.donate_argnums = donate_argnums
+        self.reshard_after_forward, self.memory_budget = reshard_after_forward, memory_budget
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
@@ -318,7 +317,7 @@ class Jitted:
         if compiled is None:
             plan = propagate(
                 traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
-                allow_replicated_fallback=config.allow_replicated_fallback,
+                allow_replicated_fallback=config.allow_replicated_fallback, reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
             )
             compiled = Compiled(self, plan, traced, call.names, out_names)
         self._cache[call.key] = compiled

@@ -24,13 +24,16 @@ from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
 from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import RaggedPlacement
+from vsf.sharding.named import BalancedPlacement, RaggedPlacement
 
-__all__ = ["BUCKET_BYTES", "GATHER_BUCKET_BYTES", "form_buckets"]
+__all__ = ["BUCKET_BYTES", "SHARDING_BUCKET_BYTES", "form_buckets"]
 
 
-BUCKET_BYTES = 32 * 2**20  # a reduction bucket's flat buffer: bigger buckets trade memory for fewer collectives
-GATHER_BUCKET_BYTES = 4 * 2**20  # a gather bucket's gathered buffer: its later members are gathered early
+BUCKET_BYTES = 32 * 2**20  # an all-reduce bucket's flat buffer: bigger buckets trade memory for fewer collectives
+# An all-gather bucket's gathered buffer, a reduce-scatter bucket's unreduced one: full-size copies
+# that live together (a gather's later members are gathered early, a reduction's earlier members
+# are freed late), so about one layer's params (FSDP's per-layer groups)
+SHARDING_BUCKET_BYTES = 4 * 2**20
 
 
 def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistribution], users: dict[int, list[torch.fx.Node]]) -> tuple[tuple[Bucket, ...], tuple[Any, ...]]:
@@ -57,7 +60,7 @@ def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistrib
     for (kind, k, _dtype), rs in groups.items():
         gather = kind == "all_gather"
         rs.sort(key=lambda r: first_use[id(r)] if gather else index[r.value[0]])
-        cap = GATHER_BUCKET_BYTES if gather else BUCKET_BYTES
+        cap = BUCKET_BYTES if kind == "all_reduce" else SHARDING_BUCKET_BYTES
         current: list[Redistribution] = []
         consumers = producers = size = 0
         for r in rs:
@@ -168,7 +171,10 @@ def _schedule(
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    return all(not is_shard(p) or (not isinstance(p, RaggedPlacement) and t.shape[p.dim] % mesh.axis_size(a) == 0) for a, p in zip(mesh.device_axes, placements))
+    return all(
+        not is_shard(p) or (not isinstance(p, (RaggedPlacement, BalancedPlacement)) and t.shape[p.dim] % mesh.axis_size(a) == 0)
+        for a, p in zip(mesh.device_axes, placements)
+    )
 
 
 def _bucket(mesh: Mesh, kind: str, members: list[Redistribution], mesh_dims: tuple[int, ...], before: torch.fx.Node) -> Bucket:

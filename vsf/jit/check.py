@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,12 +40,12 @@ from vsf.errors import PlanCheckError
 from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, source_line, value_of
 from vsf.jit.lower import execute
-from vsf.jit.plan import Placements, Plan
+from vsf.jit.plan import Placements, Plan, as_contiguous, is_shard, split_dim
 from vsf.jit import manual
 from vsf.ops.region import REGION_OPS
 from vsf.sharding.inspect import type_string
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import from_placements
+from vsf.sharding.named import BalancedPlacement, balanced_order, from_placements
 
 __all__ = ["Checker", "assemble", "run_checked"]
 
@@ -76,6 +77,9 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
         layout = from_placements(mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements), meta.ndim)
     except ValueError:
         return _gathered(mesh, placements, meta, local)
+    if layout.balanced:  # assembled in the balanced view, whose blocks are the ranks' shards; then put in order
+        view = assemble(mesh, as_contiguous(placements), layout.index_view(torch.empty_like(meta, device="meta")), local)
+        return _in_order(mesh, placements, view)
     partial = [(axis, p) for axis, p in zip(mesh.device_axes, placements) if isinstance(p, Partial)]
     held = {a for d in range(meta.ndim) for a in layout.spec.entry_axes(d)} | {a for a, _ in partial}
     shape = tuple(meta.shape)
@@ -99,11 +103,24 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
 
 
 def _gathered(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """The full value as DTensor's redistribution to ``Replicate`` gathers it (first rank's copy)."""
+    """The full value as DTensor's redistribution to ``Replicate`` gathers it (first rank's copy);
+    balanced splits gathered as their view's contiguous shards, then put in order."""
     full = _compat.redistribute_local(
-        local, mesh.device_mesh, tuple(placements), (Replicate(),) * len(placements), shape=meta.shape, stride=meta.stride(), dtype=meta.dtype
+        local, mesh.device_mesh, as_contiguous(tuple(placements)), (Replicate(),) * len(placements), shape=meta.shape, stride=meta.stride(), dtype=meta.dtype
     )
-    return _compat.local_shards(full, runtime.rank())[mesh.devices[0]].detach().clone()
+    return _in_order(mesh, placements, _compat.local_shards(full, runtime.rank())[mesh.devices[0]].detach().clone())
+
+
+def _in_order(mesh: Mesh, placements: Placements, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a whole value in the balanced order of ``placements``' balanced splits) in its
+    original order. A balanced split of groups (a view's merge) reorders within each group of the
+    block the earlier mesh dims' shards leave: the dim holds that many groups per such block."""
+    for k, p in enumerate(placements):
+        if isinstance(p, BalancedPlacement):
+            blocks = math.prod(mesh.axis_size(a) for j, (a, q) in enumerate(zip(mesh.device_axes, placements)) if j < k and is_shard(q) and split_dim(q) == p.dim)
+            order = balanced_order(view.shape[p.dim], mesh.axis_size(mesh.device_axes[k]), blocks * p.groups)
+            view = view.index_select(p.dim, torch.argsort(order))
+    return view
 
 
 def _reduce_last_axis(copies: dict[tuple[int, ...], torch.Tensor], p: Partial) -> dict[tuple[int, ...], torch.Tensor]:

@@ -5,7 +5,9 @@ Full (non-causal) attention on query shards with whole keys runs as it is (DTens
 kernel on each rank's rows: :func:`vsf._compat.attention_sequence_rule`). A causal kernel's mask
 starts at the first query it is given, which is position 0 only on the first shard, so DTensor is
 never told that rule for a causal op; the planner offers it here instead (:func:`sequence_rules`),
-and with ``vsf.config.context_parallel = "ring"`` a rule that keeps keys and values split too.
+and a rule that keeps keys and values split too, passed around a ring: ``vsf.config.context_parallel``
+forces one (``"all_gather"``, ``"ring"``) or, ``"auto"`` (the default), :func:`mode_of` picks the
+ring where the gathered keys and values would exceed a memory budget.
 vsf runs those ops block by block (:func:`run`). With the sequence in ``n`` equal blocks and the
 rank's queries block ``me``, step ``s`` attends to key block ``me - s`` (mod ``n``), cut from the
 whole keys or, on a ring, received from the previous rank (``ppermute``): step 0 is the diagonal
@@ -15,9 +17,14 @@ seen and weighs nothing. The blocks' outputs merge by the log-sum-exp rule (flas
 ring attention's). The backward walks the same blocks with the merged output and log-sum-exp;
 whole keys' gradients are partial sums over the split (each rank's queries' share), reduced where
 the plan says; on a ring each block's gradient travels with the block and a last pass brings it
-home. Every rank runs the same ops on same-shaped blocks (which blocks and what they weigh depend
-on the rank's values only), nothing is ``T x T``, and the per-rank work is ``n`` blocks (a causal
-op's unseen ones computed and dropped: the contiguous layout leaves rank 0 the least to use).
+home. Nothing is ``T x T``. Simulated ranks run the same ops on same-shaped blocks (which blocks
+and what they weigh depend on the rank's values only: a causal op's unseen ones are computed and
+dropped); a real process knows its rank and skips the blocks it does not see, so with contiguous
+shards rank ``i`` of a causal op computes ``i + 1`` blocks.
+
+The balanced layout (``vsf.balanced("cp")``: rank ``i`` holds chunks ``i`` and ``2n-1-i`` of
+``2n``) evens that out: its causal blocks follow the chunk order (:class:`_Layout`), one causal
+block of its own and ``n - 1`` pairs of half-block calls on every rank.
 
 Example::
 
@@ -28,23 +35,23 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 from torch.distributed.tensor import Placement, Shard
 
-from vsf import _compat, config
+from vsf import _compat, config, runtime
 from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import meta_of, outputs_meta, tensor_args
 from vsf.jit.plan import Collective, Placements, is_shard, split_dim, splits_evenly
 from vsf.ops import backend, collectives as ops
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import from_placements
+from vsf.sharding.named import BalancedPlacement, from_placements
 
-__all__ = ["collectives", "run", "runs", "sequence_rules", "splits_sequence"]
+__all__ = ["collectives", "is_attention", "mode_of", "run", "runs", "sequence_rules", "splits_sequence"]
 
-MODES = ("all_gather", "ring")
+MODES = ("auto", "all_gather", "ring")
 _FORWARD, _BACKWARD = ATTENTION_OPS
 
 
@@ -59,7 +66,7 @@ def _tensor_names(node: torch.fx.Node) -> list[str]:
     return [name for name in given if isinstance(given[name], torch.fx.Node) and "val" in given[name].meta]
 
 
-def _attention(node: torch.fx.Node) -> bool:
+def is_attention(node: torch.fx.Node) -> bool:
     """Is ``node`` a CPU SDPA kernel (or its backward) without dropout?"""
     return node.op == "call_function" and node.target in ATTENTION_OPS and _given(node).get("dropout_p", 0.0) == 0.0
 
@@ -68,21 +75,35 @@ def _causal(node: torch.fx.Node) -> bool:
     return bool(_given(node).get("is_causal", False))
 
 
-def _mode() -> str:
+def mode_of(node: torch.fx.Node) -> str:
+    """How ``node`` runs on sequence shards: ``vsf.config.context_parallel`` when it forces one,
+    else (``"auto"``) the ring where the keys and values gathered would exceed
+    ``vsf.config.context_parallel_gather_bytes`` (on their whole shape), the gather where not.
+
+    Example::
+
+        >>> mode_of(causal_sdpa_node)           # 2 x 4 x 16 x 8 fp32 keys and values
+        'all_gather'
+    """
     if config.context_parallel not in MODES:
         raise ValueError(f"vsf.config.context_parallel must be one of {MODES}, got {config.context_parallel!r}")
-    return config.context_parallel
+    if config.context_parallel != "auto":
+        return config.context_parallel
+    given = _given(node)
+    kv = [given[name].meta["val"] for name in ("key", "value")]
+    gathered = sum(t.numel() * t.element_size() for t in kv)
+    return "ring" if gathered > config.context_parallel_gather_bytes else "all_gather"
 
 
 def sequence_rules(node: torch.fx.Node) -> list[list[Placement]]:
     """vsf's per-mesh-dim rules (results' placements, then the tensor inputs') that split an
     attention node over its queries' sequence: with keys and values whole for a causal node
-    (``vsf.config.context_parallel == "all_gather"``; a full one has DTensor's), or with every
-    tensor split, keys and values passed around a ring (``"ring"``, no mask argument)."""
-    if not _attention(node):
+    (:func:`mode_of` ``"all_gather"``; a full one has DTensor's), or with every tensor split,
+    keys and values passed around a ring (``"ring"``, no mask argument)."""
+    if not is_attention(node):
         return []
     names = _tensor_names(node)
-    if _mode() == "ring":
+    if mode_of(node) == "ring":
         if any(n in names for n in ("attn_mask", "attn_bias")):
             return []
         return [[Shard(2)] * (len(outputs_meta(node)) + len(names))]
@@ -101,7 +122,7 @@ def splits_sequence(node: torch.fx.Node, ins: Sequence[Placements]) -> bool:
     """Does vsf run ``node`` with its inputs laid out as ``ins`` (:func:`run`)? It does for an
     attention node whose queries' sequence they split, causal or with its keys' sequence split too
     (DTensor runs full attention on query shards with whole keys as it is)."""
-    return _attention(node) and bool(_split_of(node, ins, "query")) and (_causal(node) or bool(_split_of(node, ins, "key")))
+    return is_attention(node) and bool(_split_of(node, ins, "query")) and (_causal(node) or bool(_split_of(node, ins, "key")))
 
 
 def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
@@ -110,7 +131,7 @@ def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Seque
     dim of every tensor into equal plain shards (each rank's query heads then meet their own key
     and value heads, and its queries start at its shard's offset), queries and keys are as long
     (the blocks are the queries'), and keys and values are whole, or split like the queries over
-    one mesh dim (a ring)."""
+    one mesh dim (a ring), the keys' split the queries' (both contiguous or both balanced)."""
     if not splits_sequence(node, ins):
         return False
     metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
@@ -122,9 +143,10 @@ def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Seque
     return (
         len(metas) == len(placed)
         and len(lengths) == 1
-        and not any(isinstance(q, _compat.StridedShard) for _, p in shards for q in p)
+        and not any(isinstance(q, _compat.StridedShard) or (isinstance(q, BalancedPlacement) and q.split_factor is not None) for _, p in shards for q in p)
         and all(splits_evenly(mesh, t, p) for t, p in shards)
         and (not keys or (keys == queries == _split_of(node, ins, "value") and len(keys) == 1))
+        and len({ins[names.index(name)][queries[0]] for name in ("query", "key", "value") if keys}) <= 1
     )
 
 
@@ -161,29 +183,85 @@ def run(mesh: Mesh, node: torch.fx.Node, args: tuple, kwargs: dict[str, Any], in
     queries = from_placements(mesh, ins[qi], q_meta.ndim)
     block = given["query"].shape[2]
     n = q_meta.shape[2] // block
-    split = mesh.device_axes[_split_of(node, ins, "query")[0]]
-    me = backend.per_rank(torch.zeros((), dtype=torch.int64), backend.axis_group(mesh, split),
-                          lambda _, __, rank: torch.tensor(queries.index(q_meta.shape, rank)[2].start // block), with_rank=True)
-    causal = _causal(node)
-    seen = [me >= s if causal else torch.ones((), dtype=torch.bool) for s in range(n)]
+    k = _split_of(node, ins, "query")[0]
+    split, balanced = mesh.device_axes[k], isinstance(ins[qi][k], BalancedPlacement)
+    group = backend.axis_group(mesh, split)
+    index = lambda rank: queries.index(q_meta.shape, rank)[2].start // block  # noqa: E731
+    # a real process knows its rank while it plans its blocks and skips those it does not see;
+    # simulated ranks run the same ops together, so they compute every block and drop the unseen
+    me: int | torch.Tensor = (
+        index(runtime.rank()) if group.kind != "simulated"
+        else backend.per_rank(torch.zeros((), dtype=torch.int64), group, lambda _, __, rank: torch.tensor(index(rank)), with_rank=True)
+    )
+    layout = _Layout(n, 2 if balanced else 1, _causal(node))
     ring = _ring_axis(mesh, node, ins)
-    blocks = _Ring(mesh, ring, given["key"], given["value"]) if ring else _Gathered(given["key"], given["value"], me, block, n)
+    blocks = _Ring(mesh, ring, given["key"], given["value"]) if ring else _Gathered(given["key"], given["value"], me, layout)
     if node.target is _FORWARD:
-        return _forward(given, causal, seen, blocks)
-    return _backward(given, causal, seen, blocks)
+        return _forward(given, layout, me, blocks)
+    return _backward(given, layout, me, blocks)
+
+
+class _Piece(NamedTuple):
+    """One kernel call of a step: query chunks ``qs`` of the rank's block against key chunks
+    ``ks`` of the step's key block, causal or not, ``seen`` (a bool, or per simulated rank a bool
+    tensor) where those keys come before those queries."""
+
+    qs: slice
+    ks: slice
+    causal: bool
+    seen: bool | torch.Tensor
+
+
+class _Layout:
+    """Which chunks of the sequence a rank's block holds: ``chunks`` of them (1 contiguous;
+    2 balanced, chunks ``i`` and ``2n-1-i`` of rank ``i``), and the kernel calls of each step.
+
+    Contiguous: step 0 is the diagonal block (causal); step ``s`` sees block ``me - s`` when it is
+    earlier (``s <= me``). Balanced: step 0 is the rank's own two chunks against themselves, whose
+    positions rise, so the kernel's causal mask is right for the block; at step ``s`` the key block
+    is rank ``j = me - s``'s (mod ``n``): the later query chunk (``2n-1-me``) sees its early chunk
+    (``j``) always, the early query chunk sees it where ``j < me`` (``s <= me``), the later query
+    chunk sees its late chunk (``2n-1-j``) where ``j > me`` (``s > me``), and the early query chunk
+    never sees that one: every rank does one causal block and ``n - 1`` pairs of chunk calls."""
+
+    def __init__(self, n: int, chunks: int, causal: bool) -> None:
+        self.n, self.chunks, self.causal = n, chunks, causal
+
+    def pieces(self, s: int, me: int | torch.Tensor) -> list[_Piece]:
+        whole = slice(0, self.chunks)
+        if not self.causal or s == 0:
+            return [_Piece(whole, whole, self.causal, True)]
+        if self.chunks == 1:
+            return [_Piece(whole, whole, False, me >= s)]
+        first, second = slice(0, 1), slice(1, 2)
+        return [_Piece(second, first, False, True), _Piece(first, first, False, me >= s), _Piece(second, second, False, me < s)]
+
+    def key_positions(self, j: torch.Tensor | int, block: int) -> torch.Tensor:
+        """The sequence positions of rank ``j``'s key block (``block`` of them), in its order."""
+        c = block // self.chunks
+        if self.chunks == 1:
+            return torch.arange(block) + j * block
+        return torch.cat([torch.arange(c) + j * c, torch.arange(c) + (2 * self.n - 1 - j) * c])
+
+
+def _cut(x: torch.Tensor, chunks: slice, of: int) -> torch.Tensor:
+    """Chunks ``chunks`` of ``of`` equal ones of ``x``'s sequence (dim 2)."""
+    c = x.shape[2] // of
+    return x[:, :, chunks.start * c : chunks.stop * c]
 
 
 class _Gathered:
-    """Key blocks cut from whole keys and values: step ``s`` takes block ``me - s`` (mod ``n``);
+    """Key blocks cut from whole keys and values: step ``s`` takes rank ``me - s``'s (mod ``n``);
     each block's gradient lands at its positions of whole-sized (partial) gradients."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, me: torch.Tensor, block: int, n: int) -> None:
-        self.k, self.v, self.me, self.block, self.n = k, v, me, block, n
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, me: int | torch.Tensor, layout: _Layout) -> None:
+        self.k, self.v, self.me, self.layout = k, v, me, layout
+        self.block = k.shape[2] // layout.n
         self.dk: torch.Tensor | None = None
         self.dv: torch.Tensor | None = None
 
     def _positions(self, s: int) -> torch.Tensor:
-        return torch.arange(self.block) + (self.me - s) % self.n * self.block
+        return self.layout.key_positions((self.me - s) % self.layout.n, self.block)
 
     def at(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         at = self._positions(s)
@@ -229,32 +307,62 @@ class _Ring:
         return self._pass(self.dk), self._pass(self.dv)
 
 
-def _forward(given: dict[str, Any], causal: bool, seen: list[torch.Tensor], blocks: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output and log-sum-exp of the rank's queries: each key block's, merged by the
-    log-sum-exp rule (a block not seen weighs nothing)."""
-    q, scale = given["query"], given.get("scale")
-    outs, lses = [], []
-    for s, visible in enumerate(seen):
+def _visible(seen: bool | torch.Tensor) -> bool:
+    """Is a piece computed: always under simulation (masked by its ``seen`` tensor), in a real
+    process only where its keys are seen."""
+    return isinstance(seen, torch.Tensor) or seen
+
+
+def _forward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blocks: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp of the rank's queries: each query chunk's pieces merged by the
+    log-sum-exp rule (a piece not seen weighs nothing)."""
+    q, scale, m = given["query"], given.get("scale"), layout.chunks
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(m)]
+    for s in range(layout.n):
         k, v = blocks.at(s)
-        out, lse = _FORWARD(q, k, v, 0.0, causal and s == 0, scale=scale)
-        outs.append(out)
-        lses.append(lse.masked_fill(~visible, float("-inf")))
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    out = sum(torch.exp(part - lse).unsqueeze(-1) * o for o, part in zip(outs, lses))
-    return out.to(q.dtype), lse
+        for piece in layout.pieces(s, me):
+            if not _visible(piece.seen):
+                continue
+            out, lse = _FORWARD(_cut(q, piece.qs, m), _cut(k, piece.ks, m), _cut(v, piece.ks, m), 0.0, piece.causal, scale=scale)
+            if isinstance(piece.seen, torch.Tensor):
+                lse = lse.masked_fill(~piece.seen, float("-inf"))
+            width = out.shape[2] // (piece.qs.stop - piece.qs.start)
+            for u in range(piece.qs.start, piece.qs.stop):
+                at = slice((u - piece.qs.start) * width, (u - piece.qs.start + 1) * width)
+                parts[u].append((out[:, :, at], lse[:, :, at]))
+    outs, lses = [], []
+    for chunk in parts:
+        lse = torch.logsumexp(torch.stack([part for _, part in chunk]), dim=0)
+        outs.append(sum(torch.exp(part - lse).unsqueeze(-1) * o for o, part in chunk))
+        lses.append(lse)
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
-def _backward(given: dict[str, Any], causal: bool, seen: list[torch.Tensor], blocks: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blocks: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The query gradient and the key and value gradients (this rank's share of whole ones, or
-    its own blocks' on a ring): each seen key block's, from the kernel's backward with the merged
+    its own blocks' on a ring): each seen piece's, from the kernel's backward with the merged
     output and log-sum-exp."""
     grad, q, out, lse = (given[n] for n in ("grad_out", "query", "out", "logsumexp"))
-    scale, zero = given.get("scale"), torch.zeros((), dtype=q.dtype)
-    dq = torch.zeros_like(q)
-    for s, visible in enumerate(seen):
+    scale, zero, m = given.get("scale"), torch.zeros((), dtype=q.dtype), layout.chunks
+    dq = [torch.zeros_like(_cut(q, slice(u, u + 1), m)) for u in range(m)]
+    for s in range(layout.n):
         k, v = blocks.at(s)
-        gq, gk, gv = _BACKWARD(grad, q, k, v, out, lse, 0.0, causal and s == 0, scale=scale)
-        # (where, not a product: an unseen block's terms may overflow)
-        dq = dq + torch.where(visible, gq, zero)
-        blocks.add(s, torch.where(visible, gk, zero), torch.where(visible, gv, zero))
-    return (dq, *blocks.grads())
+        dk = [torch.zeros_like(_cut(k, slice(u, u + 1), m)) for u in range(m)]
+        dv = [torch.zeros_like(_cut(v, slice(u, u + 1), m)) for u in range(m)]
+        for piece in layout.pieces(s, me):
+            if not _visible(piece.seen):
+                continue
+            qs, ks = piece.qs, piece.ks
+            gq, gk, gv = _BACKWARD(
+                _cut(grad, qs, m), _cut(q, qs, m), _cut(k, ks, m), _cut(v, ks, m), _cut(out, qs, m), _cut(lse.unsqueeze(-1), qs, m).squeeze(-1),
+                0.0, piece.causal, scale=scale,
+            )
+            if isinstance(piece.seen, torch.Tensor):
+                # (where, not a product: an unseen piece's terms may overflow)
+                gq, gk, gv = (torch.where(piece.seen, g, zero) for g in (gq, gk, gv))
+            for acc, g, chunks in ((dq, gq, qs), (dk, gk, ks), (dv, gv, ks)):
+                width = g.shape[2] // (chunks.stop - chunks.start)
+                for u in range(chunks.start, chunks.stop):
+                    acc[u] = acc[u] + g[:, :, (u - chunks.start) * width : (u - chunks.start + 1) * width]
+        blocks.add(s, torch.cat(dk, dim=2), torch.cat(dv, dim=2))
+    return (torch.cat(dq, dim=2), *blocks.grads())

@@ -3,6 +3,8 @@
 * all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
   all-to-all ``(n-1)/n`` of the local shard;
 * each collective also costs a start-up latency of :data:`COLLECTIVE_LATENCY_BYTES`;
+* a balanced split (:class:`~vsf.sharding.named.BalancedPlacement`) moves to or from another
+  shard by gathering the whole dim first;
 * a local slice sends nothing but is charged a token cost, and so is a local partition of a
   replicated value into a partial one (each rank keeps its share, ``v / n`` of a sum: a bias
   joining a row-parallel matmul's partial product, as torch TP adds it).
@@ -25,6 +27,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate
 
 from vsf.jit.plan import Placements, R, is_shard, split_dim
 from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import BalancedPlacement
 
 __all__ = ["COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "local_bytes", "local_shape", "transition_bytes", "transition_kind"]
 
@@ -74,6 +77,8 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
         return "partition"  # local: each rank keeps its share of the value
     if isinstance(src, Partial):
         return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if is_shard(dst) else "invalid"
+    if is_shard(src) and is_shard(dst) and BalancedPlacement in (type(src), type(dst)):
+        return "all_gather"  # gathered (and put in order), then sliced: vsf has no balanced all-to-all
     if is_shard(src):
         return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if is_shard(dst) else "invalid"
     return "invalid"

@@ -23,6 +23,7 @@ __all__ = [
     "GETITEM",
     "Value",
     "is_tensor_node",
+    "is_view",
     "meta_of",
     "op_nodes",
     "output_node",
@@ -89,6 +90,22 @@ def meta_of(v: Value) -> torch.Tensor:
 def op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The graph's ops in order: function calls and constants, tuple indexing resolved away."""
     return [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr") and n.target is not GETITEM]
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Does ``node`` compute nothing: an op whose one tensor argument its result aliases
+    (``detach``, ``t``, ``view``, ``transpose``)?
+
+    Example::
+
+        >>> is_view(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.t.default)[0])
+        True
+    """
+    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
+    if schema is None or len(node.all_input_nodes) != 1 or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 def user_line(node: torch.fx.Node) -> str:

@@ -5,8 +5,9 @@ redistributes every input to the placement the plan chose (once per value and pl
 DTensor's own redistribution, i.e. explicit collectives), then runs the op. Most ops run as they
 are on the local shards; view ops (whose shape arguments must become local), random ops and the
 few ops DTensor handles specially run through DTensor's dispatcher, and must produce the plan's
-placements; a ``shard_map`` region's collectives run over its manual axes (:mod:`vsf.jit.manual`). Under ``vsf.simulate`` the walk runs as is (every simulated rank at once); in a real
-run it is traced once with ``make_fx`` into an fx graph of local aten ops and functional
+placements; a ``shard_map`` region's collectives run over its manual axes (:mod:`vsf.jit.manual`). Under ``vsf.simulate`` the walk runs as is (every simulated rank at once), and
+:mod:`vsf.jit.replay` records the plain ops it runs for each rank once and replays them; in a
+real run it is traced once with ``make_fx`` into an fx graph of local aten ops and functional
 collectives, which is what each step then runs.
 """
 
@@ -25,7 +26,7 @@ from vsf import _compat
 from vsf.errors import PlanMismatch
 from vsf.jit import context_parallel, manual
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
-from vsf.jit.plan import Bucket, Placements, Plan
+from vsf.jit.plan import Bucket, Placements, Plan, as_contiguous
 from vsf.jit.redistribute import move_local, transition_path
 
 __all__ = ["compile_local", "execute"]
@@ -49,28 +50,30 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
     gm = plan.graph
     dm = plan.mesh.device_mesh
     env: dict[Value, torch.Tensor] = {(ph, 0): x for ph, x in zip(placeholders_of(gm), inputs)}
-    moved: dict[tuple[Value, Placements], torch.Tensor] = {}
-    def spec(v: Value, placements: Placements) -> Any:
-        return _compat.dtensor_layout(dm, placements, meta_of(v))
+    moved: dict[int, torch.Tensor] = {}  # id of a redistribution -> its result
 
-    def get(v: Value, dst: Placements) -> torch.Tensor:
+    def spec(v: Value, placements: Placements) -> Any:
+        return _compat.dtensor_layout(dm, as_contiguous(placements), meta_of(v))  # a balanced split: the view's shards
+
+    def get(v: Value, dst: Placements, user: torch.fx.Node) -> torch.Tensor:
         src = plan.placement(v)
         if src == dst:
             return env[v]
-        if (v, dst) not in moved:
+        r = plan.serving(user, v, dst)
+        if id(r) not in moved:
             local, prev = env[v], src
             for nxt in transition_path(plan.mesh, src, dst):
                 local, prev = move_local(plan.mesh, meta_of(v), local, prev, nxt), nxt
             # a shard cut from a replicated value, unpadded after an uneven collective or taken
             # from an all-to-all is a strided view, which some kernels read as a contiguous block
             # (CPU layer-norm backward's mean and rstd, view rules)
-            moved[(v, dst)] = local.contiguous()
-        return moved[(v, dst)]
+            moved[id(r)] = local.contiguous()
+        return moved[id(r)]
 
     for node in plan.order:
         if isinstance(node, Bucket):
             outs = _run_bucket(plan, node, [env[r.value] for r in node.members])
-            moved.update(((r.value, r.dst), o) for r, o in zip(node.members, outs))
+            moved.update((id(r), o) for r, o in zip(node.members, outs))
             continue
         if node not in plan.nodes:
             continue  # placeholders, tuple indexing and the output: nothing to run
@@ -82,7 +85,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
         def arg(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
                 v, dst = value_of(a), next(wanted)
-                local = get(v, dst)
+                local = get(v, dst, node)
                 if node.target in _FOLDING_VIEWS:
                     local = _traced_layout(local, meta_of(v))
                 return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
@@ -110,7 +113,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
         if check is not None:
             check(node, outs)
     output = output_node(gm)
-    return [get(value_of(a), dst) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
+    return [get(value_of(a), dst, output) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
 
 
 def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -194,7 +197,7 @@ def _dim_order(t: torch.Tensor) -> list[int]:
 def _unwrap(node: torch.fx.Node, out: Any, want: Sequence[Placements | None]) -> Any:
     outs = out if isinstance(out, (list, tuple)) else [out]
     for o, w in zip(outs, want):
-        if w is not None and tuple(o.placements) != w:
+        if w is not None and tuple(o.placements) != as_contiguous(w):
             raise PlanMismatch(f"{node.target} (node {node.name}) produced {tuple(o.placements)}, the plan said {w}")
     locals_ = [_compat.dtensor_local(o) if isinstance(o, DTensor) else o for o in outs]
     return locals_ if isinstance(out, (list, tuple)) else locals_[0]

@@ -238,4 +238,4 @@ def _redistributions(plan: Plan) -> tuple[tuple[Redistribution, ...], dict[tuple
     out = output_node(plan.graph)
     for a, pl in zip(_compat.torch_tree_leaves(out.args), plan.outputs):
         read(value_of(a), pl, out)
-    return tuple(moves.values()), users
+    return tuple(dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()), users

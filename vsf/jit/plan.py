@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from vsf import _compat
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import Value, placeholders_of
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, RaggedPlacement
+from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement
 
 __all__ = [
     "Bucket",
@@ -35,6 +36,9 @@ __all__ = [
     "Plan",
     "R",
     "Redistribution",
+    "as_contiguous",
+    "balanced_of",
+    "has_balanced",
     "has_ragged",
     "is_shard",
     "one_d",
@@ -64,13 +68,17 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Redistribution:
-    """Moving ``value`` from placements ``src`` to ``dst`` (before ``before`` uses it)."""
+    """Moving ``value`` from placements ``src`` to ``dst`` (before ``before`` uses it), for the ops
+    ``users`` (``before`` first, in graph order). A value has one redistribution per placement,
+    or, where the plan reshards a gathered input between distant uses (FSDP's reshard after
+    forward), one per group of users."""
 
     value: Value
     src: Placements
     dst: Placements
     collectives: tuple[Collective, ...]
     before: torch.fx.Node
+    users: tuple[torch.fx.Node, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +135,14 @@ class Plan:
         inside = [c for node in self.order if isinstance(node, torch.fx.Node) and node in self.nodes for c in self.nodes[node].collectives]
         return out + [c for b in self.buckets for c in b.collectives] + inside
 
+    def serving(self, user: torch.fx.Node, value: Value, dst: Placements) -> Redistribution:
+        """The redistribution that gives ``user`` its input ``value`` laid out as ``dst``."""
+        return self._served[(user, value, dst)]
+
+    @functools.cached_property
+    def _served(self) -> dict[tuple[torch.fx.Node, Value, Placements], Redistribution]:
+        return {(u, r.value, r.dst): r for r in self.redistributions for u in r.users}
+
     def placement(self, value: Value) -> Placements:
         node, i = value
         if node.op == "placeholder":
@@ -142,8 +158,8 @@ def to_placements(s: NamedSharding) -> Placements:
 
 
 def is_shard(p: Any) -> bool:
-    """Does ``p`` split a tensor dim (a plain, strided or ragged shard)?"""
-    return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement))
+    """Does ``p`` split a tensor dim (a plain, strided, ragged or balanced shard)?"""
+    return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement, BalancedPlacement))
 
 
 def split_dim(p: Any) -> int:
@@ -161,8 +177,32 @@ def has_ragged(placements: Sequence[Placements]) -> bool:
     return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)
 
 
+def has_balanced(placements: Sequence[Placements | None]) -> bool:
+    """Does any of these layouts hold a balanced split?"""
+    return any(isinstance(p, BalancedPlacement) for pl in placements if pl is not None for p in pl)
+
+
+def as_contiguous(placements: Placements | None) -> Placements | None:
+    """``placements`` with each balanced split read as DTensor's ``Shard`` of its dim (a strided
+    one's: its groups' chunks): the same local shards, of the balanced view
+    (:class:`~vsf.sharding.named.BalancedPlacement`)."""
+    if placements is None:
+        return None
+    plain = lambda p: Shard(p.dim) if p.split_factor is None else _compat.StridedShard(p.dim, split_factor=p.split_factor)  # noqa: E731
+    return tuple(plain(p) if isinstance(p, BalancedPlacement) else p for p in placements)
+
+
+def balanced_of(p: Placement) -> BalancedPlacement:
+    """The balanced split of the dim a plain or strided shard ``p`` splits (the inverse of
+    :func:`as_contiguous`; a balanced one as it is)."""
+    if isinstance(p, BalancedPlacement):
+        return p
+    return BalancedPlacement(p.dim, split_factor=p.split_factor if isinstance(p, _compat.StridedShard) else None)
+
+
 def splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together?
+    """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together
+    (a balanced split: into twice as many equal chunks)?
 
     Example::
 
@@ -172,5 +212,5 @@ def splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
     ways = [1] * t.ndim
     for axis, p in zip(mesh.device_axes, placements):
         if is_shard(p):
-            ways[split_dim(p)] *= mesh.axis_size(axis)
+            ways[split_dim(p)] *= mesh.axis_size(axis) * (2 if isinstance(p, BalancedPlacement) else 1)
     return all(size % n == 0 for size, n in zip(t.shape, ways))

@@ -27,6 +27,7 @@ full mesh (the same decision the lowered program will make), so the plan is exac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,14 +42,15 @@ from vsf.jit.classify import classify, constant_nodes
 from vsf.jit.cost import NOT_PARTIAL, Codes
 from vsf.jit import context_parallel, manual
 from vsf.jit.cost import transition_kind
-from vsf.jit.graph import Value, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
-from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, has_ragged, is_shard, one_d, split_dim, to_placements
+from vsf.jit.memory import peak_bytes
+from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
+from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import AxisSolver, Problem
 from vsf.jit.strategies import Strategies, decide, dtensor_decision, runnable
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, RaggedPlacement, from_placements
+from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, from_placements
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["propagate"]
@@ -61,12 +63,16 @@ def propagate(
     out_shardings: Sequence[NamedSharding | None],
     *,
     allow_replicated_fallback: bool = False,
+    reshard_after_forward: bool | None = None,
+    memory_budget: int | None = None,
 ) -> Plan:
     """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
 
     ``in_placements`` gives each placeholder's DTensor placements (over ``mesh.device_axes``);
     ``out_shardings`` each output's required sharding, ``None`` to let propagation choose
-    (anything but an unreduced partial).
+    (anything but an unreduced partial). ``reshard_after_forward``: whether a gathered input is
+    gathered again for its later uses (:func:`_regathered`); ``None`` lets ``memory_budget``
+    (bytes per rank) decide: kept gathered unless the plan's estimated peak would exceed it.
     """
     axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
     placeholders = placeholders_of(gm)
@@ -89,6 +95,7 @@ def propagate(
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.balanced[axis] = any(isinstance(pl[k], BalancedPlacement) for pl in in_placements)
         problem.ragged[axis] = sorted(
             {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if isinstance(pl[k], RaggedPlacement)},
             key=repr,
@@ -106,7 +113,11 @@ def propagate(
                 solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
                 solver.solve()
                 problem.solved[axis] = solver
-        return _check_with_dtensor(problem, axes, in_placements, out_shardings)
+        plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings)
+    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=bool(reshard_after_forward))
+    if reshard_after_forward is None and memory_budget is not None and peak_bytes(plan) > memory_budget:
+        plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=True)
+    return plan
 
 
 def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
@@ -117,7 +128,11 @@ def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
     return free
 
 
-def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]) -> Plan:
+def _check_with_dtensor(
+    problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]
+) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
+    """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
+    propagation), every redistribution with its users, and the outputs' placements."""
     mesh, gm = problem.mesh, problem.gm
     dm_axes = list(mesh.device_axes)
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
@@ -167,19 +182,12 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
         elif context_parallel.runs(mesh, node, want_in, want_out):
             pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
         elif op.kind == "strategy" and not fallback:
-            direct = op.local or (op.ragged_reduction and has_ragged(want_in))
+            arrived = [actual[v] for v in ins]
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
-            if direct and not has_ragged(want_in):
-                strided = _keep_strided([actual[v] for v in ins], want_in, want_out, preferred)
-                if strided != (want_in, want_out):
-                    # DTensor keeps a strided shard only through rules written with placeholders
-                    # (elementwise ones), not through rules that name plain shards (embedding's)
-                    direct = dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
-                want_in, want_out = strided
-                direct = direct and runnable(mesh, node, want_in, want_out)
-            if not direct:
-                want_in = [_as_arrived(actual[v], w) for v, w in zip(ins, want_in)]
-                want_in, want_out = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, want_in)], asked)
+            if has_balanced([*arrived, *want_in, *want_out]):
+                want_in, want_out, direct = _balanced_decision(node, mesh, op, arrived, want_in, want_out, preferred, asked)
+            else:
+                want_in, want_out, direct = _strategy_decision(node, mesh, op, arrived, want_in, want_out, preferred, asked)
         if manual.inside(node) and op.kind != "manual":
             _local_over_manual(node, mesh, want_in, want_out)
         for v, dst in zip(ins, want_in):
@@ -196,9 +204,98 @@ def _check_with_dtensor(problem: Problem, axes: list[str], in_placements: Sequen
         dst = to_placements(s) if s is not None else _expressible(mesh, meta_of(v), actual[v])
         move(v, dst, out_node)
         final.append(dst)
-    moved = tuple(moves.values())
-    buckets, order = form_buckets(mesh, gm, moved, {id(r): users[(r.value, r.dst)] for r in moved})
+    return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final
+
+
+def _scheduled(
+    mesh: Mesh, gm: torch.fx.GraphModule, plans: dict[torch.fx.Node, NodePlan], in_placements: Sequence[Placements],
+    final: list[Placements], moves: list[Redistribution], *, regather: bool,
+) -> Plan:
+    """The plan: with each gathered input gathered again for its later uses if ``regather``, the
+    collectives bucketed and the program's order."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
+    buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved})
     return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
+
+
+def _strategy_decision(
+    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
+    preferred: list[Placements | None], asked: dict[Any, Any],
+) -> tuple[list[Placements], list[Placements | None], bool]:
+    """How an op with a DTensor strategy runs, given the per-axis choices ``ins``/``outs`` and the
+    layouts its inputs arrive with: directly on the local shards where its rule allows (strided
+    shards kept as they arrive), else as DTensor decides. Returns the placements and whether it
+    runs directly."""
+    direct = op.local or (op.ragged_reduction and has_ragged(ins))
+    if direct and not has_ragged(ins):
+        strided = _keep_strided(arrived, ins, outs, preferred)
+        if strided != (ins, outs):
+            # DTensor keeps a strided shard only through rules written with placeholders
+            # (elementwise ones), not through rules that name plain shards (embedding's)
+            direct = dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
+        ins, outs = strided
+        direct = direct and runnable(mesh, node, ins, outs)
+    if not direct:
+        ins = [_as_arrived(a, w) for a, w in zip(arrived, ins)]
+        ins, outs = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, ins)], asked)
+    return ins, outs, direct
+
+
+def _balanced_decision(
+    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
+    preferred: list[Placements | None], asked: dict[Any, Any],
+) -> tuple[list[Placements], list[Placements | None], bool]:
+    """:func:`_strategy_decision` for an op some of whose operands arrive or are wanted split
+    balanced: decided on the contiguous shards of the balanced view (the same local shards,
+    :func:`as_contiguous`) and read back with every shard balanced on the mesh dims the per-axis
+    choices split balanced (a rule on contiguous blocks holds on the balanced chunks when every
+    operand holds the same ones: :func:`vsf.jit.strategies._balanced_variants`)."""
+    dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if isinstance(q, BalancedPlacement)}
+    got_in, got_out, direct = _strategy_decision(
+        node, mesh, op, [as_contiguous(p) for p in arrived], [as_contiguous(p) for p in ins], [as_contiguous(p) for p in outs],
+        [as_contiguous(p) for p in preferred], asked,
+    )
+    metas = [meta_of(v) for v in tensor_args(node)] + list(outputs_meta(node))
+
+    def back(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
+        if p is None:
+            return None
+        out = list(p)
+        for k in dims:
+            if is_shard(p[k]):
+                b = balanced_of(p[k])
+                if t.shape[b.dim] % (2 * b.groups * mesh.axis_size(mesh.device_axes[k])):
+                    raise PlanError(f"{node.target} would split dim {b.dim} of {tuple(t.shape)} balanced over {mesh.device_axes[k]!r}, which does not cut it into equal chunks{user_line(node)}")
+                out[k] = b
+        return tuple(out)
+
+    placed = [back(t, p) for t, p in zip(metas, [*got_in, *got_out])]
+    return placed[: len(got_in)], placed[len(got_in) :], direct
+
+
+def _regathered(index: dict[torch.fx.Node, int], r: Redistribution) -> tuple[Redistribution, ...]:
+    """FSDP's reshard after forward, for one redistribution: a gather of a graph input (or of a
+    view of one: a param, its transpose) that several ops read is split at the widest gap
+    between consecutive readers, in graph order (``index``). The first copy is freed after the last use before
+    the gap; the second is gathered again from the shard, which every rank keeps, before the
+    first use after it (in a training step: a param gathered in the forward, and again in the
+    backward). Anything else is returned as it is."""
+    users = sorted(set(r.users), key=index.__getitem__)  # (an op may read the value twice)
+    if len(users) < 2 or not any(c.kind == "all_gather" for c in r.collectives) or not _input_view(r.value[0]):
+        return (r,)
+    cut = max(range(1, len(users)), key=lambda i: index[users[i]] - index[users[i - 1]])
+    return dataclasses.replace(r, before=users[0], users=tuple(users[:cut])), dataclasses.replace(r, before=users[cut], users=tuple(users[cut:]))
+
+
+def _input_view(node: torch.fx.Node) -> bool:
+    """Is ``node`` a graph input, or a chain of views (ops whose result aliases their one tensor
+    argument: ``detach``, ``t``, ``view``) of one?"""
+    while node.op != "placeholder":
+        if not is_view(node):
+            return False
+        node = node.all_input_nodes[0]
+    return True
 
 
 def _local_over_manual(node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> None:
@@ -262,7 +359,8 @@ def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placeme
     try:
         from_placements(mesh, out, t.ndim)
     except ValueError:
-        return tuple(R if isinstance(p, _compat.StridedShard) else p for p in out)
+        strided = lambda p: isinstance(p, _compat.StridedShard) or (isinstance(p, BalancedPlacement) and p.split_factor is not None)  # noqa: E731
+        return tuple(R if strided(p) else p for p in out)
     return out
 
 

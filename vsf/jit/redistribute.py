@@ -14,14 +14,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from vsf import _compat
 from vsf.jit.cost import local_shape, transition_bytes, transition_kind
-from vsf.jit.plan import Collective, Placements, has_ragged, is_shard, one_d, split_dim
+from vsf.errors import PlanError
+from vsf.jit.plan import Collective, Placements, as_contiguous, has_balanced, has_ragged, is_shard, one_d, split_dim
 from vsf.sharding import ragged
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import RaggedPlacement, from_placements
+from vsf.sharding.named import BalancedPlacement, RaggedPlacement, balanced_order, from_placements
 
 __all__ = ["collectives_of", "minor_step", "move_local", "transition_path"]
 
@@ -83,15 +84,17 @@ def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placem
 
 def collectives_of(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[Collective, ...]:
     """The collectives that move ``t`` from ``src`` to ``dst`` (along :func:`transition_path`, each
-    step as DTensor runs it, or vsf's ragged collectives for a ragged step), with the bytes each
-    rank sends."""
+    step as DTensor runs it, or vsf's ragged collectives for a ragged step, or a balanced split's
+    gather), with the bytes each rank sends."""
     dm = mesh.device_mesh
     dm_axes = list(mesh.device_axes)
     out = []
     prev = tuple(src)
+    for placements in (src, dst):
+        _check_balanced(mesh, placements)
     for nxt in transition_path(mesh, src, dst):
         current = list(prev)
-        if has_ragged([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
+        if has_ragged([prev, nxt]) or has_balanced([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
             steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]
         else:
             steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(dm, prev, nxt, t)]
@@ -103,6 +106,8 @@ def collectives_of(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements
             if kind in (None, "slice", "partition"):
                 continue
             n = mesh.axis_size(dm_axes[mesh_dim])
+            if kind == "all_gather" and is_shard(b):  # a balanced split to another: gathered first
+                after = local_shape(mesh, t, tuple(Replicate() if k == mesh_dim else p for k, p in enumerate(current)))
             shape = after if kind == "all_gather" else before
             full = math.prod(shape) * t.element_size() * (n if kind == "all_to_all" else 1)
             out.append(Collective(kind, dm_axes[mesh_dim], shape, t.dtype, int(round(transition_bytes(kind, n, full)))))
@@ -122,6 +127,8 @@ def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements
         shape = local_shape(mesh, t, tuple(level))
         lone = lambda p: tuple(one_d(p) if j == k else Replicate() for j in range(len(src)))  # noqa: E731
         return _compat.redistribute_local(local, dm, lone(src[k]), lone(dst[k]), shape=shape, stride=_contiguous(shape), dtype=t.dtype)
+    if has_balanced([src, dst]):
+        return _move_balanced(mesh, t, local, src, dst)
     if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):
         return _compat.redistribute_local(local, dm, src, dst, shape=t.shape, stride=t.stride(), dtype=t.dtype)
     for k, (a, b) in enumerate(zip(src, dst)):
@@ -136,6 +143,45 @@ def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements
             plain = lambda pl: tuple(Replicate() if isinstance(p, RaggedPlacement) else p for p in pl)  # noqa: E731
             local = move_local(mesh, t, local, plain(src), plain(mid))
         src = mid
+    return local
+
+
+def _check_balanced(mesh: Mesh, placements: Placements) -> None:
+    """A balanced split is its dim's last split: its chunks are of the whole dim, or with a split
+    factor of each group of the block that earlier mesh dims' plain shards leave."""
+    for k, p in enumerate(placements):
+        if isinstance(p, BalancedPlacement):
+            others = [
+                mesh.device_axes[j] for j, q in enumerate(placements)
+                if j != k and is_shard(q) and split_dim(q) == p.dim and (j > k or type(q) is not Shard)
+            ]
+            if others:
+                raise PlanError(f"dim {p.dim} is split balanced over {mesh.device_axes[k]!r} and over {others} too ({placements}): vsf has no such layout")
+
+
+def _move_balanced(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
+    """A redistribution where a balanced split takes part, one mesh dim at a time: DTensor moves
+    the local shards as contiguous shards of the balanced view; leaving a balanced split gathers
+    the dim and puts its chunks back in order, entering one puts them in the ranks' order (a
+    replicated or partial value holds the whole dim) and keeps this rank's block."""
+    dm = mesh.device_mesh
+    move = lambda x, a, b: _compat.redistribute_local(x, dm, as_contiguous(a), as_contiguous(b), shape=t.shape, stride=t.stride(), dtype=t.dtype)  # noqa: E731
+    current = tuple(src)
+    for k, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        n = mesh.axis_size(mesh.device_axes[k])
+        if isinstance(a, BalancedPlacement):
+            whole = tuple(Replicate() if j == k else p for j, p in enumerate(current))
+            local = move(local, current, whole)
+            local = local.index_select(a.dim, torch.argsort(balanced_order(local.shape[a.dim], n, a.groups)))
+            current = whole
+        nxt = tuple(b if j == k else p for j, p in enumerate(current))
+        if isinstance(b, BalancedPlacement):
+            local = local.index_select(b.dim, balanced_order(local.shape[b.dim], n, b.groups))
+        if nxt != current:
+            local = move(local, current, nxt)
+        current = nxt
     return local
 
 

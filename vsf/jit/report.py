@@ -16,7 +16,8 @@ import torch.fx
 
 from vsf import _compat
 from vsf.jit.cost import local_bytes
-from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, tensor_args, value_of
+from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, value_of
+from vsf.jit.memory import peak_bytes
 from vsf.jit.partition import Partitioned, Saved
 from vsf.jit.plan import Bucket, Collective, Plan
 from vsf.sharding.inspect import type_string
@@ -53,7 +54,7 @@ def cost(plan: Plan) -> Cost:
     comm = {a: 0 for a in plan.mesh.axis_names}
     for c in collectives:
         comm[c.axis] += c.bytes
-    return Cost(comm, _peak(plan), collectives)
+    return Cost(comm, peak_bytes(plan), collectives)
 
 
 def differentiable_cost(parts: Partitioned) -> Cost:
@@ -93,34 +94,6 @@ def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str
 def _value_name(s: Saved) -> str:
     node, i = s.value
     return f"%{node.name}{f'[{i}]' if i else ''}"
-
-
-def _peak(plan: Plan) -> int:
-    gm = plan.graph
-    order = {n: i for i, n in enumerate(plan.order) if not isinstance(n, Bucket)}
-    end = len(plan.order)
-    last: dict[Value, int] = {}
-    for node in gm.graph.nodes:
-        for a in _compat.torch_tree_leaves((node.args, node.kwargs)):
-            if isinstance(a, torch.fx.Node) and is_tensor_node(a):
-                last[value_of(a)] = order[node]
-    born: list[tuple[int, int, int]] = []
-    for ph, pl in zip(placeholders_of(gm), plan.inputs):
-        born.append((0, end, local_bytes(plan.mesh, ph.meta["val"], pl)))
-    outputs = {value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)}
-    for node, step in plan.nodes.items():
-        for i, pl in enumerate(step.outs):
-            if pl is not None:
-                v = (node, i)
-                born.append((order[node], end if v in outputs else last.get(v, order[node]), local_bytes(plan.mesh, meta_of(v), pl)))
-    for r in plan.redistributions:
-        born.append((order[r.before], last.get(r.value, order[r.before]), local_bytes(plan.mesh, meta_of(r.value), r.dst)))
-    events = sorted([(s, b) for s, _, b in born] + [(e + 1, -b) for _, e, b in born])
-    live = peak = 0
-    for _, delta in events:
-        live += delta
-        peak = max(peak, live)
-    return peak
 
 
 def _fmt_bytes(n: float) -> str:

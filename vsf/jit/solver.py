@@ -2,7 +2,8 @@
 redistributions they imply cost the fewest bytes (:mod:`vsf.jit.cost`).
 
 It is greedy in graph order, then repairs locally (an op's choice is revisited when a producer's
-or a consumer's changed). A value redistributed to one placement is redistributed once however
+or a consumer's changed), then tries to remove each redistribution left by changing a region of
+ops at once (:meth:`AxisSolver._cascades`). A value redistributed to one placement is redistributed once however
 many ops use it there, and a ``Partial`` result stays partial until the cheapest point to reduce it.
 
 Example::
@@ -13,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
 from vsf.jit.cost import INF, NOT_PARTIAL, Codes, transition_bytes
-from vsf.jit.graph import Value, meta_of, outputs_meta, placeholders_of, user_line
+from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
 from vsf.jit.plan import R, is_shard, split_dim
 from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding.mesh import Mesh
@@ -66,7 +68,7 @@ class AxisSolver:
             if fixed is not None:  # a manual region: its specs are its only strategy
                 self.strategies.append(_encode(codes, [fixed]))
                 continue
-            allowed = problem.strategies.of(node, self.n, problem.ragged[axis])[0]
+            allowed = problem.strategies.of(node, self.n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
             pinned = problem.pinned[axis].get(node)
             if pinned is not None:
                 allowed = [st for st in allowed if st.outs[0] in pinned]
@@ -78,6 +80,7 @@ class AxisSolver:
                 encoded[id(allowed)] = _encode(codes, allowed)
             self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
+        self.view = [is_view(node) for node in problem.ops]
         self.reorder = self._reorders()
         self.hints = self._hints()
 
@@ -236,8 +239,92 @@ class AxisSolver:
                     if other is not None and other not in queued:
                         queued.add(other)
                         work.append(other)
+        self._cascades()
         for k in range(len(self.p.ops)):
             self._merge_partials(k)
+
+    def _cascades(self, max_ops: int = 256, rounds: int = 3) -> None:
+        """Try to remove each redistribution the solution still has, largest first, by a move no
+        single op's change pays for: its value's producer made to give the wanted placement, or a
+        consumer made to take the value as it is, and every op next to a changed one then taking
+        its best strategy (:meth:`_cascade`). A chain of ops that passes a layout along (a
+        column-parallel matmul's output through a view, an activation and another view, in forward
+        and backward) changes only as a whole: each op alone just moves the redistribution by one."""
+        for _round in range(rounds):  # (a move can make another pay: the next round sees it)
+            if not self._cascade_round(max_ops):
+                return
+
+    def _cascade_round(self, max_ops: int) -> bool:
+        """One pass of :meth:`_cascades` over the redistributions; did any move pay?"""
+        moves, improved = [], False
+        for v, need in enumerate(self.need):
+            for req, count in need.items():
+                if count > 0 and req != self.label[v]:
+                    moves.append((self._value_cost(v, self.label[v], {req: 1}), v, req))
+        for _cost, v, req in sorted(moves, reverse=True):
+            if not self.need[v].get(req) or req == self.label[v]:
+                continue  # an earlier move removed it
+            tries = []
+            p = self.p.producer_of.get(v)
+            if p is not None:
+                i = self.outs[p].index(v)
+                tries += [(p, j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]]
+            for c in self.p.consumers_of.get(v, ()):
+                here = [i for i, u in enumerate(self.ins[c]) if u == v]
+                if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
+                    tries += [(c, j) for j, (ins, _) in enumerate(self.strategies[c]) if all(ins[i] == self.label[v] for i in here)]
+            for k, j in tries:
+                if self._keeps_split(k, j) and self._cascade(k, j, max_ops):
+                    improved = True
+                    break
+        return improved
+
+    def _keeps_split(self, k: int, j: int) -> bool:
+        """Does strategy ``j`` keep op ``k``'s work split over this axis if its current one does?
+        The byte count does not see compute: gathering a sequence before attention sends fewer
+        bytes than gathering its keys and values, and runs the whole attention on every rank. A
+        cascade may make a view whole (it computes nothing), not another op."""
+        if self.view[k]:
+            return True
+        split = lambda st: any(c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1]))  # noqa: E731
+        return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
+
+    def _cascade(self, k: int, j: int, max_ops: int) -> bool:
+        """Op ``k`` takes strategy ``j``; then each op next to a changed one (the producers of its
+        inputs, the consumers of its results) takes its best strategy where that is cheaper than
+        its own, spreading until none is (at most ``max_ops`` ops change). The whole is kept if the
+        values it touched then cost less than before, else undone."""
+        old: dict[int, int] = {}
+        before: dict[int, float] = {}
+
+        def change(op: int, st: int) -> None:
+            for v in (*self.ins[op], *self.outs[op]):
+                if v >= 0 and v not in before:
+                    before[v] = self._value_cost(v, self.label[v], self.need[v])
+            old.setdefault(op, self.choice[op])
+            self._apply(op, st)
+            for v in self.ins[op]:
+                p = self.p.producer_of.get(v)
+                if p is not None and p not in old:
+                    queue.append(p)
+            for v in self.outs[op]:
+                queue.extend(c for c in self.p.consumers_of.get(v, ()) if c not in old)
+
+        queue: collections.deque[int] = collections.deque()
+        change(k, j)
+        while queue and len(old) < max_ops:
+            c = queue.popleft()
+            if c in old or len(self.strategies[c]) == 1:
+                continue
+            here = self._evaluate(c, self.choice[c], False, False)
+            best_cost, best = min((self._evaluate(c, s, False, False), s) for s in range(len(self.strategies[c])) if self._keeps_split(c, s))
+            if best_cost < here - 1e-6:
+                change(c, best)
+        if sum(self._value_cost(v, self.label[v], self.need[v]) for v in before) < sum(before.values()) - 1e-6:
+            return True
+        for op in reversed(list(old)):
+            self._apply(op, old[op])
+        return False
 
     def _merge_partials(self, k: int) -> None:
         """Try each strategy of op ``k`` that sums partial inputs into a partial result together with
@@ -302,6 +389,7 @@ class Problem:
     pinned: dict[str, dict[torch.fx.Node, set[Placement]]]
     solved: dict[str, AxisSolver]
     ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
+    balanced: dict[str, bool] = dataclasses.field(default_factory=dict)  # axes some input is split balanced over
     fixed: dict[str, dict[torch.fx.Node, Strategy]] = dataclasses.field(default_factory=dict)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)

@@ -29,7 +29,7 @@ from vsf.errors import PlanError
 from vsf.jit import context_parallel
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
-from vsf.jit.plan import PARTIAL, Placements, R, has_ragged, is_shard, split_dim, splits_evenly
+from vsf.jit.plan import PARTIAL, Placements, R, balanced_of, has_ragged, is_shard, split_dim, splits_evenly
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
@@ -58,16 +58,19 @@ class Strategies:
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
 
-    def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = ()) -> tuple[list[Strategy], bool]:
+    def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False) -> tuple[list[Strategy], bool]:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
-        ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules)."""
+        ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules);
+        ``balanced``: some value on this axis is split balanced (its variants join the shard rules)."""
         arrivals = self.arrivals(node, n)
-        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), arrivals)
+        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), balanced, arrivals)
         if key not in self.cache:
             op = self.classes[node]
             found, fallback = self._compute(node, op, n, arrivals)
             if ragged and (op.ragged_reduction or op.local):
                 found = found + _ragged_variants(node, found, ragged)
+            if balanced and op.kind in ("strategy", "value_blind", "constraint") and _blind_to_offsets(node):
+                found = found + _balanced_variants(node, found, n)
             self.cache[key] = (found, fallback)
         return self.cache[key]
 
@@ -132,6 +135,37 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
                 continue  # an average of per-rank averages is wrong when ranks hold different row counts
             swap = lambda p: g if isinstance(p, Shard) else p  # noqa: E731
             out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(None if p is None else swap(p) for p in st.outs)))
+    return out
+
+
+def _blind_to_offsets(node: torch.fx.Node) -> bool:
+    """Does ``node`` compute a shard without knowing where it starts? Random ops (their numbers
+    follow the global index) and the ops DTensor's dispatcher treats specially (an argmax's
+    indices) do not; attention without dropout does (its kernel is tagged random for dropout)."""
+    seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    return node.target not in DISPATCHER_SPECIAL and (not seeded or context_parallel.is_attention(node))
+
+
+def _balanced_variants(node: torch.fx.Node, strategies: list[Strategy], n: int) -> list[Strategy]:
+    """Each rule whose shards on this axis are all plain or strided shards, with every one a
+    balanced split instead (:class:`~vsf.sharding.named.BalancedPlacement`; a strided shard, a
+    view's merge of a split dim into a larger one, becomes a balanced split of each of its
+    groups), where each split dim cuts into ``2n`` equal chunks (per group). A rule that computes
+    every contiguous block of a dim on its own (what a shard rule says, for any number of ranks)
+    computes every chunk on its own, so it holds on chunks held in any order, as long as every
+    split operand holds the same ones: all of the rule's shards become balanced together.
+    (Causal attention, which does know where its queries start, runs its balanced blocks itself:
+    :mod:`vsf.jit.context_parallel`.)"""
+    metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
+    out = []
+    for st in strategies:
+        placed = [*st.ins, *st.outs]
+        shards = [(t, p) for t, p in zip(metas, placed) if p is not None and is_shard(p)]
+        plain = all(type(p) in (Shard, _compat.StridedShard) for _, p in shards)
+        if not shards or not plain or any(t is None or t.shape[p.dim] % (2 * n * balanced_of(p).groups) for t, p in shards):
+            continue
+        swap = lambda p: balanced_of(p) if p is not None and is_shard(p) else p  # noqa: E731
+        out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(swap(p) for p in st.outs)))
     return out
 
 

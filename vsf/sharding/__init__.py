@@ -3,17 +3,20 @@
 The ragged spec entry is ``vsf.ragged(...)`` (a :class:`RaggedShard`); ``vsf.sharding.ragged``
 is the module that moves ragged values, ``vsf.sharding.eager`` computes on them (elementwise,
 sum, mean, norm), and :func:`ragged_plan` / :func:`gather_group` pack a pytree for flat-buffer FSDP.
+The balanced layout of a causal sequence is ``vsf.balanced("cp")`` (a :class:`BalancedShard`).
 """
 
 from vsf.sharding.mesh import Mesh, current_mesh, make_mesh, mesh_of, use_mesh
-from vsf.sharding.named import NamedSharding, RaggedPlacement, sharding_of
+from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, sharding_of
 from vsf.sharding.packing import gather_group, ragged_plan, reduce_scatter_group
 from vsf.sharding.put import device_get, device_put, from_local
 from vsf.sharding.rules import logical_to_mesh, match
-from vsf.sharding.spec import UNCONSTRAINED, P, PartitionSpec, RaggedShard
+from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, P, PartitionSpec, RaggedShard
 
 __all__ = [
     "UNCONSTRAINED",
+    "BalancedPlacement",
+    "BalancedShard",
     "Mesh",
     "NamedSharding",
     "P",

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh, mesh_of
-from vsf.sharding.named import Index, from_placements, sharding_of
+from vsf.sharding.named import BalancedPlacement, Index, from_placements, sharding_of
 from vsf.sharding.spec import RaggedShard
 
 __all__ = ["AddressableShard", "shards", "type_string", "typeof", "visualize_sharding"]
@@ -27,7 +27,8 @@ def typeof(x: torch.Tensor) -> str:
     """JAX-style type of a tensor: dtype, global shape, and the axes each dim is split over.
 
     A ragged split is written ``ROWS@AXIS~(UNITS)``, with ``xB`` after it for blocks of ``B``
-    rows; ``ROWS`` is ``d0*d1`` when it flattens two leading dims.
+    rows; ``ROWS`` is ``d0*d1`` when it flattens two leading dims. A balanced split
+    (``vsf.balanced("cp")``) is written ``N@cp~bal``.
 
     Example::
 
@@ -70,7 +71,8 @@ def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, p
     for dim in range(0 if r is None else r.dims, len(shape)):
         n = shape[dim]
         axes = [a for a in s.spec.entry_axes(dim) if mesh.axis_size(a) > 1]
-        dims.append(f"{n}@{axes[0]}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
+        mark = "~bal" if dim in s.balanced else ""
+        dims.append(f"{n}@{axes[0]}{mark}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
     return f"{name}[{','.join(dims)}]" + _pending_string(pending)
 
 
@@ -85,6 +87,8 @@ def _placements_string(n: int, dim: int, mesh: Mesh, placements: Sequence[Placem
     for axis, p in zip(mesh.device_axes, placements):
         if isinstance(p, _compat.StridedShard) and p.dim == dim:
             axes.append(f"{axis}/sf{p.split_factor}")
+        elif isinstance(p, BalancedPlacement) and p.dim == dim:
+            axes.append(f"{axis}~bal" + (f"/sf{p.split_factor}" if p.split_factor is not None else ""))
         elif isinstance(p, Shard) and p.dim == dim:
             axes.append(axis)
     return f"{n}@<{','.join(axes)}>" if axes else str(n)

@@ -20,6 +20,12 @@ followed by one per later dim, a local shard has shape ``(rows, *later dims)`` (
 :meth:`NamedSharding.index_view`), and the DTensor placement of its axis is a
 :class:`RaggedPlacement`. A ragged entry over an axis of size 1 holds everything, like any
 size-1 axis: it does not flatten anything.
+
+A :class:`~vsf.sharding.spec.BalancedShard` entry (``P(None, vsf.balanced("cp"))``) cuts its dim
+into ``2n`` chunks, rank ``i`` of ``cp`` holding chunks ``i`` and ``2n-1-i``: indices then slice
+:meth:`NamedSharding.index_view`, the tensor with that dim's chunks in the ranks' order
+(:func:`balanced_order`), where each rank's shard is one contiguous block; its DTensor placement
+is a :class:`BalancedPlacement`.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from vsf import _compat, tree
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
-from vsf.sharding.spec import UNCONSTRAINED, PartitionSpec, RaggedShard
+from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, PartitionSpec, RaggedShard
 
-__all__ = ["NamedSharding", "RaggedPlacement", "chunk", "from_placements", "resolve", "sharding_of"]
+__all__ = ["BalancedPlacement", "NamedSharding", "RaggedPlacement", "balanced_order", "chunk", "from_placements", "resolve", "sharding_of"]
 
 Index = tuple[slice, ...]
 
@@ -82,6 +88,69 @@ class RaggedPlacement(Placement):
         return f"RaggedPlacement({self._ragged!r})"
 
 
+class BalancedPlacement(Placement):
+    """The DTensor placement of a :class:`~vsf.BalancedShard` on its mesh dim: tensor dim ``dim``
+    cut into ``2n`` chunks, this rank holding chunks ``i`` and ``2n-1-i`` of its ``n`` ranks;
+    with a ``split_factor`` ``g`` (inside ``vsf.jit``: a view merged the split dim into a larger
+    one, ``[b, t] -> [b*t]``), the dim is ``g`` groups, each split so.
+
+    Each rank's local tensor is exactly ``Shard(dim)``'s (``_StridedShard(dim, g)``'s) local
+    tensor of the dim permuted into :func:`balanced_order`; DTensor has no strategy for it (its
+    ops raise), so ``vsf.jit`` plans it (every contiguous-shard rule of an op holds on the
+    chunks) and vsf moves it.
+
+    Example::
+
+        >>> BalancedPlacement(1)
+        BalancedPlacement(dim=1)
+    """
+
+    def __init__(self, dim: int, *, split_factor: int | None = None) -> None:
+        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
+        self._dim, self._split_factor = int(dim), None if split_factor is None else int(split_factor)
+
+    @property
+    def dim(self) -> int:
+        """The tensor dim it splits."""
+        return self._dim
+
+    @property
+    def split_factor(self) -> int | None:
+        """How many groups of the dim are each split balanced, where a view merged dims (``None``:
+        the whole dim, a spec's layout; DTensor tells a strided shard of one group from a shard)."""
+        return self._split_factor
+
+    @property
+    def groups(self) -> int:
+        """How many groups of the dim are each split balanced (1 for the whole dim)."""
+        return self._split_factor or 1
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BalancedPlacement) and (other._dim, other._split_factor) == (self._dim, self._split_factor)
+
+    def __hash__(self) -> int:
+        return hash(("BalancedPlacement", self._dim, self._split_factor))
+
+    def __repr__(self) -> str:
+        sf = f", split_factor={self._split_factor}" if self._split_factor is not None else ""
+        return f"BalancedPlacement(dim={self._dim}{sf})"
+
+
+def balanced_order(size: int, n: int, groups: int = 1) -> torch.Tensor:
+    """The positions of a dim of ``size`` in the balanced order over ``n`` ranks: chunk ``i``,
+    then chunk ``2n-1-i``, for ``i = 0 .. n-1`` (each of ``groups`` equal groups so:
+    ``t.index_select(dim, order)`` is the view each rank's contiguous block, or strided blocks,
+    are cut from; ``argsort(order)`` undoes it).
+
+    Example::
+
+        >>> balanced_order(8, 2)
+        tensor([0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    c = size // (2 * n * groups)
+    return torch.arange(size).view(groups, 2 * n, c)[:, list(BalancedShard.chunk_order(n))].reshape(-1)
+
+
 class NamedSharding:
     """A :class:`~vsf.P` on a :class:`~vsf.Mesh`: immutable, hashable, ``repr`` round-trips.
 
@@ -105,6 +174,8 @@ class NamedSharding:
         if spec.ragged is not None and len(spec.ragged.units) != mesh.axis_size(spec.ragged.axis):
             r = spec.ragged
             raise ValueError(f"{r!r} has {len(r.units)} units but mesh axis {r.axis!r} has {mesh.axis_size(r.axis)} ranks")
+        if spec.ragged is not None and any(isinstance(e, BalancedShard) for e in spec):
+            raise ValueError(f"{spec!r} holds a ragged and a balanced entry; vsf takes one or the other")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
 
@@ -124,6 +195,23 @@ class NamedSharding:
         """The spec's :class:`~vsf.RaggedShard` entry when its axis is larger than 1, else ``None``."""
         r = self._spec.ragged
         return r if r is not None and self._mesh.axis_size(r.axis) > 1 else None
+
+    @property
+    def balanced(self) -> dict[int, BalancedShard]:
+        """The spec's :class:`~vsf.BalancedShard` entries by dim, those whose axis is larger than 1."""
+        return {d: e for d, e in enumerate(self._spec) if isinstance(e, BalancedShard) and self._mesh.axis_size(e.axis) > 1}
+
+    def as_contiguous(self) -> "NamedSharding":
+        """The same local shards read as contiguous shards of :meth:`index_view` (every balanced
+        entry a plain split over its axis): what DTensor can gather and move.
+
+        Example::
+
+            >>> NamedSharding(mesh, P(None, vsf.balanced("cp"))).as_contiguous().spec
+            P(None, 'cp')
+        """
+        entries = [e.axis if isinstance(e, BalancedShard) else e for e in self._spec]
+        return NamedSharding(self._mesh, PartitionSpec(*entries, unreduced=self._spec.unreduced))
 
     @classmethod
     def tree(cls, mesh: Mesh, specs: Any) -> Any:
@@ -159,6 +247,8 @@ class NamedSharding:
             )
         if self._spec.ragged is not None:
             self._spec.ragged.check(shape, self._mesh.axis_size(self._spec.ragged.axis), where)
+        for dim, b in self.balanced.items():
+            b.check(shape[dim], self._mesh.axis_size(b.axis), f"{where + ' ' if where else ''}dim {dim} (shape {shape})")
         for dim, entry in enumerate(self._spec):
             if entry is UNCONSTRAINED:
                 raise ValueError(
@@ -205,13 +295,16 @@ class NamedSharding:
 
     def index_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (of the global shape) as :meth:`index` slices it: the leading dims of a ragged
-        entry flattened into rows, else ``t`` itself.
+        entry flattened into rows, a balanced dim's chunks in the ranks' order
+        (:func:`balanced_order`), else ``t`` itself.
 
         Example::
 
             >>> s.index_view(full)[s.index(full.shape, rank)]     # rank's local shard
         """
         lead = self._lead
+        for dim, b in self.balanced.items():
+            t = t.index_select(dim, balanced_order(t.shape[dim], self._mesh.axis_size(b.axis)).to(t.device))
         return t if lead == 0 else t.reshape(math.prod(t.shape[:lead]), *t.shape[lead:])
 
     def devices_indices_map(self, shape: Sequence[int]) -> dict[int, Index]:
@@ -256,6 +349,10 @@ class NamedSharding:
                 continue
             if self.ragged is not None and axis == self.ragged.axis:
                 out.append(RaggedPlacement(self.ragged))
+                continue
+            balanced = next((d for d, b in self.balanced.items() if b.axis == axis), None)
+            if balanced is not None:
+                out.append(BalancedPlacement(balanced))
                 continue
             dim = next((d for d in range(len(self._spec)) if axis in self._spec.entry_axes(d)), None)
             if dim is None:
@@ -322,15 +419,23 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
     for axis, p in zip(dm_axes, placements):
         if isinstance(p, RaggedPlacement):
             ragged_entry = p.ragged
+        elif isinstance(p, BalancedPlacement):
+            if p.split_factor is not None:
+                raise ValueError(f"{p} over {axis!r} splits groups of dim {p.dim} (a merged view's), which no vsf spec names")
+            if p.dim in by_dim:
+                raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced over {axis!r} and over {by_dim[p.dim]}: vsf has no such layout")
+            by_dim[p.dim] = BalancedShard(axis)
         elif isinstance(p, Partial):
             if p.reduce_op != "sum":
                 raise ValueError(f"a {p} placement over {axis!r} has no vsf spec (only sum partials are 'unreduced')")
             unreduced.append(axis)
         elif isinstance(p, (Shard, _compat.StridedShard)):
+            if isinstance(by_dim.get(p.dim), BalancedShard):
+                raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced and over {axis!r}: vsf has no such layout")
             by_dim.setdefault(p.dim, []).append(axis)
     entries: list[Any] = [None] * ndim
     for dim, axes in by_dim.items():
-        entries[dim] = _entry_order(mesh, dim, axes, placements, dm_axes)
+        entries[dim] = axes if isinstance(axes, BalancedShard) else _entry_order(mesh, dim, axes, placements, dm_axes)
     if ragged_entry is not None:
         entries[0] = ragged_entry
     return NamedSharding(mesh, PartitionSpec(*entries, unreduced=unreduced).normalized())

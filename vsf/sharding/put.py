@@ -4,6 +4,10 @@
 and wraps the local pieces as DTensors; ``device_get`` asks DTensor to reassemble them, so a
 round trip checks vsf's layout against DTensor's own.
 
+Balanced layouts (``P(None, vsf.balanced("cp"))``) are DTensor's contiguous shards of the
+balanced view (:meth:`NamedSharding.index_view`): gathered by DTensor and put back in the
+original order, moved through the full value.
+
 Ragged layouts (``P(vsf.ragged(...), ...)``), which DTensor cannot move, are moved by
 :func:`vsf.sharding.ragged.reshard` over their axis: straight to or from ``Replicate``,
 ``Partial``, ``Shard`` or another ragged split of that axis when nothing else changes (one
@@ -24,7 +28,7 @@ from vsf import _compat, ops, runtime, tree
 from vsf.ops import backend
 from vsf.sharding import ragged
 from vsf.sharding.mesh import mesh_of
-from vsf.sharding.named import NamedSharding, RaggedPlacement, from_placements, resolve, sharding_of
+from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, balanced_order, from_placements, resolve, sharding_of
 from vsf.sharding.spec import PartitionSpec
 
 __all__ = ["device_get", "device_put", "from_local", "is_sharding_leaf", "local_device"]
@@ -92,7 +96,7 @@ def _reshard(x: DTensor, s: NamedSharding) -> DTensor:
     src = sharding_of(x)
     if src == s:
         return x
-    if src.mesh != s.mesh:
+    if src.mesh != s.mesh or src.balanced or s.balanced:
         return distribute(_full(x), s)
     gained = [a for a in s.spec.unreduced if a not in src.spec.unreduced and s.mesh.axis_size(a) > 1]
     if gained:
@@ -214,6 +218,8 @@ def device_get(x: Any) -> Any:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor) and any(isinstance(p, BalancedPlacement) for p in t.placements):
+        return _unbalance(t, sharding_of(t))
     if isinstance(t, DTensor):
         layout = _layout_of(t)
         if layout.ragged is not None:   # gathered over the ragged axis by vsf, not DTensor
@@ -226,6 +232,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if _compat.is_local_tensor(full):
         with _compat.local_mode_disabled():
             return full.reconcile()
+    return full
+
+
+def _unbalance(t: DTensor, s: NamedSharding) -> torch.Tensor:
+    """The full value of ``t`` laid out balanced as ``s``: DTensor gathers the balanced view,
+    whose chunks then go back to their positions."""
+    full = _full(from_local(_compat.dtensor_local(t), s.as_contiguous(), t.shape))
+    for dim, b in s.balanced.items():
+        back = torch.argsort(balanced_order(t.shape[dim], s.mesh.axis_size(b.axis)))
+        with _compat.local_mode_disabled():
+            full = full.index_select(dim, back.to(full.device))
     return full
 
 

@@ -9,7 +9,10 @@ One entry per tensor dimension, JAX's meaning:
 * ``ragged("fsdp", units=(1, 2, 1, 0))`` (dim 0 only) - a :class:`RaggedShard`: the leading
   ``dims`` dims flattened into rows, split over ``fsdp`` in proportion to per-rank ``units``
   (veScale's ``RaggedShard``); the other entries of those dims are ``None``, later dims may be
-  sharded over other axes.
+  sharded over other axes;
+* ``balanced("cp")`` - a :class:`BalancedShard`: the dim cut into ``2n`` equal chunks over the
+  ``n`` ranks of ``cp``, rank ``i`` holding chunks ``i`` and ``2n-1-i`` (the load-balanced layout
+  of a causal sequence).
 
 Trailing dimensions not named are unsharded. ``unreduced`` names the axes over which the value
 is a partial sum that has not been reduced yet (JAX's "unreduced"; DTensor's ``Partial``).
@@ -22,6 +25,8 @@ Example::
     ('dp', 'tp')
     >>> P(ragged("fsdp", units=(1, 2, 1, 0)), "tp").axes
     ('fsdp', 'tp')
+    >>> P("dp", balanced("cp"))
+    P('dp', BalancedShard('cp'))
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Union
 
-__all__ = ["P", "PartitionSpec", "RaggedShard", "UNCONSTRAINED", "ragged"]
+__all__ = ["BalancedShard", "P", "PartitionSpec", "RaggedShard", "UNCONSTRAINED", "balanced", "ragged"]
 
 
 class _Unconstrained:
@@ -195,7 +200,89 @@ def ragged(axis: str, units: Sequence[int], *, dims: int = 1, block: int = 1) ->
     return RaggedShard(axis, units, dims=dims, block=block)
 
 
-Entry = Union[None, str, tuple[str, ...], _Unconstrained, RaggedShard]
+class BalancedShard:
+    """A dim cut into ``2n`` equal chunks over the ``n`` ranks of mesh axis ``axis``: rank ``i``
+    holds chunks ``i`` and ``2n-1-i``, in that order (the head-tail, "zigzag" layout of ring
+    attention implementations).
+
+    With causal attention a contiguous split leaves rank 0 one block of keys to attend to and the
+    last rank ``n``; with this layout every rank has ``2n + 1`` half-blocks of work. Put the
+    sequence dim of every input that carries it (tokens, targets, positions) on it; ``vsf.jit``
+    plans on the balanced chunks (every op that works on contiguous shards works on them; causal
+    attention follows the chunk order), and ``vsf.device_get`` returns the original order.
+    Immutable and hashable; ``repr`` round-trips.
+
+    Example::
+
+        >>> b = BalancedShard("cp")
+        >>> b.chunk_order(2)                     # the balanced view holds chunks in this order
+        (0, 3, 1, 2)
+        >>> b.ranges(16, 2, 1)                   # rank 1 of 2 holds positions 4..8 and 8..12
+        ((4, 8), (8, 12))
+    """
+
+    __slots__ = ("_axis",)
+
+    def __init__(self, axis: str) -> None:
+        if not isinstance(axis, str) or not axis:
+            raise TypeError(f"BalancedShard needs a mesh axis name, got {axis!r}")
+        object.__setattr__(self, "_axis", axis)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("BalancedShard is immutable")
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis the chunks are split over."""
+        return self._axis
+
+    @staticmethod
+    def chunk_order(n: int) -> tuple[int, ...]:
+        """The chunks of the dim in the order ranks ``0 .. n-1`` hold them, two each."""
+        return tuple(c for i in range(n) for c in (i, 2 * n - 1 - i))
+
+    def check(self, size: int, n: int, where: str = "") -> None:
+        """Raise ``ValueError`` unless a dim of ``size`` splits into ``2n`` equal chunks."""
+        if size % (2 * n):
+            at = f" for {where}" if where else ""
+            raise ValueError(
+                f"{self!r}{at}: a dim of size {size} does not split into 2 * {self._axis}={n} = {2 * n} equal chunks "
+                f"(rank i holds chunks i and {2 * n - 1}-i); make it a multiple of {2 * n}"
+            )
+
+    def ranges(self, size: int, n: int, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The two ``[start, stop)`` ranges of the dim rank ``index`` of ``n`` holds."""
+        self.check(size, n)
+        c = size // (2 * n)
+        return tuple((k * c, (k + 1) * c) for k in (index, 2 * n - 1 - index))  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BalancedShard) and other._axis == self._axis
+
+    def __hash__(self) -> int:
+        return hash(("BalancedShard", self._axis))
+
+    def __repr__(self) -> str:
+        return f"BalancedShard({self._axis!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BalancedShard, (self._axis,))
+
+
+def balanced(axis: str) -> BalancedShard:
+    """The spec entry of the balanced layout (``vsf.balanced``): ``P("dp", vsf.balanced("cp"))``
+    puts a batch's sequences on ``dp`` and each sequence over ``cp`` in ``2 * cp`` chunks, rank
+    ``i`` holding chunks ``i`` and ``2 * cp - 1 - i`` (:class:`BalancedShard`).
+
+    Example::
+
+        >>> balanced("cp")
+        BalancedShard('cp')
+    """
+    return BalancedShard(axis)
+
+
+Entry = Union[None, str, tuple[str, ...], _Unconstrained, RaggedShard, BalancedShard]
 
 
 def _entry_axes(entry: Entry) -> tuple[str, ...]:
@@ -203,13 +290,13 @@ def _entry_axes(entry: Entry) -> tuple[str, ...]:
         return ()
     if isinstance(entry, str):
         return (entry,)
-    if isinstance(entry, RaggedShard):
+    if isinstance(entry, (RaggedShard, BalancedShard)):
         return (entry.axis,)
     return entry
 
 
 def _normalize_entry(entry: Any, dim: int) -> Entry:
-    if entry is None or entry is UNCONSTRAINED or isinstance(entry, str):
+    if entry is None or entry is UNCONSTRAINED or isinstance(entry, (str, BalancedShard)):
         return entry
     if isinstance(entry, RaggedShard):
         if dim != 0:
@@ -222,7 +309,7 @@ def _normalize_entry(entry: Any, dim: int) -> Entry:
             return None
         return entry[0] if len(entry) == 1 else tuple(entry)
     raise TypeError(
-        f"P entry for dim {dim} must be None, an axis name, a tuple of axis names or "
+        f"P entry for dim {dim} must be None, an axis name, a tuple of axis names, vsf.balanced(axis) or "
         f"P.UNCONSTRAINED, got {entry!r} ({type(entry).__name__})"
     )
 

@@ -19,7 +19,8 @@ The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in
 ``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
 parallelism: attention runs on sequence shards); ``--pp N`` cuts the blocks into N pipeline stages
 over the pp axis (``vsf.pipeline``: GPipe or 1F1B over ``--microbatches``; dp, fsdp and tp apply
-inside each stage; a pipelined run saves no checkpoints yet).
+inside each stage; checkpoints hold each stage's leaves once, so ``--resume`` works and a
+pipelined checkpoint loads onto any other layout).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
 and writes the loss curve to ``<out>/loss.png`` (with matplotlib installed).
 """
@@ -96,8 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.pp <= args.layers:
         p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
-    if args.pp > 1 and (args.cp > 1 or args.resume):
-        p.error("--pp > 1 runs neither with --cp nor with --resume yet (a pipelined run saves no checkpoints)")
+    if args.pp > 1 and args.cp > 1:
+        p.error("--pp > 1 does not run with --cp yet")
     if args.cp < 1 or args.seq % args.cp:
         p.error(f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)")
     return args
@@ -244,13 +245,14 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     pipe = make_pipeline(args, model, mesh) if args.pp > 1 else None
     state = {"params": pipe.place(params, specs) if pipe else vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))}
     state["opt"] = optim.init_sharded(tx, state["params"], zero_axes=("dp",))
-    for name in ("blocks.0.attn.qkv.weight", "wte.weight"):
-        rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
+    for name in ("blocks.0.attn.qkv.weight", "wte.weight"):   # (both on rank 0; None on the later stages' ranks)
+        if rep.enabled:
+            rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
     if pipe:
         for s in range(args.pp):
             rep.say(f"  stage {s}: ranks {list(pipe.meshes[s].devices)}, {', '.join(pipe.prefixes[s])}")
-    mngr = None if pipe else vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
-    first, state = restore(args, mngr, state, rep) if mngr else (0, state)
+    mngr = vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
+    first, state = restore(args, mngr, state, rep)
 
     if pipe:
         step_fn, put_batch, lowered = make_pipelined_step(pipe, tx), None, None
@@ -276,11 +278,10 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
         if metrics:
             metrics.write(json.dumps({"step": step, "loss": losses[step], "tokens_per_s": args.batch * cfg.seq / seconds}) + "\n")
             metrics.flush()
-        if mngr and mngr.save(step + 1, {**state, "step": step + 1}, force=step + 1 == args.steps, blocking=False):
+        if mngr.save(step + 1, {**state, "step": step + 1}, force=step + 1 == args.steps, blocking=False):
             rep.say(f"checkpoint {step + 1}: saving in the background to {mngr.step_path(step + 1)}")
     elapsed = time.perf_counter() - started
-    if mngr:
-        mngr.wait()
+    mngr.wait()
     if metrics:
         metrics.close()
     cost = lowered.cost() if lowered else None
@@ -348,7 +349,7 @@ def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Re
         per_axis = ", ".join(f"{a} {_kib(b)}" for a, b in result.comm_bytes.items() if b)
         rep.say(f"each step sends per rank (from the plan): {per_axis}; {len(cost.collectives)} collectives "
                 f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else "each step sends nothing (one rank)")
-    rep.say((f"checkpoints: {mngr.directory} steps {mngr.all_steps()}; " if mngr else "checkpoints: none (pipelined run); ") + f"metrics: {args.out / 'metrics.jsonl'}")
+    rep.say(f"checkpoints: {mngr.directory} steps {mngr.all_steps()}; metrics: {args.out / 'metrics.jsonl'}")
     rep.say(plot_losses(args.out / "metrics.jsonl", args.out / "loss.png", floor_loss(cfg)))
 
 

@@ -23,6 +23,14 @@ Example::
               "step": 0}
     state = vsf.checkpoint.load("ckpt/step_100", target)
 
+    # a pipeline's state (vsf.pipeline: each rank holds its stage's leaves, None at the others'):
+    # saved once per leaf, with its global shape; loaded into any layout, e.g. the pipeline's own
+    def init():
+        p = pipe.place(params, specs)
+        return {"params": p, "opt": vsf.optim.init_sharded(tx, p, zero_axes=("dp",))}
+    vsf.checkpoint.save("ckpt/pp", init())
+    state = vsf.checkpoint.load("ckpt/pp", vsf.eval_shape(init))   # None where another stage's leaf is
+
     mngr = vsf.checkpoint.CheckpointManager("ckpt", max_to_keep=3, save_interval_steps=100)
     mngr.save(step, state, blocking=False)                      # copies shards, writes in the background
 """

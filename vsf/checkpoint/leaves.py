@@ -8,6 +8,14 @@ as the target says, DCP fills it (resharding from whatever was saved), and the t
 
 Under :func:`vsf.simulate` this process holds every rank's shards, so it saves full tensors
 (gathered with :func:`vsf.device_get`) and lays loaded ones out with :func:`vsf.device_put`.
+
+**Leaves held by some ranks only** (a pipeline's params and optimizer state under ``torchrun``:
+each rank holds its stage's leaves, ``None`` at the others'). A rank's tree is flattened with
+``None`` as a slot, so every rank sees the same slots; :func:`merge` joins the ranks' records
+into one tree (a slot saved by some rank is a leaf, a slot ``None`` on every rank stays ``None``).
+On load, ``None`` in a rank's target at a saved leaf means "held elsewhere": this rank reads
+nothing there and its result has ``None`` there, so the target of a pipelined run is its own
+live (or :func:`vsf.eval_shape`-d) state; every saved leaf must be asked for by some rank.
 """
 
 from __future__ import annotations
@@ -26,16 +34,23 @@ from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_get, device_put, local_device
 
-__all__ = ["Want", "buffers", "flatten", "rebuild", "resolve_target"]
+__all__ = ["Want", "buffers", "flatten", "merge", "missing_everywhere", "rebuild", "resolve_target"]
 
 
-def flatten(value: Any) -> tuple[Any, list[LeafRecord], dict[str, torch.Tensor]]:
-    """``(treedef, records, state_dict)`` of a tree to save (under simulation, with gathered copies)."""
-    pairs, treedef = tree.flatten_with_path(value)
+def flatten(value: Any) -> tuple[Any, list[LeafRecord | None], dict[str, torch.Tensor]]:
+    """``(slots, records, state_dict)`` of a tree to save (under simulation, with gathered copies).
+
+    ``slots`` is the structure with ``None`` as a leaf; ``records`` has one entry per slot (``None``
+    where this rank's tree has ``None``); ``state_dict`` holds this rank's tensors.
+    """
+    pairs, slots = tree.flatten_with_path(value, is_leaf=_is_none)
     paths = [tree.keystr(p) for p, _ in pairs]
-    records, state = [], {}
+    records: list[LeafRecord | None] = []
+    state = {}
     for path, key, (_, leaf) in zip(paths, _unique(paths), pairs):
-        if isinstance(leaf, torch.Tensor):
+        if leaf is None:
+            records.append(None)
+        elif isinstance(leaf, torch.Tensor):
             sharding = _savable_sharding(leaf, path)
             records.append(LeafRecord(path, key, "tensor", tuple(leaf.shape), leaf.dtype, sharding))
             state[key] = _gathered(leaf, path) if runtime.is_simulated() else leaf.detach()
@@ -46,7 +61,33 @@ def flatten(value: Any) -> tuple[Any, list[LeafRecord], dict[str, torch.Tensor]]
                 f"vsf.checkpoint cannot save the leaf at {path}: a {type(leaf).__name__}; leaves must be tensors, "
                 f"DTensors, bool, int, float, str or None (register other containers with vsf.tree)"
             )
-    return treedef, records, state
+    return slots, records, state
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def merge(slots: Any, per_rank: Sequence[tuple[bytes, list[LeafRecord | None]]]) -> tuple[Any, list[LeafRecord]]:
+    """The saved tree's ``(treedef, records)`` from every rank's ``(pickled slots, records)``.
+
+    A slot takes the record of the first rank holding it; a slot no rank holds is ``None`` in the
+    saved tree. The ranks must save trees of one structure.
+
+    Example::
+
+        >>> # rank 0 saves {"a": x, "b": None}, rank 1 {"a": None, "b": y}: the checkpoint holds {"a": x, "b": y}
+    """
+    mine = pickle.dumps(slots)
+    for rank, (theirs, _) in enumerate(per_rank):
+        if theirs != mine:
+            raise ValueError(
+                f"the ranks save trees of different structures (rank {rank}: {pickle.loads(theirs)}; this rank: {slots}); "
+                f"every rank must pass the same tree, with None where it holds no part of a leaf"
+            )
+    merged = [next((r[i] for _, r in per_rank if r[i] is not None), None) for i in range(slots.num_leaves)]
+    treedef = tree.structure(tree.unflatten(slots, [None if r is None else 0 for r in merged]))
+    return treedef, [r for r in merged if r is not None]
 
 
 def _unique(paths: Sequence[str]) -> list[str]:
@@ -87,24 +128,50 @@ class Want(NamedTuple):
     device: torch.device
 
 
-def resolve_target(ckpt: Checkpoint, target: Any) -> tuple[Any, list[Want | None]]:
-    """The treedef of the result and, per saved leaf, what to load: a :class:`Want` for a tensor, else None.
+def resolve_target(ckpt: Checkpoint, target: Any) -> tuple[Any, list[LeafRecord], list[Want | None]]:
+    """The treedef of the result, the saved leaves this rank loads, and per such leaf what to load:
+    a :class:`Want` for a tensor, else None.
 
-    ``target=None`` asks for the leaves as saved (same mesh size required). A plain tensor leaf
-    comes back on the device of its live target, else on the device of the target's meshes
-    (when they agree on one), else on this process's default device.
+    ``target=None`` asks for the leaves as saved (same mesh size required). ``None`` in ``target``
+    at a saved leaf skips it here (it is held by other ranks; the result has ``None`` there). A
+    plain tensor leaf comes back on the device of its live target, else on the device of the
+    target's meshes (when they agree on one), else on this process's default device.
     """
     if target is None:
-        treedef, structs, devices = _saved_treedef(ckpt), [_as_saved(r) for r in _check_meshes(ckpt.leaves)], None
+        treedef, here, structs, devices = _saved_treedef(ckpt), ckpt.leaves, [_as_saved(r) for r in _check_meshes(ckpt.leaves)], None
     else:
-        pairs, treedef = tree.flatten_with_path(target)
-        _check_paths([r.path for r in ckpt.leaves], [tree.keystr(p) for p, _ in pairs], ckpt)
-        structs = [_want(r, leaf) for r, (_, leaf) in zip(ckpt.leaves, pairs)]
-        devices = [leaf.device if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) else None for _, leaf in pairs]
+        pairs, _ = tree.flatten_with_path(target, is_leaf=_is_none)
+        here, leaves_ = _match(ckpt, [(tree.keystr(p), leaf) for p, leaf in pairs])
+        treedef = tree.structure(target)
+        structs = [_want(r, leaf) for r, leaf in zip(here, leaves_)]
+        devices = [leaf.device if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) else None for leaf in leaves_]
     default = _plain_device([s for s in structs if s is not None])
-    return treedef, [
+    return treedef, here, [
         None if s is None else Want(s, d if d is not None else default) for s, d in zip(structs, devices or [None] * len(structs))
     ]
+
+
+def _match(ckpt: Checkpoint, slots: list[tuple[str, Any]]) -> tuple[list[LeafRecord], list[Any]]:
+    """The saved leaves the target's non-``None`` slots ask for, with those slots' leaves, in order.
+
+    A ``None`` slot matches a saved leaf at its path (held elsewhere) or nothing (a ``None`` value).
+    """
+    saved = {r.path for r in ckpt.leaves}
+    kept = [(p, leaf) for p, leaf in slots if leaf is not None or p in saved]
+    _check_paths([r.path for r in ckpt.leaves], [p for p, _ in kept], ckpt)
+    pairs = [(r, leaf) for r, (_, leaf) in zip(ckpt.leaves, kept) if leaf is not None]
+    return [r for r, _ in pairs], [leaf for _, leaf in pairs]
+
+
+def missing_everywhere(ckpt: Checkpoint, loaded: Sequence[Sequence[str]]) -> None:
+    """Raise naming the saved leaves that no rank's target asks for (``None`` on every rank)."""
+    asked = {k for keys in loaded for k in keys}
+    lost = [r.path for r in ckpt.leaves if r.key not in asked]
+    if lost:
+        raise ValueError(
+            f"the target has None at {_some(lost)} on every rank, but the checkpoint {ckpt.path} holds a leaf there; "
+            f"None in a target means 'held by another rank': some rank must ask for each saved leaf"
+        )
 
 
 def _plain_device(structs: list[ShapeDtypeStruct]) -> torch.device:

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from vsf import _compat, runtime
 from vsf.checkpoint import group as group_mod, leaves, ragged
-from vsf.checkpoint.format import read_checkpoint
+from vsf.checkpoint.format import Checkpoint, LeafRecord, read_checkpoint
 from vsf.errors import CorruptCheckpointError
 from vsf.checkpoint.progress import Progress
 from vsf.checkpoint.saving import wait_pending
@@ -28,23 +28,29 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
     a ``NamedSharding`` on any mesh of this run: a DTensor laid out so), or a live tensor / DTensor
     to take the layout of (it is not written to). Shapes and dtypes must match what was saved;
     the mesh, specs and number of ranks may differ. Without ``target``, leaves come back as saved,
-    which needs a mesh of the same size. Every byte read is checked against the checksums written
-    at save time; nothing is returned unless all of it loaded.
+    which needs a mesh of the same size. ``None`` in a rank's target at a saved leaf means "held
+    by other ranks" (a ``vsf.pipeline`` stage's leaf on another stage's ranks): this rank reads
+    nothing there and gets ``None``; every saved leaf must be asked for by some rank. A target that
+    does not fit on any rank raises on every rank, naming that rank and the key path. Every byte
+    read is checked against the checksums written at save time; nothing is returned unless all of
+    it loaded.
 
     Example::
 
         >>> abstract = vsf.eval_shape(lambda: {"params": params, "opt": tx.init(params), "step": 0})
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=abstract)
+        >>> staged = vsf.eval_shape(lambda: {"params": pipe.place(params, specs), "step": 0})   # onto pipeline stages
+        >>> state = vsf.checkpoint.load("ckpt/step_100", target=staged)
     """
     group = group_mod.current()
     wait_pending(group)
     ckpt = read_checkpoint(path)
-    treedef, wants = leaves.resolve_target(ckpt, target)
+    treedef, here, wants = _resolve_everywhere(group, ckpt, target)
     meter = Progress(f"vsf.checkpoint loading {ckpt.path}", enabled=progress if group.rank == 0 else False)
     reader = VerifyingReader(ckpt.path, ckpt.files, meter, {r.key: r.path for r in ckpt.leaves})
     whole = _compat.local_mode_disabled() if runtime.is_simulated() else contextlib.nullcontext()
     with whole:
-        state = leaves.buffers(ckpt.leaves, wants)
+        state = leaves.buffers(here, wants)
         plain, ragged_leaves = ragged.split(state)
         try:
             dcp.load(plain, storage_reader=reader, planner=ragged.LoadPlanner(ragged_leaves), **group.dcp_kwargs)
@@ -54,7 +60,25 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
                 raise
             raise damaged from e
     meter.close()
-    return leaves.rebuild(treedef, ckpt.leaves, wants, state)
+    return leaves.rebuild(treedef, here, wants, state)
+
+
+def _resolve_everywhere(group: group_mod.Group, ckpt: Checkpoint, target: Any) -> tuple[Any, list[LeafRecord], list[leaves.Want | None]]:
+    """:func:`leaves.resolve_target` on every rank: a wrong target on any rank raises on all of them
+    (naming the rank), and a saved leaf that no rank asks for is an error."""
+    try:
+        resolved, problem = leaves.resolve_target(ckpt, target), None
+    except ValueError as e:
+        resolved, problem = None, e
+    reports = group.all_gather((None if problem is None else str(problem), [] if resolved is None else [r.key for r in resolved[1]]))
+    if problem is not None:
+        raise problem
+    for rank, (message, _) in enumerate(reports):
+        if message is not None:
+            raise ValueError(f"rank {rank}'s target does not fit the checkpoint: {message}")
+    if target is not None:
+        leaves.missing_everywhere(ckpt, [keys for _, keys in reports])
+    return resolved
 
 
 def _damaged(e: CheckpointException) -> CorruptCheckpointError | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import pickle
 import threading
 import uuid
 from collections.abc import Callable
@@ -69,7 +70,9 @@ def save(path: str | Path, tree: Any, *, blocking: bool = True, progress: bool |
     Leaves may be DTensors (each rank writes only the shards it owns, replicas once, ragged
     ones as they are: they load as ``Shard``, whole, or with other units), plain
     tensors, bool, int, float, str and None, in dicts, lists, tuples, NamedTuples and dataclasses
-    registered with :mod:`vsf.tree`. The directory appears atomically once complete; ``path`` must
+    registered with :mod:`vsf.tree`. A leaf may be held by some ranks only (``None`` on the others,
+    as a ``vsf.pipeline`` stage's leaves are): it is saved once, from the ranks holding it, with its
+    global shape; every rank passes a tree of the same structure. The directory appears atomically once complete; ``path`` must
     not exist. With ``blocking=False`` the shards are copied to host memory before this returns and
     written by a background thread: wait on the returned handle (the next save or load also waits
     for it, and raises its error if it failed). The host buffers are kept for the next background
@@ -110,7 +113,8 @@ def start_save(
     wait_pending(group)
     if final.exists():
         raise FileExistsError(f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)")
-    treedef, records, state = leaves.flatten(tree)
+    slots, mine, state = leaves.flatten(tree)
+    treedef, records = leaves.merge(slots, group.all_gather((pickle.dumps(slots), mine)))
     if not blocking and not runtime.is_simulated():  # (simulated leaves are gathered copies already)
         state = group.staging.stage(state)
     meter = Progress(f"vsf.checkpoint saving {final}", enabled=progress if group.rank == 0 else False)

@@ -35,6 +35,12 @@
   attention op's gathered keys and values, counted on their whole shape (what a rank holds
   gathered where no other axis splits them: an upper bound).
 
+* ``bucket_bytes`` (default 4 MiB): the most one bucket's flat buffer holds (DDP's
+  ``bucket_cap_mb``): gradient all-reduces, parameter all-gathers (counted gathered) and gradient
+  reduce-scatters (counted unreduced) of independent values join buckets of at most about this
+  size, each run as one collective; smaller buckets start communicating earlier in the backward
+  and hold less memory at once, larger ones launch fewer collectives. Read when a step is planned.
+
 Example::
 
     >>> vsf.config.strict = True
@@ -49,3 +55,4 @@ compile_random: bool = False
 allow_unkeyed_random: bool = False
 context_parallel: str = "auto"
 context_parallel_gather_bytes: int = 64 * 2**20
+bucket_bytes: int = 4 * 2**20

@@ -206,7 +206,10 @@ def test_a_reduction_that_depends_on_another_is_not_bucketed_with_it(sim):
     (add,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     moves = [_reduction(mesh, gm, first, add), _reduction(mesh, gm, last, out)]
     buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [add], id(moves[1]): [out]})
-    assert buckets == () and list(order) == list(gm.graph.nodes)
+    # each reduction alone, started right after its value exists
+    nodes = list(gm.graph.nodes)
+    want = nodes[: nodes.index(first) + 1] + [moves[0]] + nodes[nodes.index(first) + 1 : nodes.index(last) + 1] + [moves[1], out]
+    assert buckets == () and list(order) == want
 
 
 def test_uneven_or_mixed_dtype_reductions_stay_apart(sim):
@@ -261,6 +264,54 @@ def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
     assert order.index(mul) < order.index(bucket) < order.index(mm1)
 
 
+def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucket_by_bucket(sim, monkeypatch):
+    """Three pairs of gradients produced one pair after the other (a backward), each pair used by
+    the optimizer-like adds written in the opposite order: with buckets of two values (256 B),
+    each pair is one bucket started right after its second value, and the adds run bucket by
+    bucket, the first bucket's first (they wait for no later collective)."""
+    sim(2, compute=False)
+    monkeypatch.setattr(vsf.config, "bucket_bytes", 2 * 8 * 4 * 4)
+    mesh = vsf.make_mesh((2,), ("dp",))
+
+    def f(x):
+        a1, b1 = x * 2, x * 3
+        a2, b2 = a1 * 4, b1 * 5
+        a3, b3 = a2 * 6, b2 * 7
+        return a3 + 1, b3 + 1, a2 + 1, b2 + 1, a1 + 1, b1 + 1
+
+    gm = _graph(f, (8, 4))
+    muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    adds = {n.args[0]: n for n in gm.graph.nodes if n.target is aten.add.Tensor}
+    moves = [_reduction(mesh, gm, m, adds[m]) for m in muls]
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [adds[m]] for r, m in zip(moves, muls)})
+    assert [b.members for b in buckets] == [tuple(moves[0:2]), tuple(moves[2:4]), tuple(moves[4:6])]
+    at = {id(item): i for i, item in enumerate(order)}
+    for k, b in enumerate(buckets):
+        first, second = muls[2 * k : 2 * k + 2]
+        assert at[id(b)] == at[id(second)] + 1  # right after its last value
+        users = [at[id(adds[m])] for m in (first, second)]
+        assert max(users) < min((at[id(adds[m])] for m in muls[2 * k + 2 :]), default=len(order))
+        assert min(users) > at[id(buckets[-1])]  # after the whole "backward"
+
+
+def test_a_reduction_of_little_values_computed_from_the_inputs_starts_first(sim):
+    """A mean's token count (the sum of a mask of an input) is reduced before the heavy compute
+    that comes before it in the graph, so the reduction overlaps it; a reduction of a big result
+    stays right after its value."""
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = _graph(lambda x, t: ((x @ x) * 2, (t > 0).sum()), (256, 256), (8,))
+    out = output_node(gm)
+    mm, mul = _node(gm, aten.mm.default), _node(gm, aten.mul.Tensor)
+    count = [n for n in gm.graph.nodes if n.target is aten.sum.default][0]
+    moves = [_reduction(mesh, gm, count, out), _reduction(mesh, gm, mul, out)]
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves})
+    assert buckets == ()  # (an integer and a float: each alone)
+    at = {id(item): i for i, item in enumerate(order)}
+    assert at[id(moves[0])] < at[id(mm)] and at[id(moves[1])] == at[id(mul)] + 1
+    assert [n.op for n in order[:2]] == ["placeholder", "placeholder"]
+
+
 # -- the driver ------------------------------------------------------------------------------
 
 
@@ -289,26 +340,51 @@ def test_a_split_contraction_is_reduced_once_where_the_output_asks(sim):
 # -- overlap -------------------------------------------------------------------------------------
 
 
-def _collective_graph(in_place: bool) -> torch.fx.GraphModule:
-    """x all-reduced, waited for, viewed, and added to y * 2 (optionally after y.add_(1))."""
+def _collective_graph(in_place: str | None) -> torch.fx.GraphModule:
+    """x all-reduced, waited for, viewed, and added to y * 2, after ``in_place`` (``"x"``, ``"y"``,
+    or a view of x) has 1 added to it in place, if given."""
     g = torch.fx.Graph()
     x, y = g.placeholder("x"), g.placeholder("y")
     issued = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
     waited = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (issued,))
     flat = g.call_function(aten.view.default, (waited, [-1]))
     doubled = g.call_function(aten.mul.Tensor, (y, 2))
-    if in_place:
-        g.call_function(aten.add_.Tensor, (y, 1))
+    if in_place is not None:
+        written = {"x": x, "y": y}.get(in_place) or g.call_function(aten.t.default, (x,))
+        g.call_function(aten.add_.Tensor, (written, 1))
     g.output(g.call_function(aten.add.Tensor, (flat, doubled)))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_a_collective_is_waited_for_at_its_first_use_never_past_an_in_place_op(in_place):
+def test_a_reduce_scatter_is_waited_for_before_the_next_one_is_issued():
+    """Two reduce-scatters whose results are first used at the end (a backward's gradient
+    buckets, used by the optimizer): the first is waited for where the second is issued, so the
+    unreduced buffer it holds is freed then; the second waits for its first use."""
+    from vsf.jit.overlap import wait_late
+
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    rs = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    first = g.call_function(rs, (x, "sum", 2, "0"))
+    w1 = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (first,))
+    mid = g.call_function(aten.mul.Tensor, (y, 2))
+    second = g.call_function(rs, (mid, "sum", 2, "0"))
+    w2 = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (second,))
+    late = g.call_function(aten.mul.Tensor, (y, 3))
+    g.output(g.call_function(aten.add.Tensor, (g.call_function(aten.add.Tensor, (w1, w2)), late)))
+    gm = wait_late(torch.fx.GraphModule(torch.nn.Module(), g))
+    names = [n.name for n in gm.graph.nodes]
+    assert names.index(mid.name) < names.index(w1.name) < names.index(second.name)
+    assert names.index(late.name) < names.index(w2.name)
+
+
+@pytest.mark.parametrize("in_place", [None, "y", "x", "view of x"])
+def test_a_collective_is_waited_for_at_its_first_use_never_past_a_write_of_its_input(in_place):
     from vsf.jit.overlap import wait_late
 
     names = [str(n.target).split(".")[1] if n.op == "call_function" else n.op for n in wait_late(_collective_graph(in_place)).graph.nodes]
-    if in_place:
-        assert names == ["placeholder", "placeholder", "all_reduce", "mul", "wait_tensor", "view", "add_", "add", "output"]
-    else:
-        assert names == ["placeholder", "placeholder", "all_reduce", "mul", "wait_tensor", "view", "add", "output"]
+    if in_place in ("x", "view of x"):  # x is still being sent until the wait
+        view = ["t"] if in_place != "x" else []
+        assert names == ["placeholder", "placeholder", "all_reduce", "mul", *view, "wait_tensor", "view", "add_", "add", "output"]
+    else:  # writing another buffer in place holds no wait back
+        assert names == ["placeholder", "placeholder", "all_reduce", "mul", *(["add_"] if in_place else []), "wait_tensor", "view", "add", "output"]

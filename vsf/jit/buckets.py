@@ -1,8 +1,13 @@
 """Collective bucketing and scheduling: independent collectives of one kind over one mesh axis
 run as one collective on a flat buffer, found in the graph instead of at hook time: gradient
 all-reduces (DDP's buckets), parameter all-gathers and gradient reduce-scatters (FSDP's
-per-layer groups). Each bucket is placed in the execution order after all its values exist
-and before any use: reductions as soon as their values exist, gathers just before their first use.
+per-layer groups), each bucket at most ``vsf.config.bucket_bytes``. Each bucket is placed in the
+execution order after all its values exist and before any use: reductions (a lone one too) as
+soon as their values exist, gathers just before their first use. The ops that use a reduction's
+result run after the ops that do not (the optimizer's updates of the first gradient bucket
+before those of the second, all after the backward that the later buckets' collectives overlap),
+and a reduction of values computed from the inputs alone by ops that produce little (the count of
+a mean's tokens) starts first, with its inputs.
 
 Example::
 
@@ -20,28 +25,29 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from vsf import _compat, config
 from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
 from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement, RaggedPlacement
 
-__all__ = ["BUCKET_BYTES", "SHARDING_BUCKET_BYTES", "form_buckets"]
+__all__ = ["SMALL_BYTES", "bucket_kind", "form_buckets"]
 
 
-BUCKET_BYTES = 32 * 2**20  # an all-reduce bucket's flat buffer: bigger buckets trade memory for fewer collectives
-# An all-gather bucket's gathered buffer, a reduce-scatter bucket's unreduced one: full-size copies
-# that live together (a gather's later members are gathered early, a reduction's earlier members
-# are freed late), so about one layer's params (FSDP's per-layer groups)
-SHARDING_BUCKET_BYTES = 4 * 2**20
+# what the ops computing a reduction's values from the inputs alone may produce in all, for the
+# reduction to start first (a token count, a mask's sum), not where they stand in the graph
+SMALL_BYTES = 64 * 2**10
 
 
 def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistribution], users: dict[int, list[torch.fx.Node]]) -> tuple[tuple[Bucket, ...], tuple[Any, ...]]:
     """Group single-axis collectives of one kind (same axis and dtype, evenly sharded values;
     see :func:`bucket_kind`) that do not depend on each other, so each group runs as one
-    collective; and an execution order that runs each group after all its values exist and
-    before any use. Reductions group in the order their values are produced, gathers in the
-    order they are first used."""
+    collective on a flat buffer of at most ``vsf.config.bucket_bytes``; and an execution order
+    (graph nodes, buckets, and the lone reductions that start early, as their
+    :class:`Redistribution`) that runs each group after all its values exist and before any use.
+    Reductions group in the order their values are produced, gathers in the order they are
+    first used."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     anc: dict[torch.fx.Node, int] = {}
@@ -60,7 +66,7 @@ def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistrib
     for (kind, k, _dtype), rs in groups.items():
         gather = kind == "all_gather"
         rs.sort(key=lambda r: first_use[id(r)] if gather else index[r.value[0]])
-        cap = BUCKET_BYTES if kind == "all_reduce" else SHARDING_BUCKET_BYTES
+        cap = config.bucket_bytes
         current: list[Redistribution] = []
         consumers = producers = size = 0
         for r in rs:
@@ -75,9 +81,10 @@ def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistrib
             producers |= anc[p] | (1 << index[p])
             size += _buffer_bytes(mesh, r, kind)
         formed.append((kind, k, current))
+    lone = [rs[0] for kind, _, rs in formed if len(rs) == 1 and kind != "all_gather"]
     formed = [f for f in formed if len(f[2]) > 1]
     while True:
-        order = _schedule(nodes, index, formed, users, first_use)
+        order = _schedule(nodes, index, formed, lone, users, first_use)
         if order is not None:
             break
         formed.pop()  # two groups wait on each other: give up the last one
@@ -133,41 +140,104 @@ def _schedule(
     nodes: list[torch.fx.Node],
     index: dict[torch.fx.Node, int],
     formed: list[tuple[str, tuple[int, ...], list[Redistribution]]],
+    lone: list[Redistribution],
     users: dict[int, list[torch.fx.Node]],
     first_use: dict[int, int],
 ) -> list[Any] | None:
-    """A topological order of the graph plus one step per group (``None`` if groups form a cycle),
-    keeping the original order wherever the groups allow: a reduction right after its last
-    value exists, a gather right before its first use."""
+    """A topological order of the graph plus one step per group and per lone reduction (``None``
+    if groups form a cycle): a reduction right after its last value exists, a gather right
+    before its first use, the rest in the graph's order, except that what uses a reduction's
+    result waits for what does not (:func:`_levels`) and a reduction of little values computed
+    from the inputs alone starts first, with them (:func:`_light`)."""
     deps: dict[int, set[int]] = {id(n): {id(p) for p in n.all_input_nodes} for n in nodes}
     items: dict[int, Any] = {id(n): n for n in nodes}
     rank: dict[int, float] = {id(n): index[n] for n in nodes}
-    for kind, _, rs in formed:
-        items[id(rs)] = rs
-        deps[id(rs)] = {id(r.value[0]) for r in rs}
+    reductions = set()
+    for kind, rs in [(kind, rs) for kind, _, rs in formed] + [("lone", [r]) for r in lone]:
+        key = id(rs) if kind != "lone" else id(rs[0])
+        items[key] = rs if kind != "lone" else rs[0]
+        deps[key] = {id(r.value[0]) for r in rs}
         if kind == "all_gather":
-            rank[id(rs)] = min(first_use[id(r)] for r in rs) - 0.5
+            rank[key] = min(first_use[id(r)] for r in rs) - 0.5
         else:
-            rank[id(rs)] = max(index[r.value[0]] for r in rs) + 0.5
+            rank[key] = max(index[r.value[0]] for r in rs) + 0.5
+            reductions.add(key)
         for r in rs:
             for u in users[id(r)]:
-                deps[id(u)].add(id(rs))
-    waiting = {k: len(v) for k, v in deps.items()}
+                deps[id(u)].add(key)
     after: dict[int, list[int]] = {}
     for k, v in deps.items():
         for d in v:
             after.setdefault(d, []).append(k)
-    ready = [(rank[k], k) for k, w in waiting.items() if w == 0]
+    first = _light(nodes, items, deps, reductions)
+    for k in first:
+        rank[k] -= len(nodes) + 1
+    seq = {k: i for i, k in enumerate(items)}  # ties broken alike on every rank (not by id)
+    base = _topological(deps, after, {k: (rank[k], seq[k]) for k in items})
+    if base is None:
+        return None
+    level = _levels(base, deps, after, reductions)
+    inputs = {id(n) for n in nodes if n.op == "placeholder"}
+    key = {k: (-2 if k in inputs else -1 if k in first else level[k], rank[k], seq[k]) for k in items}
+    return [items[k] for k in _topological(deps, after, key) or ()]
+
+
+def _topological(deps: dict[int, set[int]], after: dict[int, list[int]], key: dict[int, Any]) -> list[int] | None:
+    """The steps in dependency order, the ready step of least ``key`` (unique) first (``None`` on a cycle)."""
+    waiting = {k: len(v) for k, v in deps.items()}
+    ready = [(key[k], k) for k, w in waiting.items() if w == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         _, k = heapq.heappop(ready)
-        order.append(items[k])
+        order.append(k)
         for nxt in after.get(k, ()):
             waiting[nxt] -= 1
             if waiting[nxt] == 0:
-                heapq.heappush(ready, (rank[nxt], nxt))
-    return order if len(order) == len(items) else None
+                heapq.heappush(ready, (key[nxt], nxt))
+    return order if len(order) == len(deps) else None
+
+
+def _levels(order: list[int], deps: dict[int, set[int]], after: dict[int, list[int]], reductions: set[int]) -> dict[int, int]:
+    """Each step's level: the number (in ``order``) of the last reduction it waits for, so that
+    what uses a reduction's result runs after what does not; a step that waits for no later
+    reduction than its users (a gather, a constant, the optimizer's reads of its state) takes
+    its first user's level, so it runs with them, not early (the graph's output, last in
+    ``order``, is no user). A reduction keeps its own level (it starts as soon as its values
+    exist)."""
+    number = {k: i + 1 for i, k in enumerate(k for k in order if k in reductions)}
+    up: dict[int, int] = {}
+    for k in order:
+        up[k] = max((max(up[d], number.get(d, 0)) for d in deps[k]), default=0)
+    level: dict[int, int] = {}
+    for k in reversed(order):
+        later = [level[u] for u in after.get(k, ()) if u != order[-1]]  # (the output computes nothing)
+        level[k] = up[k] if k in reductions or not later else max(up[k], min(later))
+    return level
+
+
+def _light(nodes: list[torch.fx.Node], items: dict[int, Any], deps: dict[int, set[int]], reductions: set[int]) -> set[int]:
+    """The reductions whose values ops compute from the graph's inputs alone, producing at most
+    :data:`SMALL_BYTES` in all (a mean's token count), with those ops: they start first."""
+    cone: dict[int, set[int] | None] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            cone[id(n)] = set()
+            continue
+        parts = [cone[id(p)] for p in n.all_input_nodes]
+        mine = None if n.op != "call_function" or any(c is None for c in parts) else set().union({id(n)}, *parts)
+        cone[id(n)] = mine if mine is not None and sum(_produced(items[k]) for k in mine) <= SMALL_BYTES else None
+    first: set[int] = set()
+    for k in reductions:
+        parts = [cone.get(d) for d in deps[k]]
+        if all(c is not None for c in parts):
+            first |= {k}.union(*parts)
+    return first
+
+
+def _produced(node: torch.fx.Node) -> int:
+    """The bytes ``node``'s tensor results take (its traced global values)."""
+    return sum(t.numel() * t.element_size() for t in _compat.torch_tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:

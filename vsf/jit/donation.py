@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from vsf import _compat, tree
 from vsf.jit.graph import output_node, placeholders_of
 
-__all__ = ["Donated", "check_not_donated", "donate", "reuse_donated"]
+__all__ = ["Donated", "allocates", "check_not_donated", "donate", "reuse_donated"]
 
 
 class Donated(torch.Tensor):
@@ -108,7 +108,7 @@ def _overwritable(node: torch.fx.Node, i: int, result: torch.fx.Node | None, own
     x = node.args[i] if i < len(node.args) else None
     if not isinstance(x, torch.fx.Node) or result is None or x in outputs:
         return False
-    if not (x in owned or (x.op == "call_function" and _allocates(x))) or not _done_before(x, node, order):
+    if not (x in owned or (x.op == "call_function" and allocates(x))) or not _done_before(x, node, order):
         return False
     a, out = x.meta.get("val"), result.meta.get("val")
     if not (isinstance(a, torch.Tensor) and isinstance(out, torch.Tensor)):
@@ -119,9 +119,15 @@ def _overwritable(node: torch.fx.Node, i: int, result: torch.fx.Node | None, own
 _VIEWS = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "split", "unsqueeze", "squeeze", "alias", "detach", "as_strided", "reshape", "unbind", "diagonal", "narrow")
 
 
-def _allocates(node: torch.fx.Node) -> bool:
-    """Does ``node`` produce a new buffer (not a view of an input, not a collective's buffer)? For
-    one result of a multi-result op (a ``getitem``), does that result?"""
+def allocates(node: torch.fx.Node) -> bool:
+    """Does ``node`` (an fx ``call_function`` node) produce a new buffer (not a view of an input,
+    not a collective's buffer)? For one result of a multi-result op (a ``getitem``), does that result?
+
+    Example::
+
+        >>> allocates(mm_node), allocates(t_node)
+        (True, False)
+    """
     op, index = node.target, None
     if op is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         op, index = node.args[0].target, node.args[1]

@@ -26,7 +26,7 @@ from vsf import _compat
 from vsf.errors import PlanMismatch
 from vsf.jit import context_parallel, manual
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
-from vsf.jit.plan import Bucket, Placements, Plan, as_contiguous
+from vsf.jit.plan import Bucket, Placements, Plan, Redistribution, as_contiguous
 from vsf.jit.redistribute import move_local, transition_path
 
 __all__ = ["compile_local", "execute"]
@@ -56,24 +56,20 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
         return _compat.dtensor_layout(dm, as_contiguous(placements), meta_of(v))  # a balanced split: the view's shards
 
     def get(v: Value, dst: Placements, user: torch.fx.Node) -> torch.Tensor:
-        src = plan.placement(v)
-        if src == dst:
+        if plan.placement(v) == dst:
             return env[v]
         r = plan.serving(user, v, dst)
         if id(r) not in moved:
-            local, prev = env[v], src
-            for nxt in transition_path(plan.mesh, src, dst):
-                local, prev = move_local(plan.mesh, meta_of(v), local, prev, nxt), nxt
-            # a shard cut from a replicated value, unpadded after an uneven collective or taken
-            # from an all-to-all is a strided view, which some kernels read as a contiguous block
-            # (CPU layer-norm backward's mean and rstd, view rules)
-            moved[id(r)] = local.contiguous()
+            moved[id(r)] = _move(plan, r, env[v])
         return moved[id(r)]
 
     for node in plan.order:
         if isinstance(node, Bucket):
             outs = _run_bucket(plan, node, [env[r.value] for r in node.members])
             moved.update((id(r), o) for r, o in zip(node.members, outs))
+            continue
+        if isinstance(node, Redistribution):  # a lone reduction, started as soon as its value exists
+            moved[id(node)] = _move(plan, node, env[node.value])
             continue
         if node not in plan.nodes:
             continue  # placeholders, tuple indexing and the output: nothing to run
@@ -116,9 +112,24 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
     return [get(value_of(a), dst, output) for a, dst in zip(_compat.torch_tree_leaves(output.args), plan.outputs)]
 
 
+def _move(plan: Plan, r: Redistribution, local: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``r``'s value (``local``, laid out as ``r.src``) laid out as ``r.dst``."""
+    prev = r.src
+    for nxt in transition_path(plan.mesh, r.src, r.dst):
+        local, prev = move_local(plan.mesh, meta_of(r.value), local, prev, nxt), nxt
+    # a shard cut from a replicated value, unpadded after an uneven collective or taken from an
+    # all-to-all is a strided view, which some kernels read as a contiguous block (CPU
+    # layer-norm backward's mean and rstd, view rules)
+    return local.contiguous()
+
+
 def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """The local values of ``b``'s members (``pieces``, laid out as their sources) moved to
-    their destinations by one collective per mesh dim on a flat buffer."""
+    their destinations by one collective per mesh dim on a flat buffer: the members copied into
+    it once (one ``cat``) and the results read back as views of the collective's buffer where
+    their layout allows (an all-reduce's, a reduce-scatter's; a gather's members are
+    interleaved by rank, so each is copied out). (The functional all-reduce copies the buffer
+    once more; its in-place twin would not, but ``CommDebugMode`` does not count it.)"""
     dm, mesh = plan.mesh.device_mesh, plan.mesh
     nd = len(b.members[0].src)
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]

@@ -19,7 +19,7 @@ import torch.fx
 from vsf import _compat
 from vsf.jit.cost import local_bytes
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
-from vsf.jit.plan import Bucket, Plan
+from vsf.jit.plan import Bucket, Plan, Redistribution
 
 __all__ = ["peak_bytes"]
 
@@ -31,6 +31,8 @@ def peak_bytes(plan: Plan) -> int:
     for i, item in enumerate(plan.order):
         if isinstance(item, Bucket):
             order.update((id(r), i) for r in item.members)
+        elif isinstance(item, Redistribution):
+            order[id(item)] = i
         else:
             order[item] = i
     end = len(plan.order)
@@ -38,7 +40,7 @@ def peak_bytes(plan: Plan) -> int:
     for node in gm.graph.nodes:
         for a in _compat.torch_tree_leaves((node.args, node.kwargs)):
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
-                last[value_of(a)] = order[node]
+                last[value_of(a)] = max(last.get(value_of(a), 0), order[node])
     born: list[tuple[int, int, int]] = []
     for ph, pl in zip(placeholders_of(gm), plan.inputs):
         born.append((0, end, local_bytes(plan.mesh, ph.meta["val"], pl)))

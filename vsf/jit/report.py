@@ -19,7 +19,7 @@ from vsf.jit.cost import local_bytes
 from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.memory import peak_bytes
 from vsf.jit.partition import Partitioned, Saved
-from vsf.jit.plan import Bucket, Collective, Plan
+from vsf.jit.plan import Bucket, Collective, Plan, Redistribution
 from vsf.sharding.inspect import type_string
 
 __all__ = ["Cost", "cost", "differentiable_cost", "differentiable_text", "plan_text"]
@@ -113,11 +113,14 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         lines.append(f"  %{ph.name:<14} {_type(plan, ph.meta['val'], pl):<28} {label}")
     lines.append("ops:")
     moves: dict[torch.fx.Node, list[str]] = {}
-    bucketed = {id(r) for b in plan.buckets for r in b.members}
+    placed = {id(r) for b in plan.buckets for r in b.members} | {id(r) for r in plan.order if isinstance(r, Redistribution)}
     for r in plan.redistributions:
-        if id(r) not in bucketed:
+        if id(r) not in placed:
             moves.setdefault(r.before, []).extend(_move_lines(plan, r))
     for node in plan.order:
+        if isinstance(node, Redistribution):  # a lone reduction, where it starts
+            lines.extend(_move_lines(plan, node))
+            continue
         if isinstance(node, Bucket):
             names = ", ".join(f"%{r.value[0].name}" for r in node.members)
             for c in node.collectives:

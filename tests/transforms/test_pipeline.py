@@ -4,6 +4,7 @@ in-order runner plays torch's schedule order; bad splits are errors that name th
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
     p = pipe.place(params, vsf.sharding.match(params, MEGATRON))
     s = TX.init(p)
+    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))   # plans every stage; the steps reuse the plans
 
     def train_step(params, opt_state, idx, targets):
         loss, grads = pipe.value_and_grad(params, idx, targets)
@@ -86,6 +88,37 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
         assert vsf.sharding.named.sharding_of(leaf).mesh.devices == ranks(k), name
     # the runner played each stage's actions in torch's schedule order
     assert [[(k, mb) for st, k, mb in pipe.order if st == stage] for stage in range(pp)] == sched.stage_actions(schedule, pp, m)
+    _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), pp, dp, schedule, m)
+
+
+def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
+    """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches)."""
+    assert all(prog.plan_count == 1 for prog in pipe._programs.values())   # the plans shown are the plans that ran
+    act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
+    per_mb, wte = BATCH // m // dp * cfg.seq * cfg.dim * 4, cfg.vocab * cfg.dim * 4
+    want = (
+        [("tied wte.weight", 0, pp - 1, (cfg.vocab, cfg.dim), wte, 1)]
+        + [("activation", s, s + 1, act, per_mb, m) for s in range(pp - 1)]
+        + [("activation gradient", s, s - 1, act, per_mb, m) for s in range(pp - 1, 0, -1)]
+        + [("gradient of tied wte.weight", pp - 1, 0, (cfg.vocab, cfg.dim), wte, 1)]
+        + [("loss", pp - 1, s, (), 4, 1) for s in range(pp - 1)]
+    )
+    assert [(x.what, x.src, x.dst, x.shape, x.bytes, x.count) for x in lowered.sends] == want
+    cost = lowered.cost()
+    assert [c.stage for c in cost.stages] == list(range(pp)) and sorted(lowered.stages) == list(range(pp))
+    for c in cost.stages:
+        out = [w for w in want if w[1] == c.stage]
+        assert c.comm_bytes["pp"] == sum(w[4] * w[5] for w in out), c.stage
+        assert c.param_bytes == max(held[r] for r in c.ranks), c.stage   # memory_report: the placed shards themselves
+        assert c.borrowed_bytes == (wte if c.stage == pp - 1 else 0)
+        assert c.in_flight == (m if schedule == "gpipe" else min(m, pp - c.stage))
+        if dp == 2 and c.stage == 0:   # replicated params, batch over dp: each microbatch's backward all-reduces the grads (ring: 2(n-1)/n = 1x)
+            assert c.comm_bytes["dp"] == m * c.param_bytes
+    text = lowered.as_text()
+    assert f"pipeline of {pp} stages over pp" in text and f"{schedule}, {m} microbatches a step" in text
+    shown = f"{per_mb} B" if per_mb < 1024 else f"{per_mb / 1024:.1f} KiB"
+    assert re.search(rf"activation +stage 0 -> 1 +f32\[{','.join(map(str, act))}\] +{shown} x {m} = ", text)
+    assert text.count("differentiated by torch autograd") == pp + 1   # each stage's programs, and the loss's
 
 
 @pytest.mark.parametrize("schedule,cls", [("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)])

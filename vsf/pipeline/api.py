@@ -44,6 +44,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from vsf import runtime, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.pipeline import schedule as sched
+from vsf.pipeline.lower import PipelineLowered, Send, StageCost, in_flight, saved_bytes, send
 from vsf.pipeline.split import Split, assign, leaf_names
 from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, stage_program
 from vsf.sharding.mesh import Mesh
@@ -112,7 +114,7 @@ class Pipeline:
         self._shapes: dict[str, ShapeDtypeStruct] = {}
         self._specs: dict[str, PartitionSpec] = {}
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
-        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary]]] = {}
+        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
         if not runtime.is_simulated() and len(stages) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
 
@@ -187,6 +189,71 @@ class Pipeline:
         out = [grads.get(k) if values.get(k) is not None else None for k in names]
         return loss, tree.unflatten(tree.structure(params), out)
 
+    def lower(self, params: Any, inputs: Any, targets: Any) -> PipelineLowered:
+        """Plan the step ``value_and_grad(params, inputs, targets)`` runs, without running it (and
+        without sending anything): the forward and backward programs of each stage this process
+        computes (every stage under ``vsf.simulate``), the sends between stages with their shapes
+        and bytes per microbatch and per step, and each stage's memory (see
+        :mod:`vsf.pipeline.lower`). The step reuses these plans.
+
+        Example::
+
+            >>> lowered = pipe.lower(params, idx, targets)
+            >>> print(lowered.as_text())
+            >>> [(s.what, s.src, s.dst, s.bytes, s.count) for s in lowered.sends][0]
+            ('activation', 0, 1, 512, 4)
+        """
+        if self.split is None:
+            raise RuntimeError("call pipe.place(params, specs) before pipe.lower: it assigns the params to stages")
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        targets = targets if isinstance(targets, tuple) else (targets,)
+        values = dict(zip(leaf_names(params), tree.leaves(params)))
+        bounds = self._boundaries(inputs)
+        sends = self._sends(bounds)
+        actions = sched.stage_actions(self.schedule, self.num_stages, self.microbatches)
+        last = self.num_stages - 1
+        stages, costs, loss = {}, [], None
+        with torch.enable_grad():
+            for s in self.local_stages():
+                ins, out, dtype = bounds[s]
+                dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
+                names = self.split.names[s]
+                lent = {k: _zeros((NamedSharding(self.meshes[s], self._specs[k]), self._shapes[k].shape), self._shapes[k].dtype) for k in self.split.borrowed(s)}
+                weights = {k: self._weight(k, s, values, lent) for k in names}
+                xs = [_zeros(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
+                stages[s] = self._program(s, out[0]).lower(weights, *xs)
+                held = _bytes(out, dtype) + sum(_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
+                if s == last:
+                    ts = [_zeros(where, t.dtype) for where, t in zip(self._target_ins(targets), targets)]
+                    loss = self._loss_program(last).lower(_zeros(out, dtype, grad=True), *ts)
+                    held += saved_bytes(loss, 0)
+                costs.append(StageCost(
+                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, self.microbatches,
+                    sum(_bytes((NamedSharding(self.meshes[s], self._specs[k]), self._shapes[k].shape), self._shapes[k].dtype) for k in self.split.owned(s)),
+                    sum(_bytes((NamedSharding(self.meshes[s], self._specs[k]), self._shapes[k].shape), self._shapes[k].dtype) for k in self.split.borrowed(s)),
+                    held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
+                ))
+        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, costs, sends)
+
+    def _sends(self, bounds: list[tuple[list[Boundary], Boundary, torch.dtype]]) -> list[Send]:
+        """Every transfer over ``pp`` of a step, in the order of the step: the tied params lent,
+        each stage's output to the next and its gradient back (once per microbatch), the tied
+        params' gradients returned to their owner, and the loss sent from the last stage."""
+        m, last = self.microbatches, self.num_stages - 1
+        out = []
+        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:]]
+        shard = lambda k, b: NamedSharding(self.meshes[b], self._specs[k]).shard_shape(self._shapes[k].shape)  # noqa: E731
+        out += [send(f"tied {k}", owner, b, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
+        for s in range(last):
+            (where, shape), dtype = bounds[s][1], bounds[s][2]
+            out.append(send("activation", s, s + 1, where.shard_shape(shape), dtype, m))
+        for s in range(last, 0, -1):
+            (where, shape), dtype = bounds[s - 1][1], bounds[s - 1][2]
+            out.append(send("activation gradient", s, s - 1, where.shard_shape(shape), dtype, m))
+        out += [send(f"gradient of tied {k}", b, owner, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
+        out += [send("loss", last, s, (), bounds[last][2], 1) for s in range(last)]
+        return out
+
     def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:
         """``x`` laid out by ``batch`` on ``stage``'s mesh, as ``microbatches`` local pieces."""
         s = NamedSharding(self.meshes[stage], _first(self.batch, x.ndim))
@@ -202,9 +269,16 @@ class Pipeline:
             raise ValueError(f"{what} has {x.shape[0]} rows ({local.shape[0]} on each rank of {s.spec!r}); {m} microbatches must divide both")
         return list(torch.tensor_split(local, m))
 
-    def _boundaries(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary]]:
-        """Each stage's input and output layouts and global microbatch shapes, from the stage
-        functions run on shapes (``vsf.eval_shape``)."""
+    def _boundaries(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary, torch.dtype]]:
+        """Each stage's input and output layouts and global microbatch shapes, and its output's
+        dtype, from the stage functions run on shapes (``vsf.eval_shape``); cached per input
+        signature."""
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in self._bounds:
+            self._bounds[key] = self._trace_boundaries(inputs)
+        return self._bounds[key]
+
+    def _trace_boundaries(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary, torch.dtype]]:
         m = self.microbatches
         mb = lambda x: ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)  # noqa: E731
         current = [mb(x) for x in inputs]
@@ -216,15 +290,12 @@ class Pipeline:
             p = {k: self._shapes[k] for k in self.split.names[s]}
             y = eval_shape(fn, p, *current)
             act = NamedSharding(mesh, _first(self.activations, len(y.shape)))
-            out.append((ins, (act, tuple(y.shape))))
+            out.append((ins, (act, tuple(y.shape)), y.dtype))
             current = [y]
         return out
 
     def _modules(self, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
-        if key not in self._bounds:
-            self._bounds[key] = self._boundaries(inputs, targets)
-        bounds = self._bounds[key]
+        bounds = self._boundaries(inputs)
         lent = self._lend(values)
         mods = {}
         for s in self.local_stages():
@@ -233,10 +304,15 @@ class Pipeline:
             mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
         last = self.num_stages - 1
         if last in mods:
-            target_ins = [(NamedSharding(self.meshes[last], _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
+            target_ins = self._target_ins(targets)
             mods[last].loss_ins = [(bounds[last][1][0], bounds[last][1][1]), *target_ins]
             mods[last].loss_program = self._loss_program(last)
         return mods
+
+    def _target_ins(self, targets: tuple[Any, ...]) -> list[Boundary]:
+        """Each target's layout and global microbatch shape on the last stage."""
+        last = self.meshes[self.num_stages - 1]
+        return [(NamedSharding(last, _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
 
     def _program(self, s: int, out: NamedSharding) -> Any:
         """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
@@ -380,6 +456,20 @@ class Pipeline:
         value = (sum(parts[1:], parts[0]) / len(parts)).detach() if self.here == last else torch.zeros(())
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))
+
+
+def _zeros(where: Boundary, dtype: torch.dtype, grad: bool = False) -> DTensor:
+    """Zeros of ``where``'s global shape laid out as ``where`` (a stand-in with the signature of a
+    value a stage receives: its plan depends on shapes, layouts and ``requires_grad`` only)."""
+    sharding, shape = where
+    x = device_put(torch.zeros(shape, dtype=dtype), sharding)
+    return x.requires_grad_(True) if grad else x
+
+
+def _bytes(where: Boundary, dtype: torch.dtype) -> int:
+    """Bytes of the largest shard of a value of ``where``'s shape and layout."""
+    sharding, shape = where
+    return math.prod(sharding.shard_shape(shape)) * dtype.itemsize
 
 
 def _first(spec: PartitionSpec, n: int) -> PartitionSpec:

@@ -1,6 +1,8 @@
 """vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe and Schedule1F1B run the
 jitted stages over the pp groups; a GPT trained 3 steps (4 microbatches, AdamW with clipping by
-the global norm and weight decay) equals the same steps on one device in each process."""
+the global norm and weight decay) equals the same steps on one device in each process: pp=2 on 2
+processes, and pp=2 x dp=2 and pp=4 in one launch of 4. Each run's pipe.lower, made on the
+processes, reports the sends of a step (hand-computed bytes here) and the plans the steps reuse."""
 
 from __future__ import annotations
 
@@ -10,27 +12,57 @@ from multiproc import launch_once
 
 pytestmark = pytest.mark.multiprocess
 
-STAGE0 = ["blocks.0.attn.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.fc1.weight", "blocks.0.fc2.weight", "blocks.0.ln1.weight", "blocks.0.ln2.weight", "wpe.weight", "wte.weight"]
-STAGE1 = ["blocks.1.attn.proj.weight", "blocks.1.attn.qkv.weight", "blocks.1.fc1.weight", "blocks.1.fc2.weight", "blocks.1.ln1.weight", "blocks.1.ln2.weight", "lnf.weight"]
+BATCH, M, SEQ, DIM, VOCAB = 8, 4, 8, 16, 16
+BLOCK = ["attn.proj.weight", "attn.qkv.weight", "fc1.weight", "fc2.weight", "ln1.weight", "ln2.weight"]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["pp2", "pp2xdp2"])
+def held(stage, pp):
+    """The leaves stage ``stage`` of a ``pp``-block GPT holds (the tied wte once, on stage 0)."""
+    mine = [f"blocks.{stage}.{k}" for k in BLOCK] + (["wpe.weight", "wte.weight"] if stage == 0 else []) + (["lnf.weight"] if stage == pp - 1 else [])
+    return sorted(mine)
+
+
+def sends(pp, dp):
+    act, wte = [BATCH // M // dp, SEQ, DIM], [VOCAB, DIM]
+    b, w = BATCH // M // dp * SEQ * DIM * 4, VOCAB * DIM * 4
+    return (
+        [["tied wte.weight", 0, pp - 1, wte, w, 1]]
+        + [["activation", s, s + 1, act, b, M] for s in range(pp - 1)]
+        + [["activation gradient", s, s - 1, act, b, M] for s in range(pp - 1, 0, -1)]
+        + [["gradient of tied wte.weight", pp - 1, 0, wte, w, 1]]
+        + [["loss", pp - 1, s, [], 4, 1] for s in range(pp - 1)]
+    )
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["2proc", "4proc"])
 def reports(request, tmp_path_factory):
     dp = request.param
     return dp, launch_once(tmp_path_factory, "pipeline_gpt.py", 2 * dp, str(dp))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipelined_gpt_equals_one_device(reports, schedule):
-    dp, ranks = reports
-    for rank, r in enumerate(ranks):
-        got, want = r[schedule], r["want_losses"]
-        assert got["losses"] == pytest.approx(want, rel=1e-5, abs=0), rank
-        # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
-        # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
-        assert got["max_param_err"] <= 1e-5, (rank, got["max_param_err"])
-        stage = rank // dp
-        # a rank holds its own stage's params (the tied wte once, on stage 0) and their Adam state
-        assert got["held"] == (STAGE0 if stage == 0 else STAGE1), rank
-        assert got["mu_held"] == got["held"], rank
-        assert got["ranks_of_lnf"] == (None if stage == 0 else list(range(dp, 2 * dp))), rank
+RUNS = {"gpipe": 2, "1f1b": 2, "pp4-gpipe": 4, "pp4-1f1b": 4}   # run -> pp (the pp=4 runs: 4 processes only)
+
+
+def test_pipelined_gpt_equals_one_device(reports):
+    world_dp, ranks = reports
+    runs = {k: pp for k, pp in RUNS.items() if pp <= 2 * world_dp}
+    assert all(sorted(r) == sorted(runs) for r in ranks)
+    for name, pp in runs.items():
+        dp = 2 * world_dp // pp
+        for rank, r in enumerate(ranks):
+            got, where = r[name], (name, rank)
+            assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where
+            # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
+            # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
+            assert got["max_param_err"] <= 1e-5, (where, got["max_param_err"])
+            stage = rank // dp
+            # a rank holds its own stage's params and their Adam state
+            assert got["held"] == held(stage, pp), where
+            assert got["mu_held"] == got["held"], where
+            assert got["ranks_of_lnf"] == (None if stage < pp - 1 else list(range((pp - 1) * dp, pp * dp))), where
+            # pipe.lower on the processes: the sends of a step, this stage's bytes, the plans that ran
+            assert got["sends"] == sends(pp, dp), where
+            assert got["stage"] == stage, where
+            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(pp, dp) if x[1] == stage), where
+            assert got["param_bytes"] == got["memory"] > 0, where
+            assert got["plans"] == ([1, 1] if stage == pp - 1 else [1]), where   # the stage's (and the loss's) plan, made once

@@ -1,7 +1,8 @@
 """vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe and Schedule1F1B run the
 jitted stages over the pp groups; a GPT trained 3 steps (4 microbatches, AdamW with clipping by
-the global norm and weight decay) equals the same steps on one device in each process: pp=2 on 2
-processes, and pp=2 x dp=2 and pp=4 in one launch of 4. Each run's pipe.lower, made on the
+the global norm and weight decay) equals the same steps on one device in each process: pp=2 and
+the interleaved schedule (two stages per rank) on 2 processes, pp=2 x dp=2 and pp=4 in one launch
+of 4. Each run's pipe.lower, made on the
 processes, reports the sends of a step (hand-computed bytes here) and the plans the steps reuse."""
 
 from __future__ import annotations
@@ -40,29 +41,30 @@ def reports(request, tmp_path_factory):
     return dp, launch_once(tmp_path_factory, "pipeline_gpt.py", 2 * dp, str(dp))
 
 
-RUNS = {"gpipe": 2, "1f1b": 2, "pp4-gpipe": 4, "pp4-1f1b": 4}   # run -> pp (the pp=4 runs: 4 processes only)
+# run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
+RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
 
 
 def test_pipelined_gpt_equals_one_device(reports):
     world_dp, ranks = reports
-    runs = {k: pp for k, pp in RUNS.items() if pp <= 2 * world_dp}
+    runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
     assert all(sorted(r) == sorted(runs) for r in ranks)
-    for name, pp in runs.items():
-        dp = 2 * world_dp // pp
+    for name, (pp, n) in runs.items():
+        dp = 2 * world_dp // pp if name != "interleaved" else 1
         for rank, r in enumerate(ranks):
             got, where = r[name], (name, rank)
             assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where
             # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
             # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
             assert got["max_param_err"] <= 1e-5, (where, got["max_param_err"])
-            stage = rank // dp
-            # a rank holds its own stage's params and their Adam state
-            assert got["held"] == held(stage, pp), where
+            mine = list(range(rank // dp, n, pp))   # stage s on pp coordinate s % pp
+            # a rank holds its own stages' params and their Adam state
+            assert got["held"] == sorted(k for s in mine for k in held(s, n)), where
             assert got["mu_held"] == got["held"], where
-            assert got["ranks_of_lnf"] == (None if stage < pp - 1 else list(range((pp - 1) * dp, pp * dp))), where
-            # pipe.lower on the processes: the sends of a step, this stage's bytes, the plans that ran
-            assert got["sends"] == sends(pp, dp), where
-            assert got["stage"] == stage, where
-            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(pp, dp) if x[1] == stage), where
+            assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range((pp - 1) * dp, pp * dp))), where
+            # pipe.lower on the processes: the sends of a step, this rank's stages' bytes, the plans that ran
+            assert got["sends"] == sends(n, dp), where
+            assert got["stages"] == mine, where
+            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp) if x[1] in mine), where
             assert got["param_bytes"] == got["memory"] > 0, where
-            assert got["plans"] == ([1, 1] if stage == pp - 1 else [1]), where   # the stage's (and the loss's) plan, made once
+            assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), where   # each stage's (and the loss's) plan, made once

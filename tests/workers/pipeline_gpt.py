@@ -1,7 +1,8 @@
 """Tier 3 worker: a GPT trained 3 steps through vsf.pipeline on real gloo processes (torch's
 ScheduleGPipe and Schedule1F1B over the pp groups, 4 microbatches), against the same steps run on
-one device in each process. argv: out_dir, dp size (world = 2 * dp). On 4 processes the same
-launch also runs pp=4 (a 4-block GPT, one block per stage, dp=1), both schedules.
+one device in each process. argv: out_dir, dp size (world = 2 * dp). On 2 processes the same
+launch also runs torch's ScheduleInterleaved1F1B (a 4-block GPT, two one-block stages per rank),
+on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B.
 Each run's pipe.lower (the plan the steps reuse) reports its sends and this stage's figures."""
 
 import json
@@ -35,18 +36,18 @@ def one_device(model, params):
     return p, losses
 
 
-def pipelined(pp, dp, schedule):
-    """The report of 3 pipelined steps of a GPT of ``pp`` blocks on a pp x dp mesh."""
-    model = GPT(GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=pp, period=4))
+def pipelined(pp, dp, schedule, stages=None):
+    """The report of 3 pipelined steps of a GPT of ``stages`` (default ``pp``) blocks on a pp x dp mesh."""
+    stages = stages or pp
+    model = GPT(GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=stages, period=4))
     params = vsf.tree.from_module(model)
     want, want_losses = one_device(model, params)
     mesh = vsf.make_mesh((pp, dp), ("pp", "dp"))
-    fns, loss_fn, prefixes = pipeline_stages(model, pp)
+    fns, loss_fn, prefixes = pipeline_stages(model, stages)
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
     p = pipe.place(params)
     s = tx.init(p)
     lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))
-    (here,) = lowered.cost().stages
 
     def train_step(params, opt_state, idx, targets):
         loss, grads = pipe.value_and_grad(params, idx, targets)
@@ -67,14 +68,16 @@ def pipelined(pp, dp, schedule):
         "mu_held": sorted(k for k, v in s[1].mu.items() if v is not None),
         "plans": [prog.plan_count for prog in pipe._programs.values()],
         "sends": [[x.what, x.src, x.dst, list(x.shape), x.bytes, x.count] for x in lowered.sends],
-        "stage": here.stage,
-        "pp_bytes": here.comm_bytes["pp"],
-        "param_bytes": here.param_bytes,
+        "stages": [c.stage for c in lowered.cost().stages],
+        "pp_bytes": sum(c.comm_bytes["pp"] for c in lowered.cost().stages),
+        "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
         "memory": vsf.debug.memory_report(p).get(rank, 0),
     }
 
 
 report = {schedule: pipelined(2, dp, schedule) for schedule in ("gpipe", "1f1b")}
+if world == 2:   # two stages on each rank
+    report["interleaved"] = pipelined(2, 1, "interleaved", stages=4)
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
 (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -14,7 +14,9 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
 * ``loss_fn(y, *targets)`` turns the last stage's output into the microbatch's mean loss; the
   step's loss is the mean over the ``microbatches`` equal microbatches, so gradients are their
   mean: exactly the one-device gradient of the whole batch's mean loss.
-* ``schedule`` is ``"gpipe"`` or ``"1f1b"``: torch's ``ScheduleGPipe`` / ``Schedule1F1B`` over
+* ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
+  ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
+  per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over
   the ``pp`` process groups on real processes; the same order played in one process under
   ``vsf.simulate``.
 * The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets)``
@@ -97,25 +99,24 @@ class Pipeline:
             raise ValueError(f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage")
         if axis not in mesh.axis_names:
             raise ValueError(f"the pipeline axis {axis!r} is not an axis of the mesh {mesh.shape}")
-        if mesh.axis_size(axis) != len(stages):
-            raise ValueError(f"the mesh's {axis} axis has size {mesh.axis_size(axis)} but the pipeline has {len(stages)} stages; they must be equal")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        self.schedule = sched.check_schedule(schedule)
+        self.stages_per_rank = sched.check_stages(self.schedule, len(stages), mesh.axis_size(axis), microbatches, axis)
         if axis in PartitionSpec(*batch).axes:
             raise ValueError(f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch")
         self.stages, self.loss_fn, self.prefixes, self.tied = list(stages), loss_fn, [list(p) for p in params], tuple(tied)
         self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
-        self.schedule = sched.check_schedule(schedule)
         self.batch = batch
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
-        self.meshes = [mesh.at(axis, s) for s in range(len(stages))]
+        self.meshes = [mesh.at(axis, s % mesh.axis_size(axis)) for s in range(len(stages))]   # stage s on pp rank s % p
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
         self.split: Split | None = None
         self._shapes: dict[str, ShapeDtypeStruct] = {}
         self._specs: dict[str, PartitionSpec] = {}
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
         self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
-        if not runtime.is_simulated() and len(stages) > 1:
+        if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
 
     @property
@@ -124,11 +125,17 @@ class Pipeline:
 
     def local_stages(self) -> list[int]:
         """The stages this process computes: all of them under ``vsf.simulate`` (and with one
-        stage), else the one at this rank's ``pp`` coordinate."""
-        return list(range(self.num_stages)) if self._in_one_process() else [self.here]
+        stage), else those at this rank's ``pp`` coordinate (stage ``s`` on coordinate ``s % p``)."""
+        p = self.mesh.axis_size(self.axis)
+        return list(range(self.num_stages)) if self._in_one_process() else list(range(self.here, self.num_stages, p))
+
+    def actions(self) -> list[list[sched.Step]]:
+        """Each pp rank's ``(stage, "F" | "B", microbatch)`` in the schedule's order (see
+        :func:`vsf.pipeline.schedule.rank_actions`)."""
+        return sched.rank_actions(self.schedule, self.mesh.axis_size(self.axis), self.num_stages, self.microbatches)
 
     def _in_one_process(self) -> bool:
-        return runtime.is_simulated() or self.num_stages == 1
+        return runtime.is_simulated() or self.mesh.axis_size(self.axis) == 1
 
     # -- params ---------------------------------------------------------------------------------
 
@@ -210,7 +217,7 @@ class Pipeline:
         values = dict(zip(leaf_names(params), tree.leaves(params)))
         bounds = self._boundaries(inputs)
         sends = self._sends(bounds)
-        actions = sched.stage_actions(self.schedule, self.num_stages, self.microbatches)
+        actions = [[(kind, mb) for acts in self.actions() for st, kind, mb in acts if st == s] for s in range(self.num_stages)]
         last = self.num_stages - 1
         stages, costs, loss = {}, [], None
         with torch.enable_grad():
@@ -389,34 +396,34 @@ class Pipeline:
             if s > 0:
                 grads_in[(s - 1, mb)] = x[0].grad
 
-        self.order = sched.run_in_order(sched.stage_actions(self.schedule, p, self.microbatches), run)
+        self.order = sched.run_in_order(self.actions(), run)
         return [t for t in losses if t is not None]
 
     def _run_torch(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """One stage of torch's schedule on this process, talking to the others over ``pp``."""
+        """This process's stages of torch's schedule, talking to the other ranks over ``pp``."""
         from torch.distributed.pipelining import PipelineStage
 
-        s, last = self.here, self.num_stages - 1
-        mod = mods[s]
+        last = self.num_stages - 1
         # static metadata (no shape inference round): each microbatch's local shards; a stage's
         # received activation needs a gradient (torch reads that off the example)
         device = torch.device("cpu") if self.mesh.device_type == "cpu" else torch.device(self.mesh.device_type, torch.cuda.current_device())
-        example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
-        example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
         group = self.mesh.device_mesh.get_group(self.axis)
-        stage = PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group)
+        stages = []
+        for s, mod in sorted(mods.items()):
+            example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
+            example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
+            stages.append(PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group))
         # every rank passes the loss (torch runs backward only where the schedule has one); only
         # the last stage calls it
-        loss_fn = lambda y, t: _loss_local(mod, y, [t])  # noqa: E731
-        schedule = sched.SCHEDULES[self.schedule](stage, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        loss_fn = lambda y, t: _loss_local(mods[last], y, [t])  # noqa: E731
+        schedule = sched.SCHEDULES[self.schedule](stages if self.stages_per_rank > 1 else stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         whole = lambda pieces: torch.cat(pieces)  # noqa: E731 (torch splits them again, the same way)
-        if s == 0:
-            schedule.step(*[whole(p) for p in xs])
-        elif s == last:
-            schedule.step(target=whole(ts[0]), losses=losses)
+        inputs = [whole(p) for p in xs] if 0 in mods else []
+        if last in mods:
+            schedule.step(*inputs, target=whole(ts[0]), losses=losses)
         else:
-            schedule.step()
+            schedule.step(*inputs)
         return losses
 
     # -- results ----------------------------------------------------------------------------------
@@ -453,7 +460,7 @@ class Pipeline:
             total = sum(parts[1:], parts[0]) / len(parts)
             return as_global(total, (NamedSharding(self.meshes[last], PartitionSpec()), ()))
         here = NamedSharding(self.meshes[self.here], PartitionSpec())
-        value = (sum(parts[1:], parts[0]) / len(parts)).detach() if self.here == last else torch.zeros(())
+        value = (sum(parts[1:], parts[0]) / len(parts)).detach() if last in self.local_stages() else torch.zeros(())
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))
 

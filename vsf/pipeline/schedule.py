@@ -2,29 +2,36 @@
 in-order runner that plays them in one process.
 
 On real processes the schedules are ``torch.distributed.pipelining``'s (``ScheduleGPipe``,
-``Schedule1F1B``); :data:`SCHEDULES` names them. Under ``vsf.simulate`` one process holds every
-stage, and :func:`run_in_order` plays each stage's actions in the order that schedule gives them
-(:func:`stage_actions`, the same order as torch's own runtime), running an action as soon as what
-it needs is there: a forward needs the previous stage's output for that microbatch, a backward
-the next stage's input gradient. So a stage keeps at most as many activations alive as the
-schedule allows (1F1B: at most ``p - s``).
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``); :data:`SCHEDULES` names them. GPipe and 1F1B run
+one stage per ``pp`` rank; the interleaved schedule runs ``v >= 2`` stages per rank (virtual
+stages: stage ``s`` on rank ``s % p``, Megatron's layout), which cuts the bubble by about ``v``.
+Under ``vsf.simulate`` one process holds every stage, and :func:`run_in_order` plays each rank's
+actions in the order that schedule gives them (:func:`rank_actions`, the same order as torch's
+own runtime), running an action as soon as what it needs is there: a forward needs the previous
+stage's output for that microbatch, a backward the next stage's input gradient. So a stage keeps
+at most as many activations alive as the schedule allows (1F1B: at most ``p - s``).
 
 Example::
 
     >>> stage_actions("1f1b", stages=2, microbatches=3)[0]
     [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    >>> rank_actions("interleaved", ranks=2, stages=4, microbatches=2)[1][:3]
+    [(1, 'F', 0), (1, 'F', 1), (3, 'F', 0)]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-__all__ = ["SCHEDULES", "Action", "bubble", "run_in_order", "stage_actions"]
+from vsf import _compat
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+__all__ = ["SCHEDULES", "Action", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 Action = tuple[str, int]   # ("F" | "B", microbatch)
+Step = tuple[int, str, int]   # (stage, "F" | "B", microbatch)
 
 
 def check_schedule(name: str) -> str:
@@ -32,6 +39,33 @@ def check_schedule(name: str) -> str:
     if key not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {sorted(SCHEDULES)}")
     return key
+
+
+def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis: str = "pp") -> int:
+    """The number of stages each of the ``ranks`` ranks of the pipeline axis runs under
+    ``schedule``, after checking that ``stages`` and ``microbatches`` fit it (errors say what the
+    schedule needs)."""
+    if schedule != "interleaved":
+        if stages != ranks:
+            raise ValueError(f"the mesh's {axis} axis has size {ranks} but the pipeline has {stages} stages; they must be equal ({schedule} runs one stage per {axis} rank)")
+        return 1
+    if stages % ranks or stages < 2 * ranks:
+        raise ValueError(f"the interleaved schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}")
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        raise ValueError(f"torch's ScheduleInterleaved1F1B needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}")
+    return stages // ranks
+
+
+def rank_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> list[list[Step]]:
+    """Each pp rank's forwards and backwards as ``(stage, "F" | "B", microbatch)``, in the order it
+    runs them: :func:`stage_actions` for GPipe and 1F1B (stage ``s`` on rank ``s``), torch's own
+    order for ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % ranks``)."""
+    schedule = check_schedule(schedule)
+    if schedule == "interleaved":
+        return _compat.interleaved_order(check_stages(schedule, stages, ranks, microbatches), ranks, microbatches)
+    check_stages(schedule, stages, ranks, microbatches)
+    return [[(s, kind, mb) for kind, mb in acts] for s, acts in enumerate(stage_actions(schedule, stages, microbatches))]
 
 
 def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Action]]:
@@ -42,6 +76,8 @@ def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Ac
     backwards.
     """
     schedule = check_schedule(schedule)
+    if schedule == "interleaved":
+        raise ValueError("the interleaved schedule runs several stages on a rank: read its order with rank_actions")
     m = microbatches
     out = []
     for s in range(stages):
@@ -57,30 +93,31 @@ def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Ac
     return out
 
 
-def run_in_order(actions: list[list[Action]], run: Callable[[int, str, int], None]) -> list[tuple[int, str, int]]:
-    """Play every stage's ``actions`` in one process: repeatedly, for each stage in turn, run its
-    next action if its inputs are ready (``run(stage, kind, microbatch)``). Returns the global
-    order the actions ran in; an order that can never finish is a ``RuntimeError``."""
-    p = len(actions)
-    done: set[tuple[int, str, int]] = set()
-    nxt = [0] * p
+def run_in_order(actions: list[list[Step]], run: Callable[[int, str, int], None]) -> list[Step]:
+    """Play every rank's ``actions`` (:func:`rank_actions`) in one process: repeatedly, for each
+    rank in turn, run its next action if its input is ready (``run(stage, kind, microbatch)``).
+    Returns the global order the actions ran in; an order that can never finish is a
+    ``RuntimeError``."""
+    last = max(st for acts in actions for st, _, _ in acts)
+    done: set[Step] = set()
+    nxt = [0] * len(actions)
     order = []
-    while any(nxt[s] < len(actions[s]) for s in range(p)):
+    while any(nxt[r] < len(acts) for r, acts in enumerate(actions)):
         progressed = False
-        for s in range(p):
-            if nxt[s] == len(actions[s]):
+        for r, acts in enumerate(actions):
+            if nxt[r] == len(acts):
                 continue
-            kind, mb = actions[s][nxt[s]]
-            need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s + 1 < p else (s, "F", mb))
+            s, kind, mb = acts[nxt[r]]
+            need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s < last else (s, "F", mb))
             if kind == "F" and s == 0 or need in done:
                 run(s, kind, mb)
                 done.add((s, kind, mb))
                 order.append((s, kind, mb))
-                nxt[s] += 1
+                nxt[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {s: actions[s][nxt[s]] for s in range(p) if nxt[s] < len(actions[s])}
-            raise RuntimeError(f"pipeline schedule cannot progress: each stage's next action {stuck} waits for another")
+            stuck = {r: acts[nxt[r]] for r, acts in enumerate(actions) if nxt[r] < len(acts)}
+            raise RuntimeError(f"pipeline schedule cannot progress: each rank's next action {stuck} waits for another")
     return order
 
 

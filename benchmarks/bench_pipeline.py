@@ -268,7 +268,7 @@ def _in_flight(actions: list[tuple[str, int]]) -> int:
 
 def bench(pp: int, quick: bool) -> list[dict]:
     from vsf import launch
-    from vsf.pipeline import bubble, stage_actions
+    from vsf.pipeline import bubble, rank_actions, stage_actions
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "pipeline.json")
@@ -278,7 +278,7 @@ def bench(pp: int, quick: bool) -> list[dict]:
     rows = []
     for schedule, m in TIMED:
         idle, excess, span, whole = _idle(r["timed"][f"{schedule},{m}"])
-        theory = bubble(stage_actions(schedule, pp, m))
+        theory = bubble(rank_actions(schedule, pp, pp, m))
         ratios = [a / b for a, b in zip(idle, theory)]
         per_stage = "/".join(f"{x:.2f}" for x in idle)
         rows.append({

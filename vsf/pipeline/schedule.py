@@ -121,24 +121,35 @@ def run_in_order(actions: list[list[Step]], run: Callable[[int, str, int], None]
     return order
 
 
-def bubble(actions: list[list[Action]], forward: float = 1.0, backward: float = 2.0) -> list[float]:
-    """Each stage's idle fraction of the step when a forward takes ``forward`` and a backward
-    ``backward`` time units and an action starts as soon as its stage and its input are free (the
-    schedule's theory: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B)."""
-    p = len(actions)
-    end: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * p
+def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.0) -> list[float]:
+    """Each rank's idle fraction of the step when a forward takes ``forward`` and a backward
+    ``backward`` time units (on every stage) and an action starts as soon as its rank and its
+    input are free; ``actions`` as :func:`rank_actions` gives them. The schedule's theory:
+    ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B; the interleaved schedule's is smaller.
+
+    Example::
+
+        >>> bubble(rank_actions("1f1b", 4, 4, 8), 1.0, 1.0)   # (p - 1) / (m + p - 1) = 3 / 11
+        [0.2727..., 0.2727..., 0.2727..., 0.2727...]
+    """
+    last = max(st for acts in actions for st, _, _ in acts)
+    end: dict[Step, float] = {}
+    free = [0.0] * len(actions)
     pending = [list(a) for a in actions]
+    cost = lambda kind: forward if kind == "F" else backward  # noqa: E731
     while any(pending):
-        for s in range(p):
-            while pending[s]:
-                kind, mb = pending[s][0]
-                need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s + 1 < p else (s, "F", mb))
-                if not (kind == "F" and s == 0) and need not in end:
+        progressed = False
+        for r, acts in enumerate(pending):
+            while acts:
+                s, kind, mb = acts[0]
+                need = None if kind == "F" and s == 0 else (s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb) if s < last else (s, "F", mb)
+                if need is not None and need not in end:
                     break
-                start = max(free[s], end.get(need, 0.0) if not (kind == "F" and s == 0) else 0.0)
-                end[(s, kind, mb)] = free[s] = start + (forward if kind == "F" else backward)
-                pending[s].pop(0)
+                start = max(free[r], end[need] if need is not None else 0.0)
+                end[(s, kind, mb)] = free[r] = start + cost(kind)
+                acts.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule cannot progress")
     span = max(free)
-    busy = [sum(forward if k == "F" else backward for k, _ in a) for a in actions]
-    return [1 - b / span for b in busy]
+    return [1 - sum(cost(k) for _, k, _ in acts) / span for acts in actions]

@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -121,11 +121,12 @@ def run_in_order(actions: list[list[Step]], run: Callable[[int, str, int], None]
     return order
 
 
-def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.0) -> list[float]:
+def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.0, durations: Mapping[Step, float] | None = None) -> list[float]:
     """Each rank's idle fraction of the step when a forward takes ``forward`` and a backward
-    ``backward`` time units (on every stage) and an action starts as soon as its rank and its
-    input are free; ``actions`` as :func:`rank_actions` gives them. The schedule's theory:
-    ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B; the interleaved schedule's is smaller.
+    ``backward`` time units (on every stage; or each action its own ``durations[action]``, e.g.
+    measured ones) and an action starts as soon as its rank and its input are free; ``actions``
+    as :func:`rank_actions` gives them. The schedule's theory: ``(p - 1) / (m + p - 1)`` for
+    GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for the interleaved schedule.
 
     Example::
 
@@ -136,7 +137,7 @@ def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.
     end: dict[Step, float] = {}
     free = [0.0] * len(actions)
     pending = [list(a) for a in actions]
-    cost = lambda kind: forward if kind == "F" else backward  # noqa: E731
+    cost = lambda step: durations[step] if durations is not None else forward if step[1] == "F" else backward  # noqa: E731
     while any(pending):
         progressed = False
         for r, acts in enumerate(pending):
@@ -146,10 +147,10 @@ def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.
                 if need is not None and need not in end:
                     break
                 start = max(free[r], end[need] if need is not None else 0.0)
-                end[(s, kind, mb)] = free[r] = start + cost(kind)
+                end[(s, kind, mb)] = free[r] = start + cost((s, kind, mb))
                 acts.pop(0)
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule cannot progress")
     span = max(free)
-    return [1 - sum(cost(k) for _, k, _ in acts) / span for acts in actions]
+    return [1 - sum(cost(a) for a in acts) / span for acts in actions]

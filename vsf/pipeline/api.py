@@ -207,8 +207,8 @@ class Pipeline:
 
             >>> lowered = pipe.lower(params, idx, targets)
             >>> print(lowered.as_text())
-            >>> [(s.what, s.src, s.dst, s.bytes, s.count) for s in lowered.sends][0]
-            ('activation', 0, 1, 512, 4)
+            >>> [(s.src, s.dst, s.shape, s.bytes, s.count) for s in lowered.sends if s.what == "activation"]
+            [(0, 1, (1, 8, 16), 512, 4)]
         """
         if self.split is None:
             raise RuntimeError("call pipe.place(params, specs) before pipe.lower: it assigns the params to stages")

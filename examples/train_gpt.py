@@ -18,7 +18,8 @@ Run it::
 The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in turn) unless
 ``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
 parallelism: attention runs on sequence shards); ``--pp N`` cuts the blocks into N pipeline stages
-over the pp axis (``vsf.pipeline``: GPipe or 1F1B over ``--microbatches``; dp, fsdp and tp apply
+over the pp axis (``vsf.pipeline``: GPipe, 1F1B or, with two stages per pp rank, interleaved 1F1B
+over ``--microbatches``; dp, fsdp and tp apply
 inside each stage; checkpoints hold each stage's leaves once, so ``--resume`` works and a
 pipelined checkpoint loads onto any other layout).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
@@ -97,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.pp <= args.layers:
         p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
+    if args.schedule == "interleaved" and args.pp > 1 and 2 * args.pp > args.layers:
+        p.error(f"--schedule interleaved puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}")
     if args.pp > 1 and args.cp > 1:
         p.error("--pp > 1 does not run with --cp yet")
     if args.cp < 1 or args.seq % args.cp:

@@ -225,7 +225,7 @@ class Pipeline:
                 ins, out, dtype = bounds[s]
                 dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
                 names = self.split.names[s]
-                lent = {k: _zeros((NamedSharding(self.meshes[s], self._specs[k]), self._shapes[k].shape), self._shapes[k].dtype) for k in self.split.borrowed(s)}
+                lent = {k: _zeros(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)}
                 weights = {k: self._weight(k, s, values, lent) for k in names}
                 xs = [_zeros(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
                 stages[s] = self._program(s, out[0]).lower(weights, *xs)
@@ -236,8 +236,8 @@ class Pipeline:
                     held += saved_bytes(loss, 0)
                 costs.append(StageCost(
                     s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, self.microbatches,
-                    sum(_bytes((NamedSharding(self.meshes[s], self._specs[k]), self._shapes[k].shape), self._shapes[k].dtype) for k in self.split.owned(s)),
-                    sum(_bytes((NamedSharding(self.meshes[s], self._specs[k]), self._shapes[k].shape), self._shapes[k].dtype) for k in self.split.borrowed(s)),
+                    sum(_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
+                    sum(_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
                     held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
                 ))
         return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, costs, sends)
@@ -249,7 +249,7 @@ class Pipeline:
         m, last = self.microbatches, self.num_stages - 1
         out = []
         tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:]]
-        shard = lambda k, b: NamedSharding(self.meshes[b], self._specs[k]).shard_shape(self._shapes[k].shape)  # noqa: E731
+        shard = lambda k, b: self._where(k, b)[0].shard_shape(self._shapes[k].shape)  # noqa: E731
         out += [send(f"tied {k}", owner, b, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
         for s in range(last):
             (where, shape), dtype = bounds[s][1], bounds[s][2]
@@ -353,17 +353,21 @@ class Pipeline:
         mine = self.local_stages()
         for k in self.tied:
             owner = self.split.owner[k]
-            where = lambda b: (NamedSharding(self.meshes[b], self._specs[k]), self._shapes[k].shape)  # noqa: E731
             for b in self.split.users[k][1:]:
-                if self._in_one_process():
-                    out[(k, b)] = as_global(values[k].to_local(), where(b))
+                if owner in mine and b in mine:   # (one process, or both stages on this rank)
+                    out[(k, b)] = as_global(values[k].to_local(), self._where(k, b))
                 elif owner in mine:
                     dist.send(values[k].to_local().contiguous(), dst=self._peer(b))
                 elif b in mine:
-                    buf = torch.empty(where(b)[0].shard_shape(where(b)[1]), dtype=self._shapes[k].dtype)
+                    sharding, shape = self._where(k, b)
+                    buf = torch.empty(sharding.shard_shape(shape), dtype=self._shapes[k].dtype)
                     dist.recv(buf, src=self._peer(owner))
-                    out[(k, b)] = as_global(buf, where(b))
+                    out[(k, b)] = as_global(buf, self._where(k, b))
         return out
+
+    def _where(self, k: str, stage: int) -> Boundary:
+        """Leaf ``k``'s layout on ``stage``'s mesh (by its spec over the other axes) and its shape."""
+        return NamedSharding(self.meshes[stage], self._specs[k]), self._shapes[k].shape
 
     def _peer(self, stage: int) -> int:
         """The global rank at pp coordinate ``stage`` and this rank's other coordinates."""
@@ -373,7 +377,7 @@ class Pipeline:
 
     def _run_in_order(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """The schedule played in this process (every stage here)."""
-        p, last = self.num_stages, self.num_stages - 1
+        last = self.num_stages - 1
         inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         kept: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}

@@ -46,7 +46,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,7 +58,7 @@ from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.pipeline import schedule as sched
 from vsf.pipeline.lower import PipelineLowered, Send, StageCost, in_flight, saved_bytes, send
 from vsf.pipeline.split import Split, assign, leaf_names
-from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, stage_program
+from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, shard_bytes, stage_program, stand_in
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_put
@@ -225,19 +224,19 @@ class Pipeline:
                 ins, out, dtype = bounds[s]
                 dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
                 names = self.split.names[s]
-                lent = {k: _zeros(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)}
+                lent = {k: stand_in(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)}
                 weights = {k: self._weight(k, s, values, lent) for k in names}
-                xs = [_zeros(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
+                xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
                 stages[s] = self._program(s, out[0]).lower(weights, *xs)
-                held = _bytes(out, dtype) + sum(_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
+                held = shard_bytes(out, dtype) + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
                 if s == last:
-                    ts = [_zeros(where, t.dtype) for where, t in zip(self._target_ins(targets), targets)]
-                    loss = self._loss_program(last).lower(_zeros(out, dtype, grad=True), *ts)
+                    ts = [stand_in(where, t.dtype) for where, t in zip(self._target_ins(targets), targets)]
+                    loss = self._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
                     held += saved_bytes(loss, 0)
                 costs.append(StageCost(
                     s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, self.microbatches,
-                    sum(_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
-                    sum(_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
+                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
+                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
                     held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
                 ))
         return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, costs, sends)
@@ -467,20 +466,6 @@ class Pipeline:
         value = (sum(parts[1:], parts[0]) / len(parts)).detach() if last in self.local_stages() else torch.zeros(())
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))
-
-
-def _zeros(where: Boundary, dtype: torch.dtype, grad: bool = False) -> DTensor:
-    """Zeros of ``where``'s global shape laid out as ``where`` (a stand-in with the signature of a
-    value a stage receives: its plan depends on shapes, layouts and ``requires_grad`` only)."""
-    sharding, shape = where
-    x = device_put(torch.zeros(shape, dtype=dtype), sharding)
-    return x.requires_grad_(True) if grad else x
-
-
-def _bytes(where: Boundary, dtype: torch.dtype) -> int:
-    """Bytes of the largest shard of a value of ``where``'s shape and layout."""
-    sharding, shape = where
-    return math.prod(sharding.shard_shape(shape)) * dtype.itemsize
 
 
 def _first(spec: PartitionSpec, n: int) -> PartitionSpec:

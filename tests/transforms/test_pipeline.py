@@ -96,6 +96,7 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
 
 def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
     """(``pp``: the number of stages, two per pp rank under the interleaved schedule)"""
+    ranks = pp // 2 if schedule == "interleaved" else pp
     """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches)."""
     assert all(prog.plan_count == 1 for prog in pipe._programs.values())   # the plans shown are the plans that ran
     act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
@@ -105,7 +106,7 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
         + [("activation", s, s + 1, act, per_mb, m) for s in range(pp - 1)]
         + [("activation gradient", s, s - 1, act, per_mb, m) for s in range(pp - 1, 0, -1)]
         + [("gradient of tied wte.weight", pp - 1, 0, (cfg.vocab, cfg.dim), wte, 1)]
-        + [("loss", pp - 1, s, (), 4, 1) for s in range(pp - 1)]
+        + [("loss", pp - 1, s, (), 4, 1) for s in range(ranks - 1)]   # broadcast to the other pp ranks
     )
     assert [(x.what, x.src, x.dst, x.shape, x.bytes, x.count) for x in lowered.sends] == want
     cost = lowered.cost()

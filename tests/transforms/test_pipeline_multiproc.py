@@ -23,15 +23,16 @@ def held(stage, pp):
     return sorted(mine)
 
 
-def sends(pp, dp):
+def sends(n, dp, ranks):
+    """A step's sends over pp (hand-computed bytes) for ``n`` stages on ``ranks`` pp ranks."""
     act, wte = [BATCH // M // dp, SEQ, DIM], [VOCAB, DIM]
     b, w = BATCH // M // dp * SEQ * DIM * 4, VOCAB * DIM * 4
     return (
-        [["tied wte.weight", 0, pp - 1, wte, w, 1]]
-        + [["activation", s, s + 1, act, b, M] for s in range(pp - 1)]
-        + [["activation gradient", s, s - 1, act, b, M] for s in range(pp - 1, 0, -1)]
-        + [["gradient of tied wte.weight", pp - 1, 0, wte, w, 1]]
-        + [["loss", pp - 1, s, [], 4, 1] for s in range(pp - 1)]
+        [["tied wte.weight", 0, n - 1, wte, w, 1]]
+        + [["activation", s, s + 1, act, b, M] for s in range(n - 1)]
+        + [["activation gradient", s, s - 1, act, b, M] for s in range(n - 1, 0, -1)]
+        + [["gradient of tied wte.weight", n - 1, 0, wte, w, 1]]
+        + [["loss", n - 1, s, [], 4, 1] for s in range(ranks - 1)]   # broadcast to the other pp ranks
     )
 
 
@@ -63,8 +64,8 @@ def test_pipelined_gpt_equals_one_device(reports):
             assert got["mu_held"] == got["held"], where
             assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range((pp - 1) * dp, pp * dp))), where
             # pipe.lower on the processes: the sends of a step, this rank's stages' bytes, the plans that ran
-            assert got["sends"] == sends(n, dp), where
+            assert got["sends"] == sends(n, dp, pp), where
             assert got["stages"] == mine, where
-            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp) if x[1] in mine), where
+            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp, pp) if x[1] in mine), where
             assert got["param_bytes"] == got["memory"] > 0, where
             assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), where   # each stage's (and the loss's) plan, made once

@@ -244,10 +244,11 @@ class Pipeline:
     def _sends(self, bounds: list[tuple[list[Boundary], Boundary, torch.dtype]]) -> list[Send]:
         """Every transfer over ``pp`` of a step, in the order of the step: the tied params lent,
         each stage's output to the next and its gradient back (once per microbatch), the tied
-        params' gradients returned to their owner, and the loss sent from the last stage."""
-        m, last = self.microbatches, self.num_stages - 1
+        params' gradients returned to their owner, and the loss sent from the last stage to the
+        other pp ranks."""
+        m, last, p = self.microbatches, self.num_stages - 1, self.mesh.axis_size(self.axis)
         out = []
-        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:]]
+        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:] if self.split.owner[k] % p != b % p]   # (not between a rank's own stages)
         shard = lambda k, b: self._where(k, b)[0].shard_shape(self._shapes[k].shape)  # noqa: E731
         out += [send(f"tied {k}", owner, b, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
         for s in range(last):
@@ -257,7 +258,7 @@ class Pipeline:
             (where, shape), dtype = bounds[s - 1][1], bounds[s - 1][2]
             out.append(send("activation gradient", s, s - 1, where.shard_shape(shape), dtype, m))
         out += [send(f"gradient of tied {k}", b, owner, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
-        out += [send("loss", last, s, (), bounds[last][2], 1) for s in range(last)]
+        out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != last % p]   # (to each other pp rank, its first stage)
         return out
 
     def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from multiproc import launch_once
-
 pytestmark = pytest.mark.multiprocess
 
 BATCH, M, SEQ, DIM, VOCAB = 8, 4, 8, 16, 16
@@ -36,18 +34,21 @@ def sends(n, dp, ranks):
     )
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["2proc", "4proc"])
-def reports(request, tmp_path_factory):
-    dp = request.param
-    return dp, launch_once(tmp_path_factory, "pipeline_gpt.py", 2 * dp, str(dp))
-
-
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
 RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
 
 
-def test_pipelined_gpt_equals_one_device(reports):
-    world_dp, ranks = reports
+@pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
+def test_pipelined_gpt_on_2_processes_equals_one_device(world):
+    _check(1, world("pipeline_gpt.py", "1", nproc=2))
+
+
+@pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
+def test_pipelined_gpt_on_4_processes_equals_one_device(world):
+    _check(2, world("pipeline_gpt.py", "2", nproc=4))
+
+
+def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
     assert all(sorted(r) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():

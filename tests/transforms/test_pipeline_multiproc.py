@@ -1,9 +1,10 @@
-"""vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe and Schedule1F1B run the
-jitted stages over the pp groups; a GPT trained 3 steps (4 microbatches, AdamW with clipping by
-the global norm and weight decay) equals the same steps on one device in each process: pp=2 and
-the interleaved schedule (two stages per rank) on 2 processes, pp=2 x dp=2 and pp=4 in one launch
-of 4. Each run's pipe.lower, made on the
-processes, reports the sends of a step (hand-computed bytes here) and the plans the steps reuse."""
+"""vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe, Schedule1F1B and
+ScheduleInterleaved1F1B run the jitted stages over the pp groups; a GPT trained 3 steps (4
+microbatches, AdamW with clipping by the global norm and weight decay) equals the same steps on one
+device in each process: pp=2 and the interleaved schedule (two stages per rank) on 2 processes,
+pp=2 x dp=2 and pp=4 on 4. Each run's pipe.lower, made on the processes, reports the sends of a
+step (hand-computed bytes here) and the plans the steps reuse. Both workers run as sections of
+the suite's one launch per world size (``world`` in tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -21,15 +21,35 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 
 from vsf import _compat
 
 __all__ = ["SCHEDULES", "Action", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+class _Schedules(Mapping):
+    """``{name: torch.distributed.pipelining schedule class}``, importing torch's pipelining (and
+    with it torch._dynamo, about 0.6 s of every process's start) only when a class is looked up."""
+
+    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+    def __getitem__(self, name: str) -> type:
+        return getattr(importlib.import_module("torch.distributed.pipelining"), self._CLASSES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._CLASSES)
+
+    def __len__(self) -> int:
+        return len(self._CLASSES)
+
+    def __repr__(self) -> str:
+        return f"SCHEDULES({', '.join(f'{k}={v}' for k, v in self._CLASSES.items())})"
+
+
+SCHEDULES = _Schedules()
 Action = tuple[str, int]   # ("F" | "B", microbatch)
 Step = tuple[int, str, int]   # (stage, "F" | "B", microbatch)
 

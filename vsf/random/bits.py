@@ -32,7 +32,7 @@ __all__ = ["CHUNK", "Transform", "at", "fill", "grid"]
 
 CHUNK = 1 << 16  # counters per chunk of an eager fill (its words and temporaries stay in cache)
 
-Transform = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # an element's words -> its value
+Transform = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # an element's words -> its value (it may overwrite the words: each call gets its own)
 
 
 def _words(k0: Word, k1: Word, counter: torch.Tensor, narrow: bool = False, out: Scratch | None = None) -> tuple[Word, Word, Word, Word]:

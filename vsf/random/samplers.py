@@ -171,8 +171,8 @@ def _symmetric(w: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     step is exact (``k`` and ``k * 2**(1 - bits)`` are ``dtype`` values, and so is the sum), so
     every device gives the same bits; the sum is in floating point, cheaper than on int64."""
     bits = 53 if dtype == torch.float64 else 24
-    k = ((w[0] << 20) | (w[1] >> 12)) if dtype == torch.float64 else w[0] >> 8
-    return k.to(dtype).mul_(2.0 ** (1 - bits)).add_(2.0**-bits - 1)  # in place on the fresh cast (no more temporaries)
+    k = w[0].bitwise_left_shift_(20).bitwise_or_(w[1].bitwise_right_shift_(12)) if dtype == torch.float64 else w[0].bitwise_right_shift_(8)
+    return k.to(dtype).mul_(2.0 ** (1 - bits)).add_(2.0**-bits - 1)  # in place on the words and the fresh cast: one temporary
 
 
 def _compute(dtype: torch.dtype) -> torch.dtype:

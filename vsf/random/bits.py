@@ -10,8 +10,10 @@ straddles two rows, so a shard's blocks are a box too).
 
 Two ways compute the same thing:
 
-* :func:`fill` (eager): the counters of a box of the global index space, in chunks that stay in
-  cache, each lane written by one op per chunk.
+* :func:`fill` (eager): the counters of a box of the global index space, in chunks of at most
+  ``CHUNK`` counters (whole rows together, or a long row in pieces), Philox running in place on
+  buffers kept for the whole fill and writing each chunk's words in element order, so that a
+  chunk allocates next to nothing (or, with ``vsf.config.compile_random``, one compiled kernel).
 * :func:`at` (inside ``vsf.jit`` and ``vsf.eval_shape``): per element, from ``arange`` s that
   broadcast over the global shape, so the traced graph is elementwise integer ops on iota that
   the planner shards like any elementwise op.

@@ -12,7 +12,8 @@ steps run eagerly as before (so both give the same bits). A ratio above 1 means 
 
 Measured 2026-12-01 on the shared 2-CPU machine, ``OMP_NUM_THREADS=1``, 100M: eager 2.49
 (3.39 s vs 1.36 s), compiled 1.42 (2.45 s vs 1.72 s) at load average 7-9; the code before this
-change, run right before at load 10-11, gave 4.52 and 2.56 (README: 3.34 and 2.38 at load 6.2).
+change, run right before at load 10-11, gave 4.52 and 2.56 (README: 3.34 and 2.38 at load 6.2);
+a later run at load 8-9 gave 2.75 and 1.66.
 The eager floor is Philox's ~94 int64 ops per chunk (~30 ns a counter here, 70% of the time)
 plus ``erfinv`` (~2 ns a sample). Run::
 

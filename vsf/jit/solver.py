@@ -24,7 +24,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
-from vsf.jit.cost import INF, NOT_PARTIAL, Codes, op_flops, transition_bytes, unsplit_bytes
+from vsf.jit.cost import INF, NOT_PARTIAL, Codes, op_flops, splits_work, transition_bytes, unsplit_bytes
 from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
 from vsf.jit.plan import R, is_shard, split_dim
 from vsf.jit.strategies import Strategies, Strategy
@@ -146,7 +146,7 @@ class AxisSolver:
     def splits(self, k: int, j: int) -> bool:
         """Does strategy ``j`` of op ``k`` split its work over this axis (:func:`~vsf.jit.cost.splits_work`)?"""
         ins, outs = self.strategies[k][j]
-        return any(c >= 0 and self.codes.is_shard(c) for c in (*ins, *outs))
+        return splits_work([self.codes.placements[c] for c in (*ins, *outs) if c >= 0])
 
     def _op_work(self, k: int, j: int) -> float:
         """The unsplit-work cost of op ``k`` under strategy ``j``."""

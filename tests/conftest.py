@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 # Layout tests compare with JAX on 64 virtual CPU devices; the flag must be set before jax starts.
 os.environ["XLA_FLAGS"] = " ".join(
@@ -47,3 +49,39 @@ def sim():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def world(request, tmp_path_factory):
+    """``world(script, *args, nproc=4)``: what each of ``nproc`` real gloo processes reported for
+    the worker ``tests/workers/<script>`` (the list of their ``rank{r}.json``). The sections that the
+    selected tests name with ``@pytest.mark.world(script, *args, nproc=...)`` run in one launch of
+    ``nproc`` processes per size (``workers/world.py``), started the first time a test asks for a
+    section of that size; a section that its launch did not finish raises, with the launch's error."""
+    from multiproc import WORKERS, results, torchrun
+    from workers.world import section_name
+
+    marks = [m for item in request.session.items for m in item.iter_markers("world")]
+    sections = list(dict.fromkeys((m.kwargs.get("nproc", 4), m.args) for m in marks))
+    launches: dict[int, tuple[Path, BaseException | None]] = {}
+
+    def launched(nproc: int) -> tuple[Path, BaseException | None]:
+        if nproc not in launches:
+            out = tmp_path_factory.mktemp(f"world{nproc}")
+            try:
+                torchrun(WORKERS / "world.py", nproc, str(out), *(json.dumps(list(s)) for n, s in sections if n == nproc), timeout=900)
+                launches[nproc] = out, None
+            except Exception as e:  # noqa: BLE001 (raised again by each section it stopped)
+                launches[nproc] = out, e
+        return launches[nproc]
+
+    def section(script: str, *args: str, nproc: int = 4) -> list[dict]:
+        if (nproc, (script, *args)) not in sections:
+            raise LookupError(f"{script} {args} on {nproc} processes is not a section: mark the test @pytest.mark.world({script!r}, ..., nproc={nproc})")
+        out, failure = launched(nproc)
+        where = out / section_name(script, *args)
+        if not all((where / f"done.rank{r}").exists() for r in range(nproc)):
+            raise RuntimeError(f"the launch of {nproc} processes stopped before section {script} {args} finished") from failure
+        return results(where, nproc)
+
+    return section

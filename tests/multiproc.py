@@ -1,8 +1,10 @@
 """Tier 3 of DESIGN.md: real gloo processes started the way a user starts them (vsf's launcher,
 which is torchrun on 127.0.0.1 at a free port).
 
-A test module launches its worker script once (a module-scoped fixture) and its tests check the
-JSON results the ranks wrote.
+A worker script writes one JSON file per rank, which the tests check. Most run as sections of
+one launch per world size (``world`` in tests/conftest.py, ``workers/world.py``); a worker that
+needs a launch of its own (one that kills a rank, or other launcher arguments) uses
+:func:`launch_once` from a module-scoped fixture.
 """
 
 from __future__ import annotations

@@ -18,10 +18,8 @@ import torch
 import vsf
 from vsf import P, optim
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
-from multiproc import launch_once  # noqa: E402
 
 CFG = GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=2, period=4)
 TX = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
@@ -89,10 +87,11 @@ def test_simulated_none_in_a_target_everywhere_names_the_leaf(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch_once(tmp_path_factory, "pipeline_ckpt.py", 4)
+def ranks(world):
+    return world("pipeline_ckpt.py")
 
 
+@pytest.mark.world("pipeline_ckpt.py")
 @pytest.mark.multiprocess
 def test_each_leaf_is_saved_once_with_its_global_shape_on_its_stage(ranks):
     shapes = {k: list(v.shape) for k, v in _params().items()}
@@ -108,12 +107,14 @@ def test_each_leaf_is_saved_once_with_its_global_shape_on_its_stage(ranks):
     assert "params.lnf.weight" in stage1 and "params.wte.weight" in stage0 and "params.wte.weight" not in stage1
 
 
+@pytest.mark.world("pipeline_ckpt.py")
 @pytest.mark.multiprocess
 def test_pp2_loads_onto_a_plain_mesh_bit_exact(ranks):
     for r in ranks:
         assert r["pp2_to_flat"] == [] and r["flat_meshes"] == ["{'dp': 4}"]
 
 
+@pytest.mark.world("pipeline_ckpt.py")
 @pytest.mark.multiprocess
 def test_a_plain_mesh_checkpoint_loads_onto_the_stages_bit_exact(ranks):
     for r in ranks:
@@ -121,12 +122,14 @@ def test_a_plain_mesh_checkpoint_loads_onto_the_stages_bit_exact(ranks):
         assert len(r["flat_to_pp2_none_where"]) == 46 - len(r["held"])
 
 
+@pytest.mark.world("pipeline_ckpt.py")
 @pytest.mark.multiprocess
 def test_one_step_from_the_loaded_checkpoint_is_the_live_runs_next_step(ranks):
     for r in ranks:
         assert r["resume_loss_equal"] and r["resume_mismatches"] == []
 
 
+@pytest.mark.world("pipeline_ckpt.py")
 @pytest.mark.multiprocess
 def test_wrong_targets_name_the_key_path_on_every_rank(ranks):
     for rank, r in enumerate(ranks):

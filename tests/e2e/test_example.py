@@ -213,20 +213,6 @@ def test_a_pipelined_run_resumed_halfway_continues_its_loss_curve(background, tm
     assert [(m["step"], m["loss"]) for m in metrics(tmp_path)[half:]] == [(m["step"], m["loss"]) for m in whole[half:]]
 
 
-@pytest.mark.multiprocess
-def test_a_pipelined_four_process_run_resumed_halfway_continues_its_loss_curve(tmp_path):
-    args = [*PIPE[:-1], "6", "--pp", "2", "--dp", "2", "--save-every", "3"]
-    whole = subprocess.run(example_command(*args, "--out", str(tmp_path / "whole"), nproc=4), capture_output=True, text=True, timeout=600, env=ENV)
-    assert whole.returncode == 0, whole.stderr[-4000:]
-    logged = metrics(tmp_path / "whole")
-    shutil.copytree(tmp_path / "whole" / "ckpt" / "3", tmp_path / "half" / "ckpt" / "3")
-    (tmp_path / "half" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged[:3]))
-    done = subprocess.run(example_command(*args, "--out", str(tmp_path / "half"), "--resume", nproc=4), capture_output=True, text=True, timeout=600, env=ENV)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert f"resumed from {tmp_path / 'half' / 'ckpt' / '3'}" in done.stdout
-    assert [(m["step"], m["loss"]) for m in metrics(tmp_path / "half")] == [(m["step"], m["loss"]) for m in logged]
-
-
 def test_mesh_shape_from_the_number_of_ranks():
     assert train_gpt.mesh_shape(1) == {"pp": 1, "dp": 1, "fsdp": 1, "cp": 1, "tp": 1}
     assert train_gpt.mesh_shape(2) == {"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "tp": 1}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from multiproc import launch_once
 from toy_models import Block, GPTConfig
 
 import vsf
@@ -286,10 +285,11 @@ def test_checking_mode_checks_both_programs(sim):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch_once(tmp_path_factory, "jit_autograd.py", 2)
+def ranks(world):
+    return world("jit_autograd.py", nproc=2)
 
 
+@pytest.mark.world("jit_autograd.py", nproc=2)
 @pytest.mark.multiprocess
 def test_block_backward_on_gloo_equals_one_device(ranks):
     for got in ranks:
@@ -299,6 +299,7 @@ def test_block_backward_on_gloo_equals_one_device(ranks):
         assert got["traced_programs"] == [True, True]  # each program traced once into local ops and collectives
 
 
+@pytest.mark.world("jit_autograd.py", nproc=2)
 @pytest.mark.multiprocess
 def test_jitted_stages_under_torch_pipeline_schedule_equal_one_device(ranks):
     for got in ranks:

@@ -211,12 +211,11 @@ def test_the_toy_gpt_with_tokens_on_cp_equals_one_device(sim, layout, sdpa):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    from multiproc import launch_once
-
-    return launch_once(tmp_path_factory, "jit_context_parallel.py", 4)
+def ranks(world):
+    return world("jit_context_parallel.py")
 
 
+@pytest.mark.world("jit_context_parallel.py")
 @pytest.mark.multiprocess
 def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
     """Each process's blocks follow its own rank: 3 SGD steps on 4 gloo processes equal one device,

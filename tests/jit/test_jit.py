@@ -14,7 +14,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P
-from multiproc import launch_once
 STEPS = 2
 LR = 0.1
 
@@ -566,10 +565,11 @@ def test_input_mutation_is_refused(sim):
 # vsf.jit on 4 real gloo processes (tier 3): each rank runs the traced program over its local shards.
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch_once(tmp_path_factory, "jit_step.py", 4)
+def ranks(world):
+    return world("jit_step.py")
 
 
+@pytest.mark.world("jit_step.py")
 @pytest.mark.multiprocess
 def test_traced_step_matches_unsharded_on_every_rank(ranks):
     for r in ranks:
@@ -578,6 +578,7 @@ def test_traced_step_matches_unsharded_on_every_rank(ranks):
         assert r["plan_count"] == 1
 
 
+@pytest.mark.world("jit_step.py")
 @pytest.mark.multiprocess
 def test_traced_program_runs_the_planned_collectives(ranks):
     for r in ranks:
@@ -585,6 +586,7 @@ def test_traced_program_runs_the_planned_collectives(ranks):
         assert r["collectives_in_program"] == r["planned_collectives"]
 
 
+@pytest.mark.world("jit_step.py")
 @pytest.mark.multiprocess
 def test_donated_state_buffers_are_updated_in_place(ranks):
     # the optimizer state and the params are donated: the traced program writes every new leaf
@@ -594,6 +596,7 @@ def test_donated_state_buffers_are_updated_in_place(ranks):
         assert r["param_buffers_reused"] == [r["param_leaves"]] * 3
 
 
+@pytest.mark.world("jit_step.py")
 @pytest.mark.multiprocess
 def test_a_manual_region_runs_on_real_processes(ranks):
     # the Megatron MLP in a shard_map region of a jitted SGD step, and a ppermute ring's value and
@@ -604,6 +607,7 @@ def test_a_manual_region_runs_on_real_processes(ranks):
         assert r["region_collectives_in_program"] == r["region_planned_collectives"]
 
 
+@pytest.mark.world("jit_step.py")
 @pytest.mark.multiprocess
 def test_a_partial_manual_region_and_a_ragged_all_to_all_run_on_real_processes(ranks):
     # manual over tp, dp left to the planner: the same SGD steps as unsharded; a balanced

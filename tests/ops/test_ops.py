@@ -138,10 +138,11 @@ NPROC = 4
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    return launch_once(tmp_path_factory, "ops_collectives.py", NPROC)
+def reports(world):
+    return world("ops_collectives.py")
 
 
+@pytest.mark.world("ops_collectives.py")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [c.name for c in collective_cases(2)])
 def test_collective_matches_oracle(reports, name):
@@ -149,6 +150,7 @@ def test_collective_matches_oracle(reports, name):
         assert report["cases"][name] == {"value": True, "grad": True}, f"rank {rank}"
 
 
+@pytest.mark.world("ops_collectives.py")
 @pytest.mark.multiprocess
 def test_shard_map_equals_one_device_with_gradients(reports):
     for rank, report in enumerate(reports):
@@ -159,6 +161,7 @@ def test_shard_map_equals_one_device_with_gradients(reports):
 FRAMING = 2048
 
 
+@pytest.mark.world("ops_collectives.py")
 @pytest.mark.multiprocess
 def test_ragged_all_gather_moves_exactly_the_payload(reports):
     for rank, report in enumerate(reports):
@@ -168,6 +171,7 @@ def test_ragged_all_gather_moves_exactly_the_payload(reports):
             assert m["payload"] <= m["wire"] <= m["payload"] + FRAMING, f"rank {rank}, sizes {m['sizes']}: {m}"
 
 
+@pytest.mark.world("ops_collectives.py")
 @pytest.mark.multiprocess
 def test_total_traffic_is_what_every_rank_lacks(reports):
     """Summed over ranks, the sockets carried (n-1) * sum(sizes) rows: each rank received the others' rows."""

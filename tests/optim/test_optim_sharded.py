@@ -15,7 +15,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 import vsf
 from vsf import P, optim
 from vsf.sharding import NamedSharding
-from multiproc import launch_once
 STEPS = 20
 
 
@@ -312,10 +311,11 @@ NPROC = 2
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch_once(tmp_path_factory, "optim_zero.py", NPROC)
+def ranks(world):
+    return world("optim_zero.py", nproc=NPROC)
 
 
+@pytest.mark.world("optim_zero.py", nproc=NPROC)
 @pytest.mark.multiprocess
 def test_zero2_under_torchrun_matches_torch(ranks):
     torch.manual_seed(0)  # the worker's seed and draw order
@@ -327,6 +327,7 @@ def test_zero2_under_torchrun_matches_torch(ranks):
             torch.testing.assert_close(torch.tensor(r["params"][k]), want[k], **TOL)
 
 
+@pytest.mark.world("optim_zero.py", nproc=NPROC)
 @pytest.mark.multiprocess
 def test_each_rank_holds_only_its_state_shard(ranks):
     # mu and nu for w (8x6), b (5, split 3 + 2), e (4x4) over 2 ranks, plus the int32 count

@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 import vsf
 from vsf import P
 from layout_oracle import entry_axes, expected_shard
-from multiproc import launch_once
 MESHES = {
     "1d": ((4,), ("x",)),
     "2d": ((3, 2), ("tp", "dp")),
@@ -263,8 +262,8 @@ NPROC = 4
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return launch_once(tmp_path_factory, "put_worker.py", NPROC)
+def ranks(world):
+    return world("put_worker.py")
 
 
 def _leaf(report, name):
@@ -272,6 +271,7 @@ def _leaf(report, name):
     return leaf
 
 
+@pytest.mark.world("put_worker.py")
 @pytest.mark.multiprocess
 def test_world_and_mesh_coordinates(ranks):
     for r, rep in enumerate(ranks):
@@ -279,6 +279,7 @@ def test_world_and_mesh_coordinates(ranks):
         assert rep["coordinate"] == {"dp": r // 2, "tp": r % 2}
 
 
+@pytest.mark.world("put_worker.py")
 @pytest.mark.multiprocess
 def test_sub_meshes_hold_this_rank(ranks):
     for r, rep in enumerate(ranks):
@@ -288,6 +289,7 @@ def test_sub_meshes_hold_this_rank(ranks):
         assert rep["sub_mesh_round_trip"]
 
 
+@pytest.mark.world("put_worker.py")
 @pytest.mark.multiprocess
 def test_every_local_shard_matches_hand_slicing(ranks):
     for rep in ranks:
@@ -297,6 +299,7 @@ def test_every_local_shard_matches_hand_slicing(ranks):
         assert all(leaf["shard_rank"] == rep["rank"] for leaf in rep["leaves"])
 
 
+@pytest.mark.world("put_worker.py")
 @pytest.mark.multiprocess
 def test_uneven_and_strided_indices_by_hand(ranks):
     rows_dp = [[0, 3], [3, 5]]  # 5 rows over dp: 3 | 2
@@ -312,6 +315,7 @@ def test_uneven_and_strided_indices_by_hand(ranks):
         assert _leaf(rep, "empty_dim")["local_shape"] == [0, 2]
 
 
+@pytest.mark.world("put_worker.py")
 @pytest.mark.multiprocess
 def test_round_trip_is_exact(ranks):
     for rep in ranks:
@@ -320,6 +324,7 @@ def test_round_trip_is_exact(ranks):
         assert rep["resharded"]["local_ok"] and rep["resharded_round_trip"]
 
 
+@pytest.mark.world("put_worker.py")
 @pytest.mark.multiprocess
 def test_mesh_of_the_wrong_size_is_a_clear_error(ranks):
     for rep in ranks:

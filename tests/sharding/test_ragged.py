@@ -19,7 +19,6 @@ from workers.ops_oracles import as_local, check_simulated, expected_piece, per_r
 import vsf
 from vsf import P, _compat
 from vsf.sharding.ragged import RaggedShard, ragged, reshard
-from multiproc import launch_once
 
 # -- the value object -------------------------------------------------------------------------------
 def test_value_semantics():
@@ -184,10 +183,11 @@ NPROC = 4
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    return launch_once(tmp_path_factory, "ops_ragged.py", NPROC)
+def reports(world):
+    return world("ops_ragged.py")
 
 
+@pytest.mark.world("ops_ragged.py")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", ["1d", "2d"])
 def test_round_trips_are_exact_across_processes(reports, mesh):
@@ -196,6 +196,7 @@ def test_round_trips_are_exact_across_processes(reports, mesh):
         assert report[mesh]["failures"] == [], f"rank {rank}: {report[mesh]['failures'][:5]}"
 
 
+@pytest.mark.world("ops_ragged.py")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh", ["1d", "2d"])
 def test_device_put_round_trips_are_exact(reports, mesh):
@@ -204,6 +205,7 @@ def test_device_put_round_trips_are_exact(reports, mesh):
         assert report[mesh]["put_failures"] == [], f"rank {rank}: {report[mesh]['put_failures'][:5]}"
 
 
+@pytest.mark.world("ops_ragged.py")
 @pytest.mark.multiprocess
 def test_muon_on_ragged_params_equals_one_device_and_each_matrix_runs_on_one_rank(reports):
     everywhere = []
@@ -216,6 +218,7 @@ def test_muon_on_ragged_params_equals_one_device_and_each_matrix_runs_on_one_ran
     assert len(everywhere) == 4 * 3   # 4 matrices x 3 steps, each once
 
 
+@pytest.mark.world("ops_ragged.py")
 @pytest.mark.multiprocess
 def test_gather_group_is_one_collective(reports):
     for report in reports:

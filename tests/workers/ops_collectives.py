@@ -101,7 +101,6 @@ def main(out_dir: str, device: str) -> None:
     rank = int(os.environ["RANK"])
     report = {"cases": check_cases(rank, device), "shard_map": check_shard_map(device), "bytes": measure_bytes(rank) if device == "cpu" else []}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ def main(out_dir: str) -> None:
         "mu_b_local": state[1].mu["b"].to_local().tolist(),
     }
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

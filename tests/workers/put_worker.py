@@ -136,7 +136,6 @@ def main() -> None:
         report["wrong_size_error"] = str(e)
 
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from vsf import _compat, config, tree
 from vsf.jit.differentiable import JointPlan, attach, grad_mask, plan_joint, program
 from vsf.jit.joint import runs_backward
-from vsf.jit.classify import unplanned_ops
+from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import check_not_donated, donate
 from vsf.jit.graph import output_node
 from vsf.jit.plan import Placements, Plan
@@ -307,7 +307,7 @@ class Jitted:
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
-            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops)
+            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions())
         out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None

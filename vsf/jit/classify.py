@@ -28,6 +28,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ from vsf.sharding import constraint
 
 __all__ = [
     "ATTENTION_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
-    "OpClass", "classify", "constant_nodes", "unplanned_ops",
+    "OpClass", "classify", "constant_nodes", "never_planned_decompositions", "unplanned_ops",
 ]
 
 aten = torch.ops.aten
@@ -143,6 +145,20 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
         if node.target in UNTRUSTED_STRATEGIES
         or (_compat.op_schema(node.target) is not None and classify(node, constants).kind == "none" and not _adopt_inplace_strategy(node.target))
     }
+
+
+@functools.cache
+def never_planned_decompositions() -> dict[Any, Callable[..., Any]]:
+    """PyTorch's decompositions of the ops :func:`unplanned_ops` names in every graph they are in
+    (:data:`UNTRUSTED_STRATEGIES`: ``nll_loss_forward``, in every language model's loss), for the
+    tracer's first pass, so that no second trace is needed to decompose them.
+
+    Example::
+
+        >>> aten.nll_loss_forward.default in never_planned_decompositions()
+        True
+    """
+    return {op: _compat.decomposition(op) for op in UNTRUSTED_STRATEGIES}
 
 
 def _adopt_inplace_strategy(op: Any) -> bool:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config
 from vsf.errors import HigherOrderGradError
-from vsf.jit.classify import unplanned_ops
+from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.graph import output_node
 from vsf.jit.joint import Joint, trace_joint
 from vsf.jit.partition import Partitioned, partition
@@ -97,7 +97,7 @@ def plan_joint(
     targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets)
     avals = [(tuple(x.shape), x.dtype) for x in inputs]
     mask = [g is not None for g in grad]
-    joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops)
+    joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops, never_planned_decompositions())
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)

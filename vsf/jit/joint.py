@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ def trace_joint(
     out_avals: Sequence[tuple[tuple[int, ...], torch.dtype]],
     device: str,
     unplanned: Callable[[torch.fx.GraphModule], set[Any]] = lambda gm: set(),
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> Joint:
     """Trace ``fun``'s forward and its vjp with respect to the inputs ``mask`` marks, for a call
     whose tensor leaves have ``avals`` and whose tensor outputs have ``out_avals`` (one cotangent
@@ -78,7 +79,7 @@ def trace_joint(
         info["diff"], info["has_grad"] = tuple(diff), tuple(g is not None for g in grads)
         return outs + [g for g in grads if g is not None]
 
-    traced = trace(joint, [*avals, *out_avals], lambda ts: ((ts,), {}), device, unplanned)
+    traced = trace(joint, [*avals, *out_avals], lambda ts: ((ts,), {}), device, unplanned, decompositions)
     return Joint(traced, info["tree"], info["consts"], n, len(out_avals), info["diff"], info["has_grad"])
 
 

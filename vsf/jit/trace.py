@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,10 +49,13 @@ def trace(
     rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]],
     device: str,
     unplanned: Callable[[torch.fx.GraphModule], set[Any]] = lambda gm: set(),
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> Traced:
     """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
     fake tensors of the given ``(shape, dtype)`` avals. Ops ``unplanned(graph)`` names (no sharding
-    strategy) are replaced by PyTorch's decompositions of them, recursively (see :func:`decompose`)."""
+    strategy) are replaced by PyTorch's decompositions of them, recursively (see :func:`decompose`);
+    ``decompositions`` (the ops known to be unplanned in any graph) are applied while tracing, so
+    that the common ones need no second trace."""
     out_info: dict[str, Any] = {}
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -64,7 +67,7 @@ def trace(
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     with _compat.local_mode_disabled(), tracing_step():
-        return _trace(fun, avals, flat_fun, out_info, device, unplanned)
+        return _trace(fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}))
 
 
 def _trace(
@@ -74,12 +77,13 @@ def _trace(
     out_info: dict[str, Any],
     device: str,
     unplanned: Callable[[torch.fx.GraphModule], set[Any]],
+    decompositions: dict[Any, Callable[..., Any]],
 ) -> Traced:
     with _compat.fake_mode():
         fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
     _compat.register_stack_anchor(fun)
     try:
-        joint = make_fx(flat_fun, tracing_mode="fake", record_stack_traces=True)(*fakes)
+        joint = make_fx(flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True)(*fakes)
     except Exception as e:
         if not _compat.is_data_dependent_error(e):
             raise
@@ -94,7 +98,7 @@ def _trace(
         with fx_traceback.preserve_node_meta():
             gm = make_fx(
                 torch.func.functionalize(torch.fx.Interpreter(joint).run, remove="mutations"),
-                decomposition_table=_FOREACH_DECOMPOSITIONS,
+                decomposition_table=decompositions | _FOREACH_DECOMPOSITIONS,
                 tracing_mode="fake",
             )(*fakes)
     gm = decompose(gm, fakes, unplanned)

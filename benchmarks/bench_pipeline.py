@@ -7,14 +7,18 @@ tokens; ``--quick``: 4 blocks, microbatches of 2 sequences, pp=4 only) is cut in
 of ``4m`` (``2m``) sequences and a stage's work per microbatch is the same for every ``m``.
 
 * **Idle fraction per stage.** Each rank times its stage's compute inside the step: every
-  ``PipelineStage.forward_one_chunk`` (the stage program's forward) and ``backward_one_chunk``
-  (its backward), wall clock. The step's span is from the first rank entering the schedule's
+  ``PipelineStage.forward_one_chunk`` (the stage program's forward), ``backward_one_chunk``
+  (its backward) and, on the last stage, the schedule's ``_maybe_compute_loss`` (the loss
+  forward), wall clock. The step's span is from the first rank entering the schedule's
   ``step`` to the last rank leaving it (``time.monotonic``, one clock for every process of the
   machine). Stage ``s``'s idle fraction is ``1 - busy_s / span``, the median over the timed steps,
   against :func:`vsf.pipeline.bubble` of the schedule's actions (``(p-1)/(m+p-1)`` for every
   stage). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
-  sends, the last stage's loss forward (outside ``forward_one_chunk``), and the schedule's own
-  bookkeeping. ``the part with the input there``: the time a stage is free and the input of its
+  sends, and the schedule's own bookkeeping. ``replayed from the measured compute times``: the
+  idle fraction :func:`vsf.pipeline.bubble` gives when each action takes the time it was measured
+  to take and nothing else takes time: above the theory by what the stages' unequal (and, on
+  oversubscribed cores, contention-stretched) compute times add; the measured idle fraction less
+  it is what the sends and the bookkeeping add. ``the part with the input there``: the time a stage is free and the input of its
   next action is there (the previous stage's forward of that microbatch has ended, or the next
   stage's backward) but the action has not started: the sends, the receive, waking the process,
   the schedule's bookkeeping; the idle fraction less this part is the time spent waiting for an
@@ -67,9 +71,9 @@ def _config(quick: bool):
 
 
 class _Clock:
-    """Each forward ("F") and backward ("B") this rank's stage runs, ``(kind, microbatch, start,
-    end)``, and when the rank enters and leaves the schedule's ``step`` (while :func:`_timing` is
-    active)."""
+    """Each forward ("F"), backward ("B") and, on the last stage, loss forward ("L") this rank's
+    stage runs, ``(kind, microbatch, start, end)``, and when the rank enters and leaves the
+    schedule's ``step`` (while :func:`_timing` is active)."""
 
     def __init__(self) -> None:
         self.actions: list[tuple[str, int, float, float]] = []
@@ -84,8 +88,8 @@ class _Clock:
                 t1 = time.monotonic()
                 if what == "step":
                     self.enter, self.leave = t0, t1
-                else:
-                    self.actions.append((what, args[0], t0, t1))
+                else:   # (forward_one_chunk(mb, ...), backward_one_chunk(mb, ...), _maybe_compute_loss(stage, output, targets, mb))
+                    self.actions.append((what, args[3] if what == "L" else args[0], t0, t1))
 
         return wrapper
 
@@ -112,7 +116,8 @@ def _timing(clock: _Clock) -> Iterator[None]:
 
     with _patched(PipelineStage, "forward_one_chunk", lambda f: clock.timed(f, "F")), _patched(PipelineStage, "backward_one_chunk", lambda f: clock.timed(f, "B")):
         with _patched(SCHEDULES["gpipe"], "step", lambda f: clock.timed(f, "step")), _patched(SCHEDULES["1f1b"], "step", lambda f: clock.timed(f, "step")):
-            yield
+            with _patched(SCHEDULES["gpipe"], "_maybe_compute_loss", lambda f: clock.timed(f, "L")), _patched(SCHEDULES["1f1b"], "_maybe_compute_loss", lambda f: clock.timed(f, "L")):
+                yield
 
 
 class _Saved:
@@ -230,18 +235,35 @@ def _worker(out: str, quick: bool) -> None:
         Path(out).write_text(json.dumps(result))
 
 
-def _idle(rows: list[list]) -> tuple[list[float], list[float], float, float]:
-    """Each stage's median idle fraction of the schedule's span and the median part of it that is
-    not waiting for an input, the median span, and the median whole step (slowest rank)."""
-    fractions, excess, spans, wholes = [], [], [], []
+def _idle(rows: list[list]) -> tuple[list[float], list[float], list[float], float, float]:
+    """Each stage's median idle fraction of the schedule's span, the median part of it that is
+    not waiting for an input, and its median idle fraction replayed from the measured compute
+    times alone (:func:`_replayed`), the median span, and the median whole step (slowest rank)."""
+    fractions, excess, replayed, spans, wholes = [], [], [], [], []
     for ranks in rows:
         span = max(r[2] for r in ranks) - min(r[1] for r in ranks)
         spans.append(span)
         wholes.append(max(r[3] for r in ranks))
         fractions.append([1 - sum(t1 - t0 for _, _, t0, t1 in r[0]) / span for r in ranks])
         excess.append([_not_waiting(ranks, s) / span for s in range(len(ranks))])
+        replayed.append(_replayed(ranks))
     med = lambda xs: [statistics.median(x[s] for x in xs) for s in range(len(rows[0]))]  # noqa: E731
-    return med(fractions), med(excess), statistics.median(spans), statistics.median(wholes)
+    return med(fractions), med(excess), med(replayed), statistics.median(spans), statistics.median(wholes)
+
+
+def _replayed(ranks: list) -> list[float]:
+    """Each stage's idle fraction if every action took the time it was measured to take (the last
+    stage's loss forward counted with its forward) and started as soon as its stage and its input
+    were free: the bubble of these stages' real, unequal compute times, without the sends, the
+    receives, waking the process or the schedule's bookkeeping (:func:`vsf.pipeline.bubble`)."""
+    from vsf.pipeline import bubble
+
+    durations: dict[tuple[int, str, int], float] = {}
+    for s, r in enumerate(ranks):
+        for kind, mb, t0, t1 in r[0]:
+            key = (s, "F" if kind == "L" else kind, mb)
+            durations[key] = durations.get(key, 0.0) + t1 - t0
+    return bubble([[(s, kind, mb) for kind, mb, _, _ in r[0] if kind != "L"] for s, r in enumerate(ranks)], durations=durations)
 
 
 def _not_waiting(ranks: list, s: int) -> float:
@@ -251,7 +273,7 @@ def _not_waiting(ranks: list, s: int) -> float:
     ends = {(q, kind, mb): t1 for q, r in enumerate(ranks) for kind, mb, _, t1 in r[0]}
     free, total = ranks[s][1], 0.0
     for kind, mb, t0, t1 in ranks[s][0]:
-        need = ends.get((s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb), free)
+        need = free if kind == "L" else ends.get((s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb), free)
         total += max(0.0, t0 - max(free, need))
         free = t1
     return total
@@ -268,7 +290,7 @@ def _in_flight(actions: list[tuple[str, int]]) -> int:
 
 def bench(pp: int, quick: bool) -> list[dict]:
     from vsf import launch
-    from vsf.pipeline import bubble, stage_actions
+    from vsf.pipeline import bubble, rank_actions, stage_actions
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "pipeline.json")
@@ -277,14 +299,18 @@ def bench(pp: int, quick: bool) -> list[dict]:
     where = f"pp={pp}, {pp} gloo procs{' on 2 shared cores (oversubscribed)' if pp > 2 else ''}"
     rows = []
     for schedule, m in TIMED:
-        idle, excess, span, whole = _idle(r["timed"][f"{schedule},{m}"])
-        theory = bubble(stage_actions(schedule, pp, m))
+        idle, excess, replayed, span, whole = _idle(r["timed"][f"{schedule},{m}"])
+        theory = bubble(rank_actions(schedule, pp, pp, m))
         ratios = [a / b for a, b in zip(idle, theory)]
         per_stage = "/".join(f"{x:.2f}" for x in idle)
         rows.append({
             "name": f"idle fraction per stage (stages 0-{pp - 1}: {per_stage}; ratios {'/'.join(f'{x:.2f}' for x in ratios)}), {schedule.upper()}, m={m}, {where}",
             "vsf": statistics.mean(idle), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(ratios),
             "target": "0.9-1.1 every stage", "met": all(0.9 <= x <= 1.1 for x in ratios),
+        })
+        rows.append({
+            "name": f"idle fraction replayed from the measured compute times, no sends or bookkeeping (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in replayed)}), {schedule.upper()}, m={m}, {where}",
+            "vsf": statistics.mean(replayed), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(replayed) / statistics.mean(theory), "target": "-", "met": None,
         })
         rows.append({
             "name": f"of the idle fraction, the part with the input there (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in excess)}), {schedule.upper()}, m={m}, {where}",

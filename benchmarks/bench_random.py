@@ -2,10 +2,20 @@
 
 Both draw the same number of float32 normals (100M; 4M with ``--quick``) into a plain tensor,
 interleaved in the same run after a warm-up; the time is the median over repetitions. vsf's
-draw is Philox-4x32-10 in int64 tensor ops (four samples per block, chunks that stay in cache)
-then ``sqrt(2) * erfinv(u)``, eagerly and with ``vsf.config.compile_random`` (the Philox chunk as
-one ``torch.compile`` d kernel, compiled before timing); torch's is its CPU generator's own kernel. A ratio above 1 means
-vsf is slower. Run::
+draw is Philox-4x32-10 in int64 tensor ops (four samples per counter, chunks of 64K counters),
+then ``sqrt(2) * erfinv(u)``; torch's is its CPU generator's own kernel. Eagerly, each chunk's
+rounds run in place on six buffers kept for the whole draw and write the words straight into
+element order, so a chunk allocates one temporary (fresh memory cost as much as the ops, more
+under load); with ``vsf.config.compile_random`` the Philox chunk and its interleaving are one
+``torch.compile`` d kernel writing into a kept buffer (compiled before timing), and the float
+steps run eagerly as before (so both give the same bits). A ratio above 1 means vsf is slower.
+
+Measured 2026-12-01 on the shared 2-CPU machine, ``OMP_NUM_THREADS=1``, 100M: eager 2.49
+(3.39 s vs 1.36 s), compiled 1.42 (2.45 s vs 1.72 s) at load average 7-9; the code before this
+change, run right before at load 10-11, gave 4.52 and 2.56 (README: 3.34 and 2.38 at load 6.2);
+a later run at load 8-9 gave 2.75 and 1.66.
+The eager floor is Philox's ~94 int64 ops per chunk (~30 ns a counter here, 70% of the time)
+plus ``erfinv`` (~2 ns a sample). Run::
 
     python -m benchmarks.bench_random [--quick]
 """

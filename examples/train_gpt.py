@@ -18,7 +18,8 @@ Run it::
 The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in turn) unless
 ``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
 parallelism: attention runs on sequence shards); ``--pp N`` cuts the blocks into N pipeline stages
-over the pp axis (``vsf.pipeline``: GPipe or 1F1B over ``--microbatches``; dp, fsdp and tp apply
+over the pp axis (``vsf.pipeline``: GPipe, 1F1B or, with two stages per pp rank, interleaved 1F1B
+over ``--microbatches``; dp, fsdp and tp apply
 inside each stage; checkpoints hold each stage's leaves once, so ``--resume`` works and a
 pipelined checkpoint loads onto any other layout).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)")
     run.add_argument("--pp", type=int, default=1, help="pipeline stages over the pp axis, each a run of consecutive blocks (default 1)")
     run.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --pp (default 4)")
-    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b)")
+    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b; interleaved: two stages on each pp rank)")
     model = p.add_argument_group("model and data")
     model.add_argument("--vocab", type=int, default=16)
     model.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -97,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.pp <= args.layers:
         p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
+    if args.schedule == "interleaved" and args.pp > 1 and 2 * args.pp > args.layers:
+        p.error(f"--schedule interleaved puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}")
     if args.pp > 1 and args.cp > 1:
         p.error("--pp > 1 does not run with --cp yet")
     if args.cp < 1 or args.seq % args.cp:
@@ -209,7 +212,7 @@ def make_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> Jitte
 def make_pipeline(args: argparse.Namespace, model: GPT, mesh: vsf.Mesh) -> vsf.pipeline.Pipeline:
     """The model cut into ``--pp`` stages of consecutive blocks over the mesh's pp axis, the batch
     over every data-parallel axis, the tied embedding held by the first stage."""
-    fns, loss, prefixes = pipeline_stages(model, args.pp)
+    fns, loss, prefixes = pipeline_stages(model, args.pp * (2 if args.schedule == "interleaved" else 1))
     return vsf.pipeline.Pipeline(fns, loss, prefixes, mesh=mesh, microbatches=args.microbatches, schedule=args.schedule,
                                  batch=P(("dp", "fsdp")), tied=("wte.weight",))
 
@@ -249,7 +252,7 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
         if rep.enabled:
             rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
     if pipe:
-        for s in range(args.pp):
+        for s in range(pipe.num_stages):
             rep.say(f"  stage {s}: ranks {list(pipe.meshes[s].devices)}, {', '.join(pipe.prefixes[s])}")
     mngr = vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
     first, state = restore(args, mngr, state, rep)
@@ -320,14 +323,16 @@ def _memory(state: dict[str, Any]) -> dict[int, int]:
 
 
 def _pipeline_summary(rep: Reporter, args: argparse.Namespace, result: Result, pipe: vsf.pipeline.Pipeline) -> None:
-    """Per stage: the params + optimizer state its ranks hold (the most on one rank), and the
-    schedule's bubble (idle fraction of the step when a backward costs two forwards)."""
-    idle = vsf.pipeline.bubble(vsf.pipeline.stage_actions(args.schedule, args.pp, args.microbatches))
-    for s in range(args.pp):
-        ranks = pipe.meshes[s].devices
-        held = max(result.memory.get(r, 0) for r in ranks)
-        rep.say(f"stage {s} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
-                f"{args.schedule} bubble {idle[s]:.1%} of the step (theory (p-1)/(m+p-1) = {(args.pp - 1) / (args.microbatches + args.pp - 1):.1%})")
+    """Per pp rank (its stages): the params + optimizer state its ranks hold (the most on one
+    rank), and the schedule's bubble (idle fraction of the step when a backward costs two forwards)."""
+    idle = vsf.pipeline.bubble(pipe.actions())
+    v = pipe.stages_per_rank
+    for r in range(args.pp):
+        ranks = pipe.meshes[r].devices
+        held = max(result.memory.get(k, 0) for k in ranks)
+        label = f"stage {r}" if v == 1 else f"stages {list(range(r, pipe.num_stages, args.pp))}"
+        rep.say(f"{label} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
+                f"{args.schedule} bubble {idle[r]:.1%} of the step (theory (p-1)/({'v' if v > 1 else ''}m+p-1) = {(args.pp - 1) / (v * args.microbatches + args.pp - 1):.1%})")
 
 
 def _kib(n: float) -> str:

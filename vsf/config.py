@@ -17,9 +17,10 @@
   and out and the largest error. Off, a call does nothing more than read this flag.
 * ``check_tolerance`` (default ``(1e-4, 1e-5)``): checking mode's ``(rtol, atol)`` for floating
   results (at least ``(1e-2, 1e-3)`` for float16 and bfloat16); integers must match exactly.
-* ``compile_random`` (default ``False``): eager ``vsf.random`` samplers compute Philox with a
-  ``torch.compile`` d kernel (integer ops only, so the same bits; about 10x faster on CPU, after
-  a one-off compile of tens of seconds per process).
+* ``compile_random`` (default ``False``): eager ``vsf.random`` samplers compute Philox and the
+  interleaving of its words with a ``torch.compile`` d kernel (integer ops only, and the float
+  steps stay eager, so the same bits; ``normal`` about 1.7x faster end to end on CPU, after a
+  one-off compile of seconds to tens of seconds per process).
 * ``allow_unkeyed_random`` (default ``False``): inside ``vsf.jit`` an op that draws from torch's
   generator (dropout without :class:`vsf.random.keyed`, ``torch.rand`` ...) is an error, since its
   values would depend on the layout; set, it is planned like any op (DTensor's RNG where it has a

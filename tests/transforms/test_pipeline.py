@@ -4,6 +4,7 @@ in-order runner plays torch's schedule order; bad splits are errors that name th
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -45,19 +46,22 @@ CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs ever
     (2, 2, 1, "1f1b", 4),
     (2, 1, 2, "1f1b", 4),
     (4, 1, 1, "1f1b", 4),
+    (2, 1, 1, "interleaved", 4),   # 2 stages on each pp rank: 4 stages of one block
 ]
 
 
 @pytest.mark.parametrize("pp,dp,tp,schedule,m", CASES, ids=[f"pp{c[0]}-dp{c[1]}-tp{c[2]}-{c[3]}-m{c[4]}" for c in CASES])
 def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
-    model, params = _model(layers=pp)
+    stages = pp * (2 if schedule == "interleaved" else 1)
+    model, params = _model(layers=stages)
     want_losses, want_grads, want = _one_device(model, params)
-    fns, loss_fn, prefixes = pipeline_stages(model, pp)
+    fns, loss_fn, prefixes = pipeline_stages(model, stages)
     sim(pp * dp * tp)
     mesh = vsf.make_mesh((pp, dp, tp), ("pp", "dp", "tp"))
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
     p = pipe.place(params, vsf.sharding.match(params, MEGATRON))
     s = TX.init(p)
+    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))   # plans every stage; the steps reuse the plans
 
     def train_step(params, opt_state, idx, targets):
         loss, grads = pipe.value_and_grad(params, idx, targets)
@@ -77,15 +81,51 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
         # decides the step, so params are compared to 1% of the learning rate (1e-3)
         torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
     # each stage's params and Adam moments live on its pp coordinate's ranks only
-    ranks = lambda k: tuple(range(pipe.split.owner[k] * dp * tp, (pipe.split.owner[k] + 1) * dp * tp))  # noqa: E731
+    ranks = lambda k: tuple(range(pipe.split.owner[k] % pp * dp * tp, (pipe.split.owner[k] % pp + 1) * dp * tp))  # noqa: E731
     for k, v in p.items():
         assert vsf.sharding.named.sharding_of(v).mesh.devices == ranks(k), k
     moments = [(k, name, leaf) for name, leaf in ((vsf.tree.keystr(path), leaf) for path, leaf in vsf.tree.leaves_with_path(s)) for k in params if name.endswith(f"[{k!r}]")]
     assert len(moments) == 2 * len(params)   # Adam's mu and nu
     for k, name, leaf in moments:
         assert vsf.sharding.named.sharding_of(leaf).mesh.devices == ranks(k), name
-    # the runner played each stage's actions in torch's schedule order
-    assert [[(k, mb) for st, k, mb in pipe.order if st == stage] for stage in range(pp)] == sched.stage_actions(schedule, pp, m)
+    # the runner played each rank's actions in torch's schedule order (stage s on pp rank s % pp;
+    # test_stage_order_is_torchs compares that order with torch's)
+    assert [[a for a in pipe.order if a[0] % pp == rank] for rank in range(pp)] == sched.rank_actions(schedule, pp, stages, m)
+    _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), stages, dp, schedule, m)
+
+
+def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
+    """(``pp``: the number of stages, two per pp rank under the interleaved schedule)"""
+    ranks = pp // 2 if schedule == "interleaved" else pp
+    """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches)."""
+    assert all(prog.plan_count == 1 for prog in pipe._programs.values())   # the plans shown are the plans that ran
+    act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
+    per_mb, wte = BATCH // m // dp * cfg.seq * cfg.dim * 4, cfg.vocab * cfg.dim * 4
+    want = (
+        [("tied wte.weight", 0, pp - 1, (cfg.vocab, cfg.dim), wte, 1)]
+        + [("activation", s, s + 1, act, per_mb, m) for s in range(pp - 1)]
+        + [("activation gradient", s, s - 1, act, per_mb, m) for s in range(pp - 1, 0, -1)]
+        + [("gradient of tied wte.weight", pp - 1, 0, (cfg.vocab, cfg.dim), wte, 1)]
+        + [("loss", pp - 1, s, (), 4, 1) for s in range(ranks - 1)]   # broadcast to the other pp ranks
+    )
+    assert [(x.what, x.src, x.dst, x.shape, x.bytes, x.count) for x in lowered.sends] == want
+    cost = lowered.cost()
+    assert [c.stage for c in cost.stages] == list(range(pp)) and sorted(lowered.stages) == list(range(pp))
+    for c in cost.stages:
+        out = [w for w in want if w[1] == c.stage]
+        assert c.comm_bytes["pp"] == sum(w[4] * w[5] for w in out), c.stage
+        # memory_report counts the placed shards themselves: a rank holds its stages' params
+        assert sum(d.param_bytes for d in cost.stages if d.ranks == c.ranks) == max(held[r] for r in c.ranks), c.stage
+        assert c.borrowed_bytes == (wte if c.stage == pp - 1 else 0)
+        if schedule != "interleaved":
+            assert c.in_flight == (m if schedule == "gpipe" else min(m, pp - c.stage))
+        if dp == 2 and c.stage == 0:   # replicated params, batch over dp: each microbatch's backward all-reduces the grads (ring: 2(n-1)/n = 1x)
+            assert c.comm_bytes["dp"] == m * c.param_bytes
+    text = lowered.as_text()
+    assert f"pipeline of {pp} stages over pp" in text and f"{schedule}, {m} microbatches a step" in text
+    shown = f"{per_mb} B" if per_mb < 1024 else f"{per_mb / 1024:.1f} KiB"
+    assert re.search(rf"activation +stage 0 -> 1 +f32\[{','.join(map(str, act))}\] +{shown} x {m} = ", text)
+    assert text.count("differentiated by torch autograd") == pp + 1   # each stage's programs, and the loss's
 
 
 @pytest.mark.parametrize("schedule,cls", [("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)])
@@ -111,11 +151,12 @@ def test_stage_order_is_torchs(schedule, cls, p, m):
     assert in_flight == ([m] * p if schedule == "gpipe" else [min(m, p - s) for s in range(p)])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
-def test_bubble_is_the_theory(schedule, p, m):
-    # forward and backward of equal cost: each stage idles (p - 1) / (m + p - 1) of the step
-    assert sched.bubble(sched.stage_actions(schedule, p, m), 1.0, 1.0) == pytest.approx([(p - 1) / (m + p - 1)] * p)
+def test_bubble_is_the_theory(schedule, v, p, m):
+    # forward and backward of equal cost: each rank idles (p - 1) / (v m + p - 1) of the step
+    # (Megatron's interleaved schedule: v stages per rank divide the bubble by about v)
+    assert sched.bubble(sched.rank_actions(schedule, p, v * p, m), 1.0, 1.0) == pytest.approx([(p - 1) / (v * m + p - 1)] * p)
 
 
 def test_bad_splits_are_errors_naming_the_key_path(sim):
@@ -140,6 +181,8 @@ def test_bad_splits_are_errors_naming_the_key_path(sim):
         pipe().place(params, {k: P("pp") if k == "blocks.0.fc1.weight" else P() for k in params})
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
         pipe(schedule="zb")
+    with pytest.raises(ValueError, match=r"interleaved schedule runs 2 or more stages on each of the 2 pp ranks: give a multiple of 2 stages, at least 4; got 2"):
+        pipe(schedule="interleaved")
     good = pipe()
     p = good.place(params)
     idx, tgt = batch_at(0, 6, model.cfg)

@@ -1,36 +1,73 @@
-"""vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe and Schedule1F1B run the
-jitted stages over the pp groups; a GPT trained 3 steps (4 microbatches, AdamW with clipping by
-the global norm and weight decay) equals the same steps on one device in each process."""
+"""vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe, Schedule1F1B and
+ScheduleInterleaved1F1B run the jitted stages over the pp groups; a GPT trained 3 steps (4
+microbatches, AdamW with clipping by the global norm and weight decay) equals the same steps on one
+device in each process: pp=2 and the interleaved schedule (two stages per rank) on 2 processes,
+pp=2 x dp=2 and pp=4 on 4. Each run's pipe.lower, made on the processes, reports the sends of a
+step (hand-computed bytes here) and the plans the steps reuse. Both workers run as sections of
+the suite's one launch per world size (``world`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from multiproc import launch_once
-
 pytestmark = pytest.mark.multiprocess
 
-STAGE0 = ["blocks.0.attn.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.fc1.weight", "blocks.0.fc2.weight", "blocks.0.ln1.weight", "blocks.0.ln2.weight", "wpe.weight", "wte.weight"]
-STAGE1 = ["blocks.1.attn.proj.weight", "blocks.1.attn.qkv.weight", "blocks.1.fc1.weight", "blocks.1.fc2.weight", "blocks.1.ln1.weight", "blocks.1.ln2.weight", "lnf.weight"]
+BATCH, M, SEQ, DIM, VOCAB = 8, 4, 8, 16, 16
+BLOCK = ["attn.proj.weight", "attn.qkv.weight", "fc1.weight", "fc2.weight", "ln1.weight", "ln2.weight"]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["pp2", "pp2xdp2"])
-def reports(request, tmp_path_factory):
-    dp = request.param
-    return dp, launch_once(tmp_path_factory, "pipeline_gpt.py", 2 * dp, str(dp))
+def held(stage, pp):
+    """The leaves stage ``stage`` of a ``pp``-block GPT holds (the tied wte once, on stage 0)."""
+    mine = [f"blocks.{stage}.{k}" for k in BLOCK] + (["wpe.weight", "wte.weight"] if stage == 0 else []) + (["lnf.weight"] if stage == pp - 1 else [])
+    return sorted(mine)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipelined_gpt_equals_one_device(reports, schedule):
-    dp, ranks = reports
-    for rank, r in enumerate(ranks):
-        got, want = r[schedule], r["want_losses"]
-        assert got["losses"] == pytest.approx(want, rel=1e-5, abs=0), rank
-        # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
-        # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
-        assert got["max_param_err"] <= 1e-5, (rank, got["max_param_err"])
-        stage = rank // dp
-        # a rank holds its own stage's params (the tied wte once, on stage 0) and their Adam state
-        assert got["held"] == (STAGE0 if stage == 0 else STAGE1), rank
-        assert got["mu_held"] == got["held"], rank
-        assert got["ranks_of_lnf"] == (None if stage == 0 else list(range(dp, 2 * dp))), rank
+def sends(n, dp, ranks):
+    """A step's sends over pp (hand-computed bytes) for ``n`` stages on ``ranks`` pp ranks."""
+    act, wte = [BATCH // M // dp, SEQ, DIM], [VOCAB, DIM]
+    b, w = BATCH // M // dp * SEQ * DIM * 4, VOCAB * DIM * 4
+    return (
+        [["tied wte.weight", 0, n - 1, wte, w, 1]]
+        + [["activation", s, s + 1, act, b, M] for s in range(n - 1)]
+        + [["activation gradient", s, s - 1, act, b, M] for s in range(n - 1, 0, -1)]
+        + [["gradient of tied wte.weight", n - 1, 0, wte, w, 1]]
+        + [["loss", n - 1, s, [], 4, 1] for s in range(ranks - 1)]   # broadcast to the other pp ranks
+    )
+
+
+# run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
+RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
+
+
+@pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
+def test_pipelined_gpt_on_2_processes_equals_one_device(world):
+    _check(1, world("pipeline_gpt.py", "1", nproc=2))
+
+
+@pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
+def test_pipelined_gpt_on_4_processes_equals_one_device(world):
+    _check(2, world("pipeline_gpt.py", "2", nproc=4))
+
+
+def _check(world_dp, ranks):
+    runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
+    assert all(sorted(r) == sorted(runs) for r in ranks)
+    for name, (pp, n) in runs.items():
+        dp = 2 * world_dp // pp if name != "interleaved" else 1
+        for rank, r in enumerate(ranks):
+            got, where = r[name], (name, rank)
+            assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where
+            # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
+            # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
+            assert got["max_param_err"] <= 1e-5, (where, got["max_param_err"])
+            mine = list(range(rank // dp, n, pp))   # stage s on pp coordinate s % pp
+            # a rank holds its own stages' params and their Adam state
+            assert got["held"] == sorted(k for s in mine for k in held(s, n)), where
+            assert got["mu_held"] == got["held"], where
+            assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range((pp - 1) * dp, pp * dp))), where
+            # pipe.lower on the processes: the sends of a step, this rank's stages' bytes, the plans that ran
+            assert got["sends"] == sends(n, dp, pp), where
+            assert got["stages"] == mine, where
+            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp, pp) if x[1] in mine), where
+            assert got["param_bytes"] == got["memory"] > 0, where
+            assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), where   # each stage's (and the loss's) plan, made once

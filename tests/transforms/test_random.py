@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import vsf
 from vsf import P
-from vsf.random.philox import philox4x32
+from vsf.random import bits, samplers
+from vsf.random.philox import Scratch, philox4x32
 from vsf.errors import TraceError
 
 # -- Philox known answers -----------------------------------------------------------------------
@@ -34,6 +35,11 @@ def test_philox_known_answers(counter, key, expected):
     assert tuple(int(w) for w in as_tensors) == expected
     # Python ints for the constant words (the samplers' fast path) give the same words
     assert tuple(int(w) for w in philox4x32(key, (torch.tensor([counter[0]]), *counter[1:]))) == expected
+    # in place on scratch buffers (eager fills), into strided views of one buffer
+    words = torch.zeros(1, 4, dtype=torch.int64)
+    scratch = Scratch([words[:, i] for i in range(4)], [torch.empty(1, dtype=torch.int64) for _ in range(6)])
+    philox4x32(key, (torch.tensor([counter[0]]), *counter[1:]), out=scratch)
+    assert tuple(words[0].tolist()) == expected
 
 
 # -- keys -----------------------------------------------------------------------------------------
@@ -157,6 +163,21 @@ def test_permutation():
         mesh = vsf.make_mesh((4,), ("dp",))
         sharded = vsf.random.permutation(key, 10, sharding=vsf.NamedSharding(mesh, P("dp")))
         assert torch.equal(vsf.device_get(sharded), vsf.random.permutation(key, 10))
+
+
+def test_fill_in_chunks_equals_the_per_element_formula(monkeypatch):
+    """``bits.CHUNK`` only sizes the work: drawn in chunks of 3 counters (a row in pieces, several
+    rows per chunk, partial chunks) on in-place Philox, any box of a sample equals the traced
+    per-element formula ``bits.at`` (functional Philox, each element picking its own lane)."""
+    monkeypatch.setattr(bits, "CHUNK", 3)
+    key = (12345, 2**32 - 7)
+    cases = [(samplers.normal_transform(torch.float32), 1, torch.float32), (samplers._bits63, 2, torch.int64)]
+    for transform, width, dtype in cases:
+        for shape, box in [((5, 13), ((0, 5), (0, 13))), ((5, 13), ((1, 4), (3, 11))), ((7, 2), ((2, 7), (1, 2))), ((2, 3, 9), ((0, 2), (1, 3), (2, 9)))]:
+            row, col = bits.grid(shape)
+            ref = bits.at(key, row, col, shape[-1], width, transform).reshape(shape)
+            got = bits.fill(key, shape, box, width, transform, dtype, torch.device("cpu"))
+            assert torch.equal(got, ref[tuple(slice(a, b) for a, b in box)]), (shape, box, width)
 
 
 # -- statistics -----------------------------------------------------------------------------------

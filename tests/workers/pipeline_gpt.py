@@ -1,6 +1,9 @@
 """Tier 3 worker: a GPT trained 3 steps through vsf.pipeline on real gloo processes (torch's
 ScheduleGPipe and Schedule1F1B over the pp groups, 4 microbatches), against the same steps run on
-one device in each process. argv: out_dir, dp size (world = 2 * dp)."""
+one device in each process. argv: out_dir, dp size (world = 2 * dp). On 2 processes the same
+launch also runs torch's ScheduleInterleaved1F1B (a 4-block GPT, two one-block stages per rank),
+on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B.
+Each run's pipe.lower (the plan the steps reuse) reports its sends and this stage's figures."""
 
 import json
 import os
@@ -18,17 +21,14 @@ from vsf import P, optim  # noqa: E402
 out, dp = Path(sys.argv[1]), int(sys.argv[2])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
-cfg = GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=2, period=4)
-model = GPT(cfg)
-params = vsf.tree.from_module(model)
 tx = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
 STEPS, BATCH = 3, 8
 
 
-def one_device():
+def one_device(model, params):
     p, s, losses = params, tx.init(params), []
     for i in range(STEPS):
-        idx, tgt = batch_at(i, BATCH, cfg)
+        idx, tgt = batch_at(i, BATCH, model.cfg)
         loss, g = vsf.value_and_grad(lambda q: vsf.tree.apply(model, q, idx, tgt))(p)
         u, s = tx.update(g, s, p)
         p = optim.apply_updates(p, u)
@@ -36,14 +36,18 @@ def one_device():
     return p, losses
 
 
-want, want_losses = one_device()
-mesh = vsf.make_mesh((2, dp), ("pp", "dp"))
-fns, loss_fn, prefixes = pipeline_stages(model, 2)
-report = {"want_losses": want_losses}
-for schedule in ("gpipe", "1f1b"):
+def pipelined(pp, dp, schedule, stages=None):
+    """The report of 3 pipelined steps of a GPT of ``stages`` (default ``pp``) blocks on a pp x dp mesh."""
+    stages = stages or pp
+    model = GPT(GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=stages, period=4))
+    params = vsf.tree.from_module(model)
+    want, want_losses = one_device(model, params)
+    mesh = vsf.make_mesh((pp, dp), ("pp", "dp"))
+    fns, loss_fn, prefixes = pipeline_stages(model, stages)
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
     p = pipe.place(params)
     s = tx.init(p)
+    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))
 
     def train_step(params, opt_state, idx, targets):
         loss, grads = pipe.value_and_grad(params, idx, targets)
@@ -52,15 +56,28 @@ for schedule in ("gpipe", "1f1b"):
 
     losses = []
     for i in range(STEPS):
-        p, s, loss = train_step(p, s, *batch_at(i, BATCH, cfg))
+        p, s, loss = train_step(p, s, *batch_at(i, BATCH, model.cfg))
         losses.append(vsf.device_get(loss).item())
     got = {k: vsf.device_get(v) for k, v in p.items() if v is not None}
-    report[schedule] = {
+    return {
+        "want_losses": want_losses,
         "losses": losses,
         "held": sorted(got),
         "max_param_err": max((got[k] - want[k]).abs().max().item() for k in got),
-        "max_param_rel": max(((got[k] - want[k]).abs() / want[k].abs().clamp(min=1e-3)).max().item() for k in got),
         "ranks_of_lnf": list(vsf.sharding.named.sharding_of(p["lnf.weight"]).mesh.devices) if p["lnf.weight"] is not None else None,
         "mu_held": sorted(k for k, v in s[1].mu.items() if v is not None),
+        "plans": [prog.plan_count for prog in pipe._programs.values()],
+        "sends": [[x.what, x.src, x.dst, list(x.shape), x.bytes, x.count] for x in lowered.sends],
+        "stages": [c.stage for c in lowered.cost().stages],
+        "pp_bytes": sum(c.comm_bytes["pp"] for c in lowered.cost().stages),
+        "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
+        "memory": vsf.debug.memory_report(p).get(rank, 0),
     }
+
+
+report = {schedule: pipelined(2, dp, schedule) for schedule in ("gpipe", "1f1b")}
+if world == 2:   # two stages on each rank
+    report["interleaved"] = pipelined(2, 1, "interleaved", stages=4)
+if world == 4:
+    report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
 (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -23,7 +23,7 @@ from vsf.jit.partition import Partitioned, Saved
 from vsf.jit.plan import Bucket, Collective, Plan
 from vsf.sharding.inspect import type_string
 
-__all__ = ["Cost", "cost", "differentiable_cost", "differentiable_text", "plan_text"]
+__all__ = ["Cost", "cost", "differentiable_cost", "differentiable_text", "fmt_bytes", "plan_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,15 +88,15 @@ def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str
     lines = [
         f"{name} differentiated by torch autograd: one joint graph (forward + vjp) planned once, run as two programs",
         plan_text(fwd, f"{name} (forward)", input_names, list(output_names) + saved),
-        f"saved for the backward: {len(saved)} values, {_fmt_bytes(total)} per rank ({_fmt_bytes(inputs)} of it the call's inputs themselves)",
+        f"saved for the backward: {len(saved)} values, {fmt_bytes(total)} per rank ({fmt_bytes(inputs)} of it the call's inputs themselves)",
     ]
     width = max((len(label) for label in saved), default=0) + 1
-    lines.extend(f"  {label:<{width}} {_type(fwd, meta_of(s.value), s.placements):<28} {_fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
+    lines.extend(f"  {label:<{width}} {_type(fwd, meta_of(s.value), s.placements):<28} {fmt_bytes(s.bytes)}" for label, s in zip(saved, parts.saved))
     lines.append(plan_text(bwd, f"{name} (backward)", saved + cotangents, grad_names))
     lines.append("a cotangent that arrives in another layout than the backward's input above is redistributed once, before the backward runs")
     c = differentiable_cost(parts)
-    per_axis = ", ".join(f"{a} {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if fwd.mesh.axis_size(a) > 1) or "none"
-    lines.append(f"cost per rank of both programs: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{_fmt_bytes(c.peak_bytes)}")
+    per_axis = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if fwd.mesh.axis_size(a) > 1) or "none"
+    lines.append(f"cost per rank of both programs: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{fmt_bytes(c.peak_bytes)}")
     return "\n".join(lines)
 
 
@@ -105,7 +105,14 @@ def _value_name(s: Saved) -> str:
     return f"%{node.name}{f'[{i}]' if i else ''}"
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB, as the plans print them.
+
+    Example::
+
+        >>> fmt_bytes(512), fmt_bytes(2048)
+        ('512 B', '2.0 KiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -130,7 +137,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         if isinstance(node, Bucket):
             names = ", ".join(f"%{r.value[0].name}" for r in node.members)
             for c in node.collectives:
-                lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {_fmt_bytes(c.bytes)} sent")
+                lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {fmt_bytes(c.bytes)} sent")
             continue
         if node not in plan.nodes:
             continue
@@ -140,15 +147,15 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         outs = [_type(plan, node.meta["val"][i] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"], pl) for i, pl in enumerate(step.outs) if pl is not None]
         flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
         lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
-        lines.extend(f"    {c.kind} over {c.axis} (inside the region): {list(c.shape)} {_fmt_bytes(c.bytes)} sent" for c in step.collectives)
+        lines.extend(f"    {c.kind} over {c.axis} (inside the region): {list(c.shape)} {fmt_bytes(c.bytes)} sent" for c in step.collectives)
     output = output_node(gm)
     lines.extend(moves.get(output, ()))
     lines.append("outputs:")
     for a, pl, label in zip(_compat.torch_tree_leaves(output.args), plan.outputs, output_names):
         lines.append(f"  {label:<16} {_type(plan, meta_of(value_of(a)), pl)}  (from %{a.name})")
     c = cost(plan)
-    per_axis = ", ".join(f"{a} {_fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
-    lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{_fmt_bytes(c.peak_bytes)}")
+    per_axis = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
+    lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{fmt_bytes(c.peak_bytes)}")
     return "\n".join(lines)
 
 
@@ -165,6 +172,6 @@ def _move_lines(plan: Plan, r: "object") -> list[str]:
     if not r.collectives:
         return [f"    slice  %{r.value[0].name}: {src} -> {dst} (local, no communication)"]
     return [
-        f"    {c.kind} over {c.axis}: %{r.value[0].name} {list(c.shape)} {_fmt_bytes(c.bytes)} sent  ({src} -> {dst})"
+        f"    {c.kind} over {c.axis}: %{r.value[0].name} {list(c.shape)} {fmt_bytes(c.bytes)} sent  ({src} -> {dst})"
         for c in r.collectives
     ]

@@ -4,11 +4,13 @@ Example::
 
     >>> pipe = vsf.pipeline.Pipeline(stage_fns, loss, prefixes, mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
     >>> params = pipe.place(params, specs)
+    >>> print(pipe.lower(params, idx, targets).as_text())   # each stage's plan, the sends between stages
     >>> loss, grads = pipe.value_and_grad(params, idx, targets)
 """
 
 from vsf.pipeline.api import Pipeline, stage_group
-from vsf.pipeline.schedule import SCHEDULES, bubble, stage_actions
+from vsf.pipeline.lower import PipelineCost, PipelineLowered, Send, StageCost
+from vsf.pipeline.schedule import SCHEDULES, bubble, rank_actions, stage_actions
 from vsf.pipeline.split import Split, assign
 
-__all__ = ["SCHEDULES", "Pipeline", "Split", "assign", "bubble", "stage_actions", "stage_group"]
+__all__ = ["SCHEDULES", "Pipeline", "PipelineCost", "PipelineLowered", "Send", "Split", "StageCost", "assign", "bubble", "rank_actions", "stage_actions", "stage_group"]

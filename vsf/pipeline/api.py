@@ -14,7 +14,9 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
 * ``loss_fn(y, *targets)`` turns the last stage's output into the microbatch's mean loss; the
   step's loss is the mean over the ``microbatches`` equal microbatches, so gradients are their
   mean: exactly the one-device gradient of the whole batch's mean loss.
-* ``schedule`` is ``"gpipe"`` or ``"1f1b"``: torch's ``ScheduleGPipe`` / ``Schedule1F1B`` over
+* ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
+  ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
+  per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over
   the ``pp`` process groups on real processes; the same order played in one process under
   ``vsf.simulate``.
 * The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets)``
@@ -54,8 +56,9 @@ from torch.distributed.tensor import DTensor
 from vsf import runtime, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.pipeline import schedule as sched
+from vsf.pipeline.lower import PipelineLowered, Send, StageCost, in_flight, saved_bytes, send
 from vsf.pipeline.split import Split, assign, leaf_names
-from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, stage_program
+from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, shard_bytes, stage_program, stand_in
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_put
@@ -95,25 +98,24 @@ class Pipeline:
             raise ValueError(f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage")
         if axis not in mesh.axis_names:
             raise ValueError(f"the pipeline axis {axis!r} is not an axis of the mesh {mesh.shape}")
-        if mesh.axis_size(axis) != len(stages):
-            raise ValueError(f"the mesh's {axis} axis has size {mesh.axis_size(axis)} but the pipeline has {len(stages)} stages; they must be equal")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        self.schedule = sched.check_schedule(schedule)
+        self.stages_per_rank = sched.check_stages(self.schedule, len(stages), mesh.axis_size(axis), microbatches, axis)
         if axis in PartitionSpec(*batch).axes:
             raise ValueError(f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch")
         self.stages, self.loss_fn, self.prefixes, self.tied = list(stages), loss_fn, [list(p) for p in params], tuple(tied)
         self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
-        self.schedule = sched.check_schedule(schedule)
         self.batch = batch
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
-        self.meshes = [mesh.at(axis, s) for s in range(len(stages))]
+        self.meshes = [mesh.at(axis, s % mesh.axis_size(axis)) for s in range(len(stages))]   # stage s on pp rank s % p
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
         self.split: Split | None = None
         self._shapes: dict[str, ShapeDtypeStruct] = {}
         self._specs: dict[str, PartitionSpec] = {}
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
-        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary]]] = {}
-        if not runtime.is_simulated() and len(stages) > 1:
+        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
+        if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
 
     @property
@@ -122,11 +124,17 @@ class Pipeline:
 
     def local_stages(self) -> list[int]:
         """The stages this process computes: all of them under ``vsf.simulate`` (and with one
-        stage), else the one at this rank's ``pp`` coordinate."""
-        return list(range(self.num_stages)) if self._in_one_process() else [self.here]
+        stage), else those at this rank's ``pp`` coordinate (stage ``s`` on coordinate ``s % p``)."""
+        p = self.mesh.axis_size(self.axis)
+        return list(range(self.num_stages)) if self._in_one_process() else list(range(self.here, self.num_stages, p))
+
+    def actions(self) -> list[list[sched.Step]]:
+        """Each pp rank's ``(stage, "F" | "B", microbatch)`` in the schedule's order (see
+        :func:`vsf.pipeline.schedule.rank_actions`)."""
+        return sched.rank_actions(self.schedule, self.mesh.axis_size(self.axis), self.num_stages, self.microbatches)
 
     def _in_one_process(self) -> bool:
-        return runtime.is_simulated() or self.num_stages == 1
+        return runtime.is_simulated() or self.mesh.axis_size(self.axis) == 1
 
     # -- params ---------------------------------------------------------------------------------
 
@@ -187,6 +195,72 @@ class Pipeline:
         out = [grads.get(k) if values.get(k) is not None else None for k in names]
         return loss, tree.unflatten(tree.structure(params), out)
 
+    def lower(self, params: Any, inputs: Any, targets: Any) -> PipelineLowered:
+        """Plan the step ``value_and_grad(params, inputs, targets)`` runs, without running it (and
+        without sending anything): the forward and backward programs of each stage this process
+        computes (every stage under ``vsf.simulate``), the sends between stages with their shapes
+        and bytes per microbatch and per step, and each stage's memory (see
+        :mod:`vsf.pipeline.lower`). The step reuses these plans.
+
+        Example::
+
+            >>> lowered = pipe.lower(params, idx, targets)
+            >>> print(lowered.as_text())
+            >>> [(s.src, s.dst, s.shape, s.bytes, s.count) for s in lowered.sends if s.what == "activation"]
+            [(0, 1, (1, 8, 16), 512, 4)]
+        """
+        if self.split is None:
+            raise RuntimeError("call pipe.place(params, specs) before pipe.lower: it assigns the params to stages")
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        targets = targets if isinstance(targets, tuple) else (targets,)
+        values = dict(zip(leaf_names(params), tree.leaves(params)))
+        bounds = self._boundaries(inputs)
+        sends = self._sends(bounds)
+        actions = [[(kind, mb) for acts in self.actions() for st, kind, mb in acts if st == s] for s in range(self.num_stages)]
+        last = self.num_stages - 1
+        stages, costs, loss = {}, [], None
+        with torch.enable_grad():
+            for s in self.local_stages():
+                ins, out, dtype = bounds[s]
+                dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
+                names = self.split.names[s]
+                lent = {k: stand_in(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)}
+                weights = {k: self._weight(k, s, values, lent) for k in names}
+                xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
+                stages[s] = self._program(s, out[0]).lower(weights, *xs)
+                held = shard_bytes(out, dtype) + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
+                if s == last:
+                    ts = [stand_in(where, t.dtype) for where, t in zip(self._target_ins(targets), targets)]
+                    loss = self._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
+                    held += saved_bytes(loss, 0)
+                costs.append(StageCost(
+                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, self.microbatches,
+                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
+                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
+                    held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
+                ))
+        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, costs, sends)
+
+    def _sends(self, bounds: list[tuple[list[Boundary], Boundary, torch.dtype]]) -> list[Send]:
+        """Every transfer over ``pp`` of a step, in the order of the step: the tied params lent,
+        each stage's output to the next and its gradient back (once per microbatch), the tied
+        params' gradients returned to their owner, and the loss sent from the last stage to the
+        other pp ranks."""
+        m, last, p = self.microbatches, self.num_stages - 1, self.mesh.axis_size(self.axis)
+        out = []
+        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:] if self.split.owner[k] % p != b % p]   # (not between a rank's own stages)
+        shard = lambda k, b: self._where(k, b)[0].shard_shape(self._shapes[k].shape)  # noqa: E731
+        out += [send(f"tied {k}", owner, b, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
+        for s in range(last):
+            (where, shape), dtype = bounds[s][1], bounds[s][2]
+            out.append(send("activation", s, s + 1, where.shard_shape(shape), dtype, m))
+        for s in range(last, 0, -1):
+            (where, shape), dtype = bounds[s - 1][1], bounds[s - 1][2]
+            out.append(send("activation gradient", s, s - 1, where.shard_shape(shape), dtype, m))
+        out += [send(f"gradient of tied {k}", b, owner, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
+        out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != last % p]   # (to each other pp rank, its first stage)
+        return out
+
     def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:
         """``x`` laid out by ``batch`` on ``stage``'s mesh, as ``microbatches`` local pieces."""
         s = NamedSharding(self.meshes[stage], _first(self.batch, x.ndim))
@@ -202,9 +276,16 @@ class Pipeline:
             raise ValueError(f"{what} has {x.shape[0]} rows ({local.shape[0]} on each rank of {s.spec!r}); {m} microbatches must divide both")
         return list(torch.tensor_split(local, m))
 
-    def _boundaries(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary]]:
-        """Each stage's input and output layouts and global microbatch shapes, from the stage
-        functions run on shapes (``vsf.eval_shape``)."""
+    def _boundaries(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary, torch.dtype]]:
+        """Each stage's input and output layouts and global microbatch shapes, and its output's
+        dtype, from the stage functions run on shapes (``vsf.eval_shape``); cached per input
+        signature."""
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in self._bounds:
+            self._bounds[key] = self._trace_boundaries(inputs)
+        return self._bounds[key]
+
+    def _trace_boundaries(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary, torch.dtype]]:
         m = self.microbatches
         mb = lambda x: ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)  # noqa: E731
         current = [mb(x) for x in inputs]
@@ -216,15 +297,12 @@ class Pipeline:
             p = {k: self._shapes[k] for k in self.split.names[s]}
             y = eval_shape(fn, p, *current)
             act = NamedSharding(mesh, _first(self.activations, len(y.shape)))
-            out.append((ins, (act, tuple(y.shape))))
+            out.append((ins, (act, tuple(y.shape)), y.dtype))
             current = [y]
         return out
 
     def _modules(self, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
-        if key not in self._bounds:
-            self._bounds[key] = self._boundaries(inputs, targets)
-        bounds = self._bounds[key]
+        bounds = self._boundaries(inputs)
         lent = self._lend(values)
         mods = {}
         for s in self.local_stages():
@@ -233,10 +311,15 @@ class Pipeline:
             mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
         last = self.num_stages - 1
         if last in mods:
-            target_ins = [(NamedSharding(self.meshes[last], _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
+            target_ins = self._target_ins(targets)
             mods[last].loss_ins = [(bounds[last][1][0], bounds[last][1][1]), *target_ins]
             mods[last].loss_program = self._loss_program(last)
         return mods
+
+    def _target_ins(self, targets: tuple[Any, ...]) -> list[Boundary]:
+        """Each target's layout and global microbatch shape on the last stage."""
+        last = self.meshes[self.num_stages - 1]
+        return [(NamedSharding(last, _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
 
     def _program(self, s: int, out: NamedSharding) -> Any:
         """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
@@ -270,17 +353,21 @@ class Pipeline:
         mine = self.local_stages()
         for k in self.tied:
             owner = self.split.owner[k]
-            where = lambda b: (NamedSharding(self.meshes[b], self._specs[k]), self._shapes[k].shape)  # noqa: E731
             for b in self.split.users[k][1:]:
-                if self._in_one_process():
-                    out[(k, b)] = as_global(values[k].to_local(), where(b))
+                if owner in mine and b in mine:   # (one process, or both stages on this rank)
+                    out[(k, b)] = as_global(values[k].to_local(), self._where(k, b))
                 elif owner in mine:
                     dist.send(values[k].to_local().contiguous(), dst=self._peer(b))
                 elif b in mine:
-                    buf = torch.empty(where(b)[0].shard_shape(where(b)[1]), dtype=self._shapes[k].dtype)
+                    sharding, shape = self._where(k, b)
+                    buf = torch.empty(sharding.shard_shape(shape), dtype=self._shapes[k].dtype)
                     dist.recv(buf, src=self._peer(owner))
-                    out[(k, b)] = as_global(buf, where(b))
+                    out[(k, b)] = as_global(buf, self._where(k, b))
         return out
+
+    def _where(self, k: str, stage: int) -> Boundary:
+        """Leaf ``k``'s layout on ``stage``'s mesh (by its spec over the other axes) and its shape."""
+        return NamedSharding(self.meshes[stage], self._specs[k]), self._shapes[k].shape
 
     def _peer(self, stage: int) -> int:
         """The global rank at pp coordinate ``stage`` and this rank's other coordinates."""
@@ -290,7 +377,7 @@ class Pipeline:
 
     def _run_in_order(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """The schedule played in this process (every stage here)."""
-        p, last = self.num_stages, self.num_stages - 1
+        last = self.num_stages - 1
         inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         kept: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -313,34 +400,34 @@ class Pipeline:
             if s > 0:
                 grads_in[(s - 1, mb)] = x[0].grad
 
-        self.order = sched.run_in_order(sched.stage_actions(self.schedule, p, self.microbatches), run)
+        self.order = sched.run_in_order(self.actions(), run)
         return [t for t in losses if t is not None]
 
     def _run_torch(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """One stage of torch's schedule on this process, talking to the others over ``pp``."""
+        """This process's stages of torch's schedule, talking to the other ranks over ``pp``."""
         from torch.distributed.pipelining import PipelineStage
 
-        s, last = self.here, self.num_stages - 1
-        mod = mods[s]
+        last = self.num_stages - 1
         # static metadata (no shape inference round): each microbatch's local shards; a stage's
         # received activation needs a gradient (torch reads that off the example)
         device = torch.device("cpu") if self.mesh.device_type == "cpu" else torch.device(self.mesh.device_type, torch.cuda.current_device())
-        example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
-        example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
         group = self.mesh.device_mesh.get_group(self.axis)
-        stage = PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group)
+        stages = []
+        for s, mod in sorted(mods.items()):
+            example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
+            example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
+            stages.append(PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group))
         # every rank passes the loss (torch runs backward only where the schedule has one); only
         # the last stage calls it
-        loss_fn = lambda y, t: _loss_local(mod, y, [t])  # noqa: E731
-        schedule = sched.SCHEDULES[self.schedule](stage, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        loss_fn = lambda y, t: _loss_local(mods[last], y, [t])  # noqa: E731
+        schedule = sched.SCHEDULES[self.schedule](stages if self.stages_per_rank > 1 else stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
         losses: list[torch.Tensor] = []
         whole = lambda pieces: torch.cat(pieces)  # noqa: E731 (torch splits them again, the same way)
-        if s == 0:
-            schedule.step(*[whole(p) for p in xs])
-        elif s == last:
-            schedule.step(target=whole(ts[0]), losses=losses)
+        inputs = [whole(p) for p in xs] if 0 in mods else []
+        if last in mods:
+            schedule.step(*inputs, target=whole(ts[0]), losses=losses)
         else:
-            schedule.step()
+            schedule.step(*inputs)
         return losses
 
     # -- results ----------------------------------------------------------------------------------
@@ -377,7 +464,7 @@ class Pipeline:
             total = sum(parts[1:], parts[0]) / len(parts)
             return as_global(total, (NamedSharding(self.meshes[last], PartitionSpec()), ()))
         here = NamedSharding(self.meshes[self.here], PartitionSpec())
-        value = (sum(parts[1:], parts[0]) / len(parts)).detach() if self.here == last else torch.zeros(())
+        value = (sum(parts[1:], parts[0]) / len(parts)).detach() if last in self.local_stages() else torch.zeros(())
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))
 

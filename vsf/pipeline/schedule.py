@@ -2,29 +2,56 @@
 in-order runner that plays them in one process.
 
 On real processes the schedules are ``torch.distributed.pipelining``'s (``ScheduleGPipe``,
-``Schedule1F1B``); :data:`SCHEDULES` names them. Under ``vsf.simulate`` one process holds every
-stage, and :func:`run_in_order` plays each stage's actions in the order that schedule gives them
-(:func:`stage_actions`, the same order as torch's own runtime), running an action as soon as what
-it needs is there: a forward needs the previous stage's output for that microbatch, a backward
-the next stage's input gradient. So a stage keeps at most as many activations alive as the
-schedule allows (1F1B: at most ``p - s``).
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``); :data:`SCHEDULES` names them. GPipe and 1F1B run
+one stage per ``pp`` rank; the interleaved schedule runs ``v >= 2`` stages per rank (virtual
+stages: stage ``s`` on rank ``s % p``, Megatron's layout), which cuts the bubble by about ``v``.
+Under ``vsf.simulate`` one process holds every stage, and :func:`run_in_order` plays each rank's
+actions in the order that schedule gives them (:func:`rank_actions`, the same order as torch's
+own runtime), running an action as soon as what it needs is there: a forward needs the previous
+stage's output for that microbatch, a backward the next stage's input gradient. So a stage keeps
+at most as many activations alive as the schedule allows (1F1B: at most ``p - s``).
 
 Example::
 
     >>> stage_actions("1f1b", stages=2, microbatches=3)[0]
     [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    >>> rank_actions("interleaved", ranks=2, stages=4, microbatches=2)[1][:3]
+    [(1, 'F', 0), (1, 'F', 1), (3, 'F', 0)]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from vsf import _compat
 
-__all__ = ["SCHEDULES", "Action", "bubble", "run_in_order", "stage_actions"]
+__all__ = ["SCHEDULES", "Action", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions"]
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class _Schedules(Mapping):
+    """``{name: torch.distributed.pipelining schedule class}``, importing torch's pipelining (and
+    with it torch._dynamo, about 0.6 s of every process's start) only when a class is looked up."""
+
+    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+    def __getitem__(self, name: str) -> type:
+        return getattr(importlib.import_module("torch.distributed.pipelining"), self._CLASSES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._CLASSES)
+
+    def __len__(self) -> int:
+        return len(self._CLASSES)
+
+    def __repr__(self) -> str:
+        return f"SCHEDULES({', '.join(f'{k}={v}' for k, v in self._CLASSES.items())})"
+
+
+SCHEDULES = _Schedules()
 Action = tuple[str, int]   # ("F" | "B", microbatch)
+Step = tuple[int, str, int]   # (stage, "F" | "B", microbatch)
 
 
 def check_schedule(name: str) -> str:
@@ -32,6 +59,33 @@ def check_schedule(name: str) -> str:
     if key not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {sorted(SCHEDULES)}")
     return key
+
+
+def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis: str = "pp") -> int:
+    """The number of stages each of the ``ranks`` ranks of the pipeline axis runs under
+    ``schedule``, after checking that ``stages`` and ``microbatches`` fit it (errors say what the
+    schedule needs)."""
+    if schedule != "interleaved":
+        if stages != ranks:
+            raise ValueError(f"the mesh's {axis} axis has size {ranks} but the pipeline has {stages} stages; they must be equal ({schedule} runs one stage per {axis} rank)")
+        return 1
+    if stages % ranks or stages < 2 * ranks:
+        raise ValueError(f"the interleaved schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}")
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        raise ValueError(f"torch's ScheduleInterleaved1F1B needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}")
+    return stages // ranks
+
+
+def rank_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> list[list[Step]]:
+    """Each pp rank's forwards and backwards as ``(stage, "F" | "B", microbatch)``, in the order it
+    runs them: :func:`stage_actions` for GPipe and 1F1B (stage ``s`` on rank ``s``), torch's own
+    order for ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % ranks``)."""
+    schedule = check_schedule(schedule)
+    if schedule == "interleaved":
+        return _compat.interleaved_order(check_stages(schedule, stages, ranks, microbatches), ranks, microbatches)
+    check_stages(schedule, stages, ranks, microbatches)
+    return [[(s, kind, mb) for kind, mb in acts] for s, acts in enumerate(stage_actions(schedule, stages, microbatches))]
 
 
 def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Action]]:
@@ -42,6 +96,8 @@ def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Ac
     backwards.
     """
     schedule = check_schedule(schedule)
+    if schedule == "interleaved":
+        raise ValueError("the interleaved schedule runs several stages on a rank: read its order with rank_actions")
     m = microbatches
     out = []
     for s in range(stages):
@@ -57,51 +113,64 @@ def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Ac
     return out
 
 
-def run_in_order(actions: list[list[Action]], run: Callable[[int, str, int], None]) -> list[tuple[int, str, int]]:
-    """Play every stage's ``actions`` in one process: repeatedly, for each stage in turn, run its
-    next action if its inputs are ready (``run(stage, kind, microbatch)``). Returns the global
-    order the actions ran in; an order that can never finish is a ``RuntimeError``."""
-    p = len(actions)
-    done: set[tuple[int, str, int]] = set()
-    nxt = [0] * p
+def run_in_order(actions: list[list[Step]], run: Callable[[int, str, int], None]) -> list[Step]:
+    """Play every rank's ``actions`` (:func:`rank_actions`) in one process: repeatedly, for each
+    rank in turn, run its next action if its input is ready (``run(stage, kind, microbatch)``).
+    Returns the global order the actions ran in; an order that can never finish is a
+    ``RuntimeError``."""
+    last = max(st for acts in actions for st, _, _ in acts)
+    done: set[Step] = set()
+    nxt = [0] * len(actions)
     order = []
-    while any(nxt[s] < len(actions[s]) for s in range(p)):
+    while any(nxt[r] < len(acts) for r, acts in enumerate(actions)):
         progressed = False
-        for s in range(p):
-            if nxt[s] == len(actions[s]):
+        for r, acts in enumerate(actions):
+            if nxt[r] == len(acts):
                 continue
-            kind, mb = actions[s][nxt[s]]
-            need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s + 1 < p else (s, "F", mb))
+            s, kind, mb = acts[nxt[r]]
+            need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s < last else (s, "F", mb))
             if kind == "F" and s == 0 or need in done:
                 run(s, kind, mb)
                 done.add((s, kind, mb))
                 order.append((s, kind, mb))
-                nxt[s] += 1
+                nxt[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {s: actions[s][nxt[s]] for s in range(p) if nxt[s] < len(actions[s])}
-            raise RuntimeError(f"pipeline schedule cannot progress: each stage's next action {stuck} waits for another")
+            stuck = {r: acts[nxt[r]] for r, acts in enumerate(actions) if nxt[r] < len(acts)}
+            raise RuntimeError(f"pipeline schedule cannot progress: each rank's next action {stuck} waits for another")
     return order
 
 
-def bubble(actions: list[list[Action]], forward: float = 1.0, backward: float = 2.0) -> list[float]:
-    """Each stage's idle fraction of the step when a forward takes ``forward`` and a backward
-    ``backward`` time units and an action starts as soon as its stage and its input are free (the
-    schedule's theory: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B)."""
-    p = len(actions)
-    end: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * p
+def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.0, durations: Mapping[Step, float] | None = None) -> list[float]:
+    """Each rank's idle fraction of the step when a forward takes ``forward`` and a backward
+    ``backward`` time units (on every stage; or each action its own ``durations[action]``, e.g.
+    measured ones) and an action starts as soon as its rank and its input are free; ``actions``
+    as :func:`rank_actions` gives them. The schedule's theory: ``(p - 1) / (m + p - 1)`` for
+    GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for the interleaved schedule.
+
+    Example::
+
+        >>> bubble(rank_actions("1f1b", 4, 4, 8), 1.0, 1.0)   # (p - 1) / (m + p - 1) = 3 / 11
+        [0.2727..., 0.2727..., 0.2727..., 0.2727...]
+    """
+    last = max(st for acts in actions for st, _, _ in acts)
+    end: dict[Step, float] = {}
+    free = [0.0] * len(actions)
     pending = [list(a) for a in actions]
+    cost = lambda step: durations[step] if durations is not None else forward if step[1] == "F" else backward  # noqa: E731
     while any(pending):
-        for s in range(p):
-            while pending[s]:
-                kind, mb = pending[s][0]
-                need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s + 1 < p else (s, "F", mb))
-                if not (kind == "F" and s == 0) and need not in end:
+        progressed = False
+        for r, acts in enumerate(pending):
+            while acts:
+                s, kind, mb = acts[0]
+                need = None if kind == "F" and s == 0 else (s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb) if s < last else (s, "F", mb)
+                if need is not None and need not in end:
                     break
-                start = max(free[s], end.get(need, 0.0) if not (kind == "F" and s == 0) else 0.0)
-                end[(s, kind, mb)] = free[s] = start + (forward if kind == "F" else backward)
-                pending[s].pop(0)
+                start = max(free[r], end[need] if need is not None else 0.0)
+                end[(s, kind, mb)] = free[r] = start + cost((s, kind, mb))
+                acts.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule cannot progress")
     span = max(free)
-    busy = [sum(forward if k == "F" else backward for k, _ in a) for a in actions]
-    return [1 - b / span for b in busy]
+    return [1 - sum(cost(a) for a in acts) / span for acts in actions]

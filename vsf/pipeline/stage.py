@@ -16,6 +16,7 @@ wraps them as DTensors around the jitted program.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +25,9 @@ from torch.distributed.tensor import DTensor
 
 from vsf.jit import jit
 from vsf.sharding.named import NamedSharding
+from vsf.sharding.put import device_put
 
-__all__ = ["Boundary", "StageModule", "as_global", "local_of", "stage_program"]
+__all__ = ["Boundary", "StageModule", "as_global", "local_of", "shard_bytes", "stage_program", "stand_in"]
 
 Boundary = tuple[NamedSharding, tuple[int, ...]]   # a value's layout and global shape (one microbatch)
 
@@ -36,6 +38,32 @@ def as_global(local: torch.Tensor, where: Boundary) -> DTensor:
     sharding, shape = where
     stride = tuple(torch.empty(shape, device="meta").stride())
     return DTensor.from_local(local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=shape, stride=stride)
+
+
+def stand_in(where: Boundary, dtype: torch.dtype, grad: bool = False) -> DTensor:
+    """Zeros of ``where``'s global shape laid out as ``where``: a value with the signature of one a
+    stage receives (its plan depends on shapes, layouts and ``requires_grad`` only).
+
+    Example::
+
+        >>> stand_in((act, (2, 8, 16)), torch.float32, grad=True).requires_grad
+        True
+    """
+    sharding, shape = where
+    x = device_put(torch.zeros(shape, dtype=dtype), sharding)
+    return x.requires_grad_(True) if grad else x
+
+
+def shard_bytes(where: Boundary, dtype: torch.dtype) -> int:
+    """Bytes of the largest shard of a ``dtype`` value of ``where``'s shape and layout.
+
+    Example::
+
+        >>> shard_bytes((NamedSharding(mesh, P("dp")), (2, 8, 16)), torch.float32)   # dp = 2
+        512
+    """
+    sharding, shape = where
+    return math.prod(sharding.shard_shape(shape)) * dtype.itemsize
 
 
 def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:

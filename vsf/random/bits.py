@@ -10,8 +10,10 @@ straddles two rows, so a shard's blocks are a box too).
 
 Two ways compute the same thing:
 
-* :func:`fill` (eager): the counters of a box of the global index space, in chunks that stay in
-  cache, each lane written by one op per chunk.
+* :func:`fill` (eager): the counters of a box of the global index space, in chunks of at most
+  ``CHUNK`` counters (whole rows together, or a long row in pieces), Philox running in place on
+  buffers kept for the whole fill and writing each chunk's words in element order, so that a
+  chunk allocates next to nothing (or, with ``vsf.config.compile_random``, one compiled kernel).
 * :func:`at` (inside ``vsf.jit`` and ``vsf.eval_shape``): per element, from ``arange`` s that
   broadcast over the global shape, so the traced graph is elementwise integer ops on iota that
   the planner shards like any elementwise op.
@@ -21,58 +23,99 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from vsf import config
-from vsf.random.philox import MASK, Word, philox4x32
+from vsf.random.philox import MASK, Scratch, Word, philox4x32
 
 __all__ = ["CHUNK", "Transform", "at", "fill", "grid"]
 
 CHUNK = 1 << 16  # counters per chunk of an eager fill (its words and temporaries stay in cache)
 
-Transform = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # an element's words -> its value
+Transform = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # an element's words -> its value (it may overwrite the words: each call gets its own)
 
 
-def _words(k0: Word, k1: Word, counter: torch.Tensor) -> tuple[Word, Word, Word, Word]:
-    return philox4x32((k0, k1), (counter & MASK, counter >> 32, 0, 0))
+def _words(k0: Word, k1: Word, counter: torch.Tensor, narrow: bool = False, out: Scratch | None = None) -> tuple[Word, Word, Word, Word]:
+    """Philox's four words at each ``counter``; ``narrow``: every counter is below ``2**32``, so
+    the counter's high word is the Python int 0 (the same bits, fewer ops)."""
+    words = (counter, 0, 0, 0) if narrow else (counter & MASK, counter >> 32, 0, 0)
+    return philox4x32((k0, k1), words, out=out)
 
 
-def _stacked(k0: Word, k1: Word, counter: torch.Tensor) -> torch.Tensor:
-    return torch.stack(_words(k0, k1, counter))
+def _interleave(k0: Word, k1: Word, counter: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the words of each counter into ``out``, a ``(width, n, lanes)`` tensor whose
+    ``[w].reshape(-1)`` is word ``w`` of every element in element order (lane ``l`` of a counter
+    is its words ``l * width ...``)."""
+    width = out.shape[0]
+    words = _words(k0, k1, counter)
+    out.copy_(torch.stack([torch.stack(words[w::width], dim=-1) for w in range(width)]))
 
 
 @functools.cache
-def _compiled() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Philox on a chunk of exactly ``CHUNK`` counters as one compiled kernel (``vsf.config.compile_random``)."""
-    return torch.compile(_stacked, dynamic=False)
+def _compiled() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """:func:`_interleave` on exactly ``CHUNK`` counters as one compiled kernel that writes into
+    its ``out`` (``vsf.config.compile_random``)."""
+    return torch.compile(_interleave, dynamic=False)
 
 
-def _chunk_words(key: tuple[int, int], counters: torch.Tensor) -> torch.Tensor:
-    """The four words of each counter of one chunk (at most ``CHUNK``), as a ``(4, n)`` tensor."""
-    if not config.compile_random:
-        return _stacked(key[0], key[1], counters)
-    n = counters.numel()
-    padded = counters if n == CHUNK else torch.cat([counters, counters.new_zeros(CHUNK - n)])
-    k = torch.tensor(key, dtype=torch.int64, device=counters.device)  # tensors, so a new key does not recompile
-    return _compiled()(k[0], k[1], padded)[:, :n]
+def _chunk_words(key: tuple[int, int], width: int, narrow: bool, most: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function from a chunk of (at most ``most <= CHUNK``) counters to their words, as
+    :func:`_interleave` lays them out, in one buffer kept for every chunk: one compiled kernel,
+    or eager Philox on :class:`Scratch` buffers kept too, so that a chunk allocates nothing."""
+    if config.compile_random:
+        kernel, k = _compiled(), torch.tensor(key, dtype=torch.int64, device=device)  # tensors, so a new key does not recompile
+        words = torch.empty((width, CHUNK, 4 // width), dtype=torch.int64, device=device)
+        padded = torch.zeros(CHUNK, dtype=torch.int64, device=device)
+
+        def compiled(counters: torch.Tensor) -> torch.Tensor:
+            padded[: counters.numel()] = counters
+            kernel(k[0], k[1], padded, words)
+            return words[:, : counters.numel()]
+
+        return compiled
+    words = torch.empty((width, most, 4 // width), dtype=torch.int64, device=device)
+    buffers = [torch.empty(most, dtype=torch.int64, device=device) for _ in range(6)]
+
+    def eager(counters: torch.Tensor) -> torch.Tensor:
+        n = counters.numel()
+        out = words[:, :n]
+        _words(key[0], key[1], counters, narrow, Scratch([out[i % width, :, i // width] for i in range(4)], [b[:n] for b in buffers]))
+        return out
+
+    return eager
 
 
 def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, int]], width: int, transform: Transform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The values of the elements of ``box`` (a ``(start, stop)`` per dim of ``shape``, rank >= 1)."""
     lanes = 4 // width
-    d = shape[-1]
+    per_row = -(-shape[-1] // lanes)
     lo, hi = box[-1]
     first, stop = lo // lanes, -(-hi // lanes)
-    outer = _row_index(shape[:-1], box[:-1], device)
-    counters = (outer * -(-d // lanes) + torch.arange(first, stop, device=device)).reshape(-1)
-    out = torch.empty((counters.numel(), lanes), dtype=dtype, device=device)
-    for a in range(0, counters.numel(), CHUNK):
-        words = _chunk_words(key, counters[a : a + CHUNK])  # (4, n): lane l's words are rows l*width ...
-        out[a : a + CHUNK] = transform([words[w::width] for w in range(width)]).T  # all lanes at once
+    starts = _row_index(shape[:-1], box[:-1], device).reshape(-1, 1) * per_row + first  # each row's first counter
+    out = torch.empty((starts.shape[0], (stop - first) * lanes), dtype=dtype, device=device)
+    narrow = math.prod(shape[:-1]) * per_row <= 2**32
+    words_of = _chunk_words(key, width, narrow, min(CHUNK, starts.shape[0] * (stop - first)), device)
+    for rows, cols in _chunks(starts.shape[0], stop - first):
+        words = words_of((starts[rows] + torch.arange(cols.start, cols.stop, device=device)).reshape(-1))
+        piece = out[rows, cols.start * lanes : cols.stop * lanes]
+        piece.copy_(transform([words[w].reshape(-1) for w in range(width)]).view(piece.shape))
     rows = out.view(*(b - a for a, b in box[:-1]), (stop - first) * lanes)
     return rows[..., lo - first * lanes : hi - first * lanes]
+
+
+def _chunks(rows: int, cols: int) -> Iterator[tuple[slice, slice]]:
+    """``(rows, cols)`` slices of a grid of counters, each at most ``CHUNK``: whole rows together
+    where a row is shorter than a chunk, else one row at a time, in pieces."""
+    if cols >= CHUNK:
+        for r in range(rows):
+            for c in range(0, cols, CHUNK):
+                yield slice(r, r + 1), slice(c, min(c + CHUNK, cols))
+    elif cols:
+        step = CHUNK // cols
+        for r in range(0, rows, step):
+            yield slice(r, min(r + step, rows)), slice(0, cols)
 
 
 def _row_index(outer: Sequence[int], box: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:

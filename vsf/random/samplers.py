@@ -166,11 +166,13 @@ def _unit(w: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _symmetric(w: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Uniform on the open ``(-1, 1)`` in ``dtype`` (float32 or float64): odd multiples of 2**-bits."""
-    if dtype == torch.float64:
-        k = (w[0] << 20) | (w[1] >> 12)
-        return (2 * k + 1 - 2**53).to(torch.float64) * 2.0**-53
-    return (((w[0] >> 7) | 1) - 2**24).to(torch.float32) * 2.0**-24  # (w >> 7) | 1 is 2 * (w >> 8) + 1
+    """Uniform on the open ``(-1, 1)`` in ``dtype`` (float32 or float64): the odd multiples
+    ``(2k + 1) * 2**-bits - 1`` of ``2**-bits`` for ``k`` uniform on ``[0, 2**(bits - 1))``. Each
+    step is exact (``k`` and ``k * 2**(1 - bits)`` are ``dtype`` values, and so is the sum), so
+    every device gives the same bits; the sum is in floating point, cheaper than on int64."""
+    bits = 53 if dtype == torch.float64 else 24
+    k = w[0].bitwise_left_shift_(20).bitwise_or_(w[1].bitwise_right_shift_(12)) if dtype == torch.float64 else w[0].bitwise_right_shift_(8)
+    return k.to(dtype).mul_(2.0 ** (1 - bits)).add_(2.0**-bits - 1)  # in place on the words and the fresh cast: one temporary
 
 
 def _compute(dtype: torch.dtype) -> torch.dtype:
@@ -195,7 +197,7 @@ def uniform_transform(dtype: torch.dtype, minval: float = 0.0, maxval: float = 1
 def normal_transform(dtype: torch.dtype) -> bits.Transform:
     """An element's words -> its standard ``normal`` value."""
     compute = _compute(dtype)
-    return lambda w: (torch.erfinv(_symmetric(w, compute)) * _SQRT2).to(dtype)
+    return lambda w: _symmetric(w, compute).erfinv_().mul_(_SQRT2).to(dtype)
 
 
 def truncated_normal_transform(dtype: torch.dtype, lower: float, upper: float) -> bits.Transform:

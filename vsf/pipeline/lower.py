@@ -1,0 +1,192 @@
+"""Reading a pipeline's plan without running it: each stage's planned programs, the sends between
+stages over ``pp`` (shape, dtype, bytes per microbatch and per step), and each stage's memory.
+
+``Pipeline.lower(params, inputs, targets)`` returns a :class:`PipelineLowered`, the pipeline's
+counterpart of ``vsf.jit(f).lower(...)``'s ``Lowered``: ``stages[s]`` is stage ``s``'s own
+``Lowered`` (its forward and backward programs, planned once and run for every microbatch),
+``as_text()`` reads the whole step, ``cost()`` gives the figures per stage.
+
+Every figure is per rank (the most any rank of the stage holds or sends). Activations cross
+between stages as local shards: each rank sends its shard to the rank at the same coordinates of
+the other axes in the next stage, and the gradient of that shard comes back the same way.
+
+Example::
+
+    >>> lowered = pipe.lower(params, idx, targets)
+    >>> print(lowered.as_text())
+    >>> [s.comm_bytes["pp"] for s in lowered.cost().stages]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from vsf.jit import Lowered
+from vsf.jit.graph import placeholders_of
+from vsf.jit.report import Cost, fmt_bytes
+from vsf.sharding.inspect import type_string
+from vsf.sharding.mesh import Mesh
+
+__all__ = ["PipelineCost", "PipelineLowered", "Send", "StageCost", "in_flight", "saved_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """A point-to-point transfer over ``pp`` from stage ``src`` to stage ``dst``: ``what`` it
+    carries, each rank's local ``shape`` and ``dtype``, the ``bytes`` one rank sends per message,
+    and ``count`` messages a step (one per microbatch for activations and their gradients)."""
+
+    what: str
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+    count: int
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one rank sends a step for this transfer."""
+        return self.bytes * self.count
+
+
+def send(what: str, src: int, dst: int, shape: Sequence[int], dtype: torch.dtype, count: int) -> Send:
+    """The :class:`Send` of a local shard of ``shape`` and ``dtype``, ``count`` times a step."""
+    shape = tuple(int(n) for n in shape)
+    return Send(what, src, dst, shape, dtype, math.prod(shape) * dtype.itemsize, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """What stage ``stage`` costs each of its ``ranks`` in one step.
+
+    ``program``: one microbatch's forward and backward programs (``loss``: the loss program's, on
+    the last stage), run ``microbatches`` times a step. ``param_bytes``: the params the stage holds
+    (its optimizer state follows them); ``borrowed_bytes``: tied params lent to it each step.
+    ``held_bytes``: what it keeps for one microbatch between that microbatch's forward and its
+    backward (input, output and the values the forward saves); ``in_flight``: the most microbatches
+    it keeps at once under the schedule. ``sends``: the transfers its ranks send.
+    """
+
+    stage: int
+    ranks: tuple[int, ...]
+    program: Cost
+    loss: Cost | None
+    microbatches: int
+    param_bytes: int
+    borrowed_bytes: int
+    held_bytes: int
+    in_flight: int
+    sends: tuple[Send, ...]
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes each rank sends a step per mesh axis: the programs' collectives once per
+        microbatch, and the sends over ``pp``."""
+        out = {a: b * self.microbatches for a, b in self.program.comm_bytes.items()}
+        for a, b in (self.loss.comm_bytes.items() if self.loss else ()):
+            out[a] = out.get(a, 0) + b * self.microbatches
+        out["pp"] = out.get("pp", 0) + sum(s.step_bytes for s in self.sends)
+        return out
+
+    @property
+    def activation_bytes(self) -> int:
+        """The most bytes of microbatches in flight: ``in_flight * held_bytes``."""
+        return self.in_flight * self.held_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Estimated peak per rank (from above): one microbatch's programs at their peak (params
+        included), the loss program's, the other microbatches in flight and the borrowed params."""
+        loss = self.loss.peak_bytes if self.loss else 0
+        return self.program.peak_bytes + loss + (self.in_flight - 1) * self.held_bytes + self.borrowed_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineCost:
+    """Each lowered stage's :class:`StageCost` and every send of the step. ``comm_bytes`` and
+    ``peak_bytes`` are the most any rank has (as ``Cost``'s are for one program)."""
+
+    stages: tuple[StageCost, ...]
+    sends: tuple[Send, ...]
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.stages:
+            for a, b in s.comm_bytes.items():
+                out[a] = max(out.get(a, 0), b)
+        return out
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.peak_bytes for s in self.stages)
+
+
+class PipelineLowered:
+    """A pipelined step, planned and not run: ``stages[s]`` (stage ``s``'s ``Lowered``, for each
+    stage this process computes), ``loss`` (the loss program's, on the last stage), ``sends``,
+    :meth:`cost` and :meth:`as_text`."""
+
+    def __init__(self, mesh: Mesh, axis: str, schedule: str, microbatches: int, prefixes: Sequence[Sequence[str]],
+                 stages: dict[int, Lowered], loss: Lowered | None, costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
+        self.mesh, self.axis, self.schedule, self.microbatches = mesh, axis, schedule, microbatches
+        self.prefixes = [list(p) for p in prefixes]
+        self.stages, self.loss, self.sends = stages, loss, tuple(sends)
+        self._costs = tuple(costs)
+
+    def cost(self) -> PipelineCost:
+        """Per stage: bytes sent a step per mesh axis, memory held, and the sends between stages."""
+        return PipelineCost(self._costs, self.sends)
+
+    def as_text(self) -> str:
+        """The step in words: the stages and their ranks and memory, every send between stages
+        with its shape and bytes, then each stage's forward and backward plan."""
+        m, p = self.microbatches, len(self.prefixes)
+        mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
+        lines = [f"pipeline of {p} stages over {self.axis} on mesh {mesh} ({self.mesh.size} ranks): {self.schedule}, {m} microbatches a step",
+                 "stages (bytes per rank):"]
+        for c in self._costs:
+            pp = c.comm_bytes["pp"]
+            others = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if a != "pp" and self.mesh.axis_size(a) > 1)
+            lines += [
+                f"  stage {c.stage}: ranks {list(c.ranks)}, {', '.join(self.prefixes[c.stage])}",
+                f"    params {fmt_bytes(c.param_bytes)}" + (f" (+ {fmt_bytes(c.borrowed_bytes)} of tied params lent each step)" if c.borrowed_bytes else "")
+                + f"; a microbatch held {fmt_bytes(c.held_bytes)} from its forward to its backward, at most {c.in_flight} in flight ({fmt_bytes(c.activation_bytes)});"
+                f" peak ~{fmt_bytes(c.peak_bytes)}",
+                f"    sends a step: {self.axis} {fmt_bytes(pp)}" + (f", {others} ({m} x one microbatch's collectives)" if others else ""),
+            ]
+        lines.append(f"sends over {self.axis} (each rank to the rank at its other coordinates in the other stage):")
+        width = max((len(s.what) for s in self.sends), default=0)
+        for s in self.sends:
+            shape = type_string(s.shape, s.dtype, None)
+            lines.append(f"  {s.what:<{width}}  stage {s.src} -> {s.dst}  {shape:<16} {fmt_bytes(s.bytes):>9} x {s.count} = {fmt_bytes(s.step_bytes)} a step")
+        for s, lowered in sorted(self.stages.items()):
+            lines += ["", f"== stage {s}: one microbatch (run {m} times a step) ==", lowered.as_text()]
+        if self.loss is not None:
+            lines += ["", f"== the loss on stage {p - 1}: one microbatch ==", self.loss.as_text()]
+        return "\n".join(lines)
+
+
+def saved_bytes(lowered: Lowered, skip: int) -> int:
+    """Bytes per rank of the values ``lowered``'s forward saves for its backward, less those of
+    its first ``skip`` inputs (the params, which the stage holds anyway)."""
+    parts = getattr(lowered.compile(), "parts", None)
+    if parts is None:
+        return 0
+    held = {ph.name for ph in placeholders_of(parts.forward.graph)[:skip]}
+    return sum(s.bytes for s in parts.saved if not (s.value[0].op == "placeholder" and s.value[0].name in held))
+
+
+def in_flight(actions: Sequence[tuple[str, int]]) -> int:
+    """The most microbatches whose forward has run and whose backward has not, in ``actions``."""
+    now = most = 0
+    for kind, _ in actions:
+        now += 1 if kind == "F" else -1
+        most = max(most, now)
+    return most
+

@@ -9,9 +9,9 @@ processes the same tokens per step and every rank 4096 of them:
 * ``step``: median step time (slowest rank) of ``cp=4`` (each sequence split over the 4 ranks,
   tokens ``P(None, "cp")``, the default ``"auto"`` mode) against ``dp=4`` (one whole sequence per
   rank, ``P("dp")``); of the ring (``vsf.config.context_parallel = "ring"``) against ``"auto"``
-  (here: keys and values fit the gather budget; with as many key/value heads as query heads the
-  byte-counting cost model then gathers the queries too, so every rank computes the whole
-  attention); of the balanced layout (``P(None, vsf.balanced("cp"))``) against the contiguous
+  (here: keys and values fit the gather budget, so each rank gathers them and runs attention on
+  its own queries; a cost model that counted only bytes gathered the queries too, and every rank
+  computed the whole attention); of the balanced layout (``P(None, vsf.balanced("cp"))``) against the contiguous
   one, on the ring (where attention runs on the shards).
 * ``spread``: per rank, the time its attention kernels take in one step (the profiler's CPU
   time of the SDPA kernel and its backward), max over min across the ranks, contiguous and

@@ -35,6 +35,18 @@
 * ``context_parallel_gather_bytes`` (default 64 MiB): ``"auto"``'s memory budget for one
   attention op's gathered keys and values, counted on their whole shape (what a rank holds
   gathered where no other axis splits them: an upper bound).
+* ``compute_bytes_per_flop`` (default ``0.01``): what the planner charges, in bytes sent, for
+  each FLOP an op does beyond its share. A matmul, convolution or attention op that runs with
+  nothing split on a mesh axis runs its whole work on every rank of it instead of ``1/n``
+  (:mod:`vsf.jit.cost`); its ``(n-1)/n`` FLOPs beyond that are charged at this rate, beside the
+  bytes its collectives send. It is a link's bandwidth over a rank's FLOP rate: 0.77 GB/s
+  (a 2-process gloo all-reduce on one CPU core each, bytes each rank sends) over 60-80 GFLOP/s
+  (one core's fp32 matmul) is 0.010-0.013; an A100's fp32 19.5 TFLOP/s against NVLink's
+  ~230 GB/s 0.012, an H100's bf16 ~990 TFLOP/s against ~400 GB/s 0.0004. ``0`` counts bytes
+  only. With it, a row-parallel matmul of ``[m, d]`` by ``[d, d]`` over ``n`` ranks all-reduces
+  its output (Megatron's plan) rather than gathering its input and weight and computing the whole
+  product on every rank where ``compute_bytes_per_flop > 2 (m - d) / (m d)`` (fp32, any ``n``:
+  from ``d = 167`` up for ``m = 1024`` at the default). Read when a step is planned.
 
 * ``bucket_bytes`` (default 4 MiB): the most one bucket's flat buffer holds (DDP's
   ``bucket_cap_mb``): gradient all-reduces, parameter all-gathers (counted gathered) and gradient
@@ -57,3 +69,4 @@ allow_unkeyed_random: bool = False
 context_parallel: str = "auto"
 context_parallel_gather_bytes: int = 64 * 2**20
 bucket_bytes: int = 4 * 2**20
+compute_bytes_per_flop: float = 0.01

@@ -10,10 +10,12 @@ import math
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from toy_models import GPT, GPTConfig
 
 import vsf
 from vsf import P
+from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES
 from vsf.jit.graph import meta_of
 
 aten = torch.ops.aten
@@ -111,25 +113,51 @@ def test_megatron_gpt_matches_one_device_and_never_moves_attention(sim, layout):
     assert_close_trees(vsf.device_get(grads), want_grads)
 
 
-def _issue_gpt_cost(sim):
+def _issue_gpt_cost(sim, monkeypatch, bytes_per_flop):
     """The plan of an AdamW-free step (loss and grads) of the issue's GPT: d=64, 4 heads, 2 layers,
-    8 x 32 tokens, separate q/k/v, Megatron TP over tp=2."""
+    8 x 32 tokens, separate q/k/v, Megatron TP over tp=2, with each FLOP an op runs beyond its
+    share charged ``bytes_per_flop`` bytes."""
+    monkeypatch.setattr(vsf.config, "compute_bytes_per_flop", bytes_per_flop)
     cfg = GPTConfig(vocab=64, seq=32, dim=64, heads=4, layers=2, fused_qkv=False)
     sim(2)
-    model, params, _, sharded, data = _megatron_gpt("tp2", cfg, sequences=8)
-    return cfg, params, vsf.jit(gpt_step(model)).lower(sharded, *data).cost()
+    model, params, whole, sharded, data = _megatron_gpt("tp2", cfg, sequences=8)
+    return cfg, model, params, whole, vsf.jit(gpt_step(model)).lower(sharded, *data).cost()
 
 
-def test_megatron_gpt_step_sends_the_ring_models_optimum(sim):
-    """Per block, by hand under the ring model (bytes each rank sends: all-reduce ``2(n-1)/n``,
-    all-gather ``(n-1)/n`` of the tensor): attention on its own heads sends nothing; the row-parallel
-    fc2 all-reduces its ``[b, t, d]`` output (gathering its 4d-wide input would send twice that);
-    the row-parallel proj is cheapest gathered, its input and weight (``(n-1)/n * (b*t*d + d*d)``
-    words) rather than its output all-reduced (``2(n-1)/n * b*t*d``), and then needs nothing in
-    backward; backward all-reduces the summed partial gradients of the column-parallel q/k/v and
-    of fc1 once each. That is below Megatron's four all-reduces per block."""
-    cfg, params, cost = _issue_gpt_cost(sim)
+def _break_evens(cfg, m, n):
+    """By hand, the ``compute_bytes_per_flop`` above which running an op split pays, for the
+    choices the issue's GPT offers on ``n`` ranks (``m`` tokens, fp32, one collective's start-up
+    :data:`~vsf.jit.cost.COLLECTIVE_LATENCY_BYTES`; ``(n-1)/n`` of an op's ``F`` FLOPs is what each
+    rank runs beyond its share when it runs whole):
+
+    * ``proj``: the row-parallel attention projection ``[m, d] @ [d, d]`` all-reduces its output
+      (``2(n-1)/n * m d`` words) or gathers its input and weight (``(n-1)/n * (m d + d d)``) and
+      runs its ``2 m d d`` FLOPs whole (its backward runs on the split operands either way);
+    * ``head_grad``: the tied head's weight gradient ``[d, m] @ [m, V]`` runs whole, or on each
+      rank's half of its ``d`` rows, gathered after (``(n-1)/n * d V`` words, one start-up);
+    * ``head``: the head's forward ``[m, d] @ [d, V]`` (and its input gradient) runs whole, or
+      on each rank's vocabulary rows, the ``[m, V]`` logits gathered (one start-up)."""
+    ring, d, v, latency = (n - 1) / n, cfg.dim, cfg.vocab, COLLECTIVE_LATENCY_BYTES
+    return {
+        "proj": (2 * ring * m * d - ring * (m * d + d * d)) * 4 / (ring * 2 * m * d * d),
+        "head_grad": (ring * d * v * 4 + latency) / (ring * 2 * d * m * v),
+        "head": (ring * m * v * 4 + latency) / (ring * 2 * m * d * v),
+    }
+
+
+@pytest.mark.parametrize("bytes_per_flop", [0.0, 0.005])
+def test_megatron_gpt_gathers_the_projection_where_its_work_costs_less_than_the_bytes(sim, monkeypatch, bytes_per_flop):
+    """Bytes only (or work charged below every break-even of :func:`_break_evens`), by hand under
+    the ring model (bytes each rank sends: all-reduce ``2(n-1)/n``, all-gather ``(n-1)/n`` of the
+    tensor): attention on its own heads sends nothing; the row-parallel fc2 all-reduces its
+    ``[b, t, d]`` output (gathering its 4d-wide input would send twice that); the row-parallel
+    proj is cheapest gathered, its input and weight (``(n-1)/n * (b*t*d + d*d)`` words) rather
+    than its output all-reduced (``2(n-1)/n * b*t*d``), and then needs nothing in backward;
+    backward all-reduces the summed partial gradients of the column-parallel q/k/v and of fc1
+    once each. That is below Megatron's four all-reduces per block."""
+    cfg, _, _, _, cost = _issue_gpt_cost(sim, monkeypatch, bytes_per_flop)
     n, b, t, d = 2, 8, cfg.seq, cfg.dim
+    assert bytes_per_flop < min(_break_evens(cfg, b * t, n).values())
     ring = (n - 1) / n
     per_block = ring * (b * t * d + d * d) * 4 + 3 * 2 * ring * b * t * d * 4
     assert sum(cost.comm_bytes.values()) == cfg.layers * per_block
@@ -138,17 +166,24 @@ def test_megatron_gpt_step_sends_the_ring_models_optimum(sim):
     assert {c.kind for c in gathered} == {"all_gather"} and sum(math.prod(c.shape) for c in gathered) == cfg.layers * (b * t * d + d * d)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the ring model finds gathering the attention projection's input and weight cheaper than "
-    "Megatron's all-reduce of its output (and it duplicates the projection's compute): see "
-    "test_megatron_gpt_step_sends_the_ring_models_optimum"
-))
-def test_megatron_gpt_step_sends_megatron_bytes(sim):
-    """Megatron's plan on a GPT block: two all-reduces of the ``[b, t, d]`` activation in forward
-    (after the row-parallel proj and fc2), two in backward (before the column-parallel q/k/v and
-    fc1), ``layers * 4 * 2(n-1)/n * b*t*d*4`` bytes per rank; no activation is all-gathered."""
-    cfg, params, cost = _issue_gpt_cost(sim)
-    n, activation = 2, 8 * cfg.seq * cfg.dim * 4
+def test_megatron_gpt_step_sends_megatron_bytes(sim, monkeypatch):
+    """With work charged above the projection's and the head gradient's break-evens but below the
+    head's (:func:`_break_evens`): Megatron's plan on every block, two all-reduces of the
+    ``[b, t, d]`` activation in forward (after the row-parallel proj and fc2), two in backward
+    (before the column-parallel q/k/v and fc1), ``layers * 4 * 2(n-1)/n * b*t*d*4`` bytes per
+    rank, no activation gathered; and the tied head's weight gradient computed on each rank's
+    rows and gathered, ``(n-1)/n * d*V*4``. Each rank then runs half the FLOPs of the one-device
+    step (PyTorch's ``FlopCounterMode``) but for the head's forward and input gradient, which it
+    runs whole (``2 * b*t*d*V`` FLOPs each)."""
+    r = 0.03
+    cfg, model, params, whole, cost = _issue_gpt_cost(sim, monkeypatch, r)
+    n, m, d, v = 2, 8 * cfg.seq, cfg.dim, cfg.vocab
+    evens = _break_evens(cfg, m, n)
+    assert max(evens["proj"], evens["head_grad"]) < r < evens["head"]
+    ring = (n - 1) / n
     weights = {tuple(p.shape) for p in params.values()}
     gathered = [c for c in cost.collectives if c.kind == "all_gather" and tuple(c.shape) not in weights]
-    assert (sum(cost.comm_bytes.values()), gathered) == (cfg.layers * 4 * 2 * (n - 1) / n * activation, [])
+    assert (sum(cost.comm_bytes.values()), gathered) == (cfg.layers * 4 * 2 * ring * m * d * 4 + ring * d * v * 4, [])
+    with FlopCounterMode(display=False) as counter:
+        gpt_step(model)(params, *whole)
+    assert cost.flops == counter.get_total_flops() / n + 2 * 2 * m * d * v * (1 - 1 / n)

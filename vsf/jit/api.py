@@ -490,7 +490,8 @@ class Lowered:
         return self._compiled._text()
 
     def cost(self) -> Cost:
-        """Bytes each rank sends per mesh axis, the collectives, and the estimated peak memory per rank."""
+        """Bytes each rank sends per mesh axis, the collectives, the estimated peak memory per rank,
+        and the FLOPs each rank runs in matmuls, convolutions and attention (:class:`vsf.jit.report.Cost`)."""
         return self._compiled._cost()
 
     def compile(self) -> Compiled:

@@ -7,7 +7,12 @@
   shard by gathering the whole dim first;
 * a local slice sends nothing but is charged a token cost, and so is a local partition of a
   replicated value into a partial one (each rank keeps its share, ``v / n`` of a sum: a bias
-  joining a row-parallel matmul's partial product, as torch TP adds it).
+  joining a row-parallel matmul's partial product, as torch TP adds it);
+* an op that does real work (a matmul, a convolution, attention: :func:`op_flops`) run on an axis
+  without any of its operands or results split there runs all of its FLOPs on every rank, where
+  a split one runs ``1/n`` of them: the ``(n-1)/n`` it runs beyond its share is charged as
+  ``vsf.config.compute_bytes_per_flop`` bytes per FLOP (:func:`unsplit_bytes`). Elementwise ops,
+  views and reductions are not charged (their work is of the order of the bytes they read).
 
 :class:`Codes` numbers the placements of one mesh axis and tabulates every transition's cost.
 
@@ -15,21 +20,32 @@ Example::
 
     >>> transition_bytes("all_reduce", 4, 1000.0)
     1500.0
+    >>> unsplit_bytes(2_000_000, 2, 0.01)  # a 2 MFLOP matmul run whole on both ranks of an axis
+    10000.0
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate
+from torch.utils.flop_counter import flop_registry
 
+from vsf import _compat
+from vsf.jit.classify import ATTENTION_OPS
+from vsf.jit.graph import is_tensor_node
 from vsf.jit.plan import Placements, R, is_shard, split_dim
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement
 
-__all__ = ["COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "local_bytes", "local_shape", "transition_bytes", "transition_kind"]
+__all__ = [
+    "COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "local_bytes", "local_flops", "local_shape", "op_flops",
+    "splits_work", "transition_bytes", "transition_kind", "unsplit_bytes",
+]
 
 
 INF = float("inf")
@@ -138,3 +154,59 @@ def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[in
 def local_bytes(mesh: Mesh, t: torch.Tensor, placements: Placements) -> int:
     """Bytes of the largest local shard of ``t`` laid out as ``placements``."""
     return math.prod(local_shape(mesh, t, placements)) * t.element_size()
+
+
+aten = torch.ops.aten
+
+# The CPU attention kernels SDPA traces to take the flash kernel's leading arguments (query, key,
+# value; the backward's gradient first): they count as it does.
+_COUNTED_AS = {
+    ATTENTION_OPS[0]: aten._scaled_dot_product_flash_attention,
+    ATTENTION_OPS[1]: aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def op_flops(node: torch.fx.Node) -> int:
+    """FLOPs ``node`` runs on its global shapes, for the ops whose work is more than the bytes
+    they touch: those :mod:`torch.utils.flop_counter` counts (``mm``, ``addmm``, ``bmm``,
+    ``baddbmm``, convolutions and their backward, attention kernels; a multiply-add is 2 FLOPs);
+    0 for every other op.
+
+    Example::
+
+        >>> op_flops(mm_node)  # [256, 64] @ [64, 64]
+        2097152
+    """
+    if node.op != "call_function":
+        return 0
+    target = _COUNTED_AS.get(node.target, getattr(node.target, "overloadpacket", None))
+    formula = flop_registry.get(target)
+    if formula is None:
+        return 0
+    meta = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
+    return int(formula(*_compat.torch_tree_map(meta, node.args), out_val=node.meta.get("val"), **_compat.torch_tree_map(meta, node.kwargs)))
+
+
+def splits_work(placements: Sequence[Any]) -> bool:
+    """Does an op whose operands and results sit on one mesh dim as ``placements`` (``None`` for
+    a non-tensor result) run ``1/n`` of its work on each rank? It does where any of them is
+    split: each rank computes its own rows, or its share of a contraction (a partial sum). With
+    every one replicated (or partial: a partial operand times a whole one is a whole product of
+    each rank's summand) it runs all of it."""
+    return any(p is not None and is_shard(p) for p in placements)
+
+
+def unsplit_bytes(flops: float, n: int, bytes_per_flop: float) -> float:
+    """The cost of running ``flops`` whole on each of ``n`` ranks rather than ``1/n`` of them:
+    the ``(n-1)/n`` each runs beyond its share, at ``bytes_per_flop`` (``vsf.config.compute_bytes_per_flop``)."""
+    return flops * (n - 1) / n * bytes_per_flop
+
+
+def local_flops(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> float:
+    """FLOPs one rank runs for ``node`` laid out as ``ins`` -> ``outs`` (over ``mesh.device_axes``):
+    :func:`op_flops` over the size of every mesh dim that splits its work (:func:`splits_work`)."""
+    flops = float(op_flops(node))
+    for k, axis in enumerate(mesh.device_axes):
+        if flops and splits_work([*(p[k] for p in ins), *(None if p is None else p[k] for p in outs)]):
+            flops /= mesh.axis_size(axis)
+    return flops

@@ -4,14 +4,18 @@ The problem is solved one mesh axis at a time (as Shardy reasons per factor and 
 single-dim strategies do): on an axis of size ``n`` a value is ``Replicate``, ``Shard(d)`` or
 ``Partial``, and every op offers the strategies DTensor registers for it (input placements ->
 output placements). The planner picks one strategy per op so that the redistributions it implies
-cost the fewest bytes, where
+and the work it duplicates cost the fewest bytes (:mod:`vsf.jit.cost`), where
 
 * all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
   all-to-all ``(n-1)/n`` of the local shard (ring model, bytes each rank sends);
 * a value redistributed to one placement is redistributed once, however many ops use it there
   (so a gradient is reduced once, not once per use);
 * a ``Partial`` result stays partial until the cheapest point to reduce it (the greedy pass
-  charges a pending reduction to a partial output; the refinement passes then move it).
+  charges a pending reduction to a partial output; the refinement passes then move it);
+* a matmul, convolution or attention op run with nothing split on an axis runs its whole work
+  on every rank of it: the FLOPs beyond its share are charged at ``vsf.config.compute_bytes_per_flop``
+  bytes each (so Megatron's row-parallel matmul all-reduces its output rather than gathering its
+  input and weight to compute the whole product on every rank, where the work outweighs the bytes).
 
 Priority when annotations disagree: a ``with_sharding_constraint`` fixes its value, and a
 ``shard_map`` region its inputs and results, and its body's values over its manual axes
@@ -35,7 +39,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Placement, Shard
 
-from vsf import _compat
+from vsf import _compat, config
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.classify import classify, constant_nodes
@@ -84,7 +88,7 @@ def propagate(
         mesh=mesh, gm=gm, ops=ops,
         inputs={n: tensor_args(n) for n in ops},
         strategies=Strategies(allow_replicated_fallback, {n: classify(n, constants) for n in ops}, manual.auto_strategies),
-        seeds={}, out_req={}, pinned={}, solved={},
+        seeds={}, out_req={}, pinned={}, solved={}, bytes_per_flop=config.compute_bytes_per_flop,
     )
     problem.index()
     for ph, pl in zip(placeholders, in_placements):

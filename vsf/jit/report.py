@@ -4,6 +4,7 @@ Example::
 
     >>> print(plan_text(plan, "step", ["args[0]"], ["[0]"]))
     >>> cost(plan).comm_bytes
+    >>> cost(plan).flops
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.fx
 
 from vsf import _compat
-from vsf.jit.cost import local_bytes
+from vsf.jit.cost import local_bytes, local_flops
 from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.memory import peak_bytes
 from vsf.jit.partition import Partitioned, Saved
@@ -32,12 +33,19 @@ class Cost:
     ``comm_bytes``: bytes each rank sends per mesh axis (ring model: all-reduce ``2(n-1)/n``,
     all-gather and reduce-scatter ``(n-1)/n`` of the tensor, all-to-all ``(n-1)/n`` of the
     shard). ``peak_bytes``: estimated peak of live local tensors on one rank.
-    ``collectives``: every collective the program runs, in order.
+    ``collectives``: every collective the program runs, in order. ``flops``: FLOPs one rank
+    runs in the ops that do real work (matmuls, convolutions, attention:
+    :func:`vsf.jit.cost.op_flops`; elementwise ops are not counted), each op's FLOPs over the
+    size of every mesh axis that splits it (one of its operands or results is split there:
+    :func:`vsf.jit.cost.splits_work`); an op run unsplit on an axis counts whole, as every rank
+    of it runs it. This is the work the planner weighs against bytes
+    (``vsf.config.compute_bytes_per_flop``).
     """
 
     comm_bytes: dict[str, int]
     peak_bytes: int
     collectives: tuple[Collective, ...]
+    flops: int
 
     def count(self, kind: str, axis: str | None = None) -> int:
         """How many collectives of ``kind`` (over ``axis``, if given) the program runs."""
@@ -49,23 +57,24 @@ def _type(plan: Plan, t: torch.Tensor, placements: tuple) -> str:
 
 
 def cost(plan: Plan) -> Cost:
-    """Communication per mesh axis and estimated peak memory of ``plan`` (per rank)."""
+    """Communication per mesh axis, estimated peak memory and compute of ``plan`` (per rank)."""
     collectives = tuple(plan.collectives())
     comm = {a: 0 for a in plan.mesh.axis_names}
     for c in collectives:
         comm[c.axis] += c.bytes
-    return Cost(comm, peak_bytes(plan), collectives)
+    flops = sum(local_flops(plan.mesh, node, step.ins, step.outs) for node, step in plan.nodes.items())
+    return Cost(comm, peak_bytes(plan), collectives, round(flops))
 
 
 def differentiable_cost(parts: Partitioned) -> Cost:
-    """What a call that torch autograd differentiates costs each rank: both programs' bytes and
-    collectives; the peak is the larger of the forward's and the backward's, the latter with the
+    """What a call that torch autograd differentiates costs each rank: both programs' bytes,
+    collectives and FLOPs; the peak is the larger of the forward's and the backward's, the latter with the
     call's inputs alive beside it (the caller holds them) unless it holds them as saved values."""
     fwd, bwd = cost(parts.forward), cost(parts.backward)
     comm = {a: fwd.comm_bytes[a] + bwd.comm_bytes[a] for a in fwd.comm_bytes}
     held = sum(local_bytes(parts.forward.mesh, ph.meta["val"], pl) for ph, pl in zip(placeholders_of(parts.forward.graph), parts.forward.inputs))
     held -= sum(s.bytes for s in parts.saved if s.value[0].op == "placeholder")
-    return Cost(comm, max(fwd.peak_bytes, bwd.peak_bytes + held), fwd.collectives + bwd.collectives)
+    return Cost(comm, max(fwd.peak_bytes, bwd.peak_bytes + held), fwd.collectives + bwd.collectives, fwd.flops + bwd.flops)
 
 
 def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str], output_names: Sequence[str], grad_names: Sequence[str]) -> str:

@@ -1,5 +1,6 @@
 """The per-axis solver: on one mesh axis, choose one strategy per op so that the
-redistributions they imply cost the fewest bytes (:mod:`vsf.jit.cost`).
+redistributions they imply cost the fewest bytes, counting the work an op that does real work
+(a matmul, attention) runs beyond its share when it runs unsplit as bytes too (:mod:`vsf.jit.cost`).
 
 It is greedy in graph order, then repairs locally (an op's choice is revisited when a producer's
 or a consumer's changed), then tries to remove each redistribution left by changing a region of
@@ -23,7 +24,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
-from vsf.jit.cost import INF, NOT_PARTIAL, Codes, transition_bytes
+from vsf.jit.cost import INF, NOT_PARTIAL, Codes, op_flops, splits_work, transition_bytes, unsplit_bytes
 from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
 from vsf.jit.plan import R, is_shard, split_dim
 from vsf.jit.strategies import Strategies, Strategy
@@ -81,6 +82,8 @@ class AxisSolver:
             self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
         self.view = [is_view(node) for node in problem.ops]
+        self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
+        self.unsplit = self._unsplit_strategies()
         self.reorder = self._reorders()
         self.hints = self._hints()
 
@@ -120,6 +123,35 @@ class AxisSolver:
                     out.setdefault(v, {})[split_dim(p)] = transition_bytes("all_gather", solver.n, self.fb[v])
         return out
 
+    def _unsplit_work(self, k: int) -> float:
+        """What running op ``k`` unsplit on this axis costs beyond its share (:func:`~vsf.jit.cost.unsplit_bytes`),
+        its FLOPs counted on what the axes solved so far leave of them (an op those split runs
+        ``1/n`` of its work on each of their ranks)."""
+        flops = float(self.p.flops[k]) if self.p.bytes_per_flop else 0.0
+        for other, solver in self.p.solved.items():
+            if flops and other != self.axis and solver.splits(k, solver.choice[k]):
+                flops /= solver.n
+        return unsplit_bytes(flops, self.n, self.p.bytes_per_flop)
+
+    def _unsplit_strategies(self) -> list[tuple[bool, ...]]:
+        """Per op that does work (:attr:`work`), which of its strategies run it unsplit here."""
+        by_list: dict[int, tuple[bool, ...]] = {}
+        out = []
+        for k, options in enumerate(self.strategies):
+            if self.work[k] and id(options) not in by_list:
+                by_list[id(options)] = tuple(not self.splits(k, j) for j in range(len(options)))
+            out.append(by_list.get(id(options), ()) if self.work[k] else ())
+        return out
+
+    def splits(self, k: int, j: int) -> bool:
+        """Does strategy ``j`` of op ``k`` split its work over this axis (:func:`~vsf.jit.cost.splits_work`)?"""
+        ins, outs = self.strategies[k][j]
+        return splits_work([self.codes.placements[c] for c in (*ins, *outs) if c >= 0])
+
+    def _op_work(self, k: int, j: int) -> float:
+        """The unsplit-work cost of op ``k`` under strategy ``j``."""
+        return self.work[k] if self.work[k] and self.unsplit[k][j] else 0.0
+
     def _full_bytes(self, v: Value) -> float:
         t = meta_of(v)
         size = float(t.numel() * t.element_size())
@@ -150,7 +182,7 @@ class AxisSolver:
         if strict and self._gratuitous(k, ins):
             return INF
         factor, label, need, fb = self.codes.factor, self.label, self.need, self.fb
-        total = 0.0
+        total = self._op_work(k, j)
         shard, placements, reorder = self.codes.is_shard, self.codes.placements, self.reorder
         hints = self.hints
         for v, req in zip(self.ins[k], ins):
@@ -281,9 +313,10 @@ class AxisSolver:
 
     def _keeps_split(self, k: int, j: int) -> bool:
         """Does strategy ``j`` keep op ``k``'s work split over this axis if its current one does?
-        The byte count does not see compute: gathering a sequence before attention sends fewer
-        bytes than gathering its keys and values, and runs the whole attention on every rank. A
-        cascade may make a view whole (it computes nothing), not another op."""
+        The cost counts the work of matmuls and attention (:attr:`work`), not that of the
+        elementwise ops around them, which a cascade would otherwise make whole on every rank
+        along with the values it moves. A cascade may make a view whole (it computes nothing),
+        not another op."""
         if self.view[k]:
             return True
         split = lambda st: any(c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1]))  # noqa: E731
@@ -320,7 +353,8 @@ class AxisSolver:
             best_cost, best = min((self._evaluate(c, s, False, False), s) for s in range(len(self.strategies[c])) if self._keeps_split(c, s))
             if best_cost < here - 1e-6:
                 change(c, best)
-        if sum(self._value_cost(v, self.label[v], self.need[v]) for v in before) < sum(before.values()) - 1e-6:
+        work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
+        if sum(self._value_cost(v, self.label[v], self.need[v]) for v in before) + work < sum(before.values()) - 1e-6:
             return True
         for op in reversed(list(old)):
             self._apply(op, old[op])
@@ -356,13 +390,14 @@ class AxisSolver:
         return all(not self.codes.is_partial(r) or self.label[u] == r or self._make_partial(u, r, moves, depth - 1) for u, r in zip(self.ins[p], self.strategies[p][j][0]))
 
     def _try(self, moves: dict[int, int]) -> bool:
-        """Apply ``moves`` (op -> strategy) if the values they touch then cost less, else undo them."""
+        """Apply ``moves`` (op -> strategy) if the values they touch and the ops' work then cost less, else undo them."""
         touched = {v for k in moves for v in (*self.ins[k], *self.outs[k]) if v >= 0}
-        before = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched)
+        before = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) + sum(self._op_work(k, self.choice[k]) for k in moves)
         old = {k: self.choice[k] for k in moves}
         for k in sorted(moves):
             self._apply(k, moves[k])
-        if sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) < before - 1e-6:
+        after = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) + sum(self._op_work(k, j) for k, j in moves.items())
+        if after < before - 1e-6:
             return True
         for k in sorted(old, reverse=True):
             self._apply(k, old[k])
@@ -391,13 +426,15 @@ class Problem:
     ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
     balanced: dict[str, bool] = dataclasses.field(default_factory=dict)  # axes some input is split balanced over
     fixed: dict[str, dict[torch.fx.Node, Strategy]] = dataclasses.field(default_factory=dict)
+    bytes_per_flop: float = 0.0  # what a FLOP an op runs beyond its share costs (vsf.config.compute_bytes_per_flop)
+    flops: list[int] = dataclasses.field(default_factory=list)  # per op, its FLOPs on global shapes (vsf.jit.cost.op_flops)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
     consumers_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def index(self) -> None:
-        """Number the values and record which op produces and which ops consume each."""
+        """Number the values, record which op produces and which ops consume each, and count each op's FLOPs."""
         for ph in placeholders_of(self.gm):
             self._add((ph, 0))
         for k, node in enumerate(self.ops):
@@ -407,6 +444,7 @@ class Problem:
         for k, node in enumerate(self.ops):
             for v in self.inputs[node]:
                 self.consumers_of.setdefault(self.value_ids[v], []).append(k)
+        self.flops = [op_flops(node) for node in self.ops]
 
     def _add(self, v: Value) -> int:
         self.value_ids[v] = len(self.values)

@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,6 +60,7 @@ def _worker(out: str, quick: bool) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))  # (a worker runs this file as a script)
+    from benchmarks.bench_jit import interleaved_times
     from benchmarks.bench_torch import _batch, _model, _vsf_step
 
     import vsf
@@ -83,15 +83,7 @@ def _worker(out: str, quick: bool) -> None:
         vsf.config.context_parallel = mode  # read when the step is planned
         steps[name], _ = _vsf_step(_model(cfg), mesh, everything, spec, idx, tgt)
         steps[name]()  # warm up: the step traces its program on the first call
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(2 if quick else 3):
-        for name, run in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            dt = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(dt.item())
+    times = interleaved_times(steps, 2 if quick else 3)
     spread = {}
     for name in ("cp_ring", "cp_balanced_ring"):
         dist.barrier()

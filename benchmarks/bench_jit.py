@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,15 +117,7 @@ def _step_worker(out: str, quick: bool) -> None:
     runners = {"eager": eager, "jit": jit}
     for run in runners.values():  # warm up (plans and traces the jitted step)
         run()
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(5 if quick else 20):
-        for name, run in runners.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            dt = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(dt.item())
+    times = interleaved_times(runners, 5 if quick else 20)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
@@ -166,6 +159,25 @@ def bench_planning(quick: bool) -> list[dict]:
     ratio = seconds[1024] / seconds[8]
     return [{"name": f"planning a {layers}-layer GPT joint graph, 1024 vs 8 ranks (5D)", "vsf": seconds[1024], "ref": seconds[8], "unit": "s", "ratio": ratio,
              "target": "< 10 s, ratio < 1.2", "met": seconds[1024] < 10 and ratio < 1.2}]
+
+
+def interleaved_times(steps: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
+    """Each step's wall time in each of ``reps`` rounds, the steps taken in turn within a round so
+    that all see the same machine load. Every rank starts a step together (a barrier), and a time
+    is the slowest rank's (an all-reduce MAX), on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(reps):
+        for name, run in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dt = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[name].append(dt.item())
+    return times
 
 
 def bench_call(quick: bool) -> list[dict]:

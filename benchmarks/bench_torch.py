@@ -150,12 +150,13 @@ def _launches(step: Callable[[], None]) -> int:
 
 
 def _worker(out: str, quick: bool) -> None:
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from benchmarks.bench_jit import interleaved_times
     from torch.nn.parallel import DistributedDataParallel
 
     import vsf
@@ -200,15 +201,7 @@ def _worker(out: str, quick: bool) -> None:
     for run in steps.values():  # warm up (the vsf steps trace their programs on the first call)
         run()
         run()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(3 if quick else 8):
-        for name, run in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            dt = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[name].append(dt.item())
+    times = interleaved_times(steps, 3 if quick else 8)
     result = {"seconds": {k: statistics.median(v) for k, v in times.items()}}
     result["launches"] = {"vsf_fsdp": _launches(vsf_fsdp), "fsdp2": _launches(steps["fsdp2"])}
     result["peak"] = {"vsf_fsdp": _peak_bytes(vsf_fsdp), "fsdp2": _peak_bytes(steps["fsdp2"])}
@@ -268,8 +261,6 @@ def bench_layouts(quick: bool) -> list[dict]:
 
 def bench_simulate(quick: bool) -> list[dict]:
     """A step under ``vsf.simulate(8)`` against eight plain one-device steps (the demo's model size)."""
-    import torch
-
     import vsf
     from vsf import P
 

@@ -164,6 +164,11 @@ class AxisSolver:
         row, fixed = self.codes.factor[label], self.codes.fixed[label]
         return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
 
+    def _value_costs(self, v: int) -> tuple[float, float]:
+        """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups)."""
+        row = self.codes.factor[self.label[v]]
+        return self._value_cost(v, self.label[v], self.need[v]), sum(self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0)
+
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
         """Does this strategy shard an input on this axis when no input already arrives sharded
         here, and no later op wants it so (:meth:`_hints`)?"""
@@ -300,16 +305,45 @@ class AxisSolver:
             p = self.p.producer_of.get(v)
             if p is not None:
                 i = self.outs[p].index(v)
-                tries += [(p, j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]]
-            for c in self.p.consumers_of.get(v, ()):
-                here = [i for i, u in enumerate(self.ins[c]) if u == v]
-                if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
-                    tries += [(c, j) for j, (ins, _) in enumerate(self.strategies[c]) if all(ins[i] == self.label[v] for i in here)]
-            for k, j in tries:
-                if self._keeps_split(k, j) and self._cascade(k, j, max_ops):
+                tries += [[(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]]
+            takers = self._takers(v, req)
+            tries += [[(c, j)] for c, takes in takers for j in takes]
+            if len(takers) > 1 and all(takes for _, takes in takers):  # the value is redistributed once for all of them: all take it as it is
+                tries.append(self._best_takes(takers))
+            for start in tries:
+                if all(self._keeps_split(k, j) for k, j in start) and self._move(start, max_ops):
                     improved = True
                     break
         return improved
+
+    def _takers(self, v: int, req: int) -> list[tuple[int, list[int]]]:
+        """The consumers that read value ``v`` redistributed to ``req``, each with its strategies
+        that read it as it is (and keep its work split)."""
+        out = []
+        for c in self.p.consumers_of.get(v, ()):
+            here = [i for i, u in enumerate(self.ins[c]) if u == v]
+            if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
+                out.append((c, [j for j, (ins, _) in enumerate(self.strategies[c]) if all(ins[i] == self.label[v] for i in here) and self._keeps_split(c, j)]))
+        return out
+
+    def _best_takes(self, takers: list[tuple[int, list[int]]]) -> list[tuple[int, int]]:
+        """Each taker's cheapest strategy (of those :meth:`_takers` lists) as things stand."""
+        return [(c, min(takes, key=lambda j, c=c: self._evaluate(c, j, False, False))) for c, takes in takers]
+
+    def _joint_take(self, k: int, changed: dict[int, int]) -> list[tuple[int, int]]:
+        """A move for a cascade stuck at op ``k``: op ``k`` reads a value redistributed that other
+        ops read redistributed the same way, so no one of them gains by reading it as it is (the
+        redistribution stays for the others); all of them reading it as it is, each in its
+        cheapest such strategy (what that costs shows only once the cascade has gone on from
+        them: the cascade as a whole is kept or undone), or ``[]``. None of them may have changed
+        in this cascade (``changed``)."""
+        for v, req in zip(self.ins[k], self.strategies[k][self.choice[k]][0]):
+            if req == self.label[v]:
+                continue
+            takers = self._takers(v, req)
+            if len(takers) > 1 and not any(c in changed or not takes for c, takes in takers):
+                return self._best_takes(takers)
+        return []
 
     def _keeps_split(self, k: int, j: int) -> bool:
         """Does strategy ``j`` keep op ``k``'s work split over this axis if its current one does?
@@ -322,18 +356,31 @@ class AxisSolver:
         split = lambda st: any(c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1]))  # noqa: E731
         return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
 
-    def _cascade(self, k: int, j: int, max_ops: int) -> bool:
-        """Op ``k`` takes strategy ``j``; then each op next to a changed one (the producers of its
-        inputs, the consumers of its results) takes its best strategy where that is cheaper than
-        its own, spreading until none is (at most ``max_ops`` ops change). The whole is kept if the
-        values it touched then cost less than before, else undone."""
+    def _move(self, start: list[tuple[int, int]], max_ops: int) -> bool:
+        """:meth:`_cascade` from ``start``; if that is undone where joint takes were open to it,
+        once more taking them. (Joint takes are the second try: they change where a cascade that
+        pays without them goes, and so what it finds.)"""
+        kept, stuck = self._cascade(start, max_ops, joint_takes=False)
+        return kept or (stuck and self._cascade(start, max_ops, joint_takes=True)[0])
+
+    def _cascade(self, start: list[tuple[int, int]], max_ops: int, joint_takes: bool) -> tuple[bool, bool]:
+        """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
+        (the producers of its inputs, the consumers of its results) takes its best strategy where
+        that is cheaper than its own, or else (``joint_takes``) joins the other readers of a value
+        it reads redistributed in reading it as it is (:meth:`_joint_take`), spreading until none
+        does (at most ``max_ops`` ops change). The whole is kept if the values it touched then
+        cost less than before, else undone; a move made of joint takes must also send fewer bytes
+        (with the work): it may trade many small redistributions for a few, and the start-up each
+        value's collective is charged overstates theirs, which share buckets. Returns whether it
+        was kept, and whether a joint take was open to it (taken or not)."""
         old: dict[int, int] = {}
-        before: dict[int, float] = {}
+        before: dict[int, tuple[float, float]] = {}
+        joint = stuck = len(start) > 1
 
         def change(op: int, st: int) -> None:
             for v in (*self.ins[op], *self.outs[op]):
                 if v >= 0 and v not in before:
-                    before[v] = self._value_cost(v, self.label[v], self.need[v])
+                    before[v] = self._value_costs(v)
             old.setdefault(op, self.choice[op])
             self._apply(op, st)
             for v in self.ins[op]:
@@ -344,7 +391,8 @@ class AxisSolver:
                 queue.extend(c for c in self.p.consumers_of.get(v, ()) if c not in old)
 
         queue: collections.deque[int] = collections.deque()
-        change(k, j)
+        for k, j in start:
+            change(k, j)
         while queue and len(old) < max_ops:
             c = queue.popleft()
             if c in old or len(self.strategies[c]) == 1:
@@ -353,12 +401,21 @@ class AxisSolver:
             best_cost, best = min((self._evaluate(c, s, False, False), s) for s in range(len(self.strategies[c])) if self._keeps_split(c, s))
             if best_cost < here - 1e-6:
                 change(c, best)
+                continue
+            moves = self._joint_take(c, old)
+            stuck = stuck or bool(moves)
+            if joint_takes and moves:
+                joint = True
+                for op, st in moves:
+                    change(op, st)
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
-        if sum(self._value_cost(v, self.label[v], self.need[v]) for v in before) + work < sum(before.values()) - 1e-6:
-            return True
+        now = [self._value_costs(v) for v in before]
+        cost_was, bytes_was = (sum(c[i] for c in before.values()) for i in (0, 1))
+        if sum(c for c, _ in now) + work < cost_was - 1e-6 and (not joint or sum(b for _, b in now) + work < bytes_was - 1e-6):
+            return True, stuck
         for op in reversed(list(old)):
             self._apply(op, old[op])
-        return False
+        return False, stuck
 
     def _merge_partials(self, k: int) -> None:
         """Try each strategy of op ``k`` that sums partial inputs into a partial result together with

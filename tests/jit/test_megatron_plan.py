@@ -187,3 +187,31 @@ def test_megatron_gpt_step_sends_megatron_bytes(sim, monkeypatch):
     with FlopCounterMode(display=False) as counter:
         gpt_step(model)(params, *whole)
     assert cost.flops == counter.get_total_flops() / n + 2 * 2 * m * d * v * (1 - 1 / n)
+
+
+def test_megatron_gpt_runs_the_loss_on_token_shards_where_the_head_pays(sim, monkeypatch):
+    """With work charged above every break-even (:func:`_break_evens`), everything runs split:
+    Megatron's blocks, and the final norm, the tied head and the loss on each rank's share of the
+    tokens (sequence-parallel): the last block's forward all-reduce becomes a reduce-scatter and
+    the norm's input gradient is all-gathered, together one all-reduce's bytes, so the blocks send
+    exactly Megatron's ``layers * 4`` all-reduces of ``[b, t, d]``; beside them only the tied head's
+    weight gradient, the norm's two gradients and the scalar loss are all-reduced: no
+    ``[b*t, V]`` value (the logits or log-probabilities) is sent, unlike a plan stuck with the
+    log-probabilities gathered (their three readers each gain nothing alone from reading them
+    split; that plan sends ``(n-1)/n * b*t*V`` words more, and the head's gradient gathered). Each rank runs
+    ``1/n`` of the one-device step's FLOPs (PyTorch's ``FlopCounterMode``), and the loss and
+    gradients equal the one-device run."""
+    r = 0.05
+    cfg, model, params, whole, cost = _issue_gpt_cost(sim, monkeypatch, r)
+    n, m, d, v = 2, 8 * cfg.seq, cfg.dim, cfg.vocab
+    assert r > max(_break_evens(cfg, m, n).values())
+    ring = (n - 1) / n
+    assert sum(cost.comm_bytes.values()) == 2 * ring * (cfg.layers * 4 * m * d + v * d + 2 * d + 1) * 4
+    with FlopCounterMode(display=False) as counter:
+        want_loss, want_grads = gpt_step(model)(params, *whole)
+    assert cost.flops == counter.get_total_flops() / n
+    mesh = vsf.make_mesh((n,), ("tp",))
+    sharded = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, MEGATRON)))
+    loss, grads = vsf.jit(gpt_step(model))(sharded, *vsf.device_put(whole, vsf.NamedSharding(mesh, P())))
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=1e-5)
+    assert_close_trees(vsf.device_get(grads), want_grads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import resource
+import threading
 
 import pytest
 import torch
@@ -165,19 +166,55 @@ def test_permutation():
         assert torch.equal(vsf.device_get(sharded), vsf.random.permutation(key, 10))
 
 
-def test_fill_in_chunks_equals_the_per_element_formula(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fill_in_chunks_equals_the_per_element_formula(monkeypatch, threads):
     """``bits.CHUNK`` only sizes the work: drawn in chunks of 3 counters (a row in pieces, several
-    rows per chunk, partial chunks) on in-place Philox, any box of a sample equals the traced
-    per-element formula ``bits.at`` (functional Philox, each element picking its own lane)."""
+    rows per chunk, partial chunks) on in-place Philox, on the caller's thread or shared out over
+    3 worker threads, any box of a sample equals the traced per-element formula ``bits.at``
+    (functional Philox, each element picking its own lane)."""
     monkeypatch.setattr(bits, "CHUNK", 3)
+    monkeypatch.setattr(bits, "SERIAL", 0)  # tiny fills use the workers too
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the fill's worker count (the caller's, so 1: on the caller)
+    try:
+        _check_fill_boxes()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_fill_boxes():
     key = (12345, 2**32 - 7)
     cases = [(samplers.normal_transform(torch.float32), 1, torch.float32), (samplers._bits63, 2, torch.int64)]
     for transform, width, dtype in cases:
-        for shape, box in [((5, 13), ((0, 5), (0, 13))), ((5, 13), ((1, 4), (3, 11))), ((7, 2), ((2, 7), (1, 2))), ((2, 3, 9), ((0, 2), (1, 3), (2, 9)))]:
+        for shape, box in [((5, 13), ((0, 5), (0, 13))), ((5, 13), ((1, 4), (3, 11))), ((7, 2), ((2, 7), (1, 2))), ((2, 3, 9), ((0, 2), (1, 3), (2, 9))), ((11, 31), ((0, 11), (0, 31)))]:
             row, col = bits.grid(shape)
             ref = bits.at(key, row, col, shape[-1], width, transform).reshape(shape)
             got = bits.fill(key, shape, box, width, transform, dtype, torch.device("cpu"))
             assert torch.equal(got, ref[tuple(slice(a, b) for a, b in box)]), (shape, box, width)
+
+
+def test_workers_run_single_threaded_and_leave_the_caller_alone():
+    """The fill's workers run torch ops on one thread each (no OpenMP team to wait for), while the
+    caller and threads started later keep the caller's count; an error in a worker reaches the caller."""
+    from vsf.random import workers
+
+    mine = torch.get_num_threads()
+    counts = []
+    workers.run(lambda take: counts.extend(torch.get_num_threads() for _ in take), range(4), threads=2)
+    assert counts == [1] * 4
+    assert torch.get_num_threads() == mine
+    later = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [mine]
+
+    def fail(take):
+        for _ in take:
+            raise ValueError("in a worker")
+
+    with pytest.raises(ValueError, match="in a worker"):
+        workers.run(fail, range(3), threads=2)
 
 
 # -- statistics -----------------------------------------------------------------------------------

@@ -14,6 +14,13 @@ Two ways compute the same thing:
   ``CHUNK`` counters (whole rows together, or a long row in pieces), Philox running in place on
   buffers kept for the whole fill and writing each chunk's words in element order, so that a
   chunk allocates next to nothing (or, with ``vsf.config.compile_random``, one compiled kernel).
+  On CPU the chunks are shared out over ``torch.get_num_threads()`` worker threads
+  (:mod:`vsf.random.workers`), each with its own buffers and running its ops single-threaded:
+  a chunk is ~100 small ops, and as OpenMP parallel regions on the caller's thread they wait at
+  a barrier for every intra-op thread, which on a loaded machine made a draw 30-160x slower than
+  ``torch.randn`` (a thread pool over chunks measured 1.2-1.5x there). Which thread computes a
+  chunk never changes its bits. A fill on one thread, or of fewer than ``SERIAL`` elements
+  (whose ops torch runs on the calling thread anyway), or on another device, stays on the caller.
 * :func:`at` (inside ``vsf.jit`` and ``vsf.eval_shape``): per element, from ``arange`` s that
   broadcast over the global shape, so the traced graph is elementwise integer ops on iota that
   the planner shards like any elementwise op.
@@ -23,16 +30,19 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from vsf import config
+from vsf.random import workers
 from vsf.random.philox import MASK, Scratch, Word, philox4x32
 
 __all__ = ["CHUNK", "Transform", "at", "fill", "grid"]
 
 CHUNK = 1 << 16  # counters per chunk of an eager fill (its words and temporaries stay in cache)
+SERIAL = 1 << 15  # torch runs an elementwise op on fewer elements than this on the calling thread alone (at::internal::GRAIN_SIZE)
 
 Transform = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # an element's words -> its value (it may overwrite the words: each call gets its own)
 
@@ -53,6 +63,9 @@ def _interleave(k0: Word, k1: Word, counter: torch.Tensor, out: torch.Tensor) ->
     out.copy_(torch.stack([torch.stack(words[w::width], dim=-1) for w in range(width)]))
 
 
+_COMPILING = threading.Lock()
+
+
 @functools.cache
 def _compiled() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """:func:`_interleave` on exactly ``CHUNK`` counters as one compiled kernel that writes into
@@ -68,10 +81,16 @@ def _chunk_words(key: tuple[int, int], width: int, narrow: bool, most: int, devi
         kernel, k = _compiled(), torch.tensor(key, dtype=torch.int64, device=device)  # tensors, so a new key does not recompile
         words = torch.empty((width, CHUNK, 4 // width), dtype=torch.int64, device=device)
         padded = torch.zeros(CHUNK, dtype=torch.int64, device=device)
+        warm: list[bool] = []
 
         def compiled(counters: torch.Tensor) -> torch.Tensor:
             padded[: counters.numel()] = counters
-            kernel(k[0], k[1], padded, words)
+            if warm:
+                kernel(k[0], k[1], padded, words)
+            else:  # a first call may compile: one thread at a time
+                with _COMPILING:
+                    kernel(k[0], k[1], padded, words)
+                warm.append(True)
             return words[:, : counters.numel()]
 
         return compiled
@@ -96,11 +115,20 @@ def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, in
     starts = _row_index(shape[:-1], box[:-1], device).reshape(-1, 1) * per_row + first  # each row's first counter
     out = torch.empty((starts.shape[0], (stop - first) * lanes), dtype=dtype, device=device)
     narrow = math.prod(shape[:-1]) * per_row <= 2**32
-    words_of = _chunk_words(key, width, narrow, min(CHUNK, starts.shape[0] * (stop - first)), device)
-    for rows, cols in _chunks(starts.shape[0], stop - first):
-        words = words_of((starts[rows] + torch.arange(cols.start, cols.stop, device=device)).reshape(-1))
-        piece = out[rows, cols.start * lanes : cols.stop * lanes]
-        piece.copy_(transform([words[w].reshape(-1) for w in range(width)]).view(piece.shape))
+    most = min(CHUNK, starts.shape[0] * (stop - first))
+
+    def work(take: Iterator[tuple[slice, slice]]) -> None:
+        words_of = _chunk_words(key, width, narrow, most, device)
+        for rows, cols in take:
+            words = words_of((starts[rows] + torch.arange(cols.start, cols.stop, device=device)).reshape(-1))
+            piece = out[rows, cols.start * lanes : cols.stop * lanes]
+            piece.copy_(transform([words[w].reshape(-1) for w in range(width)]).view(piece.shape))
+
+    chunks = list(_chunks(starts.shape[0], stop - first))
+    if device.type == "cpu" and out.numel() >= SERIAL and torch.get_num_threads() > 1:
+        workers.run(work, chunks, min(torch.get_num_threads(), len(chunks)))
+    else:
+        work(iter(chunks))
     rows = out.view(*(b - a for a, b in box[:-1]), (stop - first) * lanes)
     return rows[..., lo - first * lanes : hi - first * lanes]
 

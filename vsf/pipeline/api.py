@@ -14,6 +14,10 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
 * ``loss_fn(y, *targets)`` turns the last stage's output into the microbatch's mean loss; the
   step's loss is the mean over the ``microbatches`` equal microbatches, so gradients are their
   mean: exactly the one-device gradient of the whole batch's mean loss.
+  Gradients are reduced once a step, as DDP reduces after its ``no_sync`` microbatches: a stage
+  program's backward leaves a param's gradient unreduced over the axes the param is replicated on
+  (``dp``: ``vsf.jit``'s ``unreduced_grad_argnums``), torch sums the microbatches' into ``.grad``,
+  and one planned program per stage all-reduces them in buckets and divides by ``microbatches``.
 * ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
   ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
   per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over

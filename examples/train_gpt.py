@@ -19,7 +19,7 @@ The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in
 ``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
 parallelism: attention runs on sequence shards); ``--pp N`` cuts the blocks into N pipeline stages
 over the pp axis (``vsf.pipeline``: GPipe, 1F1B or, with two stages per pp rank, interleaved 1F1B
-over ``--microbatches``; dp, fsdp and tp apply
+over ``--microbatches``; dp, fsdp, cp and tp apply
 inside each stage; checkpoints hold each stage's leaves once, so ``--resume`` works and a
 pipelined checkpoint loads onto any other layout).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
@@ -100,8 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
     if args.schedule == "interleaved" and args.pp > 1 and 2 * args.pp > args.layers:
         p.error(f"--schedule interleaved puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}")
-    if args.pp > 1 and args.cp > 1:
-        p.error("--pp > 1 does not run with --cp yet")
     if args.cp < 1 or args.seq % args.cp:
         p.error(f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)")
     return args
@@ -211,10 +209,11 @@ def make_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> Jitte
 
 def make_pipeline(args: argparse.Namespace, model: GPT, mesh: vsf.Mesh) -> vsf.pipeline.Pipeline:
     """The model cut into ``--pp`` stages of consecutive blocks over the mesh's pp axis, the batch
-    over every data-parallel axis, the tied embedding held by the first stage."""
+    over every data-parallel axis and each sequence over cp (the activations between stages too),
+    the tied embedding held by the first stage."""
     fns, loss, prefixes = pipeline_stages(model, args.pp * (2 if args.schedule == "interleaved" else 1))
     return vsf.pipeline.Pipeline(fns, loss, prefixes, mesh=mesh, microbatches=args.microbatches, schedule=args.schedule,
-                                 batch=P(("dp", "fsdp")), tied=("wte.weight",))
+                                 batch=BATCH, activations=BATCH, tied=("wte.weight",))
 
 
 def make_pipelined_step(pipe: vsf.pipeline.Pipeline, tx: optim.GradientTransformation) -> Any:

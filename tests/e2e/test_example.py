@@ -4,8 +4,8 @@
   step's loss equals (fp tolerance) the same run in one plain process (one rank, no simulation).
 * Sequences split over ``cp`` (4 simulated ranks, ``--cp 2`` with dp and with tp) give the
   one-process losses too.
-* Two pipeline stages (``--pp 2`` with ``--dp 2`` and with ``--tp 2``, 4 simulated ranks, 1F1B
-  and GPipe over 4 microbatches) give the losses of ``--pp 1`` in one process.
+* Two pipeline stages (``--pp 2`` with ``--dp 2``, with ``--tp 2`` and with ``--cp 2``, 4 simulated
+  ranks, 1F1B and GPipe over 4 microbatches) give the losses of ``--pp 1`` in one process.
 * The same run on 2 real gloo processes, started with ``python -m vsf.launch``, is killed with
   SIGKILL once a checkpoint is committed; ``--resume`` continues from that checkpoint, repeats
   the steps the killed run took after it bit for bit, and ends with the uninterrupted losses.
@@ -107,6 +107,7 @@ def background(tmp_path_factory):
         "pp1": Background(tmp_path_factory.mktemp("pp_1"), *PIPE, "--save-every", str(PIPE_STEPS)),
         "pp2dp2": Background(tmp_path_factory.mktemp("pp_2_dp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--dp", "2", "--save-every", str(PIPE_STEPS // 2)),
         "pp2tp2": Background(tmp_path_factory.mktemp("pp_2_tp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--tp", "2", "--schedule", "gpipe"),
+        "pp2cp2": Background(tmp_path_factory.mktemp("pp_2_cp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--cp", "2"),
     }
     yield runs
     for run in runs.values():
@@ -185,7 +186,10 @@ def test_sequences_split_over_cp_train_like_one_process(background, one_process,
     assert "cp " in sends
 
 
-@pytest.mark.parametrize("run, mesh, schedule", [("pp2dp2", "pp=2 x dp=2 x fsdp=1 x cp=1 x tp=1", "1f1b"), ("pp2tp2", "pp=2 x dp=1 x fsdp=1 x cp=1 x tp=2", "gpipe")])
+@pytest.mark.parametrize("run, mesh, schedule", [
+    ("pp2dp2", "pp=2 x dp=2 x fsdp=1 x cp=1 x tp=1", "1f1b"), ("pp2tp2", "pp=2 x dp=1 x fsdp=1 x cp=1 x tp=2", "gpipe"),
+    ("pp2cp2", "pp=2 x dp=1 x fsdp=1 x cp=2 x tp=1", "1f1b"),   # each sequence split over cp inside the stages, and between them
+])
 def test_two_pipeline_stages_train_like_one_process(background, run, mesh, schedule):
     background["pp1"].wait()
     want = [m["loss"] for m in metrics(background["pp1"].out)]
@@ -236,9 +240,6 @@ def test_unfit_pipelines_and_uneven_sequence_splits_are_refused(capsys):
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--pp", "3", "--layers", "2"])
     assert "--pp 3 must be between 1 and --layers 2" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_gpt.parse_args(["--pp", "2", "--cp", "2"])
-    assert "--pp > 1 does not run with --cp yet" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--cp", "3", "--seq", "32"])
     assert "must be a positive divisor of --seq 32" in capsys.readouterr().err

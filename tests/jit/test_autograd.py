@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate
 from toy_models import Block, GPTConfig
 
 import vsf
@@ -140,6 +141,36 @@ def test_accumulation_retain_graph_and_outputs_without_grad(sim):
     ((o1 ** 2).sum() + o2.sum()).backward(retain_graph=True)  # two calls accumulate before one backward
     o1.sum().backward()  # the same output used again
     assert_grads(p, {k: v.grad for k, v in ref.items()})
+    assert g.plan_count == 1
+
+
+def test_unreduced_gradients_accumulate_over_calls_and_reduce_once(sim):
+    # DDP's no_sync: with the batch over dp, a replicated param's gradient comes back a partial sum
+    # over dp (no all-reduce in the backward), torch sums two calls' into .grad, and reducing it
+    # once gives the one-device gradient of both calls; the activation's gradient is reduced as usual
+    block, params, x = block_case()
+    x2 = torch.randn_like(x)
+    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    (fn(ref, x).sum() + fn(ref, x2).sum()).backward()
+    want_x = eager_grads(fn, params, x)[1][0]
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    p = sharded_params(mesh, params, megatron_specs(params))
+    g = vsf.jit(fn, unreduced_grad_argnums=(0,))
+    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True) for v in (x, x2)]
+    for v in xs:
+        g(p, v).sum().backward()
+    lowered = g.lower(p, xs[0])
+    assert lowered.cost().comm_bytes["dp"] == 0 < vsf.jit(fn).lower(p, xs[0]).cost().comm_bytes["dp"]
+    shown = lowered.grad_shardings[0][0]
+    for k, w in p.items():
+        dp_, tp_ = w.grad.placements
+        assert dp_ == Partial() and (tp_ == w.placements[1] or (w.placements[1] == Replicate() and tp_ == Partial())), (k, w.grad.placements)
+        assert vsf.sharding.named.sharding_of(w.grad) == shown[k] and "dp" in shown[k].spec.unreduced, k
+        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), ref[k].grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert xs[0].grad.placements == xs[0].placements and lowered.grad_shardings[0][1] == vsf.NamedSharding(mesh, P("dp"))
+    torch.testing.assert_close(vsf.device_get(xs[0].grad), want_x, rtol=1e-5, atol=1e-6)
     assert g.plan_count == 1
 
 

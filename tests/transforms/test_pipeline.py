@@ -1,6 +1,8 @@
-"""vsf.pipeline under vsf.simulate: a GPT split into stages over pp (GPipe and 1F1B, alone and with
-dp / tp inside the stages) trains with the losses and params of the same steps on one device; the
-in-order runner plays torch's schedule order; bad splits are errors that name the key path."""
+"""vsf.pipeline under vsf.simulate: a GPT split into stages over pp (GPipe, 1F1B and interleaved, alone
+and with dp / tp inside the stages) trains with the losses and params of the same steps on one device;
+a step all-reduces the dp-replicated params' gradients once (DDP's bytes, whatever the number of
+microbatches); the in-order runner plays torch's schedule order; bad splits are errors that name the
+key path."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
 BATCH, STEPS = 8, 2
 TX = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
 MEGATRON = [(r".*(qkv|fc1)\.weight", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+TP_SPLIT = re.compile(r".*(qkv|fc1|proj|fc2)\.weight")   # the leaves MEGATRON splits over tp
 
 
 def _model(layers: int) -> tuple[GPT, dict[str, torch.Tensor]]:
@@ -43,8 +46,11 @@ def _one_device(model: GPT, params: dict[str, torch.Tensor]) -> tuple[list[float
 
 CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs every op once per rank
     (2, 1, 1, "gpipe", 8),
+    (2, 2, 1, "gpipe", 2),
     (2, 2, 1, "1f1b", 4),
     (2, 1, 2, "1f1b", 4),
+    (2, 2, 2, "1f1b", 4),
+    (2, 2, 1, "interleaved", 4),
     (4, 1, 1, "1f1b", 4),
     (2, 1, 1, "interleaved", 4),   # 2 stages on each pp rank: 4 stages of one block
 ]
@@ -92,13 +98,28 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     # test_stage_order_is_torchs compares that order with torch's)
     assert [[a for a in pipe.order if a[0] % pp == rank] for rank in range(pp)] == sched.rank_actions(schedule, pp, stages, m)
     _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), stages, dp, schedule, m)
+    for c in lowered.cost().stages:
+        assert c.comm_bytes["dp"] == _ddp_bytes(params, pipe.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1), c.stage
+        if tp == 1:   # one bucket (with tp, the tied head's gradient is unreduced over tp as well: its own)
+            assert c.reduce.count("all_reduce", "dp") == (dp > 1), c.stage
+
+
+def _ddp_bytes(params, names, dp, tp, m, last):
+    """Hand-computed bytes one rank of a stage sends over dp a step: its params' gradients (the
+    leaves ``names``, owned and lent, each rank's tp shard of them) all-reduced once, as DDP does
+    (ring: ``2(n-1)/n`` of them), and on the last stage the loss's mean, whose sum and token count
+    (two f32) are all-reduced once a microbatch."""
+    ring = 2 * (dp - 1) / dp
+    grads = sum(params[k].numel() * 4 // (tp if TP_SPLIT.match(k) else 1) for k in names)
+    return ring * grads + (m * ring * 2 * 4 if last else 0)
 
 
 def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
-    """(``pp``: the number of stages, two per pp rank under the interleaved schedule)"""
+    """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches).
+    (``pp``: the number of stages, two per pp rank under the interleaved schedule)"""
     ranks = pp // 2 if schedule == "interleaved" else pp
-    """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches)."""
     assert all(prog.plan_count == 1 for prog in pipe._programs.values())   # the plans shown are the plans that ran
+    assert all(prog.plan_count == 1 for prog in pipe._reducers.values())
     act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
     per_mb, wte = BATCH // m // dp * cfg.seq * cfg.dim * 4, cfg.vocab * cfg.dim * 4
     want = (
@@ -119,13 +140,31 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
         assert c.borrowed_bytes == (wte if c.stage == pp - 1 else 0)
         if schedule != "interleaved":
             assert c.in_flight == (m if schedule == "gpipe" else min(m, pp - c.stage))
-        if dp == 2 and c.stage == 0:   # replicated params, batch over dp: each microbatch's backward all-reduces the grads (ring: 2(n-1)/n = 1x)
-            assert c.comm_bytes["dp"] == m * c.param_bytes
+        # replicated params, batch over dp: a microbatch's backward leaves their gradients unreduced
+        # (torch sums them into .grad), the step's one reduction all-reduces them
+        assert c.program.comm_bytes["dp"] == 0, c.stage
     text = lowered.as_text()
     assert f"pipeline of {pp} stages over pp" in text and f"{schedule}, {m} microbatches a step" in text
     shown = f"{per_mb} B" if per_mb < 1024 else f"{per_mb / 1024:.1f} KiB"
     assert re.search(rf"activation +stage 0 -> 1 +f32\[{','.join(map(str, act))}\] +{shown} x {m} = ", text)
     assert text.count("differentiated by torch autograd") == pp + 1   # each stage's programs, and the loss's
+
+
+def test_dp_gradients_are_reduced_once_a_step_whatever_the_microbatches(sim):
+    # DDP's bytes over dp a step, as many microbatches as there are: the first stage's are its
+    # params' all-reduce alone, the same for m = 2 and m = 4
+    model, params = _model(layers=2)
+    fns, loss_fn, prefixes = pipeline_stages(model, 2)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("pp", "dp"))
+    dp_bytes = {}
+    for m in (2, 4):
+        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("dp"), tied=("wte.weight",))
+        lowered = pipe.lower(pipe.place(params), *batch_at(0, BATCH, model.cfg))
+        dp_bytes[m] = [c.comm_bytes["dp"] for c in lowered.cost().stages]
+        assert dp_bytes[m] == [_ddp_bytes(params, pipe.split.names[s], 2, 1, m, last=s == 1) for s in range(2)]
+        assert re.search(r"gradients reduced once a step: dp 1\d\.\d KiB", lowered.as_text())
+    assert dp_bytes[2][0] == dp_bytes[4][0] == sum(v.numel() * 4 for k, v in params.items() if k.startswith(tuple(prefixes[0])))
 
 
 @pytest.mark.parametrize("schedule,cls", [("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)])

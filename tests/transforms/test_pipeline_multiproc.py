@@ -3,7 +3,8 @@ ScheduleInterleaved1F1B run the jitted stages over the pp groups; a GPT trained 
 microbatches, AdamW with clipping by the global norm and weight decay) equals the same steps on one
 device in each process: pp=2 and the interleaved schedule (two stages per rank) on 2 processes,
 pp=2 x dp=2 and pp=4 on 4. Each run's pipe.lower, made on the processes, reports the sends of a
-step (hand-computed bytes here) and the plans the steps reuse. Both workers run as sections of
+step and the bytes over dp (DDP's: the gradients all-reduced once a step; both hand-computed here)
+and the plans the steps reuse. Both workers run as sections of
 the suite's one launch per world size (``world`` in tests/conftest.py)."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ pytestmark = pytest.mark.multiprocess
 
 BATCH, M, SEQ, DIM, VOCAB = 8, 4, 8, 16, 16
 BLOCK = ["attn.proj.weight", "attn.qkv.weight", "fc1.weight", "fc2.weight", "ln1.weight", "ln2.weight"]
+NUMEL = {"attn.proj.weight": DIM * DIM, "attn.qkv.weight": 3 * DIM * DIM, "fc1.weight": 4 * DIM * DIM, "fc2.weight": 4 * DIM * DIM,
+         "ln1.weight": DIM, "ln2.weight": DIM, "wpe.weight": SEQ * DIM, "wte.weight": VOCAB * DIM, "lnf.weight": DIM}
 
 
 def held(stage, pp):
@@ -33,6 +36,15 @@ def sends(n, dp, ranks):
         + [["gradient of tied wte.weight", n - 1, 0, wte, w, 1]]
         + [["loss", n - 1, s, [], 4, 1] for s in range(ranks - 1)]   # broadcast to the other pp ranks
     )
+
+
+def dp_bytes(stage, pp, dp):
+    """A step's bytes over dp from one rank of stage ``stage`` (hand-computed): its gradients, the
+    lent wte's on the last stage too, all-reduced once (ring: 2(n-1)/n of them, DDP's bytes), and
+    the last stage's loss sum and token count (two f32) all-reduced once a microbatch."""
+    ring, last = 2 * (dp - 1) / dp, stage == pp - 1
+    grads = sum(NUMEL[k.split(".", 2)[-1] if k.startswith("blocks.") else k] for k in held(stage, pp)) + (VOCAB * DIM if last else 0)
+    return ring * grads * 4 + (M * ring * 2 * 4 if last else 0)
 
 
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
@@ -69,5 +81,7 @@ def _check(world_dp, ranks):
             assert got["sends"] == sends(n, dp, pp), where
             assert got["stages"] == mine, where
             assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp, pp) if x[1] in mine), where
+            assert got["dp_bytes"] == [dp_bytes(s, n, dp) for s in mine], where
+            assert got["reducer_plans"] == [1] * len(mine), where
             assert got["param_bytes"] == got["memory"] > 0, where
             assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), where   # each stage's (and the loss's) plan, made once

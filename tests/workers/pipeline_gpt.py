@@ -70,6 +70,8 @@ def pipelined(pp, dp, schedule, stages=None):
         "sends": [[x.what, x.src, x.dst, list(x.shape), x.bytes, x.count] for x in lowered.sends],
         "stages": [c.stage for c in lowered.cost().stages],
         "pp_bytes": sum(c.comm_bytes["pp"] for c in lowered.cost().stages),
+        "dp_bytes": [c.comm_bytes.get("dp", 0) for c in lowered.cost().stages],
+        "reducer_plans": [r.plan_count for r in pipe._reducers.values()],
         "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
         "memory": vsf.debug.memory_report(p).get(rank, 0),
     }

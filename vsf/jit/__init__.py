@@ -3,6 +3,7 @@
 The package's files are the stages of a call, read top-down:
 
 * :mod:`~vsf.jit.api` - ``jit``, ``Jitted``, ``Lowered``, ``Compiled``: arguments, cache, re-planning;
+* :mod:`~vsf.jit.replans` - why a call planned again (the first difference of two cache keys);
 * :mod:`~vsf.jit.trace` - the step as one functional aten graph on global fake tensors;
 * :mod:`~vsf.jit.graph` - facts about that fx graph every stage reads;
 * :mod:`~vsf.jit.classify` - what kind each op is (decided once, carried on the plan);

@@ -31,17 +31,17 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, tree
-from vsf.jit.differentiable import JointPlan, attach, grad_mask, plan_joint, program
+from vsf.jit.differentiable import JointPlan, attach, grad_mask, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import check_not_donated, donate
 from vsf.jit.graph import output_node
 from vsf.jit.plan import Placements, Plan
 from vsf.jit.propagate import propagate
+from vsf.jit.replans import replan_reason
 from vsf.jit.runner import Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text
 from vsf.jit.trace import Traced, trace
-from vsf.sharding.inspect import type_string
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
 from vsf.sharding.put import device_put, is_sharding_leaf
@@ -55,7 +55,7 @@ log = logging.getLogger("vsf.jit")
 def jit(
     fun: Callable[..., Any] | None = None, *, in_shardings: Any = None, out_shardings: Any = None,
     static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-    reshard_after_forward: bool | None = None, memory_budget: int | None = None,
+    reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: int | Sequence[int] = (),
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -72,6 +72,9 @@ def jit(
       afterwards raises an error that says so.
     * ``reshard_after_forward`` (FSDP2's name): ``True`` gathers a sharded param again in the backward, ``False``
       keeps it; ``None``: only if ``.cost().peak_bytes`` would exceed ``memory_budget`` (bytes per rank).
+    * ``unreduced_grad_argnums``: arguments whose DTensors' gradients (under torch autograd) come back
+      unreduced (``Partial``) on the axes they are replicated on, where the plan holds them so (a
+      weight's, the batch over ``dp``): ``.grad`` sums calls' linearly, the caller reduces once (DDP's ``no_sync``).
 
     Called with grad mode on and an input that requires grad, the result is differentiable by
     torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
@@ -88,8 +91,8 @@ def jit(
         >>> block(params, x).square().mean().backward(); opt.step()      # param.grad: DTensors
     """
     if fun is None:
-        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget)
-    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget)
+        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=unreduced_grad_argnums)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=_tuple(unreduced_grad_argnums))
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -113,8 +116,8 @@ class _Call:
         """:func:`vsf.jit.differentiable.grad_mask` of the call's leaves."""
         return self.key[4]
 
-    def donated(self, argnums: Sequence[int]) -> list[int]:
-        """Positions, among the tensor leaves, of the leaves of positional arguments ``argnums``."""
+    def leaves_of(self, argnums: Sequence[int]) -> list[int]:
+        """Positions, among the call's leaves, of the leaves of positional arguments ``argnums``."""
         out, offset = [], 0
         for pos, a in zip(self.positions, self.dyn[0]):
             n = len(tree.leaves(a))
@@ -142,7 +145,7 @@ class _Call:
 class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
-    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None) -> None:
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = ()) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -151,6 +154,7 @@ class Jitted:
         self.static_argnames = static_argnames
         self.donate_argnums = donate_argnums
         self.reshard_after_forward, self.memory_budget = reshard_after_forward, memory_budget
+        self.unreduced_grad_argnums = unreduced_grad_argnums
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
@@ -300,7 +304,7 @@ class Jitted:
     # -- planning -------------------------------------------------------------------------
 
     def _compile(self, call: _Call) -> "Compiled":
-        reason = _why(self._last_key, call.key, call.names)
+        reason = replan_reason(self._last_key, call.key, call.names)
         self.replans.append(reason)
         log.info("planning %s: %s", self._name, reason)
         self._last_key = call.key
@@ -312,8 +316,8 @@ class Jitted:
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
         if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
-            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets)
-            compiled = DifferentiableCompiled(self, joint, traced, call.names, out_names, call.leaves) if joint is not None else None
+            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.leaves_of(self.unreduced_grad_argnums))
+            compiled = DifferentiableCompiled(self, joint, traced, call.names, out_names, call.leaves, call.key[0]) if joint is not None else None
         if compiled is None:
             plan = propagate(
                 traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
@@ -388,25 +392,6 @@ def _arg_name(path: Any) -> str:
     return head + tree.keystr(tuple(entries[1:]), brackets=True)
 
 
-def _why(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list[str]) -> str:
-    if old is None:
-        return "first call"
-    if old[0] != new[0]:
-        return f"argument structure changed: {old[0]} -> {new[0]}"
-    if old[3] != new[3]:
-        return f"mesh changed: {old[3]!r} -> {new[3]!r}"
-    if old[2] != new[2]:
-        return f"static arguments changed: {old[2]} -> {new[2]}"
-    if old[4] != new[4]:
-        wrt = lambda g: ", ".join(n for n, m in zip(names, g or ()) if m is not None) or "none"  # noqa: E731
-        return f"inputs differentiated by torch autograd changed: {wrt(old[4])} -> {wrt(new[4])}"
-    for name, a, b in zip(names, old[1], new[1]):
-        if a != b:
-            changed = [w for w, x, y in (("shape", a[0], b[0]), ("dtype", a[1], b[1]), ("sharding", a[2], b[2]), ("kind", a[3], b[3])) if x != y]
-            return f"{name}: {' and '.join(changed)} changed, {type_string(a[0], a[1], old[3], a[2])} -> {type_string(b[0], b[1], new[3], b[2])}"
-    return "cache miss"
-
-
 # -- compiled programs ---------------------------------------------------------------------
 
 
@@ -433,7 +418,7 @@ class Compiled:
 
     def _run(self, call: _Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
-        locals_out = self._runner(locals_in, check, lambda: call.donated(self.owner.donate_argnums))
+        locals_out = self._runner(locals_in, check, lambda: call.leaves_of(self.owner.donate_argnums))
         return self._result([_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)])
 
     def _result(self, outs: list[DTensor]) -> Any:
@@ -453,9 +438,10 @@ class DifferentiableCompiled(Compiled):
     as its forward and backward programs inside one ``torch.autograd.Function``
     (:mod:`vsf.jit.differentiable`)."""
 
-    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, input_names: list[str], output_names: list[str], leaves: list[Any]) -> None:
+    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, input_names: list[str], output_names: list[str], leaves: list[Any], in_tree: tree.PyTreeSpec) -> None:
         super().__init__(owner, joint.plan, traced, input_names, output_names)
         self.parts = joint.parts
+        self.grad_shardings = tree.unflatten(in_tree, grad_shardings(joint, leaves))
         self.grad_names = [f"grad of {input_names[i]}" for i in joint.with_grad]
         self._runners = (Runner(joint.parts.forward), Runner(joint.parts.backward))
         self._program = program(owner._name, joint, leaves, self._out_specs, _out_metas(traced), lambda k, xs, check: self._runners[k](xs, check))
@@ -493,6 +479,13 @@ class Lowered:
         """Bytes each rank sends per mesh axis, the collectives, the estimated peak memory per rank,
         and the FLOPs each rank runs in matmuls, convolutions and attention (:class:`vsf.jit.report.Cost`)."""
         return self._compiled._cost()
+
+    @property
+    def grad_shardings(self) -> Any:
+        """Each DTensor argument's gradient's sharding under torch autograd, as ``(args, kwargs)``
+        (``None``: no gradient, or not a DTensor; the whole ``None``: the call is not differentiated).
+        E.g. ``P(unreduced=('dp',))`` for ``lower(w, x).grad_shardings[0][0]`` under ``unreduced_grad_argnums=(0,)``."""
+        return getattr(self._compiled, "grad_shardings", None)
 
     def compile(self) -> Compiled:
         """The runnable program (call it with the same arguments)."""

@@ -43,7 +43,7 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement
 
 __all__ = [
-    "COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "local_bytes", "local_flops", "local_shape", "op_flops",
+    "COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "REPLICATED_OR_SUM", "is_sum", "local_bytes", "local_flops", "local_shape", "op_flops",
     "splits_work", "transition_bytes", "transition_kind", "unsplit_bytes",
 ]
 
@@ -66,6 +66,13 @@ _COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "al
 
 
 NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
+REPLICATED_OR_SUM = object()  # requirement of a graph output that may stay an unreduced sum, else replicated
+
+
+def is_sum(p: Any) -> bool:
+    """Is ``p`` an unreduced partial sum (``Partial("sum")``, JAX's unreduced), the one partial
+    that adds linearly across calls and that a spec can name?"""
+    return type(p) is Partial and p.reduce_op == "sum"
 
 
 def transition_bytes(kind: str, n: int, full_bytes: float) -> float:
@@ -124,12 +131,16 @@ class Codes:
     def _fixed(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:
             return self._fixed(a, R) if isinstance(a, Partial) else 0.0
+        if b is REPLICATED_OR_SUM:
+            return 0.0 if is_sum(a) else self._fixed(a, R)
         return COLLECTIVE_LATENCY_BYTES if transition_kind(a, b) in _COLLECTIVE_KINDS else 0.0
 
     def _factor(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:
             return self._factor(a, R) if isinstance(a, Partial) else 0.0
-        if a is NOT_PARTIAL:
+        if b is REPLICATED_OR_SUM:
+            return 0.0 if is_sum(a) else self._factor(a, R)
+        if a is NOT_PARTIAL or a is REPLICATED_OR_SUM:
             return INF
         kind = transition_kind(a, b)
         return 0.0 if kind is None else INF if kind == "invalid" else transition_bytes(kind, self.n, 1.0)

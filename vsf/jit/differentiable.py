@@ -6,7 +6,9 @@ saved values handed from one to the other.
 Cotangents that arrive in another layout than the plan's are redistributed once, before the
 backward program runs; an output whose cotangent does not arrive gets zeros. A DTensor input's
 gradient comes back as a DTensor with the input's placements (the plan reduces it once, where it
-says); a plain tensor input's gradient as a plain tensor.
+says), or, for an input named by ``unreduced``, unreduced on the axes it is replicated on where
+the plan holds it as a partial sum there (the caller reduces it, once for many calls); a plain
+tensor input's gradient as a plain tensor.
 
 Example::
 
@@ -37,7 +39,7 @@ from vsf.sharding.named import NamedSharding, from_placements, sharding_of
 from vsf.sharding.put import device_put
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["JointPlan", "Program", "attach", "grad_mask", "plan_joint", "program"]
+__all__ = ["JointPlan", "Program", "attach", "grad_mask", "grad_shardings", "plan_joint", "program"]
 
 
 Run = Callable[[int, list[torch.Tensor], bool], list[torch.Tensor]]  # (0 forward / 1 backward, locals, check) -> locals
@@ -82,6 +84,7 @@ def plan_joint(
     grad: Sequence[Any],
     traced: Traced,
     out_targets: Sequence[NamedSharding | None],
+    unreduced: Sequence[int] = (),
 ) -> JointPlan | None:
     """Trace ``fun``'s joint graph for a call (its ``inputs`` as DTensors, its ``leaves`` as passed,
     ``grad`` from :func:`grad_mask`), plan it once and split it; ``traced`` is the forward alone and
@@ -91,7 +94,8 @@ def plan_joint(
     Every output's sharding is fixed before the joint graph is planned, since its cotangent is
     planned to arrive in it: ``out_shardings`` or a carried argument's, a scalar replicated, any other
     as the forward alone is planned. Each gradient is planned to end in its input's sharding
-    (a plain tensor's: replicated)."""
+    (a plain tensor's: replicated), or for a DTensor leaf in ``unreduced`` (indices into
+    ``leaves``) an unreduced sum on the axes that sharding replicates, where the plan holds it so."""
     in_placements = [tuple(x.placements) for x in inputs]
     out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
     targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets)
@@ -102,12 +106,33 @@ def plan_joint(
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)
     grad_targets = [sharding_of(leaves[i]) if isinstance(leaves[i], DTensor) else NamedSharding(mesh, PartitionSpec()) for i in with_grad]
+    may_stay = [_replicated_axes(mesh, leaves[i]) if i in unreduced else () for i in with_grad]
     plan = propagate(
         joint.traced.graph, mesh, in_placements + [to_placements(t) for t in targets], targets + grad_targets,
-        allow_replicated_fallback=config.allow_replicated_fallback,
+        allow_replicated_fallback=config.allow_replicated_fallback, unreduced=[()] * len(targets) + may_stay,
     )
     parts = partition(plan, len(avals), len(out_metas), [j for j, d in enumerate(joint.differentiable) if d])
     return JointPlan(plan, parts, joint, with_grad)
+
+
+def _replicated_axes(mesh: Mesh, leaf: Any) -> tuple[str, ...]:
+    """The mesh axes a DTensor leaf is replicated on (none for a plain tensor)."""
+    if not isinstance(leaf, DTensor):
+        return ()
+    return tuple(a for a, p in zip(mesh.device_axes, leaf.placements) if p.is_replicate())
+
+
+def grad_shardings(jp: JointPlan, leaves: Sequence[Any]) -> list[NamedSharding | None]:
+    """Per leaf of the call planned as ``jp``, the sharding its gradient comes back in if it is a
+    DTensor that gets one (unreduced axes: a partial sum there), else ``None``.
+
+    Example::
+
+        >>> grad_shardings(jp, [w, x, 2.0])   # w replicated, x split over dp, w in ``unreduced``
+        [NamedSharding(mesh, P(unreduced=('dp',))), NamedSharding(mesh, P('dp')), None]
+    """
+    grads = dict(zip(jp.with_grad, jp.plan.outputs[jp.joint.n_outputs:]))
+    return [from_placements(jp.plan.mesh, grads[i], x.ndim) if i in grads and isinstance(x, DTensor) else None for i, x in enumerate(leaves)]
 
 
 def _output_shardings(mesh: Mesh, traced: Traced, in_placements: list[Placements], out_metas: list[torch.Tensor], out_targets: Sequence[NamedSharding | None]) -> list[NamedSharding]:

@@ -43,9 +43,8 @@ from vsf import _compat, config
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.classify import classify, constant_nodes
-from vsf.jit.cost import NOT_PARTIAL, Codes
 from vsf.jit import context_parallel, manual
-from vsf.jit.cost import transition_kind
+from vsf.jit.cost import NOT_PARTIAL, REPLICATED_OR_SUM, Codes, is_sum, transition_kind
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
@@ -69,18 +68,23 @@ def propagate(
     allow_replicated_fallback: bool = False,
     reshard_after_forward: bool | None = None,
     memory_budget: int | None = None,
+    unreduced: Sequence[Sequence[str]] | None = None,
 ) -> Plan:
     """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
 
     ``in_placements`` gives each placeholder's DTensor placements (over ``mesh.device_axes``);
     ``out_shardings`` each output's required sharding, ``None`` to let propagation choose
-    (anything but an unreduced partial). ``reshard_after_forward``: whether a gathered input is
-    gathered again for its later uses (:func:`_regathered`); ``None`` lets ``memory_budget``
+    (anything but an unreduced partial). ``unreduced``: per output, mesh axes on which it may
+    stay an unreduced partial sum where its required sharding replicates it (a gradient the
+    caller accumulates over calls and reduces once): it stays so where the plan holds it as one,
+    which costs nothing there (a replicated result is not split into a partial one).
+    ``reshard_after_forward``: whether a gathered input is gathered again for its later uses (:func:`_regathered`); ``None`` lets ``memory_budget``
     (bytes per rank) decide: kept gathered unless the plan's estimated peak would exceed it.
     """
     axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
     placeholders = placeholders_of(gm)
     outputs = [value_of(a) for a in _compat.torch_tree_leaves(output_node(gm).args)]
+    unreduced = list(unreduced) if unreduced is not None else [()] * len(outputs)
     ops = op_nodes(gm)
     constants = constant_nodes(gm.graph)
     manual.mark(gm, constants)
@@ -105,7 +109,7 @@ def propagate(
             key=repr,
         )
         problem.out_req[axis] = [
-            (v, NOT_PARTIAL if s is None else one_d(to_placements(s)[k])) for v, s in zip(outputs, out_shardings)
+            (v, _out_requirement(s, k, axis in ok)) for v, s, ok in zip(outputs, out_shardings, unreduced)
         ]
         problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
@@ -117,11 +121,27 @@ def propagate(
                 solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
                 solver.solve()
                 problem.solved[axis] = solver
-        plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings)
+        plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
     plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=bool(reshard_after_forward))
     if reshard_after_forward is None and memory_budget is not None and peak_bytes(plan) > memory_budget:
         plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=True)
     return plan
+
+
+def _out_requirement(s: NamedSharding | None, k: int, may_stay_unreduced: bool) -> Any:
+    """What a graph output required as ``s`` (``None``: anything but a partial) must be on mesh
+    dim ``k``: ``s``'s placement there, or an unreduced sum as well where ``s`` replicates it and
+    ``may_stay_unreduced``."""
+    if s is None:
+        return NOT_PARTIAL
+    p = one_d(to_placements(s)[k])
+    return REPLICATED_OR_SUM if may_stay_unreduced and p == R else p
+
+
+def _kept_unreduced(axes: Sequence[str], arrived: Placements, want: Placements, unreduced: Sequence[str]) -> Placements:
+    """An output's placements: ``want``, but an unreduced sum as it arrives on each axis of
+    ``unreduced`` where ``want`` replicates it."""
+    return tuple(a if axis in unreduced and w == R and is_sum(a) else w for axis, a, w in zip(axes, arrived, want))
 
 
 def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
@@ -133,10 +153,12 @@ def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
 
 
 def _check_with_dtensor(
-    problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None]
+    problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None],
+    unreduced: Sequence[Sequence[str]],
 ) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
     """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
-    propagation), every redistribution with its users, and the outputs' placements."""
+    propagation), every redistribution with its users, and the outputs' placements (an output
+    that may stay unreduced on an axis keeps an unreduced sum it arrives with there)."""
     mesh, gm = problem.mesh, problem.gm
     dm_axes = list(mesh.device_axes)
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
@@ -204,8 +226,8 @@ def _check_with_dtensor(
     out_node = output_node(gm)
     outs = [value_of(a) for a in _compat.torch_tree_leaves(out_node.args)]
     final = []
-    for v, s in zip(outs, out_shardings):
-        dst = to_placements(s) if s is not None else _expressible(mesh, meta_of(v), actual[v])
+    for v, s, ok in zip(outs, out_shardings, unreduced):
+        dst = _kept_unreduced(dm_axes, actual[v], to_placements(s), ok) if s is not None else _expressible(mesh, meta_of(v), actual[v])
         move(v, dst, out_node)
         final.append(dst)
     return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final

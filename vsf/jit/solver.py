@@ -24,7 +24,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
-from vsf.jit.cost import INF, NOT_PARTIAL, Codes, op_flops, splits_work, transition_bytes, unsplit_bytes
+from vsf.jit.cost import INF, NOT_PARTIAL, REPLICATED_OR_SUM, Codes, op_flops, splits_work, transition_bytes, unsplit_bytes
 from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
 from vsf.jit.plan import R, is_shard, split_dim
 from vsf.jit.strategies import Strategies, Strategy
@@ -59,7 +59,7 @@ class AxisSolver:
         for v, req in problem.out_req[axis]:
             c = codes.code(req)
             self.need[vid[v]][c] = self.need[vid[v]].get(c, 0) + 1
-            if req is not NOT_PARTIAL:
+            if req is not NOT_PARTIAL and req is not REPLICATED_OR_SUM:
                 self.final[vid[v]] = c
         self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in problem.ops]

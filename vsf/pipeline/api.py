@@ -14,6 +14,10 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
 * ``loss_fn(y, *targets)`` turns the last stage's output into the microbatch's mean loss; the
   step's loss is the mean over the ``microbatches`` equal microbatches, so gradients are their
   mean: exactly the one-device gradient of the whole batch's mean loss.
+  Gradients are reduced once a step, as DDP reduces after its ``no_sync`` microbatches: a stage
+  program's backward leaves a param's gradient unreduced over the axes the param is replicated on
+  (``dp``: ``vsf.jit``'s ``unreduced_grad_argnums``), torch sums the microbatches' into ``.grad``,
+  and one planned program per stage all-reduces them in buckets and divides by ``microbatches``.
 * ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
   ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
   per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over
@@ -58,7 +62,7 @@ from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.pipeline import schedule as sched
 from vsf.pipeline.lower import PipelineLowered, Send, StageCost, in_flight, saved_bytes, send
 from vsf.pipeline.split import Split, assign, leaf_names
-from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, shard_bytes, stage_program, stand_in
+from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, mean_reducer, shard_bytes, stage_program, stand_in
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_put
@@ -114,6 +118,7 @@ class Pipeline:
         self._shapes: dict[str, ShapeDtypeStruct] = {}
         self._specs: dict[str, PartitionSpec] = {}
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
+        self._reducers: dict[int, Any] = {}
         self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
         if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
@@ -218,7 +223,7 @@ class Pipeline:
         sends = self._sends(bounds)
         actions = [[(kind, mb) for acts in self.actions() for st, kind, mb in acts if st == s] for s in range(self.num_stages)]
         last = self.num_stages - 1
-        stages, costs, loss = {}, [], None
+        stages, reducers, costs, loss = {}, {}, [], None
         with torch.enable_grad():
             for s in self.local_stages():
                 ins, out, dtype = bounds[s]
@@ -228,18 +233,21 @@ class Pipeline:
                 weights = {k: self._weight(k, s, values, lent) for k in names}
                 xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
                 stages[s] = self._program(s, out[0]).lower(weights, *xs)
+                grads = stages[s].grad_shardings[0][0]   # as the backward leaves them: unreduced over dp
+                summed = {k: stand_in((grads[k] or self._where(k, s)[0], self._shapes[k].shape), self._shapes[k].dtype) for k in names}
+                reducers[s] = self._reducer(s).lower(summed)
                 held = shard_bytes(out, dtype) + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
                 if s == last:
                     ts = [stand_in(where, t.dtype) for where, t in zip(self._target_ins(targets), targets)]
                     loss = self._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
                     held += saved_bytes(loss, 0)
                 costs.append(StageCost(
-                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, self.microbatches,
+                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, reducers[s].cost(), self.microbatches,
                     sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
                     sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
                     held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
                 ))
-        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, costs, sends)
+        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, reducers, costs, sends)
 
     def _sends(self, bounds: list[tuple[list[Boundary], Boundary, torch.dtype]]) -> list[Send]:
         """Every transfer over ``pp`` of a step, in the order of the step: the tied params lent,
@@ -326,8 +334,16 @@ class Pipeline:
         with other shapes re-plans inside it, as any jitted function does)."""
         key = (s, out)
         if key not in self._programs:
-            self._programs[key] = stage_program(self.stages[s], out)
+            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,))
         return self._programs[key]
+
+    def _reducer(self, s: int) -> Any:
+        """Stage ``s``'s program reducing its gradients once a step: their mean over the
+        microbatches, in each param's layout (the stage program leaves them unreduced over the
+        axes a param is replicated on: DDP's one all-reduce a step, not one a microbatch)."""
+        if s not in self._reducers:
+            self._reducers[s] = mean_reducer(self.microbatches, {k: self._where(k, s)[0] for k in self.split.names[s]})
+        return self._reducers[s]
 
     def _loss_program(self, last: int) -> Any:
         key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))
@@ -433,14 +449,14 @@ class Pipeline:
     # -- results ----------------------------------------------------------------------------------
 
     def _gradients(self, mods: dict[int, StageModule]) -> dict[str, DTensor]:
-        """Each owned leaf's gradient: the mean over microbatches, the borrowers' summed in (sent
-        over ``pp`` to the owner between processes)."""
-        m = self.microbatches
+        """Each owned leaf's gradient: the mean over microbatches (reduced once, by the stage's
+        :meth:`_reducer`), the borrowers' summed in (sent over ``pp`` to the owner between
+        processes)."""
         grads: dict[str, DTensor] = {}
         lent: dict[tuple[str, int], DTensor] = {}
         for s, mod in sorted(mods.items()):
-            for k, w in zip(mod.names, mod.weights):
-                g = _settled(w.grad if w.grad is not None else torch.zeros_like(w), w) / m
+            summed = {k: w.grad if w.grad is not None else torch.zeros_like(w) for k, w in zip(mod.names, mod.weights)}
+            for k, g in self._reducer(s)(summed).items():
                 if self.split.owner[k] == s:
                     grads[k] = g
                 else:
@@ -480,9 +496,3 @@ def _loss_local(mod: StageModule, y: torch.Tensor, targets: list[torch.Tensor]) 
     loss = mod.loss_program(*[as_global(v, where) for v, where in zip([y, *targets], mod.loss_ins)])
     return local_of(loss, mod.loss_program.out_shardings)
 
-
-def _settled(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A gradient in its param's layout (a pending ``Partial`` reduced once)."""
-    if isinstance(g, DTensor) and tuple(g.placements) != tuple(w.placements):
-        return g.redistribute(w.device_mesh, w.placements)
-    return g

@@ -4,7 +4,8 @@ stages over ``pp`` (shape, dtype, bytes per microbatch and per step), and each s
 ``Pipeline.lower(params, inputs, targets)`` returns a :class:`PipelineLowered`, the pipeline's
 counterpart of ``vsf.jit(f).lower(...)``'s ``Lowered``: ``stages[s]`` is stage ``s``'s own
 ``Lowered`` (its forward and backward programs, planned once and run for every microbatch),
-``as_text()`` reads the whole step, ``cost()`` gives the figures per stage.
+``reducers[s]`` the program that reduces its gradients once a step, ``as_text()`` reads the whole
+step, ``cost()`` gives the figures per stage.
 
 Every figure is per rank (the most any rank of the stage holds or sends). Activations cross
 between stages as local shards: each rank sends its shard to the rank at the same coordinates of
@@ -65,7 +66,10 @@ class StageCost:
     """What stage ``stage`` costs each of its ``ranks`` in one step.
 
     ``program``: one microbatch's forward and backward programs (``loss``: the loss program's, on
-    the last stage), run ``microbatches`` times a step. ``param_bytes``: the params the stage holds
+    the last stage), run ``microbatches`` times a step; ``reduce``: the program that reduces the
+    stage's gradients once a step (their mean over the microbatches: the backward leaves a
+    param's gradient unreduced over the axes the param is replicated on, e.g. ``dp``, and torch
+    sums the microbatches' into ``.grad``, so a step all-reduces it once, as DDP does). ``param_bytes``: the params the stage holds
     (its optimizer state follows them); ``borrowed_bytes``: tied params lent to it each step.
     ``held_bytes``: what it keeps for one microbatch between that microbatch's forward and its
     backward (input, output and the values the forward saves); ``in_flight``: the most microbatches
@@ -76,6 +80,7 @@ class StageCost:
     ranks: tuple[int, ...]
     program: Cost
     loss: Cost | None
+    reduce: Cost
     microbatches: int
     param_bytes: int
     borrowed_bytes: int
@@ -86,10 +91,12 @@ class StageCost:
     @property
     def comm_bytes(self) -> dict[str, int]:
         """Bytes each rank sends a step per mesh axis: the programs' collectives once per
-        microbatch, and the sends over ``pp``."""
+        microbatch, the gradients' reduction once, and the sends over ``pp``."""
         out = {a: b * self.microbatches for a, b in self.program.comm_bytes.items()}
         for a, b in (self.loss.comm_bytes.items() if self.loss else ()):
             out[a] = out.get(a, 0) + b * self.microbatches
+        for a, b in self.reduce.comm_bytes.items():
+            out[a] = out.get(a, 0) + b
         out["pp"] = out.get("pp", 0) + sum(s.step_bytes for s in self.sends)
         return out
 
@@ -129,14 +136,15 @@ class PipelineCost:
 
 class PipelineLowered:
     """A pipelined step, planned and not run: ``stages[s]`` (stage ``s``'s ``Lowered``, for each
-    stage this process computes), ``loss`` (the loss program's, on the last stage), ``sends``,
-    :meth:`cost` and :meth:`as_text`."""
+    stage this process computes), ``loss`` (the loss program's, on the last stage), ``reducers[s]``
+    (the ``Lowered`` of stage ``s``'s gradients reduced once a step), ``sends``, :meth:`cost` and
+    :meth:`as_text`."""
 
     def __init__(self, mesh: Mesh, axis: str, schedule: str, microbatches: int, prefixes: Sequence[Sequence[str]],
-                 stages: dict[int, Lowered], loss: Lowered | None, costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
+                 stages: dict[int, Lowered], loss: Lowered | None, reducers: dict[int, Lowered], costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
         self.mesh, self.axis, self.schedule, self.microbatches = mesh, axis, schedule, microbatches
         self.prefixes = [list(p) for p in prefixes]
-        self.stages, self.loss, self.sends = stages, loss, tuple(sends)
+        self.stages, self.loss, self.reducers, self.sends = stages, loss, reducers, tuple(sends)
         self._costs = tuple(costs)
 
     def cost(self) -> PipelineCost:
@@ -150,15 +158,16 @@ class PipelineLowered:
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
         lines = [f"pipeline of {p} stages over {self.axis} on mesh {mesh} ({self.mesh.size} ranks): {self.schedule}, {m} microbatches a step",
                  "stages (bytes per rank):"]
+        per_axis = lambda comm: ", ".join(f"{a} {fmt_bytes(b)}" for a, b in comm.items() if a != self.axis and self.mesh.axis_size(a) > 1)  # noqa: E731
         for c in self._costs:
             pp = c.comm_bytes["pp"]
-            others = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if a != "pp" and self.mesh.axis_size(a) > 1)
+            others = per_axis(c.comm_bytes)
             lines += [
                 f"  stage {c.stage}: ranks {list(c.ranks)}, {', '.join(self.prefixes[c.stage])}",
                 f"    params {fmt_bytes(c.param_bytes)}" + (f" (+ {fmt_bytes(c.borrowed_bytes)} of tied params lent each step)" if c.borrowed_bytes else "")
                 + f"; a microbatch held {fmt_bytes(c.held_bytes)} from its forward to its backward, at most {c.in_flight} in flight ({fmt_bytes(c.activation_bytes)});"
                 f" peak ~{fmt_bytes(c.peak_bytes)}",
-                f"    sends a step: {self.axis} {fmt_bytes(pp)}" + (f", {others} ({m} x one microbatch's collectives)" if others else ""),
+                f"    sends a step: {self.axis} {fmt_bytes(pp)}" + (f", {others} ({m} x one microbatch's collectives, and the gradients reduced once a step: {per_axis(c.reduce.comm_bytes)})" if others else ""),
             ]
         lines.append(f"sends over {self.axis} (each rank to the rank at its other coordinates in the other stage):")
         width = max((len(s.what) for s in self.sends), default=0)
@@ -167,6 +176,7 @@ class PipelineLowered:
             lines.append(f"  {s.what:<{width}}  stage {s.src} -> {s.dst}  {shape:<16} {fmt_bytes(s.bytes):>9} x {s.count} = {fmt_bytes(s.step_bytes)} a step")
         for s, lowered in sorted(self.stages.items()):
             lines += ["", f"== stage {s}: one microbatch (run {m} times a step) ==", lowered.as_text()]
+            lines += ["", f"== stage {s}: its gradients summed over the microbatches, reduced once a step ==", self.reducers[s].as_text()]
         if self.loss is not None:
             lines += ["", f"== the loss on stage {p - 1}: one microbatch ==", self.loss.as_text()]
         return "\n".join(lines)

@@ -27,7 +27,7 @@ from vsf.jit import jit
 from vsf.sharding.named import NamedSharding
 from vsf.sharding.put import device_put
 
-__all__ = ["Boundary", "StageModule", "as_global", "local_of", "shard_bytes", "stage_program", "stand_in"]
+__all__ = ["Boundary", "StageModule", "as_global", "local_of", "mean_reducer", "shard_bytes", "stage_program", "stand_in"]
 
 Boundary = tuple[NamedSharding, tuple[int, ...]]   # a value's layout and global shape (one microbatch)
 
@@ -73,10 +73,30 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
     return x.to_local(grad_placements=sharding.placements)
 
 
-def stage_program(fn: Callable[..., Any], out: NamedSharding) -> Any:
+def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = ()) -> Any:
     """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
-    backward, and reused while shapes and layouts stay)."""
-    return jit(fn, out_shardings=out)
+    backward, and reused while shapes and layouts stay); the gradients of the arguments
+    ``unreduced_grad_argnums`` (a stage's params) come back unreduced over the axes they are
+    replicated on, for the step to reduce once (see ``vsf.jit``)."""
+    return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums)
+
+
+def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding]) -> Any:
+    """The jitted program that turns a stage's gradients summed over ``microbatches`` (a dict
+    ``name -> DTensor``, unreduced where the stage program left them so) into their mean, laid out
+    as ``shardings``: every pending reduction of the step at once, bucketed by the planner.
+
+    Example::
+
+        >>> mean = mean_reducer(4, {"w": NamedSharding(mesh, P())})
+        >>> mean({"w": w.grad})["w"].placements                   # w.grad: Partial over dp
+        (Replicate(),)
+    """
+
+    def mean_of_microbatches(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: g / microbatches for k, g in grads.items()}
+
+    return jit(mean_of_microbatches, out_shardings=shardings)
 
 
 class StageModule(torch.nn.Module):

@@ -279,8 +279,11 @@ def bench_layouts(quick: bool) -> list[dict]:
             rows.append({"name": f"step, vsf {label} vs the plain one-process step, {where}", "vsf": t[mine], "ref": t["plain"], "unit": "s", "ratio": t[mine] / t["plain"], "target": "-", "met": None})
         for layout in ("dp", "fsdp", "fsdp_keep", "tp"):
             ratio = r["plan_bytes"][layout] / r["optimum"][layout]
-            label = {"fsdp_keep": "FSDP kept gathered", "tp": "TP (Megatron-LM: vocab-parallel head)"}.get(layout, layout.upper())
-            rows.append({"name": f"plan bytes per rank vs analytic optimum, {label}, {where}", "vsf": r["plan_bytes"][layout], "ref": r["optimum"][layout], "unit": "B", "ratio": ratio, "target": "1.0", "met": abs(ratio - 1) < 0.01})
+            if layout == "tp":  # Megatron-LM's plan, not a bound: a plan may send less
+                what, target, met = "Megatron-LM's whole model (vocab-parallel head), TP", "<= 1.0", ratio <= 1.0
+            else:
+                what, target, met = f"analytic optimum, {'FSDP kept gathered' if layout == 'fsdp_keep' else layout.upper()}", "1.0", abs(ratio - 1) < 0.01
+            rows.append({"name": f"plan bytes per rank vs {what}, {where}", "vsf": r["plan_bytes"][layout], "ref": r["optimum"][layout], "unit": "B", "ratio": ratio, "target": target, "met": met})
         launches = r["launches"]
         rows.append({"name": f"collective launches per step, vsf FSDP vs FSDP2, {where}", "vsf": launches["vsf_fsdp"], "ref": launches["fsdp2"], "unit": "", "ratio": launches["vsf_fsdp"] / launches["fsdp2"], "target": "<= 1.0", "met": launches["vsf_fsdp"] <= launches["fsdp2"]})
         peak = r["peak"]
@@ -298,7 +301,7 @@ def bench_simulate(quick: bool) -> list[dict]:
     idx, tgt = _batch(cfg, sequences=16)
     model = _model(cfg)
     plain = _torch_step(model, list(model.parameters()))
-    repeats = 2 if quick else 5
+    repeats = 3 if quick else 15  # a step of this size takes milliseconds: a median of few samples moves by 1.5x under load
 
     def median_time(fn: Callable[[], None]) -> float:
         fn()

@@ -181,6 +181,8 @@ def test_commdebugmode_counts_the_planned_collectives_and_checking_mode_runs_the
     assert planned.count("all_reduce", "tp") == 2   # the region's psum and its transpose
     (loss, grads), want = step.check(p, x), step(p, x)
     torch.testing.assert_close(vsf.device_get(loss), vsf.device_get(want[0]))
+    for g, w in zip(vsf.tree.leaves(grads), vsf.tree.leaves(want[1])):
+        torch.testing.assert_close(vsf.device_get(g), vsf.device_get(w))
 
 
 def ring_sum(x):

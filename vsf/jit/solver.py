@@ -306,10 +306,7 @@ class AxisSolver:
             if p is not None:
                 i = self.outs[p].index(v)
                 tries += [[(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]]
-            takers = self._takers(v, req)
-            tries += [[(c, j)] for c, takes in takers for j in takes]
-            if len(takers) > 1 and all(takes for _, takes in takers):  # the value is redistributed once for all of them: all take it as it is
-                tries.append(self._best_takes(takers))
+            tries += [[(c, j)] for c, takes in self._takers(v, req) for j in takes] + [m for m in [self._joint(v, req, {})] if m]
             for start in tries:
                 if all(self._keeps_split(k, j) for k, j in start) and self._move(start, max_ops):
                     improved = True
@@ -326,24 +323,14 @@ class AxisSolver:
                 out.append((c, [j for j, (ins, _) in enumerate(self.strategies[c]) if all(ins[i] == self.label[v] for i in here) and self._keeps_split(c, j)]))
         return out
 
-    def _best_takes(self, takers: list[tuple[int, list[int]]]) -> list[tuple[int, int]]:
-        """Each taker's cheapest strategy (of those :meth:`_takers` lists) as things stand."""
+    def _joint(self, v: int, req: int, changed: dict[int, int]) -> list[tuple[int, int]]:
+        """All the ops that read value ``v`` redistributed to ``req`` (two or more, none
+        ``changed``) reading it as it is, each in its cheapest such strategy, or ``[]``: the
+        redistribution stays while any one of them needs it, so none gains alone."""
+        takers = self._takers(v, req)
+        if len(takers) < 2 or any(c in changed or not takes for c, takes in takers):
+            return []
         return [(c, min(takes, key=lambda j, c=c: self._evaluate(c, j, False, False))) for c, takes in takers]
-
-    def _joint_take(self, k: int, changed: dict[int, int]) -> list[tuple[int, int]]:
-        """A move for a cascade stuck at op ``k``: op ``k`` reads a value redistributed that other
-        ops read redistributed the same way, so no one of them gains by reading it as it is (the
-        redistribution stays for the others); all of them reading it as it is, each in its
-        cheapest such strategy (what that costs shows only once the cascade has gone on from
-        them: the cascade as a whole is kept or undone), or ``[]``. None of them may have changed
-        in this cascade (``changed``)."""
-        for v, req in zip(self.ins[k], self.strategies[k][self.choice[k]][0]):
-            if req == self.label[v]:
-                continue
-            takers = self._takers(v, req)
-            if len(takers) > 1 and not any(c in changed or not takes for c, takes in takers):
-                return self._best_takes(takers)
-        return []
 
     def _keeps_split(self, k: int, j: int) -> bool:
         """Does strategy ``j`` keep op ``k``'s work split over this axis if its current one does?
@@ -357,9 +344,8 @@ class AxisSolver:
         return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
 
     def _move(self, start: list[tuple[int, int]], max_ops: int) -> bool:
-        """:meth:`_cascade` from ``start``; if that is undone where joint takes were open to it,
-        once more taking them. (Joint takes are the second try: they change where a cascade that
-        pays without them goes, and so what it finds.)"""
+        """:meth:`_cascade` from ``start``; if undone where joint takes were open to it, again
+        taking them (second: they change where a cascade that pays without them goes)."""
         kept, stuck = self._cascade(start, max_ops, joint_takes=False)
         return kept or (stuck and self._cascade(start, max_ops, joint_takes=True)[0])
 
@@ -367,12 +353,11 @@ class AxisSolver:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
         (the producers of its inputs, the consumers of its results) takes its best strategy where
         that is cheaper than its own, or else (``joint_takes``) joins the other readers of a value
-        it reads redistributed in reading it as it is (:meth:`_joint_take`), spreading until none
+        it reads redistributed in reading it as it is (:meth:`_joint`), spreading until none
         does (at most ``max_ops`` ops change). The whole is kept if the values it touched then
-        cost less than before, else undone; a move made of joint takes must also send fewer bytes
-        (with the work): it may trade many small redistributions for a few, and the start-up each
-        value's collective is charged overstates theirs, which share buckets. Returns whether it
-        was kept, and whether a joint take was open to it (taken or not)."""
+        cost less, else undone; with joint takes it must also send fewer bytes (they may trade
+        many small redistributions for a few, and each value's start-up cost ignores buckets).
+        Returns whether it was kept, and whether a joint take was open to it."""
         old: dict[int, int] = {}
         before: dict[int, tuple[float, float]] = {}
         joint = stuck = len(start) > 1
@@ -402,7 +387,8 @@ class AxisSolver:
             if best_cost < here - 1e-6:
                 change(c, best)
                 continue
-            moves = self._joint_take(c, old)
+            reads = zip(self.ins[c], self.strategies[c][self.choice[c]][0])  # a value c reads redistributed, as others do?
+            moves = next((m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), [])
             stuck = stuck or bool(moves)
             if joint_takes and moves:
                 joint = True

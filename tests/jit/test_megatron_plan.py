@@ -113,12 +113,12 @@ def test_megatron_gpt_matches_one_device_and_never_moves_attention(sim, layout):
     assert_close_trees(vsf.device_get(grads), want_grads)
 
 
-def _issue_gpt_cost(sim, monkeypatch, bytes_per_flop):
+def _issue_gpt_cost(sim, monkeypatch, bytes_per_flop, vocab=64):
     """The plan of an AdamW-free step (loss and grads) of the issue's GPT: d=64, 4 heads, 2 layers,
     8 x 32 tokens, separate q/k/v, Megatron TP over tp=2, with each FLOP an op runs beyond its
     share charged ``bytes_per_flop`` bytes."""
     monkeypatch.setattr(vsf.config, "compute_bytes_per_flop", bytes_per_flop)
-    cfg = GPTConfig(vocab=64, seq=32, dim=64, heads=4, layers=2, fused_qkv=False)
+    cfg = GPTConfig(vocab=vocab, seq=32, dim=64, heads=4, layers=2, fused_qkv=False)
     sim(2)
     model, params, whole, sharded, data = _megatron_gpt("tp2", cfg, sequences=8)
     return cfg, model, params, whole, vsf.jit(gpt_step(model)).lower(sharded, *data).cost()
@@ -190,7 +190,8 @@ def test_megatron_gpt_step_sends_megatron_bytes(sim, monkeypatch):
 
 
 def test_megatron_gpt_runs_the_loss_on_token_shards_where_the_head_pays(sim, monkeypatch):
-    """With work charged above every break-even (:func:`_break_evens`), everything runs split:
+    """The issue's GPT with a 256-word vocabulary. With work charged above every break-even
+    (:func:`_break_evens`), everything runs split:
     Megatron's blocks, and the final norm, the tied head and the loss on each rank's share of the
     tokens (sequence-parallel): the last block's forward all-reduce becomes a reduce-scatter and
     the norm's input gradient is all-gathered, together one all-reduce's bytes, so the blocks send
@@ -202,7 +203,7 @@ def test_megatron_gpt_runs_the_loss_on_token_shards_where_the_head_pays(sim, mon
     ``1/n`` of the one-device step's FLOPs (PyTorch's ``FlopCounterMode``), and the loss and
     gradients equal the one-device run."""
     r = 0.05
-    cfg, model, params, whole, cost = _issue_gpt_cost(sim, monkeypatch, r)
+    cfg, model, params, whole, cost = _issue_gpt_cost(sim, monkeypatch, r, vocab=256)
     n, m, d, v = 2, 8 * cfg.seq, cfg.dim, cfg.vocab
     assert r > max(_break_evens(cfg, m, n).values())
     ring = (n - 1) / n

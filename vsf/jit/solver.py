@@ -308,7 +308,7 @@ class AxisSolver:
                 tries += [[(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]]
             tries += [[(c, j)] for c, takes in self._takers(v, req) for j in takes] + [m for m in [self._joint(v, req, {})] if m]
             for start in tries:
-                if all(self._keeps_split(k, j) for k, j in start) and self._move(start, max_ops):
+                if all(self._keeps_split(k, j) for k, j in start) and self._cascade(start, max_ops):
                     improved = True
                     break
         return improved
@@ -343,24 +343,19 @@ class AxisSolver:
         split = lambda st: any(c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1]))  # noqa: E731
         return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
 
-    def _move(self, start: list[tuple[int, int]], max_ops: int) -> bool:
-        """:meth:`_cascade` from ``start``; if undone where joint takes were open to it, again
-        taking them (second: they change where a cascade that pays without them goes)."""
-        kept, stuck = self._cascade(start, max_ops, joint_takes=False)
-        return kept or (stuck and self._cascade(start, max_ops, joint_takes=True)[0])
-
-    def _cascade(self, start: list[tuple[int, int]], max_ops: int, joint_takes: bool) -> tuple[bool, bool]:
+    def _cascade(self, start: list[tuple[int, int]], max_ops: int) -> bool:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
         (the producers of its inputs, the consumers of its results) takes its best strategy where
-        that is cheaper than its own, or else (``joint_takes``) joins the other readers of a value
-        it reads redistributed in reading it as it is (:meth:`_joint`), spreading until none
-        does (at most ``max_ops`` ops change). The whole is kept if the values it touched then
-        cost less, else undone; with joint takes it must also send fewer bytes (they may trade
-        many small redistributions for a few, and each value's start-up cost ignores buckets).
-        Returns whether it was kept, and whether a joint take was open to it."""
+        that is cheaper than its own, spreading until none is (at most ``max_ops`` ops change);
+        from a joint start (:meth:`_joint`: several readers of one value at once) an op that
+        gains nothing alone also joins the other readers of a value it reads redistributed. The
+        whole is kept if the values it touched then cost less, else undone; a joint move must
+        also send fewer bytes (it may trade many small redistributions for a few, and each
+        value's start-up cost ignores buckets). Single starts spread as before: joint takes
+        change where a cascade that pays without them goes, and cost planning time."""
         old: dict[int, int] = {}
         before: dict[int, tuple[float, float]] = {}
-        joint = stuck = len(start) > 1
+        joint = len(start) > 1
 
         def change(op: int, st: int) -> None:
             for v in (*self.ins[op], *self.outs[op]):
@@ -387,21 +382,18 @@ class AxisSolver:
             if best_cost < here - 1e-6:
                 change(c, best)
                 continue
-            reads = zip(self.ins[c], self.strategies[c][self.choice[c]][0])  # a value c reads redistributed, as others do?
-            moves = next((m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), [])
-            stuck = stuck or bool(moves)
-            if joint_takes and moves:
-                joint = True
-                for op, st in moves:
+            if joint:
+                reads = zip(self.ins[c], self.strategies[c][self.choice[c]][0])  # a value c reads redistributed, as others do?
+                for op, st in next((m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), []):
                     change(op, st)
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
         now = [self._value_costs(v) for v in before]
         cost_was, bytes_was = (sum(c[i] for c in before.values()) for i in (0, 1))
         if sum(c for c, _ in now) + work < cost_was - 1e-6 and (not joint or sum(b for _, b in now) + work < bytes_was - 1e-6):
-            return True, stuck
+            return True
         for op in reversed(list(old)):
             self._apply(op, old[op])
-        return False, stuck
+        return False
 
     def _merge_partials(self, k: int) -> None:
         """Try each strategy of op ``k`` that sums partial inputs into a partial result together with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -11,8 +12,17 @@ os.environ["XLA_FLAGS"] = " ".join(
     f for f in [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=64"] if f
 )
 
+# pytest-xdist workers share the cores: each runs torch's ops on its share of them (and so do the
+# processes and notebook kernels it starts), since OpenMP threads that outnumber the cores wait at
+# every op's barrier for one that is descheduled.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch came in before the variable
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import vsf  # noqa: E402
@@ -29,6 +39,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vsf"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, at most 8 (each imports torch, jax and transformers)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 @pytest.fixture
@@ -51,29 +67,44 @@ def _seed():
     torch.manual_seed(0)
 
 
+def _shared_tmp(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this run sees (the parent of their own temp
+    directories), or this run's temp directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def world(request, tmp_path_factory):
     """``world(script, *args, nproc=4)``: what each of ``nproc`` real gloo processes reported for
     the worker ``tests/workers/<script>`` (the list of their ``rank{r}.json``). The sections that the
     selected tests name with ``@pytest.mark.world(script, *args, nproc=...)`` run in one launch of
     ``nproc`` processes per size (``workers/world.py``), started the first time a test asks for a
-    section of that size; a section that its launch did not finish raises, with the launch's error."""
+    section of that size; a section that its launch did not finish raises, with the launch's error.
+    Under pytest-xdist the launch is shared: the first worker to ask runs it while holding a lock
+    that the others wait on, and records how it ended for them (every worker collects every test,
+    so all agree on the sections)."""
     from multiproc import WORKERS, results, torchrun
     from workers.world import section_name
 
     marks = [m for item in request.session.items for m in item.iter_markers("world")]
     sections = list(dict.fromkeys((m.kwargs.get("nproc", 4), m.args) for m in marks))
-    launches: dict[int, tuple[Path, BaseException | None]] = {}
+    shared = _shared_tmp(tmp_path_factory)
 
-    def launched(nproc: int) -> tuple[Path, BaseException | None]:
-        if nproc not in launches:
-            out = tmp_path_factory.mktemp(f"world{nproc}")
-            try:
-                torchrun(WORKERS / "world.py", nproc, str(out), *(json.dumps(list(s)) for n, s in sections if n == nproc), timeout=900)
-                launches[nproc] = out, None
-            except Exception as e:  # noqa: BLE001 (raised again by each section it stopped)
-                launches[nproc] = out, e
-        return launches[nproc]
+    def launched(nproc: int) -> tuple[Path, str | None]:
+        """The launch's directory and, if it failed, its error."""
+        out, ended = shared / f"world{nproc}", shared / f"world{nproc}.ended.json"
+        with open(shared / f"world{nproc}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not ended.exists():
+                out.mkdir()
+                try:
+                    torchrun(WORKERS / "world.py", nproc, str(out), *(json.dumps(list(s)) for n, s in sections if n == nproc), timeout=900)
+                    failure = None
+                except Exception as e:  # noqa: BLE001 (raised again by each section it stopped)
+                    failure = f"{type(e).__name__}: {e}"
+                ended.write_text(json.dumps(failure))
+        return out, json.loads(ended.read_text())
 
     def section(script: str, *args: str, nproc: int = 4) -> list[dict]:
         if (nproc, (script, *args)) not in sections:
@@ -81,7 +112,8 @@ def world(request, tmp_path_factory):
         out, failure = launched(nproc)
         where = out / section_name(script, *args)
         if not all((where / f"done.rank{r}").exists() for r in range(nproc)):
-            raise RuntimeError(f"the launch of {nproc} processes stopped before section {script} {args} finished") from failure
+            raise RuntimeError(f"the launch of {nproc} processes stopped before section {script} {args} finished:\n{failure}")
         return results(where, nproc)
 
     return section
+

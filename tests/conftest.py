@@ -12,17 +12,17 @@ os.environ["XLA_FLAGS"] = " ".join(
     f for f in [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=64"] if f
 )
 
-# pytest-xdist workers share the cores: each runs torch's ops on its share of them (and so do the
-# processes and notebook kernels it starts), since OpenMP threads that outnumber the cores wait at
-# every op's barrier for one that is descheduled.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# pytest-xdist workers share the cores: each runs torch's ops on its share of them (and so do the
+# processes and notebook kernels it starts, through the variable), since OpenMP threads that
+# outnumber the cores wait at every op's barrier for one that is descheduled.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch came in before the variable
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import vsf  # noqa: E402
@@ -116,4 +116,3 @@ def world(request, tmp_path_factory):
         return results(where, nproc)
 
     return section
-

@@ -2,10 +2,11 @@
 ScheduleInterleaved1F1B run the jitted stages over the pp groups; a GPT trained 3 steps (4
 microbatches, AdamW with clipping by the global norm and weight decay) equals the same steps on one
 device in each process: pp=2 and the interleaved schedule (two stages per rank) on 2 processes,
-pp=2 x dp=2, pp=4, and pp=2 x cp=2 (each sequence split over cp, in the stages and between them) on 4. Each run's pipe.lower, made on the processes, reports the sends of a
-step and the bytes over dp (DDP's: the gradients all-reduced once a step; both hand-computed here)
-and the plans the steps reuse. Both workers run as sections of
-the suite's one launch per world size (``world`` in tests/conftest.py)."""
+pp=2 x dp=2, pp=4, and pp=2 x cp=2 (each sequence split over cp, in the stages and between them)
+on 4. Each run's pipe.lower, made on the processes, reports the sends of a step and the bytes over
+dp or cp (DDP's over dp: the gradients all-reduced once a step; all hand-computed here) and the
+plans the steps reuse. Both workers run as sections of the suite's one launch per world size
+(``world`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def dp_bytes(stage, pp, dp):
 
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
 RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
+CP_RUN = "pp2-cp2"   # on 4 processes too, checked by its own test
 
 
 @pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
@@ -69,7 +71,7 @@ def test_pipelined_gpt_on_4_processes_equals_one_device(world):
 
 def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
-    assert all(sorted(set(r) - {"pp2-cp2"}) == sorted(runs) for r in ranks)
+    assert all(sorted(set(r) - {CP_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
         dp = 2 * world_dp // pp if name != "interleaved" else 1
         for rank, r in enumerate(ranks):
@@ -96,7 +98,7 @@ def _check(world_dp, ranks):
 @pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
 def test_pipelined_gpt_with_sequences_on_cp_equals_one_device_on_4_processes(world):
     for rank, r in enumerate(world("pipeline_gpt.py", "2", nproc=4)):
-        got, stage = r["pp2-cp2"], rank // 2
+        got, stage = r[CP_RUN], rank // 2
         assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), rank
         assert got["max_param_err"] <= 1e-5, (rank, got["max_param_err"])
         assert got["held"] == got["mu_held"] == held(stage, 2), rank

@@ -210,6 +210,33 @@ def test_the_toy_gpt_with_tokens_on_cp_equals_one_device(sim, layout, sdpa):
         assert_attention_on_sequence_shards(plan)
 
 
+@pytest.mark.parametrize("layout", sorted(MESHES))
+def test_a_cross_entropy_over_tokens_on_cp_picks_each_ranks_rows_where_they_are(sim, layout):
+    """``cross_entropy`` of logits ``[b, t@cp, V]`` viewed as rows ``[b*t, V]``: each rank's rows are
+    its own tokens of every sequence (a strided shard over cp), and the log-probabilities of the
+    targets are picked there (``gather`` on local rows, some targets ignored): over cp only the
+    loss's sums move (no ``[b*t, V]`` gather, which would grow with the vocabulary). The loss and
+    its gradient equal one device's, op by op (checking mode)."""
+    batch, seq, vocab = 4, 8, 64
+    logits, targets = torch.randn(batch, seq, vocab), torch.randint(0, vocab, (batch, seq))
+    targets[0, :3] = -100
+
+    def loss_fn(x, t):
+        return F.cross_entropy(x.reshape(-1, vocab), t.reshape(-1))
+
+    want_grad, want_loss = torch.func.grad_and_value(loss_fn)(logits, targets)
+    shape, names, spec = MESHES[layout]
+    sim(math.prod(shape))
+    mesh = vsf.make_mesh(shape, names)
+    x, t = vsf.device_put((logits, targets), vsf.NamedSharding(mesh, spec))
+    step = vsf.jit(vsf.value_and_grad(loss_fn))
+    loss, grad = step.check(x, t)
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(vsf.device_get(grad), want_grad, rtol=1e-5, atol=1e-7)
+    over_cp = [(c.kind, c.shape) for c in step.lower(x, t).cost().collectives if c.axis == "cp"]
+    assert over_cp and all(c == ("all_reduce", ()) for c in over_cp), over_cp
+
+
 @pytest.fixture(scope="module")
 def ranks(world):
     return world("jit_context_parallel.py")

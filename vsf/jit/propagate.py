@@ -50,7 +50,7 @@ from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, output
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import AxisSolver, Problem
-from vsf.jit.strategies import Strategies, decide, dtensor_decision, runnable
+from vsf.jit.strategies import Strategies, decide, dtensor_decision, row_wise, runnable
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, from_placements
@@ -263,6 +263,9 @@ def _strategy_decision(
         ins, outs = strided
         direct = direct and runnable(mesh, node, ins, outs)
     if not direct:
+        rows = row_wise(node, mesh, arrived, ins, outs, asked)
+        if rows is not None:
+            return *rows, True
         ins = [_as_arrived(a, w) for a, w in zip(arrived, ins)]
         ins, outs = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, ins)], asked)
     return ins, outs, direct

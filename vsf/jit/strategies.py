@@ -29,11 +29,12 @@ from vsf.errors import PlanError
 from vsf.jit import context_parallel
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
+from vsf.jit.cost import local_shape
 from vsf.jit.plan import PARTIAL, Placements, R, balanced_of, has_ragged, is_shard, split_dim, splits_evenly
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
-__all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "runnable"]
+__all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "row_wise", "runnable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Strategies:
                 found = found + _ragged_variants(node, found, ragged)
             if balanced and op.kind in ("strategy", "value_blind", "constraint") and _blind_to_offsets(node):
                 found = found + _balanced_variants(node, found, n)
+            if op.rules == "full" and _blind_to_offsets(node):
+                found = found + _valid(_strided_variants(node, found, arrivals, n), node, n, arrivals)
             self.cache[key] = (found, fallback)
         return self.cache[key]
 
@@ -167,6 +170,88 @@ def _balanced_variants(node: torch.fx.Node, strategies: list[Strategy], n: int) 
         swap = lambda p: balanced_of(p) if p is not None and is_shard(p) else p  # noqa: E731
         out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(swap(p) for p in st.outs)))
     return out
+
+
+def _strided_variants(node: torch.fx.Node, strategies: list[Strategy], arrivals: tuple[tuple[Placement, ...], ...], n: int) -> list[Strategy]:
+    """Each row rule (every shard a plain ``Shard(d)`` of one dim ``d``, each of the same size)
+    with every shard a strided shard of ``d`` that an input may arrive with instead. The argument
+    of :func:`_balanced_variants`: a rule that computes each contiguous block of rows on its own
+    computes any set of rows on its own, so it holds on the rows a strided shard holds (a view's
+    merge of a split dim into a larger one: the rows of ``[b@dp, t@cp] -> [b*t]`` over ``cp``), as
+    long as every sharded operand holds the same ones. DTensor's whole-op rules name plain shards
+    only (``gather``'s, which a cross-entropy over those rows runs), so without these the rows
+    would be gathered. Such a rule runs on the local shards (:func:`row_wise`), so only one whose
+    arguments hold there is offered."""
+    metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
+    strided = list(dict.fromkeys(p for ps in arrivals for p in ps if isinstance(p, _compat.StridedShard)))
+    out = []
+    for st in strategies:
+        shards = [(t, p) for t, p in zip(metas, [*st.ins, *st.outs]) if t is not None and p is not None and is_shard(p)]
+        if not shards or any(type(p) is not Shard for _, p in shards) or len({(p.dim, t.shape[p.dim]) for t, p in shards}) != 1:
+            continue
+        d = shards[0][1].dim
+        local = [None if t is None else tuple(k // n if p is not None and is_shard(p) and i == d else k for i, k in enumerate(t.shape)) for t, p in zip(metas, [*st.ins, *st.outs])]
+        if not any(g.dim == d for g in strided) or not _local_shapes_hold(node, local[: len(st.ins)], local[len(st.ins) :]):
+            continue
+        for g in strided:
+            if g.dim == d:
+                swap = lambda p: g if p is not None and is_shard(p) else p  # noqa: E731
+                out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(swap(p) for p in st.outs)))
+    return out
+
+
+def row_wise(
+    node: torch.fx.Node, mesh: Mesh, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None], asked: dict[Any, Any],
+) -> tuple[list[Placements], list[Placements | None]] | None:
+    """The full-mesh placements ``node`` runs with on local shards, row for row, where the per-axis
+    choices ``ins``/``outs`` took a :func:`_strided_variants` rule; ``None`` where they did not, or
+    it cannot. On each mesh dim every operand the choices split is split as the inputs arriving
+    split there are (all alike: a strided shard's factor on the full mesh is the arriving value's),
+    one arriving replicated is cut there locally, so every rank holds the same rows of each. It
+    runs when the op does not read where its rows start, every split operand is split evenly on
+    one dim of one size, DTensor runs the same layout with plain shards in place of the strided
+    ones as a row rule, and the op's arguments hold on local shards (run on meta tensors of the
+    local shapes, it gives the outputs' local shapes: an ``expand`` to a global size does not)."""
+    if not _has_strided(ins) or not _blind_to_offsets(node) or any(isinstance(q, Partial) for p in [*arrived, *ins] for q in p):
+        return None
+    metas = [meta_of(v) for v in tensor_args(node)]
+    dims = {(split_dim(q), t.shape[split_dim(q)]) for t, p in zip(metas, ins) for q in p if is_shard(q)}
+    if len(dims) != 1:
+        return None
+    (d, _), common = dims.pop(), []
+    for k in range(len(mesh.device_axes)):
+        split = [a[k] for a, p in zip(arrived, ins) if is_shard(p[k])]
+        came = {q for q in split if is_shard(q) and split_dim(q) == d}
+        if len(came) > 1 or (split and not came and any(isinstance(p[k], _compat.StridedShard) for p in ins)):
+            return None
+        common.append(came.pop() if came else next((p[k] for p in ins if is_shard(p[k])), R))
+    placed = lambda p: None if p is None else tuple(common[k] if is_shard(q) else q for k, q in enumerate(p))  # noqa: E731
+    got_in, got_out = [placed(p) for p in ins], [placed(o) for o in outs]
+    if any(isinstance(q, Partial) for o in got_out if o is not None for q in o) or not all(splits_evenly(mesh, t, p) for t, p in zip(metas, got_in)):
+        return None
+    plain = lambda p: None if p is None else tuple(Shard(q.dim) if isinstance(q, _compat.StridedShard) else q for q in p)  # noqa: E731
+    want = [plain(p) for p in got_in]
+    if dtensor_decision(node, mesh.device_mesh, want, asked) != (want, [plain(o) for o in got_out]) or not runnable(mesh, node, got_in, got_out):
+        return None
+    shapes = lambda ts, ps: [None if t is None or p is None else local_shape(mesh, t, p) for t, p in zip(ts, ps)]  # noqa: E731
+    return (got_in, got_out) if _local_shapes_hold(node, shapes(metas, got_in), shapes(outputs_meta(node), got_out)) else None
+
+
+def _local_shapes_hold(node: torch.fx.Node, ins: Sequence[tuple[int, ...]], outs: Sequence[tuple[int, ...] | None]) -> bool:
+    """Does ``node`` run on meta tensors of its inputs' local shapes ``ins`` give its outputs'
+    local shapes ``outs`` (``None``: an output not checked)? An argument naming a global size
+    (``expand``'s) makes it raise or give the global shape."""
+    shards = iter([torch.empty(shape, dtype=meta_of(v).dtype, device="meta") for v, shape in zip(tensor_args(node), ins)])
+    local = lambda a: next(shards) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
+    with _compat.local_mode_disabled():
+        args = _compat.torch_tree_map(local, node.args)
+        kwargs = _compat.torch_tree_map(local, node.kwargs)
+        try:
+            out = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the op refuses the local shapes: it does not run on them
+            return False
+    got = out if isinstance(out, (tuple, list)) else [out]
+    return len(got) == len(outs) and all(want is None or (isinstance(o, torch.Tensor) and tuple(o.shape) == want) for o, want in zip(got, outs))
 
 
 def _context_parallel(node: torch.fx.Node) -> list[Strategy]:

@@ -119,8 +119,11 @@ def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, in
 
     def work(take: Iterator[tuple[slice, slice]]) -> None:
         words_of = _chunk_words(key, width, narrow, most, device)
+        counters, steps = torch.empty(most, dtype=torch.int64, device=device), torch.empty(min(most, stop - first), dtype=torch.int64, device=device)
         for rows, cols in take:
-            words = words_of((starts[rows] + torch.arange(cols.start, cols.stop, device=device)).reshape(-1))
+            chunk = counters[: (rows.stop - rows.start) * (cols.stop - cols.start)]
+            step = torch.arange(cols.start, cols.stop, out=steps[: cols.stop - cols.start])
+            words = words_of(torch.add(starts[rows], step, out=chunk.view(-1, step.numel())).view(-1))
             piece = out[rows, cols.start * lanes : cols.stop * lanes]
             piece.copy_(transform([words[w].reshape(-1) for w in range(width)]).view(piece.shape))
 

@@ -94,10 +94,9 @@ def _mul(x: Word, m: int, out: Scratch | None) -> Word:
 
 def _mix(p: Word, x: Word, k: Word, out: Scratch | None) -> Word:
     """``((p >> 32) ^ x ^ k) & MASK``. The terms that are Python ints xor together first, so the
-    mix costs a tensor op per tensor term (plus the mask); with ``out``, ``p >> 32`` goes into
-    one of its buffers and is xored and masked there."""
-    own = out is not None and isinstance(p, torch.Tensor)
-    hi = torch.bitwise_right_shift(p, 32, out=out.take()) if own else p >> 32
+    mix costs a tensor op per tensor term (plus the mask); with ``out`` every op writes into one
+    of its buffers (``p >> 32``'s, xored and masked there, or a fresh one of them)."""
+    hi = torch.bitwise_right_shift(p, 32, out=out.take()) if out is not None and isinstance(p, torch.Tensor) else p >> 32
     const, tensors = 0, []
     for term in (hi, x, k):
         if isinstance(term, int):
@@ -106,7 +105,13 @@ def _mix(p: Word, x: Word, k: Word, out: Scratch | None) -> Word:
             tensors.append(term)
     if not tensors:
         return const & MASK
-    acc, rest = tensors[0], tensors[1:] + ([const] if const else [])
+    first, rest = tensors[0], tensors[1:] + ([const] if const else [])
+    if out is None:
+        for term in rest:
+            first = first ^ term
+        return first & MASK
+    if first is not hi:  # no buffer of out's holds a term yet: the first op writes into one
+        first = torch.bitwise_xor(first, rest.pop(0), out=out.take()) if rest else torch.bitwise_and(first, MASK, out=out.take())
     for term in rest:
-        acc = acc.bitwise_xor_(term) if own else acc ^ term
-    return acc.bitwise_and_(MASK) if own else acc & MASK
+        first.bitwise_xor_(term)
+    return first.bitwise_and_(MASK)

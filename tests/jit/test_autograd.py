@@ -174,6 +174,31 @@ def test_unreduced_gradients_accumulate_over_calls_and_reduce_once(sim):
     assert g.plan_count == 1
 
 
+def test_unsharded_gradients_accumulate_whole_over_calls_and_reduce_scatter_once(sim):
+    # FSDP2's set_requires_gradient_sync(False): with params and the batch over fsdp, each param's
+    # gradient comes back whole and a partial sum over fsdp (no reduce-scatter in the backward),
+    # torch sums two calls' into .grad, and reduce-scattering it once gives the one-device gradient
+    block, params, x = block_case()
+    x2 = torch.randn_like(x)
+    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    (fn(ref, x).sum() + fn(ref, x2).sum()).backward()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("fsdp",))
+    specs = {k: P("fsdp") if v.shape[0] % 2 == 0 else P() for k, v in params.items()}
+    p = sharded_params(mesh, params, specs)
+    g = vsf.jit(fn, unreduced_grad_argnums=(0,), unsharded_grad_axes=("fsdp",))
+    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("fsdp"))).requires_grad_(True) for v in (x, x2)]
+    for v in xs:
+        g(p, v).sum().backward()
+    assert not any(c.kind == "reduce_scatter" for c in g.lower(p, xs[0]).cost().collectives)
+    assert any(c.kind == "reduce_scatter" for c in vsf.jit(fn, unreduced_grad_argnums=(0,)).lower(p, xs[0]).cost().collectives)
+    for k, w in p.items():
+        assert w.grad.placements == (Partial(),) and w.grad.to_local().shape == params[k].shape, (k, w.grad.placements)
+        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), ref[k].grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert g.plan_count == 1
+
+
 def test_a_loss_an_input_returned_as_is_and_a_view_of_a_param(sim):
     params, x = mlp_params(), torch.randn(8, 8)
 

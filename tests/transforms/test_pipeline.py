@@ -1,7 +1,7 @@
 """vsf.pipeline under vsf.simulate: a GPT split into stages over pp (GPipe, 1F1B and interleaved, alone
 and with dp / tp inside the stages) trains with the losses and params of the same steps on one device;
 a step all-reduces the dp-replicated params' gradients once (DDP's bytes, whatever the number of
-microbatches); the in-order runner plays torch's schedule order; bad splits are errors that name the
+microbatches) and reduce-scatters fsdp-split ones once; the in-order runner plays torch's schedule order; bad splits are errors that name the
 key path."""
 
 from __future__ import annotations
@@ -165,6 +165,43 @@ def test_dp_gradients_are_reduced_once_a_step_whatever_the_microbatches(sim):
         assert dp_bytes[m] == [_ddp_bytes(params, pipe.split.names[s], 2, 1, m, last=s == 1) for s in range(2)]
         assert re.search(r"gradients reduced once a step: dp 1\d\.\d KiB", lowered.as_text())
     assert dp_bytes[2][0] == dp_bytes[4][0] == sum(v.numel() * 4 for k, v in params.items() if k.startswith(tuple(prefixes[0])))
+
+
+def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_step(sim):
+    """pp=2 x fsdp=2, params split over fsdp where their first dim divides, the batch over fsdp: the
+    losses, first gradients and params of one device; a stage's backward leaves its gradients whole
+    and unreduced over fsdp (torch sums the microbatches' into ``.grad``, as torch's
+    ``PipelineStage`` has an FSDP2 stage do), and the step's reduction sends, hand-computed, each
+    split gradient reduce-scattered once (``(n-1)/n`` of it) and each replicated one all-reduced
+    once (``2(n-1)/n``), the same for m = 2 and m = 4."""
+    model, params = _model(layers=2)
+    want_losses, want_grads, want = _one_device(model, params)
+    fns, loss_fn, prefixes = pipeline_stages(model, 2)
+    specs = {k: P("fsdp") if v.shape[0] % 2 == 0 else P() for k, v in params.items()}
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("pp", "fsdp"))
+    for m in (2, 4):
+        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("fsdp"), tied=("wte.weight",))
+        p = pipe.place(params, specs)
+        for c in pipe.lower(p, *batch_at(0, BATCH, model.cfg)).cost().stages:
+            names = pipe.split.names[c.stage]
+            once = sum(params[k].numel() * 4 // 2 if specs[k] == P("fsdp") else params[k].numel() * 4 for k in names)
+            assert c.reduce.comm_bytes["fsdp"] == once, (m, c.stage)
+            loss = 2 * 4 if c.stage == 1 else 0   # the loss's sum and token count (two f32), all-reduced a microbatch
+            assert c.comm_bytes["fsdp"] == m * (c.program.comm_bytes["fsdp"] + loss) + once, (m, c.stage)
+    s, losses = TX.init(p), []
+    for i in range(STEPS):
+        loss, grads = pipe.value_and_grad(p, *batch_at(i, BATCH, model.cfg))
+        if i == 0:
+            first = vsf.device_get(grads)
+        updates, s = TX.update(grads, s, p)
+        p = optim.apply_updates(p, updates)
+        losses.append(vsf.device_get(loss).item())
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
+    for k in want:
+        assert vsf.sharding.named.sharding_of(p[k]).spec == specs[k], k
+        torch.testing.assert_close(first[k], want_grads[k], rtol=1e-5, atol=1e-7, msg=lambda e, k=k: f"grad {k}: {e}")
+        torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
 
 
 @pytest.mark.parametrize("schedule,cls", [("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)])

@@ -56,7 +56,7 @@ def dp_bytes(stage, pp, dp):
 
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
 RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
-CP_RUN = "pp2-cp2"   # on 4 processes too, checked by its own test
+CP_RUN, FSDP_RUN = "pp2-cp2", "pp2-fsdp2"   # on 4 processes too, each checked by its own test
 
 
 @pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
@@ -71,7 +71,7 @@ def test_pipelined_gpt_on_4_processes_equals_one_device(world):
 
 def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
-    assert all(sorted(set(r) - {CP_RUN}) == sorted(runs) for r in ranks)
+    assert all(sorted(set(r) - {CP_RUN, FSDP_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
         dp = 2 * world_dp // pp if name != "interleaved" else 1
         for rank, r in enumerate(ranks):
@@ -95,13 +95,20 @@ def _check(world_dp, ranks):
             assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), where   # each stage's (and the loss's) plan, made once
 
 
-@pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
-def test_pipelined_gpt_with_sequences_on_cp_equals_one_device_on_4_processes(world):
+def _pp2_run(world, run):
+    """``(rank, report, stage)`` of a pp=2 run on the 4-process launch, each rank's losses and params
+    checked against one device and its params and Adam state against its stage's."""
     for rank, r in enumerate(world("pipeline_gpt.py", "2", nproc=4)):
-        got, stage = r[CP_RUN], rank // 2
+        got, stage = r[run], rank // 2
         assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), rank
         assert got["max_param_err"] <= 1e-5, (rank, got["max_param_err"])
         assert got["held"] == got["mu_held"] == held(stage, 2), rank
+        yield rank, got, stage
+
+
+@pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
+def test_pipelined_gpt_with_sequences_on_cp_equals_one_device_on_4_processes(world):
+    for rank, got, stage in _pp2_run(world, CP_RUN):
         # half of each sequence goes between the stages
         assert got["sends"] == sends(2, 1, 2, cp=2), rank
         # over cp, a step sends (hand-computed) each stage's gradients all-reduced once (every cp rank
@@ -115,3 +122,11 @@ def test_pipelined_gpt_with_sequences_on_cp_equals_one_device_on_4_processes(wor
         assert got["dp_bytes"] == [0], rank
         assert got["cp_bytes"][0] == want, (rank, got["cp_bytes"], want)
         assert got["param_bytes"] == got["memory"] > 0, rank
+
+
+@pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
+def test_pipelined_gpt_with_fsdp_inside_stages_equals_one_device_on_4_processes(world):
+    for rank, got, stage in _pp2_run(world, FSDP_RUN):
+        # the step's reduction, once whatever the microbatches (hand-computed, ring over 2 ranks):
+        # each fsdp-split gradient reduce-scattered, (n-1)/n of it, each replicated one all-reduced, 2(n-1)/n
+        assert got["fsdp_reduce_bytes"] == [got["split_param_bytes"][0] // 2 + got["whole_param_bytes"][0]], rank

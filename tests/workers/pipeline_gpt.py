@@ -2,8 +2,9 @@
 ScheduleGPipe and Schedule1F1B over the pp groups, 4 microbatches), against the same steps run on
 one device in each process. argv: out_dir, dp size (world = 2 * dp). On 2 processes the same
 launch also runs torch's ScheduleInterleaved1F1B (a 4-block GPT, two one-block stages per rank),
-on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B, and pp=2 x cp=2 with
-1F1B (each sequence split over cp inside the stages and in the activations sent between them).
+on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B, pp=2 x cp=2 with
+1F1B (each sequence split over cp inside the stages and in the activations sent between them), and
+pp=2 x fsdp=2 with 1F1B (params split over fsdp where their first dim divides, the batch over fsdp).
 Each run's pipe.lower (the plan the steps reuse) reports its sends and this stage's figures."""
 
 import json
@@ -39,16 +40,17 @@ def one_device(model, params):
 
 def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     """The report of 3 pipelined steps of a GPT of ``stages`` (default ``pp``) blocks on a pp x
-    ``axis`` mesh (``dp`` ranks over it): the batch over dp, or each sequence over cp."""
+    ``axis`` mesh (``dp`` ranks over it): the batch over dp or fsdp, or each sequence over cp."""
     stages = stages or pp
-    spec = P("dp") if axis == "dp" else P(None, "cp")
+    spec = P(None, "cp") if axis == "cp" else P(axis)
     model = GPT(GPTConfig(vocab=16, seq=8, dim=16, heads=2, layers=stages, period=4))
     params = vsf.tree.from_module(model)
     want, want_losses = one_device(model, params)
     mesh = vsf.make_mesh((pp, dp), ("pp", axis))
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=spec, activations=spec, tied=("wte.weight",))
-    p = pipe.place(params)
+    specs = {k: P("fsdp") if axis == "fsdp" and v.shape[0] % dp == 0 else P() for k, v in params.items()}
+    p = pipe.place(params, specs)
     s = tx.init(p)
     lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))
 
@@ -75,6 +77,9 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
         "pp_bytes": sum(c.comm_bytes["pp"] for c in lowered.cost().stages),
         "dp_bytes": [c.comm_bytes.get("dp", 0) for c in lowered.cost().stages],
         "cp_bytes": [c.comm_bytes.get("cp", 0) for c in lowered.cost().stages],
+        "fsdp_reduce_bytes": [c.reduce.comm_bytes.get("fsdp", 0) for c in lowered.cost().stages],
+        "split_param_bytes": [sum(params[k].numel() * 4 for k in pipe.split.names[c.stage] if specs[k] != P()) for c in lowered.cost().stages],
+        "whole_param_bytes": [sum(params[k].numel() * 4 for k in pipe.split.names[c.stage] if specs[k] == P()) for c in lowered.cost().stages],
         "reducer_plans": [r.plan_count for r in pipe._reducers.values()],
         "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
         "memory": vsf.debug.memory_report(p).get(rank, 0),
@@ -87,4 +92,5 @@ if world == 2:   # two stages on each rank
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
     report["pp2-cp2"] = pipelined(2, 2, "1f1b", axis="cp")
+    report["pp2-fsdp2"] = pipelined(2, 2, "1f1b", axis="fsdp")
 (out / f"rank{rank}.json").write_text(json.dumps(report))

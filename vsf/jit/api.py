@@ -56,6 +56,7 @@ def jit(
     fun: Callable[..., Any] | None = None, *, in_shardings: Any = None, out_shardings: Any = None,
     static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
     reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: int | Sequence[int] = (),
+    unsharded_grad_axes: Sequence[str] = (),
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -75,6 +76,10 @@ def jit(
     * ``unreduced_grad_argnums``: arguments whose DTensors' gradients (under torch autograd) come back
       unreduced (``Partial``) on the axes they are replicated on, where the plan holds them so (a
       weight's, the batch over ``dp``): ``.grad`` sums calls' linearly, the caller reduces once (DDP's ``no_sync``).
+    * ``unsharded_grad_axes``: mesh axes on which those arguments' gradients also come back whole and
+      unreduced where their values are split there (a param over ``fsdp``): ``.grad`` sums calls'
+      whole-sized gradients and the caller reduce-scatters once (FSDP2's
+      ``set_requires_gradient_sync(False)``), at the memory of a gradient unsplit over those axes.
 
     Called with grad mode on and an input that requires grad, the result is differentiable by
     torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
@@ -91,8 +96,8 @@ def jit(
         >>> block(params, x).square().mean().backward(); opt.step()      # param.grad: DTensors
     """
     if fun is None:
-        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=unreduced_grad_argnums)
-    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=_tuple(unreduced_grad_argnums))
+        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes))
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -145,7 +150,7 @@ class _Call:
 class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
-    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = ()) -> None:
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = (), unsharded_grad_axes: tuple[str, ...] = ()) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -154,7 +159,7 @@ class Jitted:
         self.static_argnames = static_argnames
         self.donate_argnums = donate_argnums
         self.reshard_after_forward, self.memory_budget = reshard_after_forward, memory_budget
-        self.unreduced_grad_argnums = unreduced_grad_argnums
+        self.unreduced_grad_argnums, self.unsharded_grad_axes = unreduced_grad_argnums, unsharded_grad_axes
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
@@ -316,7 +321,7 @@ class Jitted:
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
         if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
-            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.leaves_of(self.unreduced_grad_argnums))
+            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes)
             compiled = DifferentiableCompiled(self, joint, traced, call.names, out_names, call.leaves, call.key[0]) if joint is not None else None
         if compiled is None:
             plan = propagate(

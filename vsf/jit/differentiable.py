@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from vsf import _compat, config
 from vsf.errors import HigherOrderGradError
@@ -85,6 +85,7 @@ def plan_joint(
     traced: Traced,
     out_targets: Sequence[NamedSharding | None],
     unreduced: Sequence[int] = (),
+    unsharded: Sequence[str] = (),
 ) -> JointPlan | None:
     """Trace ``fun``'s joint graph for a call (its ``inputs`` as DTensors, its ``leaves`` as passed,
     ``grad`` from :func:`grad_mask`), plan it once and split it; ``traced`` is the forward alone and
@@ -95,7 +96,8 @@ def plan_joint(
     planned to arrive in it: ``out_shardings`` or a carried argument's, a scalar replicated, any other
     as the forward alone is planned. Each gradient is planned to end in its input's sharding
     (a plain tensor's: replicated), or for a DTensor leaf in ``unreduced`` (indices into
-    ``leaves``) an unreduced sum on the axes that sharding replicates, where the plan holds it so."""
+    ``leaves``) an unreduced sum on the axes that sharding replicates, and whole and unreduced on
+    the ``unsharded`` axes it splits, where the plan holds it so."""
     in_placements = [tuple(x.placements) for x in inputs]
     out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
     targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets)
@@ -105,14 +107,32 @@ def plan_joint(
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)
-    grad_targets = [sharding_of(leaves[i]) if isinstance(leaves[i], DTensor) else NamedSharding(mesh, PartitionSpec()) for i in with_grad]
-    may_stay = [_replicated_axes(mesh, leaves[i]) if i in unreduced else () for i in with_grad]
+    grad_targets = [_grad_target(mesh, leaves[i], unsharded if i in unreduced else ()) for i in with_grad]
+    may_stay = [_replicated_axes(mesh, leaves[i]) + _split_axes(mesh, leaves[i], unsharded) if i in unreduced else () for i in with_grad]
     plan = propagate(
         joint.traced.graph, mesh, in_placements + [to_placements(t) for t in targets], targets + grad_targets,
         allow_replicated_fallback=config.allow_replicated_fallback, unreduced=[()] * len(targets) + may_stay,
     )
     parts = partition(plan, len(avals), len(out_metas), [j for j, d in enumerate(joint.differentiable) if d])
     return JointPlan(plan, parts, joint, with_grad)
+
+
+def _grad_target(mesh: Mesh, leaf: Any, unsharded: Sequence[str]) -> NamedSharding:
+    """The sharding a leaf's gradient is planned to end in: the leaf's (a plain tensor's:
+    replicated), whole on the ``unsharded`` axes it splits."""
+    if not isinstance(leaf, DTensor):
+        return NamedSharding(mesh, PartitionSpec())
+    if not _split_axes(mesh, leaf, unsharded):
+        return sharding_of(leaf)
+    placements = tuple(Replicate() if a in unsharded else p for a, p in zip(mesh.device_axes, leaf.placements))
+    return from_placements(mesh, placements, leaf.ndim)
+
+
+def _split_axes(mesh: Mesh, leaf: Any, axes: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes among ``axes`` that split a DTensor leaf."""
+    if not isinstance(leaf, DTensor):
+        return ()
+    return tuple(a for a, p in zip(mesh.device_axes, leaf.placements) if a in axes and not p.is_replicate() and not p.is_partial())
 
 
 def _replicated_axes(mesh: Mesh, leaf: Any) -> tuple[str, ...]:

@@ -16,8 +16,9 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   mean: exactly the one-device gradient of the whole batch's mean loss.
   Gradients are reduced once a step, as DDP reduces after its ``no_sync`` microbatches: a stage
   program's backward leaves a param's gradient unreduced over the axes the param is replicated on
-  (``dp``: ``vsf.jit``'s ``unreduced_grad_argnums``), torch sums the microbatches' into ``.grad``,
-  and one planned program per stage all-reduces them in buckets and divides by ``microbatches``.
+  (``dp``: ``vsf.jit``'s ``unreduced_grad_argnums``) and whole over the batch's axes it is split on
+  (``fsdp``: ``unsharded_grad_axes``, as torch's ``PipelineStage`` has an FSDP2 stage do), torch sums
+  the microbatches' into ``.grad``, and one planned program per stage reduces them to their mean in buckets.
 * ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
   ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
   per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over
@@ -334,13 +335,14 @@ class Pipeline:
         with other shapes re-plans inside it, as any jitted function does)."""
         key = (s, out)
         if key not in self._programs:
-            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,))
+            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes)
         return self._programs[key]
 
     def _reducer(self, s: int) -> Any:
         """Stage ``s``'s program reducing its gradients once a step: their mean over the
         microbatches, in each param's layout (the stage program leaves them unreduced over the
-        axes a param is replicated on: DDP's one all-reduce a step, not one a microbatch)."""
+        axes a param is replicated on, and whole over the batch's axes it is split on: DDP's one
+        all-reduce a step and FSDP's one reduce-scatter, not one a microbatch)."""
         if s not in self._reducers:
             self._reducers[s] = mean_reducer(self.microbatches, {k: self._where(k, s)[0] for k in self.split.names[s]})
         return self._reducers[s]

@@ -73,12 +73,13 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
     return x.to_local(grad_placements=sharding.placements)
 
 
-def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = ()) -> Any:
+def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = (), unsharded_grad_axes: Sequence[str] = ()) -> Any:
     """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
     backward, and reused while shapes and layouts stay); the gradients of the arguments
     ``unreduced_grad_argnums`` (a stage's params) come back unreduced over the axes they are
-    replicated on, for the step to reduce once (see ``vsf.jit``)."""
-    return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums)
+    replicated on, and whole and unreduced over the ``unsharded_grad_axes`` they are split on
+    (the batch's: fsdp), for the step to reduce once (see ``vsf.jit``)."""
+    return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes)
 
 
 def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding]) -> Any:

@@ -314,7 +314,10 @@ def merged_bmm(draw, rng):
 
 
 def layer_norm_backward(draw, rng):
-    return layer_norm_backward_case(rng, _shape(draw, 2, 3), draw(st.integers(0, 2)))
+    # a width of 1 normalizes to a constant: its input gradient is rounding noise times 1/sqrt(eps)
+    # (a Hypothesis run found 1.2e-4 against 0 on [2, 5, 1] with the gradient's parts split over dp)
+    shape = _shape(draw, 1, 2) + (draw(st.sampled_from((2, 3, 4, 5, 6, 8))),)
+    return layer_norm_backward_case(rng, shape, draw(st.integers(0, 2)))
 
 
 def layer_norm_backward_case(rng, shape, which):

@@ -31,7 +31,7 @@ from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.graph import output_node
 from vsf.jit.joint import Joint, trace_joint
 from vsf.jit.partition import Partitioned, partition
-from vsf.jit.plan import Placements, Plan, to_placements
+from vsf.jit.plan import Placements, Plan, is_shard, to_placements
 from vsf.jit.propagate import propagate
 from vsf.jit.trace import Traced
 from vsf.sharding.mesh import Mesh
@@ -122,17 +122,17 @@ def _grad_target(mesh: Mesh, leaf: Any, unsharded: Sequence[str]) -> NamedShardi
     replicated), whole on the ``unsharded`` axes it splits."""
     if not isinstance(leaf, DTensor):
         return NamedSharding(mesh, PartitionSpec())
-    if not _split_axes(mesh, leaf, unsharded):
+    split = _split_axes(mesh, leaf, unsharded)
+    if not split:
         return sharding_of(leaf)
-    placements = tuple(Replicate() if a in unsharded else p for a, p in zip(mesh.device_axes, leaf.placements))
-    return from_placements(mesh, placements, leaf.ndim)
+    return from_placements(mesh, tuple(Replicate() if a in split else p for a, p in zip(mesh.device_axes, leaf.placements)), leaf.ndim)
 
 
 def _split_axes(mesh: Mesh, leaf: Any, axes: Sequence[str]) -> tuple[str, ...]:
     """The mesh axes among ``axes`` that split a DTensor leaf."""
     if not isinstance(leaf, DTensor):
         return ()
-    return tuple(a for a, p in zip(mesh.device_axes, leaf.placements) if a in axes and not p.is_replicate() and not p.is_partial())
+    return tuple(a for a, p in zip(mesh.device_axes, leaf.placements) if a in axes and is_shard(p))
 
 
 def _replicated_axes(mesh: Mesh, leaf: Any) -> tuple[str, ...]:

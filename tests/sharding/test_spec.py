@@ -56,6 +56,24 @@ def test_axes_and_entry_axes():
     assert spec.unreduced == ("cp",)
 
 
+def test_without_takes_axes_out_of_every_entry():
+    spec = P(("fsdp", "tp"), "dp", None, vsf.balanced("cp"), unreduced=("pp",))
+    assert spec.without(("fsdp", "dp")) == P("tp", None, None, vsf.balanced("cp"), unreduced=("pp",))
+    assert spec.without(("cp", "pp")) == P(("fsdp", "tp"), "dp", None, None)
+    assert P(("dp", "fsdp", "tp")).without(("fsdp",)) == P(("dp", "tp"))
+    assert P(vsf.ragged("fsdp", (1, 2))).without(("fsdp",)) == P(None)
+    assert P(P.UNCONSTRAINED, "tp").without(("tp",)) == P(P.UNCONSTRAINED, None)
+    assert spec.without(()) == spec
+
+
+@given(specs(), st.sets(st.sampled_from(NAMES)))
+def test_without_leaves_exactly_the_other_axes_in_order(spec, axes):
+    out = spec.without(axes)
+    assert len(out) == len(spec) and out.unreduced == tuple(a for a in spec.unreduced if a not in axes)
+    for dim in range(len(spec)):
+        assert out.entry_axes(dim) == tuple(a for a in spec.entry_axes(dim) if a not in axes)
+
+
 @pytest.mark.parametrize(
     "make, message",
     [

@@ -169,29 +169,45 @@ def test_dp_gradients_are_reduced_once_a_step_whatever_the_microbatches(sim):
 
 def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_step(sim):
     """pp=2 x fsdp=2, params split over fsdp where their first dim divides, the batch over fsdp: the
-    losses, first gradients and params of one device; a stage's backward leaves its gradients whole
-    and unreduced over fsdp (torch sums the microbatches' into ``.grad``, as torch's
-    ``PipelineStage`` has an FSDP2 stage do), and the step's reduction sends, hand-computed, each
-    split gradient reduce-scattered once (``(n-1)/n`` of it) and each replicated one all-reduced
-    once (``2(n-1)/n``), the same for m = 2 and m = 4."""
+    losses, first gradients and params of one device. As FSDP2 does under torch's schedules, a
+    stage gathers its split params once a step and keeps them gathered through the microbatches,
+    its backward leaves its gradients whole and unreduced over fsdp (torch sums the microbatches'
+    into ``.grad``), and the step's reduction reduce-scatters them once. Hand-computed bytes: the
+    gather sends ``(n-1)/n`` of each split param, the reduction ``(n-1)/n`` of each split gradient
+    and ``2(n-1)/n`` of each replicated one, a microbatch's programs nothing over fsdp but the
+    loss's sums, for m = 2 and m = 4; with ``reshard_after_forward`` there is no gather and each
+    microbatch's programs gather the params themselves."""
     model, params = _model(layers=2)
     want_losses, want_grads, want = _one_device(model, params)
     fns, loss_fn, prefixes = pipeline_stages(model, 2)
     specs = {k: P("fsdp") if v.shape[0] % 2 == 0 else P() for k, v in params.items()}
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("pp", "fsdp"))
-    for m in (2, 4):
-        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("fsdp"), tied=("wte.weight",))
+    for m, reshard in ((2, False), (4, True), (4, False)):
+        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("fsdp"), tied=("wte.weight",), reshard_after_forward=reshard)
         p = pipe.place(params, specs)
         for c in pipe.lower(p, *batch_at(0, BATCH, model.cfg)).cost().stages:
             names = pipe.split.names[c.stage]
+            gathered = sum(params[k].numel() * 4 // 2 for k in names if specs[k] == P("fsdp"))
             once = sum(params[k].numel() * 4 // 2 if specs[k] == P("fsdp") else params[k].numel() * 4 for k in names)
             assert c.reduce.comm_bytes["fsdp"] == once, (m, c.stage)
             loss = 2 * 4 if c.stage == 1 else 0   # the loss's sum and token count (two f32), all-reduced a microbatch
-            assert c.comm_bytes["fsdp"] == m * (c.program.comm_bytes["fsdp"] + loss) + once, (m, c.stage)
+            if reshard:
+                assert c.gather is None and c.gathered_bytes == 0 and c.program.comm_bytes["fsdp"] > 0
+            else:
+                assert c.gather.comm_bytes["fsdp"] == gathered and c.gathered_bytes == gathered, (m, c.stage)
+                assert c.program.comm_bytes["fsdp"] == 0, (m, c.stage)
+            assert c.comm_bytes["fsdp"] == (0 if reshard else gathered) + m * (c.program.comm_bytes["fsdp"] + loss) + once, (m, c.stage)
+        if m == 4:
+            _trains_like_one_device(pipe, p, specs, model.cfg, want_losses, want_grads, want)
+
+
+def _trains_like_one_device(pipe, p, specs, cfg, want_losses, want_grads, want):
+    """``pipe`` trained ``STEPS`` steps from ``p`` gives one device's losses, first gradients and
+    params, and the params keep their ``specs``."""
     s, losses = TX.init(p), []
     for i in range(STEPS):
-        loss, grads = pipe.value_and_grad(p, *batch_at(i, BATCH, model.cfg))
+        loss, grads = pipe.value_and_grad(p, *batch_at(i, BATCH, cfg))
         if i == 0:
             first = vsf.device_get(grads)
         updates, s = TX.update(grads, s, p)

@@ -130,3 +130,7 @@ def test_pipelined_gpt_with_fsdp_inside_stages_equals_one_device_on_4_processes(
         # the step's reduction, once whatever the microbatches (hand-computed, ring over 2 ranks):
         # each fsdp-split gradient reduce-scattered, (n-1)/n of it, each replicated one all-reduced, 2(n-1)/n
         assert got["fsdp_reduce_bytes"] == [got["split_param_bytes"][0] // 2 + got["whole_param_bytes"][0]], rank
+        # the split params gathered once a step ((n-1)/n of them, by a plan made once), held
+        # gathered through the microbatches: a microbatch's programs send nothing over fsdp
+        assert got["fsdp_gather_bytes"] == [got["split_param_bytes"][0] // 2] and got["gather_plans"] == [1], rank
+        assert got["fsdp_program_bytes"] == [0], rank

@@ -19,6 +19,12 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   (``dp``: ``vsf.jit``'s ``unreduced_grad_argnums``) and whole over the batch's axes it is split on
   (``fsdp``: ``unsharded_grad_axes``, as torch's ``PipelineStage`` has an FSDP2 stage do), torch sums
   the microbatches' into ``.grad``, and one planned program per stage reduces them to their mean in buckets.
+* Params split over the batch's axes (fsdp) are gathered once a step, before a stage's first
+  microbatch, and kept gathered through the step, as FSDP2 is kept under torch's schedules
+  (torchtitan's ``reshard_after_forward=False`` with ``pp``; ``PipelineStage`` turns
+  ``reshard_after_backward`` off until the last microbatch): one all-gather and one reduce-scatter
+  a step, for the memory of the stage's gathered params. ``reshard_after_forward=True`` gathers them
+  in each microbatch's programs instead (``m`` times the all-gathers, a microbatch's memory).
 * ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
   ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
   per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over
@@ -60,10 +66,11 @@ from torch.distributed.tensor import DTensor
 
 from vsf import runtime, tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
+from vsf.pipeline import runners
 from vsf.pipeline import schedule as sched
 from vsf.pipeline.lower import PipelineLowered, Send, StageCost, in_flight, saved_bytes, send
 from vsf.pipeline.split import Split, assign, leaf_names
-from vsf.pipeline.stage import Boundary, StageModule, as_global, local_of, mean_reducer, shard_bytes, stage_program, stand_in
+from vsf.pipeline.stage import Boundary, StageModule, as_global, gather_program, mean_reducer, shard_bytes, stage_program, stand_in
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_put
@@ -98,6 +105,7 @@ class Pipeline:
         activations: PartitionSpec | None = None,
         tied: Sequence[str] = (),
         axis: str = "pp",
+        reshard_after_forward: bool = False,
     ) -> None:
         if len(stages) != len(params):
             raise ValueError(f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage")
@@ -111,7 +119,7 @@ class Pipeline:
             raise ValueError(f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch")
         self.stages, self.loss_fn, self.prefixes, self.tied = list(stages), loss_fn, [list(p) for p in params], tuple(tied)
         self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
-        self.batch = batch
+        self.batch, self.reshard_after_forward = batch, reshard_after_forward
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
         self.meshes = [mesh.at(axis, s % mesh.axis_size(axis)) for s in range(len(stages))]   # stage s on pp rank s % p
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
@@ -120,6 +128,7 @@ class Pipeline:
         self._specs: dict[str, PartitionSpec] = {}
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
         self._reducers: dict[int, Any] = {}
+        self._gathers: dict[int, Any] = {}
         self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
         if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
@@ -193,9 +202,9 @@ class Pipeline:
         ts = [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)] if last in self.local_stages() else []
         mods = self._modules(values, inputs, targets)
         if self._in_one_process():
-            loss_parts = self._run_in_order(mods, xs, ts)
+            loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts)
         else:
-            loss_parts = self._run_torch(mods, xs, ts)
+            loss_parts = runners.run_torch(mods, xs, ts, self.mesh, self.axis, self.schedule, self.num_stages, self.microbatches)
         grads = self._gradients(mods)
         loss = self._loss(loss_parts)
         out = [grads.get(k) if values.get(k) is not None else None for k in names]
@@ -224,14 +233,16 @@ class Pipeline:
         sends = self._sends(bounds)
         actions = [[(kind, mb) for acts in self.actions() for st, kind, mb in acts if st == s] for s in range(self.num_stages)]
         last = self.num_stages - 1
-        stages, reducers, costs, loss = {}, {}, [], None
+        stages, reducers, gathers, costs, loss = {}, {}, {}, [], None
         with torch.enable_grad():
             for s in self.local_stages():
                 ins, out, dtype = bounds[s]
                 dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
                 names = self.split.names[s]
                 lent = {k: stand_in(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)}
-                weights = {k: self._weight(k, s, values, lent) for k in names}
+                if self._gathered(s):
+                    gathers[s] = self._gather(s).lower({k: self._value(k, s, values, lent) for k in self._gathered(s)})
+                weights = {k: stand_in((self._held(k, s), self._shapes[k].shape), self._shapes[k].dtype, grad=True) for k in names}
                 xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
                 stages[s] = self._program(s, out[0]).lower(weights, *xs)
                 grads = stages[s].grad_shardings[0][0]   # as the backward leaves them: unreduced over dp
@@ -243,12 +254,13 @@ class Pipeline:
                     loss = self._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
                     held += saved_bytes(loss, 0)
                 costs.append(StageCost(
-                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, reducers[s].cost(), self.microbatches,
+                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, reducers[s].cost(), gathers[s].cost() if s in gathers else None, self.microbatches,
                     sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
+                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self._gathered(s)),
                     sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
                     held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
                 ))
-        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, reducers, costs, sends)
+        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, reducers, gathers, costs, sends)
 
     def _sends(self, bounds: list[tuple[list[Boundary], Boundary, torch.dtype]]) -> list[Send]:
         """Every transfer over ``pp`` of a step, in the order of the step: the tied params lent,
@@ -316,7 +328,12 @@ class Pipeline:
         mods = {}
         for s in self.local_stages():
             names = self.split.names[s]
-            weights = [self._weight(k, s, values, {n: v for (n, b), v in lent.items() if b == s}) for k in names]
+            mine = {n: v for (n, b), v in lent.items() if b == s}
+            held = {k: self._value(k, s, values, mine) for k in names}
+            if self._gathered(s):
+                with torch.no_grad():
+                    held.update(self._gather(s)({k: held[k] for k in self._gathered(s)}))
+            weights = [held[k].detach().requires_grad_(True) for k in names]
             mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
         last = self.num_stages - 1
         if last in mods:
@@ -347,21 +364,40 @@ class Pipeline:
             self._reducers[s] = mean_reducer(self.microbatches, {k: self._where(k, s)[0] for k in self.split.names[s]})
         return self._reducers[s]
 
+    def _gathered(self, s: int) -> list[str]:
+        """Stage ``s``'s params that are gathered once a step (see :meth:`_held`)."""
+        return [k for k in self.split.names[s] if self._held(k, s) != self._where(k, s)[0]]
+
+    def _held(self, k: str, stage: int) -> NamedSharding:
+        """The layout of leaf ``k`` that stage ``stage``'s programs read: its own, or, unless
+        ``reshard_after_forward``, gathered over the batch's axes (fsdp) for the whole step."""
+        sharding = self._where(k, stage)[0]
+        if self.reshard_after_forward:
+            return sharding
+        return NamedSharding(sharding.mesh, self._specs[k].without(PartitionSpec(*self.batch).axes))
+
+    def _gather(self, s: int) -> Any:
+        """Stage ``s``'s program gathering its :meth:`_gathered` params once a step, before its
+        first microbatch (FSDP2 under torch's pipeline schedules gathers once and keeps them
+        gathered through the step: ``reshard_after_backward(False)``)."""
+        if s not in self._gathers:
+            self._gathers[s] = gather_program({k: self._held(k, s) for k in self._gathered(s)})
+        return self._gathers[s]
+
     def _loss_program(self, last: int) -> Any:
         key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))
         if key not in self._programs:
             self._programs[key] = stage_program(self.loss_fn, key[1])
         return self._programs[key]
 
-    def _weight(self, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> torch.Tensor:
-        """Stage ``stage``'s leaf ``k`` as a fresh autograd leaf: its own value, or the copy of a
-        tied leaf it borrows."""
+    def _value(self, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> DTensor:
+        """Stage ``stage``'s leaf ``k``: its own value, or the copy of a tied leaf it borrows."""
         if self.split.owner[k] != stage:
-            return lent[k].detach().requires_grad_(True)
+            return lent[k].detach()
         v = values[k]
         if not isinstance(v, DTensor):
             raise TypeError(f"param {k!r} is a {type(v).__name__}, not a DTensor on stage {stage}'s mesh: lay the params out with pipe.place(params, specs)")
-        return v.detach().requires_grad_(True)
+        return v.detach()
 
     def _lend(self, values: dict[str, Any]) -> dict[tuple[str, int], DTensor]:
         """Each borrowed tied leaf's copy on its borrower's mesh, keyed ``(name, borrower)``: the
@@ -390,63 +426,6 @@ class Pipeline:
     def _peer(self, stage: int) -> int:
         """The global rank at pp coordinate ``stage`` and this rank's other coordinates."""
         return self.meshes[stage].devices[self.meshes[self.here].devices.index(runtime.rank())]
-
-    # -- runners ----------------------------------------------------------------------------------
-
-    def _run_in_order(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """The schedule played in this process (every stage here)."""
-        last = self.num_stages - 1
-        inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
-        grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        kept: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}
-        losses: list[torch.Tensor | None] = [None] * self.microbatches
-
-        def run(s: int, kind: str, mb: int) -> None:
-            mod = mods[s]
-            if kind == "F":
-                x = [piece[mb] for piece in xs] if s == 0 else inbox.pop((s, mb))
-                y = mod(*x)
-                if s == last:
-                    y = _loss_local(mod, y, [piece[mb] for piece in ts])
-                    losses[mb] = y.detach()
-                else:
-                    inbox[(s + 1, mb)] = [y.detach().requires_grad_(True)]
-                kept[(s, mb)] = (x, y)
-                return
-            x, y = kept.pop((s, mb))
-            torch.autograd.backward(y, None if s == last else grads_in.pop((s, mb)))
-            if s > 0:
-                grads_in[(s - 1, mb)] = x[0].grad
-
-        self.order = sched.run_in_order(self.actions(), run)
-        return [t for t in losses if t is not None]
-
-    def _run_torch(self, mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """This process's stages of torch's schedule, talking to the other ranks over ``pp``."""
-        from torch.distributed.pipelining import PipelineStage
-
-        last = self.num_stages - 1
-        # static metadata (no shape inference round): each microbatch's local shards; a stage's
-        # received activation needs a gradient (torch reads that off the example)
-        device = torch.device("cpu") if self.mesh.device_type == "cpu" else torch.device(self.mesh.device_type, torch.cuda.current_device())
-        group = self.mesh.device_mesh.get_group(self.axis)
-        stages = []
-        for s, mod in sorted(mods.items()):
-            example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
-            example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
-            stages.append(PipelineStage(mod, s, self.num_stages, device, input_args=example_in, output_args=example_out, group=group))
-        # every rank passes the loss (torch runs backward only where the schedule has one); only
-        # the last stage calls it
-        loss_fn = lambda y, t: _loss_local(mods[last], y, [t])  # noqa: E731
-        schedule = sched.SCHEDULES[self.schedule](stages if self.stages_per_rank > 1 else stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
-        losses: list[torch.Tensor] = []
-        whole = lambda pieces: torch.cat(pieces)  # noqa: E731 (torch splits them again, the same way)
-        inputs = [whole(p) for p in xs] if 0 in mods else []
-        if last in mods:
-            schedule.step(*inputs, target=whole(ts[0]), losses=losses)
-        else:
-            schedule.step(*inputs)
-        return losses
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -490,11 +469,3 @@ class Pipeline:
 def _first(spec: PartitionSpec, n: int) -> PartitionSpec:
     """``spec``'s first ``n`` entries (a batch spec applied to a value of rank ``n``)."""
     return PartitionSpec(*tuple(spec)[:n])
-
-
-def _loss_local(mod: StageModule, y: torch.Tensor, targets: list[torch.Tensor]) -> torch.Tensor:
-    """``loss_fn`` of the last stage's local output and targets: the whole microbatch's mean loss,
-    here (a replicated scalar's local value)."""
-    loss = mod.loss_program(*[as_global(v, where) for v, where in zip([y, *targets], mod.loss_ins)])
-    return local_of(loss, mod.loss_program.out_shardings)
-

@@ -4,8 +4,9 @@ stages over ``pp`` (shape, dtype, bytes per microbatch and per step), and each s
 ``Pipeline.lower(params, inputs, targets)`` returns a :class:`PipelineLowered`, the pipeline's
 counterpart of ``vsf.jit(f).lower(...)``'s ``Lowered``: ``stages[s]`` is stage ``s``'s own
 ``Lowered`` (its forward and backward programs, planned once and run for every microbatch),
-``reducers[s]`` the program that reduces its gradients once a step, ``as_text()`` reads the whole
-step, ``cost()`` gives the figures per stage.
+``gathers[s]`` the program that gathers its fsdp-split params once a step, ``reducers[s]`` the
+program that reduces its gradients once a step, ``as_text()`` reads the whole step, ``cost()``
+gives the figures per stage.
 
 Every figure is per rank (the most any rank of the stage holds or sends). Activations cross
 between stages as local shards: each rank sends its shard to the rank at the same coordinates of
@@ -69,8 +70,13 @@ class StageCost:
     the last stage), run ``microbatches`` times a step; ``reduce``: the program that reduces the
     stage's gradients once a step (their mean over the microbatches: the backward leaves a
     param's gradient unreduced over the axes the param is replicated on, e.g. ``dp``, and torch
-    sums the microbatches' into ``.grad``, so a step all-reduces it once, as DDP does). ``param_bytes``: the params the stage holds
-    (its optimizer state follows them); ``borrowed_bytes``: tied params lent to it each step.
+    sums the microbatches' into ``.grad``, so a step all-reduces it once, as DDP does, or
+    reduce-scatters it once where the param is split over the batch's axes, as FSDP does);
+    ``gather``: the program that gathers the params split over the batch's axes once a step, before
+    the first microbatch (``None`` if it gathers none, as with ``reshard_after_forward``). ``param_bytes``: the params the
+    stage holds (its optimizer state follows them); ``gathered_bytes``: the shards of the params it
+    gathers, held beside their gathered copies through the step; ``borrowed_bytes``: tied params
+    lent to it each step.
     ``held_bytes``: what it keeps for one microbatch between that microbatch's forward and its
     backward (input, output and the values the forward saves); ``in_flight``: the most microbatches
     it keeps at once under the schedule. ``sends``: the transfers its ranks send.
@@ -81,8 +87,10 @@ class StageCost:
     program: Cost
     loss: Cost | None
     reduce: Cost
+    gather: Cost | None
     microbatches: int
     param_bytes: int
+    gathered_bytes: int
     borrowed_bytes: int
     held_bytes: int
     in_flight: int
@@ -95,8 +103,9 @@ class StageCost:
         out = {a: b * self.microbatches for a, b in self.program.comm_bytes.items()}
         for a, b in (self.loss.comm_bytes.items() if self.loss else ()):
             out[a] = out.get(a, 0) + b * self.microbatches
-        for a, b in self.reduce.comm_bytes.items():
-            out[a] = out.get(a, 0) + b
+        for once in (self.reduce, self.gather):
+            for a, b in (once.comm_bytes.items() if once else ()):
+                out[a] = out.get(a, 0) + b
         out["pp"] = out.get("pp", 0) + sum(s.step_bytes for s in self.sends)
         return out
 
@@ -107,10 +116,11 @@ class StageCost:
 
     @property
     def peak_bytes(self) -> int:
-        """Estimated peak per rank (from above): one microbatch's programs at their peak (params
-        included), the loss program's, the other microbatches in flight and the borrowed params."""
+        """Estimated peak per rank (from above): one microbatch's programs at their peak (the params
+        they read included), the loss program's, the other microbatches in flight, the borrowed
+        params and the shards of the gathered ones."""
         loss = self.loss.peak_bytes if self.loss else 0
-        return self.program.peak_bytes + loss + (self.in_flight - 1) * self.held_bytes + self.borrowed_bytes
+        return self.program.peak_bytes + loss + (self.in_flight - 1) * self.held_bytes + self.borrowed_bytes + self.gathered_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,15 +146,18 @@ class PipelineCost:
 
 class PipelineLowered:
     """A pipelined step, planned and not run: ``stages[s]`` (stage ``s``'s ``Lowered``, for each
-    stage this process computes), ``loss`` (the loss program's, on the last stage), ``reducers[s]``
+    stage this process computes), ``loss`` (the loss program's, on the last stage), ``gathers[s]``
+    (the ``Lowered`` of stage ``s``'s params gathered once a step, for each stage that gathers
+    some), ``reducers[s]``
     (the ``Lowered`` of stage ``s``'s gradients reduced once a step), ``sends``, :meth:`cost` and
     :meth:`as_text`."""
 
     def __init__(self, mesh: Mesh, axis: str, schedule: str, microbatches: int, prefixes: Sequence[Sequence[str]],
-                 stages: dict[int, Lowered], loss: Lowered | None, reducers: dict[int, Lowered], costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
+                 stages: dict[int, Lowered], loss: Lowered | None, reducers: dict[int, Lowered], gathers: dict[int, Lowered],
+                 costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
         self.mesh, self.axis, self.schedule, self.microbatches = mesh, axis, schedule, microbatches
         self.prefixes = [list(p) for p in prefixes]
-        self.stages, self.loss, self.reducers, self.sends = stages, loss, reducers, tuple(sends)
+        self.stages, self.loss, self.reducers, self.gathers, self.sends = stages, loss, reducers, gathers, tuple(sends)
         self._costs = tuple(costs)
 
     def cost(self) -> PipelineCost:
@@ -169,6 +182,8 @@ class PipelineLowered:
                 f" peak ~{fmt_bytes(c.peak_bytes)}",
                 f"    sends a step: {self.axis} {fmt_bytes(pp)}" + (f", {others} ({m} x one microbatch's collectives, and the gradients reduced once a step: {per_axis(c.reduce.comm_bytes)})" if others else ""),
             ]
+            if c.gathered_bytes:
+                lines.append(f"    params gathered once a step: {per_axis(c.gather.comm_bytes)} (their {fmt_bytes(c.gathered_bytes)} of shards held beside them)")
         lines.append(f"sends over {self.axis} (each rank to the rank at its other coordinates in the other stage):")
         width = max((len(s.what) for s in self.sends), default=0)
         for s in self.sends:
@@ -176,6 +191,8 @@ class PipelineLowered:
             lines.append(f"  {s.what:<{width}}  stage {s.src} -> {s.dst}  {shape:<16} {fmt_bytes(s.bytes):>9} x {s.count} = {fmt_bytes(s.step_bytes)} a step")
         for s, lowered in sorted(self.stages.items()):
             lines += ["", f"== stage {s}: one microbatch (run {m} times a step) ==", lowered.as_text()]
+            if s in self.gathers:
+                lines += ["", f"== stage {s}: its params gathered once a step ==", self.gathers[s].as_text()]
             lines += ["", f"== stage {s}: its gradients summed over the microbatches, reduced once a step ==", self.reducers[s].as_text()]
         if self.loss is not None:
             lines += ["", f"== the loss on stage {p - 1}: one microbatch ==", self.loss.as_text()]

@@ -27,7 +27,7 @@ from vsf.jit import jit
 from vsf.sharding.named import NamedSharding
 from vsf.sharding.put import device_put
 
-__all__ = ["Boundary", "StageModule", "as_global", "local_of", "mean_reducer", "shard_bytes", "stage_program", "stand_in"]
+__all__ = ["Boundary", "StageModule", "as_global", "gather_program", "local_of", "mean_reducer", "shard_bytes", "stage_program", "stand_in"]
 
 Boundary = tuple[NamedSharding, tuple[int, ...]]   # a value's layout and global shape (one microbatch)
 
@@ -98,6 +98,23 @@ def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding]) -> Any:
         return {k: g / microbatches for k, g in grads.items()}
 
     return jit(mean_of_microbatches, out_shardings=shardings)
+
+
+def gather_program(shardings: dict[str, NamedSharding]) -> Any:
+    """The jitted program laying a stage's params (a dict ``name -> DTensor``) out as
+    ``shardings``: the params split over the batch's axes gathered once a step.
+
+    Example::
+
+        >>> gather = gather_program({"w": NamedSharding(stage_mesh, P(None, "tp"))})
+        >>> gather({"w": w})["w"].placements                      # w: P("fsdp", "tp")
+        (Replicate(), Shard(dim=1))
+    """
+
+    def gathered(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(params)
+
+    return jit(gathered, out_shardings=shardings)
 
 
 class StageModule(torch.nn.Module):

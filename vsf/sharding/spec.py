@@ -377,6 +377,26 @@ class PartitionSpec:
         """Mesh axes that split ``dim``, major to minor (empty when unsharded or out of range)."""
         return _entry_axes(self._entries[dim]) if dim < len(self._entries) else ()
 
+    def without(self, axes: Iterable[str]) -> "PartitionSpec":
+        """The spec with the mesh ``axes`` taken out: each dim keeps the other axes that split it,
+        in order, and a ragged or balanced entry over a removed axis becomes ``None`` (the value
+        gathered over ``axes``).
+
+        Example::
+
+            >>> P(("fsdp", "tp"), "dp").without(("fsdp", "dp"))
+            P('tp', None)
+        """
+        drop = set(axes)
+
+        def kept(entry: Entry) -> Entry:
+            if entry is UNCONSTRAINED or not drop.intersection(_entry_axes(entry)):
+                return entry
+            rest = tuple(a for a in _entry_axes(entry) if a not in drop) if isinstance(entry, tuple) else ()
+            return rest or None
+
+        return PartitionSpec(*(kept(e) for e in self._entries), unreduced=tuple(a for a in self._unreduced if a not in drop))
+
     def normalized(self) -> "PartitionSpec":
         """The same spec without trailing ``None`` entries."""
         entries = list(self._entries)

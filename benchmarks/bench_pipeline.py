@@ -3,8 +3,11 @@
 A GPT (``examples/gpt.py``: d=256, 4 heads, 8 blocks, vocab 256, microbatches of 4 sequences of 64
 tokens; ``--quick``: 4 blocks, microbatches of 2 sequences, pp=4 only) is cut into ``pp`` stages of equal blocks (``pipeline_stages``) on
 ``pp`` gloo processes with one thread each, and ``pipe.value_and_grad`` runs torch's
-``ScheduleGPipe`` / ``Schedule1F1B``. The microbatch size is fixed, so ``m`` microbatches are a batch
-of ``4m`` (``2m``) sequences and a stage's work per microbatch is the same for every ``m``.
+``ScheduleGPipe`` / ``Schedule1F1B``, and ``ScheduleInterleaved1F1B`` and
+``ScheduleInterleavedZeroBubble`` with ``2 pp`` stages (two a rank, stage ``s`` on rank ``s % pp``;
+where the model has that many blocks: not with ``--quick``).
+The microbatch size is fixed, so ``m`` microbatches are a batch of ``4m`` (``2m``) sequences and a
+stage's work per microbatch is the same for every ``m``.
 
 * **Idle fraction per stage.** Each rank times its stage's compute inside the step: every
   ``PipelineStage.forward_one_chunk`` (the stage program's forward), ``backward_one_chunk``
@@ -13,7 +16,10 @@ of ``4m`` (``2m``) sequences and a stage's work per microbatch is the same for e
   ``step`` to the last rank leaving it (``time.monotonic``, one clock for every process of the
   machine). Stage ``s``'s idle fraction is ``1 - busy_s / span``, the median over the timed steps,
   against :func:`vsf.pipeline.bubble` of the schedule's actions (``(p-1)/(m+p-1)`` for every
-  stage). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
+  stage; interleaved: ``(p-1)/(2m+p-1)`` for every rank, and its span against 1F1B's: with equal
+  work, ``(m+(p-1)/2)/(m+p-1)``; zero-bubble, which runs each backward's input part (``I``, what
+  the previous stage waits for) and its weight part (``W``, timed on its own) apart: ZB-H1's
+  ``(p-1)(F+B-2W)`` idle in ``2m(F+B)`` of work, ``(p-1)/(6m+p-1)`` with ``B = 2F = 2W``). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
   sends, and the schedule's own bookkeeping. ``replayed from the measured compute times``: the
   idle fraction :func:`vsf.pipeline.bubble` gives when each action takes the time it was measured
   to take and nothing else takes time: above the theory by what the stages' unequal (and, on
@@ -49,6 +55,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -59,7 +66,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))
+TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("interleaved", 4), ("interleaved", 8), ("zb", 4), ("zb", 8))
 MEMORY = (("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("gpipe", 4), ("gpipe", 8), ("gpipe", 16))
 
 
@@ -71,9 +78,10 @@ def _config(quick: bool):
 
 
 class _Clock:
-    """Each forward ("F"), backward ("B") and, on the last stage, loss forward ("L") this rank's
-    stage runs, ``(kind, microbatch, start, end)``, and when the rank enters and leaves the
-    schedule's ``step`` (while :func:`_timing` is active)."""
+    """Each forward ("F"), backward ("B") and loss forward ("L": the schedule calls it after every
+    forward; it computes on the last stage only) this rank's stages run, ``(kind, stage,
+    microbatch, start, end)``, and when the rank enters and leaves the schedule's ``step`` (while
+    :func:`_timing` is active)."""
 
     def __init__(self) -> None:
         self.actions: list[tuple[str, int, float, float]] = []
@@ -88,8 +96,11 @@ class _Clock:
                 t1 = time.monotonic()
                 if what == "step":
                     self.enter, self.leave = t0, t1
-                else:   # (forward_one_chunk(mb, ...), backward_one_chunk(mb, ...), _maybe_compute_loss(stage, output, targets, mb))
-                    self.actions.append((what, args[3] if what == "L" else args[0], t0, t1))
+                else:   # (forward_one_chunk(mb, ...), backward_one_chunk(mb, ..., full_backward=), backward_weight_one_chunk(mb, ...),
+                        #  _maybe_compute_loss(stage, output, targets, mb))
+                    index = (args[0] if what == "L" else stage).stage_index
+                    kind = "I" if what == "B" and kwargs.get("full_backward") is False else what
+                    self.actions.append((kind, index, args[3] if what == "L" else args[0], t0, t1))
 
         return wrapper
 
@@ -114,10 +125,14 @@ def _timing(clock: _Clock) -> Iterator[None]:
 
     from vsf.pipeline.schedule import SCHEDULES
 
-    with _patched(PipelineStage, "forward_one_chunk", lambda f: clock.timed(f, "F")), _patched(PipelineStage, "backward_one_chunk", lambda f: clock.timed(f, "B")):
-        with _patched(SCHEDULES["gpipe"], "step", lambda f: clock.timed(f, "step")), _patched(SCHEDULES["1f1b"], "step", lambda f: clock.timed(f, "step")):
-            with _patched(SCHEDULES["gpipe"], "_maybe_compute_loss", lambda f: clock.timed(f, "L")), _patched(SCHEDULES["1f1b"], "_maybe_compute_loss", lambda f: clock.timed(f, "L")):
-                yield
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(PipelineStage, "forward_one_chunk", lambda f: clock.timed(f, "F")))
+        stack.enter_context(_patched(PipelineStage, "backward_one_chunk", lambda f: clock.timed(f, "B")))
+        stack.enter_context(_patched(PipelineStage, "backward_weight_one_chunk", lambda f: clock.timed(f, "W")))
+        for schedule in SCHEDULES:
+            stack.enter_context(_patched(SCHEDULES[schedule], "step", lambda f: clock.timed(f, "step")))
+            stack.enter_context(_patched(SCHEDULES[schedule], "_maybe_compute_loss", lambda f: clock.timed(f, "L")))
+        yield
 
 
 class _Saved:
@@ -202,10 +217,12 @@ def _worker(out: str, quick: bool) -> None:
     rank = dist.get_rank()
     model = GPT(cfg)
     params = vsf.tree.from_module(model)
-    fns, loss_fn, prefixes = pipeline_stages(model, pp)
     repeats = 2 if quick else 5
     result: dict = {"timed": {}, "memory": {}}
     for schedule, m in dict.fromkeys(TIMED + MEMORY):
+        if _stages(schedule, pp) > cfg.layers:
+            continue
+        fns, loss_fn, prefixes = pipeline_stages(model, _stages(schedule, pp))
         pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, tied=("wte.weight",))
         p = pipe.place(params)
         batch = batch_at(0, (2 if quick else 4) * m, cfg)
@@ -235,6 +252,11 @@ def _worker(out: str, quick: bool) -> None:
         Path(out).write_text(json.dumps(result))
 
 
+def _stages(schedule: str, pp: int) -> int:
+    """The stages a schedule cuts the model into on ``pp`` ranks: two a rank for the interleaved one."""
+    return 2 * pp if schedule in ("interleaved", "zb") else pp
+
+
 def _idle(rows: list[list]) -> tuple[list[float], list[float], list[float], float, float]:
     """Each stage's median idle fraction of the schedule's span, the median part of it that is
     not waiting for an input, and its median idle fraction replayed from the measured compute
@@ -244,7 +266,7 @@ def _idle(rows: list[list]) -> tuple[list[float], list[float], list[float], floa
         span = max(r[2] for r in ranks) - min(r[1] for r in ranks)
         spans.append(span)
         wholes.append(max(r[3] for r in ranks))
-        fractions.append([1 - sum(t1 - t0 for _, _, t0, t1 in r[0]) / span for r in ranks])
+        fractions.append([1 - sum(t1 - t0 for *_, t0, t1 in r[0]) / span for r in ranks])
         excess.append([_not_waiting(ranks, s) / span for s in range(len(ranks))])
         replayed.append(_replayed(ranks))
     med = lambda xs: [statistics.median(x[s] for x in xs) for s in range(len(rows[0]))]  # noqa: E731
@@ -259,21 +281,22 @@ def _replayed(ranks: list) -> list[float]:
     from vsf.pipeline import bubble
 
     durations: dict[tuple[int, str, int], float] = {}
-    for s, r in enumerate(ranks):
-        for kind, mb, t0, t1 in r[0]:
-            key = (s, "F" if kind == "L" else kind, mb)
+    for r in ranks:
+        for kind, stage, mb, t0, t1 in r[0]:
+            key = (stage, "F" if kind == "L" else kind, mb)
             durations[key] = durations.get(key, 0.0) + t1 - t0
-    return bubble([[(s, kind, mb) for kind, mb, _, _ in r[0] if kind != "L"] for s, r in enumerate(ranks)], durations=durations)
+    return bubble([[(stage, kind, mb) for kind, stage, mb, _, _ in r[0] if kind != "L"] for r in ranks], durations=durations)
 
 
 def _not_waiting(ranks: list, s: int) -> float:
-    """Stage ``s``'s time, between its step's start and its last action, with the stage free and
+    """Rank ``s``'s time, between its step's start and its last action, with the rank free and
     the input of its next action there but that action not started (the sends, the receive's
     copy, waking the process, the schedule's bookkeeping): idle time that is not the bubble."""
-    ends = {(q, kind, mb): t1 for q, r in enumerate(ranks) for kind, mb, _, t1 in r[0]}
+    ends = {(stage, "B" if kind == "I" else kind, mb): t1 for r in ranks for kind, stage, mb, _, t1 in r[0]}   # (an input part hands on what a backward does)
+    waits_for = {"F": lambda st, mb: (st - 1, "F", mb), "W": lambda st, mb: (st, "B", mb)}
     free, total = ranks[s][1], 0.0
-    for kind, mb, t0, t1 in ranks[s][0]:
-        need = free if kind == "L" else ends.get((s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb), free)
+    for kind, stage, mb, t0, t1 in ranks[s][0]:
+        need = free if kind == "L" else ends.get(waits_for.get(kind, lambda st, mb: (st + 1, "B", mb))(stage, mb), free)
         total += max(0.0, t0 - max(free, need))
         free = t1
     return total
@@ -297,10 +320,13 @@ def bench(pp: int, quick: bool) -> list[dict]:
         launch.run(Path(__file__).resolve(), pp, "--worker", out, *(["--quick"] if quick else []), timeout=1800)
         r = json.loads(Path(out).read_text())
     where = f"pp={pp}, {pp} gloo procs{' on 2 shared cores (oversubscribed)' if pp > 2 else ''}"
-    rows = []
+    rows, spans = [], {}
     for schedule, m in TIMED:
+        if f"{schedule},{m}" not in r["timed"]:
+            continue
         idle, excess, replayed, span, whole = _idle(r["timed"][f"{schedule},{m}"])
-        theory = bubble(rank_actions(schedule, pp, pp, m))
+        spans[schedule, m] = span
+        theory = bubble(rank_actions(schedule, pp, _stages(schedule, pp), m))
         ratios = [a / b for a, b in zip(idle, theory)]
         per_stage = "/".join(f"{x:.2f}" for x in idle)
         rows.append({
@@ -317,6 +343,10 @@ def bench(pp: int, quick: bool) -> list[dict]:
             "vsf": statistics.mean(excess), "ref": statistics.mean(idle), "unit": "%", "ratio": statistics.mean(excess) / statistics.mean(idle), "target": "-", "met": None,
         })
         rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
+        if schedule in ("interleaved", "zb"):   # (with B = 2F, and W = B/2: ZB-H1 idles (p-1)(F+B-2W) of v m (F+B))
+            theory = (m + (pp - 1) / 2) / (m + pp - 1) if schedule == "interleaved" else (m + (pp - 1) / 6) / (m + pp - 1)
+            rows.append({"name": f"{schedule.upper()}'s span (2 stages a rank) vs 1F1B's, m={m}, {where}", "vsf": span, "ref": spans["1f1b", m], "unit": "s",
+                         "ratio": span / spans["1f1b", m], "target": f"- (theory {theory:.3f} with equal work)", "met": None})
     mem = r["memory"]
     for schedule, m in MEMORY:
         actions = stage_actions(schedule, pp, m)

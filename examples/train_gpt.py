@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)")
     run.add_argument("--pp", type=int, default=1, help="pipeline stages over the pp axis, each a run of consecutive blocks (default 1)")
     run.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --pp (default 4)")
-    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b; interleaved: two stages on each pp rank)")
+    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b; interleaved, and zb, its zero-bubble form: two stages on each pp rank)")
     model = p.add_argument_group("model and data")
     model.add_argument("--vocab", type=int, default=16)
     model.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -98,8 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.pp <= args.layers:
         p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
-    if args.schedule == "interleaved" and args.pp > 1 and 2 * args.pp > args.layers:
-        p.error(f"--schedule interleaved puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}")
+    if args.schedule in vsf.pipeline.INTERLEAVED and args.pp > 1 and 2 * args.pp > args.layers:
+        p.error(f"--schedule {args.schedule} puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}")
     if args.cp < 1 or args.seq % args.cp:
         p.error(f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)")
     return args
@@ -211,7 +211,7 @@ def make_pipeline(args: argparse.Namespace, model: GPT, mesh: vsf.Mesh) -> vsf.p
     """The model cut into ``--pp`` stages of consecutive blocks over the mesh's pp axis, the batch
     over every data-parallel axis and each sequence over cp (the activations between stages too),
     the tied embedding held by the first stage."""
-    fns, loss, prefixes = pipeline_stages(model, args.pp * (2 if args.schedule == "interleaved" else 1))
+    fns, loss, prefixes = pipeline_stages(model, args.pp * (2 if args.schedule in vsf.pipeline.INTERLEAVED else 1))
     return vsf.pipeline.Pipeline(fns, loss, prefixes, mesh=mesh, microbatches=args.microbatches, schedule=args.schedule,
                                  batch=BATCH, activations=BATCH, tied=("wte.weight",))
 
@@ -323,15 +323,17 @@ def _memory(state: dict[str, Any]) -> dict[int, int]:
 
 def _pipeline_summary(rep: Reporter, args: argparse.Namespace, result: Result, pipe: vsf.pipeline.Pipeline) -> None:
     """Per pp rank (its stages): the params + optimizer state its ranks hold (the most on one
-    rank), and the schedule's bubble (idle fraction of the step when a backward costs two forwards)."""
+    rank), and the schedule's bubble (idle fraction of the step when a backward costs two forwards,
+    its weight part, under zb, one)."""
     idle = vsf.pipeline.bubble(pipe.actions())
-    v = pipe.stages_per_rank
+    v, p, m = pipe.stages_per_rank, args.pp, args.microbatches
+    theory = f"ZB-H1's (p-1)/(3vm+p-1) = {(p - 1) / (3 * v * m + p - 1):.1%}" if args.schedule == "zb" else f"(p-1)/({'v' if v > 1 else ''}m+p-1) = {(p - 1) / (v * m + p - 1):.1%}"
     for r in range(args.pp):
         ranks = pipe.meshes[r].devices
         held = max(result.memory.get(k, 0) for k in ranks)
         label = f"stage {r}" if v == 1 else f"stages {list(range(r, pipe.num_stages, args.pp))}"
         rep.say(f"{label} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
-                f"{args.schedule} bubble {idle[r]:.1%} of the step (theory (p-1)/({'v' if v > 1 else ''}m+p-1) = {(args.pp - 1) / (v * args.microbatches + args.pp - 1):.1%})")
+                f"{args.schedule} bubble {idle[r]:.1%} of the step (theory {theory})")
 
 
 def _kib(n: float) -> str:

@@ -851,21 +851,20 @@ def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, 
     }
 
 
-def interleaved_order(stages_per_rank: int, ranks: int, microbatches: int) -> list[list[tuple[int, str, int]]]:
-    """The compute actions ``ScheduleInterleaved1F1B`` runs on each of ``ranks`` pp ranks holding
+def interleaved_order(schedule: type, stages_per_rank: int, ranks: int, microbatches: int) -> list[list[tuple[int, str, int]]]:
+    """The compute actions an interleaved ``schedule`` (``ScheduleInterleaved1F1B``,
+    ``ScheduleInterleavedZeroBubble``) runs on each of ``ranks`` pp ranks holding
     ``stages_per_rank`` stages each (stage ``s`` on rank ``s % ranks``), in its order, from the
     schedule's own per-rank computation (``_calculate_single_rank_operations``, which needs only
-    the sizes): ``[[(stage, "F" | "B", microbatch), ...] per rank]``.
+    the sizes): ``[[(stage, "F" | "B" | "I" | "W", microbatch), ...] per rank]``.
 
     Example::
 
-        >>> interleaved_order(2, 2, 2)[0][:4]
+        >>> interleaved_order(ScheduleInterleaved1F1B, 2, 2, 2)[0][:4]
         [(0, 'F', 0), (0, 'F', 1), (2, 'F', 0), (2, 'F', 1)]
     """
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B
-
     rounds = max(1, microbatches // ranks)
     sizes = type("_Sizes", (), {"n_local_stages": stages_per_rank, "pp_group_size": ranks, "_n_microbatches": microbatches,
                                 "number_of_rounds": rounds, "microbatches_per_round": microbatches // rounds})()
-    order = [ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
+    order = [schedule._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
     return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts if a is not None] for acts in order]

@@ -4,6 +4,8 @@ the same function run by plain torch autograd on one device, unsharded."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,6 +199,47 @@ def test_unsharded_gradients_accumulate_whole_over_calls_and_reduce_scatter_once
         assert w.grad.placements == (Partial(),) and w.grad.to_local().shape == params[k].shape, (k, w.grad.placements)
         torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), ref[k].grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert g.plan_count == 1
+
+
+@pytest.mark.parametrize("layout", ["megatron", "fsdp"])
+def test_deferred_gradients_split_the_backward_into_its_input_and_weight_parts(sim, layout):
+    # a zero-bubble schedule's split: backward computes the input's gradient only and hands over
+    # the params' part, which adds theirs into .grad when it runs (two calls, run in reverse order:
+    # their sum in another order than one device's, so to rounding, 1e-5)
+    block, params, x = block_case()
+    x2 = torch.randn_like(x)
+    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref_xs = [v.clone().requires_grad_(True) for v in (x, x2)]
+    (fn(ref, ref_xs[0]).sum() + fn(ref, ref_xs[1]).sum()).backward()
+    sim(4)
+    axes = ("dp", "tp") if layout == "megatron" else ("dp", "fsdp")
+    mesh = vsf.make_mesh((2, 2), axes)
+    p = sharded_params(mesh, params, megatron_specs(params) if layout == "megatron" else fsdp_specs(params))
+    pending = []
+    g = vsf.jit(fn, deferred_grad_argnums=(0,), on_deferred_grads=pending.append)
+    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True) for v in (x, x2)]
+    for v, want in zip(xs, ref_xs):
+        g(p, v).sum().backward()
+        torch.testing.assert_close(vsf.device_get(v.grad), want.grad, rtol=1e-5, atol=1e-6)
+    assert len(pending) == 2 and all(w.grad is None for w in p.values())
+    for weights in reversed(pending):
+        weights()
+    for k, w in p.items():
+        assert w.grad.placements == w.placements, k
+        torch.testing.assert_close(vsf.device_get(w.grad), ref[k].grad, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    # the parts: every op of the backward in exactly one; the weights' four matmuls (qkv, proj, fc1,
+    # fc2) in the second, and with them the gradients' all-reduce over dp (the params are replicated there)
+    compiled = next(iter(g._cache.values()))
+    split, backward = compiled._program.split, compiled.parts.backward
+    ops = lambda plan, name=None: sum(1 for n in plan.graph.graph.nodes if n.op == "call_function" and name in (None, str(n.target)))  # noqa: E731
+    assert ops(split.inputs) + ops(split.weights) == ops(backward)
+    assert ops(split.weights, "aten.mm.default") == 4 and ops(split.inputs, "aten.mm.default") == ops(backward, "aten.mm.default") - 4
+    bytes_dp = [report.cost(plan).comm_bytes["dp"] for plan in (backward, split.inputs, split.weights)]
+    assert bytes_dp[0] > 0 and bytes_dp[1:] == [0, bytes_dp[0]]
+    assert re.search(r"backward is cut in two \(deferred_grad_argnums\): the part run in backward has \d+ ops", g.lower(p, xs[0]).as_text())
+    with pytest.raises(ValueError, match="needs on_deferred_grads"):
+        vsf.jit(fn, deferred_grad_argnums=(0,))
 
 
 def test_a_loss_an_input_returned_as_is_and_a_view_of_a_param(sim):

@@ -400,11 +400,11 @@ def test_a_call_names_no_argument_unless_a_message_needs_one(sim, monkeypatch):
     f = vsf.jit(lambda p: vsf.tree.map(lambda t: t * 2, p))
     p = vsf.device_put({f"w{i}": torch.ones(4) for i in range(50)}, vsf.NamedSharding(mesh, P("dp")))
     f(p)
-    from vsf.jit import api
+    from vsf.jit import call
 
     named = []
-    arg_name = api._arg_name
-    monkeypatch.setattr(api, "_arg_name", lambda path: named.append(path) or arg_name(path))
+    arg_name = call.arg_name
+    monkeypatch.setattr(call, "arg_name", lambda path: named.append(path) or arg_name(path))
     torch.testing.assert_close(vsf.device_get(f(p)["w7"]), torch.full((4,), 2.0))
     assert named == []
 

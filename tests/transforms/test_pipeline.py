@@ -53,12 +53,14 @@ CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs ever
     (2, 2, 1, "interleaved", 4),
     (4, 1, 1, "1f1b", 4),
     (2, 1, 1, "interleaved", 4),   # 2 stages on each pp rank: 4 stages of one block
+    (2, 1, 1, "zb", 4),            # the interleaved zero-bubble schedule: each backward's weight part deferred
+    (2, 2, 1, "zb", 2),
 ]
 
 
 @pytest.mark.parametrize("pp,dp,tp,schedule,m", CASES, ids=[f"pp{c[0]}-dp{c[1]}-tp{c[2]}-{c[3]}-m{c[4]}" for c in CASES])
 def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
-    stages = pp * (2 if schedule == "interleaved" else 1)
+    stages = pp * (2 if schedule in sched.INTERLEAVED else 1)
     model, params = _model(layers=stages)
     want_losses, want_grads, want = _one_device(model, params)
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
@@ -97,6 +99,7 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     # the runner played each rank's actions in torch's schedule order (stage s on pp rank s % pp;
     # test_stage_order_is_torchs compares that order with torch's)
     assert [[a for a in pipe.order if a[0] % pp == rank] for rank in range(pp)] == sched.rank_actions(schedule, pp, stages, m)
+    assert all(not pending for pending in pipe._deferred.values())   # (zb: every weight part ran, in its "W" action)
     _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), stages, dp, schedule, m)
     for c in lowered.cost().stages:
         assert c.comm_bytes["dp"] == _ddp_bytes(params, pipe.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1), c.stage
@@ -117,7 +120,7 @@ def _ddp_bytes(params, names, dp, tp, m, last):
 def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
     """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches).
     (``pp``: the number of stages, two per pp rank under the interleaved schedule)"""
-    ranks = pp // 2 if schedule == "interleaved" else pp
+    ranks = pp // 2 if schedule in sched.INTERLEAVED else pp
     assert all(prog.plan_count == 1 for prog in pipe._programs.values())   # the plans shown are the plans that ran
     assert all(prog.plan_count == 1 for prog in pipe._reducers.values())
     act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
@@ -138,7 +141,7 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
         # memory_report counts the placed shards themselves: a rank holds its stages' params
         assert sum(d.param_bytes for d in cost.stages if d.ranks == c.ranks) == max(held[r] for r in c.ranks), c.stage
         assert c.borrowed_bytes == (wte if c.stage == pp - 1 else 0)
-        if schedule != "interleaved":
+        if schedule not in sched.INTERLEAVED:
             assert c.in_flight == (m if schedule == "gpipe" else min(m, pp - c.stage))
         # replicated params, batch over dp: a microbatch's backward leaves their gradients unreduced
         # (torch sums them into .grad), the step's one reduction all-reduces them
@@ -251,6 +254,19 @@ def test_bubble_is_the_theory(schedule, v, p, m):
     assert sched.bubble(sched.rank_actions(schedule, p, v * p, m), 1.0, 1.0) == pytest.approx([(p - 1) / (v * m + p - 1)] * p)
 
 
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+@pytest.mark.parametrize("forward,backward", [(1.0, 2.0), (1.0, 1.0)])
+def test_zero_bubble_leaves_the_papers_bubble(v, p, m, forward, backward):
+    # ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): with each backward split into an
+    # input part and a weight part W (here half of it), a rank idles (p - 1)(F + B - 2W) of a step
+    # of v m (F + B) work; the interleaved 1F1B idles (p - 1)(F + B) of it
+    w = backward / 2
+    idle = (p - 1) * (forward + backward - 2 * w)
+    want = idle / (v * m * (forward + backward) + idle)
+    assert sched.bubble(sched.rank_actions("zb", p, v * p, m), forward, backward) == pytest.approx([want] * p)
+
+
 def test_bad_splits_are_errors_naming_the_key_path(sim):
     model, params = _model(layers=2)
     fns, loss_fn, prefixes = pipeline_stages(model, 2)
@@ -271,7 +287,9 @@ def test_bad_splits_are_errors_naming_the_key_path(sim):
         pipe([prefixes[0] + prefixes[1]], tied=())
     with pytest.raises(ValueError, match=r"'blocks\.0\.fc1\.weight' has the spec P\('pp'\)"):
         pipe().place(params, {k: P("pp") if k == "blocks.0.fc1.weight" else P() for k in params})
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zbv'; expected one of \['1f1b', 'gpipe', 'interleaved', 'zb'\]"):
+        pipe(schedule="zbv")
+    with pytest.raises(ValueError, match=r"the zb schedule runs 2 or more stages on each of the 2 pp ranks"):
         pipe(schedule="zb")
     with pytest.raises(ValueError, match=r"interleaved schedule runs 2 or more stages on each of the 2 pp ranks: give a multiple of 2 stages, at least 4; got 2"):
         pipe(schedule="interleaved")

@@ -1,7 +1,8 @@
-"""vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe, Schedule1F1B and
-ScheduleInterleaved1F1B run the jitted stages over the pp groups; a GPT trained 3 steps (4
+"""vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (each backward's weight part deferred
+through torch's dw_builder) run the jitted stages over the pp groups; a GPT trained 3 steps (4
 microbatches, AdamW with clipping by the global norm and weight decay) equals the same steps on one
-device in each process: pp=2 and the interleaved schedule (two stages per rank) on 2 processes,
+device in each process: pp=2 and the interleaved schedules (two stages per rank) on 2 processes,
 pp=2 x dp=2, pp=4, and pp=2 x cp=2 (each sequence split over cp, in the stages and between them)
 on 4. Each run's pipe.lower, made on the processes, reports the sends of a step and the bytes over
 dp or cp (DDP's over dp: the gradients all-reduced once a step; all hand-computed here) and the
@@ -55,7 +56,7 @@ def dp_bytes(stage, pp, dp):
 
 
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
-RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
+RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "zb": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
 CP_RUN, FSDP_RUN = "pp2-cp2", "pp2-fsdp2"   # on 4 processes too, each checked by its own test
 
 
@@ -73,7 +74,7 @@ def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
     assert all(sorted(set(r) - {CP_RUN, FSDP_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
-        dp = 2 * world_dp // pp if name != "interleaved" else 1
+        dp = 2 * world_dp // pp if name not in ("interleaved", "zb") else 1
         for rank, r in enumerate(ranks):
             got, where = r[name], (name, rank)
             assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where

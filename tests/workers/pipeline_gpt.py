@@ -1,7 +1,8 @@
 """Tier 3 worker: a GPT trained 3 steps through vsf.pipeline on real gloo processes (torch's
 ScheduleGPipe and Schedule1F1B over the pp groups, 4 microbatches), against the same steps run on
 one device in each process. argv: out_dir, dp size (world = 2 * dp). On 2 processes the same
-launch also runs torch's ScheduleInterleaved1F1B (a 4-block GPT, two one-block stages per rank),
+launch also runs torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (a 4-block GPT,
+two one-block stages per rank),
 on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B, pp=2 x cp=2 with
 1F1B (each sequence split over cp inside the stages and in the activations sent between them), and
 pp=2 x fsdp=2 with 1F1B (params split over fsdp where their first dim divides, the batch over fsdp).
@@ -92,6 +93,7 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
 report = {schedule: pipelined(2, dp, schedule) for schedule in ("gpipe", "1f1b")}
 if world == 2:   # two stages on each rank
     report["interleaved"] = pipelined(2, 1, "interleaved", stages=4)
+    report["zb"] = pipelined(2, 1, "zb", stages=4)
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
     report["pp2-cp2"] = pipelined(2, 2, "1f1b", axis="cp")

@@ -3,6 +3,7 @@
 The package's files are the stages of a call, read top-down:
 
 * :mod:`~vsf.jit.api` - ``jit``, ``Jitted``, ``Lowered``, ``Compiled``: arguments, cache, re-planning;
+* :mod:`~vsf.jit.call` - one call's arguments, prepared, and the names of their leaves;
 * :mod:`~vsf.jit.replans` - why a call planned again (the first difference of two cache keys);
 * :mod:`~vsf.jit.trace` - the step as one functional aten graph on global fake tensors;
 * :mod:`~vsf.jit.graph` - facts about that fx graph every stage reads;
@@ -18,7 +19,7 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.runner` - one planned program run: interpreted, traced once, or checked;
 * :mod:`~vsf.jit.replay` - under ``vsf.simulate``, a program's first call recorded as plain per-rank ops and replayed;
 * :mod:`~vsf.jit.joint` - the joint graph (forward + vjp) of a call torch autograd differentiates;
-* :mod:`~vsf.jit.partition` - a planned joint graph split into forward and backward programs, with the saved values;
+* :mod:`~vsf.jit.partition` - a planned joint graph split into forward and backward programs, with the saved values (and a backward into its input and weight parts);
 * :mod:`~vsf.jit.differentiable` - the joint plan of such a call and the ``torch.autograd.Function`` that runs it;
 * :mod:`~vsf.jit.check` - checking mode: the plan run beside the unsharded graph, op by op;
 * :mod:`~vsf.jit.donation` - donated arguments released and their buffers reused;

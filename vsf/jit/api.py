@@ -19,9 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,16 +29,17 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, tree
+from vsf.jit.call import Call, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_mask, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import check_not_donated, donate
 from vsf.jit.graph import output_node
-from vsf.jit.plan import Placements, Plan
+from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
 from vsf.jit.replans import replan_reason
 from vsf.jit.runner import Runner
-from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text
+from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
 from vsf.jit.trace import Traced, trace
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
@@ -56,7 +55,7 @@ def jit(
     fun: Callable[..., Any] | None = None, *, in_shardings: Any = None, out_shardings: Any = None,
     static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
     reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: int | Sequence[int] = (),
-    unsharded_grad_axes: Sequence[str] = (),
+    unsharded_grad_axes: Sequence[str] = (), deferred_grad_argnums: int | Sequence[int] = (), on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -80,6 +79,11 @@ def jit(
       unreduced where their values are split there (a param over ``fsdp``): ``.grad`` sums calls'
       whole-sized gradients and the caller reduce-scatters once (FSDP2's
       ``set_requires_gradient_sync(False)``), at the memory of a gradient unsplit over those axes.
+    * ``deferred_grad_argnums`` / ``on_deferred_grads``: the backward computes every gradient but
+      those of these arguments' leaves (a pipeline stage's params) and hands ``on_deferred_grads`` a
+      function that computes them later and adds them into the leaves' ``.grad``: the backward
+      program cut in two, the second part computing nothing the first did (a zero-bubble
+      schedule's input and weight backward).
 
     Called with grad mode on and an input that requires grad, the result is differentiable by
     torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
@@ -95,62 +99,22 @@ def jit(
         >>> opt = torch.optim.AdamW(vsf.tree.leaves(params))
         >>> block(params, x).square().mean().backward(); opt.step()      # param.grad: DTensors
     """
+    options = {k: v for k, v in locals().items() if k != "fun"}
     if fun is None:
-        return lambda f: jit(f, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums, reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes)
-    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget, unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes))
+        return lambda f: jit(f, **options)
+    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget,
+                  unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads))
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
     return (x,) if isinstance(x, (int, str)) else tuple(x)
 
 
-@dataclasses.dataclass
-class _Call:
-    """One call's arguments, prepared: every tensor leaf a DTensor on ``mesh``."""
-
-    mesh: Mesh
-    key: tuple[Any, ...]
-    inputs: list[DTensor]
-    dyn: tuple[tuple[Any, ...], dict[str, Any]]
-    rebuild: Callable[[list[torch.Tensor]], tuple[tuple[Any, ...], dict[str, Any]]]
-    positions: list[int]  # each dynamic positional argument's position in the call
-    leaves: list[Any]  # the leaves as passed (autograd's graph attaches to these)
-
-    @property
-    def grad(self) -> tuple[Any, ...] | None:
-        """:func:`vsf.jit.differentiable.grad_mask` of the call's leaves."""
-        return self.key[4]
-
-    def leaves_of(self, argnums: Sequence[int]) -> list[int]:
-        """Positions, among the call's leaves, of the leaves of positional arguments ``argnums``."""
-        out, offset = [], 0
-        for pos, a in zip(self.positions, self.dyn[0]):
-            n = len(tree.leaves(a))
-            if pos in argnums:
-                out.extend(range(offset, offset + n))
-            offset += n
-        return out
-
-    @property
-    def names(self) -> list[str]:
-        """``args[0]['w']``-style names of the tensor leaves (computed only when needed)."""
-        return _all_names(self.dyn)
-
-    @property
-    def arg_trees(self) -> list[tuple[tree.PyTreeSpec, list[tuple[tuple[int, ...], torch.dtype, Placements]]]]:
-        """Each positional argument's structure and its leaves' (shape, dtype, placements)."""
-        out, offset = [], 0
-        for a in self.dyn[0]:
-            n = len(tree.leaves(a))
-            out.append((tree.structure(a), [k[:3] for k in self.key[1][offset : offset + n]]))
-            offset += n
-        return out
-
-
 class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
-    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = (), unsharded_grad_axes: tuple[str, ...] = ()) -> None:
+    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = (), unsharded_grad_axes: tuple[str, ...] = (),
+                 deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None)) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -160,6 +124,9 @@ class Jitted:
         self.donate_argnums = donate_argnums
         self.reshard_after_forward, self.memory_budget = reshard_after_forward, memory_budget
         self.unreduced_grad_argnums, self.unsharded_grad_axes = unreduced_grad_argnums, unsharded_grad_axes
+        self.deferred_grad_argnums, self.on_deferred_grads = deferred
+        if self.deferred_grad_argnums and self.on_deferred_grads is None:
+            raise ValueError(f"deferred_grad_argnums={self.deferred_grad_argnums} needs on_deferred_grads: the function that gets each call's deferred gradients to run")
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
@@ -167,7 +134,7 @@ class Jitted:
         self._last_key: tuple[Any, ...] | None = None
         self.replans: list[str] = []
         self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
-        self._params = _param_names(fun)
+        self._params = param_names(fun)
 
     @property
     def plan_count(self) -> int:
@@ -231,12 +198,12 @@ class Jitted:
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         return dyn_args, dyn_kwargs, tuple(statics)
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
         dyn = (dyn_args, dyn_kwargs)
         leaves, treedef = tree.flatten(dyn)
         targets = self._in_targets(dyn_args, len(leaves))
-        name = _leaf_names(dyn)
+        name = leaf_names(dyn)
         mesh = self._mesh(name, leaves, targets)
         inputs, key_leaves = [], []
         for i, (leaf, target) in enumerate(zip(leaves, targets)):
@@ -257,7 +224,7 @@ class Jitted:
                     kw[where] = value
             return tuple(full), kw
 
-        return _Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves)), inputs, dyn, rebuild, positions, leaves)
+        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves)), inputs, dyn, rebuild, positions, leaves)
 
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
@@ -308,7 +275,7 @@ class Jitted:
 
     # -- planning -------------------------------------------------------------------------
 
-    def _compile(self, call: _Call) -> "Compiled":
+    def _compile(self, call: Call) -> "Compiled":
         reason = replan_reason(self._last_key, call.key, call.names)
         self.replans.append(reason)
         log.info("planning %s: %s", self._name, reason)
@@ -322,7 +289,7 @@ class Jitted:
         compiled = None
         if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
             joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes)
-            compiled = DifferentiableCompiled(self, joint, traced, call.names, out_names, call.leaves, call.key[0]) if joint is not None else None
+            compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
         if compiled is None:
             plan = propagate(
                 traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
@@ -332,7 +299,7 @@ class Jitted:
         self._cache[call.key] = compiled
         return compiled
 
-    def _out_targets(self, traced: Traced, call: _Call, out_metas: list[torch.Tensor], mesh: Mesh) -> tuple[list[str], list[NamedSharding | None]]:
+    def _out_targets(self, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh) -> tuple[list[str], list[NamedSharding | None]]:
         skeleton = tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
         pairs = [(p, x) for p, x in tree.leaves_with_path(skeleton)]
         tensor_paths = [p for (p, _), c in zip(pairs, traced.out_consts) if c is None]
@@ -347,7 +314,7 @@ class Jitted:
         return names, _carried(skeleton, traced, call, out_metas, mesh)
 
 
-def _carried(skeleton: Any, traced: Traced, call: _Call, out_metas: list[torch.Tensor], mesh: Mesh) -> list[NamedSharding | None]:
+def _carried(skeleton: Any, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh) -> list[NamedSharding | None]:
     """Default output shardings: a top-level result shaped exactly like an argument keeps its shardings."""
     parts = list(skeleton) if isinstance(skeleton, (tuple, list)) else [skeleton]
     consts = iter(traced.out_consts)
@@ -369,32 +336,6 @@ def _carried(skeleton: Any, traced: Traced, call: _Call, out_metas: list[torch.T
         used.add(match)
         targets.extend(from_placements(mesh, pl, len(shape)) for shape, _, pl in call.arg_trees[match][1])
     return targets
-
-
-def _param_names(fun: Callable[..., Any]) -> list[str]:
-    try:
-        return list(inspect.signature(fun).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
-def _leaf_names(dyn: Any) -> Callable[[int], str]:
-    """``name(i)``: the ``args[0]['w']``-style name of leaf ``i`` of ``dyn``; the names are
-    computed once, on the first call (only messages need them)."""
-    names = functools.cache(lambda: _all_names(dyn))
-    return lambda i: names()[i]
-
-
-def _all_names(dyn: Any) -> list[str]:
-    """The ``args[0]['w']``-style names of every leaf of ``dyn``."""
-    return [_arg_name(p) for p, _ in tree.leaves_with_path(dyn)]
-
-
-def _arg_name(path: Any) -> str:
-    """``args[0]['w']``-style name of an argument leaf (path into ``(args, kwargs)``)."""
-    entries = list(path)
-    head = "args" if entries and entries[0].entry == 0 else "kwargs"
-    return head + tree.keystr(tuple(entries[1:]), brackets=True)
 
 
 # -- compiled programs ---------------------------------------------------------------------
@@ -421,7 +362,7 @@ class Compiled:
         donate(args, self.owner.donate_argnums, self.owner._name)
         return result
 
-    def _run(self, call: _Call, check: bool) -> Any:
+    def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
         locals_out = self._runner(locals_in, check, lambda: call.leaves_of(self.owner.donate_argnums))
         return self._result([_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)])
@@ -443,20 +384,24 @@ class DifferentiableCompiled(Compiled):
     as its forward and backward programs inside one ``torch.autograd.Function``
     (:mod:`vsf.jit.differentiable`)."""
 
-    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, input_names: list[str], output_names: list[str], leaves: list[Any], in_tree: tree.PyTreeSpec) -> None:
-        super().__init__(owner, joint.plan, traced, input_names, output_names)
+    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, call: Call, output_names: list[str]) -> None:
+        super().__init__(owner, joint.plan, traced, call.names, output_names)
         self.parts = joint.parts
-        self.grad_shardings = tree.unflatten(in_tree, grad_shardings(joint, leaves))
-        self.grad_names = [f"grad of {input_names[i]}" for i in joint.with_grad]
-        self._runners = (Runner(joint.parts.forward), Runner(joint.parts.backward))
-        self._program = program(owner._name, joint, leaves, self._out_specs, _out_metas(traced), lambda k, xs, check: self._runners[k](xs, check))
+        self.grad_shardings = tree.unflatten(call.key[0], grad_shardings(joint, call.leaves))
+        self.grad_names = [f"grad of {call.names[i]}" for i in joint.with_grad]
+        deferred = call.leaves_of(owner.deferred_grad_argnums)
+        self._program = program(owner._name, joint, call.leaves, self._out_specs, _out_metas(traced), deferred, owner.on_deferred_grads)
+        plans = (joint.parts.forward, joint.parts.backward) + ((self._program.split.inputs, self._program.split.weights) if self._program.split else ())
+        self._runners = tuple(Runner(p) for p in plans)
+        self._program.run = lambda k, xs, check: self._runners[k](xs, check)
 
-    def _run(self, call: _Call, check: bool) -> Any:
+    def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
         return self._result(attach(self._program, [x for x in call.leaves if isinstance(x, torch.Tensor)], locals_in, check))
 
     def _text(self) -> str:
-        return differentiable_text(self.parts, self.owner._name, self.input_names, self.output_names, self.grad_names)
+        text = differentiable_text(self.parts, self.owner._name, self.input_names, self.output_names, self.grad_names)
+        return text if self._program.split is None else text + "\n" + split_text(self._program.split, self.owner._name)
 
     def _cost(self) -> Cost:
         return differentiable_cost(self.parts)

@@ -30,7 +30,7 @@ from vsf.errors import HigherOrderGradError
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.graph import output_node
 from vsf.jit.joint import Joint, trace_joint
-from vsf.jit.partition import Partitioned, partition
+from vsf.jit.partition import Partitioned, SplitBackward, partition, split_backward
 from vsf.jit.plan import Placements, Plan, is_shard, to_placements
 from vsf.jit.propagate import propagate
 from vsf.jit.trace import Traced
@@ -165,24 +165,32 @@ def _output_shardings(mesh: Mesh, traced: Traced, in_placements: list[Placements
 
 @dataclasses.dataclass
 class Program:
-    """What the autograd function needs: the partitioned plan, how to run its two programs, the
-    DTensor layout and (shape, dtype) of every output, which outputs are differentiable, and for
-    every tensor leaf of the call whether it gets a gradient and the layout it comes back in
-    (``None``: a plain tensor)."""
+    """What the autograd function needs: the partitioned plan, the DTensor layout and (shape,
+    dtype) of every output, which outputs are differentiable, and for every tensor leaf of the call
+    whether it gets a gradient and the layout it comes back in (``None``: a plain tensor); with
+    deferred gradients, the backward ``split`` in two, the tensor leaves whose gradients the
+    second part computes (``split.rest`` order) and the ``sink`` that gets each call's second
+    part. ``run(k, locals, check)`` runs the forward (``k = 0``), the backward (1), or the split's
+    first (2) or second part (3)."""
 
     name: str
     parts: Partitioned
-    run: Run
     out_layouts: list[Any]
     out_avals: list[tuple[tuple[int, ...], torch.dtype]]
     differentiable: tuple[bool, ...]
     gets_grad: tuple[bool, ...]
     grad_layouts: list[Any]
+    split: SplitBackward | None = None
+    deferred: tuple[int, ...] = ()
+    sink: Callable[[Callable[[], None]], None] | None = None
+    run: Run | None = None
 
 
-def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[Any], out_metas: Sequence[torch.Tensor], run: Run) -> Program:
+def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[Any], out_metas: Sequence[torch.Tensor],
+            deferred: Sequence[int] = (), sink: Callable[[Callable[[], None]], None] | None = None) -> Program:
     """The :class:`Program` of a call of ``name`` planned as ``jp`` (``out_layouts``: its outputs'
-    DTensor layouts; ``run(k, locals, check)`` runs the forward (``k = 0``) or backward program)."""
+    DTensor layouts), the gradients of the leaves ``deferred`` (indices into ``leaves``) left to
+    ``sink`` (see ``vsf.jit``'s ``deferred_grad_argnums``); its ``run`` is set by the caller."""
     n_out = jp.joint.n_outputs
     grad_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(jp.joint.traced.graph).args)][n_out:]
     dm = jp.plan.mesh.device_mesh
@@ -191,9 +199,12 @@ def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[A
         for i, pl, m in zip(jp.with_grad, jp.plan.outputs[n_out:], grad_metas)
     }
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    later = [k for k, i in enumerate(jp.with_grad) if i in deferred]
+    split = split_backward(jp.parts.backward, [k for k in range(len(jp.with_grad)) if k not in later]) if later else None
     return Program(
-        name, jp.parts, run, out_layouts, [(tuple(m.shape), m.dtype) for m in out_metas],
+        name, jp.parts, out_layouts, [(tuple(m.shape), m.dtype) for m in out_metas],
         jp.joint.differentiable, tuple(i in layouts for i in tensors), [layouts.get(i) for i in tensors],
+        split, tuple(tensors.index(jp.with_grad[k]) for k in later), sink,
     )
 
 
@@ -210,6 +221,11 @@ class _Jitted(torch.autograd.Function):
         n = len(program.out_layouts)
         result = program.run(0, locals_in, check)
         ctx.program, ctx.check = program, check
+        ctx.deferred = [leaves[t] for t in program.deferred]
+        for t, leaf in zip(program.deferred, ctx.deferred):
+            if not leaf.is_leaf:
+                raise ValueError(f"{program.name}: tensor argument {t} has its gradient deferred (deferred_grad_argnums), so it must be a leaf "
+                                 "(a param, whose .grad gets it), but it was computed by torch autograd ops")
         ctx.save_for_backward(*result[n:])
         outs = tuple(_compat.dtensor_from_local(t, layout) for t, layout in zip(result[:n], program.out_layouts))
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, program.differentiable) if not d))
@@ -229,12 +245,35 @@ class _Jitted(torch.autograd.Function):
         live = program.parts.live
         wanted = plan.inputs[len(saved):]
         tangents = [_as_planned(cotangents[j], plan.mesh, wanted[k], program.out_avals[j]) for k, j in enumerate(live)]
-        grads = iter(program.run(1, saved + tangents, ctx.check))
+        if program.split is None:
+            grads = iter(program.run(1, saved + tangents, ctx.check))
+        else:
+            grads = iter(_deferring(program, saved + tangents, ctx.deferred, ctx.check))
         out: list[torch.Tensor | None] = [None, None, None]
         for gets, layout in zip(program.gets_grad, program.grad_layouts):
             g = next(grads) if gets else None
             out.append(None if g is None else g if layout is None else _compat.dtensor_from_local(g, layout))
         return tuple(out)
+
+
+def _deferring(program: Program, inputs: list[torch.Tensor], leaves: list[torch.Tensor], check: bool) -> list[torch.Tensor | None]:
+    """The backward's gradients with the deferred ones ``None``: its split's first part run now,
+    and ``program.sink`` handed the second part, which adds the others into ``leaves``' ``.grad``
+    (holding ``inputs`` and the first part's stash until it runs)."""
+    split = program.split
+    head = program.run(2, inputs, check)
+    now = dict(zip(split.first, head[: len(split.first)]))
+    stash = head[len(split.first):]
+    layouts = [program.grad_layouts[t] for t in program.deferred]
+
+    def weights() -> None:
+        for leaf, g, layout in zip(leaves, program.run(3, stash + inputs, check), layouts):
+            g = g if layout is None else _compat.dtensor_from_local(g, layout)
+            with torch.no_grad():
+                leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+    program.sink(weights)
+    return [now.get(k) for k in range(len(split.first) + len(split.rest))]
 
 
 def _as_planned(g: torch.Tensor | None, mesh: Any, want: Placements, aval: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:

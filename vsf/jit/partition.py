@@ -31,11 +31,11 @@ import torch.fx
 from vsf import _compat
 from vsf.jit.buckets import form_buckets
 from vsf.jit.cost import local_bytes
-from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
+from vsf.jit.graph import GETITEM, Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
 from vsf.jit.plan import Placements, Plan, Redistribution
 from vsf.jit.redistribute import collectives_of
 
-__all__ = ["Partitioned", "Saved", "partition"]
+__all__ = ["Partitioned", "Saved", "SplitBackward", "partition", "split_backward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,50 @@ def partition(plan: Plan, n_primals: int, n_outputs: int, live: Sequence[int]) -
     tangents = [cotangents[j] for j in live]
     backward = _program(plan, saved, tangents, grads, list(plan.outputs[n_outputs:]), backward_side)
     return Partitioned(forward, backward, saved, tuple(live))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitBackward:
+    """A backward program cut in two, as zero-bubble pipeline schedules run it: ``inputs`` takes the
+    backward's inputs and returns the gradients ``first`` names (a stage's input gradients, which
+    the previous stage waits for), then ``stash``; ``weights`` takes ``stash``, then the backward's
+    inputs, and returns the other gradients (``rest``: its params', which nothing waits for)."""
+
+    inputs: Plan
+    weights: Plan
+    stash: tuple[Saved, ...]
+    first: tuple[int, ...]
+    rest: tuple[int, ...]
+
+
+def split_backward(backward: Plan, first: Sequence[int]) -> SplitBackward:
+    """Cut ``backward`` (a :class:`Partitioned`'s) into the program computing its outputs ``first``
+    (indices into its outputs) and the one computing the others from what the first computed: the
+    second reads each value of the first's that it needs from the first's ``stash`` (as the first
+    holds it), and computes nothing the first computed.
+
+    Example::
+
+        >>> split = split_backward(parts.backward, first=[1])   # outputs: (grad of w, grad of x)
+        >>> split.first, split.rest, [s.bytes for s in split.stash]
+        ((1,), (0,), [...])
+    """
+    gm = backward.graph
+    inputs = placeholders_of(gm)
+    outs = list(_compat.torch_tree_leaves(output_node(gm).args))
+    rest = tuple(j for j in range(len(outs)) if j not in first)
+    firsts = _closure([outs[j] for j in first], lambda n: True)
+    firsts |= {n for n in gm.graph.nodes if n.op == "call_function" and n.target is GETITEM and n.args[0] in firsts}   # (each output of what it computed)
+    later = lambda n: n not in firsts  # noqa: E731
+    seconds = _closure([outs[j] for j in rest], later)
+    reads = [(a, v) for node in gm.graph.nodes if node in seconds and node in backward.nodes for a, v, _ in _tensor_uses(backward, node) if a in firsts]
+    reads += [(outs[j], value_of(outs[j])) for j in rest if outs[j] in firsts]
+    chosen = {v: a for a, v in reads}
+    stash = tuple(Saved(v, backward.placement(v), local_bytes(backward.mesh, meta_of(v), backward.placement(v))) for v in chosen)
+    out_pl = backward.outputs
+    head = _program(backward, (), inputs, [outs[j] for j in first] + list(chosen.values()), [out_pl[j] for j in first] + [x.placements for x in stash], lambda n: n in firsts)
+    tail = _program(backward, stash, inputs, [outs[j] for j in rest], [out_pl[j] for j in rest], later)
+    return SplitBackward(head, tail, stash, tuple(first), rest)
 
 
 def _reads(plan: Plan, grads: Sequence[torch.fx.Node], n_outputs: int, backward_side: Callable[[torch.fx.Node], bool]) -> list[tuple[torch.fx.Node, Value, Placements]]:

@@ -19,7 +19,7 @@ from vsf import _compat
 from vsf.jit.cost import local_bytes, local_flops
 from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.memory import peak_bytes
-from vsf.jit.partition import Partitioned, Saved
+from vsf.jit.partition import Partitioned, Saved, SplitBackward
 from vsf.jit.plan import Bucket, Collective, Plan, Redistribution
 from vsf.sharding.inspect import type_string
 
@@ -98,6 +98,15 @@ def differentiable_text(parts: Partitioned, name: str, input_names: Sequence[str
     per_axis = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if fwd.mesh.axis_size(a) > 1) or "none"
     lines.append(f"cost per rank of both programs: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{fmt_bytes(c.peak_bytes)}")
     return "\n".join(lines)
+
+
+def split_text(split: SplitBackward, name: str) -> str:
+    """How a backward cut for deferred gradients divides its ops and bytes between its two parts."""
+    ops = lambda plan: sum(1 for n in plan.graph.graph.nodes if n.op == "call_function")  # noqa: E731
+    sent = lambda plan: fmt_bytes(sum(cost(plan).comm_bytes.values()))  # noqa: E731
+    return (f"{name}'s backward is cut in two (deferred_grad_argnums): the part run in backward has {ops(split.inputs)} ops and sends {sent(split.inputs)} per rank; "
+            f"the deferred part has {ops(split.weights)} ops and sends {sent(split.weights)}, from {len(split.stash)} values the first part keeps for it "
+            f"({fmt_bytes(sum(s.bytes for s in split.stash))})")
 
 
 def _value_name(s: Saved) -> str:

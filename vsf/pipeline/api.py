@@ -25,11 +25,14 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   ``reshard_after_backward`` off until the last microbatch): one all-gather and one reduce-scatter
   a step, for the memory of the stage's gathered params. ``reshard_after_forward=True`` gathers them
   in each microbatch's programs instead (``m`` times the all-gathers, a microbatch's memory).
-* ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``: torch's ``ScheduleGPipe`` /
-  ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` (``v >= 2`` stages
-  per rank: give ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) over
-  the ``pp`` process groups on real processes; the same order played in one process under
-  ``vsf.simulate``.
+* ``schedule`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb"``: torch's ``ScheduleGPipe`` /
+  ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` /
+  ``ScheduleInterleavedZeroBubble`` (``v >= 2`` stages per rank: give ``v * p`` stage functions;
+  stage ``s`` lives on pp coordinate ``s % p``) over the ``pp`` process groups on real processes;
+  the same order played in one process under ``vsf.simulate``. Under ``"zb"`` a stage program's
+  backward is cut in two (``vsf.jit``'s ``deferred_grad_argnums``): its input part, which the
+  previous stage waits for, and its params' part, which torch runs later (``dw_builder``) to
+  fill the bubble; the cut computes nothing twice.
 * The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets)``
   stands where ``vsf.value_and_grad(loss)(params, batch)`` stood, and the optimizer update that
   follows is the usual ``tx.update`` / ``apply_updates``, applied where each param lives.
@@ -129,6 +132,7 @@ class Pipeline:
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
         self._reducers: dict[int, Any] = {}
         self._gathers: dict[int, Any] = {}
+        self._deferred: dict[int, list[Callable[[], None]]] = {}   # stage -> its backwards' weight parts not yet run (schedule "zb")
         self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
         if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
@@ -202,9 +206,9 @@ class Pipeline:
         ts = [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)] if last in self.local_stages() else []
         mods = self._modules(values, inputs, targets)
         if self._in_one_process():
-            loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts)
+            loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts, self._deferred)
         else:
-            loss_parts = runners.run_torch(mods, xs, ts, self.mesh, self.axis, self.schedule, self.num_stages, self.microbatches)
+            loss_parts = runners.run_torch(mods, xs, ts, self.mesh, self.axis, self.schedule, self.num_stages, self.microbatches, self._deferred)
         grads = self._gradients(mods)
         loss = self._loss(loss_parts)
         out = [grads.get(k) if values.get(k) is not None else None for k in names]
@@ -352,7 +356,8 @@ class Pipeline:
         with other shapes re-plans inside it, as any jitted function does)."""
         key = (s, out)
         if key not in self._programs:
-            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes)
+            sink = self._deferred.setdefault(s, []).append if self.schedule == "zb" else None
+            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes, on_deferred_grads=sink)
         return self._programs[key]
 
     def _reducer(self, s: int) -> Any:

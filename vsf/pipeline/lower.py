@@ -210,10 +210,11 @@ def saved_bytes(lowered: Lowered, skip: int) -> int:
 
 
 def in_flight(actions: Sequence[tuple[str, int]]) -> int:
-    """The most microbatches whose forward has run and whose backward has not, in ``actions``."""
+    """The most microbatches whose forward has run and whose backward has not (or, split, its
+    weight part: it holds what the input part leaves it), in ``actions``."""
     now = most = 0
     for kind, _ in actions:
-        now += 1 if kind == "F" else -1
+        now += {"F": 1, "I": 0}.get(kind, -1)
         most = max(most, now)
     return most
 

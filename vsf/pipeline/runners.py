@@ -10,6 +10,8 @@ each stage's gradients, summed over the microbatches, in its weights' ``.grad``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vsf.pipeline import schedule as sched
@@ -20,19 +22,22 @@ __all__ = ["loss_local", "run_in_order", "run_torch"]
 
 
 def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], xs: list[list[torch.Tensor]],
-                 ts: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[sched.Step]]:
+                 ts: list[list[torch.Tensor]], deferred: dict[int, list[Callable[[], None]]]) -> tuple[list[torch.Tensor], list[sched.Step]]:
     """The schedule ``actions`` (each pp rank's, see :func:`~vsf.pipeline.schedule.rank_actions`)
     played in this process, every stage in ``mods``: the losses and the order the steps ran in.
+    ``deferred[s]``: where stage ``s``'s program leaves its backwards' weight parts (a zero-bubble
+    schedule: an ``"I"`` action's backward leaves one, its ``"W"`` action runs it).
 
     Example::
 
-        >>> losses, order = run_in_order(pipe.actions(), mods, xs, ts)
+        >>> losses, order = run_in_order(pipe.actions(), mods, xs, ts, {})
     """
     last = len(mods) - 1
     inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     grads_in: dict[tuple[int, int], torch.Tensor] = {}
     kept: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}
+    weights: dict[tuple[int, int], Callable[[], None]] = {}
 
     def run(s: int, kind: str, mb: int) -> None:
         mod = mods[s]
@@ -46,23 +51,30 @@ def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], 
                 inbox[(s + 1, mb)] = [y.detach().requires_grad_(True)]
             kept[(s, mb)] = (x, y)
             return
+        if kind == "W":
+            weights.pop((s, mb))()
+            return
         x, y = kept.pop((s, mb))
         torch.autograd.backward(y, None if s == last else grads_in.pop((s, mb)))
         if s > 0:
             grads_in[(s - 1, mb)] = x[0].grad
+        if kind == "I":
+            weights[(s, mb)] = deferred[s].pop(0)
 
     order = sched.run_in_order(actions, run)
     return [losses[mb] for mb in sorted(losses)], order
 
 
 def run_torch(mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]],
-              mesh: Mesh, axis: str, schedule: str, num_stages: int, microbatches: int) -> list[torch.Tensor]:
+              mesh: Mesh, axis: str, schedule: str, num_stages: int, microbatches: int, deferred: dict[int, list[Callable[[], None]]]) -> list[torch.Tensor]:
     """This process's stages ``mods`` of torch's ``schedule`` over ``mesh``'s ``axis`` groups,
-    talking to the other ranks over ``axis``: the losses (on the last stage's ranks).
+    talking to the other ranks over ``axis``: the losses (on the last stage's ranks). Under a
+    zero-bubble schedule each stage's ``dw_builder`` (torch's hook for a weight backward of one's
+    own) hands torch the weight part stage ``s``'s backward left in ``deferred[s]``.
 
     Example::
 
-        >>> losses = run_torch(mods, xs, ts, mesh, "pp", "1f1b", 2, 4)
+        >>> losses = run_torch(mods, xs, ts, mesh, "pp", "1f1b", 2, 4, {})
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -75,7 +87,8 @@ def run_torch(mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: li
     for s, mod in sorted(mods.items()):
         example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
         example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
-        stages.append(PipelineStage(mod, s, num_stages, device, input_args=example_in, output_args=example_out, group=group))
+        weight_part = (lambda s=s: deferred[s].pop(0)) if schedule == "zb" else None
+        stages.append(PipelineStage(mod, s, num_stages, device, input_args=example_in, output_args=example_out, group=group, dw_builder=weight_part))
     # every rank passes the loss (torch runs backward only where the schedule has one); only
     # the last stage calls it
     loss_fn = lambda y, t: loss_local(mods[last], y, [t])  # noqa: E731

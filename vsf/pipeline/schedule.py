@@ -34,7 +34,7 @@ class _Schedules(Mapping):
     """``{name: torch.distributed.pipelining schedule class}``, importing torch's pipelining (and
     with it torch._dynamo, about 0.6 s of every process's start) only when a class is looked up."""
 
-    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble"}
 
     def __getitem__(self, name: str) -> type:
         return getattr(importlib.import_module("torch.distributed.pipelining"), self._CLASSES[name])
@@ -51,7 +51,8 @@ class _Schedules(Mapping):
 
 SCHEDULES = _Schedules()
 Action = tuple[str, int]   # ("F" | "B", microbatch)
-Step = tuple[int, str, int]   # (stage, "F" | "B", microbatch)
+Step = tuple[int, str, int]   # (stage, "F" | "B" | "I" | "W", microbatch): a forward, a backward, or its input and weight parts
+INTERLEAVED = ("interleaved", "zb")   # the schedules running several stages on a rank
 
 
 def check_schedule(name: str) -> str:
@@ -65,25 +66,27 @@ def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis
     """The number of stages each of the ``ranks`` ranks of the pipeline axis runs under
     ``schedule``, after checking that ``stages`` and ``microbatches`` fit it (errors say what the
     schedule needs)."""
-    if schedule != "interleaved":
+    if schedule not in INTERLEAVED:
         if stages != ranks:
             raise ValueError(f"the mesh's {axis} axis has size {ranks} but the pipeline has {stages} stages; they must be equal ({schedule} runs one stage per {axis} rank)")
         return 1
     if stages % ranks or stages < 2 * ranks:
-        raise ValueError(f"the interleaved schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}")
+        raise ValueError(f"the {schedule} schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}")
     rounds = max(1, microbatches // ranks)
     if microbatches % rounds:
-        raise ValueError(f"torch's ScheduleInterleaved1F1B needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}")
+        raise ValueError(f"torch's {SCHEDULES._CLASSES[schedule]} needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}")
     return stages // ranks
 
 
 def rank_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> list[list[Step]]:
     """Each pp rank's forwards and backwards as ``(stage, "F" | "B", microbatch)``, in the order it
     runs them: :func:`stage_actions` for GPipe and 1F1B (stage ``s`` on rank ``s``), torch's own
-    order for ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % ranks``)."""
+    order for ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (stage ``s`` on rank
+    ``s % ranks``; the zero-bubble one splits each backward into its input part ``"I"``, which the
+    previous stage waits for, and its weight part ``"W"``, run later to fill the bubble)."""
     schedule = check_schedule(schedule)
-    if schedule == "interleaved":
-        return _compat.interleaved_order(check_stages(schedule, stages, ranks, microbatches), ranks, microbatches)
+    if schedule in INTERLEAVED:
+        return _compat.interleaved_order(SCHEDULES[schedule], check_stages(schedule, stages, ranks, microbatches), ranks, microbatches)
     check_stages(schedule, stages, ranks, microbatches)
     return [[(s, kind, mb) for kind, mb in acts] for s, acts in enumerate(stage_actions(schedule, stages, microbatches))]
 
@@ -96,8 +99,8 @@ def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Ac
     backwards.
     """
     schedule = check_schedule(schedule)
-    if schedule == "interleaved":
-        raise ValueError("the interleaved schedule runs several stages on a rank: read its order with rank_actions")
+    if schedule in INTERLEAVED:
+        raise ValueError(f"the {schedule} schedule runs several stages on a rank: read its order with rank_actions")
     m = microbatches
     out = []
     for s in range(stages):
@@ -128,10 +131,10 @@ def run_in_order(actions: list[list[Step]], run: Callable[[int, str, int], None]
             if nxt[r] == len(acts):
                 continue
             s, kind, mb = acts[nxt[r]]
-            need = (s - 1, "F", mb) if kind == "F" else ((s + 1, "B", mb) if s < last else (s, "F", mb))
-            if kind == "F" and s == 0 or need in done:
+            need = _input_of((s, kind, mb), last)
+            if need is None or need in done:
                 run(s, kind, mb)
-                done.add((s, kind, mb))
+                done.add(_done_as((s, kind, mb)))
                 order.append((s, kind, mb))
                 nxt[r] += 1
                 progressed = True
@@ -141,12 +144,33 @@ def run_in_order(actions: list[list[Step]], run: Callable[[int, str, int], None]
     return order
 
 
+def _input_of(step: Step, last: int) -> Step | None:
+    """The action whose result ``step`` waits for (as :func:`_done_as` records it), ``None`` if it
+    waits for none: a forward for the previous stage's, a backward (or its input part) for the
+    next stage's input gradient (the last stage: for its own forward), a weight part for its
+    input part."""
+    s, kind, mb = step
+    if kind == "F":
+        return None if s == 0 else (s - 1, "F", mb)
+    if kind == "W":
+        return (s, "B", mb)
+    return (s + 1, "B", mb) if s < last else (s, "F", mb)
+
+
+def _done_as(step: Step) -> Step:
+    """What ``step`` hands on: a backward's input part the input gradient, as a backward does."""
+    s, kind, mb = step
+    return (s, "B" if kind == "I" else kind, mb)
+
+
 def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.0, durations: Mapping[Step, float] | None = None) -> list[float]:
     """Each rank's idle fraction of the step when a forward takes ``forward`` and a backward
-    ``backward`` time units (on every stage; or each action its own ``durations[action]``, e.g.
-    measured ones) and an action starts as soon as its rank and its input are free; ``actions``
-    as :func:`rank_actions` gives them. The schedule's theory: ``(p - 1) / (m + p - 1)`` for
-    GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for the interleaved schedule.
+    ``backward`` time units (its input and weight parts half of it each; on every stage; or each
+    action its own ``durations[action]``, e.g. measured ones) and an action starts as soon as its
+    rank and its input are free; ``actions`` as :func:`rank_actions` gives them. The schedule's
+    theory: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for the
+    interleaved schedule, and for the zero-bubble one ZB-H1's ``(p - 1)(F + B - 2W)`` idle in
+    ``v m (F + B)`` of work (``W``: a weight part's time).
 
     Example::
 
@@ -157,17 +181,17 @@ def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.
     end: dict[Step, float] = {}
     free = [0.0] * len(actions)
     pending = [list(a) for a in actions]
-    cost = lambda step: durations[step] if durations is not None else forward if step[1] == "F" else backward  # noqa: E731
+    cost = lambda step: durations[step] if durations is not None else {"F": forward, "B": backward}.get(step[1], backward / 2)  # noqa: E731
     while any(pending):
         progressed = False
         for r, acts in enumerate(pending):
             while acts:
                 s, kind, mb = acts[0]
-                need = None if kind == "F" and s == 0 else (s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb) if s < last else (s, "F", mb)
+                need = _input_of((s, kind, mb), last)
                 if need is not None and need not in end:
                     break
                 start = max(free[r], end[need] if need is not None else 0.0)
-                end[(s, kind, mb)] = free[r] = start + cost((s, kind, mb))
+                end[_done_as((s, kind, mb))] = free[r] = start + cost((s, kind, mb))
                 acts.pop(0)
                 progressed = True
         if not progressed:

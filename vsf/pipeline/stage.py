@@ -73,13 +73,18 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
     return x.to_local(grad_placements=sharding.placements)
 
 
-def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = (), unsharded_grad_axes: Sequence[str] = ()) -> Any:
+def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = (), unsharded_grad_axes: Sequence[str] = (),
+                  on_deferred_grads: Callable[[Callable[[], None]], None] | None = None) -> Any:
     """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
     backward, and reused while shapes and layouts stay); the gradients of the arguments
     ``unreduced_grad_argnums`` (a stage's params) come back unreduced over the axes they are
     replicated on, and whole and unreduced over the ``unsharded_grad_axes`` they are split on
-    (the batch's: fsdp), for the step to reduce once (see ``vsf.jit``)."""
-    return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes)
+    (the batch's: fsdp), for the step to reduce once (see ``vsf.jit``). With
+    ``on_deferred_grads`` (a zero-bubble schedule), the backward computes the input gradients only
+    and hands it the function that computes those params' gradients later."""
+    deferred = tuple(unreduced_grad_argnums) if on_deferred_grads is not None else ()
+    return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes,
+               deferred_grad_argnums=deferred, on_deferred_grads=on_deferred_grads)
 
 
 def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding]) -> Any:

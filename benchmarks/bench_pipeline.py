@@ -302,18 +302,10 @@ def _not_waiting(ranks: list, s: int) -> float:
     return total
 
 
-def _in_flight(actions: list[tuple[str, int]]) -> int:
-    """The most microbatches whose forward ran and whose backward has not, over ``actions``."""
-    now = most = 0
-    for kind, _ in actions:
-        now += 1 if kind == "F" else -1
-        most = max(most, now)
-    return most
-
-
 def bench(pp: int, quick: bool) -> list[dict]:
     from vsf import launch
     from vsf.pipeline import bubble, rank_actions, stage_actions
+    from vsf.pipeline.lower import in_flight
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "pipeline.json")
@@ -351,7 +343,7 @@ def bench(pp: int, quick: bool) -> list[dict]:
     for schedule, m in MEMORY:
         actions = stage_actions(schedule, pp, m)
         peaks = [mem[s][f"{schedule},{m}"]["peak"] for s in range(pp)]
-        theory = [_in_flight(actions[s]) * mem[s][f"{schedule},{m}"]["per_microbatch"] for s in range(pp)]
+        theory = [in_flight(actions[s]) * mem[s][f"{schedule},{m}"]["per_microbatch"] for s in range(pp)]
         per_stage = "/".join(f"{x / 2**20:.1f}" for x in peaks)
         rows.append({
             "name": f"peak saved activations, stage 0 (stages 0-{pp - 1}: {per_stage} MiB) vs in-flight x one microbatch's, {schedule.upper()}, m={m}, {where}",

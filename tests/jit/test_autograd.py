@@ -25,6 +25,18 @@ def block_case():
     return block, vsf.tree.from_module(block), torch.randn(4, CFG.seq, CFG.dim)
 
 
+def two_calls_case():
+    """The block's params, its function, two inputs, and plain torch's gradients on one device of
+    both calls' summed outputs: the params' (summed over the calls) and each input's."""
+    block, params, x = block_case()
+    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
+    xs = (x, torch.randn_like(x))
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref_xs = [v.clone().requires_grad_(True) for v in xs]
+    (fn(ref, ref_xs[0]).sum() + fn(ref, ref_xs[1]).sum()).backward()
+    return params, fn, xs, {k: v.grad for k, v in ref.items()}, [v.grad for v in ref_xs]
+
+
 def fsdp_specs(params):
     return {k: P("fsdp") if v.ndim == 2 else P() for k, v in params.items()}
 
@@ -150,17 +162,12 @@ def test_unreduced_gradients_accumulate_over_calls_and_reduce_once(sim):
     # DDP's no_sync: with the batch over dp, a replicated param's gradient comes back a partial sum
     # over dp (no all-reduce in the backward), torch sums two calls' into .grad, and reducing it
     # once gives the one-device gradient of both calls; the activation's gradient is reduced as usual
-    block, params, x = block_case()
-    x2 = torch.randn_like(x)
-    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
-    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    (fn(ref, x).sum() + fn(ref, x2).sum()).backward()
-    want_x = eager_grads(fn, params, x)[1][0]
+    params, fn, inputs, want, (want_x, _) = two_calls_case()
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
     p = sharded_params(mesh, params, megatron_specs(params))
     g = vsf.jit(fn, unreduced_grad_argnums=(0,))
-    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True) for v in (x, x2)]
+    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True) for v in inputs]
     for v in xs:
         g(p, v).sum().backward()
     lowered = g.lower(p, xs[0])
@@ -170,7 +177,7 @@ def test_unreduced_gradients_accumulate_over_calls_and_reduce_once(sim):
         dp_, tp_ = w.grad.placements
         assert dp_ == Partial() and (tp_ == w.placements[1] or (w.placements[1] == Replicate() and tp_ == Partial())), (k, w.grad.placements)
         assert vsf.sharding.named.sharding_of(w.grad) == shown[k] and "dp" in shown[k].spec.unreduced, k
-        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), ref[k].grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert xs[0].grad.placements == xs[0].placements and lowered.grad_shardings[0][1] == vsf.NamedSharding(mesh, P("dp"))
     torch.testing.assert_close(vsf.device_get(xs[0].grad), want_x, rtol=1e-5, atol=1e-6)
     assert g.plan_count == 1
@@ -180,24 +187,20 @@ def test_unsharded_gradients_accumulate_whole_over_calls_and_reduce_scatter_once
     # FSDP2's set_requires_gradient_sync(False): with params and the batch over fsdp, each param's
     # gradient comes back whole and a partial sum over fsdp (no reduce-scatter in the backward),
     # torch sums two calls' into .grad, and reduce-scattering it once gives the one-device gradient
-    block, params, x = block_case()
-    x2 = torch.randn_like(x)
-    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
-    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    (fn(ref, x).sum() + fn(ref, x2).sum()).backward()
+    params, fn, inputs, want, _ = two_calls_case()
     sim(2)
     mesh = vsf.make_mesh((2,), ("fsdp",))
     specs = {k: P("fsdp") if v.shape[0] % 2 == 0 else P() for k, v in params.items()}
     p = sharded_params(mesh, params, specs)
     g = vsf.jit(fn, unreduced_grad_argnums=(0,), unsharded_grad_axes=("fsdp",))
-    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("fsdp"))).requires_grad_(True) for v in (x, x2)]
+    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("fsdp"))).requires_grad_(True) for v in inputs]
     for v in xs:
         g(p, v).sum().backward()
     assert not any(c.kind == "reduce_scatter" for c in g.lower(p, xs[0]).cost().collectives)
     assert any(c.kind == "reduce_scatter" for c in vsf.jit(fn, unreduced_grad_argnums=(0,)).lower(p, xs[0]).cost().collectives)
     for k, w in p.items():
         assert w.grad.placements == (Partial(),) and w.grad.to_local().shape == params[k].shape, (k, w.grad.placements)
-        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), ref[k].grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert g.plan_count == 1
 
 
@@ -206,28 +209,23 @@ def test_deferred_gradients_split_the_backward_into_its_input_and_weight_parts(s
     # a zero-bubble schedule's split: backward computes the input's gradient only and hands over
     # the params' part, which adds theirs into .grad when it runs (two calls, run in reverse order:
     # their sum in another order than one device's, so to rounding, 1e-5)
-    block, params, x = block_case()
-    x2 = torch.randn_like(x)
-    fn = lambda p, x: vsf.tree.apply(block, p, x)  # noqa: E731
-    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    ref_xs = [v.clone().requires_grad_(True) for v in (x, x2)]
-    (fn(ref, ref_xs[0]).sum() + fn(ref, ref_xs[1]).sum()).backward()
+    params, fn, inputs, want, want_xs = two_calls_case()
     sim(4)
     axes = ("dp", "tp") if layout == "megatron" else ("dp", "fsdp")
     mesh = vsf.make_mesh((2, 2), axes)
     p = sharded_params(mesh, params, megatron_specs(params) if layout == "megatron" else fsdp_specs(params))
     pending = []
     g = vsf.jit(fn, deferred_grad_argnums=(0,), on_deferred_grads=pending.append)
-    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True) for v in (x, x2)]
-    for v, want in zip(xs, ref_xs):
+    xs = [vsf.device_put(v, vsf.NamedSharding(mesh, P("dp"))).requires_grad_(True) for v in inputs]
+    for v, want_x in zip(xs, want_xs):
         g(p, v).sum().backward()
-        torch.testing.assert_close(vsf.device_get(v.grad), want.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(vsf.device_get(v.grad), want_x, rtol=1e-5, atol=1e-6)
     assert len(pending) == 2 and all(w.grad is None for w in p.values())
     for weights in reversed(pending):
         weights()
     for k, w in p.items():
         assert w.grad.placements == w.placements, k
-        torch.testing.assert_close(vsf.device_get(w.grad), ref[k].grad, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(vsf.device_get(w.grad), want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     # the parts: every op of the backward in exactly one; the weights' four matmuls (qkv, proj, fc1,
     # fc2) in the second, and with them the gradients' all-reduce over dp (the params are replicated there)
     compiled = next(iter(g._cache.values()))
@@ -240,6 +238,9 @@ def test_deferred_gradients_split_the_backward_into_its_input_and_weight_parts(s
     assert re.search(r"backward is cut in two \(deferred_grad_argnums\): the part run in backward has \d+ ops", g.lower(p, xs[0]).as_text())
     with pytest.raises(ValueError, match="needs on_deferred_grads"):
         vsf.jit(fn, deferred_grad_argnums=(0,))
+    computed = {**p, "fc1.weight": p["fc1.weight"] * 1.0}
+    with pytest.raises(ValueError, match=r"args\[0\]\['fc1\.weight'\] has its gradient deferred .* must be an autograd leaf .*grad_fn MulBackward0"):
+        g(computed, xs[0])
 
 
 def test_a_loss_an_input_returned_as_is_and_a_view_of_a_param(sim):

@@ -390,7 +390,7 @@ class DifferentiableCompiled(Compiled):
         self.grad_shardings = tree.unflatten(call.key[0], grad_shardings(joint, call.leaves))
         self.grad_names = [f"grad of {call.names[i]}" for i in joint.with_grad]
         deferred = call.leaves_of(owner.deferred_grad_argnums)
-        self._program = program(owner._name, joint, call.leaves, self._out_specs, _out_metas(traced), deferred, owner.on_deferred_grads)
+        self._program = program(owner._name, joint, call.leaves, self._out_specs, _out_metas(traced), deferred, owner.on_deferred_grads, call.names if deferred else ())
         plans = (joint.parts.forward, joint.parts.backward) + ((self._program.split.inputs, self._program.split.weights) if self._program.split else ())
         self._runners = tuple(Runner(p) for p in plans)
         self._program.run = lambda k, xs, check: self._runners[k](xs, check)

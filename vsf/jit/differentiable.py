@@ -182,15 +182,17 @@ class Program:
     grad_layouts: list[Any]
     split: SplitBackward | None = None
     deferred: tuple[int, ...] = ()
+    deferred_names: tuple[str, ...] = ()
     sink: Callable[[Callable[[], None]], None] | None = None
     run: Run | None = None
 
 
 def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[Any], out_metas: Sequence[torch.Tensor],
-            deferred: Sequence[int] = (), sink: Callable[[Callable[[], None]], None] | None = None) -> Program:
+            deferred: Sequence[int] = (), sink: Callable[[Callable[[], None]], None] | None = None, names: Sequence[str] = ()) -> Program:
     """The :class:`Program` of a call of ``name`` planned as ``jp`` (``out_layouts``: its outputs'
-    DTensor layouts), the gradients of the leaves ``deferred`` (indices into ``leaves``) left to
-    ``sink`` (see ``vsf.jit``'s ``deferred_grad_argnums``); its ``run`` is set by the caller."""
+    DTensor layouts), the gradients of the leaves ``deferred`` (indices into ``leaves``, whose
+    ``names`` its errors give) left to ``sink`` (see ``vsf.jit``'s ``deferred_grad_argnums``);
+    its ``run`` is set by the caller."""
     n_out = jp.joint.n_outputs
     grad_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(jp.joint.traced.graph).args)][n_out:]
     dm = jp.plan.mesh.device_mesh
@@ -204,7 +206,7 @@ def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[A
     return Program(
         name, jp.parts, out_layouts, [(tuple(m.shape), m.dtype) for m in out_metas],
         jp.joint.differentiable, tuple(i in layouts for i in tensors), [layouts.get(i) for i in tensors],
-        split, tuple(tensors.index(jp.with_grad[k]) for k in later), sink,
+        split, tuple(tensors.index(jp.with_grad[k]) for k in later), tuple(names[jp.with_grad[k]] for k in later) if names else (), sink,
     )
 
 
@@ -222,10 +224,10 @@ class _Jitted(torch.autograd.Function):
         result = program.run(0, locals_in, check)
         ctx.program, ctx.check = program, check
         ctx.deferred = [leaves[t] for t in program.deferred]
-        for t, leaf in zip(program.deferred, ctx.deferred):
+        for name, leaf in zip(program.deferred_names, ctx.deferred):
             if not leaf.is_leaf:
-                raise ValueError(f"{program.name}: tensor argument {t} has its gradient deferred (deferred_grad_argnums), so it must be a leaf "
-                                 "(a param, whose .grad gets it), but it was computed by torch autograd ops")
+                raise ValueError(f"{program.name}: {name} has its gradient deferred (deferred_grad_argnums), so it must be an autograd leaf "
+                                 f"(a param, whose .grad gets it), but it was computed by torch ops (grad_fn {type(leaf.grad_fn).__name__})")
         ctx.save_for_backward(*result[n:])
         outs = tuple(_compat.dtensor_from_local(t, layout) for t, layout in zip(result[:n], program.out_layouts))
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, program.differentiable) if not d))

@@ -6,6 +6,10 @@ local shard), and PyTorch's own registry for which ops DTensor covers."""
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
+
 import pytest
 import torch
 import torch.fx
@@ -13,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import vsf
+from vsf import _compat
 from vsf._compat import StridedShard
 from vsf.jit.buckets import bucket_kind, form_buckets
 from vsf.jit.classify import OpClass, classify
@@ -20,7 +25,7 @@ from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_sha
 from vsf.jit.graph import output_node, value_of
 from vsf.jit.plan import Collective, Redistribution
 from vsf.jit.propagate import propagate
-from vsf.jit.redistribute import collectives_of, minor_step, transition_path
+from vsf.jit.redistribute import collectives_of, local_step, minor_step, move_local, strided_regather, transition_path
 from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding import constraint
 
@@ -171,6 +176,68 @@ def test_a_minor_strided_shard_is_reached_last_by_a_one_dim_step(sim):
     assert minor_step(mesh, (P, R), (Shard(0), R)) is None  # no strided shard: DTensor's own step
     kinds = [(c.kind, c.axis) for c in collectives_of(mesh, torch.empty(8, 4), (P, P), zero)]
     assert kinds == [("reduce_scatter", "fsdp"), ("reduce_scatter", "dp")]
+
+
+def test_moves_through_strided_shards_that_dtensor_cannot_make_are_made_by_vsf(sim):
+    # a [b@fsdp, t@cp] split merged into one dim on a mesh ("fsdp", "cp") is S(0), S(0)/sf2 (cp's
+    # split of each fsdp shard's 2 rows of b); gathering over fsdp alone keeps cp's split of
+    # every b, S(0)/sf4: one all-gather. S(0)/sf2 kept instead (cp holding whole b's) needs the
+    # dim gathered over cp and fsdp and sliced again. On a mesh ("cp", "dp"), dp splitting last
+    # after a strided cp shard gathers in one step.
+    sim(4, compute=False)
+    fsdp_cp = vsf.make_mesh((2, 2), ("fsdp", "cp"))
+    t = torch.empty(16, 3)
+    assert local_step(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), (R, StridedShard(0, split_factor=4))) == (0, 0)
+    kinds = [(c.kind, c.axis, c.shape) for c in collectives_of(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), (R, StridedShard(0, split_factor=4)))]
+    assert kinds == [("all_gather", "fsdp", (8, 3))]
+    kept = (R, StridedShard(0, split_factor=2))
+    assert local_step(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), kept) is None
+    regather = strided_regather(fsdp_cp, (16, 3), (Shard(0), StridedShard(0, split_factor=2)), kept)
+    assert regather.gathers == ((1, 0, StridedShard(0, split_factor=2), 8), (0, 0, Shard(0), 16)) and regather.slices == ((1, 0, StridedShard(0, split_factor=2), 16),)
+    got = collectives_of(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), kept)
+    # an all-gather sends (n-1)/n of what it gathers: 8 x 3 and 16 x 3 f32
+    assert [(c.kind, c.axis, c.shape, c.bytes) for c in got] == [("all_gather", "cp", (8, 3), 8 * 3 * 4 // 2), ("all_gather", "fsdp", (16, 3), 16 * 3 * 4 // 2)]
+    cp_dp = vsf.make_mesh((2, 2), ("cp", "dp"))
+    assert local_step(cp_dp, t, (StridedShard(0, split_factor=4), Shard(0)), (StridedShard(0, split_factor=4), R)) == (1, 0)
+    assert strided_regather(cp_dp, (15, 3), (StridedShard(0, split_factor=4), Shard(0)), (R, R)) is None   # uneven: not vsf's
+
+
+def _layouts(ndim, two_dims):
+    one = [R, Shard(0), StridedShard(0, split_factor=2), StridedShard(0, split_factor=4)]
+    if two_dims:
+        one += [P, Shard(1), StridedShard(1, split_factor=2)]
+    return list(itertools.product(one, repeat=ndim))
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 2, 2)])
+def test_moves_vsf_makes_itself_give_dtensors_own_shards(sim, sizes):
+    # oracle: DTensor's split of each layout (shard_of, as distribute_tensor cuts it) of an arange,
+    # a partial sum held whole by the first rank of its mesh dim and zeros by the others. Of the
+    # pairs of layouts that vsf moves itself (one 1D collective of the local shard, or gathered
+    # and sliced again through strided shards) of a [16, 8] tensor, on 2 x 2 ranks (either dim
+    # split, a partial sum) and on 2 x 2 x 2 (the rows split), 300 drawn with a fixed seed
+    x = torch.arange(16 * 8).view(16, 8)
+    coords = list(itertools.product(*(range(k) for k in sizes)))
+    layouts = _layouts(len(sizes), two_dims=len(sizes) == 2)
+
+    def held(pl, c):
+        whole = all(j == 0 for p, j in zip(pl, c) if isinstance(p, Partial))
+        return _compat.shard_of(x, pl, sizes, c).contiguous() * int(whole)
+
+    sim(math.prod(sizes))
+    mesh = vsf.make_mesh(sizes, ("a", "b", "c")[: len(sizes)])
+    ours = [
+        (src, dst) for src, dst in itertools.permutations(layouts, 2)
+        if not any(isinstance(b, Partial) and a != b for a, b in zip(src, dst))   # a partial sum is made by ops, not by moves
+        and (local_step(mesh, x, src, dst) is not None or strided_regather(mesh, tuple(x.shape), src, dst) is not None)
+    ]
+    assert len(ours) > (1000 if len(sizes) == 2 else 200)
+    with _compat.local_mode_disabled():
+        shards = {pl: [held(pl, c) for c in coords] for pl in layouts}
+    for src, dst in random.Random(0).sample(ours, 300):
+        got = _compat.local_shards(move_local(mesh, x, _compat.make_local(dict(enumerate(shards[src]))), src, dst), 0)
+        for r, c in enumerate(coords):
+            assert torch.equal(got[r], shards[dst][r]), (src, dst, c)
 
 
 # -- buckets -----------------------------------------------------------------------------------

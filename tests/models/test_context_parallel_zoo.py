@@ -36,3 +36,33 @@ def test_two_sequences_on_cp_equal_one_device(sim, monkeypatch, name, mode):
     plan = step.lower(p, tokens).plan
     assert_equal_to_one_device(vsf.device_get(step(p, tokens)), want)
     (assert_attention_on_a_ring if mode == "ring" else assert_attention_on_sequence_shards)(plan)
+
+
+ORDERS = [  # (mesh axes, params' layout, tokens' spec): the batch and the sequence split, the mesh in either order
+    (("cp", "dp"), "replicated", P("dp", "cp")),
+    (("fsdp", "cp"), "fsdp", P("fsdp", "cp")),
+    (("cp", "fsdp"), "fsdp", P("fsdp", "cp")),
+]
+
+
+@pytest.mark.parametrize("axes, kind, spec", ORDERS, ids=["-".join(o[0]) for o in ORDERS])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_batch_and_sequence_split_on_a_mesh_in_any_axis_order_equal_one_device(sim, name, axes, kind, spec):
+    """Merging a ``[batch, seq]`` split into one dim (the tokens' rows) on a mesh whose ``cp`` axis
+    comes before the batch's gives strided shards DTensor cannot regather itself (``S(0)/sf4,
+    S(0)`` gathered over dp): each moves by one 1D collective of the local shard, and the loss and
+    every gradient are one device's."""
+    model, _ = zoo.built(zoo.families()[name])
+    params = vsf.tree.from_module(model)
+    ids = torch.randint(0, zoo.VOCAB, (4, zoo.SEQ))
+
+    def loss_fn(p, ids):
+        return vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss
+
+    want = reference(loss_fn, params, (ids,))
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), axes)
+    specs = {k: P("fsdp") if kind == "fsdp" and v.shape[0] % 2 == 0 else P() for k, v in params.items()}
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
+    tokens = vsf.device_put(ids, vsf.NamedSharding(mesh, spec))
+    assert_equal_to_one_device(vsf.device_get(vsf.jit(lambda p, ids: vsf.value_and_grad(loss_fn)(p, ids))(p, tokens)), want)

@@ -205,6 +205,34 @@ def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_st
             _trains_like_one_device(pipe, p, specs, model.cfg, want_losses, want_grads, want)
 
 
+def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, monkeypatch):
+    """A zb step stopped midway, by an error raised in a backward after the stage's program had
+    handed over its weight part (here: torch.autograd.backward raising once its third call is
+    done), leaves nothing behind for the next step: the steps after it give one device's losses,
+    gradients and params."""
+    model, params = _model(layers=4)
+    want_losses, want_grads, want = _one_device(model, params)
+    fns, loss_fn, prefixes = pipeline_stages(model, 4)
+    sim(2)
+    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((2,), ("pp",)), microbatches=4, schedule="zb", tied=("wte.weight",))
+    p = pipe.place(params)
+    real, calls, pending_then = torch.autograd.backward, [], []
+
+    def failing(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            pending_then.append(sum(map(len, pipe._deferred.values())))
+            raise RuntimeError("the backward failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.autograd, "backward", failing)
+        with pytest.raises(RuntimeError, match="the backward failed"):
+            pipe.value_and_grad(p, *batch_at(0, BATCH, model.cfg))
+    assert pending_then == [1]   # the weight part its "W" action never ran
+    _trains_like_one_device(pipe, p, {k: P() for k in params}, model.cfg, want_losses, want_grads, want)
+
+
 def _trains_like_one_device(pipe, p, specs, cfg, want_losses, want_grads, want):
     """``pipe`` trained ``STEPS`` steps from ``p`` gives one device's losses, first gradients and
     params, and the params keep their ``specs``."""

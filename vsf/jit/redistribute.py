@@ -9,6 +9,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +27,7 @@ from vsf.sharding import ragged
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement, RaggedPlacement, balanced_order, from_placements
 
-__all__ = ["collectives_of", "minor_step", "move_local", "transition_path"]
+__all__ = ["Regather", "collectives_of", "local_step", "minor_step", "move_local", "strided_regather", "transition_path"]
 
 
 _STEP_ORDER = {"slice": 0, "partition": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "all_gather": 5}
@@ -45,9 +48,156 @@ def minor_step(mesh: Mesh, src: Placements, dst: Placements) -> tuple[int, int] 
     d = strided[0].dim
     if any(p.dim != d for p in strided) or any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (src[k], dst[k])):
         return None
-    later = math.prod(mesh.axis_size(a) for j, a in enumerate(mesh.device_axes) if j > k and is_shard(src[j]) and split_dim(src[j]) == d)
+    inner = [j for j in range(k + 1, len(src)) if is_shard(src[j]) and split_dim(src[j]) == d]
+    if any(type(src[j]) is not Shard for j in inner):  # a strided split inside: not the one 1D split of the local shard
+        return None
+    later = math.prod(mesh.axis_size(mesh.device_axes[j]) for j in inner)
     earlier = any(is_shard(src[j]) and split_dim(src[j]) == d for j in range(k))
     return (k, d) if not earlier and all(p.split_factor == later for p in strided) else None
+
+
+def local_step(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) -> tuple[int, int] | None:
+    """``(mesh_dim, tensor_dim)`` when moving ``t`` from ``src`` to ``dst`` is one 1D collective
+    (or slice) of the local shard along ``tensor_dim`` over ``mesh_dim``: a :func:`minor_step`, or
+    a move through strided shards whose local shards are, index for index, the pieces of DTensor's
+    1D split of the unsplit side's over that mesh dim (checked on the indices along the dim, at
+    every coordinate of the mesh dims splitting it). DTensor cannot make those moves itself: a
+    view merging ``[b@dp, t@cp]`` into ``b*t`` on a mesh ``("cp", "dp")`` gives ``S(0)/sf4, S(0)``,
+    which gathers over ``dp`` to ``S(0)/sf4, R``; on a mesh ``("fsdp", "cp")``, ``S(1), S(1)/sf2``
+    gathers over ``fsdp`` to ``R, S(1)/sf4`` (cp's split factor counts the pieces it splits)."""
+    return minor_step(mesh, src, dst) or _strided_split_step(mesh, tuple(t.shape), tuple(src), tuple(dst))
+
+
+def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[int, int] | None:
+    if not any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)) or has_ragged([src, dst]) or has_balanced([src, dst]):
+        return None
+    sizes = tuple(mesh.axis_size(a) for a in mesh.device_axes)
+    for k, (a, b) in enumerate(zip(src, dst)):
+        whole, split = (src, dst) if isinstance(a, (Replicate, Partial)) else (dst, src)
+        if a == b or not isinstance(whole[k], (Replicate, Partial)) or isinstance(dst[k], Partial) or not is_shard(split[k]):
+            continue
+        if isinstance(whole[k], Partial) and whole[k].reduce_op != "sum":
+            return None
+        d = split[k].dim
+        splits_d = lambda p: is_shard(p) and split_dim(p) == d  # noqa: E731
+        if any(j != k and p != q and not (splits_d(p) and splits_d(q)) for j, (p, q) in enumerate(zip(src, dst))):
+            return None
+        if any(shape[d] % math.prod(n for n, p in zip(sizes, pl) if splits_d(p)) for pl in (src, dst)):
+            return None  # uneven: DTensor's 1D collective pads the largest shard
+        along = lambda pl: tuple(_compat.StridedShard(0, split_factor=p.split_factor) if isinstance(p, _compat.StridedShard) else Shard(0) if splits_d(p) else Replicate() for p in pl)  # noqa: E731
+        return (k, d) if _pieces_of(shape[d], along(whole), along(split), k, sizes) else None
+    return None
+
+
+@functools.cache
+def _pieces_of(size: int, whole: Placements, split: Placements, k: int, sizes: tuple[int, ...]) -> bool:
+    """Is, at every mesh coordinate, the local shard of ``arange(size)`` laid out as ``split`` the
+    ``k``-th coordinate's piece of DTensor's 1D split over mesh dim ``k`` of its shard laid out as
+    ``whole``?"""
+    with _compat.local_mode_disabled():  # plain indices, whether or not ranks are simulated
+        index = torch.arange(size)
+        coords = itertools.product(*(range(n) if is_shard(p) or is_shard(q) else (0,) for n, p, q in zip(sizes, whole, split)))
+        return all(torch.equal(torch.tensor_split(_compat.shard_of(index, whole, sizes, c), sizes[k])[c[k]], _compat.shard_of(index, split, sizes, c)) for c in coords)
+
+
+@dataclasses.dataclass(frozen=True)
+class Regather:
+    """How vsf itself moves a value laid out with strided shards, which DTensor's redistribution
+    does not always regather right: ``reduces``, the mesh dims whose partial sums are all-reduced
+    first; ``gathers``, for each tensor dim whose splits change, the source's splits undone from
+    the last mesh dim back to the first one that differs; then ``slices``, the destination's made
+    from there on. Each gather or slice is ``(mesh_dim, dim, placement, length)``, ``length``
+    being the dim's local length before it. Every gather is a 1D all-gather along its dim and
+    every slice local, a strided shard's interleaving put right by a local permutation; splits of
+    different dims are independent, so the gathers can all go first."""
+
+    reduces: tuple[int, ...]
+    gathers: tuple[tuple[int, int, Any, int], ...]
+    slices: tuple[tuple[int, int, Any, int], ...]
+
+
+def strided_regather(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> Regather | None:
+    """The :class:`Regather` of a move between layouts holding a strided shard (``None`` for
+    other moves, a ragged or balanced split, a partial sum made, or a split that does not divide:
+    DTensor's own path then). It serves the moves :func:`local_step` does not make in one
+    collective, such as ``S(0), S(0)/sf2 -> R, S(0)/sf2`` on a mesh ``("fsdp", "cp")``: gathering
+    over ``fsdp`` alone would leave cp's shard interleaved as ``S(0)/sf4``, and DTensor's all-to-all
+    of ``S(1), S(0)/sf4 -> S(0), S(0)/sf4`` splits the rows cp kept rather than the whole dim."""
+    src, dst = tuple(src), tuple(dst)
+    if not any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)) or has_ragged([src, dst]) or has_balanced([src, dst]) or src == dst:
+        return None
+    if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)) or any(isinstance(a, Partial) and a.reduce_op != "sum" and a != b for a, b in zip(src, dst)):
+        return None
+    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
+    reduces = tuple(k for k, (a, b) in enumerate(zip(src, dst)) if isinstance(a, Partial) and a != b)
+    gathers, slices = [], []
+    for d in range(len(shape)):
+        mine = lambda p: p if is_shard(p) and split_dim(p) == d else None  # noqa: E731
+        before, after = _lengths(shape[d], sizes, [mine(p) for p in src]), _lengths(shape[d], sizes, [mine(p) for p in dst])
+        if before is None or after is None:
+            return None
+        first = next((k for k, (a, b) in enumerate(zip(src, dst)) if mine(a) != mine(b)), None)
+        if first is None:
+            continue
+        gathers += [(k, d, src[k], before[k]) for k in range(len(src) - 1, first - 1, -1) if mine(src[k]) is not None]
+        slices += [(k, d, dst[k], after[k]) for k in range(first, len(dst)) if mine(dst[k]) is not None]
+    return Regather(reduces, tuple(gathers), tuple(slices))
+
+
+def _lengths(n: int, sizes: Sequence[int], splits: Sequence[Any]) -> list[int] | None:
+    """A dim's local length before each mesh dim, splitting it as ``splits`` say (``None``: does
+    not), or ``None`` where a split does not divide it."""
+    out = []
+    for size, p in zip(sizes, splits):
+        out.append(n)
+        if p is not None:
+            if n % (size * getattr(p, "split_factor", 1)):
+                return None
+            n //= size
+    return out
+
+
+def _regather_collectives(mesh: Mesh, t: torch.Tensor, src: Placements, r: Regather) -> list[Collective]:
+    """The all-reduces and all-gathers of ``r`` (its slices send nothing), with the bytes each rank sends."""
+    shape = list(local_shape(mesh, t, src))
+    out = []
+    for kind, k, d, length in [("all_reduce", k, None, None) for k in r.reduces] + [("all_gather", k, d, n) for k, d, _, n in r.gathers]:
+        if d is not None:
+            shape[d] = length
+        n = mesh.axis_size(mesh.device_axes[k])
+        out.append(Collective(kind, mesh.device_axes[k], tuple(shape), t.dtype, int(round(transition_bytes(kind, n, math.prod(shape) * t.element_size())))))
+    return out
+
+
+def _run_regather(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements, r: Regather) -> torch.Tensor:
+    """``r`` on this rank's ``local`` shard. A strided shard ``S(d)/sf`` over ``n`` ranks views the
+    dim as ``[sf, n, m]`` and keeps ``[:, rank, :]``: gathered as a plain shard it comes back as
+    ``[n, sf, m]``, which one transpose puts in order (and the reverse, before a slice)."""
+    dm = mesh.device_mesh
+    shape = list(local_shape(mesh, t, src))
+
+    def lone(k: int, p: Any) -> tuple[Any, ...]:
+        return tuple(p if j == k else Replicate() for j in range(len(src)))
+
+    def move(x: torch.Tensor, k: int, a: Any, b: Any) -> torch.Tensor:
+        return _compat.redistribute_local(x, dm, lone(k, a), lone(k, b), shape=tuple(shape), stride=_contiguous(shape), dtype=t.dtype)
+
+    def swap(x: torch.Tensor, d: int, a: int, b: int) -> torch.Tensor:  # [a, b, m] -> [b, a, m] along d
+        return x.unflatten(d, (a, b, -1)).transpose(d, d + 1).flatten(d, d + 2)
+
+    for k in r.reduces:
+        local = move(local, k, src[k], Replicate())
+    for k, d, p, length in r.gathers:
+        shape[d] = length
+        local = move(local, k, Shard(d), Replicate())
+        if isinstance(p, _compat.StridedShard):
+            local = swap(local, d, mesh.axis_size(mesh.device_axes[k]), p.split_factor)
+    for k, d, p, length in r.slices:
+        shape[d] = length
+        if isinstance(p, _compat.StridedShard):
+            local = swap(local, d, p.split_factor, mesh.axis_size(mesh.device_axes[k]))
+        local = move(local, k, Replicate(), Shard(d))
+    return local
 
 
 def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placements]:
@@ -94,7 +244,15 @@ def collectives_of(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements
         _check_balanced(mesh, placements)
     for nxt in transition_path(mesh, src, dst):
         current = list(prev)
-        if has_ragged([prev, nxt]) or has_balanced([prev, nxt]) or minor_step(mesh, prev, nxt) is not None:
+        one = local_step(mesh, t, prev, nxt)
+        regather = strided_regather(mesh, tuple(t.shape), prev, nxt) if one is None else None
+        if regather is not None:
+            out.extend(_regather_collectives(mesh, t, prev, regather))
+            prev = nxt
+            continue
+        if one is not None:
+            steps = [(one[0], prev[one[0]], nxt[one[0]])]
+        elif has_ragged([prev, nxt]) or has_balanced([prev, nxt]):
             steps = [(k, a, b) for k, (a, b) in enumerate(zip(prev, nxt)) if a != b]
         else:
             steps = [(k, a, b) for k, a, b, _ in _compat.redistribute_steps(dm, prev, nxt, t)]
@@ -116,10 +274,11 @@ def collectives_of(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements
 
 
 def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
-    """One step of a redistribution on this rank's local shard: DTensor's, or vsf's ragged
-    collectives on a mesh dim where either side is ragged (one mesh dim at a time)."""
+    """One step of a redistribution on this rank's local shard: DTensor's, or vsf's own for a
+    :func:`local_step`, a :func:`strided_regather` or a ragged or balanced split (one mesh dim
+    at a time)."""
     dm = mesh.device_mesh
-    minor = minor_step(mesh, src, dst)
+    minor = local_step(mesh, t, src, dst)
     if minor is not None:  # a 1D collective of the local shard: the other mesh dims have split it already
         k, d = minor
         level = list(src)
@@ -127,6 +286,9 @@ def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements
         shape = local_shape(mesh, t, tuple(level))
         lone = lambda p: tuple(one_d(p) if j == k else Replicate() for j in range(len(src)))  # noqa: E731
         return _compat.redistribute_local(local, dm, lone(src[k]), lone(dst[k]), shape=shape, stride=_contiguous(shape), dtype=t.dtype)
+    regather = strided_regather(mesh, tuple(t.shape), src, dst)
+    if regather is not None:
+        return _run_regather(mesh, t, local, src, regather)
     if has_balanced([src, dst]):
         return _move_balanced(mesh, t, local, src, dst)
     if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):

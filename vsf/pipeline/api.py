@@ -205,10 +205,14 @@ class Pipeline:
         xs = [self._microbatches(x, first, f"inputs[{i}]") for i, x in enumerate(inputs)] if first in self.local_stages() else []
         ts = [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)] if last in self.local_stages() else []
         mods = self._modules(values, inputs, targets)
-        if self._in_one_process():
-            loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts, self._deferred)
-        else:
-            loss_parts = runners.run_torch(mods, xs, ts, self.mesh, self.axis, self.schedule, self.num_stages, self.microbatches, self._deferred)
+        try:
+            if self._in_one_process():
+                loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts, self._deferred)
+            else:
+                loss_parts = runners.run_torch(mods, xs, ts, self.mesh, self.axis, self.schedule, self.num_stages, self.microbatches, self._deferred)
+        finally:  # a step that raised midway leaves weight parts that belong to it alone (and hold its activations)
+            for parts in self._deferred.values():
+                parts.clear()
         grads = self._gradients(mods)
         loss = self._loss(loss_parts)
         out = [grads.get(k) if values.get(k) is not None else None for k in names]

@@ -16,18 +16,24 @@ from vsf import P
 pytestmark = pytest.mark.models
 
 
-@pytest.mark.parametrize("mode", ["all_gather", "ring"])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
-def test_two_sequences_on_cp_equal_one_device(sim, monkeypatch, name, mode):
-    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+def _causal_lm(name, sequences):
+    """The family's model's params, ``sequences`` random token rows, its loss function and the
+    one-device loss and gradients (the oracle)."""
     model, _ = zoo.built(zoo.families()[name])
     params = vsf.tree.from_module(model)
-    ids = torch.randint(0, zoo.VOCAB, (2, zoo.SEQ))
+    ids = torch.randint(0, zoo.VOCAB, (sequences, zoo.SEQ))
 
     def loss_fn(p, ids):
         return vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss
 
-    want = reference(loss_fn, params, (ids,))
+    return params, ids, loss_fn, reference(loss_fn, params, (ids,))
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
+def test_two_sequences_on_cp_equal_one_device(sim, monkeypatch, name, mode):
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    params, ids, loss_fn, want = _causal_lm(name, sequences=2)
     sim(2)
     mesh = vsf.make_mesh((2,), ("cp",))
     p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
@@ -50,16 +56,9 @@ ORDERS = [  # (mesh axes, params' layout, tokens' spec): the batch and the seque
 def test_batch_and_sequence_split_on_a_mesh_in_any_axis_order_equal_one_device(sim, name, axes, kind, spec):
     """Merging a ``[batch, seq]`` split into one dim (the tokens' rows) on a mesh whose ``cp`` axis
     comes before the batch's gives strided shards DTensor cannot regather itself (``S(0)/sf4,
-    S(0)`` gathered over dp): each moves by one 1D collective of the local shard, and the loss and
-    every gradient are one device's."""
-    model, _ = zoo.built(zoo.families()[name])
-    params = vsf.tree.from_module(model)
-    ids = torch.randint(0, zoo.VOCAB, (4, zoo.SEQ))
-
-    def loss_fn(p, ids):
-        return vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss
-
-    want = reference(loss_fn, params, (ids,))
+    S(0)`` gathered over dp): vsf moves them (one 1D collective of the local shard, or gathered
+    and sliced again), and the loss and every gradient are one device's."""
+    params, ids, loss_fn, want = _causal_lm(name, sequences=4)
     sim(4)
     mesh = vsf.make_mesh((2, 2), axes)
     specs = {k: P("fsdp") if kind == "fsdp" and v.shape[0] % 2 == 0 else P() for k, v in params.items()}

@@ -3,9 +3,11 @@
 A GPT (``examples/gpt.py``: d=256, 4 heads, 8 blocks, vocab 256, microbatches of 4 sequences of 64
 tokens; ``--quick``: 4 blocks, microbatches of 2 sequences, pp=4 only) is cut into ``pp`` stages of equal blocks (``pipeline_stages``) on
 ``pp`` gloo processes with one thread each, and ``pipe.value_and_grad`` runs torch's
-``ScheduleGPipe`` / ``Schedule1F1B``, and ``ScheduleInterleaved1F1B`` and
-``ScheduleInterleavedZeroBubble`` with ``2 pp`` stages (two a rank, stage ``s`` on rank ``s % pp``;
-where the model has that many blocks: not with ``--quick``).
+``ScheduleGPipe`` / ``Schedule1F1B``, and ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble`` (two stages a rank, stage ``s`` on rank ``s % pp``),
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (two a rank in a V: stages ``s`` and
+``2pp - 1 - s`` on rank ``s``) with ``2 pp`` stages, where the model has that many blocks (not
+with ``--quick``).
 The microbatch size is fixed, so ``m`` microbatches are a batch of ``4m`` (``2m``) sequences and a
 stage's work per microbatch is the same for every ``m``.
 
@@ -19,7 +21,8 @@ stage's work per microbatch is the same for every ``m``.
   stage; interleaved: ``(p-1)/(2m+p-1)`` for every rank, and its span against 1F1B's: with equal
   work, ``(m+(p-1)/2)/(m+p-1)``; zero-bubble, which runs each backward's input part (``I``, what
   the previous stage waits for) and its weight part (``W``, timed on its own) apart: ZB-H1's
-  ``(p-1)(F+B-2W)`` idle in ``2m(F+B)`` of work, ``(p-1)/(6m+p-1)`` with ``B = 2F = 2W``). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
+  ``(p-1)(F+B-2W)`` idle in ``2m(F+B)`` of work, ``(p-1)/(6m+p-1)`` with ``B = 2F = 2W``; the
+  V-shaped ones: their actions' replay with ``B = 2F = 2W``, no closed form here). What the fraction counts as idle: waiting for a neighbour's activation or gradient, the
   sends, and the schedule's own bookkeeping. ``replayed from the measured compute times``: the
   idle fraction :func:`vsf.pipeline.bubble` gives when each action takes the time it was measured
   to take and nothing else takes time: above the theory by what the stages' unequal (and, on
@@ -66,7 +69,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("interleaved", 4), ("interleaved", 8), ("zb", 4), ("zb", 8))
+TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("interleaved", 4), ("interleaved", 8), ("zb", 4), ("zb", 8),
+         ("zbv", 4), ("zbv", 8), ("dualpipev", 8))
 MEMORY = (("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("gpipe", 4), ("gpipe", 8), ("gpipe", 16))
 
 
@@ -253,8 +257,10 @@ def _worker(out: str, quick: bool) -> None:
 
 
 def _stages(schedule: str, pp: int) -> int:
-    """The stages a schedule cuts the model into on ``pp`` ranks: two a rank for the interleaved one."""
-    return 2 * pp if schedule in ("interleaved", "zb") else pp
+    """The stages a schedule cuts the model into on ``pp`` ranks: two a rank for the interleaved and V-shaped ones."""
+    from vsf.pipeline import INTERLEAVED
+
+    return 2 * pp if schedule in INTERLEAVED else pp
 
 
 def _idle(rows: list[list]) -> tuple[list[float], list[float], list[float], float, float]:
@@ -335,8 +341,8 @@ def bench(pp: int, quick: bool) -> list[dict]:
             "vsf": statistics.mean(excess), "ref": statistics.mean(idle), "unit": "%", "ratio": statistics.mean(excess) / statistics.mean(idle), "target": "-", "met": None,
         })
         rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
-        if schedule in ("interleaved", "zb"):   # (with B = 2F, and W = B/2: ZB-H1 idles (p-1)(F+B-2W) of v m (F+B))
-            theory = (m + (pp - 1) / 2) / (m + pp - 1) if schedule == "interleaved" else (m + (pp - 1) / 6) / (m + pp - 1)
+        if _stages(schedule, pp) > pp and ("1f1b", m) in spans:   # (the same work a rank: the span is the busy time over 1 - idle)
+            theory = (1 - bubble(rank_actions("1f1b", pp, pp, m))[0]) / (1 - statistics.mean(bubble(rank_actions(schedule, pp, 2 * pp, m))))
             rows.append({"name": f"{schedule.upper()}'s span (2 stages a rank) vs 1F1B's, m={m}, {where}", "vsf": span, "ref": spans["1f1b", m], "unit": "s",
                          "ratio": span / spans["1f1b", m], "target": f"- (theory {theory:.3f} with equal work)", "met": None})
     mem = r["memory"]

@@ -19,7 +19,7 @@ The mesh is derived from the number of ranks (factors of 2 go to dp, fsdp, tp in
 ``--dp/--fsdp/--tp`` say otherwise; ``--cp N`` splits every sequence over N ranks (context
 parallelism: attention runs on sequence shards); ``--pp N`` cuts the blocks into N pipeline stages
 over the pp axis (``vsf.pipeline``: GPipe, 1F1B or, with two stages per pp rank, interleaved 1F1B
-over ``--microbatches``; dp, fsdp, cp and tp apply
+and the zero-bubble zb, zbv and dualpipev, over ``--microbatches``); dp, fsdp, cp and tp apply
 inside each stage; checkpoints hold each stage's leaves once, so ``--resume`` works and a
 pipelined checkpoint loads onto any other layout).
 At the end it prints per-rank memory, the collective bytes per mesh axis from the step's plan,
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)")
     run.add_argument("--pp", type=int, default=1, help="pipeline stages over the pp axis, each a run of consecutive blocks (default 1)")
     run.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --pp (default 4)")
-    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b; interleaved, and zb, its zero-bubble form: two stages on each pp rank)")
+    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b; interleaved and zb, its zero-bubble form, and the V-shaped zero-bubble zbv and dualpipev: two stages on each pp rank)")
     model = p.add_argument_group("model and data")
     model.add_argument("--vocab", type=int, default=16)
     model.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -327,13 +327,14 @@ def _pipeline_summary(rep: Reporter, args: argparse.Namespace, result: Result, p
     its weight part, under zb, one)."""
     idle = vsf.pipeline.bubble(pipe.actions())
     v, p, m = pipe.stages_per_rank, args.pp, args.microbatches
-    theory = f"ZB-H1's (p-1)/(3vm+p-1) = {(p - 1) / (3 * v * m + p - 1):.1%}" if args.schedule == "zb" else f"(p-1)/({'v' if v > 1 else ''}m+p-1) = {(p - 1) / (v * m + p - 1):.1%}"
+    theory = {"zb": f"theory: ZB-H1's (p-1)/(3vm+p-1) = {(p - 1) / (3 * v * m + p - 1):.1%}", "zbv": "replayed from torch's order", "dualpipev": "replayed from torch's order"}.get(
+        args.schedule, f"theory: (p-1)/({'v' if v > 1 else ''}m+p-1) = {(p - 1) / (v * m + p - 1):.1%}")
     for r in range(args.pp):
         ranks = pipe.meshes[r].devices
         held = max(result.memory.get(k, 0) for k in ranks)
-        label = f"stage {r}" if v == 1 else f"stages {list(range(r, pipe.num_stages, args.pp))}"
+        label = f"stage {r}" if v == 1 else f"stages {[s for s in range(pipe.num_stages) if pipe.rank_of(s) == r]}"
         rep.say(f"{label} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
-                f"{args.schedule} bubble {idle[r]:.1%} of the step (theory {theory})")
+                f"{args.schedule} bubble {idle[r]:.1%} of the step ({theory})")
 
 
 def _kib(n: float) -> str:

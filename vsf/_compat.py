@@ -852,11 +852,12 @@ def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, 
 
 
 def interleaved_order(schedule: type, stages_per_rank: int, ranks: int, microbatches: int) -> list[list[tuple[int, str, int]]]:
-    """The compute actions an interleaved ``schedule`` (``ScheduleInterleaved1F1B``,
-    ``ScheduleInterleavedZeroBubble``) runs on each of ``ranks`` pp ranks holding
-    ``stages_per_rank`` stages each (stage ``s`` on rank ``s % ranks``), in its order, from the
+    """The compute actions a multi-stage ``schedule`` (``ScheduleInterleaved1F1B``,
+    ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) runs on
+    each of ``ranks`` pp ranks holding ``stages_per_rank`` stages each, in its order, from the
     schedule's own per-rank computation (``_calculate_single_rank_operations``, which needs only
-    the sizes): ``[[(stage, "F" | "B" | "I" | "W", microbatch), ...] per rank]``.
+    the sizes): ``[[(stage, "F" | "B" | "I" | "W", microbatch), ...] per rank]``, an overlapped
+    forward-and-backward (DualPipe-V's ``OVERLAP_F_B``) as its two actions in their order.
 
     Example::
 
@@ -864,7 +865,8 @@ def interleaved_order(schedule: type, stages_per_rank: int, ranks: int, microbat
         [(0, 'F', 0), (0, 'F', 1), (2, 'F', 0), (2, 'F', 1)]
     """
     rounds = max(1, microbatches // ranks)
-    sizes = type("_Sizes", (), {"n_local_stages": stages_per_rank, "pp_group_size": ranks, "_n_microbatches": microbatches,
+    sizes = type("_Sizes", (), {"n_local_stages": stages_per_rank, "pp_group_size": ranks, "_n_microbatches": microbatches, "num_stages": stages_per_rank * ranks,
                                 "number_of_rounds": rounds, "microbatches_per_round": microbatches // rounds})()
     order = [schedule._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
-    return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts if a is not None] for acts in order]
+    flat = [[sub for a in acts if a is not None for sub in (a.sub_actions or (a,))] for acts in order]
+    return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts] for acts in flat]

@@ -55,6 +55,8 @@ CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs ever
     (2, 1, 1, "interleaved", 4),   # 2 stages on each pp rank: 4 stages of one block
     (2, 1, 1, "zb", 4),            # the interleaved zero-bubble schedule: each backward's weight part deferred
     (2, 2, 1, "zb", 2),
+    (2, 1, 1, "zbv", 4),           # V-shaped: stages 0 and 3 on pp rank 0, 1 and 2 on rank 1
+    (2, 2, 1, "dualpipev", 4),     # DualPipe-V: full backwards and I/W pairs, overlapped F and B
 ]
 
 
@@ -89,17 +91,17 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
         # decides the step, so params are compared to 1% of the learning rate (1e-3)
         torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
     # each stage's params and Adam moments live on its pp coordinate's ranks only
-    ranks = lambda k: tuple(range(pipe.split.owner[k] % pp * dp * tp, (pipe.split.owner[k] % pp + 1) * dp * tp))  # noqa: E731
+    ranks = lambda k: tuple(range(pipe.rank_of(pipe.split.owner[k]) * dp * tp, (pipe.rank_of(pipe.split.owner[k]) + 1) * dp * tp))  # noqa: E731
     for k, v in p.items():
         assert vsf.sharding.named.sharding_of(v).mesh.devices == ranks(k), k
     moments = [(k, name, leaf) for name, leaf in ((vsf.tree.keystr(path), leaf) for path, leaf in vsf.tree.leaves_with_path(s)) for k in params if name.endswith(f"[{k!r}]")]
     assert len(moments) == 2 * len(params)   # Adam's mu and nu
     for k, name, leaf in moments:
         assert vsf.sharding.named.sharding_of(leaf).mesh.devices == ranks(k), name
-    # the runner played each rank's actions in torch's schedule order (stage s on pp rank s % pp;
-    # test_stage_order_is_torchs compares that order with torch's)
-    assert [[a for a in pipe.order if a[0] % pp == rank] for rank in range(pp)] == sched.rank_actions(schedule, pp, stages, m)
-    assert all(not pending for pending in pipe._deferred.values())   # (zb: every weight part ran, in its "W" action)
+    # the runner played each rank's actions in torch's schedule order (stage s on pp rank
+    # pipe.rank_of(s); test_stage_order_is_torchs compares that order with torch's)
+    assert [[a for a in pipe.order if pipe.rank_of(a[0]) == rank] for rank in range(pp)] == sched.rank_actions(schedule, pp, stages, m)
+    assert all(not pending for pending in pipe._deferred.values())   # (zero bubble: every weight part ran, in its "W" or "B" action)
     _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), stages, dp, schedule, m)
     for c in lowered.cost().stages:
         assert c.comm_bytes["dp"] == _ddp_bytes(params, pipe.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1), c.stage
@@ -125,12 +127,17 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
     assert all(prog.plan_count == 1 for prog in pipe._reducers.values())
     act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
     per_mb, wte = BATCH // m // dp * cfg.seq * cfg.dim * 4, cfg.vocab * cfg.dim * 4
+    # stage s on rank s % ranks, or in a V (stages s and 2 ranks - 1 - s on rank s): nothing is
+    # sent between a rank's own stages (the V's turn, and its tied first and last stages)
+    rank = (lambda s: min(s, 2 * ranks - 1 - s)) if schedule in ("zbv", "dualpipev") else (lambda s: s % ranks)  # noqa: E731
+    apart = [s for s in range(pp - 1) if rank(s) != rank(s + 1)]
+    tied = [("tied wte.weight", 0, pp - 1, (cfg.vocab, cfg.dim), wte, 1)] if rank(0) != rank(pp - 1) else []
     want = (
-        [("tied wte.weight", 0, pp - 1, (cfg.vocab, cfg.dim), wte, 1)]
-        + [("activation", s, s + 1, act, per_mb, m) for s in range(pp - 1)]
-        + [("activation gradient", s, s - 1, act, per_mb, m) for s in range(pp - 1, 0, -1)]
-        + [("gradient of tied wte.weight", pp - 1, 0, (cfg.vocab, cfg.dim), wte, 1)]
-        + [("loss", pp - 1, s, (), 4, 1) for s in range(ranks - 1)]   # broadcast to the other pp ranks
+        tied
+        + [("activation", s, s + 1, act, per_mb, m) for s in apart]
+        + [("activation gradient", s + 1, s, act, per_mb, m) for s in reversed(apart)]
+        + [("gradient of tied " + w[0][len("tied "):], w[2], w[1], *w[3:]) for w in tied]
+        + [("loss", pp - 1, r, (), 4, 1) for r in range(ranks) if r != rank(pp - 1)]   # broadcast to the other pp ranks
     )
     assert [(x.what, x.src, x.dst, x.shape, x.bytes, x.count) for x in lowered.sends] == want
     cost = lowered.cost()
@@ -274,6 +281,24 @@ def test_stage_order_is_torchs(schedule, cls, p, m):
     assert in_flight == ([m] * p if schedule == "gpipe" else [min(m, p - s) for s in range(p)])
 
 
+@pytest.mark.parametrize("schedule,p,want", [
+    ("1f1b", 4, [0, 1, 2, 3]),
+    ("interleaved", 2, [0, 1, 0, 1]), ("zb", 3, [0, 1, 2, 0, 1, 2]),   # Megatron's loop: stage s on rank s % p
+    ("zbv", 2, [0, 1, 1, 0]), ("dualpipev", 4, [0, 1, 2, 3, 3, 2, 1, 0]),   # a V: stages s and 2p - 1 - s on rank s
+])
+def test_each_stage_runs_on_its_schedules_rank(sim, schedule, p, want):
+    stages = len(want)
+    model, params = _model(layers=stages)
+    fns, loss_fn, prefixes = pipeline_stages(model, stages)
+    sim(p)
+    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((p,), ("pp",)), microbatches=max(4, stages), schedule=schedule, tied=("wte.weight",))
+    assert [pipe.rank_of(s) for s in range(stages)] == want
+    assert [pipe.meshes[s].devices for s in range(stages)] == [(r,) for r in want]
+    # torch's order runs each stage's forwards and backwards (or input and weight parts) on its rank
+    for rank, acts in enumerate(pipe.actions()):
+        assert {s for s, _, _ in acts} == {s for s, r in enumerate(want) if r == rank}, rank
+
+
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_bubble_is_the_theory(schedule, v, p, m):
@@ -298,6 +323,7 @@ def test_zero_bubble_leaves_the_papers_bubble(v, p, m, forward, backward):
 def test_bad_splits_are_errors_naming_the_key_path(sim):
     model, params = _model(layers=2)
     fns, loss_fn, prefixes = pipeline_stages(model, 2)
+    fns4, loss4, prefixes4 = pipeline_stages(_model(layers=4)[0], 4)
     sim(2)
     mesh = vsf.make_mesh((2,), ("pp",))
 
@@ -315,8 +341,12 @@ def test_bad_splits_are_errors_naming_the_key_path(sim):
         pipe([prefixes[0] + prefixes[1]], tied=())
     with pytest.raises(ValueError, match=r"'blocks\.0\.fc1\.weight' has the spec P\('pp'\)"):
         pipe().place(params, {k: P("pp") if k == "blocks.0.fc1.weight" else P() for k in params})
-    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zbv'; expected one of \['1f1b', 'gpipe', 'interleaved', 'zb'\]"):
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb-h2'; expected one of \['1f1b', 'dualpipev', 'gpipe', 'interleaved', 'zb', 'zbv'\]"):
+        pipe(schedule="zb-h2")
+    with pytest.raises(ValueError, match=r"the zbv schedule runs two stages on each of the 2 pp ranks \(stages s and 3 - s on rank s\): give 4 stages; got 2"):
         pipe(schedule="zbv")
+    with pytest.raises(ValueError, match=r"ScheduleDualPipeV needs at least as many microbatches as stages \(4\); got 2"):
+        vsf.pipeline.Pipeline(fns4, loss4, prefixes4, mesh=mesh, microbatches=2, schedule="dualpipev", tied=("wte.weight",))
     with pytest.raises(ValueError, match=r"the zb schedule runs 2 or more stages on each of the 2 pp ranks"):
         pipe(schedule="zb")
     with pytest.raises(ValueError, match=r"interleaved schedule runs 2 or more stages on each of the 2 pp ranks: give a multiple of 2 stages, at least 4; got 2"):

@@ -1,8 +1,9 @@
 """vsf.pipeline on real gloo processes (tier 3): torch's ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (each backward's weight part deferred
-through torch's dw_builder) run the jitted stages over the pp groups; a GPT trained 3 steps (4
-microbatches, AdamW with clipping by the global norm and weight decay) equals the same steps on one
-device in each process: pp=2 and the interleaved schedules (two stages per rank) on 2 processes,
+ScheduleInterleaved1F1B, and the zero-bubble ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+and ScheduleDualPipeV (each backward's weight part deferred through torch's dw_builder; the last two
+V-shaped, stages s and 3 - s on pp rank s) run the jitted stages over the pp groups; a GPT trained 3
+steps (4 microbatches, AdamW with clipping by the global norm and weight decay) equals the same
+steps on one device in each process: pp=2 and the schedules of two stages per rank on 2 processes,
 pp=2 x dp=2, pp=4, and pp=2 x cp=2 (each sequence split over cp, in the stages and between them)
 on 4. Each run's pipe.lower, made on the processes, reports the sends of a step and the bytes over
 dp or cp (DDP's over dp: the gradients all-reduced once a step; all hand-computed here) and the
@@ -27,17 +28,25 @@ def held(stage, pp):
     return sorted(mine)
 
 
-def sends(n, dp, ranks, cp=1):
+def rank_of(run, s, pp):
+    """The pp rank of stage ``s``: ``s % pp``, or in the V-shaped runs stages ``s`` and ``2pp - 1 - s`` on rank ``s``."""
+    return min(s, 2 * pp - 1 - s) if run in ("zbv", "dualpipev") else s % pp
+
+
+def sends(n, dp, ranks, cp=1, run=""):
     """A step's sends over pp (hand-computed bytes) for ``n`` stages on ``ranks`` pp ranks, each
-    microbatch split over ``dp`` ranks and each sequence over ``cp``."""
+    microbatch split over ``dp`` ranks and each sequence over ``cp``; nothing goes between a rank's
+    own stages (a V's turn, and its first and last stages: the tied wte)."""
     act, wte = [BATCH // M // dp, SEQ // cp, DIM], [VOCAB, DIM]
     b, w = BATCH // M // dp * SEQ // cp * DIM * 4, VOCAB * DIM * 4
+    apart = [s for s in range(n - 1) if rank_of(run, s, ranks) != rank_of(run, s + 1, ranks)]
+    tied = rank_of(run, 0, ranks) != rank_of(run, n - 1, ranks)
     return (
-        [["tied wte.weight", 0, n - 1, wte, w, 1]]
-        + [["activation", s, s + 1, act, b, M] for s in range(n - 1)]
-        + [["activation gradient", s, s - 1, act, b, M] for s in range(n - 1, 0, -1)]
-        + [["gradient of tied wte.weight", n - 1, 0, wte, w, 1]]
-        + [["loss", n - 1, s, [], 4, 1] for s in range(ranks - 1)]   # broadcast to the other pp ranks
+        [["tied wte.weight", 0, n - 1, wte, w, 1]] * tied
+        + [["activation", s, s + 1, act, b, M] for s in apart]
+        + [["activation gradient", s + 1, s, act, b, M] for s in reversed(apart)]
+        + [["gradient of tied wte.weight", n - 1, 0, wte, w, 1]] * tied
+        + [["loss", n - 1, r, [], 4, 1] for r in range(ranks) if r != rank_of(run, n - 1, ranks)]   # broadcast to the other pp ranks
     )
 
 
@@ -56,7 +65,8 @@ def dp_bytes(stage, pp, dp):
 
 
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
-RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "zb": (2, 4, 2), "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
+RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "zb": (2, 4, 2), "zbv": (2, 4, 2), "dualpipev": (2, 4, 2),
+        "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
 CP_RUN, FSDP_RUN = "pp2-cp2", "pp2-fsdp2"   # on 4 processes too, each checked by its own test
 
 
@@ -74,22 +84,23 @@ def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
     assert all(sorted(set(r) - {CP_RUN, FSDP_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
-        dp = 2 * world_dp // pp if name not in ("interleaved", "zb") else 1
+        dp = 2 * world_dp // pp if n == pp else 1   # (two stages a rank: on 2 processes, pp alone)
         for rank, r in enumerate(ranks):
             got, where = r[name], (name, rank)
             assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where
             # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
             # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
             assert got["max_param_err"] <= 1e-5, (where, got["max_param_err"])
-            mine = list(range(rank // dp, n, pp))   # stage s on pp coordinate s % pp
+            mine = [s for s in range(n) if rank_of(name, s, pp) == rank // dp]
             # a rank holds its own stages' params and their Adam state
             assert got["held"] == sorted(k for s in mine for k in held(s, n)), where
             assert got["mu_held"] == got["held"], where
-            assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range((pp - 1) * dp, pp * dp))), where
+            last = rank_of(name, n - 1, pp)
+            assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range(last * dp, (last + 1) * dp))), where
             # pipe.lower on the processes: the sends of a step, this rank's stages' bytes, the plans that ran
-            assert got["sends"] == sends(n, dp, pp), where
+            assert got["sends"] == sends(n, dp, pp, run=name), where
             assert got["stages"] == mine, where
-            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp, pp) if x[1] in mine), where
+            assert got["pp_bytes"] == sum(x[4] * x[5] for x in sends(n, dp, pp, run=name) if x[1] in mine), where
             assert got["dp_bytes"] == [dp_bytes(s, n, dp) for s in mine], where
             assert got["reducer_plans"] == [1] * len(mine), where
             assert got["param_bytes"] == got["memory"] > 0, where

@@ -92,8 +92,7 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
 
 report = {schedule: pipelined(2, dp, schedule) for schedule in ("gpipe", "1f1b")}
 if world == 2:   # two stages on each rank
-    report["interleaved"] = pipelined(2, 1, "interleaved", stages=4)
-    report["zb"] = pipelined(2, 1, "zb", stages=4)
+    report.update({schedule: pipelined(2, 1, schedule, stages=4) for schedule in ("interleaved", "zb", "zbv", "dualpipev")})
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
     report["pp2-cp2"] = pipelined(2, 2, "1f1b", axis="cp")

@@ -10,7 +10,8 @@ Example::
 
 from vsf.pipeline.api import Pipeline, stage_group
 from vsf.pipeline.lower import PipelineCost, PipelineLowered, Send, StageCost
-from vsf.pipeline.schedule import INTERLEAVED, SCHEDULES, bubble, rank_actions, stage_actions
+from vsf.pipeline.schedule import DEFERRED, INTERLEAVED, SCHEDULES, V_SHAPED, bubble, rank_actions, stage_actions, stage_rank
 from vsf.pipeline.split import Split, assign
 
-__all__ = ["INTERLEAVED", "SCHEDULES", "Pipeline", "PipelineCost", "PipelineLowered", "Send", "Split", "StageCost", "assign", "bubble", "rank_actions", "stage_actions", "stage_group"]
+__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Pipeline", "PipelineCost", "PipelineLowered", "Send", "Split", "StageCost", "assign", "bubble",
+           "rank_actions", "stage_actions", "stage_group", "stage_rank"]

@@ -25,19 +25,22 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   ``reshard_after_backward`` off until the last microbatch): one all-gather and one reduce-scatter
   a step, for the memory of the stage's gathered params. ``reshard_after_forward=True`` gathers them
   in each microbatch's programs instead (``m`` times the all-gathers, a microbatch's memory).
-* ``schedule`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb"``: torch's ``ScheduleGPipe`` /
-  ``Schedule1F1B`` (one stage per ``pp`` rank) / ``ScheduleInterleaved1F1B`` /
-  ``ScheduleInterleavedZeroBubble`` (``v >= 2`` stages per rank: give ``v * p`` stage functions;
-  stage ``s`` lives on pp coordinate ``s % p``) over the ``pp`` process groups on real processes;
-  the same order played in one process under ``vsf.simulate``. Under ``"zb"`` a stage program's
-  backward is cut in two (``vsf.jit``'s ``deferred_grad_argnums``): its input part, which the
-  previous stage waits for, and its params' part, which torch runs later (``dw_builder``) to
-  fill the bubble; the cut computes nothing twice.
+* ``schedule`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"``, ``"zbv"`` or
+  ``"dualpipev"``: torch's ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per ``pp`` rank) /
+  ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` (``v >= 2`` stages per rank: give
+  ``v * p`` stage functions; stage ``s`` lives on pp coordinate ``s % p``) / ``ScheduleZBVZeroBubble``
+  / ``ScheduleDualPipeV`` (two stages per rank in a V: give ``2p`` stage functions; stages ``s`` and
+  ``2p - 1 - s`` live on coordinate ``s``, so the first and the last stage share rank 0) over the
+  ``pp`` process groups on real processes; the same order played in one process under
+  ``vsf.simulate``. Under the zero-bubble ones (``"zb"``, ``"zbv"``, ``"dualpipev"``) a stage
+  program's backward is cut in two (``vsf.jit``'s ``deferred_grad_argnums``): its input part,
+  which the previous stage waits for, and its params' part, which torch runs later
+  (``dw_builder``) to fill the bubble, or at once for a full backward; the cut computes nothing twice.
 * The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets)``
   stands where ``vsf.value_and_grad(loss)(params, batch)`` stood, and the optimizer update that
   follows is the usual ``tx.update`` / ``apply_updates``, applied where each param lives.
   ``params`` is the model's own tree; each leaf is a DTensor on the mesh of the stage that owns
-  it (``mesh.at("pp", s)``: ``vsf.NamedSharding`` and ``typeof`` show its ranks), laid out by the
+  it (``mesh.at("pp", pipe.rank_of(s))``: ``vsf.NamedSharding`` and ``typeof`` show its ranks), laid out by the
   specs of the other axes (dp, fsdp, tp apply inside each stage). Under ``torchrun`` a rank holds
   only its own stage's leaves; the others are ``None`` there (an empty subtree, so ``tx.init``,
   ``tx.update`` and ``apply_updates`` work unchanged, and the optimizer state of a stage lives
@@ -124,7 +127,7 @@ class Pipeline:
         self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
         self.batch, self.reshard_after_forward = batch, reshard_after_forward
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
-        self.meshes = [mesh.at(axis, s % mesh.axis_size(axis)) for s in range(len(stages))]   # stage s on pp rank s % p
+        self.meshes = [mesh.at(axis, self.rank_of(s)) for s in range(len(stages))]
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
         self.split: Split | None = None
         self._shapes: dict[str, ShapeDtypeStruct] = {}
@@ -132,7 +135,7 @@ class Pipeline:
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
         self._reducers: dict[int, Any] = {}
         self._gathers: dict[int, Any] = {}
-        self._deferred: dict[int, list[Callable[[], None]]] = {}   # stage -> its backwards' weight parts not yet run (schedule "zb")
+        self._deferred: dict[int, list[Callable[[], None]]] = {}   # stage -> its backwards' weight parts not yet run (a zero-bubble schedule)
         self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
         if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
             _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
@@ -141,11 +144,15 @@ class Pipeline:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def rank_of(self, stage: int) -> int:
+        """The ``pp`` coordinate holding ``stage`` (:func:`vsf.pipeline.schedule.stage_rank`: ``s % p``,
+        or for a V-shaped schedule stages ``s`` and ``2p - 1 - s`` on coordinate ``s``)."""
+        return sched.stage_rank(self.schedule, stage, self.mesh.axis_size(self.axis))
+
     def local_stages(self) -> list[int]:
         """The stages this process computes: all of them under ``vsf.simulate`` (and with one
-        stage), else those at this rank's ``pp`` coordinate (stage ``s`` on coordinate ``s % p``)."""
-        p = self.mesh.axis_size(self.axis)
-        return list(range(self.num_stages)) if self._in_one_process() else list(range(self.here, self.num_stages, p))
+        stage), else those at this rank's ``pp`` coordinate (:meth:`rank_of`)."""
+        return [s for s in range(self.num_stages) if self._in_one_process() or self.rank_of(s) == self.here]
 
     def actions(self) -> list[list[sched.Step]]:
         """Each pp rank's ``(stage, "F" | "B", microbatch)`` in the schedule's order (see
@@ -277,17 +284,18 @@ class Pipeline:
         other pp ranks."""
         m, last, p = self.microbatches, self.num_stages - 1, self.mesh.axis_size(self.axis)
         out = []
-        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:] if self.split.owner[k] % p != b % p]   # (not between a rank's own stages)
+        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:] if self.rank_of(self.split.owner[k]) != self.rank_of(b)]   # (not between a rank's own stages)
         shard = lambda k, b: self._where(k, b)[0].shard_shape(self._shapes[k].shape)  # noqa: E731
         out += [send(f"tied {k}", owner, b, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
-        for s in range(last):
+        apart = [s for s in range(last) if self.rank_of(s) != self.rank_of(s + 1)]   # (a V's turn stays on its rank)
+        for s in apart:
             (where, shape), dtype = bounds[s][1], bounds[s][2]
             out.append(send("activation", s, s + 1, where.shard_shape(shape), dtype, m))
-        for s in range(last, 0, -1):
-            (where, shape), dtype = bounds[s - 1][1], bounds[s - 1][2]
-            out.append(send("activation gradient", s, s - 1, where.shard_shape(shape), dtype, m))
+        for s in reversed(apart):
+            (where, shape), dtype = bounds[s][1], bounds[s][2]
+            out.append(send("activation gradient", s + 1, s, where.shard_shape(shape), dtype, m))
         out += [send(f"gradient of tied {k}", b, owner, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
-        out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != last % p]   # (to each other pp rank, its first stage)
+        out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != self.rank_of(last)]   # (to each other pp rank, its first stage)
         return out
 
     def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:
@@ -360,7 +368,7 @@ class Pipeline:
         with other shapes re-plans inside it, as any jitted function does)."""
         key = (s, out)
         if key not in self._programs:
-            sink = self._deferred.setdefault(s, []).append if self.schedule == "zb" else None
+            sink = self._deferred.setdefault(s, []).append if self.schedule in sched.DEFERRED else None
             self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes, on_deferred_grads=sink)
         return self._programs[key]
 
@@ -434,7 +442,7 @@ class Pipeline:
 
     def _peer(self, stage: int) -> int:
         """The global rank at pp coordinate ``stage`` and this rank's other coordinates."""
-        return self.meshes[stage].devices[self.meshes[self.here].devices.index(runtime.rank())]
+        return self.meshes[stage].devices[self.mesh.at(self.axis, self.here).devices.index(runtime.rank())]
 
     # -- results ----------------------------------------------------------------------------------
 

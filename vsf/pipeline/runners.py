@@ -26,7 +26,8 @@ def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], 
     """The schedule ``actions`` (each pp rank's, see :func:`~vsf.pipeline.schedule.rank_actions`)
     played in this process, every stage in ``mods``: the losses and the order the steps ran in.
     ``deferred[s]``: where stage ``s``'s program leaves its backwards' weight parts (a zero-bubble
-    schedule: an ``"I"`` action's backward leaves one, its ``"W"`` action runs it).
+    schedule: an ``"I"`` action's backward leaves one, its ``"W"`` action runs it, a ``"B"`` action
+    runs its own at once).
 
     Example::
 
@@ -60,6 +61,8 @@ def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], 
             grads_in[(s - 1, mb)] = x[0].grad
         if kind == "I":
             weights[(s, mb)] = deferred[s].pop(0)
+        elif deferred.get(s):   # a full backward under a zero-bubble schedule: its weight part now
+            deferred[s].pop(0)()
 
     order = sched.run_in_order(actions, run)
     return [losses[mb] for mb in sorted(losses)], order
@@ -87,7 +90,7 @@ def run_torch(mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: li
     for s, mod in sorted(mods.items()):
         example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
         example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
-        weight_part = (lambda s=s: deferred[s].pop(0)) if schedule == "zb" else None
+        weight_part = (lambda s=s: deferred[s].pop(0)) if schedule in sched.DEFERRED else None
         stages.append(PipelineStage(mod, s, num_stages, device, input_args=example_in, output_args=example_out, group=group, dw_builder=weight_part))
     # every rank passes the loss (torch runs backward only where the schedule has one); only
     # the last stage calls it

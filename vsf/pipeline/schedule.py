@@ -2,9 +2,13 @@
 in-order runner that plays them in one process.
 
 On real processes the schedules are ``torch.distributed.pipelining``'s (``ScheduleGPipe``,
-``Schedule1F1B``, ``ScheduleInterleaved1F1B``); :data:`SCHEDULES` names them. GPipe and 1F1B run
-one stage per ``pp`` rank; the interleaved schedule runs ``v >= 2`` stages per rank (virtual
-stages: stage ``s`` on rank ``s % p``, Megatron's layout), which cuts the bubble by about ``v``.
+``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``); :data:`SCHEDULES` names them. GPipe and 1F1B
+run one stage per ``pp`` rank; the interleaved schedules run ``v >= 2`` stages per rank (virtual
+stages: stage ``s`` on rank ``s % p``, Megatron's layout), which cuts the bubble by about ``v``;
+the V-shaped ones (ZB-V, DeepSeek's DualPipe-V) run two, stages ``s`` and ``2p - 1 - s`` on rank
+``s`` (:func:`stage_rank`). The zero-bubble schedules (:data:`DEFERRED`) run a backward's input
+part (``"I"``) and its weight part (``"W"``) apart, the weight parts filling the bubble.
 Under ``vsf.simulate`` one process holds every stage, and :func:`run_in_order` plays each rank's
 actions in the order that schedule gives them (:func:`rank_actions`, the same order as torch's
 own runtime), running an action as soon as what it needs is there: a forward needs the previous
@@ -26,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from vsf import _compat
 
-__all__ = ["SCHEDULES", "Action", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions"]
+__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Action", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions", "stage_rank"]
 
 
 
@@ -34,7 +38,8 @@ class _Schedules(Mapping):
     """``{name: torch.distributed.pipelining schedule class}``, importing torch's pipelining (and
     with it torch._dynamo, about 0.6 s of every process's start) only when a class is looked up."""
 
-    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble"}
+    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble",
+                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
     def __getitem__(self, name: str) -> type:
         return getattr(importlib.import_module("torch.distributed.pipelining"), self._CLASSES[name])
@@ -52,7 +57,22 @@ class _Schedules(Mapping):
 SCHEDULES = _Schedules()
 Action = tuple[str, int]   # ("F" | "B", microbatch)
 Step = tuple[int, str, int]   # (stage, "F" | "B" | "I" | "W", microbatch): a forward, a backward, or its input and weight parts
-INTERLEAVED = ("interleaved", "zb")   # the schedules running several stages on a rank
+INTERLEAVED = ("interleaved", "zb", "zbv", "dualpipev")   # the schedules running several stages on a rank
+V_SHAPED = ("zbv", "dualpipev")   # two stages a rank, stage s and 2p - 1 - s on rank s
+DEFERRED = ("zb", "zbv", "dualpipev")   # the schedules running a backward's weight part apart ("I", then "W")
+
+
+def stage_rank(schedule: str, stage: int, ranks: int) -> int:
+    """The pp rank running ``stage`` under ``schedule``: stage ``s`` on rank ``s % ranks`` (one
+    stage a rank, or Megatron's interleaved loop), and for the V-shaped schedules stage ``s`` and
+    stage ``2 ranks - 1 - s`` on rank ``s`` (the first and last stages on rank 0).
+
+    Example::
+
+        >>> [stage_rank("zbv", s, 2) for s in range(4)], [stage_rank("interleaved", s, 2) for s in range(4)]
+        ([0, 1, 1, 0], [0, 1, 0, 1])
+    """
+    return min(stage, 2 * ranks - 1 - stage) if schedule in V_SHAPED else stage % ranks
 
 
 def check_schedule(name: str) -> str:
@@ -70,10 +90,14 @@ def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis
         if stages != ranks:
             raise ValueError(f"the mesh's {axis} axis has size {ranks} but the pipeline has {stages} stages; they must be equal ({schedule} runs one stage per {axis} rank)")
         return 1
+    if schedule in V_SHAPED and stages != 2 * ranks:
+        raise ValueError(f"the {schedule} schedule runs two stages on each of the {ranks} {axis} ranks (stages s and {2 * ranks - 1} - s on rank s): give {2 * ranks} stages; got {stages}")
+    if schedule == "dualpipev" and microbatches < stages:
+        raise ValueError(f"torch's ScheduleDualPipeV needs at least as many microbatches as stages ({stages}); got {microbatches}")
     if stages % ranks or stages < 2 * ranks:
         raise ValueError(f"the {schedule} schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}")
     rounds = max(1, microbatches // ranks)
-    if microbatches % rounds:
+    if schedule not in V_SHAPED and microbatches % rounds:
         raise ValueError(f"torch's {SCHEDULES._CLASSES[schedule]} needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}")
     return stages // ranks
 
@@ -81,9 +105,10 @@ def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis
 def rank_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> list[list[Step]]:
     """Each pp rank's forwards and backwards as ``(stage, "F" | "B", microbatch)``, in the order it
     runs them: :func:`stage_actions` for GPipe and 1F1B (stage ``s`` on rank ``s``), torch's own
-    order for ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (stage ``s`` on rank
-    ``s % ranks``; the zero-bubble one splits each backward into its input part ``"I"``, which the
-    previous stage waits for, and its weight part ``"W"``, run later to fill the bubble)."""
+    order for the others (each stage on its :func:`stage_rank`; a zero-bubble one splits a
+    backward into its input part ``"I"``, which the previous stage waits for, and its weight part
+    ``"W"``, run later to fill the bubble; DualPipe-V's overlapped forward-and-backward pairs are
+    its two actions, in its order)."""
     schedule = check_schedule(schedule)
     if schedule in INTERLEAVED:
         return _compat.interleaved_order(SCHEDULES[schedule], check_stages(schedule, stages, ranks, microbatches), ranks, microbatches)

@@ -441,7 +441,7 @@ class Pipeline:
         return NamedSharding(self.meshes[stage], self._specs[k]), self._shapes[k].shape
 
     def _peer(self, stage: int) -> int:
-        """The global rank at pp coordinate ``stage`` and this rank's other coordinates."""
+        """The global rank of ``stage``'s mesh (at its pp coordinate, :meth:`rank_of`) at this rank's other coordinates."""
         return self.meshes[stage].devices[self.mesh.at(self.axis, self.here).devices.index(runtime.rank())]
 
     # -- results ----------------------------------------------------------------------------------

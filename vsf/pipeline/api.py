@@ -138,7 +138,7 @@ class Pipeline:
         self._deferred: dict[int, list[Callable[[], None]]] = {}   # stage -> its backwards' weight parts not yet run (a zero-bubble schedule)
         self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
         if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
-            _STAGE_GROUPS[id(self.meshes[self.here].device_mesh)] = mesh.device_mesh.get_group(axis)
+            _STAGE_GROUPS[id(mesh.at(axis, self.here).device_mesh)] = mesh.device_mesh.get_group(axis)
 
     @property
     def num_stages(self) -> int:
@@ -477,7 +477,7 @@ class Pipeline:
         if self._in_one_process():
             total = sum(parts[1:], parts[0]) / len(parts)
             return as_global(total, (NamedSharding(self.meshes[last], PartitionSpec()), ()))
-        here = NamedSharding(self.meshes[self.here], PartitionSpec())
+        here = NamedSharding(self.mesh.at(self.axis, self.here), PartitionSpec())
         value = (sum(parts[1:], parts[0]) / len(parts)).detach() if last in self.local_stages() else torch.zeros(())
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))

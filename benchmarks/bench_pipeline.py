@@ -342,7 +342,7 @@ def bench(pp: int, quick: bool) -> list[dict]:
         })
         rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
         if _stages(schedule, pp) > pp and ("1f1b", m) in spans:   # (the same work a rank: the span is the busy time over 1 - idle)
-            theory = (1 - bubble(rank_actions("1f1b", pp, pp, m))[0]) / (1 - statistics.mean(bubble(rank_actions(schedule, pp, 2 * pp, m))))
+            theory = (1 - bubble(rank_actions("1f1b", pp, pp, m))[0]) / (1 - statistics.mean(bubble(rank_actions(schedule, pp, _stages(schedule, pp), m))))
             rows.append({"name": f"{schedule.upper()}'s span (2 stages a rank) vs 1F1B's, m={m}, {where}", "vsf": span, "ref": spans["1f1b", m], "unit": "s",
                          "ratio": span / spans["1f1b", m], "target": f"- (theory {theory:.3f} with equal work)", "met": None})
     mem = r["memory"]

@@ -327,8 +327,12 @@ def _pipeline_summary(rep: Reporter, args: argparse.Namespace, result: Result, p
     its weight part, under zb, one)."""
     idle = vsf.pipeline.bubble(pipe.actions())
     v, p, m = pipe.stages_per_rank, args.pp, args.microbatches
-    theory = {"zb": f"theory: ZB-H1's (p-1)/(3vm+p-1) = {(p - 1) / (3 * v * m + p - 1):.1%}", "zbv": "replayed from torch's order", "dualpipev": "replayed from torch's order"}.get(
-        args.schedule, f"theory: (p-1)/({'v' if v > 1 else ''}m+p-1) = {(p - 1) / (v * m + p - 1):.1%}")
+    if args.schedule in vsf.pipeline.V_SHAPED:
+        theory = "replayed from torch's order"
+    elif args.schedule == "zb":
+        theory = f"theory: ZB-H1's (p-1)/(3vm+p-1) = {(p - 1) / (3 * v * m + p - 1):.1%}"
+    else:
+        theory = f"theory: (p-1)/({'v' if v > 1 else ''}m+p-1) = {(p - 1) / (v * m + p - 1):.1%}"
     for r in range(args.pp):
         ranks = pipe.meshes[r].devices
         held = max(result.memory.get(k, 0) for k in ranks)

@@ -573,6 +573,9 @@ PINNED = {
     ),
     # DTensor's argmax handler takes plain shards only: it raised NotImplementedError on a strided one
     "argmax across a strided shard": ((2, 2), lambda rng: Case(lambda x: aten.argmax.default(x, 1, False), [_data(rng, (4, 3))]), [P(("tp", "dp"))], None),
+    # a bucketed all-gather read a one-element-a-rank member (layer norm's mean) back as a strided
+    # view of the buffer, which CPU layer-norm backward reads as a contiguous block: a wrong weight gradient
+    "layer norm backward of a gathered mean": ((4,), lambda rng: layer_norm_backward_case(rng, (4, 4), 1), [P(), P(), P("dp", None), P(), P(), P("dp")], None),
 }
 
 

@@ -149,7 +149,9 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
         src = tuple(Shard(0) if j == k else Replicate() for j in range(nd))
         out = _compat.redistribute_local(flat, dm, src, replicated, shape=(n * flat.numel(),), stride=(1,), dtype=flat.dtype)
         rows = out.view(n, -1).split([p.numel() for p in pieces], dim=1)
-        return [_unstack(row.reshape(n, *p.shape), r.src[k].dim) for r, p, row in zip(b.members, pieces, rows)]
+        # (reshape keeps a view where it can: a member of one element a rank is a strided view of
+        # the buffer, which kernels such as CPU layer-norm backward read as a contiguous block)
+        return [_unstack(row.reshape(n, *p.shape), r.src[k].dim).contiguous() for r, p, row in zip(b.members, pieces, rows)]
     chunks = [_stack(p, r.dst[k].dim, n).reshape(n, -1) for r, p in zip(b.members, pieces)]
     flat = torch.cat(chunks, dim=1).reshape(-1)
     src = tuple(Partial() if j == k else Replicate() for j in range(nd))

@@ -34,6 +34,13 @@ stage's work per microbatch is the same for every ``m``.
   input (the bubble, and a neighbour computing slower). ``pipelined step vs schedule span``: the whole
   ``value_and_grad`` (it also builds the stages, lends the tied embedding, sums its gradient and
   broadcasts the loss).
+* **Against torch's own pipelining.** For GPipe and 1F1B at m = 4 and 8, each rank also runs its
+  stage the way a user without vsf would: the same stage function over plain tensors in an
+  ``nn.Module`` (its own copy of the params; the output layer not tied to the embedding) on
+  torch's ``PipelineStage`` and the same schedule class, timed the same way, each repetition next
+  to one of vsf's. Its idle fraction against vsf's says what vsf adds to the bubble (its stage
+  programs, DTensor wrapping, the loss program); against the theory, what torch's schedules over
+  gloo reach on this machine at all.
 * **Peak activation memory per stage.** While one step runs, ``torch.autograd.graph.
   saved_tensors_hooks`` count the bytes of the tensors autograd saves for the backward (the stage
   programs save theirs with ``save_for_backward``), each storage once, params' storages excluded,
@@ -45,7 +52,9 @@ stage's work per microbatch is the same for every ``m``.
   ``PipelineStage`` allocates the receive buffers of all ``m`` microbatches up front (one
   activation and one gradient each), and the stage outputs it keeps until their backward.
 
-The machine has 2 cores shared with other work: 4 processes oversubscribe them, so a stage whose
+Each worker has glibc's malloc keep the memory a step frees (:func:`_keep_freed_memory`), as a
+caching allocator would: otherwise the configuration timed first faults its heap back in every
+step. The machine has 2 cores shared with other work: 4 processes oversubscribe them, so a stage whose
 neighbours compute at the same time computes slower (in 1F1B's steady state every stage computes
 at once), which stretches ``busy`` and shrinks the measured idle fraction. ``pp=2`` on 2
 processes is run too (not with ``--quick``).
@@ -72,6 +81,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("interleaved", 4), ("interleaved", 8), ("zb", 4), ("zb", 8),
          ("zbv", 4), ("zbv", 8), ("dualpipev", 8))
 MEMORY = (("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("gpipe", 4), ("gpipe", 8), ("gpipe", 16))
+PLAIN = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))   # also run as plain torch stages (:func:`_plain_step`)
 
 
 def _config(quick: bool):
@@ -216,6 +226,7 @@ def _worker(out: str, quick: bool) -> None:
     from gpt import GPT, batch_at, pipeline_stages
 
     torch.set_num_threads(1)
+    _keep_freed_memory()
     pp = int(os.environ["WORLD_SIZE"])
     mesh = vsf.make_mesh((pp,), ("pp",))
     rank = dist.get_rank()
@@ -234,18 +245,15 @@ def _worker(out: str, quick: bool) -> None:
         step()   # plans the stage programs
         key = f"{schedule},{m}"
         if (schedule, m) in TIMED:
-            rows = []
-            for _ in range(repeats):
-                clock = _Clock()
-                dist.barrier()
-                t0 = time.monotonic()
-                with _timing(clock):
-                    step()
-                whole = time.monotonic() - t0
-                gathered = [None] * pp
-                dist.all_gather_object(gathered, (clock.actions, clock.enter, clock.leave, whole))
-                rows.append(gathered)
-            result["timed"][key] = rows
+            runs = {key: step}
+            if (schedule, m) in PLAIN:
+                runs[f"plain,{key}"] = _plain_step(fns[rank], loss_fn, {k: v for k, v in params.items() if k.startswith(tuple(prefixes[rank]))},
+                                                   cfg.dim, schedule, m, batch)
+            for run in [*runs.values()] * 2:   # (warm: the plans made, the heap grown)
+                run()
+            for _ in range(repeats):   # (each repetition of vsf's step next to one of the plain step's: the same load on both)
+                for name, run in runs.items():
+                    result["timed"].setdefault(name, []).append(_timed(run, pp))
         if (schedule, m) in MEMORY:
             dist.barrier()
             result["memory"][key] = _saved_bytes(step)
@@ -254,6 +262,72 @@ def _worker(out: str, quick: bool) -> None:
     if rank == 0:
         result["memory"] = gathered
         Path(out).write_text(json.dumps(result))
+
+
+def _keep_freed_memory() -> None:
+    """Have glibc's malloc keep the memory a step frees for the next step, as a caching allocator
+    (CUDA's, jemalloc, tcmalloc) does. By default it hands a freed heap top back to the OS, and
+    whichever schedule ran first here faulted 7,000-25,000 fresh pages back in every step (pp=2,
+    1F1B, m=8: a 0.818 s span against 0.725 s for the plain stages timed beside it, and 0.748 s
+    against 0.737 s with this), so the order of the configurations decided the figures."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):   # glibc: M_TRIM_THRESHOLD never reached; M_MMAP_THRESHOLD fixed at its most (no dynamic change)
+        libc.mallopt(-1, 2**31 - 1)
+        libc.mallopt(-3, 32 * 2**20)
+
+
+def _timed(step: Callable[[], None], pp: int) -> list:
+    """One run of ``step`` with every rank's actions timed (:class:`_Clock`), gathered from all
+    ranks: ``[(actions, entered step, left step, whole call)]`` by rank."""
+    import torch.distributed as dist
+
+    clock = _Clock()
+    dist.barrier()
+    t0 = time.monotonic()
+    with _timing(clock):
+        step()
+    whole = time.monotonic() - t0
+    gathered = [None] * pp
+    dist.all_gather_object(gathered, (clock.actions, clock.enter, clock.leave, whole))
+    return gathered
+
+
+def _plain_step(fn: Callable, loss_fn: Callable, params: dict, dim: int, schedule: str, m: int, batch: tuple) -> Callable[[], None]:
+    """What a user would write without vsf: this rank's stage function over plain tensors (its own
+    copy of the stage's params: the last stage's output layer is not tied to the first stage's
+    embedding) in an ``nn.Module``, on torch's ``PipelineStage`` and the same schedule class,
+    over the world group (``dim``: the activations' width); a call runs one step (the gradients
+    accumulate, as vsf's do)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from vsf.pipeline.schedule import SCHEDULES
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names = list(params)
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(v.detach().clone()) for v in params.values())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fn(dict(zip(self.names, self.weights)), x)
+
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    idx, targets = batch
+    one = idx.shape[0] // m
+    x = idx[:one] if rank == 0 else torch.zeros(one, idx.shape[1], dim, requires_grad=True)   # (the shapes it receives and sends)
+    with torch.no_grad():
+        example_out = torch.empty_like(fn(dict(params), x)).requires_grad_(True)
+    stage = PipelineStage(Stage(), rank, pp, torch.device("cpu"), input_args=(x,), output_args=example_out, group=dist.group.WORLD)
+    runner = SCHEDULES[schedule](stage, m, loss_fn=loss_fn, scale_grads=False)
+    if rank == 0:
+        return lambda: runner.step(idx)
+    if rank == pp - 1:
+        return lambda: runner.step(target=targets, losses=[])
+    return lambda: runner.step()
 
 
 def _stages(schedule: str, pp: int) -> int:
@@ -341,6 +415,19 @@ def bench(pp: int, quick: bool) -> list[dict]:
             "vsf": statistics.mean(excess), "ref": statistics.mean(idle), "unit": "%", "ratio": statistics.mean(excess) / statistics.mean(idle), "target": "-", "met": None,
         })
         rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
+        if f"plain,{schedule},{m}" in r["timed"]:
+            plain_idle, _, _, plain_span, _ = _idle(r["timed"][f"plain,{schedule},{m}"])
+            versus = f"vs torch's own pipelining of the same stage functions on plain tensors, {schedule.upper()}, m={m}, {where}"
+            rows.append({
+                "name": f"idle fraction (plain torch, stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in plain_idle)}) {versus}",
+                "vsf": statistics.mean(idle), "ref": statistics.mean(plain_idle), "unit": "%", "ratio": statistics.mean(idle) / statistics.mean(plain_idle),
+                "target": "<= 1.1", "met": statistics.mean(idle) <= 1.1 * statistics.mean(plain_idle),
+            })
+            rows.append({
+                "name": f"plain torch's idle fraction vs the theory (what torch's schedule over gloo reaches here; ratios {'/'.join(f'{a / b:.2f}' for a, b in zip(plain_idle, theory))}), {schedule.upper()}, m={m}, {where}",
+                "vsf": statistics.mean(plain_idle), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(plain_idle) / statistics.mean(theory), "target": "-", "met": None,
+            })
+            rows.append({"name": f"the schedule's span {versus}", "vsf": span, "ref": plain_span, "unit": "s", "ratio": span / plain_span, "target": "-", "met": None})
         if _stages(schedule, pp) > pp and ("1f1b", m) in spans:   # (the same work a rank: the span is the busy time over 1 - idle)
             theory = (1 - bubble(rank_actions("1f1b", pp, pp, m))[0]) / (1 - statistics.mean(bubble(rank_actions(schedule, pp, _stages(schedule, pp), m))))
             rows.append({"name": f"{schedule.upper()}'s span (2 stages a rank) vs 1F1B's, m={m}, {where}", "vsf": span, "ref": spans["1f1b", m], "unit": "s",

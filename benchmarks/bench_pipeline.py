@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("interleaved", 4), ("interleaved", 8), ("zb", 4), ("zb", 8),
          ("zbv", 4), ("zbv", 8), ("dualpipev", 8))
 MEMORY = (("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("gpipe", 4), ("gpipe", 8), ("gpipe", 16))
-PLAIN = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))   # also run as plain torch stages (:func:`_plain_step`)
+PLAIN = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))   # also run as plain torch stages (:func:`_plain_step`; one stage a rank)
 
 
 def _config(quick: bool):

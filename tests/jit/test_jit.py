@@ -367,6 +367,20 @@ def test_with_sharding_constraint_pins_an_intermediate(sim):
     torch.testing.assert_close(vsf.device_get(out), (vsf.device_get(x) @ vsf.device_get(w1)).sum(0))
 
 
+def test_a_constant_of_a_program_on_part_of_the_ranks_is_on_every_simulated_rank(sim):
+    """A tensor the function closes over (a module buffer, such as Llama's rotary frequencies) is a
+    constant of its program; under vsf.simulate every simulated rank runs every op, a program on
+    a sub-mesh (a pipeline stage's) too, so the constant must be there on each: made for the
+    sub-mesh's ranks alone, the first op that read it failed."""
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("pp", "dp"))
+    freqs = torch.tensor([1.0, 0.1, 0.01])
+    x = torch.randn(4, 3)
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh.at("pp", 1), P("dp")))
+    out = vsf.jit(lambda x: torch.sin(x * freqs))(xs)
+    torch.testing.assert_close(vsf.device_get(out), torch.sin(x * freqs))
+
+
 def test_plan_text_lists_ops_shardings_and_collectives(sim):
     lowered, _, _ = megatron_mlp(sim, input_grad=False)
     text = lowered.as_text()

@@ -28,16 +28,19 @@ from vsf.jit import context_parallel, manual
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
 from vsf.jit.plan import Bucket, Placements, Plan, Redistribution, as_contiguous
 from vsf.jit.redistribute import move_local, transition_path
+from vsf.ops.backend import local_ranks
 
 __all__ = ["compile_local", "execute"]
 
 aten = torch.ops.aten
 
 
-def _replicated(t: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """A value every rank holds whole, as a local tensor of this run (one per simulated rank)."""
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    """A value every rank holds whole, as a local tensor of this run: one per simulated rank, every
+    rank of the simulation (each computes every op, a program on a sub-mesh's too, such as a
+    pipeline stage's: a copy for the plan's ranks alone failed the first op it met)."""
     if _compat.active_local_mode() is not None and not _compat.is_local_tensor(t):
-        return _compat.make_local({r: t for r in plan.mesh.devices})
+        return _compat.make_local(dict.fromkeys(local_ranks(), t))
     return t
 
 
@@ -89,13 +92,13 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
 
         args, kwargs = _compat.torch_tree_map(arg, (node.args, node.kwargs))
         if node.op == "get_attr":
-            out: Any = _replicated(getattr(gm, node.target), plan)
+            out: Any = _replicated(getattr(gm, node.target))
         elif step.op.kind == "constraint":
             out = args[0]
         elif step.op.kind == "manual":
             out = manual.run(node, args)
         elif step.op.kind == "constant":
-            out = _compat.torch_tree_map(lambda t: _replicated(t, plan) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
+            out = _compat.torch_tree_map(lambda t: _replicated(t) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
         elif split_queries:
             out = context_parallel.run(plan.mesh, node, args, kwargs, step.ins)
         elif as_dtensor:

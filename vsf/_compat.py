@@ -54,6 +54,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
@@ -327,6 +328,13 @@ def torch_tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
 def fake_mode() -> FakeTensorMode:
     """A fake tensor mode (shapes and dtypes, no memory) that also accepts real inputs."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def trace_fake(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """``make_fx(fn, tracing_mode="fake")(*inputs)``, except that a real tensor an op meets (a
+    constant the traced code closes over, such as a module buffer) becomes a constant of the graph
+    instead of an error."""
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
 
 
 def is_fake(t: torch.Tensor) -> bool:

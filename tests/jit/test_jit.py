@@ -632,3 +632,12 @@ def test_a_partial_manual_region_and_a_ragged_all_to_all_run_on_real_processes(r
         assert r["partial_collectives_in_program"] == r["partial_planned_collectives"]
         assert r["dispatch_loss_err"] < 1e-4 and r["dispatch_grad_err"] < 1e-6
         assert r["dispatch_collectives_in_program"] == r["dispatch_planned_collectives"]
+
+
+@pytest.mark.world("jit_step.py")
+@pytest.mark.multiprocess
+def test_a_constant_the_function_closes_over_runs_on_real_processes(ranks):
+    # the traced program keeps it as a constant (tracing the local program met it as a real
+    # tensor among fake ones and stopped); value and gradient equal the unsharded math
+    for r in ranks:
+        assert r["constant_err"] < 1e-5 and r["constant_grad_err"] < 1e-6

@@ -1,7 +1,8 @@
 """The conformance zoo: models no one here wrote (Hugging Face ``transformers`` families from tiny
 random configs, default attention and ``use_cache``), each trained a few steps through
 ``vsf.jit`` (``value_and_grad`` + ``adamw`` + ``apply_updates``) on simulated ranks in every layout,
-against the same model trained by plain PyTorch (``torch.optim.AdamW``) on one device."""
+and three of them on 4 real gloo processes (dp x tp), against the same model trained by plain
+PyTorch (``torch.optim.AdamW``) on one device."""
 
 from __future__ import annotations
 
@@ -63,19 +64,13 @@ def test_trains_like_torch_on_one_device(sim, name, layout):
     want_losses, want_params = _oracle(name)
     model, batches = zoo.built(family)
     params = vsf.tree.from_module(model)
-    tx = optim.adamw(zoo.LR, b1=zoo.BETAS[0], b2=zoo.BETAS[1], eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
-
-    def train_step(params, opt_state, batch):
-        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, **batch).loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state, loss
-
+    tx = zoo.adamw()
     shape, axes, kind, batch_spec = LAYOUTS[layout]
     sim(int(torch.tensor(shape).prod()))
     mesh = vsf.make_mesh(shape, axes)
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, _specs(params, kind, family)))
     s = optim.init_sharded(tx, p)
-    step = vsf.jit(train_step)
+    step = vsf.jit(zoo.train_step(model, tx))
     losses = []
     for batch in batches:
         p, s, loss = step(p, s, vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec)))
@@ -86,3 +81,21 @@ def test_trains_like_torch_on_one_device(sim, name, layout):
     assert got.keys() == want_params.keys()
     for k, want in want_params.items():
         torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {layout} {k}: {m}")
+
+
+REAL = ["llama", "bert", "t5"]   # rotary tables, position and token-type buffers, relative position buckets
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", REAL)
+@pytest.mark.world("zoo_jit.py", "llama")
+@pytest.mark.world("zoo_jit.py", "bert")
+@pytest.mark.world("zoo_jit.py", "t5")
+def test_trains_like_torch_on_one_device_on_real_processes(world, name):
+    """The traced local program a real run executes (tests/workers/zoo_jit.py: dp x tp on 4 gloo
+    processes, Megatron rules) with each model's buffers and constants in it: a model whose code
+    reads a buffer (Llama's rotary frequencies) could not be traced before."""
+    for r in world("zoo_jit.py", name):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
+        assert r["plan_count"] == 1
+        assert r["not_close"] == [], r["max_param_err"]

@@ -1,6 +1,7 @@
 """The conformance zoo's models: tiny Hugging Face ``transformers`` families built from configs in
 code (random weights, no hub access), each with its default attention implementation and
-``use_cache``, its batches, and its Megatron tensor-parallel rules (all in this one place)."""
+``use_cache``, its batches, its Megatron tensor-parallel rules, and for GPT-2 and Llama the stage
+functions that cut it into two pipeline stages (all in this one place)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.func import functional_call
 
-from vsf import P
+import vsf
+from vsf import P, optim
 
 VOCAB, SEQ, BATCH, HIDDEN, LAYERS, HEADS, FFN = 96, 16, 4, 32, 2, 4, 64
 STEPS = 3
@@ -169,3 +173,99 @@ def torch_run(family: Family) -> tuple[list[torch.Tensor], dict[str, torch.Tenso
         opt.step()
         losses.append(loss.detach())
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+
+def adamw() -> optim.GradientTransformation:
+    """The oracle's AdamW (:func:`torch_run`) as a vsf optimizer."""
+    return optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def train_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> Callable[..., Any]:
+    """The vsf training step of ``model`` (its own loss of a batch dict), to run under ``vsf.jit``:
+    ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+
+    def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, torch.Tensor]:
+        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, **batch).loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def train_pipelined(pipe: Any, tx: optim.GradientTransformation, params: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
+    """``params`` (laid out by ``pipe.place``) trained one step per batch through the pipeline
+    (the causal-LM labels as its targets): the params after the last step and each step's loss."""
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        loss, grads = pipe.value_and_grad(params, batch["input_ids"], batch["labels"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optim.apply_updates(params, updates)
+        losses.append(vsf.device_get(loss))
+    return params, losses
+
+def _sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss: each position predicts the next label (the last none)."""
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+def _gpt2_stages(model: Any) -> tuple[list[Any], list[list[str]], tuple[str, ...]]:
+    """GPT-2 in two stages (embeddings + block 0 | block 1 + final norm + the tied output layer),
+    as ``GPT2Model.forward`` runs them."""
+    from transformers.masking_utils import create_causal_mask
+
+    tr = model.transformer
+
+    def make(s: int) -> Any:
+        def stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            if s == 0:
+                x = functional_call(tr.wte, _sub(params, "transformer.wte."), (x,)) + functional_call(tr.wpe, _sub(params, "transformer.wpe."), (positions,))
+            mask = create_causal_mask(config=tr.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
+            x = functional_call(tr.h[s], _sub(params, f"transformer.h.{s}."), (x,), {"attention_mask": mask, "position_ids": positions})
+            if s == 1:
+                x = functional_call(tr.ln_f, _sub(params, "transformer.ln_f."), (x,)) @ params["transformer.wte.weight"].t()
+            return x
+
+        return stage
+
+    prefixes = [["transformer.wte.", "transformer.wpe.", "transformer.h.0."], ["transformer.h.1.", "transformer.ln_f.", "transformer.wte."]]
+    return [make(0), make(1)], prefixes, ("transformer.wte.weight",)
+
+
+def _llama_stages(model: Any) -> tuple[list[Any], list[list[str]], tuple[str, ...]]:
+    """Llama in two stages (embedding + layer 0 | layer 1 + final norm + output layer), as
+    ``LlamaModel.forward`` runs them: each stage makes the causal mask and the rotary tables."""
+    from transformers.masking_utils import create_causal_mask
+
+    m = model.model
+
+    def make(s: int) -> Any:
+        def stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            if s == 0:
+                x = functional_call(m.embed_tokens, _sub(params, "model.embed_tokens."), (x,))
+            mask = create_causal_mask(config=m.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
+            rotary = m.rotary_emb(x, position_ids=positions)
+            x = functional_call(m.layers[s], _sub(params, f"model.layers.{s}."), (x,), {"attention_mask": mask, "position_ids": positions, "position_embeddings": rotary})
+            if s == 1:
+                x = functional_call(model.lm_head, _sub(params, "lm_head."), (functional_call(m.norm, _sub(params, "model.norm."), (x,)),))
+            return x
+
+        return stage
+
+    prefixes = [["model.embed_tokens.", "model.layers.0."], ["model.layers.1.", "model.norm.", "lm_head."]]
+    return [make(0), make(1)], prefixes, ()
+
+
+def pipeline_stages(name: str, model: torch.nn.Module) -> tuple[list[Callable[..., torch.Tensor]], list[list[str]], tuple[str, ...]]:
+    """``model`` of family ``name`` (``gpt2`` or ``llama``, ``LAYERS`` = 2) cut into two pipeline
+    stages of one decoder layer each, as a user writes them: the stage functions, each stage's
+    key-path prefixes, and the tied params (GPT-2's embedding, which its output layer reuses).
+    The loss of the last stage's logits is :func:`causal_lm_loss`."""
+    return {"gpt2": _gpt2_stages, "llama": _llama_stages}[name](model)

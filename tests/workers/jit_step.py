@@ -127,4 +127,16 @@ report.update({
     "region_planned_collectives": len(mlp_step.lower(w, ws, *xt).cost().collectives),
     "region_collectives_in_program": program_collectives(mlp_step),
 })
+
+# a tensor the function closes over (a module buffer, such as rotary frequencies) is a constant of
+# the traced program: its value and the gradient through it, against the same math unsharded
+freqs = torch.linspace(1.0, 0.01, 8)
+xc = torch.randn(4, 8)
+xcs = vsf.device_put(xc, vsf.NamedSharding(mesh, P("dp", "tp"))).requires_grad_(True)
+yc = vsf.jit(lambda x: torch.sin(x * freqs).sum())(xcs)
+yc.backward()
+report.update({
+    "constant_err": (vsf.device_get(yc) - torch.sin(xc * freqs).sum()).abs().item(),
+    "constant_grad_err": (vsf.device_get(xcs.grad) - torch.cos(xc * freqs) * freqs).abs().max().item(),
+})
 (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat
 from vsf.errors import PlanMismatch
@@ -223,7 +222,7 @@ def compile_local(plan: Plan, local_inputs: Sequence[torch.Tensor]) -> torch.fx.
     """Trace :func:`execute` on this rank's local shards into a graph of local ops and collectives
     (:func:`vsf.jit.donation.reuse_donated` then lets it overwrite donated inputs)."""
     with _compat.quiet_redistribute():
-        gm = make_fx(lambda *xs: execute(plan, xs), tracing_mode="fake")(*local_inputs)
+        gm = _compat.trace_fake(lambda *xs: execute(plan, xs), local_inputs)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm

@@ -1,0 +1,38 @@
+"""Tier 3 worker: a Hugging Face model of the zoo (argv: out_dir, family name: ``gpt2`` or
+``llama``) cut into two pipeline stages (``zoo.pipeline_stages``) and trained 3 steps by torch's
+Schedule1F1B over pp=2 real gloo processes (2 microbatches, the zoo's AdamW), against the whole
+model trained by ``torch.optim.AdamW`` on one device in each process. Each process reports its
+losses, the oracle's, the params it holds, and those not within the zoo's tolerance of the oracle's."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]   # this checkout's vsf, and the zoo
+import vsf  # noqa: E402
+import zoo  # noqa: E402
+
+out, name = Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["RANK"])
+torch.set_num_threads(1)
+family = zoo.families()[name]
+want_losses, want_params = zoo.torch_run(family)
+model, batches = zoo.built(family)
+params = vsf.tree.from_module(model)
+fns, prefixes, tied = zoo.pipeline_stages(name, model)
+mesh = vsf.make_mesh((2,), ("pp",))
+pipe = vsf.pipeline.Pipeline(fns, zoo.causal_lm_loss, prefixes, mesh=mesh, microbatches=2, schedule="1f1b", tied=tied)
+p, losses = zoo.train_pipelined(pipe, zoo.adamw(), pipe.place(params), batches)
+got = {k: vsf.device_get(v) for k, v in p.items() if v is not None}
+report = {
+    "losses": [x.item() for x in losses],
+    "want_losses": [x.item() for x in want_losses],
+    "held": sorted(got),
+    "max_param_err": max((got[k] - want_params[k]).abs().max().item() for k in got),
+    "not_close": [k for k in got if not torch.allclose(got[k], want_params[k], rtol=1e-5, atol=1e-6)],   # (the zoo's tolerances)
+}
+(out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -2,8 +2,8 @@
 output layer tied to the token embedding) and Llama (rotary positions, grouped-query attention,
 RMSNorm, untied head) from the zoo's tiny configs, cut into two stages of one decoder layer each
 the way a user would (``zoo.pipeline_stages``: stage functions over the model's own submodules and
-mask code), trained a few steps with 1F1B over ``pp`` alone, with ``dp`` and with Megatron ``tp``
-inside the stages under vsf.simulate, and over ``pp`` on 2 real gloo processes by torch's
+mask code), trained a few steps with 1F1B over ``pp`` with ``dp`` and with Megatron ``tp`` inside the
+stages under vsf.simulate, and over ``pp`` on 2 real gloo processes by torch's
 Schedule1F1B, against the whole model trained by plain PyTorch (``torch.optim.AdamW``) on one
 device."""
 
@@ -21,8 +21,7 @@ from vsf import P
 pytestmark = pytest.mark.models
 
 # layout: (mesh shape, axis names, params split by the family's Megatron rules, batch spec)
-LAYOUTS = {
-    "pp": ((2,), ("pp",), False, P()),
+LAYOUTS = {   # (pp alone: on real processes below)
     "pp_dp": ((2, 2), ("pp", "dp"), False, P("dp")),
     "pp_tp": ((2, 2), ("pp", "tp"), True, P()),
 }

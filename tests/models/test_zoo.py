@@ -80,7 +80,7 @@ def test_trains_like_torch_on_one_device(sim, name, layout):
     got = vsf.device_get(p)
     assert got.keys() == want_params.keys()
     for k, want in want_params.items():
-        torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {layout} {k}: {m}")
+        torch.testing.assert_close(got[k], want, rtol=zoo.PARAMS_RTOL, atol=zoo.PARAMS_ATOL, msg=lambda m: f"{name} {layout} {k}: {m}")
 
 
 REAL = ["llama", "bert"]   # rotary tables; position and token-type buffers, padding masks

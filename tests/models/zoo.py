@@ -27,6 +27,7 @@ STEPS = 3
 # weight of T5 on dp x tp differed by 1.9e-6, where torch's own fp32 run is 1.5e-6 off a float64
 # run elsewhere).
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-5, 0.01
+PARAMS_RTOL, PARAMS_ATOL = 1e-5, 1e-6   # a trained param against the oracle's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,11 @@ def torch_run(family: Family) -> tuple[list[torch.Tensor], dict[str, torch.Tenso
         losses.append(loss.detach())
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
+
+def not_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of ``got`` whose params differ from the oracle's ``want`` by more than the zoo's
+    tolerances (what a worker process reports for the tests to assert empty)."""
+    return [k for k in got if not torch.allclose(got[k], want[k], rtol=PARAMS_RTOL, atol=PARAMS_ATOL)]
 
 
 def adamw() -> optim.GradientTransformation:

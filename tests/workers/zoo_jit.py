@@ -40,6 +40,6 @@ report = {
     "want_losses": [x.item() for x in want_losses],
     "plan_count": step.plan_count,
     "max_param_err": max((got[k] - want_params[k]).abs().max().item() for k in want_params),
-    "not_close": [k for k in want_params if not torch.allclose(got[k], want_params[k], rtol=1e-5, atol=1e-6)],   # (the zoo's tolerances)
+    "not_close": zoo.not_close(got, want_params),
 }
 (out / f"rank{rank}.json").write_text(json.dumps(report))

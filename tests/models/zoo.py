@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,14 +32,22 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-5, 0.01
 PARAMS_RTOL, PARAMS_ATOL = 1e-5, 1e-6   # a trained param against the oracle's
 
 
+def model_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss a Hugging Face model computes itself: ``run(**batch).loss`` (``run`` calls the
+    model: the module itself, or ``vsf.tree.apply`` of it with the params being trained)."""
+    return run(**batch).loss
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family: its model built from a tiny config, a batch maker, its TP rules."""
+    """One model family: its model built from a tiny config, a batch maker, its TP rules, and its
+    loss of a batch given a callable that runs the model (:func:`model_loss` by default)."""
 
     name: str
     build: Callable[[], torch.nn.Module]
     batch: Callable[[torch.Generator], dict[str, torch.Tensor]]
     tp_rules: tuple[tuple[str, Any], ...]
+    loss: Callable[[Callable[..., Any], dict[str, torch.Tensor]], torch.Tensor] = model_loss
 
 
 def causal_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -169,7 +179,7 @@ def torch_run(family: Family) -> tuple[list[torch.Tensor], dict[str, torch.Tenso
     losses = []
     for batch in batches:
         opt.zero_grad()
-        loss = model(**batch).loss
+        loss = family.loss(model, batch)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
@@ -187,16 +197,80 @@ def adamw() -> optim.GradientTransformation:
     return optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
-def train_step(model: torch.nn.Module, tx: optim.GradientTransformation) -> Callable[..., Any]:
-    """The vsf training step of ``model`` (its own loss of a batch dict), to run under ``vsf.jit``:
-    ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+def train_step(model: torch.nn.Module, tx: optim.GradientTransformation, loss_fn: Callable[..., torch.Tensor] = model_loss) -> Callable[..., Any]:
+    """The vsf training step of ``model`` (``loss_fn`` of a batch dict, the model's own by default),
+    to run under ``vsf.jit``: ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
 
     def step(params: Any, opt_state: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any, torch.Tensor]:
-        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, **batch).loss)(params)
+        loss, grads = vsf.value_and_grad(lambda p: loss_fn(functools.partial(vsf.tree.apply, model, p), batch))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+# layout: (mesh shape, axis names, params' layout, batch spec)
+LAYOUTS = {
+    "dp": ((2,), ("dp",), "replicated", P("dp")),
+    "fsdp": ((2,), ("fsdp",), "fsdp", P("fsdp")),
+    "tp": ((2,), ("tp",), "tp", P()),
+    "dp_tp": ((2, 2), ("dp", "tp"), "tp", P("dp")),
+    "5d": ((1, 1, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"), "fsdp_tp", P(("dp", "fsdp"))),
+}
+
+
+def specs(params: dict[str, torch.Tensor], kind: str, family: Family) -> dict[str, P]:
+    """Each param's spec in a layout of ``kind``: ``replicated``; ``fsdp`` (dim 0 split where it
+    divides); ``tp`` (the family's Megatron rules); ``fsdp_tp`` (those, and ``fsdp`` on the first
+    dim they leave whole)."""
+    if kind == "replicated":
+        return {k: P() for k in params}
+    if kind == "fsdp":
+        return {k: P("fsdp") if v.shape[0] % 2 == 0 else P() for k, v in params.items()}
+    tp = vsf.sharding.match(params, list(family.tp_rules))
+    return tp if kind == "tp" else {k: _with_fsdp(tp[k], params[k].shape) for k in params}
+
+
+def _with_fsdp(spec: P, shape: torch.Size) -> P:
+    """``spec`` with ``fsdp`` on the first dim that it leaves whole and that divides."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    free = next((d for d, e in enumerate(entries) if e is None and shape[d] % 2 == 0), None)
+    if free is not None:
+        entries[free] = "fsdp"
+    return P(*entries)
+
+
+def jit_train(family: Family, layout: str, simulate: Callable[[int], Any], *, check: bool = False) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], Any]:
+    """``family`` trained one step per batch of :func:`built` through ``vsf.jit`` on ``layout``,
+    on ranks that ``simulate(n)`` starts (the ``sim`` fixture; after the model is built, which
+    would otherwise hold simulated tensors): each step's loss, every param after the last step
+    (gathered), and the jitted step. ``check``: the first step in checking mode (``step.check``:
+    it raises at the first op whose sharded result differs from one device's)."""
+    model, batches = built(family)
+    params = vsf.tree.from_module(model)
+    tx = adamw()
+    shape, axes, kind, batch_spec = LAYOUTS[layout]
+    simulate(math.prod(shape))
+    mesh = vsf.make_mesh(shape, axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs(params, kind, family)))
+    s = optim.init_sharded(tx, p)
+    step = vsf.jit(train_step(model, tx, family.loss))
+    losses = []
+    for i, batch in enumerate(batches):
+        run = step.check if check and i == 0 else step
+        p, s, loss = run(p, s, vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec)))
+        losses.append(vsf.device_get(loss))
+    return losses, vsf.device_get(p), step
+
+
+def assert_like_oracle(what: str, losses: list[torch.Tensor], params: dict[str, torch.Tensor], oracle: tuple[list[torch.Tensor], dict[str, torch.Tensor]]) -> None:
+    """Each loss within 1e-4 (relative) of the oracle's (:func:`torch_run`), every param within
+    :data:`PARAMS_RTOL` / :data:`PARAMS_ATOL`; ``what`` names the run in a failure."""
+    want_losses, want_params = oracle
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-4, atol=0, msg=lambda m: f"{what} losses: {m}")
+    assert params.keys() == want_params.keys()
+    for k, want in want_params.items():
+        torch.testing.assert_close(params[k], want, rtol=PARAMS_RTOL, atol=PARAMS_ATOL, msg=lambda m: f"{what} {k}: {m}")
 
 
 def train_pipelined(pipe: Any, tx: optim.GradientTransformation, params: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:

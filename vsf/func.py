@@ -44,6 +44,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, ha
         >>> (loss, aux), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params, batch)
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    _compat.register_stack_anchor(fun)  # under vsf.jit, ops record their line in fun (for errors)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

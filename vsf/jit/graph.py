@@ -12,6 +12,8 @@ Example::
 from __future__ import annotations
 
 import operator
+import os
+import re
 from typing import Any
 
 import torch
@@ -21,7 +23,9 @@ from vsf import _compat
 
 __all__ = [
     "GETITEM",
+    "LIBRARY_DIRS",
     "Value",
+    "is_library_file",
     "is_tensor_node",
     "is_view",
     "meta_of",
@@ -114,15 +118,35 @@ def user_line(node: torch.fx.Node) -> str:
     return f" at {line}" if line else ""
 
 
+LIBRARY_DIRS = tuple(d + os.sep for d in (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))))  # torch's, vsf's
+
+
+def is_library_file(filename: str) -> bool:
+    """Is ``filename`` torch's or vsf's own code (a frame there is never the user's line)?"""
+    return filename.startswith(LIBRARY_DIRS)
+
+
 def source_line(node: torch.fx.Node) -> str:
-    """The user's source line that produced ``node`` (as recorded while tracing), or ``""``."""
+    """The user's source line that produced ``node``: the innermost frame recorded while tracing
+    that is not torch's or vsf's own (a custom op's autograd wrapper, ``nn.Linear.forward``: the
+    line that called them), or ``""``. A model library's code (``transformers``) is the user's.
+
+    Example::
+
+        >>> source_line(node)
+        'File "train.py", line 12, in loss: `return my_op(x @ w).sum()`'
+    """
     stack = node.meta.get("stack_trace") or ""
     lines = [l.strip() for l in stack.strip().splitlines() if l.strip()]
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+        frame = _FRAME.match(lines[i])
+        if frame and not is_library_file(frame.group(1)):
+            code = lines[i + 1] if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
             return f"{lines[i]}: `{code}`" if code else lines[i]
     return ""
+
+
+_FRAME = re.compile(r'File "(.*)", line \d+')  # a frame's header in a formatted stack trace
 
 def signature(x: Any) -> Any:
     """A hashable summary of op arguments (tensors by shape and dtype), to cache per-op questions."""

@@ -9,7 +9,6 @@ ops run (and are recorded) while the step is traced. In-place ops are functional
 from __future__ import annotations
 
 import dataclasses
-import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, config, tree
 from vsf.errors import TraceError
-from vsf.jit.graph import placeholders_of, source_line
+from vsf.jit.graph import is_library_file, placeholders_of, source_line
 from vsf.ops.recording import tracing_step
 
 __all__ = ["Traced", "draws_random", "trace"]
@@ -180,12 +179,9 @@ def _fun_name(fun: Callable[..., Any]) -> str:
     return getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
 
 
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch and vsf
-
-
 def _user_frame(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
+    user = [f for f in frames if not is_library_file(f.filename) and not f.filename.startswith("<")]
     if not user:
         return "<unknown location>"
     f = user[-1]

@@ -9,7 +9,8 @@ on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lower
   strategies and runs them (:mod:`vsf.jit.manual`);
 * ``value_blind``: the result depends on the input's shape only (``ones_like``): any placement will do;
 * ``strategy``: DTensor registers a strategy for it, per mesh dim (``rules == "single"``) or for
-  the whole op (``"full"``); ``local`` ops run as they are on local shards (their rules are per
+  the whole op (``"full"``: also a custom op's rules a user registers with torch's public
+  ``torch.distributed.tensor.experimental.register_sharding``); ``local`` ops run as they are on local shards (their rules are per
   mesh dim and DTensor's dispatcher has no special handler for them), the others run through
   DTensor's dispatcher;
 * ``none``: no strategy: a ``PlanError``, or replicated under ``allow_replicated_fallback``.

@@ -118,7 +118,8 @@ class Strategies:
             return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
         raise PlanError(
             f"{node.target} has no DTensor sharding strategy, so vsf cannot shard it{user_line(node)}. "
-            "Set vsf.config.allow_replicated_fallback = True to run it replicated (the plan flags it)."
+            "Register its rules with torch.distributed.tensor.experimental.register_sharding (vsf plans with them), "
+            "or set vsf.config.allow_replicated_fallback = True to run it replicated (the plan flags it)."
         )
 
 

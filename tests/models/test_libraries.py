@@ -1,0 +1,134 @@
+"""The zoo beyond ``transformers``: models of other libraries no one here wrote (x-transformers'
+decoder language model, diffusers' DiT, mamba.py's Mamba), built from tiny configs in code (random
+weights, no hub), each trained a few steps through ``vsf.jit`` on dp x Megatron TP (the first step
+in checking mode, ``step.check``, which must find no op whose sharded result differs from one
+device's) and, in the sweep (``models`` marker), on DP and FSDP, against the same model trained by
+plain PyTorch (``torch.optim.AdamW``) on one device, params compared after the steps (the zoo's
+train step, oracle and tolerances: :mod:`zoo`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zoo
+
+from vsf import P
+
+IMAGE, CHANNELS, PATCH, CLASSES = 8, 4, 2, 10
+
+
+def _x_transformers() -> torch.nn.Module:
+    """x-transformers' decoder-only language model (its defaults: absolute positions, pre-norm
+    LayerNorm, its own einsum attention, GELU feed-forward) with its own autoregressive loss
+    (``AutoregressiveWrapper``: each position predicts the next token)."""
+    from x_transformers import AutoregressiveWrapper, Decoder, TransformerWrapper
+
+    return AutoregressiveWrapper(TransformerWrapper(
+        num_tokens=zoo.VOCAB, max_seq_len=2 * zoo.SEQ,
+        attn_layers=Decoder(dim=zoo.HIDDEN, depth=zoo.LAYERS, heads=zoo.HEADS, attn_dim_head=zoo.HIDDEN // zoo.HEADS),
+    ))
+
+
+def _tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"x": torch.randint(0, zoo.VOCAB, (zoo.BATCH, zoo.SEQ + 1), generator=g)}
+
+
+def _own_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return run(**batch)
+
+
+def _dit() -> torch.nn.Module:
+    """diffusers' class-conditional DiT (adaLN-zero blocks, patch embedding with a fixed 2D
+    sin-cos position buffer). Its class-label dropout draws from torch's generator in training,
+    which vsf refuses unkeyed: it is off (``dropout_prob = 0``)."""
+    from diffusers import DiTTransformer2DModel
+
+    model = DiTTransformer2DModel(
+        num_attention_heads=zoo.HEADS, attention_head_dim=zoo.HIDDEN // zoo.HEADS, in_channels=CHANNELS,
+        num_layers=zoo.LAYERS, sample_size=IMAGE, patch_size=PATCH, num_embeds_ada_norm=CLASSES,
+    )
+    for block in model.transformer_blocks:
+        block.norm1.emb.class_embedder.dropout_prob = 0.0
+    return model
+
+
+def _noisy_images(g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "images": torch.randn(zoo.BATCH, CHANNELS, IMAGE, IMAGE, generator=g),
+        "timesteps": torch.randint(0, 1000, (zoo.BATCH,), generator=g),
+        "labels": torch.randint(0, CLASSES, (zoo.BATCH,), generator=g),
+        "noise": torch.randn(zoo.BATCH, CHANNELS, IMAGE, IMAGE, generator=g),
+    }
+
+
+def _denoising_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The noise-prediction loss: the model's prediction against the noise."""
+    out = run(batch["images"], timestep=batch["timesteps"], class_labels=batch["labels"]).sample
+    return F.mse_loss(out, batch["noise"])
+
+
+def _mamba() -> torch.nn.Module:
+    """mamba.py's Mamba: selective state-space blocks (no attention), the scan over the sequence
+    run in parallel (Blelloch's, an ``autograd.Function`` with in-place steps), between an
+    embedding and an output layer as its ``LM`` puts them (``mambapy.lm`` itself imports the
+    CUDA-only ``mamba_ssm``)."""
+    from mambapy.mamba import Mamba, MambaConfig, RMSNorm
+
+    return torch.nn.Sequential(
+        torch.nn.Embedding(zoo.VOCAB, zoo.HIDDEN),
+        Mamba(MambaConfig(d_model=zoo.HIDDEN, n_layers=zoo.LAYERS, d_state=8)),
+        RMSNorm(zoo.HIDDEN),
+        torch.nn.Linear(zoo.HIDDEN, zoo.VOCAB, bias=False),
+    )
+
+
+def _causal_tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"tokens": torch.randint(0, zoo.VOCAB, (zoo.BATCH, zoo.SEQ), generator=g)}
+
+
+def _next_token_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return zoo.causal_lm_loss(run(batch["tokens"]), batch["tokens"])
+
+
+FAMILIES = {f.name: f for f in [
+    zoo.Family(
+        "x_transformers", _x_transformers, _tokens,
+        zoo.megatron(r"to_q|to_k|to_v|ff\.0\.0", r"to_out|ff\.2", r"net\.token_emb\.emb|net\.to_logits"),
+        _own_loss,
+    ),
+    zoo.Family(
+        "dit", _dit, _noisy_images,
+        zoo.megatron(r"attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj", r"attn1\.to_out\.0|ff\.net\.2", r"pos_embed\.proj"),
+        _denoising_loss,
+    ),
+    zoo.Family(
+        "mamba", _mamba, _causal_tokens,
+        # the fused in_proj's x and z halves, the depthwise convolution's channels, the state
+        # matrix A and skip D split over the inner width; x_proj and out_proj row-parallel
+        zoo.megatron(r"in_proj|dt_proj", r"x_proj|out_proj", r"0|3",
+                     also=((r".*conv1d\.(weight|bias)", P("tp")), (r".*A_log", P("tp", None)), (r".*mixer\.D", P("tp")))),
+        _next_token_loss,
+    ),
+]}
+# dp x tp (with one step in checking mode) runs by default; the other layouts are the sweep
+# (the models marker)
+CASES = [pytest.param(name, layout, marks=() if layout == "dp_tp" else pytest.mark.models, id=f"{name}-{layout}")
+         for name in FAMILIES for layout in ("dp_tp", "dp", "fsdp")]
+
+
+@functools.cache
+def _oracle(name: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    return zoo.torch_run(FAMILIES[name])
+
+
+@pytest.mark.parametrize("name, layout", CASES)
+def test_trains_like_torch_on_one_device(sim, name, layout):
+    want = _oracle(name)
+    losses, params, step = zoo.jit_train(FAMILIES[name], layout, sim, check=layout == "dp_tp")
+    assert step.plan_count == 1
+    zoo.assert_like_oracle(f"{name} {layout}", losses, params, want)

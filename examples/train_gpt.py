@@ -6,7 +6,8 @@ donated params and state does forward, backward, clipping and the update, and a
 ``CheckpointManager`` saves every ``--save-every`` steps in the background. The data is
 generated (repeated random patterns, see ``gpt.py``), and the batch of step ``s`` depends only
 on ``s``, so ``--resume`` continues from the last committed checkpoint with exactly the losses
-an uninterrupted run has.
+an uninterrupted run has. Each process hands vsf only its own slice of every batch
+(``vsf.make_array_from_process_local_data``), as a data loader reading a shard per process does.
 
 Run it::
 
@@ -261,7 +262,7 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     else:
         step_fn = make_step(model, tx)
         put_batch = vsf.NamedSharding(mesh, BATCH)
-        batch = vsf.device_put(batch_at(first, args.batch, cfg, seed=args.seed), put_batch)
+        batch = load_batch(first, args, cfg, put_batch)
         lowered = step_fn.lower(state["params"], state["opt"], *batch)   # plans the step once; calls reuse it
         if args.print_plan:
             rep.say(lowered.as_text())
@@ -271,8 +272,7 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     started = time.perf_counter()
     for step in range(first, args.steps):
         t0 = time.perf_counter()
-        batch = batch_at(step, args.batch, cfg, seed=args.seed)
-        batch = vsf.device_put(batch, put_batch) if put_batch else batch
+        batch = load_batch(step, args, cfg, put_batch) if put_batch else batch_at(step, args.batch, cfg, seed=args.seed)
         state["params"], state["opt"], loss = step_fn(state["params"], state["opt"], *batch)
         losses[step] = float(vsf.device_get(loss))
         seconds = time.perf_counter() - t0
@@ -291,6 +291,16 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     if rep.enabled and losses:
         _summary(rep, args, cfg, result, cost, mngr, pipe)
     return result
+
+
+def load_batch(step: int, args: argparse.Namespace, cfg: GPTConfig, sharding: vsf.NamedSharding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s ``(inputs, targets)`` as global DTensors laid out as ``sharding``, each process
+    passing only its slice: its rank's rows and sequence part under torchrun, everything under
+    vsf.simulate (one process holding every rank). The data is generated whole here; a real loader
+    reads only the process's slice."""
+    inputs, targets = batch_at(step, args.batch, cfg, seed=args.seed)
+    mine = vsf.sharding.process_slice(sharding, inputs.shape)
+    return vsf.make_array_from_process_local_data(sharding, (inputs[mine], targets[mine]), (inputs.shape, targets.shape))
 
 
 def restore(args: argparse.Namespace, mngr: vsf.checkpoint.CheckpointManager, state: dict[str, Any], rep: Reporter) -> tuple[int, dict[str, Any]]:

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pytrees", ("vsf.tree",)),
     ("values", tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "named", "rules", "inspect", "constraint"))),
     ("collectives", ("vsf.ops", "vsf.ops.")),
-    ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing"))),
+    ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing", "fingerprint", "make_array"))),
     ("jit", ("vsf.jit", "vsf.jit.")),
     ("transforms", ("vsf.func", "vsf.abstract", "vsf.shard_map", "vsf.random", "vsf.random.", "vsf.nn", "vsf.nn.", "vsf.pipeline", "vsf.pipeline.")),
     ("optimizers", ("vsf.optim", "vsf.optim.")),

@@ -28,6 +28,8 @@ from vsf.sharding import (
     RaggedShard,
     device_get,
     device_put,
+    make_array_from_callback,
+    make_array_from_process_local_data,
     make_mesh,
     use_mesh,
 )
@@ -71,6 +73,8 @@ __all__ = [
     "grad",
     "jit",
     "launch",
+    "make_array_from_callback",
+    "make_array_from_process_local_data",
     "make_mesh",
     "nn",
     "optim",

@@ -54,6 +54,17 @@
   size, each run as one collective; smaller buckets start communicating earlier in the backward
   and hold less memory at once, larger ones launch fewer collectives. Read when a step is planned.
 
+* ``check_across_processes`` (default ``True``): on several processes, :func:`vsf.device_put`
+  of plain tensors checks that every process passed the same value (each must hold the whole
+  value; a process's own half of a batch passes every shape check and would silently be taken
+  as the global value), and :func:`vsf.make_array_from_process_local_data` checks every
+  process's local shape against the sharding and that replicas passed the same data. Each call
+  costs one small all-gather over the mesh's ranks for the whole tree (a fingerprint of each
+  leaf: a few sums of its bits and sampled elements, not its data), whatever the number of
+  leaves; under :func:`vsf.simulate` the per-rank values are compared in the process. A
+  mismatch raises ``ValueError`` naming the leaf and the ranks. Set it to ``False`` in a hot
+  loop whose inputs are known to agree: nothing is exchanged, and each process checks only its
+  own shapes.
 Example::
 
     >>> vsf.config.strict = True
@@ -70,3 +81,4 @@ context_parallel: str = "auto"
 context_parallel_gather_bytes: int = 64 * 2**20
 bucket_bytes: int = 4 * 2**20
 compute_bytes_per_flop: float = 0.01
+check_across_processes: bool = True

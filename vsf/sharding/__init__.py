@@ -3,12 +3,15 @@
 The ragged spec entry is ``vsf.ragged(...)`` (a :class:`RaggedShard`); ``vsf.sharding.ragged``
 is the module that moves ragged values, ``vsf.sharding.eager`` computes on them (elementwise,
 sum, mean, norm), and :func:`ragged_plan` / :func:`gather_group` pack a pytree for flat-buffer FSDP.
+:func:`make_array_from_callback` and :func:`make_array_from_process_local_data` build a global
+value from what each process holds (its slice: :func:`process_slice`).
 The balanced layout of a causal sequence is ``vsf.balanced("cp")`` (a :class:`BalancedShard`).
 """
 
 from vsf.sharding.mesh import Mesh, current_mesh, make_mesh, mesh_of, use_mesh
 from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, sharding_of
 from vsf.sharding.packing import gather_group, ragged_plan, reduce_scatter_group
+from vsf.sharding.make_array import make_array_from_callback, make_array_from_process_local_data, process_slice
 from vsf.sharding.put import device_get, device_put, from_local
 from vsf.sharding.rules import logical_to_mesh, match
 from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, P, PartitionSpec, RaggedShard
@@ -29,9 +32,12 @@ __all__ = [
     "from_local",
     "gather_group",
     "logical_to_mesh",
+    "make_array_from_callback",
+    "make_array_from_process_local_data",
     "make_mesh",
     "match",
     "mesh_of",
+    "process_slice",
     "ragged_plan",
     "reduce_scatter_group",
     "sharding_of",

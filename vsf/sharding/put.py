@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from vsf import _compat, ops, runtime, tree
+from vsf import _compat, config, ops, runtime, tree
 from vsf.ops import backend
-from vsf.sharding import ragged
+from vsf.sharding import fingerprint, ragged
 from vsf.sharding.mesh import mesh_of
 from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, balanced_order, from_placements, resolve, sharding_of
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["device_get", "device_put", "from_local", "is_sharding_leaf", "local_device"]
+__all__ = ["assemble", "device_get", "device_put", "from_local", "is_sharding_leaf", "local_device", "place"]
 
 
 def is_sharding_leaf(x: Any) -> bool:
@@ -47,6 +47,15 @@ def device_put(x: Any, shardings: Any) -> Any:
     hold the full value on every rank; DTensors are redistributed. Non-tensor leaves may only
     be given a trivial spec ``P()``.
 
+    On several processes, plain tensors are checked to be the same everywhere: a fingerprint
+    of each (:mod:`vsf.sharding.fingerprint`) is compared over its mesh's ranks, in one small
+    all-gather per call (per mesh) whatever the number of leaves, and a value that differs
+    raises ``ValueError`` naming the leaf and the ranks (a process's own half of a batch would
+    otherwise be taken as the global batch: build that with
+    :func:`vsf.make_array_from_process_local_data`). ``vsf.config.check_across_processes =
+    False`` skips it (a hot loop whose values are known to agree); DTensors and a single process
+    never pay for it. Under :func:`vsf.simulate` a per-rank value is checked the same way.
+
     Example::
 
         >>> with vsf.simulate(4):
@@ -57,19 +66,35 @@ def device_put(x: Any, shardings: Any) -> Any:
         ...     vsf.typeof(params["w"])
         'f32[8@dp,4@tp]'
     """
+    return place(x, shardings, "device_put")
+
+
+def place(x: Any, shardings: Any, what: str) -> Any:
+    """:func:`device_put` for ``what`` (the function named in its errors).
+
+    Example::
+
+        >>> place(batch, shardings, "make_array_from_process_local_data")
+    """
     pairs, treedef = tree.flatten_with_path(x)
     per_leaf = tree.broadcast_prefix(shardings, x, is_leaf=is_sharding_leaf, what="shardings")
-    return tree.unflatten(treedef, [_put_at(path, leaf, s) for (path, leaf), s in zip(pairs, per_leaf)])
+    out = [_put_at(path, leaf, s, what) for (path, leaf), s in zip(pairs, per_leaf)]
+    if config.check_across_processes:
+        fingerprint.check_same([
+            (tree.keystr(path), leaf, resolve(s).mesh) for (path, leaf), s in zip(pairs, per_leaf)
+            if s is not None and isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)
+        ], what)
+    return tree.unflatten(treedef, out)
 
 
-def _put_at(path: tree.KeyPath, leaf: Any, s: NamedSharding | PartitionSpec | None) -> Any:
+def _put_at(path: tree.KeyPath, leaf: Any, s: NamedSharding | PartitionSpec | None, what: str) -> Any:
     """Place one leaf; an error from any layer below names the leaf's key path."""
     try:
         return _put(leaf, s)
     except (ValueError, TypeError) as e:
         if type(e) not in (ValueError, TypeError):  # a subclass may not take a plain message
             raise
-        raise type(e)(f"device_put of {tree.keystr(path)} ({_describe(leaf)}): {e}") from e
+        raise type(e)(f"{what} of {tree.keystr(path)} ({_describe(leaf)}): {e}") from e
 
 
 def _describe(leaf: Any) -> str:
@@ -202,7 +227,20 @@ def distribute(full: torch.Tensor, s: NamedSharding) -> DTensor:
             if any(s.mesh.coordinate(r)[a] for a in zero_coord):
                 piece.zero_()
             pieces[r] = piece
-    return from_local(_compat.make_local(pieces) if mode is not None else pieces[runtime.rank()], s, shape)
+    return assemble(pieces, s, shape)
+
+
+def assemble(pieces: dict[int, torch.Tensor], s: NamedSharding, shape: Sequence[int]) -> DTensor:
+    """The DTensor of global ``shape`` laid out as ``s`` whose local tensor on rank ``r`` is
+    ``pieces[r]`` (every simulated rank's under :func:`vsf.simulate`, else this process's). No
+    communication, no check.
+
+    Example::
+
+        >>> assemble({vsf.runtime.rank(): my_rows}, vsf.NamedSharding(mesh, P("dp")), (8, 16))
+    """
+    local = _compat.make_local(pieces) if _compat.active_local_mode() is not None else pieces[runtime.rank()]
+    return from_local(local, s, shape)
 
 
 def device_get(x: Any) -> Any:

@@ -65,10 +65,20 @@
   mismatch raises ``ValueError`` naming the leaf and the ranks. Set it to ``False`` in a hot
   loop whose inputs are known to agree: nothing is exchanged, and each process checks only its
   own shapes.
+* ``collective_timeout`` (default 600 seconds, or the ``VSF_COLLECTIVE_TIMEOUT`` environment
+  variable; ``python -m vsf.launch --timeout S`` sets it for every rank): how long a collective
+  waits for the other ranks before it raises, so a rank that stops without dying (``SIGSTOP``,
+  a hung kernel, a deadlock) makes the others exit with an error instead of holding them
+  forever (a rank that dies makes them raise at once: its connections close). Read when vsf
+  initialises the process group (the first mesh under ``torchrun``); it applies to that group
+  and to every group created after it (the meshes' axes, the checkpoint group).
+
 Example::
 
     >>> vsf.config.strict = True
 """
+
+from os import environ as _environ
 
 strict: bool = False
 allow_replicated_fallback: bool = False
@@ -82,3 +92,4 @@ context_parallel_gather_bytes: int = 64 * 2**20
 bucket_bytes: int = 4 * 2**20
 compute_bytes_per_flop: float = 0.01
 check_across_processes: bool = True
+collective_timeout: float = float(_environ.get("VSF_COLLECTIVE_TIMEOUT", "600"))

@@ -9,7 +9,10 @@
 * ``vsf.simulate(4096, compute=False)`` is planning-only: shapes, placements and plans are exact,
   values are meaningless. Use it to check a layout or a plan for a cluster you do not have.
 * Under ``torchrun`` the default process group is initialised from the environment (gloo on CPU,
-  NCCL on CUDA) the first time a mesh is built.
+  NCCL on CUDA) the first time a mesh is built, with ``vsf.config.collective_timeout``: a
+  collective that waits longer than that for another rank raises (a rank that stopped without
+  dying), on that group and every group created after it. A rank that dies makes the others
+  raise at once (its connections close).
 * A plain single process gets a one-rank gloo group, so a mesh of size 1 works anywhere.
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vsf import _compat
+from vsf import _compat, config
 
 __all__ = ["default_device_type", "ensure_world", "is_simulated", "rank", "simulate", "world_size"]
 
@@ -135,8 +138,15 @@ def ensure_world(device_type: str) -> None:
     """Make sure a default process group exists.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) it is initialised from the
-    environment with gloo for CPU and NCCL for CUDA; in a plain process, as a one-rank group
-    that needs no network.
+    environment with gloo for CPU and NCCL for CUDA, its collectives waiting at most
+    ``vsf.config.collective_timeout`` seconds for the other ranks, and so are those of every
+    group created after it (torch's default for new groups is set to the same); in a plain
+    process, as a one-rank group that needs no network.
+
+    Example::
+
+        >>> vsf.config.collective_timeout = 60      # before the first mesh
+        >>> mesh = vsf.make_mesh((4,), ("dp",))      # under torchrun: a rank stopped for 60 s fails the others
     """
     if dist.is_initialized():
         return
@@ -144,7 +154,9 @@ def ensure_world(device_type: str) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(seconds=config.collective_timeout)
+        dist.init_process_group(backend, timeout=timeout)
+        dist.distributed_c10d.default_pg_timeout = timeout   # for the groups created later (the meshes' axes)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     _CREATED.append(weakref.ref(dist.group.WORLD))

@@ -14,6 +14,8 @@
   dying), on that group and every group created after it. A rank that dies makes the others
   raise at once (its connections close).
 * A plain single process gets a one-rank gloo group, so a mesh of size 1 works anywhere.
+* A module built inside a simulation (``Model(config)``, ``from_pretrained``) holds one value
+  per buffer, as a module built outside does: the first simulated rank's (see :class:`simulate`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
     Use it as a context manager, or call :meth:`start` / :meth:`stop` (handy in notebooks,
     where one cell starts the simulation and later cells use it).
 
+    A module built inside (``LlamaForCausalLM(config)``, ``from_pretrained(path)``) registers its
+    buffers as plain tensors holding the first simulated rank's value (the ranks compute them
+    alike: from the config, from the same files), as a module built before the simulation holds
+    them, so that a buffer such as Llama's rotary frequencies can be a constant of a ``vsf.jit``
+    program (a per-rank buffer failed there with ``DataDependentOutputException: aten.equal``).
+    Its parameters keep one value per rank (equal on every rank: they are drawn as separate
+    processes draw them, which a plain tensor inside the simulation would not be); pass them
+    explicitly, as ``vsf.tree.apply(model, params, ...)`` does, rather than closing over them.
+
     Example::
 
         >>> with vsf.simulate(8):
@@ -74,6 +85,7 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
         self.n = n
         self.compute = compute
         self._mode: Any = None
+        self._hooks: list[Any] = []
 
     def __repr__(self) -> str:
         return f"simulate({self.n}, compute={self.compute})"
@@ -87,6 +99,7 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
         if self.compute:
             self._mode = _compat.local_tensor_mode(self.n)
             self._mode.__enter__()
+            self._hooks = [torch.nn.modules.module.register_module_buffer_registration_hook(_one_value)]
         _ACTIVE.append(self)
         return self
 
@@ -95,6 +108,9 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
         if not _ACTIVE or _ACTIVE[-1] is not self:
             raise RuntimeError(f"{self!r} is not the running simulation")
         _ACTIVE.pop()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -107,6 +123,16 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _one_value(module: torch.nn.Module, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    """A module's buffer registered under simulation: a per-rank value becomes the first rank's,
+    as a plain tensor."""
+    if t is None or not _compat.is_local_tensor(t):
+        return None
+    shards = _compat.local_shards(t, 0)
+    with _compat.local_mode_disabled():
+        return shards[min(shards)].detach()
 
 
 def is_simulated() -> bool:

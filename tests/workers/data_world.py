@@ -1,11 +1,14 @@
 """Tier-3 worker on 4 gloo processes, mesh (dp=2, tp=2), against one device (see
-tests/sharding/test_make_array.py).
+tests/sharding/test_make_array.py and tests/checkpoint/test_hf.py).
 
 Per-process data: each process passes its dp rows of a batch (``make_array_from_process_local_data``,
 inferred, uneven and whole-dim shapes), a jitted loss on it against the one-device loss, the
 mistakes it must name on every process (3 rows where 4 belong, replicas passing different data,
 each process's half given to ``device_put``, on the whole mesh and on a sub-mesh), and the indices
-``make_array_from_callback`` asks for.
+``make_array_from_callback`` asks for. Hugging Face weights: rank 0 saves a tiny Llama with
+``save_pretrained`` (sharded files); every process builds the model on the meta device, loads the
+checkpoint into (dp, tp) shardings reading its slices, runs a jitted forward against the model's
+own, and exports the params with ``save_hf``, which ``from_pretrained`` reads back.
 
 Usage: data_world.py OUT_DIR
 """
@@ -16,6 +19,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import transformers
 
 import vsf
 from vsf import P
@@ -71,5 +76,37 @@ report["sub_mesh_differ"] = error(lambda: vsf.device_put(torch.full((3,), float(
 asked = []
 by_callback = vsf.make_array_from_callback((8, 6), vsf.NamedSharding(mesh, P("dp", "tp")), lambda index: asked.append(index) or x[index])
 report["callback"] = {"asked": [[[s.start, s.stop] for s in index] for index in asked], "equal": torch.equal(vsf.device_get(by_callback), x)}
+
+# -- Hugging Face weights ------------------------------------------------------------------------
+config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(config)   # the same weights on every process
+if rank == 0:
+    model.save_pretrained(out / "hf", max_shard_size="8KB")
+dist.barrier()
+with torch.device("meta"):
+    empty = transformers.LlamaForCausalLM(config)
+vsf.checkpoint.materialize_buffers(empty)
+shapes = vsf.tree.from_module(empty)
+specs = vsf.sharding.match(shapes, [(r".*(q|k|v|gate|up)_proj\.weight", P("tp", "dp")), (r".*(o|down)_proj\.weight", P("dp", "tp")),
+                                    (r".*embed_tokens\.weight", P("dp")), (r".*", P())])
+target = vsf.tree.map(lambda s, p: vsf.ShapeDtypeStruct(s.shape, s.dtype, vsf.NamedSharding(mesh, p)), shapes, specs)
+params = vsf.checkpoint.load(out / "hf", target)
+own = vsf.tree.from_module(model)
+gathered = vsf.device_get(params)
+report["hf"] = {
+    "files": sorted(p.name for p in (out / "hf").glob("*.safetensors")),
+    "equal": {k: torch.equal(gathered[k], own[k]) for k in own},
+    "local_shapes_ok": all(tuple(params[k].to_local().shape) == target[k].sharding.shard_shape(target[k].shape, rank) for k in own),
+    "q_proj": vsf.typeof(params["model.layers.0.self_attn.q_proj.weight"]),
+}
+ids = torch.randint(0, 32, (4, 8))
+logits = vsf.jit(lambda p, i: vsf.tree.apply(empty, p, i).logits)(params, vsf.device_put(ids, rows))
+report["hf"]["logits_err"] = (vsf.device_get(logits) - model(ids).logits).abs().max().item()
+vsf.checkpoint.save_hf(out / "export", params, config=config, max_shard_bytes=4096)
+back = transformers.LlamaForCausalLM.from_pretrained(out / "export")
+report["hf"]["export_files"] = len(list((out / "export").glob("*.safetensors")))
+report["hf"]["export_equal"] = all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
 
 (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))

@@ -33,6 +33,17 @@ Example::
 
     mngr = vsf.checkpoint.CheckpointManager("ckpt", max_to_keep=3, save_interval_steps=100)
     mngr.save(step, state, blocking=False)                      # copies shards, writes in the background
+
+``load`` also reads a Hugging Face safetensors directory (``save_pretrained``'s) straight into the
+target's shardings, each process reading only its slices, and ``save_hf`` writes one that
+``from_pretrained`` reads; ``materialize_buffers`` recomputes the buffers of a model built on the
+meta device (:mod:`vsf.checkpoint.hf` has the whole example)::
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    vsf.checkpoint.materialize_buffers(model)                   # its rotary frequencies, on the CPU
+    params = vsf.checkpoint.load("llama-hf", target)            # target: ShapeDtypeStructs by parameter name
+    vsf.checkpoint.save_hf("export", params, config=config)
 """
 
 from vsf.checkpoint.format import FORMAT_VERSION
@@ -40,6 +51,8 @@ from vsf.errors import CorruptCheckpointError, NotACheckpointError
 from vsf.checkpoint.loading import load
 from vsf.checkpoint.manager import CheckpointManager
 from vsf.checkpoint.saving import AsyncSave, async_save, save
+from vsf.checkpoint.hf import save_hf
+from vsf.checkpoint.meta import materialize_buffers
 
 __all__ = [
     "FORMAT_VERSION",
@@ -49,5 +62,7 @@ __all__ = [
     "NotACheckpointError",
     "async_save",
     "load",
+    "materialize_buffers",
     "save",
+    "save_hf",
 ]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from vsf.checkpoint.format import MARKER, FileRecord
 
-__all__ = ["is_committed", "publish", "remove", "remove_stale", "staging_path", "write_file"]
+__all__ = ["is_committed", "move_into_place", "publish", "remove", "remove_stale", "staging_path", "write_file"]
 
 
 def staging_path(final: Path, token: str) -> Path:
@@ -44,6 +44,11 @@ def write_file(directory: Path, name: str, data: bytes) -> FileRecord:
 def publish(staging: Path, final: Path, marker: bytes) -> None:
     """Write the commit marker into ``staging`` and atomically rename it to ``final`` (rank 0 only)."""
     _write_synced(staging / MARKER, marker)
+    move_into_place(staging, final)
+
+
+def move_into_place(staging: Path, final: Path) -> None:
+    """fsync the complete ``staging`` directory and atomically rename it to ``final`` (rank 0 only)."""
     _fsync_dir(staging)
     if final.exists():
         raise FileExistsError(f"{final} appeared while it was being saved; the new checkpoint stays in {staging}")

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from vsf import _compat, runtime
-from vsf.checkpoint import group as group_mod, leaves, ragged
+from vsf.checkpoint import commit, group as group_mod, hf, leaves, ragged
 from vsf.checkpoint.format import Checkpoint, LeafRecord, read_checkpoint
 from vsf.errors import CorruptCheckpointError
 from vsf.checkpoint.progress import Progress
@@ -22,6 +22,10 @@ __all__ = ["load"]
 
 def load(path: str | Path, target: Any = None, *, progress: bool | None = None) -> Any:
     """Load the committed checkpoint at ``path`` and return a new tree (call on every rank).
+
+    A Hugging Face safetensors directory (``save_pretrained``'s ``model.safetensors``, or a
+    sharded ``model.safetensors.index.json``) is read too, straight into the target's layouts,
+    each process reading only its slices: see :func:`vsf.checkpoint.hf.load_hf`.
 
     ``target`` is a tree of the same structure whose tensor leaves say how each leaf should come
     back: a :class:`vsf.ShapeDtypeStruct` (``sharding=None``: a whole plain tensor in this process;
@@ -42,6 +46,8 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
         >>> staged = vsf.eval_shape(lambda: {"params": pipe.place(params, specs), "step": 0})   # onto pipeline stages
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=staged)
     """
+    if hf.is_hf_directory(path) and not commit.is_committed(Path(path)):
+        return hf.load_hf(path, target)
     group = group_mod.current()
     wait_pending(group)
     ckpt = read_checkpoint(path)

@@ -1,4 +1,4 @@
-"""Shared fixtures. Most tests run ranks simulated in this process (tier 1 of DESIGN.md)."""
+"""Shared fixtures. Most tests run ranks simulated in this process (tier 1 of docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Tier 3 of DESIGN.md: real gloo processes started the way a user starts them (vsf's launcher,
-which is torchrun on 127.0.0.1 at a free port).
+"""Tier 3 of the tests (docs/architecture.md): real gloo processes started the way a user starts
+them (vsf's launcher, which is torchrun on 127.0.0.1 at a free port).
 
 A worker script writes one JSON file per rank, which the tests check. Most run as sections of
 one launch per world size (``world`` in tests/conftest.py, ``workers/world.py``); a worker that

@@ -1,4 +1,4 @@
-"""The package's shape, read from its imports: DESIGN.md's layer order, no import cycle, and no
+"""The package's shape, read from its imports: docs/architecture.md's layer order, no import cycle, and no
 private PyTorch name outside ``vsf/_compat.py``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from vsf import _compat
 
 ROOT = pathlib.Path(vsf.__file__).parent
 
-# DESIGN.md's layer table, top first: a module may import its own layer and the ones before it.
+# docs/architecture.md's layer table, top first: a module may import its own layer and the ones before it.
 # (The foundation: errors, the _compat verbs, config, and runtime, which says where the ranks are.)
 # A prefix ending in "." covers a package and its modules.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -25,10 +25,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives", ("vsf.ops", "vsf.ops.")),
     ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing", "fingerprint", "make_array"))),
     ("jit", ("vsf.jit", "vsf.jit.")),
-    ("transforms", ("vsf.func", "vsf.abstract", "vsf.shard_map", "vsf.random", "vsf.random.", "vsf.nn", "vsf.nn.", "vsf.pipeline", "vsf.pipeline.")),
+    ("transforms", ("vsf.func", "vsf.abstract", "vsf.random", "vsf.random.", "vsf.nn", "vsf.nn.", "vsf.pipeline", "vsf.pipeline.")),
     ("optimizers", ("vsf.optim", "vsf.optim.")),
     ("checkpoints", ("vsf.checkpoint", "vsf.checkpoint.")),
-    ("api", ("vsf", "vsf.debug", "vsf.launch")),
+    ("api", ("vsf", "vsf.debug", "vsf.launch", "vsf.stages")),
 ]
 
 
@@ -44,7 +44,7 @@ def _layer(module: str) -> int:
     for i, (_, prefixes) in enumerate(LAYERS):
         if any(module == p or (p.endswith(".") and module.startswith(p)) for p in prefixes):
             return i
-    raise AssertionError(f"{module} has no layer in LAYERS (DESIGN.md's table): add it where it belongs")
+    raise AssertionError(f"{module} has no layer in LAYERS (docs/architecture.md's table): add it where it belongs")
 
 
 def _vsf_imports(module: str) -> set[str]:
@@ -76,7 +76,7 @@ def test_every_import_goes_down_the_layers():
         f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
         for m, deps in GRAPH.items() for d in sorted(deps) if _layer(d) > _layer(m)
     ]
-    assert not wrong, "imports against DESIGN.md's layer order:\n" + "\n".join(wrong)
+    assert not wrong, "imports against docs/architecture.md's layer order:\n" + "\n".join(wrong)
 
 
 def test_no_import_cycles():
@@ -188,3 +188,13 @@ def test_modules_are_small_or_say_why():
         if (n := len(p.read_text().splitlines())) > 500 and "one piece" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
     ]
     assert not long, f"modules over 500 lines whose docstring does not say why they must be one piece: {long}"
+
+
+def test_the_architecture_page_lists_these_layers():
+    # docs/architecture.md's layer table is LAYERS, in order, each row naming the layer's modules
+    page = (ROOT.parent / "docs" / "architecture.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| (.+?) \| .+ \|$", page, flags=re.M)[1:]  # the header row first
+    assert [name for name, _ in rows] == [name for name, _ in LAYERS]
+    for (name, modules), (_, prefixes) in zip(rows, LAYERS):
+        missing = [p for p in prefixes if p.rstrip(".").rpartition(".")[2] not in modules]
+        assert not missing, f"docs/architecture.md's {name} row does not name {missing}"

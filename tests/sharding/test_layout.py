@@ -1,4 +1,4 @@
-"""Layout = JAX's (DESIGN.md): ``devices_indices_map`` against JAX, uneven dims by hand, scale.
+"""Layout = JAX's (docs/architecture.md, Placements): ``devices_indices_map`` against JAX, uneven dims by hand, scale.
 
 JAX runs on 64 virtual CPU devices (``XLA_FLAGS`` is set in conftest.py before jax starts); a
 JAX mesh over ``jax.devices()[:n]`` has device ids ``0..n-1`` row-major, so device id == rank.

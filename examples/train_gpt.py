@@ -45,8 +45,7 @@ import torch.distributed as dist
 
 import vsf
 from vsf import P, optim
-from vsf.jit import Jitted
-from vsf.jit.report import Cost
+from vsf.stages import Cost, Jitted
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig, batch_at, floor_loss, pipeline_stages  # noqa: E402

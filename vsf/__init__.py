@@ -13,7 +13,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, sharding, tree
+from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, sharding, stages, tree
 from vsf.errors import CorruptCheckpointError, HigherOrderGradError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
@@ -85,6 +85,7 @@ __all__ = [
     "shard_map",
     "sharding",
     "simulate",
+    "stages",
     "tree",
     "typeof",
     "use_mesh",

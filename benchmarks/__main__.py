@@ -3,7 +3,7 @@
 Each row is vsf next to its reference, measured side by side in the same run, the ratio, the
 target its issue set, and whether this run met it; the machine's CPU count, load average and
 torch version come first, since every figure depends on them. The table is Markdown, ready to
-paste into the README. ``torch`` and ``jit`` run first: each simulates ranks in this process,
+paste into docs/benchmarks.md. ``torch`` and ``jit`` run first: each simulates ranks in this process,
 which needs a process without a process group.
 """
 

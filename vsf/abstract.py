@@ -44,6 +44,9 @@ class ShapeDtypeStruct:
     """
 
     __slots__ = ("_shape", "_dtype", "_sharding")
+    _shape: tuple[int, ...]
+    _dtype: torch.dtype
+    _sharding: NamedSharding | None
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype, sharding: NamedSharding | None = None) -> None:
         shape = tuple(shape)
@@ -133,7 +136,7 @@ def _describe(x: Any) -> Any:
         return x
     s = ShapeDtypeStruct.like(x)
     if s.sharding is not None:
-        s.sharding.mesh.device_mesh
+        _ = s.sharding.mesh.device_mesh  # its communicators, built now
     return s
 
 

@@ -144,7 +144,7 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     return tree.unflatten(treedef, out)
 
 
-def _reshard_in_graph(x: torch.Tensor, s: NamedSharding, where: str) -> torch.Tensor:
+def _reshard_in_graph(x: torch.Tensor, s: NamedSharding, where: str) -> DTensor:
     """Reshard eagerly through DTensor's differentiable ops, so a gradient flows back through the
     constraint (``device_put`` makes a new leaf)."""
     s.check(tuple(x.shape), where)

@@ -138,7 +138,7 @@ def test_pipelined_gpt_with_sequences_on_cp_equals_one_device_on_4_processes(wor
 
 @pytest.mark.world("pipeline_gpt.py", "2", nproc=4)
 def test_pipelined_gpt_with_fsdp_inside_stages_equals_one_device_on_4_processes(world):
-    for rank, got, stage in _pp2_run(world, FSDP_RUN):
+    for rank, got, _stage in _pp2_run(world, FSDP_RUN):
         # the step's reduction, once whatever the microbatches (hand-computed, ring over 2 ranks):
         # each fsdp-split gradient reduce-scattered, (n-1)/n of it, each replicated one all-reduced, 2(n-1)/n
         assert got["fsdp_reduce_bytes"] == [got["split_param_bytes"][0] // 2 + got["whole_param_bytes"][0]], rank

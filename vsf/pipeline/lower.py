@@ -186,9 +186,9 @@ class PipelineLowered:
                 lines.append(f"    params gathered once a step: {per_axis(c.gather.comm_bytes)} (their {fmt_bytes(c.gathered_bytes)} of shards held beside them)")
         lines.append(f"sends over {self.axis} (each rank to the rank at its other coordinates in the other stage):")
         width = max((len(s.what) for s in self.sends), default=0)
-        for s in self.sends:
-            shape = type_string(s.shape, s.dtype, None)
-            lines.append(f"  {s.what:<{width}}  stage {s.src} -> {s.dst}  {shape:<16} {fmt_bytes(s.bytes):>9} x {s.count} = {fmt_bytes(s.step_bytes)} a step")
+        for send in self.sends:
+            shape = type_string(send.shape, send.dtype, None)
+            lines.append(f"  {send.what:<{width}}  stage {send.src} -> {send.dst}  {shape:<16} {fmt_bytes(send.bytes):>9} x {send.count} = {fmt_bytes(send.step_bytes)} a step")
         for s, lowered in sorted(self.stages.items()):
             lines += ["", f"== stage {s}: one microbatch (run {m} times a step) ==", lowered.as_text()]
             if s in self.gathers:

@@ -7,6 +7,8 @@ the value's sharding there; the lowering redistributes to it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vsf.sharding.mesh import Mesh
@@ -29,11 +31,11 @@ def _(x: torch.Tensor, sharding: str) -> torch.Tensor:
 CONSTRAINT_OP = torch.ops.vsf.sharding_constraint.default
 
 
-def _save_sharding(ctx: object, inputs: tuple[torch.Tensor, str], output: torch.Tensor) -> None:
+def _save_sharding(ctx: Any, inputs: tuple[torch.Tensor, str], output: torch.Tensor) -> None:
     ctx.sharding = inputs[1]
 
 
-def _backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     # JAX's transpose rule: the cotangent is pinned to the same sharding
     return CONSTRAINT_OP(grad, ctx.sharding), None
 

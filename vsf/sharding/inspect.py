@@ -120,7 +120,7 @@ def shards(x: torch.Tensor) -> list[AddressableShard]:
         ...     print(s.rank, s.index, s.data.shape)
     """
     s = sharding_of(x)
-    if s is None:
+    if s is None or not isinstance(x, DTensor):
         full = tuple(slice(0, n) for n in x.shape)
         return [AddressableShard(r, full, t) for r, t in sorted(_compat.local_shards(x, runtime.rank()).items())]
     local = _compat.local_shards(x.to_local(), runtime.rank())

@@ -43,6 +43,11 @@ class Mesh:
     """
 
     __slots__ = ("_names", "_sizes", "_devices", "_device_type", "_hash")
+    _names: tuple[str, ...]
+    _sizes: tuple[int, ...]
+    _devices: tuple[int, ...]
+    _device_type: str
+    _hash: int
 
     def __init__(
         self,
@@ -348,7 +353,7 @@ def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], *, device_t
             f"{world}; launch with `torchrun --nproc-per-node {mesh.size}` or wrap the code in "
             f"`with vsf.simulate({mesh.size}):`"
         )
-    mesh.device_mesh  # build the communicators now, on every rank together
+    _ = mesh.device_mesh  # build the communicators now, on every rank together
     return mesh
 
 

@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from vsf import _compat, tree
+from vsf.tree import KeyPath
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, PartitionSpec, RaggedShard
 
@@ -162,6 +163,8 @@ class NamedSharding:
     """
 
     __slots__ = ("_mesh", "_spec")
+    _mesh: Mesh
+    _spec: PartitionSpec
 
     def __init__(self, mesh: Mesh, spec: PartitionSpec) -> None:
         if not isinstance(mesh, Mesh):
@@ -224,7 +227,7 @@ class NamedSharding:
         return tree.map_with_path(lambda path, p: cls._at(mesh, path, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     @classmethod
-    def _at(cls, mesh: Mesh, path: tree.KeyPath, p: Any) -> "NamedSharding":
+    def _at(cls, mesh: Mesh, path: KeyPath, p: Any) -> "NamedSharding":
         if not isinstance(p, PartitionSpec):
             raise TypeError(f"NamedSharding.tree: the spec at {tree.keystr(path)} is {p!r}, not a vsf.P")
         try:
@@ -415,27 +418,33 @@ def sharding_of(x: torch.Tensor) -> NamedSharding | None:
 def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> NamedSharding:
     """The ``NamedSharding`` that DTensor ``placements`` (over ``mesh.device_axes``) express for a rank-``ndim`` tensor."""
     dm_axes = tuple(mesh.device_axes)
-    unreduced, by_dim, ragged_entry = [], {}, None
+    unreduced: list[str] = []
+    split: dict[int, list[str]] = {}  # dim -> the axes that split it, in mesh order
+    balanced: dict[int, BalancedShard] = {}
+    ragged_entry: RaggedShard | None = None
     for axis, p in zip(dm_axes, placements):
         if isinstance(p, RaggedPlacement):
             ragged_entry = p.ragged
         elif isinstance(p, BalancedPlacement):
             if p.split_factor is not None:
                 raise ValueError(f"{p} over {axis!r} splits groups of dim {p.dim} (a merged view's), which no vsf spec names")
-            if p.dim in by_dim:
-                raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced over {axis!r} and over {by_dim[p.dim]}: vsf has no such layout")
-            by_dim[p.dim] = BalancedShard(axis)
+            if p.dim in split or p.dim in balanced:
+                other = split.get(p.dim) or balanced[p.dim]
+                raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced over {axis!r} and over {other}: vsf has no such layout")
+            balanced[p.dim] = BalancedShard(axis)
         elif isinstance(p, Partial):
             if p.reduce_op != "sum":
                 raise ValueError(f"a {p} placement over {axis!r} has no vsf spec (only sum partials are 'unreduced')")
             unreduced.append(axis)
         elif isinstance(p, (Shard, _compat.StridedShard)):
-            if isinstance(by_dim.get(p.dim), BalancedShard):
+            if p.dim in balanced:
                 raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced and over {axis!r}: vsf has no such layout")
-            by_dim.setdefault(p.dim, []).append(axis)
+            split.setdefault(p.dim, []).append(axis)
     entries: list[Any] = [None] * ndim
-    for dim, axes in by_dim.items():
-        entries[dim] = axes if isinstance(axes, BalancedShard) else _entry_order(mesh, dim, axes, placements, dm_axes)
+    for dim, b in balanced.items():
+        entries[dim] = b
+    for dim, axes in split.items():
+        entries[dim] = _entry_order(mesh, dim, axes, placements, dm_axes)
     if ragged_entry is not None:
         entries[0] = ragged_entry
     return NamedSharding(mesh, PartitionSpec(*entries, unreduced=unreduced).normalized())

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any, Union, overload
 
 __all__ = ["BalancedShard", "P", "PartitionSpec", "RaggedShard", "UNCONSTRAINED", "balanced", "ragged"]
 
@@ -79,6 +79,10 @@ class RaggedShard:
     """
 
     __slots__ = ("_axis", "_units", "_dims", "_block")
+    _axis: str
+    _units: tuple[int, ...]
+    _dims: int
+    _block: int
 
     def __init__(self, axis: str, units: Sequence[int], *, dims: int = 1, block: int = 1) -> None:
         if not isinstance(axis, str) or not axis:
@@ -222,6 +226,7 @@ class BalancedShard:
     """
 
     __slots__ = ("_axis",)
+    _axis: str
 
     def __init__(self, axis: str) -> None:
         if not isinstance(axis, str) or not axis:
@@ -319,6 +324,8 @@ class PartitionSpec:
 
     UNCONSTRAINED = UNCONSTRAINED
     __slots__ = ("_entries", "_unreduced")
+    _entries: tuple[Entry, ...]
+    _unreduced: tuple[str, ...]
 
     def __init__(self, *entries: Any, unreduced: str | Iterable[str] = ()) -> None:
         normalized = tuple(_normalize_entry(e, i) for i, e in enumerate(entries))
@@ -354,7 +361,13 @@ class PartitionSpec:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __getitem__(self, i: int) -> Entry:
+    @overload
+    def __getitem__(self, i: int) -> Entry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Entry, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Entry | tuple[Entry, ...]:
         return self._entries[i]
 
     @property

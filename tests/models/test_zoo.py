@@ -17,6 +17,11 @@ pytestmark = pytest.mark.models
 CORE = ["gpt2", "llama", "bert", "t5", "mixtral"]
 EXTRA = ["mistral", "qwen2", "gemma", "phi", "gpt_neox"]  # other families, on two layouts
 CASES = [(f, l) for f in CORE for l in zoo.LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")]
+# By default each family trains on one layout, and each layout with one core family; the rest of
+# the cross product is the sweep (`-m sweep`)
+DEFAULT = {"gpt2": "5d", "llama": "dp_tp", "bert": "fsdp", "t5": "tp", "mixtral": "dp",
+           "mistral": "dp_tp", "qwen2": "dp", "gemma": "dp_tp", "phi": "dp", "gpt_neox": "dp_tp"}
+CASES = [c if hasattr(c, "values") or DEFAULT.get(c[0], c[1]) == c[1] else pytest.param(*c, marks=pytest.mark.sweep) for c in CASES]
 
 
 @functools.cache
@@ -29,7 +34,7 @@ def _oracle(name: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     return zoo.torch_run(_families()[name])
 
 
-@pytest.mark.parametrize("name, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
+@pytest.mark.parametrize("name, layout", CASES, ids=[f"{c.values[0]}-{c.values[1]}" if hasattr(c, "values") else f"{c[0]}-{c[1]}" for c in CASES])
 def test_trains_like_torch_on_one_device(sim, name, layout):
     want = _oracle(name)
     losses, params, step = zoo.jit_train(_families()[name], layout, sim)

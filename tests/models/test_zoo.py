@@ -19,8 +19,8 @@ EXTRA = ["mistral", "qwen2", "gemma", "phi", "gpt_neox"]  # other families, on t
 CASES = [(f, l) for f in CORE for l in zoo.LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")]
 # By default each family trains on one layout, and each layout with one core family; the rest of
 # the cross product is the sweep (`-m sweep`)
-DEFAULT = {"gpt2": "5d", "llama": "dp_tp", "bert": "fsdp", "t5": "tp", "mixtral": "dp",
-           "mistral": "dp_tp", "qwen2": "dp", "gemma": "dp_tp", "phi": "dp", "gpt_neox": "dp_tp"}
+DEFAULT = {"gpt2": "5d", "llama": "fsdp", "bert": "dp", "t5": "tp", "mixtral": "dp_tp",
+           "mistral": "dp", "qwen2": "dp", "gemma": "dp_tp", "phi": "dp_tp", "gpt_neox": "dp_tp"}
 CASES = [c if hasattr(c, "values") or DEFAULT.get(c[0], c[1]) == c[1] else pytest.param(*c, marks=pytest.mark.sweep) for c in CASES]
 
 

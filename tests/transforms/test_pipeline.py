@@ -44,23 +44,24 @@ def _one_device(model: GPT, params: dict[str, torch.Tensor]) -> tuple[list[float
     return losses, first, p
 
 
+SWEEP = pytest.mark.sweep  # every schedule and every layout runs by default; these combinations in the sweep
 CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs every op once per rank
-    (2, 1, 1, "gpipe", 8),
+    pytest.param(2, 1, 1, "gpipe", 8, marks=SWEEP),
     (2, 2, 1, "gpipe", 2),
     (2, 2, 1, "1f1b", 4),
     (2, 1, 2, "1f1b", 4),
-    (2, 2, 2, "1f1b", 4),
-    (2, 2, 1, "interleaved", 4),
+    pytest.param(2, 2, 2, "1f1b", 4, marks=SWEEP),
+    pytest.param(2, 2, 1, "interleaved", 4, marks=SWEEP),
     (4, 1, 1, "1f1b", 4),
     (2, 1, 1, "interleaved", 4),   # 2 stages on each pp rank: 4 stages of one block
-    (2, 1, 1, "zb", 4),            # the interleaved zero-bubble schedule: each backward's weight part deferred
+    pytest.param(2, 1, 1, "zb", 4, marks=SWEEP),  # the interleaved zero-bubble schedule: each backward's weight part deferred
     (2, 2, 1, "zb", 2),
     (2, 1, 1, "zbv", 4),           # V-shaped: stages 0 and 3 on pp rank 0, 1 and 2 on rank 1
     (2, 2, 1, "dualpipev", 4),     # DualPipe-V: full backwards and I/W pairs, overlapped F and B
 ]
 
 
-@pytest.mark.parametrize("pp,dp,tp,schedule,m", CASES, ids=[f"pp{c[0]}-dp{c[1]}-tp{c[2]}-{c[3]}-m{c[4]}" for c in CASES])
+@pytest.mark.parametrize("pp,dp,tp,schedule,m", CASES, ids=[f"pp{v[0]}-dp{v[1]}-tp{v[2]}-{v[3]}-m{v[4]}" for v in (getattr(c, "values", c) for c in CASES)])
 def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     stages = pp * (2 if schedule in sched.INTERLEAVED else 1)
     model, params = _model(layers=stages)

@@ -2,7 +2,7 @@
 decoder language model, diffusers' DiT, mamba.py's Mamba), built from tiny configs in code (random
 weights, no hub), each trained a few steps through ``vsf.jit`` on dp x Megatron TP (the first step
 in checking mode, ``step.check``, which must find no op whose sharded result differs from one
-device's) and, in the sweep (``models`` marker), on DP and FSDP, against the same model trained by
+device's) and, in the sweep (``sweep`` marker), on DP and FSDP, against the same model trained by
 plain PyTorch (``torch.optim.AdamW``) on one device, params compared after the steps (the zoo's
 train step, oracle and tolerances: :mod:`zoo`)."""
 
@@ -116,8 +116,7 @@ FAMILIES = {f.name: f for f in [
     ),
 ]}
 # dp x tp (with one step in checking mode) runs by default; the other layouts are the sweep
-# (the models marker)
-CASES = [pytest.param(name, layout, marks=() if layout == "dp_tp" else pytest.mark.models, id=f"{name}-{layout}")
+CASES = [pytest.param(name, layout, marks=() if layout == "dp_tp" else pytest.mark.sweep, id=f"{name}-{layout}")
          for name in FAMILIES for layout in ("dp_tp", "dp", "fsdp")]
 
 

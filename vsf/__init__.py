@@ -14,7 +14,7 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
 """
 
 from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, sharding, stages, tree
-from vsf.errors import CorruptCheckpointError, HigherOrderGradError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
+from vsf.errors import ApplyError, CorruptCheckpointError, HigherOrderGradError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
@@ -48,6 +48,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'vsf' has no attribute {name!r}")
 
 __all__ = [
+    "ApplyError",
     "BalancedShard",
     "CorruptCheckpointError",
     "HigherOrderGradError",

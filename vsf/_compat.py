@@ -18,9 +18,12 @@ PyTorch upgrade is checked against this file alone.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import inspect
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -115,6 +118,11 @@ __all__ = [
     "torch_tree_map",
     "whole_op_strategies",
     "wrapper_tensor",
+    "module_node_copy",
+    "module_tables",
+    "tensor_version",
+    "reentrant_checkpoint_caller",
+    "undeclared_writes",
 ]
 
 
@@ -878,3 +886,63 @@ def interleaved_order(schedule: type, stages_per_rank: int, ranks: int, microbat
     order = [schedule._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
     flat = [[sub for a in acts if a is not None for sub in (a.sub_actions or (a,))] for acts in order]
     return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts] for acts in flat]
+
+
+def module_node_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of one module whose tables of parameters, buffers and child modules are its
+    own (the tensors and children in them still the original's, until replaced through
+    :func:`module_tables`): a node of the module tree :func:`vsf.tree.apply` runs on."""
+    new = copy.copy(module)
+    new._parameters, new._buffers, new._modules = dict(module._parameters), dict(module._buffers), dict(module._modules)
+    return new
+
+
+def module_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A module's own ``(parameters, buffers, children)`` tables (``nn.Module``'s dicts themselves:
+    writing one changes what the module's code reads, as ``torch.func.functional_call`` does)."""
+    return module._parameters, module._buffers, module._modules
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """How many times ``t`` was written in place (autograd's version counter; ``None`` for an
+    inference-mode tensor, which has none)."""
+    return None if t.is_inference() else t._version
+
+
+def reentrant_checkpoint_caller(func: Any, args: Sequence[Any]) -> str | None:
+    """If the torch function call ``func(*args)`` turns grad mode off inside ``torch.utils.checkpoint``'s
+    reentrant ``CheckpointFunction.forward`` (``use_reentrant=True``), the first line outside torch
+    that led there (the call of ``checkpoint``, as ``file:line``), else ``None``. For a
+    ``TorchFunctionMode`` that refuses reentrant checkpointing."""
+    if func is not torch._C._set_grad_enabled or not args or args[0]:
+        return None
+    from torch.utils.checkpoint import CheckpointFunction
+
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code is not CheckpointFunction.forward.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    torch_dir = os.path.dirname(torch.__file__)
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+        frame = frame.f_back
+    return "<unknown location>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_BATCH_NORM_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps", "cudnn_enabled")
+
+
+def undeclared_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors the torch function call ``func(*args, **kwargs)`` writes in place although no
+    aten schema says so, which autograd's version counter therefore misses: batch norm's running
+    statistics in training (``native_batch_norm``'s schema hides the write; PyTorch's own tracers
+    always decompose it for that reason, ``torch._decomp._should_decompose_because_unsafe_op``)."""
+    if func is torch.nn.functional.batch_norm:
+        bound = inspect.signature(func).bind(*args, **kwargs).arguments
+    elif func is torch.batch_norm:
+        bound = dict(zip(_BATCH_NORM_ARGS, args)) | kwargs
+    else:
+        return []
+    if not bound.get("training", False):
+        return []
+    return [t for t in (bound.get("running_mean"), bound.get("running_var")) if t is not None]

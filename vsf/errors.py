@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["CorruptCheckpointError", "HigherOrderGradError", "NotACheckpointError", "PlanCheckError", "PlanError", "PlanMismatch", "TraceError"]
+__all__ = ["ApplyError", "CorruptCheckpointError", "HigherOrderGradError", "NotACheckpointError", "PlanCheckError", "PlanError", "PlanMismatch", "TraceError"]
+
+
+class ApplyError(ValueError):
+    """``vsf.tree.apply`` cannot run the module as asked: its forward writes a buffer without
+    ``mutable=True`` (or a parameter, or a buffer the state does not hold), or checkpoints
+    activations reentrantly (the message names the tensor or the line)."""
 
 
 class TraceError(ValueError):

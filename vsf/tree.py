@@ -23,6 +23,9 @@ import optree
 import torch
 from optree import PyTreeAccessor, PyTreeSpec
 
+from vsf import _compat
+from vsf.errors import ApplyError
+
 NAMESPACE = "vsf"
 
 __all__ = [
@@ -213,39 +216,182 @@ def _short(x: Any) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
-def from_module(module: torch.nn.Module, *, buffers: bool = False) -> dict[str, torch.Tensor]:
-    """A module's parameters (and, with ``buffers=True``, its buffers) as a flat dict.
+def from_module(module: torch.nn.Module, *, params: bool = True, buffers: bool = False) -> dict[str, torch.Tensor]:
+    """A module's parameters (and, with ``buffers=True``, its buffers) as a flat dict; with
+    ``params=False`` its buffers alone.
 
     Keys are the module's own names (``"blocks.0.attn.qkv.weight"``); values are detached
     tensors, so the pytree is plain data that :func:`apply` feeds back to the module.
 
     Example::
 
-        >>> model = torch.nn.Linear(4, 2)
+        >>> model = torch.nn.BatchNorm1d(2)
         >>> sorted(vsf.tree.from_module(model))
         ['bias', 'weight']
+        >>> sorted(vsf.tree.from_module(model, params=False, buffers=True))
+        ['num_batches_tracked', 'running_mean', 'running_var']
     """
-    named = dict(module.named_parameters())
+    named = dict(module.named_parameters()) if params else {}
     if buffers:
         named.update(module.named_buffers())
     return {k: v.detach() for k, v in named.items()}
 
 
-def apply(module: torch.nn.Module, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-    """Run ``module`` with ``params`` in place of its own (``torch.func.functional_call``).
+def apply(module: torch.nn.Module, state: dict[str, torch.Tensor], *args: Any, mutable: bool = False, **kwargs: Any) -> Any:
+    """Run ``module(*args, **kwargs)`` with the tensors of ``state`` in place of its own.
 
-    ``params`` maps the module's parameter names to tensors (as :func:`from_module` returns);
-    a missing or unknown name is an error, so a typo never silently uses the module's own weight.
+    ``state`` maps the module's names to tensors, as :func:`from_module` returns them: every
+    parameter (a missing or unknown name is an error, so a typo never silently uses the module's
+    own weight), and any of its buffers (those left out are read from the module). The module
+    runs as a copy of its tree of modules that holds these tensors for as long as anything refers
+    to it, so activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
+    Hugging Face's ``gradient_checkpointing_enable()``) recomputes with them in the backward too.
+    Reentrant checkpointing (``use_reentrant=True``) is refused: its backward cannot run under
+    ``torch.autograd.grad``, and a block whose input needs no gradient would silently give its
+    weights none.
+
+    Forward may write buffers (BatchNorm's running statistics, a router's token counts) only with
+    ``mutable=True``: then the call returns ``(out, updated)``, ``updated`` the new values of the
+    buffers of ``state`` that forward wrote (in place or by assignment), so that a pure step
+    carries them like optimizer state (Flax's ``apply(..., mutable=...)``). Without it, a buffer
+    write is an :class:`~vsf.errors.ApplyError` naming the buffer, as is a write to a buffer
+    ``state`` does not hold, or to a parameter. Forward writes copies of the buffers: neither
+    ``state``'s nor the module's own change (a parameter written in place is written before the
+    error). Inside :func:`vsf.jit` and eagerly alike.
 
     Example::
 
         >>> y = vsf.tree.apply(model, params, torch.randn(3, 4))
+        >>> cnn = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> params = vsf.tree.from_module(cnn)
+        >>> stats = vsf.tree.from_module(cnn, params=False, buffers=True)
+        >>> def loss_fn(params, stats, x):
+        ...     y, stats = vsf.tree.apply(cnn, {**params, **stats}, x, mutable=True)
+        ...     return y.square().mean(), stats     # stats: BatchNorm's three buffers, updated
+        >>> (loss, stats), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params, stats, x)
     """
+    slots = _slots(module)
+    _check_names(module, slots, state)
+    bound, placed = _bind(module, slots, state)
+    with _Watch(type(module).__name__) as watch:
+        out = bound(*args, **kwargs)
+    updated = _written(module, placed, state, mutable, watch.written)
+    return (out, updated) if mutable else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a module tree holds a tensor: ``key`` its name from the root, ``owner`` the module
+    holding it as ``local`` in its parameters (``param``) or buffers table."""
+
+    key: str
+    owner: torch.nn.Module
+    local: str
+    param: bool
+    tensor: torch.Tensor
+
+
+def _slots(module: torch.nn.Module) -> list[_Slot]:
+    """Every parameter and buffer slot of ``module``'s tree, shared ones under each of their names."""
+    out = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        params, buffers, _ = _compat.module_tables(m)
+        for table, param in ((params, True), (buffers, False)):
+            out += [_Slot(f"{prefix}.{k}" if prefix else k, m, k, param, t) for k, t in table.items() if t is not None]
+    return out
+
+
+def _check_names(module: torch.nn.Module, slots: list[_Slot], state: dict[str, torch.Tensor]) -> None:
     expected = {k for k, _ in module.named_parameters()}
-    given = set(params)
-    buffers_ = {k for k, _ in module.named_buffers()}
-    missing = sorted(expected - given)
-    unknown = sorted(given - expected - buffers_)
+    missing = sorted(expected - set(state))
+    unknown = sorted(set(state) - {s.key for s in slots})
     if missing or unknown:
         raise ValueError(f"params do not match {type(module).__name__}: missing {missing}, unknown {unknown}")
-    return torch.func.functional_call(module, params, args, kwargs, strict=False, tie_weights=True)
+    tied: dict[int, str] = {}
+    for s in slots:
+        if s.key in state and tied.setdefault(id(s.tensor), s.key) != s.key and state[tied[id(s.tensor)]] is not state[s.key]:
+            raise ValueError(f"{type(module).__name__} ties {tied[id(s.tensor)]!r} and {s.key!r} (one tensor), but state gives them different values")
+
+
+@dataclasses.dataclass
+class _Placed:
+    """A tensor :func:`_bind` put in a slot of the bound tree, and its version counter then."""
+
+    slot: _Slot
+    owner: torch.nn.Module
+    tensor: torch.Tensor
+    version: int | None
+
+
+def _bind(module: torch.nn.Module, slots: list[_Slot], state: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, list[_Placed]]:
+    """A copy of ``module``'s tree of modules (sharing their code, hooks and attributes) whose
+    slots hold ``state``'s tensors (a tied slot the tensor given for any of its names), the
+    module's own elsewhere; each buffer a copy, so that a write in forward changes neither."""
+    copies: dict[int, torch.nn.Module] = {}
+    for _, m in module.named_modules(remove_duplicate=False):
+        copies.setdefault(id(m), _compat.module_node_copy(m))
+    for new in copies.values():
+        children = _compat.module_tables(new)[2]
+        children.update({k: copies[id(c)] for k, c in children.items() if c is not None})
+    given = {id(s.tensor): state[s.key] for s in slots if s.key in state}
+    fresh: dict[int, torch.Tensor] = {}
+    placed = []
+    for s in slots:
+        t = given.get(id(s.tensor), s.tensor)
+        if not s.param:
+            t = fresh.setdefault(id(s.tensor), t.clone())
+        owner = copies[id(s.owner)]
+        _compat.module_tables(owner)[0 if s.param else 1][s.local] = t
+        placed.append(_Placed(s, owner, t, _compat.tensor_version(t)))
+    return copies[id(module)], placed
+
+
+def _written(module: torch.nn.Module, placed: list[_Placed], state: dict[str, torch.Tensor], mutable: bool, hidden: set[int]) -> dict[str, torch.Tensor]:
+    """The new values of the buffers of ``state`` that forward wrote (an :class:`ApplyError` for
+    any other write, or for any write without ``mutable``): a slot that holds another tensor now,
+    or whose tensor was written in place (its version counter moved, or ``hidden`` has its id)."""
+    updated: dict[str, torch.Tensor] = {}
+    for p in placed:
+        now = _compat.module_tables(p.owner)[0 if p.slot.param else 1].get(p.slot.local)
+        if now is p.tensor and _compat.tensor_version(p.tensor) == p.version and id(p.tensor) not in hidden:
+            continue
+        name, key = type(module).__name__, p.slot.key
+        if p.slot.param:
+            raise ApplyError(f"{name}'s forward wrote its parameter {key!r} (in place or by assignment): vsf.tree.apply's params are read-only; return a new value instead")
+        if not any(q.slot.key in state for q in placed if q.slot.tensor is p.slot.tensor):
+            raise ApplyError(
+                f"{name}'s forward wrote its buffer {key!r}, which state does not hold: pass the buffers in state "
+                "(vsf.tree.from_module(model, buffers=True)) with mutable=True, and carry the updated values it returns"
+            )
+        if not mutable:
+            raise ApplyError(
+                f"{name}'s forward wrote the buffer {key!r} of state: call vsf.tree.apply(..., mutable=True), which returns "
+                "(out, updated) with the new values, and carry them to the next call"
+            )
+        keys = [q.slot.key for q in placed if q.slot.tensor is p.slot.tensor and q.slot.key in state]
+        updated[keys[0]] = now
+    return updated
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    """Watches the torch functions a module's forward calls: notes in ``written`` the ids of the
+    tensors one writes without its schema saying so (:func:`vsf._compat.undeclared_writes`), and
+    raises an :class:`ApplyError` where one checkpoints with ``use_reentrant=True``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.written: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        where = _compat.reentrant_checkpoint_caller(func, args)
+        if where is not None:
+            raise ApplyError(
+                f"{self.name} checkpoints activations with torch.utils.checkpoint's use_reentrant=True (at {where}), which "
+                "vsf.tree.apply cannot differentiate (its backward refuses torch.autograd.grad, and gives no gradient where a "
+                "block's input needs none): use use_reentrant=False (Hugging Face: "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+            )
+        self.written.update(id(t) for t in _compat.undeclared_writes(func, args, kwargs))
+        return func(*args, **kwargs)

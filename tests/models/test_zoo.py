@@ -16,11 +16,13 @@ pytestmark = pytest.mark.models
 
 CORE = ["gpt2", "llama", "bert", "t5", "mixtral"]
 EXTRA = ["mistral", "qwen2", "gemma", "phi", "gpt_neox"]  # other families, on two layouts
-CASES = [(f, l) for f in CORE for l in zoo.LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")]
+MOE = ["qwen2_moe", "qwen3_moe", "deepseek_v3"]  # mixture-of-experts families beside Mixtral, on DP, FSDP and TP
+CASES = [(f, l) for f in CORE for l in zoo.LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")] + [(f, l) for f in MOE for l in ("dp", "fsdp", "tp")]
 # By default each family trains on one layout, and each layout with one core family; the rest of
 # the cross product is the sweep (`-m sweep`)
 DEFAULT = {"gpt2": "5d", "llama": "fsdp", "bert": "dp", "t5": "tp", "mixtral": "dp_tp",
-           "mistral": "dp", "qwen2": "dp", "gemma": "dp_tp", "phi": "dp_tp", "gpt_neox": "dp_tp"}
+           "mistral": "dp", "qwen2": "dp", "gemma": "dp_tp", "phi": "dp_tp", "gpt_neox": "dp_tp",
+           "qwen2_moe": "tp", "qwen3_moe": "fsdp", "deepseek_v3": "dp"}
 CASES = [c if hasattr(c, "values") or DEFAULT.get(c[0], c[1]) == c[1] else pytest.param(*c, marks=pytest.mark.sweep) for c in CASES]
 
 
@@ -40,6 +42,20 @@ def test_trains_like_torch_on_one_device(sim, name, layout):
     losses, params, step = zoo.jit_train(_families()[name], layout, sim)
     assert step.plan_count == 1
     zoo.assert_like_oracle(f"{name} {layout}", losses, params, want)
+
+
+# Llama with Hugging Face's activation checkpointing (each decoder layer recomputed in the backward),
+# against the oracle without it; the 8-layer cases in the sweep
+CHECKPOINTED = [(zoo.LAYERS, "dp")] + [pytest.param(8, layout, marks=pytest.mark.sweep) for layout in ("dp", "dp_tp")]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("layers, layout", CHECKPOINTED)
+def test_llama_with_activation_checkpointing_trains_like_torch_without_it(sim, layers, layout):
+    """The recompute reads the params being trained (on the old code, from the second step on,
+    every gradient was off: the plan held the module's own weights as constants)."""
+    losses, params, _ = zoo.jit_train(zoo.llama(layers, checkpointed=True), layout, sim)
+    zoo.assert_like_oracle(f"llama x{layers} {layout}", losses, params, zoo.torch_run(zoo.llama(layers)))
 
 
 REAL = ["llama", "bert"]   # rotary tables; position and token-type buffers, padding masks

@@ -87,14 +87,17 @@ def megatron(column: str, row: str, vocab: str, *, conv1d: bool = False, also: t
 
 
 def _llama_like(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[[], torch.nn.Module]:
-    return lambda: model_cls(config_cls(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=2 * SEQ, **extra,
-    ))
+    return lambda: model_cls(config_cls(**{
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": 2, "max_position_embeddings": 2 * SEQ, **extra,
+    }))
 
 
 _LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB = r"q_proj|k_proj|v_proj|gate_proj|up_proj", r"o_proj|down_proj", r"model\.embed_tokens|lm_head"
 _LLAMA_TP = megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB)
+# the experts' fused [experts, 2 * ffn, hidden] and [experts, hidden, ffn] weights (Mixtral's, Qwen's,
+# DeepSeek's) split over ffn
+_EXPERTS_TP = ((r".*experts\.gate_up_proj", P(None, "tp", None)), (r".*experts\.down_proj", P(None, None, "tp")))
 
 
 def families() -> dict[str, Family]:
@@ -135,8 +138,27 @@ def families() -> dict[str, Family]:
             "mixtral",
             _llama_like(T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
             causal_batch,
-            # the experts' fused [experts, 2 * ffn, hidden] and [experts, hidden, ffn] weights split over ffn
-            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=((r".*experts\.gate_up_proj", P(None, "tp", None)), (r".*experts\.down_proj", P(None, None, "tp")))),
+            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+        ),
+        Family(
+            "qwen2_moe",
+            _llama_like(T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, moe_intermediate_size=FFN, shared_expert_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2),
+            causal_batch,
+            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+        ),
+        Family(
+            "qwen3_moe",
+            _llama_like(T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2, head_dim=HIDDEN // HEADS),
+            causal_batch,
+            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+        ),
+        Family(
+            # multi-head latent attention; layer 0 dense, layer 1 routed experts + a shared one
+            "deepseek_v3",
+            _llama_like(T.DeepseekV3Config, T.DeepseekV3ForCausalLM, moe_intermediate_size=FFN, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+            causal_batch,
+            megatron(r"q_b_proj|kv_b_proj|gate_proj|up_proj", _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
         ),
         Family("mistral", _llama_like(T.MistralConfig, T.MistralForCausalLM), causal_batch, _LLAMA_TP),
         Family("qwen2", _llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), causal_batch, _LLAMA_TP),
@@ -160,6 +182,22 @@ def families() -> dict[str, Family]:
             megatron(r"query_key_value|dense_h_to_4h", r"attention\.dense|dense_4h_to_h", r"gpt_neox\.embed_in|embed_out"),
         ),
     ]}
+
+
+def llama(layers: int, *, checkpointed: bool = False) -> Family:
+    """The zoo's Llama with ``layers`` decoder layers; ``checkpointed``: with Hugging Face's
+    activation checkpointing (``gradient_checkpointing_enable()``: each layer recomputed in the backward)."""
+    import transformers as T
+
+    plain = _llama_like(T.LlamaConfig, T.LlamaForCausalLM, num_hidden_layers=layers)
+
+    def build() -> torch.nn.Module:
+        model = plain()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        return model
+
+    return dataclasses.replace(families()["llama"], build=build)
 
 
 def built(family: Family) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +43,8 @@ from vsf.ops import region
 from vsf.sharding import constraint
 
 __all__ = [
-    "ATTENTION_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
-    "OpClass", "classify", "constant_nodes", "never_planned_decompositions", "unplanned_ops",
+    "ATTENTION_OPS", "BATCH_NORM_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
+    "VARIANCE_DECOMPOSITIONS", "OpClass", "classify", "constant_nodes", "never_planned_decompositions", "unplanned_ops",
 ]
 
 aten = torch.ops.aten
@@ -72,6 +73,39 @@ DISPATCHER_SPECIAL = _compat.dispatcher_special_ops()
 # the shards' means, which is the mean only when every shard counts as many targets (ignore_index
 # or class weights make them differ: BERT's masked-LM labels).
 UNTRUSTED_STRATEGIES = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d_forward.default})
+
+
+# Batch norm, decomposed (by PyTorch's decompositions) in every graph: ``native_batch_norm`` writes
+# its running statistics in place though its schema does not say so (PyTorch's own tracers always
+# decompose it for that reason: the write becomes a copy, which functionalization returns), and in
+# training its statistics and its backward's are reductions over the batch, which DTensor's
+# strategies gather whole on every rank; decomposed, they are sums and variances (below) that split
+# over the batch's shards, and only per-channel partial sums are reduced (SyncBatchNorm's bytes).
+BATCH_NORM_OPS = frozenset({
+    aten.native_batch_norm.default, aten.native_batch_norm_backward.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_functional.default,
+})
+
+
+def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> Any:
+    """``torch.var_mean`` as the mean, then the mean of squared deviations (two passes, computed in
+    at least float32): reductions that split over a sharded dim as partial sums."""
+    if x.is_complex():
+        return NotImplemented
+    dims = [d % x.dim() for d in dim] if dim else list(range(x.dim()))
+    n = math.prod(x.shape[d] for d in dims)
+    wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = wide.sum(dims, keepdim=True) / n
+    var = (wide - mean).square().sum(dims, keepdim=keepdim) / max(n - (1 if correction is None else correction), 0)
+    return var.to(x.dtype), (mean if keepdim else mean.squeeze(dims)).to(x.dtype)
+
+
+# Variances, decomposed in every graph into the reductions above: over a sharded dim, DTensor's
+# strategy gathers the input whole, and PyTorch's decomposition lands on ``prims.var``.
+VARIANCE_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.var_mean.correction: _var_mean,
+    aten.var.correction: lambda x, dim=None, *, correction=None, keepdim=False: _var_mean(x, dim, correction=correction, keepdim=keepdim)[0],
+}
 
 
 # Attention keeps a real strategy (decomposed, it would materialise a T x T product): the CPU
@@ -143,23 +177,25 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
     constants = constant_nodes(gm.graph)
     return {
         node.target for node in op_nodes(gm)
-        if node.target in UNTRUSTED_STRATEGIES
+        if node.target in UNTRUSTED_STRATEGIES or node.target in BATCH_NORM_OPS or node.target in VARIANCE_DECOMPOSITIONS
         or (_compat.op_schema(node.target) is not None and classify(node, constants).kind == "none" and not _adopt_inplace_strategy(node.target))
     }
 
 
 @functools.cache
 def never_planned_decompositions() -> dict[Any, Callable[..., Any]]:
-    """PyTorch's decompositions of the ops :func:`unplanned_ops` names in every graph they are in
-    (:data:`UNTRUSTED_STRATEGIES`: ``nll_loss_forward``, in every language model's loss), for the
-    tracer's first pass, so that no second trace is needed to decompose them.
+    """The decompositions of the ops :func:`unplanned_ops` names in every graph they are in, for the
+    tracer's first pass, so that no second trace is needed to decompose them (and for every later
+    one, so that the pieces of another op's decomposition are decomposed alike): PyTorch's of
+    :data:`UNTRUSTED_STRATEGIES` (``nll_loss_forward``, in every language model's loss) and of
+    :data:`BATCH_NORM_OPS`, vsf's :data:`VARIANCE_DECOMPOSITIONS`.
 
     Example::
 
         >>> aten.nll_loss_forward.default in never_planned_decompositions()
         True
     """
-    return {op: _compat.decomposition(op) for op in UNTRUSTED_STRATEGIES}
+    return {op: _compat.decomposition(op) for op in UNTRUSTED_STRATEGIES | BATCH_NORM_OPS} | VARIANCE_DECOMPOSITIONS
 
 
 def _adopt_inplace_strategy(op: Any) -> bool:

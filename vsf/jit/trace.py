@@ -91,6 +91,7 @@ def _trace(
             "abstract values, so data-dependent Python control flow (if/while on a tensor, .item(), "
             "bool(tensor)) cannot be traced. Use torch.where, or pass the value as a static argument."
         ) from None
+    _reject_module_weights(joint, fun)
     if not any(_needs_rewrite(n) for n in joint.graph.nodes):
         gm = joint
     else:
@@ -100,7 +101,7 @@ def _trace(
                 decomposition_table=decompositions | _FOREACH_DECOMPOSITIONS,
                 tracing_mode="fake",
             )(*fakes)
-    gm = decompose(gm, fakes, unplanned)
+    gm = decompose(gm, fakes, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
     _reject_unkeyed_random(gm, fun)
     gm.graph.eliminate_dead_code()
@@ -108,17 +109,19 @@ def _trace(
     return Traced(gm, out_info["tree"], out_info["consts"])
 
 
-def decompose(gm: torch.fx.GraphModule, fakes: Sequence[torch.Tensor], unplanned: Callable[[torch.fx.GraphModule], set[Any]]) -> torch.fx.GraphModule:
+def decompose(gm: torch.fx.GraphModule, fakes: Sequence[torch.Tensor], unplanned: Callable[[torch.fx.GraphModule], set[Any]],
+              known: Mapping[Any, Callable[..., Any]] | None = None) -> torch.fx.GraphModule:
     """Replace every op of ``gm`` that ``unplanned`` names by PyTorch's own decomposition of it
     (``torch._decomp``), then do the same for the pieces, until each op is planned or has no
     decomposition (the planner names what is left, with the user's line: node metadata, the
-    recorded stack traces included, carries over). ``fakes`` are the graph's fake inputs.
+    recorded stack traces included, carries over). ``fakes`` are the graph's fake inputs;
+    ``known`` decompositions (the ops decomposed in every graph) also apply to the pieces.
 
     Example::
 
         >>> gm = decompose(gm, fakes, vsf.jit.classify.unplanned_ops)
     """
-    table: dict[Any, Callable[..., Any]] = {}
+    table: dict[Any, Callable[..., Any]] = dict(known or {})
     while True:
         found = {op: d for op in unplanned(gm) if op not in table and (d := _compat.decomposition(op)) is not None}
         if not found:
@@ -142,6 +145,22 @@ def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
             raise TraceError(
                 f"{_fun_name(fun)} mutates its input tensor #{index} in place; jitted functions must be pure. "
                 "Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`)."
+            )
+
+
+def _reject_module_weights(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    """A module's ``nn.Parameter`` that the traced code read from the module (not from the step's
+    arguments) would be a constant of the plan: replicated, and never trained. Refuse it."""
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target) if node.op == "get_attr" else None
+        if isinstance(value, torch.nn.Parameter):
+            where = next((line for user in node.users if (line := source_line(user))), "")
+            raise TraceError(
+                f"{_fun_name(fun)} reads a module's parameter ({str(value.dtype).removeprefix('torch.')}{list(value.shape)}) from the "
+                f"module itself{' at ' + where if where else ''}, which would make it a constant of the plan, never trained nor "
+                "sharded. Pass the params as arguments and run the module with vsf.tree.apply(model, params, ...) (a direct read "
+                "such as `model.head.weight`, or torch.func.functional_call with activation checkpointing, whose recompute reads "
+                "the module's own weights, does this)."
             )
 
 

@@ -1,0 +1,336 @@
+"""``vsf.tree.apply`` under ``vsf.jit`` and eagerly: activation checkpointing recomputes with the
+params being trained, a module's own weight never becomes a constant of a traced step, state
+written in forward comes back with ``mutable=True`` (and is an error without it), and BatchNorm on
+batch shards reduces its statistics' partial sums instead of gathering the batch.
+
+The oracle is the same module trained by plain PyTorch on one device (``torch.optim.AdamW``),
+without checkpointing, its own buffers updated by its own forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+import vsf
+from vsf import P, optim
+
+STEPS, LR, EPS, WD = 3, 1e-2, 1e-5, 0.01
+
+
+def _adamw() -> optim.GradientTransformation:
+    return optim.adamw(LR, eps=EPS, weight_decay=WD)
+
+
+def _torch_trained(model: torch.nn.Module, loss_fn, batches) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
+    for batch in batches:
+        opt.zero_grad()
+        loss_fn(model, *batch).backward()
+        opt.step()
+    return model
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k].to(want[k].dtype), want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+# -- activation checkpointing ---------------------------------------------------------------------
+
+
+class Checkpointed(torch.nn.Module):
+    """Blocks of an MLP, each run through ``torch.utils.checkpoint`` when ``remat`` is on."""
+
+    def __init__(self, dim: int = 16, layers: int = 3, reentrant: bool = False) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim)) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 1)
+        self.remat, self.reentrant = True, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=self.reentrant) if self.remat else block(x))
+        return self.head(x).square().mean()
+
+
+MEGATRON = [(r".*\.0\.weight", P("tp", None)), (r".*\.0\.bias", P("tp")), (r".*\.2\.weight", P(None, "tp")), (r".*", P())]
+
+
+def _batches(n: int = STEPS) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g),) for _ in range(n)]
+
+
+def _train(model: torch.nn.Module, params, mesh, batch_spec, batches, loss=lambda out: out):
+    tx = _adamw()
+
+    @vsf.jit
+    def step(params, opt_state, x):
+        value, grads = vsf.value_and_grad(lambda p: loss(vsf.tree.apply(model, p, x)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state, value
+
+    state = optim.init_sharded(tx, params)
+    for (x,) in batches:
+        params, state, _ = step(params, state, vsf.device_put(x, vsf.NamedSharding(mesh, batch_spec)))
+    return vsf.device_get(params)
+
+
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+def test_checkpointed_blocks_train_like_one_device_without_checkpointing(sim, layout):
+    """The recompute in the backward reads the params being trained (on the old code, the module's
+    own weights: the first step was right, every later gradient wrong)."""
+    torch.manual_seed(0)
+    model = Checkpointed()
+    plain = copy.deepcopy(model)
+    plain.remat = False
+    want = _torch_trained(plain, lambda m, x: m(x), _batches())
+    params = vsf.tree.from_module(model)
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    sim(len(axes) * 2)
+    mesh = vsf.make_mesh(shape, axes)
+    specs = {k: P() for k in params} if layout == "dp" else vsf.sharding.match(params, MEGATRON)
+    got = _train(model, vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), mesh, P("dp"), _batches())
+    _assert_close(got, dict(want.named_parameters()))
+
+
+def test_a_module_weight_read_from_the_module_is_refused(sim):
+    """A weight the traced step reads from the module instead of its arguments would be a constant
+    of the plan: torch.func.functional_call's recompute under checkpointing, or a direct read."""
+    model = Checkpointed()
+    params = vsf.tree.from_module(model)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    x = vsf.device_put(torch.randn(4, 16), vsf.NamedSharding(mesh, P("dp")))
+    recompute = vsf.jit(lambda p, x: vsf.grad(lambda p: torch.func.functional_call(model, p, (x,)))(p))
+    with pytest.raises(vsf.TraceError, match=r"reads a module's parameter \(float32\[32, 16\]\) from the module itself"):
+        recompute(p, x)
+    direct = vsf.jit(lambda p, x: vsf.grad(lambda p: vsf.tree.apply(model, p, x) + model.head.weight.sum())(p))
+    with pytest.raises(vsf.TraceError, match=r"reads a module's parameter \(float32\[1, 16\]\)"):
+        direct(p, x)
+
+
+def test_reentrant_checkpointing_is_refused_eagerly_and_under_jit(sim):
+    model = Checkpointed(reentrant=True)
+    params = vsf.tree.from_module(model)
+    x = torch.randn(4, 16)
+    message = r"Checkpointed checkpoints activations with torch.utils.checkpoint's use_reentrant=True \(at .*test_apply_state.py:\d+\).*use use_reentrant=False"
+    with pytest.raises(vsf.ApplyError, match=message):
+        vsf.grad(lambda p: vsf.tree.apply(model, p, x))(params)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    step = vsf.jit(lambda p, x: vsf.grad(lambda p: vsf.tree.apply(model, p, x))(p))
+    with pytest.raises(vsf.ApplyError, match=message):
+        step(vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+
+
+# -- state written in forward ---------------------------------------------------------------------
+
+
+def _cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 5),
+    )
+
+
+def _images(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def _cnn_step(model: torch.nn.Module, tx: optim.GradientTransformation):
+    def step(params, stats, opt_state, x, y):
+        def loss_fn(params, stats):
+            out, updated = vsf.tree.apply(model, {**params, **stats}, x, mutable=True)
+            return F.cross_entropy(out, y), {**stats, **updated}
+
+        (loss, stats), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params, stats)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), stats, opt_state, loss
+
+    return step
+
+
+def _cnn_oracle() -> torch.nn.Module:
+    return _torch_trained(_cnn(), lambda m, x, y: F.cross_entropy(m(x), y), _images())
+
+
+def test_batchnorm_running_stats_come_back_with_mutable_eagerly():
+    model, tx = _cnn(), _adamw()
+    params, stats = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
+    before = copy.deepcopy(stats)
+    step = _cnn_step(model, tx)
+    p, s, o = params, stats, tx.init(params)
+    for x, y in _images():
+        p, s, o, _ = step(p, s, o, x, y)
+    want = _cnn_oracle()
+    _assert_close(p, dict(want.named_parameters()))
+    _assert_close(s, dict(want.named_buffers()))
+    _assert_close(stats, before)                                         # state is not written
+    _assert_close(vsf.tree.from_module(model, params=False, buffers=True), before)  # nor the module's own
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_batchnorm_cnn_on_batch_shards_equals_one_device_and_reduces_only_partial_sums(sim, n):
+    """Params and running statistics (of the global batch) after 3 steps equal one device's; each
+    rank convolves its own images (FLOPs: one device's / n) and the plan sends, by hand under the
+    ring model (2 (n-1)/n of an all-reduced tensor's bytes): per BatchNorm of C channels, its
+    forward's mean and variance sums and its backward's two sums (4 C, SyncBatchNorm's), every
+    param's gradient once (DDP's), and the mean loss's sum and count: no activation."""
+    model, tx = _cnn(), _adamw()
+    params, stats = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
+    sim(n)
+    mesh = vsf.make_mesh((n,), ("dp",))
+    rep = vsf.NamedSharding(mesh, P())
+    p, s = vsf.device_put(params, rep), vsf.device_put(stats, rep)
+    o = optim.init_sharded(tx, p)
+    step = vsf.jit(_cnn_step(model, tx))
+    for x, y in _images():
+        batch = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("dp")))
+        p, s, o, _ = step(p, s, o, *batch)
+    want = _cnn_oracle()
+    _assert_close(vsf.device_get(p), dict(want.named_parameters()))
+    _assert_close(vsf.device_get(s), dict(want.named_buffers()))
+
+    cost = step.lower(p, s, o, *batch).cost()
+    channels = 8 + 4
+    floats = 4 * channels + sum(v.numel() for v in params.values()) + 2
+    assert cost.comm_bytes == {"dp": pytest.approx(2 * (n - 1) / n * 4 * floats)}
+    assert {c.kind for c in cost.collectives} == {"all_reduce"}
+    with FlopCounterMode(display=False) as one_device:
+        F.cross_entropy(_cnn()(x), y).backward()
+    assert cost.flops * n == one_device.get_total_flops()
+
+
+def test_a_buffer_write_without_mutable_is_an_error_naming_it(sim):
+    """Eagerly and under jit alike; on the old code the module's own buffers were written from
+    inside jitted calls (its num_batches_tracked read 4 after 3 steps)."""
+    model = _cnn()
+    params = vsf.tree.from_module(model)
+    state = vsf.tree.from_module(model, buffers=True)
+    x, _ = _images(1)[0]
+    own = r"Sequential's forward wrote its buffer '1\.(running_mean|running_var|num_batches_tracked)', which state does not hold"
+    given = r"Sequential's forward wrote the buffer '1\.(running_mean|running_var|num_batches_tracked)' of state: call vsf.tree.apply\(\.\.\., mutable=True\)"
+    with pytest.raises(vsf.ApplyError, match=own):
+        vsf.tree.apply(model, params, x)
+    with pytest.raises(vsf.ApplyError, match=given):
+        vsf.tree.apply(model, state, x)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    bx = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
+    with pytest.raises(vsf.ApplyError, match=own):
+        vsf.jit(lambda p, x: vsf.tree.apply(model, p, x).sum())(vsf.device_put(params, vsf.NamedSharding(mesh, P())), bx)
+    with pytest.raises(vsf.ApplyError, match=given):
+        vsf.jit(lambda p, x: vsf.tree.apply(model, p, x).sum())(vsf.device_put(state, vsf.NamedSharding(mesh, P())), bx)
+    assert int(model[1].num_batches_tracked) == 0 and torch.equal(model[1].running_mean, torch.zeros(8))
+
+
+class Counter(torch.nn.Module):
+    """Counts its calls in a buffer it reassigns (not in place), and writes a param in place on request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, clip: bool = False) -> torch.Tensor:
+        self.calls = self.calls + 1
+        if clip:
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+def test_a_reassigned_buffer_comes_back_and_a_param_write_is_an_error():
+    model = Counter()
+    state = vsf.tree.from_module(model, buffers=True)
+    x = torch.randn(3, 2)
+    out, updated = vsf.tree.apply(model, state, x, mutable=True)
+    torch.testing.assert_close(out, model.lin(x))
+    assert updated.keys() == {"calls"} and int(updated["calls"]) == 1 and int(state["calls"]) == 0 and int(model.calls) == 0
+    _, updated = vsf.tree.apply(model, {**state, **updated}, x, mutable=True)
+    assert int(updated["calls"]) == 2
+    with pytest.raises(vsf.ApplyError, match=r"Counter's forward wrote its parameter 'lin.weight'"):
+        vsf.tree.apply(model, state, x, clip=True, mutable=True)
+
+
+class RouterMoE(torch.nn.Module):
+    """A mixture of experts routed as torchtitan's ``MoE`` (``torchtitan/models/common/moe.py``)
+    routes in train mode: sigmoid scores of a gate, the top-k experts of the scores plus a
+    load-balancing ``expert_bias`` buffer (for the choice only; the gates are the scores), and a
+    ``tokens_per_expert`` buffer that forward accumulates in place under ``no_grad``; then a
+    residual stream through the chosen experts' SwiGLU (each token gathers its experts' weights)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim**0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) / hidden**0.5)
+        self.head = torch.nn.Linear(dim, 1)
+        self.register_buffer("expert_bias", torch.linspace(-0.1, 0.1, experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(experts))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(self.gate(x))
+        _, ids = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+        gates = scores.gather(-1, ids)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(torch.zeros_like(scores).scatter_(-1, ids, 1.0).sum((0, 1)))
+        h = F.silu(torch.einsum("blkfd,bld->blkf", self.w1[ids], x)) * torch.einsum("blkfd,bld->blkf", self.w3[ids], x)
+        x = x + torch.einsum("blk,blkdf,blkf->bld", gates, self.w2[ids], h)
+        return self.head(x).square().mean()
+
+
+MOE_LAYOUTS = {
+    "dp": ((2,), ("dp",), lambda k: P(), P("dp")),
+    "fsdp": ((2,), ("fsdp",), lambda k: P("fsdp"), P("fsdp")),
+    "tp": ((2,), ("tp",), lambda k: P(None, "tp") if k in ("w1", "w3") else P(None, None, "tp") if k == "w2" else P(), P()),
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_router_token_counts_written_in_forward_equal_one_device(sim, layout):
+    """The router's token counts (of the global batch) and the params after 3 steps equal one
+    device's, on DP, FSDP (params and batch split) and TP (the experts' hidden dim split)."""
+    torch.manual_seed(0)
+    model = RouterMoE()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, 8, generator=g),) for _ in range(STEPS)]
+    want = _torch_trained(model, lambda m, x: m(x), batches)
+    params, counts = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
+    tx = _adamw()
+
+    @vsf.jit
+    def step(params, counts, opt_state, x):
+        def loss_fn(params):
+            return vsf.tree.apply(model, {**params, **counts}, x, mutable=True)
+
+        (loss, updated), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), {**counts, **updated}, opt_state
+
+    shape, axes, spec, batch_spec = MOE_LAYOUTS[layout]
+    sim(2)
+    mesh = vsf.make_mesh(shape, axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: spec(k) for k in params}))
+    c = vsf.device_put(counts, vsf.NamedSharding(mesh, P()))
+    o = optim.init_sharded(tx, p)
+    for (x,) in batches:
+        p, c, o = step(p, c, o, vsf.device_put(x, vsf.NamedSharding(mesh, batch_spec)))
+    _assert_close(vsf.device_get(p), dict(want.named_parameters()))
+    _assert_close(vsf.device_get(c), dict(want.named_buffers()))
+    assert vsf.device_get(c)["tokens_per_expert"].sum() == STEPS * 4 * 6 * 2

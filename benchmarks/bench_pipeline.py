@@ -239,9 +239,9 @@ def _worker(out: str, quick: bool) -> None:
             continue
         fns, loss_fn, prefixes = pipeline_stages(model, _stages(schedule, pp))
         pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, tied=("wte.weight",))
-        p = pipe.place(params)
+        p, layout = pipe.place(params)
         batch = batch_at(0, (2 if quick else 4) * m, cfg)
-        step = lambda: vsf.device_get(pipe.value_and_grad(p, *batch)[0])  # noqa: E731
+        step = lambda: vsf.device_get(pipe.value_and_grad(p, *batch, layout=layout)[0])  # noqa: E731
         step()   # plans the stage programs
         key = f"{schedule},{m}"
         if (schedule, m) in TIMED:

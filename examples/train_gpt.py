@@ -216,11 +216,11 @@ def make_pipeline(args: argparse.Namespace, model: GPT, mesh: vsf.Mesh) -> vsf.p
                                  batch=BATCH, activations=BATCH, tied=("wte.weight",))
 
 
-def make_pipelined_step(pipe: vsf.pipeline.Pipeline, tx: optim.GradientTransformation) -> Any:
+def make_pipelined_step(pipe: vsf.pipeline.Pipeline, layout: vsf.pipeline.Layout, tx: optim.GradientTransformation) -> Any:
     """The train step with the pipelined loss and gradients: each stage's update where it lives."""
 
     def train_step(params: dict[str, torch.Tensor | None], opt_state: Any, idx: torch.Tensor, targets: torch.Tensor):
-        loss, grads = pipe.value_and_grad(params, idx, targets)
+        loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss
 
@@ -245,7 +245,8 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     tx = make_optimizer(args)
     specs = vsf.sharding.match(params, RULES)
     pipe = make_pipeline(args, model, mesh) if args.pp > 1 else None
-    state = {"params": pipe.place(params, specs) if pipe else vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))}
+    placed, layout = pipe.place(params, specs) if pipe else (vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), None)
+    state = {"params": placed}
     state["opt"] = optim.init_sharded(tx, state["params"], zero_axes=("dp",))
     for name in ("blocks.0.attn.qkv.weight", "wte.weight"):   # (both on rank 0; None on the later stages' ranks)
         if rep.enabled:
@@ -257,7 +258,7 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     first, state = restore(args, mngr, state, rep)
 
     if pipe:
-        step_fn, put_batch, lowered = make_pipelined_step(pipe, tx), None, None
+        step_fn, put_batch, lowered = make_pipelined_step(pipe, layout, tx), None, None
     else:
         step_fn = make_step(model, tx)
         put_batch = vsf.NamedSharding(mesh, BATCH)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -68,10 +68,10 @@ __all__ = [
     "Placed",
     "StridedShard",
     "active_local_mode",
-    "attention_sequence_rule",
     "below_local_mode",
     "clear_sharding_caches",
     "decomposition",
+    "dispatch_mode_base",
     "dispatch_modes_off",
     "dispatcher_special_ops",
     "dtensor_decision",
@@ -80,49 +80,54 @@ __all__ = [
     "dtensor_like",
     "dtensor_local",
     "fake_mode",
+    "fake_mode_active",
     "foreach_elementwise_op",
     "functional_collectives",
     "fused_adam_",
     "fused_adam_lr",
+    "generator_key",
     "init_fake_process_group",
-    "is_data_dependent_error",
     "interleaved_order",
+    "is_data_dependent_error",
     "is_fake",
     "is_local_tensor",
     "is_shardable",
-    "local_tensor_mode",
     "local_mode_disabled",
     "local_shards",
+    "local_tensor_mode",
     "make_local",
+    "merge_rank_results",
+    "module_node_copy",
+    "module_tables",
     "one_rank_device_mesh",
     "op_schema",
     "other_dispatch_modes",
     "overload_name",
+    "pipeline_order",
     "position_in_copy",
-    "reduce_partial",
-    "shard_of",
     "quiet_redistribute",
     "redistribute_local",
-    "pipeline_order",
     "redistribute_steps",
-    "register_attention",
-    "register_elementwise",
+    "reduce_partial",
+    "reentrant_checkpoint_caller",
     "register_fake_via_dtype",
     "register_like",
+    "register_mesh_dim_rules",
+    "register_single_dim_rules",
     "register_stack_anchor",
     "registered_rules",
+    "run_on_rank",
+    "shard_of",
     "single_dim_strategies",
     "single_rank_device_mesh",
     "swap_local",
+    "tensor_version",
     "torch_tree_leaves",
     "torch_tree_map",
+    "trace_fake",
+    "undeclared_writes",
     "whole_op_strategies",
     "wrapper_tensor",
-    "module_node_copy",
-    "module_tables",
-    "tensor_version",
-    "reentrant_checkpoint_caller",
-    "undeclared_writes",
 ]
 
 
@@ -174,79 +179,54 @@ def position_in_copy(dm: DeviceMesh, rank: int) -> tuple[int, ...] | None:
     return tuple(hits[0, 1:].tolist()) if len(hits) else None
 
 
-def local_tensor_mode(n: int) -> LocalTensorMode:
-    """``LocalTensorMode(n)`` (``n`` simulated ranks, real numbers) in which an explicit
-    ``torch.Generator`` behaves as one generator per rank, as in ``n`` separate processes.
-
-    PyTorch's mode keeps per-rank states only for the default generator: it runs an op once per
-    rank, so an op given ``generator=g`` draws rank 0's values from ``g``, rank 1's from where
-    rank 0 left ``g``, and so on. Here every rank draws from its own copy of ``g``'s state (all
-    equal to ``g``'s state when it was seeded or last set), and ``g`` is left in the state one
-    process would leave it in (rank 0's when shards of different sizes made the ranks' states
-    differ; the others are kept for the next draw as long as ``g`` is not reseeded).
+def local_tensor_mode(n: int, on_generator_op: Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Generator]], Any] | None = None) -> LocalTensorMode:
+    """``LocalTensorMode(n)``: ``n`` simulated ranks with real numbers. With ``on_generator_op``,
+    an op the mode would run once per rank that is given an explicit ``torch.Generator`` goes to
+    ``on_generator_op(func, args, kwargs, generators)`` instead (PyTorch's mode keeps per-rank
+    states only for the default generator; :mod:`vsf.runtime` keeps them for explicit ones with
+    :func:`run_on_rank`, :func:`merge_rank_results` and :func:`generator_key`).
 
     Example::
 
         >>> with local_tensor_mode(2):
-        ...     x = torch.randint(9, (4,), generator=torch.Generator().manual_seed(7))   # equal on both ranks
+        ...     x = torch.ones(2) + 1          # a LocalTensor holding each rank's value
     """
-    return _RankGeneratorsMode(n)
+    return LocalTensorMode(n) if on_generator_op is None else _GeneratorHookMode(n, on_generator_op)
 
 
-class _RankGeneratorsMode(LocalTensorMode):
-    """:func:`local_tensor_mode`'s mode: each explicit generator's state is kept per rank."""
+class _GeneratorHookMode(LocalTensorMode):
+    """:func:`local_tensor_mode`'s mode that hands ops with explicit generators to a handler."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, on_generator_op: Callable[..., Any]) -> None:
         super().__init__(ranks)
-        # While the ranks' states of a generator differ: the state it was left in and each rank's,
-        # keyed by the C++ generator (each op receives a new Python wrapper of it). An entry whose
-        # generator is gone or was reseeded no longer matches the generator's state, and is ignored.
-        self._generator_states: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self._on_generator_op = on_generator_op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         generators = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
-        if not generators or self._disable or _is_in_fake_tensor_mode() or not self._runs_per_rank(args, kwargs):
+        if not generators or self._disable or _is_in_fake_tensor_mode() or not _runs_per_rank(args, kwargs):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        states = {g: self._rank_states(g) for g in generators}
-        results = {}
-        for r in sorted(self.ranks):
-            for g, per_rank in states.items():
-                g.set_state(per_rank[r])
-            results[r] = _for_each_rank_run_func(func, frozenset({r}), args, kwargs)
-            for g, per_rank in states.items():
-                per_rank[r] = g.get_state()
-        for g, per_rank in states.items():
-            self._leave(g, per_rank)
-        return _combine_one_rank_results(results, torch_tree_leaves((args, kwargs)))
-
-    def _runs_per_rank(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Would LocalTensorMode run this op once per rank (not once, on plain tensors)?"""
-        flat = torch_tree_leaves((args, kwargs))
-        if _check_for_subclass(flat):
-            return False
-        return any(isinstance(a, LocalTensor) for a in flat) or not any(isinstance(a, torch.Tensor) for a in flat)
-
-    def _rank_states(self, g: torch.Generator) -> dict[int, torch.Tensor]:
-        visible = g.get_state()
-        kept = self._generator_states.get(g._cdata)
-        if kept is not None and torch.equal(kept[0], visible):
-            return dict(kept[1])
-        return {r: visible for r in self.ranks}
-
-    def _leave(self, g: torch.Generator, per_rank: dict[int, torch.Tensor]) -> None:
-        first = per_rank[min(per_rank)]
-        g.set_state(first)
-        if all(torch.equal(s, first) for s in per_rank.values()):
-            self._generator_states.pop(g._cdata, None)
-        else:
-            self._generator_states[g._cdata] = (first, per_rank)
+        return self._on_generator_op(func, args, kwargs, generators)
 
 
-def _combine_one_rank_results(results: dict[int, Any], inputs: list[Any]) -> Any:
-    """One op's results, run rank by rank (each a LocalTensor of one rank), as one result over all
-    ranks; a result that is one of the op's ``inputs`` (in-place and ``out=`` ops) already holds
-    every rank's shard."""
+def _runs_per_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Would LocalTensorMode run this op once per rank (not once, on plain tensors)?"""
+    flat = torch_tree_leaves((args, kwargs))
+    if _check_for_subclass(flat):
+        return False
+    return any(isinstance(a, LocalTensor) for a in flat) or not any(isinstance(a, torch.Tensor) for a in flat)
+
+
+def run_on_rank(func: Any, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the op ``func`` for simulated rank ``rank`` alone (each ``LocalTensor`` argument read at
+    that rank): a result whose tensors are ``LocalTensor`` s holding that rank's value."""
+    return _for_each_rank_run_func(func, frozenset({rank}), args, kwargs)
+
+
+def merge_rank_results(results: dict[int, Any], inputs: list[Any]) -> Any:
+    """One op's results, run rank by rank (:func:`run_on_rank`), as one result over all ranks; a
+    result that is one of the op's ``inputs`` (in-place and ``out=`` ops) already holds every
+    rank's shard."""
     given = {id(a) for a in inputs if isinstance(a, LocalTensor)}
     flat = {r: torch.utils._pytree.tree_flatten(v) for r, v in results.items()}
     leaves, spec = flat[max(results)]
@@ -255,6 +235,11 @@ def _combine_one_rank_results(results: dict[int, Any], inputs: list[Any]) -> Any
         for i, leaf in enumerate(leaves)
     ]
     return torch.utils._pytree.tree_unflatten(combined, spec)
+
+
+def generator_key(g: torch.Generator) -> int:
+    """An identity of the C++ generator behind ``g`` (each op receives a new Python wrapper of it)."""
+    return g._cdata
 
 
 def active_local_mode() -> LocalTensorMode | None:
@@ -631,20 +616,23 @@ def fused_adam_lr(lr: float | torch.Tensor, device: torch.device) -> torch.Tenso
     return lr.to(dtype=torch.float64) if device.type == "cpu" else lr.to(device=device, dtype=torch.float32)
 
 
-def register_elementwise(op: Any, *, outputs: int) -> None:
-    """Tell DTensor's sharding propagation that ``op`` is elementwise: its tensor arguments of the
-    first one's shape and its ``outputs`` results may be split alike on any dim; its other tensor
-    arguments (0-d scalars) stay replicated."""
+def register_single_dim_rules(op: Any, rules: Callable[[list[torch.Size]], list[list[Placement | int]]]) -> None:
+    """Register with DTensor per-mesh-dim rules for ``op``: ``rules(shapes)`` receives the shapes of
+    the op's positional tensor arguments and returns its strategies on one mesh dim, each the
+    placements of its results then those arguments; an ``int`` ``d`` stands for a shard of dim
+    ``d`` of any kind DTensor fills in (a plain or a strided shard, as its inputs arrive).
 
-    def rules(op: Any, args: Any, kwargs: Any) -> list[list[Any]]:
-        tensors = [a for a in args if isinstance(a, TensorMeta)]
-        shape = tensors[0].shape
-        return [
-            [_ShardingPlaceholder(d)] * outputs + [_ShardingPlaceholder(d) if t.shape == shape else Replicate() for t in tensors]
-            for d in range(len(shape))
-        ]
+    Example::
 
-    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(rules)
+        >>> register_single_dim_rules(op, lambda shapes: [[d, d] for d in range(len(shapes[0]))])
+    """
+
+    def single(op: Any, args: Any, kwargs: Any) -> list[list[Any]]:
+        shapes = [a.shape for a in args if isinstance(a, TensorMeta)]
+        return [[_ShardingPlaceholder(p) if isinstance(p, int) else p for p in rule] for rule in rules(shapes)]
+
+    register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(single)
+
 
 
 def decomposition(op: Any) -> Any:
@@ -652,27 +640,26 @@ def decomposition(op: Any) -> Any:
     return decomposition_table.get(op)
 
 
-_MASKS = ("attn_mask", "attn_bias")
+def register_mesh_dim_rules(
+    op: Any,
+    rules: Callable[[dict[str, Any]], list[list[Placement]]],
+    *,
+    static_from: str,
+    valid: Callable[[dict[str, Any], list[tuple[torch.Size, tuple[Placement, ...]]], tuple[int, ...]], bool] | None = None,
+) -> None:
+    """Register with DTensor a whole-op strategy for ``op`` built from rules over one mesh dim,
+    which DTensor expands over every mesh dim (``expand_to_full_mesh_op_strategy``).
 
-
-def register_attention(op: Any) -> None:
-    """Tell DTensor's sharding propagation how the attention op ``op`` splits: on a mesh dim, over
-    the batch (dim 0) or the heads (dim 1) of every tensor alike, or replicated. A mask argument
-    (``attn_mask``/``attn_bias``, broadcast from the right) is split where it has that dim at full
-    size and replicated where it broadcasts; grouped-query heads (fewer key/value heads than query
-    heads) split only into equal parts (each rank's query heads must meet their own key/value
-    head); with dropout the op is only replicated (its random draw is not sharding-invariant).
-
-    Without a causal mask it also splits over the queries' sequence (dim 2: context parallelism
-    with whole keys and values): the queries, the output, its log-sum-exp, the mask's query rows
-    and their cotangents are split, keys and values are replicated, and the backward's key and
-    value gradients are partial sums (each rank's queries' share). The kernel's causal mask starts
-    at the first query of the shard it is given, so a causal op is never split so (its context
-    parallelism is :mod:`vsf.jit.context_parallel`'s).
+    ``rules(given)`` receives the op's arguments by schema name, a tensor argument as its shape
+    (a ``torch.Size``), and returns the strategies on one mesh dim, each the placements of the
+    op's tensor results then its tensor arguments in schema order. ``valid(given, layouts,
+    mesh_shape)`` (optional) keeps only the expanded combinations it accepts: ``layouts`` holds
+    each tensor's ``(shape, placements)``. Arguments from ``static_from`` on tell calls apart in
+    DTensor's sharding cache.
 
     Example::
 
-        >>> register_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        >>> register_mesh_dim_rules(op, lambda given: [[Replicate()] * 3, [Shard(0)] * 3], static_from="dropout_p")
     """
     names = [a.name for a in op._schema.arguments]
     n_out = sum(isinstance(r.type, torch.TensorType) for r in op._schema.returns)
@@ -680,64 +667,16 @@ def register_attention(op: Any) -> None:
     def strategy(op_schema: OpSchema) -> OpStrategy:
         mesh = op_schema.get_mesh_from_args(validate=False)
         given = {**dict(zip(names, op_schema.args_schema)), **op_schema.kwargs_schema}
-        tensors = [(n, given[n].shape) for n in names if isinstance(given.get(n), OpStrategy)]
-        rank = len(given["query"].shape)
-        rules = [[Replicate()] * (n_out + len(tensors))]
-        if given.get("dropout_p", 0.0) == 0.0:
-            for d in (0, 1):
-                rules.append([Shard(d)] * n_out + [_attention_split(name, shape, d, rank) for name, shape in tensors])
-            if not given.get("is_causal", False):
-                rules.append(attention_sequence_rule(op, tensors))
-        grouped = given["query"].shape[1] != given["key"].shape[1]
-        return expand_to_full_mesh_op_strategy(
-            mesh, op_schema, rules, input_index=n_out, is_valid_strategy_cb=_equal_head_splits(mesh) if grouped else None
-        )
+        given = {k: torch.Size(v.shape) if isinstance(v, OpStrategy) else v for k, v in given.items()}
 
-    register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=names.index("dropout_p")))(strategy)
+        def check(input_specs: list[DTensorSpec], output_specs: Any) -> bool:
+            specs = [*input_specs, *(output_specs if isinstance(output_specs, (tuple, list)) else (output_specs,))]
+            layouts = [(s.tensor_meta.shape, tuple(s.placements)) for s in specs if s is not None and s.tensor_meta is not None]
+            return valid(given, layouts, tuple(mesh.shape))  # type: ignore[misc]
 
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, rules(given), input_index=n_out, is_valid_strategy_cb=None if valid is None else check)
 
-def _attention_split(name: str, shape: Any, d: int, rank: int) -> Placement:
-    if name not in _MASKS:
-        return Shard(d)
-    m = len(shape) - rank + d  # masks broadcast from the right
-    return Shard(m) if m >= 0 and shape[m] > 1 else Replicate()
-
-
-_KEYS_VALUES = ("key", "value", "grad_key", "grad_value")
-
-
-def attention_sequence_rule(op: Any, tensors: Sequence[tuple[str, Any]]) -> list[Placement]:
-    """The placements, on one mesh dim, of the attention op ``op``'s results then tensor arguments
-    (``tensors``: their names and shapes) for a split of the queries' sequence (dim 2): the
-    forward's results (output, log-sum-exp) split with the queries, as does the backward's query
-    gradient; keys and values are whole, their gradients partial sums; a mask's query rows split.
-
-    Example::
-
-        >>> attention_sequence_rule(aten._scaled_dot_product_flash_attention_for_cpu.default, [("query", q.shape), ("key", k.shape), ("value", v.shape)])
-        [Shard(dim=2), Shard(dim=2), Shard(dim=2), Replicate(), Replicate()]
-    """
-    rank = len(dict(tensors)["query"])
-    results = [r.name for r in op._schema.returns if isinstance(r.type, torch.TensorType)]
-    outs = [Partial() if name in _KEYS_VALUES else Shard(2) for name in results]
-    return outs + [Replicate() if name in _KEYS_VALUES else _attention_split(name, shape, 2, rank) for name, shape in tensors]
-
-
-def _equal_head_splits(mesh: DeviceMesh) -> Any:
-    def ok(input_specs: list[DTensorSpec], output_specs: Any) -> bool:
-        specs = [*input_specs, *(output_specs if isinstance(output_specs, (tuple, list)) else (output_specs,))]
-        for s in specs:
-            if s is None or s.tensor_meta is None:
-                continue
-            parts = 1
-            for k, p in enumerate(s.placements):
-                if isinstance(p, Shard) and p.dim == 1:
-                    parts *= mesh.size(k)
-            if s.tensor_meta.shape[1] % parts:
-                return False
-        return True
-
-    return ok
+    register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=names.index(static_from)))(strategy)
 
 
 def register_fake_via_dtype(op: Any, dtype: torch.dtype) -> None:
@@ -856,8 +795,8 @@ def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, 
 
     Example::
 
-        >>> pipeline_order(Schedule1F1B, 2, 2)[1]
-        [(1, 'F', 0), (1, 'B', 0), (1, 'F', 1), (1, 'B', 1)]
+        >>> pipeline_order(ScheduleGPipe, 2, 2)[1]
+        [(1, 'F', 0), (1, 'F', 1), (1, 'B', 0), (1, 'B', 1)]
     """
     sizes = type("_Sizes", (), {"_num_stages": stages, "_n_microbatches": microbatches})()
     order = schedule._get_pipeline_order(sizes)

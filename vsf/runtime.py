@@ -97,7 +97,7 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
             raise RuntimeError(f"cannot start {self!r}: a process group already exists ({where}); stop it first")
         _compat.init_fake_process_group(self.n)
         if self.compute:
-            self._mode = _compat.local_tensor_mode(self.n)
+            self._mode = _compat.local_tensor_mode(self.n, _RankGenerators(self.n))
             self._mode.__enter__()
             self._hooks = [torch.nn.modules.module.register_module_buffer_registration_hook(_one_value)]
         _ACTIVE.append(self)
@@ -123,6 +123,59 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+class _RankGenerators:
+    """The simulation's handler of ops given an explicit ``torch.Generator``: one generator per
+    rank, as in ``n`` separate processes.
+
+    PyTorch's ``LocalTensorMode`` keeps per-rank states only for the default generator: it runs an
+    op once per rank, so an op given ``generator=g`` would draw rank 0's values from ``g``, rank
+    1's from where rank 0 left ``g``, and so on. Here every rank draws from its own copy of ``g``'s
+    state (all equal to ``g``'s state when it was seeded or last set), and ``g`` is left in the
+    state one process would leave it in (rank 0's when shards of different sizes made the ranks'
+    states differ; the others are kept for the next draw as long as ``g`` is not reseeded).
+
+    Example::
+
+        >>> with vsf.simulate(2):
+        ...     x = torch.randint(9, (4,), generator=torch.Generator().manual_seed(7))   # equal on both ranks
+    """
+
+    def __init__(self, n: int) -> None:
+        self.ranks = range(n)
+        # While the ranks' states of a generator differ: the state it was left in and each rank's,
+        # keyed by the C++ generator. An entry whose generator is gone or was reseeded no longer
+        # matches the generator's state, and is ignored.
+        self.states: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generators: list[torch.Generator]) -> Any:
+        states = {g: self._rank_states(g) for g in generators}
+        results = {}
+        for r in self.ranks:
+            for g, per_rank in states.items():
+                g.set_state(per_rank[r])
+            results[r] = _compat.run_on_rank(func, r, args, kwargs)
+            for g, per_rank in states.items():
+                per_rank[r] = g.get_state()
+        for g, per_rank in states.items():
+            self._leave(g, per_rank)
+        return _compat.merge_rank_results(results, _compat.torch_tree_leaves((args, kwargs)))
+
+    def _rank_states(self, g: torch.Generator) -> dict[int, torch.Tensor]:
+        visible = g.get_state()
+        kept = self.states.get(_compat.generator_key(g))
+        if kept is not None and torch.equal(kept[0], visible):
+            return dict(kept[1])
+        return {r: visible for r in self.ranks}
+
+    def _leave(self, g: torch.Generator, per_rank: dict[int, torch.Tensor]) -> None:
+        first = per_rank[min(per_rank)]
+        g.set_state(first)
+        if all(torch.equal(s, first) for s in per_rank.values()):
+            self.states.pop(_compat.generator_key(g), None)
+        else:
+            self.states[_compat.generator_key(g)] = (first, per_rank)
 
 
 def _one_value(module: torch.nn.Module, name: str, t: torch.Tensor | None) -> torch.Tensor | None:

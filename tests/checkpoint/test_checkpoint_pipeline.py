@@ -48,11 +48,12 @@ def test_simulated_pp2_checkpoint_loads_onto_one_mesh_and_back_bit_exact(tmp_pat
         pipe = _pipeline(model, vsf.make_mesh((2, 2), ("pp", "dp")))
 
         def init_pp():
-            p = pipe.place(params, specs)
+            p, _ = pipe.place(params, specs)
             return {"params": p, "opt": optim.init_sharded(TX, p, zero_axes=("dp",))}
 
         state = init_pp()
-        loss, grads = pipe.value_and_grad(state["params"], *batch_at(0, 4, CFG))
+        layout = pipe.layout(params, specs)
+        loss, grads = pipe.value_and_grad(state["params"], *batch_at(0, 4, CFG), layout=layout)
         updates, state["opt"] = TX.update(grads, state["opt"], state["params"])
         state["params"] = optim.apply_updates(state["params"], updates)
         want = _whole(state)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate
 
 import vsf
-from vsf import P, _compat, optim
+from vsf import P, optim
+from vsf.jit.strategies import register_elementwise
 from toy_models import GPT, GPTConfig
 
 
@@ -32,7 +33,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-_compat.register_elementwise(torch.ops.vsftest.running_sum.default, outputs=1)  # wrong on purpose
+register_elementwise(torch.ops.vsftest.running_sum.default, outputs=1)  # wrong on purpose
 
 
 def doubled_running_total(x):

@@ -311,12 +311,13 @@ def assert_like_oracle(what: str, losses: list[torch.Tensor], params: dict[str, 
         torch.testing.assert_close(params[k], want, rtol=PARAMS_RTOL, atol=PARAMS_ATOL, msg=lambda m: f"{what} {k}: {m}")
 
 
-def train_pipelined(pipe: Any, tx: optim.GradientTransformation, params: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
-    """``params`` (laid out by ``pipe.place``) trained one step per batch through the pipeline
+def train_pipelined(pipe: Any, tx: optim.GradientTransformation, placed: tuple[Any, Any], batches: list[dict[str, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
+    """The params ``pipe.place`` returned with their layout (``placed``) trained one step per batch through the pipeline
     (the causal-LM labels as its targets): the params after the last step and each step's loss."""
+    params, layout = placed
     opt_state, losses = tx.init(params), []
     for batch in batches:
-        loss, grads = pipe.value_and_grad(params, batch["input_ids"], batch["labels"])
+        loss, grads = pipe.value_and_grad(params, batch["input_ids"], batch["labels"], layout=layout)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
         losses.append(vsf.device_get(loss))

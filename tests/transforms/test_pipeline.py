@@ -70,12 +70,12 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     sim(pp * dp * tp)
     mesh = vsf.make_mesh((pp, dp, tp), ("pp", "dp", "tp"))
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
-    p = pipe.place(params, vsf.sharding.match(params, MEGATRON))
+    p, layout = pipe.place(params, vsf.sharding.match(params, MEGATRON))
     s = TX.init(p)
-    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))   # plans every stage; the steps reuse the plans
+    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout)   # plans every stage; the steps reuse the plans
 
     def train_step(params, opt_state, idx, targets):
-        loss, grads = pipe.value_and_grad(params, idx, targets)
+        loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
         updates, opt_state = TX.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss, grads
 
@@ -92,7 +92,7 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
         # decides the step, so params are compared to 1% of the learning rate (1e-3)
         torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
     # each stage's params and Adam moments live on its pp coordinate's ranks only
-    ranks = lambda k: tuple(range(pipe.rank_of(pipe.split.owner[k]) * dp * tp, (pipe.rank_of(pipe.split.owner[k]) + 1) * dp * tp))  # noqa: E731
+    ranks = lambda k: tuple(range(pipe.rank_of(layout.split.owner[k]) * dp * tp, (pipe.rank_of(layout.split.owner[k]) + 1) * dp * tp))  # noqa: E731
     for k, v in p.items():
         assert vsf.sharding.named.sharding_of(v).mesh.devices == ranks(k), k
     moments = [(k, name, leaf) for name, leaf in ((vsf.tree.keystr(path), leaf) for path, leaf in vsf.tree.leaves_with_path(s)) for k in params if name.endswith(f"[{k!r}]")]
@@ -105,7 +105,7 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     assert all(not pending for pending in pipe._deferred.values())   # (zero bubble: every weight part ran, in its "W" or "B" action)
     _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), stages, dp, schedule, m)
     for c in lowered.cost().stages:
-        assert c.comm_bytes["dp"] == _ddp_bytes(params, pipe.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1), c.stage
+        assert c.comm_bytes["dp"] == _ddp_bytes(params, layout.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1), c.stage
         if tp == 1:   # one bucket (with tp, the tied head's gradient is unreduced over tp as well: its own)
             assert c.reduce.count("all_reduce", "dp") == (dp > 1), c.stage
 
@@ -171,9 +171,10 @@ def test_dp_gradients_are_reduced_once_a_step_whatever_the_microbatches(sim):
     dp_bytes = {}
     for m in (2, 4):
         pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("dp"), tied=("wte.weight",))
-        lowered = pipe.lower(pipe.place(params), *batch_at(0, BATCH, model.cfg))
+        p, layout = pipe.place(params)
+        lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout)
         dp_bytes[m] = [c.comm_bytes["dp"] for c in lowered.cost().stages]
-        assert dp_bytes[m] == [_ddp_bytes(params, pipe.split.names[s], 2, 1, m, last=s == 1) for s in range(2)]
+        assert dp_bytes[m] == [_ddp_bytes(params, layout.split.names[s], 2, 1, m, last=s == 1) for s in range(2)]
         assert re.search(r"gradients reduced once a step: dp 1\d\.\d KiB", lowered.as_text())
     assert dp_bytes[2][0] == dp_bytes[4][0] == sum(v.numel() * 4 for k, v in params.items() if k.startswith(tuple(prefixes[0])))
 
@@ -196,9 +197,9 @@ def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_st
     mesh = vsf.make_mesh((2, 2), ("pp", "fsdp"))
     for m, reshard in ((2, False), (4, True), (4, False)):
         pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("fsdp"), tied=("wte.weight",), reshard_after_forward=reshard)
-        p = pipe.place(params, specs)
-        for c in pipe.lower(p, *batch_at(0, BATCH, model.cfg)).cost().stages:
-            names = pipe.split.names[c.stage]
+        p, layout = pipe.place(params, specs)
+        for c in pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout).cost().stages:
+            names = layout.split.names[c.stage]
             gathered = sum(params[k].numel() * 4 // 2 for k in names if specs[k] == P("fsdp"))
             once = sum(params[k].numel() * 4 // 2 if specs[k] == P("fsdp") else params[k].numel() * 4 for k in names)
             assert c.reduce.comm_bytes["fsdp"] == once, (m, c.stage)
@@ -210,7 +211,7 @@ def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_st
                 assert c.program.comm_bytes["fsdp"] == 0, (m, c.stage)
             assert c.comm_bytes["fsdp"] == (0 if reshard else gathered) + m * (c.program.comm_bytes["fsdp"] + loss) + once, (m, c.stage)
         if m == 4:
-            _trains_like_one_device(pipe, p, specs, model.cfg, want_losses, want_grads, want)
+            _trains_like_one_device(pipe, p, layout, specs, model.cfg, want_losses, want_grads, want)
 
 
 def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, monkeypatch):
@@ -223,7 +224,7 @@ def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, mo
     fns, loss_fn, prefixes = pipeline_stages(model, 4)
     sim(2)
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((2,), ("pp",)), microbatches=4, schedule="zb", tied=("wte.weight",))
-    p = pipe.place(params)
+    p, layout = pipe.place(params)
     real, calls, pending_then = torch.autograd.backward, [], []
 
     def failing(*args, **kwargs):
@@ -236,17 +237,17 @@ def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, mo
     with monkeypatch.context() as patch:
         patch.setattr(torch.autograd, "backward", failing)
         with pytest.raises(RuntimeError, match="the backward failed"):
-            pipe.value_and_grad(p, *batch_at(0, BATCH, model.cfg))
+            pipe.value_and_grad(p, *batch_at(0, BATCH, model.cfg), layout=layout)
     assert pending_then == [1]   # the weight part its "W" action never ran
-    _trains_like_one_device(pipe, p, {k: P() for k in params}, model.cfg, want_losses, want_grads, want)
+    _trains_like_one_device(pipe, p, layout, {k: P() for k in params}, model.cfg, want_losses, want_grads, want)
 
 
-def _trains_like_one_device(pipe, p, specs, cfg, want_losses, want_grads, want):
+def _trains_like_one_device(pipe, p, layout, specs, cfg, want_losses, want_grads, want):
     """``pipe`` trained ``STEPS`` steps from ``p`` gives one device's losses, first gradients and
     params, and the params keep their ``specs``."""
     s, losses = TX.init(p), []
     for i in range(STEPS):
-        loss, grads = pipe.value_and_grad(p, *batch_at(i, BATCH, cfg))
+        loss, grads = pipe.value_and_grad(p, *batch_at(i, BATCH, cfg), layout=layout)
         if i == 0:
             first = vsf.device_get(grads)
         updates, s = TX.update(grads, s, p)
@@ -353,9 +354,9 @@ def test_bad_splits_are_errors_naming_the_key_path(sim):
     with pytest.raises(ValueError, match=r"interleaved schedule runs 2 or more stages on each of the 2 pp ranks: give a multiple of 2 stages, at least 4; got 2"):
         pipe(schedule="interleaved")
     good = pipe()
-    p = good.place(params)
+    p, layout = good.place(params)
     idx, tgt = batch_at(0, 6, model.cfg)
     with pytest.raises(ValueError, match=r"inputs\[0\] has 6 rows .*4 microbatches must divide"):
-        good.value_and_grad(p, idx, tgt)
-    with pytest.raises(RuntimeError, match=r"call pipe.place\(params, specs\) before"):
-        pipe().value_and_grad(p, idx, tgt)
+        good.value_and_grad(p, idx, tgt, layout=layout)
+    with pytest.raises(TypeError, match=r"layout must be the Layout this pipeline's place\(params, specs\) returned with the params; got NoneType"):
+        good.value_and_grad(p, idx, tgt, layout=None)

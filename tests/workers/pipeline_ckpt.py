@@ -32,8 +32,11 @@ fns, loss_fn, prefixes = pipeline_stages(model, 2)
 pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
 
 
+layout = pipe.layout(params, specs)
+
+
 def init_pp():
-    p = pipe.place(params, specs)
+    p, _ = pipe.place(params, specs)
     return {"params": p, "opt": optim.init_sharded(tx, p, zero_axes=("dp",))}
 
 
@@ -63,7 +66,7 @@ def error_of(fn):
 
 state = init_pp()
 for i in range(2):
-    loss, grads = pipe.value_and_grad(state["params"], *batch_at(i, 8, cfg))
+    loss, grads = pipe.value_and_grad(state["params"], *batch_at(i, 8, cfg), layout=layout)
     updates, state["opt"] = tx.update(grads, state["opt"], state["params"])
     state["params"] = optim.apply_updates(state["params"], updates)
 mine = flat(state)
@@ -100,7 +103,7 @@ result["flat_to_pp2_none_where"] = sorted(vsf.tree.keystr(k) for k, v in vsf.tre
 
 # resume: one more step from the loaded pp=2 checkpoint is the live run's next step
 def step(state):
-    loss, grads = pipe.value_and_grad(state["params"], *batch_at(2, 8, cfg))
+    loss, grads = pipe.value_and_grad(state["params"], *batch_at(2, 8, cfg), layout=layout)
     updates, opt = tx.update(grads, state["opt"], state["params"])
     return {"params": optim.apply_updates(state["params"], updates), "opt": opt}, vsf.device_get(loss)
 

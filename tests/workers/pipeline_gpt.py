@@ -51,12 +51,12 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
     pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=spec, activations=spec, tied=("wte.weight",))
     specs = {k: P("fsdp") if axis == "fsdp" and v.shape[0] % dp == 0 else P() for k, v in params.items()}
-    p = pipe.place(params, specs)
+    p, layout = pipe.place(params, specs)
     s = tx.init(p)
-    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg))
+    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout)
 
     def train_step(params, opt_state, idx, targets):
-        loss, grads = pipe.value_and_grad(params, idx, targets)
+        loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss
 
@@ -82,8 +82,8 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
         "fsdp_gather_bytes": [c.gather.comm_bytes.get("fsdp", 0) if c.gather else 0 for c in lowered.cost().stages],
         "fsdp_program_bytes": [c.program.comm_bytes.get("fsdp", 0) for c in lowered.cost().stages],
         "gather_plans": [g.plan_count for g in pipe._gathers.values()],
-        "split_param_bytes": [sum(params[k].numel() * 4 for k in pipe.split.names[c.stage] if specs[k] != P()) for c in lowered.cost().stages],
-        "whole_param_bytes": [sum(params[k].numel() * 4 for k in pipe.split.names[c.stage] if specs[k] == P()) for c in lowered.cost().stages],
+        "split_param_bytes": [sum(params[k].numel() * 4 for k in layout.split.names[c.stage] if specs[k] != P()) for c in lowered.cost().stages],
+        "whole_param_bytes": [sum(params[k].numel() * 4 for k in layout.split.names[c.stage] if specs[k] == P()) for c in lowered.cost().stages],
         "reducer_plans": [r.plan_count for r in pipe._reducers.values()],
         "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
         "memory": vsf.debug.memory_report(p).get(rank, 0),

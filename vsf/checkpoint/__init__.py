@@ -26,7 +26,7 @@ Example::
     # a pipeline's state (vsf.pipeline: each rank holds its stage's leaves, None at the others'):
     # saved once per leaf, with its global shape; loaded into any layout, e.g. the pipeline's own
     def init():
-        p = pipe.place(params, specs)
+        p, _ = pipe.place(params, specs)
         return {"params": p, "opt": vsf.optim.init_sharded(tx, p, zero_axes=("dp",))}
     vsf.checkpoint.save("ckpt/pp", init())
     state = vsf.checkpoint.load("ckpt/pp", vsf.eval_shape(init))   # None where another stage's leaf is

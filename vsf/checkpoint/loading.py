@@ -43,7 +43,7 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
 
         >>> abstract = vsf.eval_shape(lambda: {"params": params, "opt": tx.init(params), "step": 0})
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=abstract)
-        >>> staged = vsf.eval_shape(lambda: {"params": pipe.place(params, specs), "step": 0})   # onto pipeline stages
+        >>> staged = vsf.eval_shape(lambda: {"params": pipe.place(params, specs)[0], "step": 0})   # onto pipeline stages
         >>> state = vsf.checkpoint.load("ckpt/step_100", target=staged)
     """
     if hf.is_hf_directory(path) and not commit.is_committed(Path(path)):

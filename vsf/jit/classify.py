@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from vsf import _compat
+from vsf.jit import attention
 from vsf.jit.graph import op_nodes, tensor_args
 from vsf.ops import region
 from vsf.sharding import constraint
@@ -116,7 +117,7 @@ ATTENTION_OPS = (
 )
 for _op in ATTENTION_OPS:
     if _compat.registered_rules(_op) is None:
-        _compat.register_attention(_op)
+        attention.register(_op)
 
 
 @dataclasses.dataclass(frozen=True)

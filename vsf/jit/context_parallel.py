@@ -2,7 +2,7 @@
 keys and values either whole (gathered over the split by the plan) or passed around a ring.
 
 Full (non-causal) attention on query shards with whole keys runs as it is (DTensor runs the
-kernel on each rank's rows: :func:`vsf._compat.attention_sequence_rule`). A causal kernel's mask
+kernel on each rank's rows: :func:`vsf.jit.attention.sequence_rule`). A causal kernel's mask
 starts at the first query it is given, which is position 0 only on the first shard, so DTensor is
 never told that rule for a causal op; the planner offers it here instead (:func:`sequence_rules`),
 and a rule that keeps keys and values split too, passed around a ring: ``vsf.config.context_parallel``
@@ -42,6 +42,7 @@ import torch.fx
 from torch.distributed.tensor import Placement, Shard
 
 from vsf import _compat, config, runtime
+from vsf.jit import attention
 from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import meta_of, outputs_meta, tensor_args
 from vsf.jit.plan import Collective, Placements, is_shard, split_dim, splits_evenly
@@ -110,7 +111,7 @@ def sequence_rules(node: torch.fx.Node) -> list[list[Placement]]:
     if not _causal(node):
         return []
     given = _given(node)
-    return [_compat.attention_sequence_rule(node.target, [(name, tuple(given[name].meta["val"].shape)) for name in names])]
+    return [attention.sequence_rule(node.target, [(name, tuple(given[name].meta["val"].shape)) for name in names])]
 
 
 def _split_of(node: torch.fx.Node, ins: Sequence[Placements], name: str) -> list[int]:

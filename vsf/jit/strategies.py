@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from vsf import _compat
 from vsf.errors import PlanError
@@ -34,7 +34,24 @@ from vsf.jit.plan import PARTIAL, Placements, R, balanced_of, has_ragged, is_sha
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
-__all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "row_wise", "runnable"]
+__all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "register_elementwise", "row_wise", "runnable"]
+
+
+def register_elementwise(op: Any, *, outputs: int) -> None:
+    """Tell DTensor's sharding propagation that ``op`` is elementwise: its positional tensor
+    arguments of the first one's shape and its ``outputs`` results may be split alike on any dim
+    (a plain or a strided shard); its other tensor arguments (0-d scalars) stay replicated.
+
+    Example::
+
+        >>> register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)
+    """
+
+    def rules(shapes: list[torch.Size]) -> list[list[Placement | int]]:
+        shape = shapes[0]
+        return [[d] * outputs + [d if s == shape else Replicate() for s in shapes] for d in range(len(shape))]
+
+    _compat.register_single_dim_rules(op, rules)
 
 
 @dataclasses.dataclass(frozen=True)

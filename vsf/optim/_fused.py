@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from vsf import _compat
+from vsf.jit.strategies import register_elementwise
 
 __all__ = ["adam_step"]
 
@@ -64,7 +65,7 @@ def _adam_step_fake(
     return tuple(torch.empty_like(mu, memory_format=torch.contiguous_format) for _ in range(3))  # type: ignore[return-value]
 
 
-_compat.register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)
+register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)
 
 
 def adam_step(

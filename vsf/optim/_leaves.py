@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vsf import _compat, tree
-from vsf.pipeline import stage_group
-from vsf.sharding.mesh import mesh_of
+from vsf.sharding.mesh import group_across, mesh_of
 from vsf.sharding.named import RaggedPlacement, from_placements
 from vsf.sharding.put import device_put
 
@@ -338,7 +337,7 @@ def global_norm(xs: Sequence[torch.Tensor]) -> torch.Tensor:
             with _compat.quiet_redistribute():
                 partial = DTensor.from_local(s, mesh, [Partial()] * mesh.ndim, run_check=False)
                 s = local(partial.redistribute(mesh, [Replicate()] * mesh.ndim))
-        group = stage_group(mesh)
+        group = None if mesh is None else group_across(mesh_of(mesh))
         if group is not None:
             over_stages[group] = over_stages[group] + s if group in over_stages else s
             continue

@@ -3,15 +3,15 @@
 Example::
 
     >>> pipe = vsf.pipeline.Pipeline(stage_fns, loss, prefixes, mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
-    >>> params = pipe.place(params, specs)
-    >>> print(pipe.lower(params, idx, targets).as_text())   # each stage's plan, the sends between stages
-    >>> loss, grads = pipe.value_and_grad(params, idx, targets)
+    >>> params, layout = pipe.place(params, specs)
+    >>> print(pipe.lower(params, idx, targets, layout=layout).as_text())   # each stage's plan, the sends between stages
+    >>> loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
 """
 
-from vsf.pipeline.api import Pipeline, stage_group
+from vsf.pipeline.api import Pipeline
 from vsf.pipeline.lower import PipelineCost, PipelineLowered, Send, StageCost
 from vsf.pipeline.schedule import DEFERRED, INTERLEAVED, SCHEDULES, V_SHAPED, bubble, rank_actions, stage_actions, stage_rank
-from vsf.pipeline.split import Split, assign
+from vsf.pipeline.split import Layout, Split, assign
 
-__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Pipeline", "PipelineCost", "PipelineLowered", "Send", "Split", "StageCost", "assign", "bubble",
-           "rank_actions", "stage_actions", "stage_group", "stage_rank"]
+__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Layout", "Pipeline", "PipelineCost", "PipelineLowered", "Send", "Split", "StageCost", "assign", "bubble",
+           "rank_actions", "stage_actions", "stage_rank"]

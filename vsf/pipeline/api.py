@@ -36,7 +36,7 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   program's backward is cut in two (``vsf.jit``'s ``deferred_grad_argnums``): its input part,
   which the previous stage waits for, and its params' part, which torch runs later
   (``dw_builder``) to fill the bubble, or at once for a full backward; the cut computes nothing twice.
-* The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets)``
+* The train step stays ONE pure function: ``pipe.value_and_grad(params, inputs, targets, layout=layout)``
   stands where ``vsf.value_and_grad(loss)(params, batch)`` stood, and the optimizer update that
   follows is the usual ``tx.update`` / ``apply_updates``, applied where each param lives.
   ``params`` is the model's own tree; each leaf is a DTensor on the mesh of the stage that owns
@@ -54,9 +54,9 @@ Example::
 
     >>> pipe = vsf.pipeline.Pipeline([embed, head], loss, [["wte.", "wpe.", "blocks.0."], ["blocks.1.", "lnf.", "wte."]],
     ...                              mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
-    >>> params = pipe.place(params, specs)
+    >>> params, layout = pipe.place(params, specs)      # layout: which stage holds each leaf, its shape and spec
     >>> def train_step(params, opt_state, idx, targets):
-    ...     loss, grads = pipe.value_and_grad(params, idx, targets)
+    ...     loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
     ...     updates, opt_state = tx.update(grads, opt_state, params)
     ...     return vsf.optim.apply_updates(params, updates), opt_state, loss
 """
@@ -71,29 +71,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from vsf import runtime, tree
-from vsf.abstract import ShapeDtypeStruct, eval_shape
+from vsf.abstract import ShapeDtypeStruct
 from vsf.pipeline import runners
 from vsf.pipeline import schedule as sched
-from vsf.pipeline.lower import PipelineLowered, Send, StageCost, in_flight, saved_bytes, send
-from vsf.pipeline.split import Split, assign, leaf_names
-from vsf.pipeline.stage import Boundary, StageModule, as_global, gather_program, mean_reducer, shard_bytes, stage_program, stand_in
+from vsf.pipeline.lower import Bounds, PipelineLowered, boundaries, first_entries, lower_step
+from vsf.pipeline.split import Layout, assign, leaf_names
+from vsf.pipeline.stage import Boundary, StageModule, as_global, gather_program, mean_reducer, stage_program
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, sharding_of
 from vsf.sharding.put import device_put
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["Pipeline", "stage_group"]
-
-# the pp process group of each real-process stage mesh (DeviceMesh id -> group), for sums over stages
-_STAGE_GROUPS: dict[int, Any] = {}
-
-
-def stage_group(device_mesh: Any) -> Any:
-    """The ``pp`` process group joining a real-process stage mesh's ranks to the other stages'
-    ranks at the same coordinates (``None`` for any other mesh, and under ``vsf.simulate``, where
-    one process holds every stage)."""
-    return _STAGE_GROUPS.get(id(device_mesh))
-
+__all__ = ["Pipeline"]
 
 class Pipeline:
     """A model split into pipeline stages over ``mesh``'s ``axis`` (see the module docstring)."""
@@ -129,16 +118,11 @@ class Pipeline:
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
         self.meshes = [mesh.at(axis, self.rank_of(s)) for s in range(len(stages))]
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
-        self.split: Split | None = None
-        self._shapes: dict[str, ShapeDtypeStruct] = {}
-        self._specs: dict[str, PartitionSpec] = {}
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
-        self._reducers: dict[int, Any] = {}
-        self._gathers: dict[int, Any] = {}
+        self._reducers: dict[tuple[Layout, int], Any] = {}
+        self._gathers: dict[tuple[Layout, int], Any] = {}
         self._deferred: dict[int, list[Callable[[], None]]] = {}   # stage -> its backwards' weight parts not yet run (a zero-bubble schedule)
-        self._bounds: dict[tuple[Any, ...], list[tuple[list[Boundary], Boundary, torch.dtype]]] = {}
-        if not runtime.is_simulated() and mesh.axis_size(axis) > 1:
-            _STAGE_GROUPS[id(mesh.at(axis, self.here).device_mesh)] = mesh.device_mesh.get_group(axis)
+        self._bounds: dict[tuple[Any, ...], Bounds] = {}   # lower.boundaries's cache
 
     @property
     def num_stages(self) -> int:
@@ -164,44 +148,58 @@ class Pipeline:
 
     # -- params ---------------------------------------------------------------------------------
 
-    def place(self, params: dict[str, torch.Tensor], specs: Any = None) -> dict[str, torch.Tensor | None]:
+    def place(self, params: dict[str, torch.Tensor], specs: Any = None) -> tuple[dict[str, torch.Tensor | None], Layout]:
         """Lay out ``params`` (every leaf, on every rank) on their stages: leaf ``k`` on the mesh of
         the stage that owns it, by ``specs`` (a pytree prefix of ``params`` of ``P`` over the other
         axes; default replicated). Leaves of stages this process does not compute are ``None``.
+        Returns the placed params and their :meth:`layout`, which :meth:`value_and_grad` and
+        :meth:`lower` take; the pipeline itself is left as it was.
 
         Example::
 
-            >>> params = pipe.place(params, vsf.sharding.match(params, rules))
+            >>> params, layout = pipe.place(params, vsf.sharding.match(params, rules))
         """
-        self.split = assign(params, self.prefixes, self.tied)
-        self._shapes = {k: ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in zip(leaf_names(params), tree.leaves(params))}
-        specs = tree.broadcast_prefix(specs if specs is not None else PartitionSpec(), params, is_leaf=lambda x: isinstance(x, PartitionSpec), what="specs")
-        self._specs = dict(zip(leaf_names(params), specs))
+        layout = self.layout(params, specs)
         mine = set(self.local_stages())
-        out = []
-        for k, v, spec in zip(leaf_names(params), tree.leaves(params), specs):
-            owner = self.split.owner[k]
+        names, leaves = leaf_names(params), tree.leaves(params)
+        out = [device_put(v, layout.where(k, owner)[0]) if (owner := layout.split.owner[k]) in mine else None for k, v in zip(names, leaves)]
+        return tree.unflatten(tree.structure(params), out), layout
+
+    def layout(self, params: Any, specs: Any = None) -> Layout:
+        """Where :meth:`place` lays ``params`` out (every leaf, tensors or ``ShapeDtypeStruct`` s):
+        the stage that holds each leaf, its shape and its spec (``specs``, a pytree prefix of
+        ``params`` of ``P`` over the other axes; default replicated), without placing anything.
+
+        Example::
+
+            >>> layout = pipe.layout(params, specs)          # e.g. beside a checkpoint restored into pipe.place's layout
+            >>> layout.split.owner["lnf.weight"]
+            1
+        """
+        split = assign(params, self.prefixes, self.tied)
+        names, leaves = leaf_names(params), tree.leaves(params)
+        specs = tree.broadcast_prefix(specs if specs is not None else PartitionSpec(), params, is_leaf=lambda x: isinstance(x, PartitionSpec), what="specs")
+        for k, spec in zip(names, specs):
             if self.axis in PartitionSpec(*spec).axes:
                 raise ValueError(f"param {k!r} has the spec {spec!r}, which splits over the pipeline axis {self.axis!r}; a stage's params live on its own pp coordinate")
-            out.append(device_put(v, NamedSharding(self.meshes[owner], spec)) if owner in mine else None)
-        return tree.unflatten(tree.structure(params), out)
+        return Layout(split, {k: ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in zip(names, leaves)}, dict(zip(names, specs)), tuple(self.meshes))
 
     # -- the step -------------------------------------------------------------------------------
 
-    def value_and_grad(self, params: Any, inputs: Any, targets: Any) -> tuple[DTensor, Any]:
+    def value_and_grad(self, params: Any, inputs: Any, targets: Any, *, layout: Layout) -> tuple[DTensor, Any]:
         """The mean loss of the batch and its gradient with respect to ``params``, computed
         microbatch by microbatch through the schedule. ``inputs`` go to the first stage,
         ``targets`` to ``loss_fn`` (a tensor or a tuple of tensors each; plain tensors holding the
         whole batch, or DTensors laid out by ``batch``). The loss is a replicated DTensor on this
         process's last stage mesh (every rank gets it); gradients have ``params``' structure
-        (``None`` where ``params`` are), each on its param's mesh.
+        (``None`` where ``params`` are), each on its param's mesh. ``layout`` is the one
+        :meth:`place` returned with ``params``.
 
         Example::
 
-            >>> loss, grads = pipe.value_and_grad(params, idx, targets)
+            >>> loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
         """
-        if self.split is None:
-            raise RuntimeError("call pipe.place(params, specs) before pipe.value_and_grad: it assigns the params to stages")
+        self._check_layout(layout)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         targets = targets if isinstance(targets, tuple) else (targets,)
         if len(targets) != 1 and not self._in_one_process():
@@ -211,7 +209,7 @@ class Pipeline:
         first, last = 0, self.num_stages - 1
         xs = [self._microbatches(x, first, f"inputs[{i}]") for i, x in enumerate(inputs)] if first in self.local_stages() else []
         ts = [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)] if last in self.local_stages() else []
-        mods = self._modules(values, inputs, targets)
+        mods = self._modules(layout, values, inputs, targets)
         try:
             if self._in_one_process():
                 loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts, self._deferred)
@@ -220,12 +218,12 @@ class Pipeline:
         finally:  # a step that raised midway leaves weight parts that belong to it alone (and hold its activations)
             for parts in self._deferred.values():
                 parts.clear()
-        grads = self._gradients(mods)
+        grads = self._gradients(layout, mods)
         loss = self._loss(loss_parts)
         out = [grads.get(k) if values.get(k) is not None else None for k in names]
         return loss, tree.unflatten(tree.structure(params), out)
 
-    def lower(self, params: Any, inputs: Any, targets: Any) -> PipelineLowered:
+    def lower(self, params: Any, inputs: Any, targets: Any, *, layout: Layout) -> PipelineLowered:
         """Plan the step ``value_and_grad(params, inputs, targets)`` runs, without running it (and
         without sending anything): the forward and backward programs of each stage this process
         computes (every stage under ``vsf.simulate``), the sends between stages with their shapes
@@ -234,73 +232,21 @@ class Pipeline:
 
         Example::
 
-            >>> lowered = pipe.lower(params, idx, targets)
+            >>> lowered = pipe.lower(params, idx, targets, layout=layout)
             >>> print(lowered.as_text())
             >>> [(s.src, s.dst, s.shape, s.bytes, s.count) for s in lowered.sends if s.what == "activation"]
             [(0, 1, (1, 8, 16), 512, 4)]
         """
-        if self.split is None:
-            raise RuntimeError("call pipe.place(params, specs) before pipe.lower: it assigns the params to stages")
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        targets = targets if isinstance(targets, tuple) else (targets,)
-        values = dict(zip(leaf_names(params), tree.leaves(params)))
-        bounds = self._boundaries(inputs)
-        sends = self._sends(bounds)
-        actions = [[(kind, mb) for acts in self.actions() for st, kind, mb in acts if st == s] for s in range(self.num_stages)]
-        last = self.num_stages - 1
-        stages, reducers, gathers, costs, loss = {}, {}, {}, [], None
-        with torch.enable_grad():
-            for s in self.local_stages():
-                ins, out, dtype = bounds[s]
-                dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
-                names = self.split.names[s]
-                lent = {k: stand_in(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)}
-                if self._gathered(s):
-                    gathers[s] = self._gather(s).lower({k: self._value(k, s, values, lent) for k in self._gathered(s)})
-                weights = {k: stand_in((self._held(k, s), self._shapes[k].shape), self._shapes[k].dtype, grad=True) for k in names}
-                xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
-                stages[s] = self._program(s, out[0]).lower(weights, *xs)
-                grads = stages[s].grad_shardings[0][0]   # as the backward leaves them: unreduced over dp
-                summed = {k: stand_in((grads[k] or self._where(k, s)[0], self._shapes[k].shape), self._shapes[k].dtype) for k in names}
-                reducers[s] = self._reducer(s).lower(summed)
-                held = shard_bytes(out, dtype) + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
-                if s == last:
-                    ts = [stand_in(where, t.dtype) for where, t in zip(self._target_ins(targets), targets)]
-                    loss = self._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
-                    held += saved_bytes(loss, 0)
-                costs.append(StageCost(
-                    s, self.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, reducers[s].cost(), gathers[s].cost() if s in gathers else None, self.microbatches,
-                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.owned(s)),
-                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self._gathered(s)),
-                    sum(shard_bytes(self._where(k, s), self._shapes[k].dtype) for k in self.split.borrowed(s)),
-                    held, in_flight(actions[s]), tuple(x for x in sends if x.src == s),
-                ))
-        return PipelineLowered(self.mesh, self.axis, self.schedule, self.microbatches, self.prefixes, stages, loss, reducers, gathers, costs, sends)
+        self._check_layout(layout)
+        return lower_step(self, layout, params, inputs, targets)
 
-    def _sends(self, bounds: list[tuple[list[Boundary], Boundary, torch.dtype]]) -> list[Send]:
-        """Every transfer over ``pp`` of a step, in the order of the step: the tied params lent,
-        each stage's output to the next and its gradient back (once per microbatch), the tied
-        params' gradients returned to their owner, and the loss sent from the last stage to the
-        other pp ranks."""
-        m, last, p = self.microbatches, self.num_stages - 1, self.mesh.axis_size(self.axis)
-        out = []
-        tied = [(k, self.split.owner[k], b) for k in self.tied for b in self.split.users[k][1:] if self.rank_of(self.split.owner[k]) != self.rank_of(b)]   # (not between a rank's own stages)
-        shard = lambda k, b: self._where(k, b)[0].shard_shape(self._shapes[k].shape)  # noqa: E731
-        out += [send(f"tied {k}", owner, b, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
-        apart = [s for s in range(last) if self.rank_of(s) != self.rank_of(s + 1)]   # (a V's turn stays on its rank)
-        for s in apart:
-            (where, shape), dtype = bounds[s][1], bounds[s][2]
-            out.append(send("activation", s, s + 1, where.shard_shape(shape), dtype, m))
-        for s in reversed(apart):
-            (where, shape), dtype = bounds[s][1], bounds[s][2]
-            out.append(send("activation gradient", s + 1, s, where.shard_shape(shape), dtype, m))
-        out += [send(f"gradient of tied {k}", b, owner, shard(k, b), self._shapes[k].dtype, 1) for k, owner, b in tied]
-        out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != self.rank_of(last)]   # (to each other pp rank, its first stage)
-        return out
+    def _check_layout(self, layout: Any) -> None:
+        if not isinstance(layout, Layout) or layout.meshes != tuple(self.meshes) or layout.split.num_stages != self.num_stages:
+            raise TypeError(f"layout must be the Layout this pipeline's place(params, specs) returned with the params; got {type(layout).__name__}")
 
     def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:
         """``x`` laid out by ``batch`` on ``stage``'s mesh, as ``microbatches`` local pieces."""
-        s = NamedSharding(self.meshes[stage], _first(self.batch, x.ndim))
+        s = NamedSharding(self.meshes[stage], first_entries(self.batch, x.ndim))
         if isinstance(x, DTensor):
             have = sharding_of(x)
             if have.spec != s.spec:
@@ -313,42 +259,18 @@ class Pipeline:
             raise ValueError(f"{what} has {x.shape[0]} rows ({local.shape[0]} on each rank of {s.spec!r}); {m} microbatches must divide both")
         return list(torch.tensor_split(local, m))
 
-    def _boundaries(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary, torch.dtype]]:
-        """Each stage's input and output layouts and global microbatch shapes, and its output's
-        dtype, from the stage functions run on shapes (``vsf.eval_shape``); cached per input
-        signature."""
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
-        if key not in self._bounds:
-            self._bounds[key] = self._trace_boundaries(inputs)
-        return self._bounds[key]
-
-    def _trace_boundaries(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[list[Boundary], Boundary, torch.dtype]]:
-        m = self.microbatches
-        mb = lambda x: ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)  # noqa: E731
-        current = [mb(x) for x in inputs]
-        out = []
-        for s, fn in enumerate(self.stages):
-            mesh = self.meshes[s]
-            spec = PartitionSpec(*self.batch) if s == 0 else self.activations
-            ins = [(NamedSharding(mesh, _first(spec, len(c.shape))), tuple(c.shape)) for c in current]
-            p = {k: self._shapes[k] for k in self.split.names[s]}
-            y = eval_shape(fn, p, *current)
-            act = NamedSharding(mesh, _first(self.activations, len(y.shape)))
-            out.append((ins, (act, tuple(y.shape)), y.dtype))
-            current = [y]
-        return out
-
-    def _modules(self, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
-        bounds = self._boundaries(inputs)
-        lent = self._lend(values)
+    def _modules(self, layout: Layout, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
+        bounds = boundaries(self, layout, inputs)
+        lent = self._lend(layout, values)
         mods = {}
         for s in self.local_stages():
-            names = self.split.names[s]
+            names = layout.split.names[s]
             mine = {n: v for (n, b), v in lent.items() if b == s}
-            held = {k: self._value(k, s, values, mine) for k in names}
-            if self._gathered(s):
+            held = {k: self._value(layout, k, s, values, mine) for k in names}
+            gathered = self._gathered(layout, s)
+            if gathered:
                 with torch.no_grad():
-                    held.update(self._gather(s)({k: held[k] for k in self._gathered(s)}))
+                    held.update(self._gather(layout, s)({k: held[k] for k in gathered}))
             weights = [held[k].detach().requires_grad_(True) for k in names]
             mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
         last = self.num_stages - 1
@@ -361,7 +283,7 @@ class Pipeline:
     def _target_ins(self, targets: tuple[Any, ...]) -> list[Boundary]:
         """Each target's layout and global microbatch shape on the last stage."""
         last = self.meshes[self.num_stages - 1]
-        return [(NamedSharding(last, _first(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
+        return [(NamedSharding(last, first_entries(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
 
     def _program(self, s: int, out: NamedSharding) -> Any:
         """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
@@ -372,34 +294,34 @@ class Pipeline:
             self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes, on_deferred_grads=sink)
         return self._programs[key]
 
-    def _reducer(self, s: int) -> Any:
+    def _reducer(self, layout: Layout, s: int) -> Any:
         """Stage ``s``'s program reducing its gradients once a step: their mean over the
         microbatches, in each param's layout (the stage program leaves them unreduced over the
         axes a param is replicated on, and whole over the batch's axes it is split on: DDP's one
         all-reduce a step and FSDP's one reduce-scatter, not one a microbatch)."""
-        if s not in self._reducers:
-            self._reducers[s] = mean_reducer(self.microbatches, {k: self._where(k, s)[0] for k in self.split.names[s]})
-        return self._reducers[s]
+        if (layout, s) not in self._reducers:
+            self._reducers[(layout, s)] = mean_reducer(self.microbatches, {k: layout.where(k, s)[0] for k in layout.split.names[s]})
+        return self._reducers[(layout, s)]
 
-    def _gathered(self, s: int) -> list[str]:
+    def _gathered(self, layout: Layout, s: int) -> list[str]:
         """Stage ``s``'s params that are gathered once a step (see :meth:`_held`)."""
-        return [k for k in self.split.names[s] if self._held(k, s) != self._where(k, s)[0]]
+        return [k for k in layout.split.names[s] if self._held(layout, k, s) != layout.where(k, s)[0]]
 
-    def _held(self, k: str, stage: int) -> NamedSharding:
+    def _held(self, layout: Layout, k: str, stage: int) -> NamedSharding:
         """The layout of leaf ``k`` that stage ``stage``'s programs read: its own, or, unless
         ``reshard_after_forward``, gathered over the batch's axes (fsdp) for the whole step."""
-        sharding = self._where(k, stage)[0]
+        sharding = layout.where(k, stage)[0]
         if self.reshard_after_forward:
             return sharding
-        return NamedSharding(sharding.mesh, self._specs[k].without(PartitionSpec(*self.batch).axes))
+        return NamedSharding(sharding.mesh, layout.specs[k].without(PartitionSpec(*self.batch).axes))
 
-    def _gather(self, s: int) -> Any:
+    def _gather(self, layout: Layout, s: int) -> Any:
         """Stage ``s``'s program gathering its :meth:`_gathered` params once a step, before its
         first microbatch (FSDP2 under torch's pipeline schedules gathers once and keeps them
         gathered through the step: ``reshard_after_backward(False)``)."""
-        if s not in self._gathers:
-            self._gathers[s] = gather_program({k: self._held(k, s) for k in self._gathered(s)})
-        return self._gathers[s]
+        if (layout, s) not in self._gathers:
+            self._gathers[(layout, s)] = gather_program({k: self._held(layout, k, s) for k in self._gathered(layout, s)})
+        return self._gathers[(layout, s)]
 
     def _loss_program(self, last: int) -> Any:
         key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))
@@ -407,38 +329,34 @@ class Pipeline:
             self._programs[key] = stage_program(self.loss_fn, key[1])
         return self._programs[key]
 
-    def _value(self, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> DTensor:
+    def _value(self, layout: Layout, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> DTensor:
         """Stage ``stage``'s leaf ``k``: its own value, or the copy of a tied leaf it borrows."""
-        if self.split.owner[k] != stage:
+        if layout.split.owner[k] != stage:
             return lent[k].detach()
         v = values[k]
         if not isinstance(v, DTensor):
             raise TypeError(f"param {k!r} is a {type(v).__name__}, not a DTensor on stage {stage}'s mesh: lay the params out with pipe.place(params, specs)")
         return v.detach()
 
-    def _lend(self, values: dict[str, Any]) -> dict[tuple[str, int], DTensor]:
+    def _lend(self, layout: Layout, values: dict[str, Any]) -> dict[tuple[str, int], DTensor]:
         """Each borrowed tied leaf's copy on its borrower's mesh, keyed ``(name, borrower)``: the
         owner's shard at the same coordinates of the other axes (sent over ``pp`` between
         processes)."""
         out = {}
         mine = self.local_stages()
         for k in self.tied:
-            owner = self.split.owner[k]
-            for b in self.split.users[k][1:]:
+            owner = layout.split.owner[k]
+            for b in layout.split.users[k][1:]:
                 if owner in mine and b in mine:   # (one process, or both stages on this rank)
-                    out[(k, b)] = as_global(values[k].to_local(), self._where(k, b))
+                    out[(k, b)] = as_global(values[k].to_local(), layout.where(k, b))
                 elif owner in mine:
                     dist.send(values[k].to_local().contiguous(), dst=self._peer(b))
                 elif b in mine:
-                    sharding, shape = self._where(k, b)
-                    buf = torch.empty(sharding.shard_shape(shape), dtype=self._shapes[k].dtype)
+                    sharding, shape = layout.where(k, b)
+                    buf = torch.empty(sharding.shard_shape(shape), dtype=layout.shapes[k].dtype)
                     dist.recv(buf, src=self._peer(owner))
-                    out[(k, b)] = as_global(buf, self._where(k, b))
+                    out[(k, b)] = as_global(buf, layout.where(k, b))
         return out
-
-    def _where(self, k: str, stage: int) -> Boundary:
-        """Leaf ``k``'s layout on ``stage``'s mesh (by its spec over the other axes) and its shape."""
-        return NamedSharding(self.meshes[stage], self._specs[k]), self._shapes[k].shape
 
     def _peer(self, stage: int) -> int:
         """The global rank of ``stage``'s mesh (at its pp coordinate, :meth:`rank_of`) at this rank's other coordinates."""
@@ -446,7 +364,7 @@ class Pipeline:
 
     # -- results ----------------------------------------------------------------------------------
 
-    def _gradients(self, mods: dict[int, StageModule]) -> dict[str, DTensor]:
+    def _gradients(self, layout: Layout, mods: dict[int, StageModule]) -> dict[str, DTensor]:
         """Each owned leaf's gradient: the mean over microbatches (reduced once, by the stage's
         :meth:`_reducer`), the borrowers' summed in (sent over ``pp`` to the owner between
         processes)."""
@@ -454,14 +372,14 @@ class Pipeline:
         lent: dict[tuple[str, int], DTensor] = {}
         for s, mod in sorted(mods.items()):
             summed = {k: w.grad if w.grad is not None else torch.zeros_like(w) for k, w in zip(mod.names, mod.weights)}
-            for k, g in self._reducer(s)(summed).items():
-                if self.split.owner[k] == s:
+            for k, g in self._reducer(layout, s)(summed).items():
+                if layout.split.owner[k] == s:
                     grads[k] = g
                 else:
                     lent[(k, s)] = g
         for k in self.tied:
-            owner = self.split.owner[k]
-            for b in self.split.users[k][1:]:
+            owner = layout.split.owner[k]
+            for b in layout.split.users[k][1:]:
                 if (k, b) in lent and owner in mods:
                     grads[k] = grads[k] + as_global(lent[(k, b)].to_local(), (sharding_of(grads[k]), tuple(grads[k].shape)))
                 elif (k, b) in lent:
@@ -482,7 +400,3 @@ class Pipeline:
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))
 
-
-def _first(spec: PartitionSpec, n: int) -> PartitionSpec:
-    """``spec``'s first ``n`` entries (a batch spec applied to a value of rank ``n``)."""
-    return PartitionSpec(*tuple(spec)[:n])

@@ -1,7 +1,8 @@
 """Reading a pipeline's plan without running it: each stage's planned programs, the sends between
 stages over ``pp`` (shape, dtype, bytes per microbatch and per step), and each stage's memory.
 
-``Pipeline.lower(params, inputs, targets)`` returns a :class:`PipelineLowered`, the pipeline's
+``Pipeline.lower(params, inputs, targets, layout=layout)`` (:func:`lower_step`) returns a
+:class:`PipelineLowered`, the pipeline's
 counterpart of ``vsf.jit(f).lower(...)``'s ``Lowered``: ``stages[s]`` is stage ``s``'s own
 ``Lowered`` (its forward and backward programs, planned once and run for every microbatch),
 ``gathers[s]`` the program that gathers its fsdp-split params once a step, ``reducers[s]`` the
@@ -14,7 +15,7 @@ the other axes in the next stage, and the gradient of that shard comes back the 
 
 Example::
 
-    >>> lowered = pipe.lower(params, idx, targets)
+    >>> lowered = pipe.lower(params, idx, targets, layout=layout)
     >>> print(lowered.as_text())
     >>> [s.comm_bytes["pp"] for s in lowered.cost().stages]
 """
@@ -24,16 +25,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from vsf import tree
+from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.jit import Lowered
 from vsf.jit.graph import placeholders_of
 from vsf.jit.report import Cost, fmt_bytes
+from vsf.pipeline.split import Layout, leaf_names
+from vsf.pipeline.stage import Boundary, shard_bytes, stand_in
 from vsf.sharding.inspect import type_string
 from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding
+from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["PipelineCost", "PipelineLowered", "Send", "StageCost", "in_flight", "saved_bytes"]
+__all__ = ["PipelineCost", "PipelineLowered", "Send", "StageCost", "boundaries", "first_entries", "in_flight", "lower_step", "saved_bytes", "sends"]
+
+Bounds = list[tuple[list[Boundary], Boundary, torch.dtype]]   # per stage: its inputs', its output's layout and shape, its output's dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,3 +228,119 @@ def in_flight(actions: Sequence[tuple[str, int]]) -> int:
         most = max(most, now)
     return most
 
+
+
+def first_entries(spec: PartitionSpec, n: int) -> PartitionSpec:
+    """``spec``'s first ``n`` entries (a batch spec applied to a value of rank ``n``)."""
+    return PartitionSpec(*tuple(spec)[:n])
+
+
+def lower_step(pipe: Any, layout: Layout, params: Any, inputs: Any, targets: Any) -> PipelineLowered:
+    """``pipe.lower(params, inputs, targets, layout=layout)``: plan each stage this process computes
+    (its microbatch's programs, its once-a-step gather and reduction, the loss program on the
+    last), the sends between stages, and each stage's cost, without running or sending anything.
+    ``pipe`` is the :class:`~vsf.pipeline.api.Pipeline`, whose cached programs the step reuses.
+
+    Example::
+
+        >>> lowered = lower_step(pipe, layout, params, idx, targets)
+        >>> lowered.cost().stages[0].comm_bytes["pp"]
+    """
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    targets = targets if isinstance(targets, tuple) else (targets,)
+    values = dict(zip(leaf_names(params), tree.leaves(params)))
+    split, shapes = layout.split, layout.shapes
+    bounds = boundaries(pipe, layout, inputs)
+    step_sends = sends(pipe, layout, bounds)
+    actions = [[(kind, mb) for acts in pipe.actions() for st, kind, mb in acts if st == s] for s in range(pipe.num_stages)]
+    last = pipe.num_stages - 1
+    stages, reducers, gathers, costs, loss = {}, {}, {}, [], None
+    with torch.enable_grad():
+        for s in pipe.local_stages():
+            ins, out, dtype = bounds[s]
+            dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
+            names = split.names[s]
+            lent = {k: stand_in(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)}
+            gathered = pipe._gathered(layout, s)
+            if gathered:
+                gathers[s] = pipe._gather(layout, s).lower({k: pipe._value(layout, k, s, values, lent) for k in gathered})
+            weights = {k: stand_in((pipe._held(layout, k, s), shapes[k].shape), shapes[k].dtype, grad=True) for k in names}
+            xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
+            stages[s] = pipe._program(s, out[0]).lower(weights, *xs)
+            grads = stages[s].grad_shardings[0][0]   # as the backward leaves them: unreduced over dp
+            summed = {k: stand_in((grads[k] or layout.where(k, s)[0], shapes[k].shape), shapes[k].dtype) for k in names}
+            reducers[s] = pipe._reducer(layout, s).lower(summed)
+            held = shard_bytes(out, dtype) + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
+            if s == last:
+                ts = [stand_in(where, t.dtype) for where, t in zip(pipe._target_ins(targets), targets)]
+                loss = pipe._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
+                held += saved_bytes(loss, 0)
+            costs.append(StageCost(
+                s, pipe.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, reducers[s].cost(), gathers[s].cost() if s in gathers else None, pipe.microbatches,
+                sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in split.owned(s)),
+                sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in gathered),
+                sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)),
+                held, in_flight(actions[s]), tuple(x for x in step_sends if x.src == s),
+            ))
+    return PipelineLowered(pipe.mesh, pipe.axis, pipe.schedule, pipe.microbatches, pipe.prefixes, stages, loss, reducers, gathers, costs, step_sends)
+
+
+def sends(pipe: Any, layout: Layout, bounds: Bounds) -> list[Send]:
+    """Every transfer over ``pp`` of ``pipe``'s step, in the order of the step: the tied params lent,
+    each stage's output to the next and its gradient back (once per microbatch), the tied
+    params' gradients returned to their owner, and the loss sent from the last stage to the
+    other pp ranks.
+
+    Example::
+
+        >>> [(s.what, s.src, s.dst) for s in sends(pipe, layout, boundaries(pipe, layout, (idx,)))][:1]
+        [('tied wte.weight', 0, 1)]
+    """
+    m, last, p = pipe.microbatches, pipe.num_stages - 1, pipe.mesh.axis_size(pipe.axis)
+    split, shapes = layout.split, layout.shapes
+    out = []
+    tied = [(k, split.owner[k], b) for k in pipe.tied for b in split.users[k][1:] if pipe.rank_of(split.owner[k]) != pipe.rank_of(b)]   # (not between a rank's own stages)
+    shard = lambda k, b: layout.where(k, b)[0].shard_shape(shapes[k].shape)  # noqa: E731
+    out += [send(f"tied {k}", owner, b, shard(k, b), shapes[k].dtype, 1) for k, owner, b in tied]
+    apart = [s for s in range(last) if pipe.rank_of(s) != pipe.rank_of(s + 1)]   # (a V's turn stays on its rank)
+    for s in apart:
+        (where, shape), dtype = bounds[s][1], bounds[s][2]
+        out.append(send("activation", s, s + 1, where.shard_shape(shape), dtype, m))
+    for s in reversed(apart):
+        (where, shape), dtype = bounds[s][1], bounds[s][2]
+        out.append(send("activation gradient", s + 1, s, where.shard_shape(shape), dtype, m))
+    out += [send(f"gradient of tied {k}", b, owner, shard(k, b), shapes[k].dtype, 1) for k, owner, b in tied]
+    out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != pipe.rank_of(last)]   # (to each other pp rank, its first stage)
+    return out
+
+
+def boundaries(pipe: Any, layout: Layout, inputs: tuple[torch.Tensor, ...]) -> Bounds:
+    """Each stage's input and output layouts and global microbatch shapes, and its output's
+    dtype, from ``pipe``'s stage functions run on shapes (``vsf.eval_shape``); cached on ``pipe``
+    per layout and input signature.
+
+    Example::
+
+        >>> ins, (out, shape), dtype = boundaries(pipe, layout, (idx,))[0]
+    """
+    key = (layout, tuple((tuple(x.shape), x.dtype) for x in inputs))
+    if key not in pipe._bounds:
+        pipe._bounds[key] = _trace_boundaries(pipe, layout, inputs)
+    return pipe._bounds[key]
+
+
+def _trace_boundaries(pipe: Any, layout: Layout, inputs: tuple[torch.Tensor, ...]) -> Bounds:
+    m = pipe.microbatches
+    mb = lambda x: ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype)  # noqa: E731
+    current = [mb(x) for x in inputs]
+    out = []
+    for s, fn in enumerate(pipe.stages):
+        mesh = pipe.meshes[s]
+        spec = PartitionSpec(*pipe.batch) if s == 0 else pipe.activations
+        ins = [(NamedSharding(mesh, first_entries(spec, len(c.shape))), tuple(c.shape)) for c in current]
+        p = {k: layout.shapes[k] for k in layout.split.names[s]}
+        y = eval_shape(fn, p, *current)
+        act = NamedSharding(mesh, first_entries(pipe.activations, len(y.shape)))
+        out.append((ins, (act, tuple(y.shape)), y.dtype))
+        current = [y]
+    return out

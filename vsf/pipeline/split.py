@@ -21,8 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from vsf import tree
+from vsf.abstract import ShapeDtypeStruct
+from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding
+from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["Split", "assign", "leaf_names"]
+__all__ = ["Layout", "Split", "assign", "leaf_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +88,27 @@ def assign(params: Any, stages: Sequence[Sequence[str]], tied: Sequence[str] = (
         if len(users[k]) < 2:
             raise ValueError(f"tied param {k!r} is used by stage {list(users[k])} only; a tied param must be named by two or more stages")
     return Split(tuple(per_stage), {k: us[0] for k, us in users.items()}, users)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Where a pipeline's params live, as ``Pipeline.place`` laid them out: the stages' ``split``,
+    each leaf's global ``shapes`` (and dtype) and its ``specs`` over the axes other than ``pp``, and
+    the stages' ``meshes``. Every rank holds the whole layout, also of the leaves other stages
+    hold. Compared by identity: the pipeline keeps its per-layout programs keyed by it.
+
+    Example::
+
+        >>> params, layout = pipe.place(params, specs)
+        >>> layout.split.owner["wte.weight"], layout.where("wte.weight", 1)[0].spec
+        (0, PartitionSpec(None, 'tp'))
+    """
+
+    split: Split
+    shapes: dict[str, ShapeDtypeStruct]
+    specs: dict[str, PartitionSpec]
+    meshes: tuple[Mesh, ...]
+
+    def where(self, k: str, stage: int) -> tuple[NamedSharding, tuple[int, ...]]:
+        """Leaf ``k``'s layout on ``stage``'s mesh (by its spec over the other axes) and its shape."""
+        return NamedSharding(self.meshes[stage], self.specs[k]), self.shapes[k].shape

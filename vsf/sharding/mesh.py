@@ -193,7 +193,7 @@ class Mesh:
             names = (axis,)
         else:
             sub = self._sub(names, coord, register=False)
-        _AT.add(sub)
+        _AT[sub] = (self, axis)
         if sub in _DEVICE_MESHES:
             return sub
         if runtime.is_simulated():
@@ -269,9 +269,9 @@ _DEVICE_MESHES: dict[Mesh, DeviceMesh] = {}
 _MESH_OF: dict[int, tuple[DeviceMesh, Mesh]] = {}
 
 
-# the meshes Mesh.at made: only their own ranks hold their values (a simulation's copies of them
-# on the other coordinates are not memory a real run has)
-_AT: set[Mesh] = set()
+# the meshes Mesh.at made, each with the mesh and axis it was taken at: only their own ranks hold
+# their values (a simulation's copies of them on the other coordinates are not memory a real run has)
+_AT: dict[Mesh, tuple[Mesh, str]] = {}
 
 
 def held_only_by_its_ranks(mesh: Mesh) -> bool:
@@ -285,6 +285,22 @@ def held_only_by_its_ranks(mesh: Mesh) -> bool:
         (True, False)
     """
     return mesh in _AT
+
+
+def group_across(mesh: Mesh) -> Any:
+    """For a mesh ``Mesh.at(axis, i)`` made (a pipeline stage's ranks), the process group of ``axis``
+    that joins its ranks to the ranks at the same other coordinates at the other positions of
+    ``axis`` (the other stages); ``None`` for any other mesh, for an axis of one rank, and under
+    :class:`vsf.simulate` (one process holds every position: there is nothing to join).
+
+    Example::
+
+        >>> dist.all_reduce(stage_sum, group=group_across(mesh.at("pp", here)))   # a sum over the stages
+    """
+    if mesh not in _AT or runtime.is_simulated():
+        return None
+    parent, axis = _AT[mesh]
+    return parent.device_mesh.get_group(axis) if parent.axis_size(axis) > 1 else None
 
 
 def _register(mesh: Mesh, dm: DeviceMesh) -> DeviceMesh:

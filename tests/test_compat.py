@@ -1,0 +1,409 @@
+"""Every verb ``vsf._compat`` exports, called on tiny inputs against an independent oracle (the
+math of the op, PyTorch's own public API, a hand-written answer): a PyTorch upgrade is checked
+against this file alone (docs/architecture.md, "The `_compat` contract").
+
+The last test fails when ``_compat`` exports a name no test here calls.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils.checkpoint import checkpoint
+from torch.overrides import TorchFunctionMode
+
+import vsf
+from vsf import _compat
+
+aten = torch.ops.aten
+
+lib = torch.library.Library("vsfcompat", "DEF")
+lib.define("double(Tensor x) -> Tensor")
+lib.define("scaled(Tensor x, Tensor y, float s) -> Tensor")
+lib.define("nothing(Tensor x) -> Tensor")
+for _name, _fn in {"double": lambda x: x * 2, "scaled": lambda x, y, s: (x + y) * s, "nothing": lambda x: x.clone()}.items():
+    lib.impl(_name, _fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"vsfcompat::{_name}", lambda *a, **k: torch.empty_like(a[0]), lib=lib)
+
+
+def _mesh(n: int):
+    return vsf.make_mesh((n,), ("x",)).device_mesh
+
+
+class _Recorder(_compat.dispatch_mode_base()):
+    """A dispatch mode that records the ops it sees on plain tensors (a LocalTensor runs its own,
+    per rank, and they come back here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[object] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(_compat.is_local_tensor(a) for a in _compat.torch_tree_leaves((args, kwargs))):
+            return NotImplemented
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+# -- process groups and meshes -------------------------------------------------------------------
+
+
+def test_fake_process_group_and_one_rank_meshes():
+    assert not dist.is_initialized()
+    _compat.init_fake_process_group(4)
+    try:
+        assert (dist.get_world_size(), dist.get_backend()) == (4, "fake")
+        one = _compat.single_rank_device_mesh("cpu", 2, "x")
+        assert (one.size(), one.mesh_dim_names, one.mesh.tolist()) == (1, ("x",), [2])
+        each = _compat.one_rank_device_mesh("cpu", 4, "y", rank_map=torch.tensor([3, 2, 1, 0]))
+        assert (each.size(), each.mesh_dim_names) == (1, ("y",))
+        assert [_compat.position_in_copy(each, r) for r in range(4)] == [(0,)] * 4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_position_in_copy_of_a_sliced_mesh(sim):
+    sim(4)
+    tp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["tp"]   # copies {0, 1} and {2, 3}
+    assert [_compat.position_in_copy(tp, r) for r in range(4)] == [(0,), (1,), (0,), (1,)]
+    dp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["dp"]   # copies {0, 2} and {1, 3}
+    assert [_compat.position_in_copy(dp, r) for r in range(4)] == [(0,), (0,), (1,), (1,)]
+
+
+def test_quiet_redistribute_silences_dtensors_logger_and_restores_it():
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    before = log.level
+    with _compat.quiet_redistribute():
+        assert log.level == logging.ERROR
+    assert log.level == before
+
+
+# -- simulated ranks -------------------------------------------------------------------------------
+
+
+def test_local_tensor_mode_holds_a_value_per_rank():
+    assert _compat.active_local_mode() is None
+    mode = _compat.local_tensor_mode(2)
+    with mode:
+        assert _compat.active_local_mode() is mode
+        x = _compat.make_local({0: torch.tensor([1.0]), 1: torch.tensor([2.0])})
+        y = x * 10
+        assert _compat.is_local_tensor(y)
+        with _compat.local_mode_disabled():
+            assert not _compat.is_local_tensor(torch.ones(1) + 1)
+    shards = _compat.local_shards(y, 0)
+    assert {r: v.tolist() for r, v in shards.items()} == {0: [10.0], 1: [20.0]}
+    plain = torch.ones(2)
+    assert _compat.local_shards(plain, 3) == {3: plain} and not _compat.is_local_tensor(plain)
+
+
+def test_generator_ops_go_to_the_handler_which_runs_each_rank_alone():
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(5))
+    calls = []
+
+    def each_rank_from_the_same_state(func, args, kwargs, generators):
+        calls.append((func, len(generators)))
+        g = generators[0]
+        start = g.get_state()
+        results = {}
+        for r in (0, 1):
+            g.set_state(start)
+            results[r] = _compat.run_on_rank(func, r, args, kwargs)
+        return _compat.merge_rank_results(results, _compat.torch_tree_leaves((args, kwargs)))
+
+    g = torch.Generator().manual_seed(5)
+    with _compat.local_tensor_mode(2, each_rank_from_the_same_state):
+        x = torch.rand(3, generator=g)
+        y = torch.ones(3) * 2          # no generator: the mode's own path
+    assert [op for op, n in calls] == [aten.rand.generator] and calls[0][1] == 1
+    assert all(torch.equal(v, expected) for v in _compat.local_shards(x, 0).values())
+    assert sorted(_compat.local_shards(x, 0)) == [0, 1]
+    assert all(torch.equal(v, torch.full((3,), 2.0)) for v in _compat.local_shards(y, 0).values())
+    other = torch.Generator()
+    assert _compat.generator_key(g) == _compat.generator_key(g) != _compat.generator_key(other)
+
+
+def test_dispatch_modes_below_beside_and_off():
+    with _compat.local_tensor_mode(2):
+        assert not _compat.other_dispatch_modes()
+        x = _compat.make_local({0: torch.ones(1), 1: torch.zeros(1)})
+        below = _Recorder()
+        with _compat.below_local_mode(below):
+            x + 1
+        assert aten.add.Tensor in below.seen           # run per rank, on each rank's plain tensor
+    beside = _Recorder()
+    with beside:
+        assert _compat.other_dispatch_modes()
+        torch.ones(1) + 1
+        with _compat.dispatch_modes_off():
+            torch.ones(1) * 3
+    assert aten.add.Tensor in beside.seen and aten.mul.Tensor not in beside.seen
+
+
+def test_functional_collectives_reduce_across_simulated_ranks(sim):
+    sim(2)
+    x = _compat.make_local({0: torch.tensor([1.0, 2.0]), 1: torch.tensor([10.0, 20.0])})
+    out = _compat.functional_collectives.all_reduce(x, "sum", dist.group.WORLD)
+    if isinstance(out, _compat.functional_collectives.AsyncCollectiveTensor):
+        out = out.wait()
+    assert [v.tolist() for v in _compat.local_shards(out, 0).values()] == [[11.0, 22.0]] * 2
+
+
+# -- placements and DTensor ----------------------------------------------------------------------
+
+
+def test_reduce_partial_carries_out_each_pending_reduction(sim):
+    values = [torch.tensor(1.0), torch.tensor(3.0)]
+    assert [_compat.reduce_partial(Partial(op), values).item() for op in ("sum", "avg", "max", "min")] == [4.0, 2.0, 3.0, 1.0]
+    sim(2)
+    # DTensor's own partial 2-norm of a sharded vector norm: sqrt(3^2 + 4^2)
+    x = torch.ones(4)
+    _, outs = _compat.dtensor_decision(aten.linalg_vector_norm.default, (_compat.Placed(x, (Shard(0),)),), {}, _mesh(2))
+    (norm,) = outs[0]
+    assert isinstance(norm, Partial) and _compat.reduce_partial(norm, [torch.tensor(3.0), torch.tensor(4.0)]).item() == pytest.approx(5.0)
+
+
+def test_dtensor_decision_and_whole_op_strategies_for_matmul_and_sum(sim):
+    sim(2)
+    a, b = torch.ones(4, 6), torch.ones(6, 8)
+    ins, outs = _compat.dtensor_decision(aten.mm.default, (_compat.Placed(a, (Shard(0),)), _compat.Placed(b, (Replicate(),))), {}, _mesh(2))
+    assert (ins, outs) == ([(Shard(0),), (Replicate(),)], [(Shard(0),)])
+    offered = _compat.whole_op_strategies(aten.sum.default, (_compat.Placed(a, (Shard(0),)),), {}, 2)
+    assert ((Shard(0),), (Partial(),)) in offered     # a sum of row shards is a partial sum
+    assert _compat.whole_op_strategies(torch.ops.vsfcompat.nothing.default, (_compat.Placed(a, (Shard(0),)),), {}, 2) is None
+
+
+def test_single_dim_strategies_of_matmul():
+    a, b = torch.ones(4, 6), torch.ones(6, 8)
+    rules = _compat.single_dim_strategies(aten.mm.default, (a, b), {}, torch.ones(4, 8))
+    assert [Shard(0), Shard(0), Replicate()] in rules          # rows of a -> rows of the product
+    assert [Shard(1), Replicate(), Shard(1)] in rules          # columns of b -> columns of the product
+    assert [Partial(), Shard(1), Shard(0)] in rules            # the contracted dim -> a partial sum
+    strided = _compat.StridedShard(0, split_factor=2)
+    assert [strided, strided, Replicate()] in _compat.single_dim_strategies(aten.mm.default, (a, b), {}, torch.ones(4, 8), shards=(strided,))
+    assert _compat.single_dim_strategies(aten.sum.default, (a,), {}, torch.ones(())) is None
+    assert [_compat.registered_rules(op) for op in (aten.mm.default, aten.sum.default, torch.ops.vsfcompat.nothing.default)] == ["single", "full", None]
+
+
+def test_is_shardable_and_shard_of(sim):
+    sim(2)
+    dm = _mesh(2)
+    assert _compat.is_shardable(torch.ones(4, 1), dm, (Shard(0),)) and not _compat.is_shardable(torch.ones(4, 1), dm, (Shard(1),))
+    t = torch.arange(8)
+    assert _compat.shard_of(t, (_compat.StridedShard(0, split_factor=2),), (2,), (1,)).tolist() == [2, 3, 6, 7]
+    assert _compat.shard_of(t, (Shard(0),), (2,), (1,)).tolist() == [4, 5, 6, 7]
+    assert _compat.shard_of(t.reshape(2, 4), (Replicate(), Shard(1)), (2, 2), (1, 0)).tolist() == [[0, 1], [4, 5]]
+
+
+def test_redistribution_and_dtensor_wrapping(sim):
+    sim(2)
+    dm, t = _mesh(2), torch.arange(4.0)
+    assert _compat.redistribute_steps(dm, (Shard(0),), (Replicate(),), t) == [(0, Shard(0), Replicate(), (4,))]
+    local = _compat.make_local({0: t[:2], 1: t[2:]})
+    whole = _compat.redistribute_local(local, dm, (Shard(0),), (Replicate(),), shape=(4,), stride=(1,), dtype=t.dtype)
+    assert [v.tolist() for v in _compat.local_shards(whole, 0).values()] == [t.tolist()] * 2
+    d = _compat.dtensor_from_local(local, _compat.dtensor_layout(dm, (Shard(0),), t))
+    assert isinstance(d, DTensor) and d.shape == (4,) and d.placements == (Shard(0),)
+    assert _compat.dtensor_local(d) is local
+    doubled = _compat.make_local({0: t[:2] * 2, 1: t[2:] * 2})
+    _compat.swap_local(d, doubled)
+    assert _compat.dtensor_local(d) is doubled
+    like = _compat.dtensor_like(local, d)
+    assert (like.shape, like.placements, like.device_mesh) == (d.shape, d.placements, d.device_mesh) and _compat.dtensor_local(like) is local
+    _compat.clear_sharding_caches()
+    assert DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize == 0
+    assert (d + 1).placements == (Shard(0),)    # propagation works again after the caches went
+
+
+def test_wrapper_tensor_has_the_shape_and_no_storage():
+    class Stub(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise RuntimeError("no data")
+
+    like = torch.ones(2, 3, dtype=torch.float16)
+    w = _compat.wrapper_tensor(Stub, like)
+    assert type(w) is Stub and (w.shape, w.dtype, w.device) == (like.shape, like.dtype, like.device)
+    with pytest.raises(RuntimeError, match="no data"):
+        w + 1
+
+
+# -- tracing: fake tensors, pytrees, schemas, decompositions -------------------------------------
+
+
+def test_fake_tensors_and_tracing():
+    assert not _compat.fake_mode_active() and not _compat.is_fake(torch.ones(1))
+    real = torch.tensor([1.0, 2.0])
+    with _compat.fake_mode():
+        assert _compat.fake_mode_active()
+        y = torch.ones(2) + real              # a real input is accepted
+        assert _compat.is_fake(y) and y.shape == (2,)
+    gm = _compat.trace_fake(lambda x: x * real, [torch.ones(2)])
+    assert torch.equal(gm(torch.tensor([3.0, 4.0])), torch.tensor([3.0, 8.0]))
+
+    with pytest.raises(Exception) as e, _compat.fake_mode():
+        bool(torch.ones(2).sum() > 0)
+    assert _compat.is_data_dependent_error(e.value) and not _compat.is_data_dependent_error(ValueError())
+
+
+def test_stack_anchor_makes_fx_record_the_anchored_functions_line():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def user_step(x):
+        return x.sin()   # the line fx should record
+
+    def run(x):
+        return user_step(x)
+
+    _compat.register_stack_anchor(user_step)
+    gm = make_fx(run, tracing_mode="fake", record_stack_traces=True)(torch.ones(2))
+    (sin,) = [n for n in gm.graph.nodes if n.target is aten.sin.default]
+    assert "x.sin()" in sin.meta.get("stack_trace", "") or "user_step" in sin.meta.get("stack_trace", "")
+
+
+def test_torch_pytree_and_op_schemas():
+    tree = {"a": [1, (2, 3)], "b": torch.fx.immutable_collections.immutable_list([4])}
+    assert _compat.torch_tree_leaves(tree) == [1, 2, 3, 4]
+    assert _compat.torch_tree_leaves(_compat.torch_tree_map(lambda v: v * 10, tree)) == [10, 20, 30, 40]
+    assert [a.name for a in _compat.op_schema(aten.add.Tensor).arguments] == ["self", "other", "alpha"]
+    assert _compat.op_schema(len) is None
+    assert _compat.overload_name(aten.add.Tensor) == "Tensor"
+    assert _compat.foreach_elementwise_op(aten._foreach_add.List) is aten.add.Tensor
+    assert {aten.normal_.default, aten.native_dropout.default} <= _compat.dispatcher_special_ops()
+    x, w, b = torch.randn(2, 3), torch.randn(3, 4), torch.randn(4)
+    assert torch.allclose(_compat.decomposition(aten.addmm.default)(b, x, w), torch.addmm(b, x, w))
+    assert _compat.decomposition(torch.ops.vsfcompat.nothing.default) is None
+
+
+# -- registering rules with DTensor and fakes with PyTorch ----------------------------------------
+
+
+def test_register_single_dim_rules_splits_alike():
+    op = torch.ops.vsfcompat.double.default
+    _compat.register_single_dim_rules(op, lambda shapes: [[d, d] for d in range(len(shapes[0]))])
+    x = torch.ones(4, 6)
+    rules = _compat.single_dim_strategies(op, (x,), {}, x)
+    assert [Shard(0), Shard(0)] in rules and [Shard(1), Shard(1)] in rules and [Replicate(), Replicate()] in rules
+
+
+def test_register_mesh_dim_rules_and_its_filter(sim):
+    sim(2)
+    op = torch.ops.vsfcompat.scaled.default
+    seen = []
+
+    def rules(given):
+        seen.append(given)
+        return [[Replicate()] * 3, [Shard(0)] * 3]
+
+    _compat.register_mesh_dim_rules(op, rules, static_from="s", valid=lambda given, layouts, mesh_shape: not any(p == Shard(0) and s[0] % 4 for s, ps in layouts for p in ps))
+    x = torch.ones(4, 2)
+    _, outs = _compat.dtensor_decision(op, (_compat.Placed(x, (Shard(0),)), _compat.Placed(x, (Shard(0),)), 0.5), {}, _mesh(2))
+    assert outs == [(Shard(0),)] and seen[-1] == {"x": torch.Size([4, 2]), "y": torch.Size([4, 2]), "s": 0.5}
+    y = torch.ones(6, 2)                                   # 6 rows: the filter rejects the split
+    _, outs = _compat.dtensor_decision(op, (_compat.Placed(y, (Shard(0),)), _compat.Placed(y, (Shard(0),)), 0.5), {}, _mesh(2))
+    assert outs == [(Replicate(),)]
+
+
+def test_register_like_copies_a_twins_strategy():
+    assert _compat.register_like(aten.copy.default, aten.copy_.default)
+    assert _compat.registered_rules(aten.copy.default) == _compat.registered_rules(aten.copy_.default) == "single"
+    assert not _compat.register_like(aten.copy.default, torch.ops.vsfcompat.nothing.default)
+
+
+def test_register_fake_via_dtype_traces_other_float_dtypes():
+    lib.define("bf16_only(Tensor x) -> Tensor")
+    lib.impl("bf16_only", lambda x: x * 2, "CompositeExplicitAutograd")
+    op = torch.ops.vsfcompat.bf16_only.default
+
+    def meta(x):
+        assert x.dtype == torch.bfloat16, "bf16 only"
+        return torch.empty(x.shape[0], 1, dtype=x.dtype, device=x.device)
+
+    torch._decomp.meta_table[op] = meta
+    _compat.register_fake_via_dtype(op, torch.bfloat16)
+    with _compat.fake_mode():
+        out = op(torch.ones(3, 5))
+    assert (out.shape, out.dtype) == ((3, 1), torch.float32)
+
+
+# -- optimizers, pipelines, modules ----------------------------------------------------------------
+
+
+def test_fused_adam_steps_like_torch_adam():
+    p0, g = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 0.25, -1.0])
+    param = p0.clone().requires_grad_()
+    opt = torch.optim.Adam([param], lr=0.1, betas=(0.9, 0.99), eps=1e-8, foreach=False)
+    param.grad = g.clone()
+    opt.step()
+    update, mu, nu = p0.clone(), torch.zeros(3), torch.zeros(3)
+    lr = _compat.fused_adam_lr(0.1, torch.device("cpu"))
+    assert lr.dtype == torch.float64 and lr.item() == 0.1
+    assert _compat.fused_adam_lr(torch.tensor(0.1), torch.device("cpu")).dtype == torch.float64
+    _compat.fused_adam_(update, g, mu, nu, torch.tensor(1.0), lr, 0.9, 0.99, 1e-8)
+    assert torch.allclose(update, param.detach()) and torch.allclose(mu, opt.state[param]["exp_avg"]) and torch.allclose(nu, opt.state[param]["exp_avg_sq"])
+
+
+def test_pipeline_schedules_orders():
+    assert _compat.pipeline_order(ScheduleGPipe, 2, 2)[1] == [(1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)]
+    assert _compat.interleaved_order(ScheduleInterleaved1F1B, 2, 2, 2)[0][:4] == [(0, "F", 0), (0, "F", 1), (2, "F", 0), (2, "F", 1)]
+
+
+def test_module_node_copy_and_its_tables():
+    lin = torch.nn.Linear(2, 2)
+    node = _compat.module_node_copy(lin)
+    params, buffers, children = _compat.module_tables(node)
+    assert params["weight"] is lin.weight and buffers == {} and children == {}
+    params["weight"] = torch.nn.Parameter(torch.zeros(2, 2))
+    assert torch.allclose(node(torch.ones(1, 2)), lin.bias.detach())       # the copy reads its own table
+    assert torch.allclose(lin(torch.ones(1, 2)), lin.weight.detach().sum(1) + lin.bias.detach())
+    assert _compat.module_tables(lin)[0]["weight"] is lin.weight and lin.weight is not params["weight"]
+
+
+def test_tensor_version_counts_in_place_writes():
+    t = torch.zeros(2)
+    assert _compat.tensor_version(t) == 0
+    t.add_(1)
+    assert _compat.tensor_version(t) == 1
+    with torch.inference_mode():
+        assert _compat.tensor_version(torch.zeros(1)) is None
+
+
+def test_reentrant_checkpoint_caller_names_the_checkpoint_call():
+    found = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            found.append(_compat.reentrant_checkpoint_caller(func, args))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2, requires_grad=True)
+    with Watch():
+        checkpoint(torch.sin, x, use_reentrant=False)
+    assert not any(found)
+    with Watch():
+        line = inspect.currentframe().f_lineno + 1
+        checkpoint(torch.sin, x, use_reentrant=True)
+    assert f"{__file__}:{line}" in found
+
+
+def test_undeclared_writes_of_batch_norm():
+    x, rm, rv = torch.randn(4, 3), torch.zeros(3), torch.ones(3)
+    assert _compat.undeclared_writes(F.batch_norm, (x, rm, rv), {"training": True}) == [rm, rv]
+    assert _compat.undeclared_writes(F.batch_norm, (x, rm, rv), {"training": False}) == []
+    assert _compat.undeclared_writes(torch.batch_norm, (x, None, None, rm, rv, True, 0.1, 1e-5, False), {}) == [rm, rv]
+    assert _compat.undeclared_writes(torch.add, (x, x), {}) == []
+
+
+def test_every_exported_verb_is_called_here():
+    tree = ast.parse(pathlib.Path(__file__).read_text())
+    named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_compat"}
+    assert sorted(set(_compat.__all__) - named) == [], "exported by vsf._compat but not exercised in tests/test_compat.py"

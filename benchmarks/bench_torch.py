@@ -19,6 +19,13 @@ train step of a GPT with separate q/k/v projections (``tests/toy_models.py``; d=
   Megatron-LM runs the rest of the model) once more each way around its vocab-parallel embedding
   and head, whose parallel cross-entropy all-reduces three values per token (max, target logit,
   sum of exponentials).
+* ``compiled``: the same vsf steps with ``vsf.jit(backend="inductor")`` (each rank's planned
+  program compiled by Inductor) against torch's compiled recipes: FSDP2 with each block compiled
+  by ``torch.compile`` before ``fully_shard`` (torchtitan's), ``torch.compile`` of the DDP model
+  (Dynamo's DDP optimizer splits the graph at its buckets), ``torch.compile`` of the
+  ``parallelize_module`` model; and against eager FSDP2. ``first call``: the first step of each
+  (vsf: tracing, planning and the Inductor compile; torch: Dynamo and Inductor), with the
+  processes' Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) as it is: cold on a first run.
 * ``launches``: collectives per step (``CommDebugMode``), vsf FSDP vs FSDP2.
 * ``memory``: the peak of heap bytes in use during one step on rank 0 beyond those in use when it
   starts (glibc's ``mallinfo2``, read after every aten op the step dispatches; it counts every
@@ -100,9 +107,9 @@ def _torch_step(model, *params_groups) -> Callable[..., None]:
     return step
 
 
-def _vsf_step(model, mesh, rules, batch_spec, idx, tgt, reshard: bool = False) -> tuple[Callable[[], None], object]:
+def _vsf_step(model, mesh, rules, batch_spec, idx, tgt, reshard: bool = False, backend: str = "eager") -> tuple[Callable[[], None], object]:
     """vsf's jitted, donated AdamW step on ``mesh`` with params laid out by ``rules``; its lowered
-    plan (``reshard``: ``vsf.jit``'s ``reshard_after_forward``)."""
+    plan (``reshard``: ``vsf.jit``'s ``reshard_after_forward``; ``backend``: ``vsf.jit``'s)."""
     import vsf
     from vsf import P, optim
 
@@ -112,7 +119,7 @@ def _vsf_step(model, mesh, rules, batch_spec, idx, tgt, reshard: bool = False) -
     opt_state = optim.init_sharded(tx, params)
     batch = vsf.device_put((idx, tgt), vsf.NamedSharding(mesh, batch_spec))
 
-    @vsf.jit(donate_argnums=(0, 1), reshard_after_forward=reshard)
+    @vsf.jit(donate_argnums=(0, 1), reshard_after_forward=reshard, backend=backend)
     def train_step(params, opt_state, idx, tgt):
         loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -126,6 +133,19 @@ def _vsf_step(model, mesh, rules, batch_spec, idx, tgt, reshard: bool = False) -
         vsf.device_get(loss)
 
     return step, lowered
+
+
+def _slowest(run: Callable[[], None]) -> float:
+    """The wall time of one call of ``run`` on the slowest rank (every rank starts it together)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    run()
+    dt = torch.tensor(time.perf_counter() - t0)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
 
 
 def _fsdp_rules(model, n: int) -> list[tuple[str, tuple]]:
@@ -180,6 +200,7 @@ def _launches(step: Callable[[], None]) -> int:
 
 
 def _worker(out: str, quick: bool) -> None:
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -213,12 +234,23 @@ def _worker(out: str, quick: bool) -> None:
         plan.update({f"blocks.{i}.fc1": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.fc2": RowwiseParallel()})
     parallelize_module(tp, torch_mesh, plan)
     tp_params = list(tp.parameters())
+    fsdp_c = _model(cfg)
+    for block in fsdp_c.blocks:  # torchtitan's recipe: each block compiled, then sharded
+        block.compile()
+        fully_shard(block, mesh=torch_mesh)
+    fully_shard(fsdp_c, mesh=torch_mesh)
+    ddp_c = DistributedDataParallel(_model(cfg))
+    tp_c = parallelize_module(_model(cfg), torch_mesh, plan)
+    tp_c_params = list(tp_c.parameters())
 
     torch_steps = {
         "plain": lambda s=_torch_step(plain, list(plain.parameters())): s(idx, tgt),
         "ddp": lambda s=_torch_step(ddp, list(ddp.parameters())): s(idx[rows], tgt[rows]),
         "fsdp2": lambda s=_torch_step(fsdp, list(fsdp.parameters())): s(idx[rows], tgt[rows]),
         "torch_tp": lambda s=_torch_step(tp, [p for p in tp_params if isinstance(p, DTensor)], [p for p in tp_params if not isinstance(p, DTensor)]): s(idx, tgt),
+        "fsdp2_compiled": lambda s=_torch_step(fsdp_c, list(fsdp_c.parameters())): s(idx[rows], tgt[rows]),
+        "ddp_compiled": lambda s=_torch_step(torch.compile(ddp_c), list(ddp_c.parameters())): s(idx[rows], tgt[rows]),
+        "torch_tp_compiled": lambda s=_torch_step(torch.compile(tp_c), [p for p in tp_c_params if isinstance(p, DTensor)], [p for p in tp_c_params if not isinstance(p, DTensor)]): s(idx, tgt),
     }
     vsf_dp, low_dp = _vsf_step(_model(cfg), dp_mesh, [(r".*", ())], P("dp"), idx, tgt)
     fsdp_model = _model(cfg)
@@ -226,13 +258,19 @@ def _worker(out: str, quick: bool) -> None:
     keep_model = _model(cfg)
     _, low_keep = _vsf_step(keep_model, dp_mesh, _fsdp_rules(keep_model, n), P("dp"), idx, tgt)
     vsf_tp, low_tp = _vsf_step(_model(cfg), tp_mesh, MEGATRON, P(), idx, tgt)
-    steps = {**torch_steps, "vsf_dp": vsf_dp, "vsf_fsdp": vsf_fsdp, "vsf_tp": vsf_tp}
+    compiled = {
+        "vsf_dp_inductor": _vsf_step(_model(cfg), dp_mesh, [(r".*", ())], P("dp"), idx, tgt, backend="inductor")[0],
+        "vsf_fsdp_inductor": _vsf_step(_model(cfg), dp_mesh, _fsdp_rules(fsdp_model, n), P("dp"), idx, tgt, reshard=True, backend="inductor")[0],
+        "vsf_tp_inductor": _vsf_step(_model(cfg), tp_mesh, MEGATRON, P(), idx, tgt, backend="inductor")[0],
+    }
+    steps = {**torch_steps, "vsf_dp": vsf_dp, "vsf_fsdp": vsf_fsdp, "vsf_tp": vsf_tp, **compiled}
 
-    for run in steps.values():  # warm up (the vsf steps trace their programs on the first call)
-        run()
+    first = {}
+    for name, run in steps.items():  # warm up (the vsf steps trace their programs on the first call; the compiled ones compile)
+        first[name] = _slowest(run)
         run()
     times = interleaved_times(steps, 3 if quick else 8)
-    result = {"seconds": {k: statistics.median(v) for k, v in times.items()}}
+    result = {"seconds": {k: statistics.median(v) for k, v in times.items()}, "first": first}
     result["launches"] = {"vsf_fsdp": _launches(vsf_fsdp), "fsdp2": _launches(steps["fsdp2"])}
     result["peak"] = {"vsf_fsdp": _peak_bytes(vsf_fsdp), "fsdp2": _peak_bytes(steps["fsdp2"])}
     result["plan_bytes"] = {k: sum(low.cost().comm_bytes.values()) for k, low in (("dp", low_dp), ("fsdp", low_fsdp), ("fsdp_keep", low_keep), ("tp", low_tp))}
@@ -275,6 +313,22 @@ def bench_layouts(quick: bool) -> list[dict]:
         for mine, theirs, label in (("vsf_dp", "ddp", "DP vs DDP"), ("vsf_fsdp", "fsdp2", "FSDP vs FSDP2 fully_shard"), ("vsf_tp", "torch_tp", "Megatron TP vs torch parallelize_module")):
             ratio = t[mine] / t[theirs]
             rows.append({"name": f"step, {label}, {where}", "vsf": t[mine], "ref": t[theirs], "unit": "s", "ratio": ratio, "target": "<= 1.0", "met": ratio <= 1.0})
+        for mine, theirs, label, target in (
+            ("vsf_fsdp_inductor", "fsdp2", "vsf FSDP backend=inductor vs eager FSDP2", 0.65),
+            ("vsf_fsdp_inductor", "fsdp2_compiled", "vsf FSDP backend=inductor vs FSDP2 with compiled blocks", 0.7),
+            ("vsf_dp_inductor", "ddp_compiled", "vsf DP backend=inductor vs compiled DDP", 0.85),
+            ("vsf_tp_inductor", "torch_tp_compiled", "Megatron TP backend=inductor vs compiled torch TP", 0.8),
+            ("vsf_fsdp_inductor", "vsf_fsdp", "vsf FSDP backend=inductor vs backend=eager", None),
+            ("vsf_dp_inductor", "vsf_dp", "vsf DP backend=inductor vs backend=eager", None),
+            ("vsf_tp_inductor", "vsf_tp", "vsf TP backend=inductor vs backend=eager", None),
+        ):
+            ratio = t[mine] / t[theirs]
+            rows.append({"name": f"step, {label}, {where}", "vsf": t[mine], "ref": t[theirs], "unit": "s", "ratio": ratio,
+                         "target": f"<= {target}" if target else "-", "met": ratio <= target if target else None})
+        f = r["first"]
+        for mine, theirs, label in (("vsf_fsdp_inductor", "fsdp2_compiled", "vsf FSDP inductor vs FSDP2 compiled blocks"), ("vsf_dp_inductor", "ddp_compiled", "vsf DP inductor vs compiled DDP"),
+                                    ("vsf_tp_inductor", "torch_tp_compiled", "vsf TP inductor vs compiled torch TP"), ("vsf_fsdp", "fsdp2", "vsf FSDP eager (planning, tracing) vs eager FSDP2")):
+            rows.append({"name": f"first call (compile time), {label}, {where}", "vsf": f[mine], "ref": f[theirs], "unit": "s", "ratio": f[mine] / f[theirs], "target": "-", "met": None})
         for mine, label in (("vsf_dp", "DP"), ("vsf_fsdp", "FSDP"), ("vsf_tp", "TP")):
             rows.append({"name": f"step, vsf {label} vs the plain one-process step, {where}", "vsf": t[mine], "ref": t["plain"], "unit": "s", "ratio": t[mine] / t["plain"], "target": "-", "met": None})
         for layout in ("dp", "fsdp", "fsdp_keep", "tp"):

@@ -86,6 +86,7 @@ __all__ = [
     "fused_adam_",
     "fused_adam_lr",
     "generator_key",
+    "inductor_compile",
     "init_fake_process_group",
     "interleaved_order",
     "is_data_dependent_error",
@@ -328,6 +329,18 @@ def trace_fake(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> torch.
     constant the traced code closes over, such as a module buffer) becomes a constant of the graph
     instead of an error."""
     return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+
+
+def inductor_compile(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
+    """Inductor's compile of ``gm``, a graph of aten ops and functional collectives, for inputs
+    like ``inputs`` (``torch._inductor.compile``, which ``torch.compile`` runs after Dynamo:
+    AOTAutograd functionalizes the graph, in-place writes of its inputs included, and Inductor
+    generates its kernels). The result takes and returns what ``gm`` does. PyTorch caches the
+    artifacts on disk between processes (``TORCHINDUCTOR_CACHE_DIR``). Imported on first use:
+    Inductor takes seconds to import."""
+    from torch._inductor import compile as compile_fx
+
+    return compile_fx(gm, list(inputs))
 
 
 def is_fake(t: torch.Tensor) -> bool:

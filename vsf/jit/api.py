@@ -38,7 +38,7 @@ from vsf.jit.graph import output_node
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
 from vsf.jit.replans import replan_reason
-from vsf.jit.runner import Runner
+from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
 from vsf.jit.trace import Traced, trace
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
@@ -56,6 +56,7 @@ def jit(
     static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
     reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: int | Sequence[int] = (),
     unsharded_grad_axes: Sequence[str] = (), deferred_grad_argnums: int | Sequence[int] = (), on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
+    backend: str = "eager",
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -84,6 +85,12 @@ def jit(
       function that computes them later and adds them into the leaves' ``.grad``: the backward
       program cut in two, the second part computing nothing the first did (a zero-bubble
       schedule's input and weight backward).
+    * ``backend`` (``torch.compile``'s name): ``"eager"`` runs each rank's planned program as the
+      traced fx graph of local ops and functional collectives, op by op; ``"inductor"`` compiles
+      that graph with Inductor once per plan, on its first call (fused kernels; donated buffers
+      still updated in place). A program Inductor cannot compile runs as ``"eager"`` after a
+      warning that gives the reason, as do the programs of ``vsf.simulate`` (simulated ranks) and
+      of checking mode (one warning per program).
 
     Called with grad mode on and an input that requires grad, the result is differentiable by
     torch autograd (``loss.backward()``, ``torch.optim``, ``torch.distributed.pipelining``): the
@@ -103,7 +110,7 @@ def jit(
     if fun is None:
         return lambda f: jit(f, **options)
     return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget,
-                  unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads))
+                  unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads), backend=backend)
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -114,7 +121,7 @@ class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
     def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = (), unsharded_grad_axes: tuple[str, ...] = (),
-                 deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None)) -> None:
+                 deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None), backend: str = "eager") -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -127,6 +134,9 @@ class Jitted:
         self.deferred_grad_argnums, self.on_deferred_grads = deferred
         if self.deferred_grad_argnums and self.on_deferred_grads is None:
             raise ValueError(f"deferred_grad_argnums={self.deferred_grad_argnums} needs on_deferred_grads: the function that gets each call's deferred gradients to run")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
         overlap = set(static_argnums) & set(donate_argnums)
         if overlap:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
@@ -224,7 +234,7 @@ class Jitted:
                     kw[where] = value
             return tuple(full), kw
 
-        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves)), inputs, dyn, rebuild, positions, leaves)
+        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), self.backend), inputs, dyn, rebuild, positions, leaves)
 
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
@@ -350,7 +360,7 @@ class Compiled:
         self.traced = traced
         self.input_names = input_names
         self.output_names = output_names
-        self._runner = Runner(plan)
+        self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
         dm = plan.mesh.device_mesh
         self._out_specs = [_compat.dtensor_layout(dm, pl, m) for m, pl in zip(_out_metas(traced), plan.outputs)]
 
@@ -392,7 +402,8 @@ class DifferentiableCompiled(Compiled):
         deferred = call.leaves_of(owner.deferred_grad_argnums)
         self._program = program(owner._name, joint, call.leaves, self._out_specs, _out_metas(traced), deferred, owner.on_deferred_grads, call.names if deferred else ())
         plans = (joint.parts.forward, joint.parts.backward) + ((self._program.split.inputs, self._program.split.weights) if self._program.split else ())
-        self._runners = tuple(Runner(p) for p in plans)
+        names = ("forward", "backward", "input backward", "weight backward")
+        self._runners = tuple(Runner(p, owner.backend, f"the {what} program of {owner._name}") for p, what in zip(plans, names))
         self._program.run = lambda k, xs, check: self._runners[k](xs, check)
 
     def _run(self, call: Call, check: bool) -> Any:

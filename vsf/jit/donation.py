@@ -82,10 +82,11 @@ def _reuse(gm: torch.fx.GraphModule, owned: set[torch.fx.Node]) -> None:
     has exactly ``x``'s shape, stride and dtype. Each rewrite makes the result ours too, so chains
     update one buffer (``p + u`` after ``u = c * p`` updates ``p`` itself). An op whose in-place
     twin overwrites several arguments (``vsf::adam_step_``: both moments) is rewritten when every
-    one of them qualifies."""
+    one of them qualifies; where the twin does not return what it overwrites (``adam_step_``
+    returns the update alone), that result's uses read the overwritten argument instead."""
     outputs = set(output_node(gm).all_input_nodes)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         variant = _inplace_variant(node.target) if node.op == "call_function" else None
         if variant is None:
             continue
@@ -93,7 +94,26 @@ def _reuse(gm: torch.fx.GraphModule, owned: set[torch.fx.Node]) -> None:
         results = _results(node)
         if all(_overwritable(node, i, results.get(j), owned, outputs, order) for i, j in writes):
             node.target = inplace
-            owned.update(results[j] for _, j in writes)
+            owned.update(_take_returns(gm, node, results, writes))
+
+
+def _take_returns(gm: torch.fx.GraphModule, node: torch.fx.Node, results: dict[int, torch.fx.Node], writes: list[tuple[int, int]]) -> list[torch.fx.Node]:
+    """Rewire the uses of ``node``'s results, now that it calls an in-place twin that returns
+    fewer values: a result it no longer returns is the argument it overwrote, a lone result the
+    node itself. Returns the nodes now standing for the overwritten values."""
+    returned = len(_compat.op_schema(node.target).returns)
+    standing = {j: results[j] for j in results}
+    for i, j in writes:
+        if j >= returned:  # the twin writes it, returns it not: its uses read the argument
+            standing[j] = node.args[i]
+    if returned == 1 and isinstance(node.meta.get("val"), (list, tuple)):  # one result, no longer a tuple
+        node.meta["val"] = node.meta["val"][0]
+        standing[0] = node
+    for j, r in results.items():
+        if standing[j] is not r:
+            r.replace_all_uses_with(standing[j])
+            gm.graph.erase_node(r)
+    return [standing[j] for _, j in writes]
 
 
 def _results(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
@@ -187,7 +207,10 @@ def _reads_only(use: torch.fx.Node, x: torch.fx.Node) -> bool:
 def _inplace_variant(op: Any) -> tuple[Any, list[tuple[int, int]]] | None:
     """``X_.<overload>`` for an out-of-place ``X.<overload>`` (aten's, or vsf's own ops) with the same
     arguments, and which arguments it overwrites: ``(argument, result)`` index pairs, read from
-    its schema's alias annotations (``add_``: ``[(0, 0)]``). ``None`` if there is none."""
+    its schema's alias annotations (``add_``: ``[(0, 0)]``). An overwritten argument that the twin
+    does not return takes the place of the out-of-place op's results after the twin's own, in
+    argument order (functionalization's convention: ``vsf::adam_step_`` returns the update and
+    overwrites the moments, ``adam_step``'s results 1 and 2: ``[(1, 1), (2, 2)]``). ``None`` if there is none."""
     schema = _compat.op_schema(op)
     if schema is None or not schema.name.startswith(("aten::", "vsf::")) or schema.is_mutable or not _allocates_op(op):
         return None
@@ -196,9 +219,12 @@ def _inplace_variant(op: Any) -> tuple[Any, list[tuple[int, int]]] | None:
     target = getattr(packet, _compat.overload_name(op), None) if packet is not None else None
     if target is None or len(_compat.op_schema(target).arguments) != len(schema.arguments):
         return None
-    returns = [r.alias_info.before_set if r.alias_info is not None else None for r in _compat.op_schema(target).returns]
-    writes = [(i, returns.index(a.alias_info.before_set)) for i, a in enumerate(_compat.op_schema(target).arguments) if a.alias_info is not None and a.alias_info.is_write and a.alias_info.before_set in returns]
-    return (target, writes) if writes else None
+    twin = _compat.op_schema(target)
+    returns = [r.alias_info.before_set if r.alias_info is not None else None for r in twin.returns]
+    written = [(i, a.alias_info.before_set) for i, a in enumerate(twin.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    unreturned = iter(range(len(twin.returns), len(schema.returns)))
+    writes = [(i, returns.index(alias) if alias in returns else next(unreturned, None)) for i, alias in written]
+    return (target, writes) if writes and all(j is not None for _, j in writes) else None
 
 
 def _allocates_op(op: Any, index: int | None = None) -> bool:

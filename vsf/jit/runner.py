@@ -2,18 +2,26 @@
 by op (:func:`vsf.jit.lower.execute`) on its first two calls, the second recording the plain ops
 every rank runs, and the record replayed on later calls (:mod:`vsf.jit.replay`); otherwise traced once into
 a graph of local ops and collectives (:func:`vsf.jit.lower.compile_local`, donated buffers reused,
-each collective waited for at its first use) and that graph run; in checking mode beside the
-unsharded graph. ``vsf.config.jit_mode`` can force any of them.
+each collective waited for at its first use) and that graph run, as it is (``backend="eager"``)
+or compiled by Inductor (``backend="inductor"``); in checking mode beside the unsharded graph.
+``vsf.config.jit_mode`` can force any of them.
+
+Inductor compiles the traced graph once per plan, on its first call (PyTorch's own cache keeps
+the artifacts between processes). A graph it cannot compile runs as it is, after a warning that
+gives the reason; so do the simulated, interpreted and checked programs (simulated ranks are
+``LocalTensor``\\ s, which Inductor does not compile), after one warning per program.
 
 Example::
 
-    >>> run = Runner(plan)
+    >>> run = Runner(plan, backend="inductor")
     >>> locals_out = run(locals_in, check=False)
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -26,23 +34,31 @@ from vsf.jit.overlap import wait_late
 from vsf.jit.plan import Plan
 from vsf.jit.replay import Replayed
 
-__all__ = ["Runner"]
+__all__ = ["BACKENDS", "Runner"]
+
+BACKENDS = ("eager", "inductor")
 
 
 class Runner:
     """Runs one planned program on local shards: recorded and replayed under ``vsf.simulate``,
-    else traced once into a graph of local ops and collectives (``vsf.config.jit_mode`` can force
-    either, or interpreting every call); in checking mode beside the unsharded graph."""
+    else traced once into a graph of local ops and collectives and run as it is or compiled by
+    Inductor (``backend``; ``vsf.config.jit_mode`` can force replay, or interpreting every call);
+    in checking mode beside the unsharded graph."""
 
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
+    def __init__(self, plan: Plan, backend: str = "eager", name: str = "program") -> None:
+        self.plan, self.backend, self.name = plan, backend, name
         self.local: torch.fx.GraphModule | None = None  # the traced program, once traced
+        self.compiled: Callable[..., Any] | None = None  # what runs it: the traced graph, or Inductor's compile of it
         self.replayed = Replayed(lambda xs: execute(plan, xs))  # the simulated program, once recorded
+        self._warned = False
 
     def __call__(self, locals_in: list[torch.Tensor], check: bool, donated: Callable[[], list[int]] = list) -> list[torch.Tensor]:
         mode = config.jit_mode
         if mode == "auto":
             mode = "replay" if _compat.active_local_mode() is not None else "trace"
+        if check or mode != "trace":
+            self._eager_instead("checking mode runs the plan op by op" if check else
+                                "simulated ranks run as LocalTensors, which Inductor does not compile" if mode == "replay" else f"vsf.config.jit_mode is {mode!r}")
         if check:
             return run_checked(self.plan, locals_in)
         if mode == "replay":
@@ -51,6 +67,29 @@ class Runner:
         if mode == "interpret":
             with _compat.quiet_redistribute():
                 return execute(self.plan, locals_in)
-        if self.local is None:
+        if self.compiled is None:
             self.local = wait_late(reuse_donated(compile_local(self.plan, locals_in), locals_in, donated()))
-        return self.local.forward(*locals_in)
+            self.compiled = self._compile(self.local, locals_in) if self.backend == "inductor" else self.local.forward
+        return self.compiled(*locals_in)
+
+    def _compile(self, gm: torch.fx.GraphModule, locals_in: list[torch.Tensor]) -> Callable[..., Any]:
+        """Inductor's compile of ``gm``; ``gm`` itself, after a warning with the reason, where it fails."""
+        try:
+            return _compat.inductor_compile(gm, locals_in)
+        except Exception as e:  # noqa: BLE001 (any failure to compile: said, and the program runs as traced)
+            warnings.warn(f"vsf.jit(backend='inductor'): Inductor could not compile {self.name} ({_reason(e)}); it runs as backend='eager', the traced fx program", stacklevel=4)
+            return gm.forward
+
+    def _eager_instead(self, why: str) -> None:
+        """Say once per program that a ``backend="inductor"`` program runs eagerly, and why."""
+        if self.backend == "inductor" and not self._warned:
+            self._warned = True
+            warnings.warn(f"vsf.jit(backend='inductor'): {self.name} runs as backend='eager' here: {why}", stacklevel=4)
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of the error at the root of ``e`` (Inductor wraps the one that stopped it), with its type."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

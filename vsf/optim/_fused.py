@@ -9,9 +9,13 @@ to ``decay * param`` (to zeros without decay), so without decay it is bit for bi
 ``torch.optim.Adam(fused=True)`` adds to its param.
 
 ``adam_step`` is functional (new moments, as every vsf.optim transform); ``vsf::adam_step_``
-updates ``mu`` and ``nu`` in place and returns them. Its schema says so (``Tensor(a!)``), which
-is how ``vsf.jit``'s lowering finds it: where the moments are donated buffers used last here,
-the program calls ``adam_step_`` on them, as it calls ``add_`` for a donated ``add``.
+updates ``mu`` and ``nu`` in place and returns the update alone. Its schema says so
+(``Tensor(a!)``), which is how ``vsf.jit``'s lowering finds it: where the moments are donated
+buffers used last here, the program calls ``adam_step_`` on them, as it calls ``add_`` for a
+donated ``add``. (It returns no alias of the moments: then PyTorch's functionalization, hence
+Inductor, takes it as it is, a mutating op whose new moments are ``adam_step``'s last results.)
+Both have fake kernels: a program that calls them compiles with Inductor
+(``vsf.jit(backend="inductor")``), which runs the fused kernel on buffers of its own.
 
 ``adam_step`` is elementwise over ``grad``, ``mu``, ``nu`` and ``param`` (``count``, ``lr`` and
 ``decay`` are 0-d); DTensor (hence ``vsf.jit``'s planner, which only ever sees ``adam_step``)
@@ -29,14 +33,14 @@ __all__ = ["adam_step"]
 
 _ARGS = "Tensor? param, Tensor count, Tensor lr, Tensor decay, float b1, float b2, float eps"
 torch.library.define("vsf::adam_step", f"(Tensor grad, Tensor mu, Tensor nu, {_ARGS}) -> (Tensor, Tensor, Tensor)")
-torch.library.define("vsf::adam_step_", f"(Tensor grad, Tensor(a!) mu, Tensor(b!) nu, {_ARGS}) -> (Tensor, Tensor(a!), Tensor(b!))")
+torch.library.define("vsf::adam_step_", f"(Tensor grad, Tensor(a!) mu, Tensor(b!) nu, {_ARGS}) -> Tensor")
 
 
 @torch.library.impl("vsf::adam_step_", "CompositeExplicitAutograd")
 def _adam_step_inplace(
     grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
     b1: float, b2: float, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     # The kernel walks every tensor as one flat array: all must share one memory order.
     if not (mu.is_contiguous() and nu.is_contiguous()):
         raise ValueError(f"vsf::adam_step_ updates contiguous moments only, got strides {mu.stride()} and {nu.stride()}")
@@ -45,7 +49,7 @@ def _adam_step_inplace(
     else:
         update = torch.mul(param.to(mu.dtype), decay).contiguous()
     _compat.fused_adam_(update, grad.to(mu.dtype).contiguous(), mu, nu, count, lr, b1, b2, eps)
-    return update, mu, nu
+    return update
 
 
 @torch.library.impl("vsf::adam_step", "CompositeExplicitAutograd")
@@ -54,7 +58,7 @@ def _adam_step(
     b1: float, b2: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, v = mu.clone(memory_format=torch.contiguous_format), nu.clone(memory_format=torch.contiguous_format)
-    return torch.ops.vsf.adam_step_(grad, m, v, param, count, lr, decay, b1, b2, eps)
+    return torch.ops.vsf.adam_step_(grad, m, v, param, count, lr, decay, b1, b2, eps), m, v
 
 
 @torch.library.register_fake("vsf::adam_step")
@@ -63,6 +67,14 @@ def _adam_step_fake(
     b1: float, b2: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(torch.empty_like(mu, memory_format=torch.contiguous_format) for _ in range(3))  # type: ignore[return-value]
+
+
+@torch.library.register_fake("vsf::adam_step_")
+def _adam_step_inplace_fake(
+    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
+    b1: float, b2: float, eps: float,
+) -> torch.Tensor:
+    return torch.empty_like(mu, memory_format=torch.contiguous_format)
 
 
 register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)

@@ -1,0 +1,116 @@
+"""``vsf.jit(backend="inductor")``: each rank's planned program compiled by Inductor. On 2 real
+gloo processes (tier 3) a GPT step equals the same step unsharded; under ``vsf.simulate`` and in
+checking mode the program runs eagerly after one warning; a program Inductor cannot compile runs
+as traced after a warning naming the reason. Inductor compiles are slow on CPU (about a minute of
+CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default, the
+differentiated block under ``sweep``."""
+
+import warnings
+
+import pytest
+import torch
+
+import vsf
+from toy_models import GPT, GPTConfig
+from vsf import P, optim
+
+
+@pytest.fixture
+def inductor(world, request):
+    return world("jit_inductor.py", request.node.get_closest_marker("world").args[1], nproc=2)
+
+
+def _equals_one_device(ranks, steps=3):
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
+        assert r["max_param_err"] < 1e-4
+        assert r["plan_count"] == 1
+        assert r["buffers_reused"] == [r["leaves"]] * steps  # donation: every new leaf written over the leaf it replaces
+
+
+@pytest.mark.world("jit_inductor.py", "fsdp_adamw", nproc=2)
+@pytest.mark.multiprocess
+def test_compiled_fsdp_adamw_step_equals_one_device(inductor):
+    _equals_one_device(inductor)
+    for r in inductor:
+        assert r["compiled_by_inductor"] == [True]
+        assert r["warnings"] == []
+
+
+@pytest.mark.world("jit_inductor.py", "fallback", nproc=2)
+@pytest.mark.multiprocess
+def test_a_program_inductor_cannot_compile_runs_eagerly_with_the_reason(inductor):
+    _equals_one_device(inductor)
+    for r in inductor:
+        assert r["compiled_by_inductor"] == [False]
+        (message,) = r["warnings"]
+        assert "NotImplementedError: no lowering for aten.frobnicate" in message and "runs as backend='eager'" in message
+        assert "more lines" not in message
+
+
+@pytest.mark.world("jit_inductor.py", "tp_sgd", nproc=2)
+@pytest.mark.multiprocess
+def test_compiled_megatron_sgd_step_equals_one_device(inductor):
+    _equals_one_device(inductor)
+    for r in inductor:
+        assert r["compiled_by_inductor"] == [True] and r["warnings"] == []
+
+
+@pytest.mark.sweep
+@pytest.mark.world("jit_inductor.py", "autograd", nproc=2)
+@pytest.mark.multiprocess
+def test_compiled_shard_map_block_under_torch_autograd_equals_one_device(inductor):
+    for r in inductor:
+        assert r["compiled_by_inductor"] == [True, True]  # its forward and backward programs
+        assert r["max_param_err"] < 1e-5 and r["warnings"] == []
+
+
+def _sgd_case():
+    model = GPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1))
+    params = vsf.tree.from_module(model)
+    batch = (torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8)))
+    tx = optim.sgd(0.1)
+
+    def step(p, s, idx, tgt):
+        loss, grads = vsf.value_and_grad(lambda q: vsf.tree.apply(model, q, idx, tgt))(p)
+        updates, s = tx.update(grads, s, p)
+        return optim.apply_updates(p, updates), s, loss
+
+    return params, batch, tx, step
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_simulated_program_runs_eagerly_after_one_warning(sim, checked):
+    params, batch, tx, step = _sgd_case()
+    want, s = params, tx.init(params)
+    for _ in range(3):
+        want, s, _ = step(want, s, *batch)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    rules = [(r".*(qkv|fc1)\.weight", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    s, b = optim.init_sharded(tx, p), vsf.device_put(batch, vsf.NamedSharding(mesh, P("dp")))
+    jitted = vsf.jit(step, donate_argnums=(0, 1), backend="inductor")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            p, s, _ = (jitted.check if checked else jitted)(p, s, *b)
+    (message,) = [str(w.message) for w in caught if "vsf.jit" in str(w.message)]
+    assert ("checking mode" if checked else "simulated ranks") in message and "runs as backend='eager'" in message
+    got = vsf.device_get(p)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_backend_is_checked():
+    with pytest.raises(ValueError, match="backend must be one of .*'eager', 'inductor'.*got 'xla'"):
+        vsf.jit(lambda x: x, backend="xla")
+    assert vsf.jit(lambda x: x).backend == "eager"
+
+
+def test_backend_is_part_of_the_cache_key(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
+    keys = [vsf.jit(lambda x: x + 1, backend=b)._prepare((x,), {}).key for b in ("eager", "inductor")]
+    assert keys[0] != keys[1] and keys[0][:-1] == keys[1][:-1]

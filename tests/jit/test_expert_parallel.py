@@ -44,28 +44,43 @@ def inputs(skewed: bool) -> dict[str, torch.Tensor]:
             "w_in": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * 0.1, "w_out": torch.randn(EXPERTS, HIDDEN, FFN, generator=g) * 0.1}
 
 
-@pytest.mark.parametrize("skewed", [False, True], ids=["spread", "skewed"])
-def test_dispatch_and_combine_equal_one_device(sim, skewed):
+# layout: (mesh shape, axis names, the token axes, the experts' specs)
+LAYOUTS = {
+    "dp_ep": ((2, 2), ("dp", "ep"), ("dp", "ep"), {"w_in": P("ep"), "w_out": P("ep")}),
+    # experts further split over fsdp (torchtitan's efsdp): gathered over fsdp into the region,
+    # their gradients reduce-scattered
+    "fsdp_ep": ((2, 2), ("fsdp", "ep"), ("fsdp", "ep"), {"w_in": P("ep", "fsdp"), "w_out": P("ep", "fsdp")}),
+    # tp an automatic axis of the region: each expert Megatron-split over its ffn dim
+    "ep_tp": ((2, 2), ("ep", "tp"), ("ep",), {"w_in": P("ep", "tp", None), "w_out": P("ep", None, "tp")}),
+}
+CASES = [("dp_ep", False), ("dp_ep", True), ("fsdp_ep", False), ("ep_tp", False)]
+
+
+@pytest.mark.parametrize("layout, skewed", CASES, ids=[f"{l}-{'skewed' if s else 'spread'}" for l, s in CASES])
+def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     """Loss and every gradient (experts' weights, tokens, gates) as the dense one-device mixture;
     skewed: all tokens routed to one rank's experts (the fullest receive buffer, and ranks that
     receive nothing)."""
     p = inputs(skewed)
     grad_of = {k for k in p if k != "index"}
     want_loss, want = vsf.value_and_grad(lambda q: loss_of(dense)({**q, "index": p["index"]}))({k: p[k] for k in grad_of})
+    shape, names, token_axes, specs = LAYOUTS[layout]
     sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+    mesh = vsf.make_mesh(shape, names)
 
     def moe(x, index, gates, w_in, w_out):
-        return vsf.nn.expert_parallel(experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+        return vsf.nn.expert_parallel(experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=token_axes, mesh=mesh)
 
     step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
-    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
-    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, P("ep")) if k.startswith("w") else tokens) for k in grad_of}
+    tokens = vsf.NamedSharding(mesh, P(token_axes))
+    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in grad_of}
     loss, grads = step(q, vsf.device_put(p["index"], tokens))
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
     for k in grad_of:
         torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}")
-
+        assert grads[k].placements == q[k].placements, k
+    if layout != "dp_ep":
+        return
     # bytes over ep: the dispatch and the combine forward, their transposes backward, each every
     # token copy of the rank's share once (tokens / 4 ranks x top-k x hidden x 4 bytes); and the
     # per-expert counts gathered over ep (one int64 per expert, from the other rank)

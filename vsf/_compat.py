@@ -123,7 +123,16 @@ __all__ = [
     "tensor_version",
     "reentrant_checkpoint_caller",
     "undeclared_writes",
+    "process_group_named",
 ]
+
+
+def process_group_named(name: str) -> dist.ProcessGroup:
+    """The process group whose ``group_name`` is ``name`` (what a custom op that communicates
+    receives in place of the group, an op's arguments being tensors and plain values)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def init_fake_process_group(world_size: int) -> None:

@@ -98,3 +98,19 @@ def test_expert_dim_must_divide(sim):
         vsf.nn.expert_parallel(experts, torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), (torch.zeros(3, 8, 8),), axis="ep", mesh=mesh)
     with pytest.raises(ValueError, match=r"token_axes \('dp',\) must include the expert axis 'ep'"):
         vsf.nn.expert_parallel(experts, torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), (torch.zeros(2, 8, 8),), axis="ep", token_axes=("dp",), mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def ranks(world):
+    return world("jit_expert_parallel.py", nproc=2)
+
+
+@pytest.mark.world("jit_expert_parallel.py", nproc=2)
+@pytest.mark.multiprocess
+def test_on_gloo_one_plan_follows_each_steps_routing(ranks):
+    """Real processes: the program is traced once into local ops (the exchanges kept whole, their
+    counts read when they run), and three routings through that one plan each equal one device."""
+    for got in ranks:
+        assert got["plan_count"] == 1 and got["traced_program"], got
+        for errors in got["errors"]:
+            assert max(errors.values()) <= 1e-5, got

@@ -184,17 +184,30 @@ def exchange_counted(x: torch.Tensor, counts: torch.Tensor, g: AxisGroup, rows: 
             for r in xs:
                 matrix, me = cs[r].tolist(), g.index(r)
                 blocks = [xs[src][sum(matrix[i][:me]) : sum(matrix[i][: me + 1])] for i, src in enumerate(g.members(r))]
-                out[r] = _padded(torch.cat(blocks), rows, g, me)
+                out[r] = _padded(torch.cat(blocks), rows, g.axis, me)
             return _compat.make_local(out)
-    matrix, me = counts.tolist(), g.index(runtime.rank())
-    send = x[: sum(matrix[me])]
-    recv = _wait(_compat.functional_collectives.all_to_all_single(send.contiguous(), [matrix[i][me] for i in range(n)], list(matrix[me]), g.group))
-    return _padded(recv, rows, g, me)
+    return torch.ops.vsf.exchange_counted(x, counts, g.group.group_name, g.axis, rows)
 
 
-def _padded(t: torch.Tensor, rows: int, g: AxisGroup, me: int) -> torch.Tensor:
+@torch.library.custom_op("vsf::exchange_counted", mutates_args=())
+def _exchange_counted(x: torch.Tensor, counts: torch.Tensor, group: str, axis: str, rows: int) -> torch.Tensor:
+    """A real rank's counted exchange, one op: a program traced on fake tensors (``vsf.jit``'s
+    over local shards) keeps it whole and reads the counts when it runs."""
+    pg = _compat.process_group_named(group)
+    matrix, me = counts.tolist(), dist.get_rank(pg)
+    recv = x.new_empty((sum(row[me] for row in matrix), *x.shape[1:]))
+    dist.all_to_all_single(recv, x[: sum(matrix[me])].contiguous(), [row[me] for row in matrix], list(matrix[me]), group=pg)
+    return _padded(recv, rows, axis, me)
+
+
+@_exchange_counted.register_fake
+def _(x: torch.Tensor, counts: torch.Tensor, group: str, axis: str, rows: int) -> torch.Tensor:
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+def _padded(t: torch.Tensor, rows: int, axis: str, me: int) -> torch.Tensor:
     if t.shape[0] > rows:
-        raise ValueError(f"member {me} of axis {g.axis!r} receives {t.shape[0]} rows, more than the {rows} its buffer holds")
+        raise ValueError(f"member {me} of axis {axis!r} receives {t.shape[0]} rows, more than the {rows} its buffer holds")
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "random": "benchmarks.bench_random",
     "context_parallel": "benchmarks.bench_context_parallel",
     "pipeline": "benchmarks.bench_pipeline",
+    "moe": "benchmarks.bench_moe",
 }
 
 

@@ -106,6 +106,7 @@ __all__ = [
     "overload_name",
     "pipeline_order",
     "position_in_copy",
+    "process_group_named",
     "quiet_redistribute",
     "redistribute_local",
     "redistribute_steps",
@@ -130,6 +131,14 @@ __all__ = [
     "whole_op_strategies",
     "wrapper_tensor",
 ]
+
+
+def process_group_named(name: str) -> dist.ProcessGroup:
+    """The process group whose ``group_name`` is ``name`` (what a custom op that communicates
+    receives in place of the group, an op's arguments being tensors and plain values)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def init_fake_process_group(world_size: int) -> None:

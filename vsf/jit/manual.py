@@ -28,7 +28,7 @@ from vsf.jit.graph import meta_of, op_nodes, outputs_meta, tensor_args, user_lin
 from vsf.jit.plan import R, Collective, Placements, one_d
 from vsf.jit.strategies import Strategy
 from vsf.ops.collectives import rebound
-from vsf.ops.region import AXIS_INDEX_OP, BOUNDARY_OPS, COLLECTIVE_OP, REGION_OPS, Region, call, copies, lookup, summed_over
+from vsf.ops.region import AXIS_INDEX_OP, BOUNDARY_OPS, COLLECTIVE_OPS, EXCHANGE_OP, REGION_OPS, Region, call, copies, lookup, summed_over
 from vsf.sharding.mesh import Mesh
 
 __all__ = ["auto_strategies", "collectives", "fixed_on", "inside", "mark", "placements", "region_of", "run"]
@@ -42,7 +42,7 @@ def _key(node: torch.fx.Node) -> int | None:
     """The key of the region a region op belongs to (``None`` for any other op)."""
     if node.target in _KINDS:
         return node.args[1]
-    if node.target in (COLLECTIVE_OP, AXIS_INDEX_OP):
+    if node.target in COLLECTIVE_OPS or node.target is AXIS_INDEX_OP:
         return call(node.args[-1]).region
     return None
 
@@ -121,7 +121,7 @@ def _varies(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -
     if node.target is AXIS_INDEX_OP:
         return frozenset({call(node.args[-1]).op.g.axis})
     operands = frozenset().union(*(varying.get(p, frozenset()) for p, _ in tensor_args(node)))
-    if node.target is COLLECTIVE_OP:
+    if node.target in COLLECTIVE_OPS:
         op = call(node.args[-1]).op
         return operands - {op.g.axis} if op.replicates else operands | {op.g.axis}
     return operands
@@ -215,7 +215,8 @@ def auto_strategies(node: torch.fx.Node, n: int) -> list[Strategy]:
     """
     if node.target is AXIS_INDEX_OP:
         return [Strategy((), (R,))]
-    if node.target is COLLECTIVE_OP:
+    counts = (R,) * (len(tensor_args(node)) - 1)  # an exchange's row counts: the same on every rank of the axis
+    if node.target in COLLECTIVE_OPS:
         op = call(node.args[-1]).op
         moves, partials = {d % meta_of(tensor_args(node)[0]).ndim for d in op.moves}, op.passes_partials
     else:
@@ -223,8 +224,8 @@ def auto_strategies(node: torch.fx.Node, n: int) -> list[Strategy]:
         s = r.sharding(_KINDS[node.target], node.args[2])
         moves, partials = {d for d in range(len(s.spec)) if s.num_shards(d) > 1}, True
     x, y = meta_of(tensor_args(node)[0]), outputs_meta(node)[0]
-    out = [Strategy((R,), (R,))] + ([Strategy((Partial(),), (Partial(),))] if partials else [])
-    return out + [Strategy((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d not in moves and x.shape[d] >= n and y.shape[d] >= n]
+    out = [Strategy((R, *counts), (R,))] + ([Strategy((Partial(), *counts), (Partial(),))] if partials else [])
+    return out + [Strategy((Shard(d), *counts), (Shard(d),)) for d in range(x.ndim) if d not in moves and x.shape[d] >= n and y.shape[d] >= n]
 
 
 def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple[Collective, ...]:
@@ -236,7 +237,7 @@ def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple
         >>> collectives(psum_node, mesh, [(Shard(0), Replicate())])    # [8, 4] over dp=2
         (Collective(kind='all_reduce', axis='tp', shape=(4, 4), dtype=torch.float32, bytes=64),)
     """
-    if node.target is not COLLECTIVE_OP:
+    if node.target not in COLLECTIVE_OPS:
         return ()
     x = meta_of(tensor_args(node)[0])
     s = call(node.args[-1]).op.abstract(torch.empty(local_shape(mesh, x, ins[0]), dtype=x.dtype, device="meta"))[1]
@@ -254,7 +255,9 @@ def run(node: torch.fx.Node, args: tuple) -> torch.Tensor:
     """
     if node.target is AXIS_INDEX_OP:
         return rebound(call(args[-1]).op)()
-    if node.target is COLLECTIVE_OP:
+    if node.target is EXCHANGE_OP:
+        return rebound(call(args[-1]).op)(args[0], args[1])
+    if node.target in COLLECTIVE_OPS:
         return rebound(call(args[-1]).op)(args[0])
     if _KINDS[node.target] == "manual_out_grad":
         r = lookup(args[1])

@@ -1,5 +1,6 @@
-"""Neural-network helpers on keyed random numbers: :func:`dropout` and :mod:`vsf.nn.initializers`
-(JAX's ``jax.nn.initializers`` home and names, torch's fan conventions).
+"""Neural-network helpers: :func:`dropout` on keyed random numbers, :mod:`vsf.nn.initializers`
+(JAX's ``jax.nn.initializers`` home and names, torch's fan conventions), and
+:func:`expert_parallel` (a mixture-of-experts layer with its experts split over a mesh axis).
 
 Example::
 
@@ -9,6 +10,7 @@ Example::
 from __future__ import annotations
 
 from vsf.nn import initializers
+from vsf.nn.moe import expert_parallel
 from vsf.random.dropout import dropout
 
-__all__ = ["dropout", "initializers"]
+__all__ = ["dropout", "expert_parallel", "initializers"]

@@ -20,13 +20,14 @@ from vsf.ops.collectives import (
     psum,
     psum_scatter,
 )
-from vsf.ops.ragged import all_gather_v, all_to_all_v, reduce_scatter_v
+from vsf.ops.ragged import all_gather_v, all_to_all_counted, all_to_all_v, reduce_scatter_v
 
 __all__ = [
     "Linear",
     "all_gather",
     "all_gather_v",
     "all_to_all",
+    "all_to_all_counted",
     "all_to_all_v",
     "apply_linear",
     "axis_index",

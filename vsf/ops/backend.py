@@ -34,7 +34,7 @@ import torch.distributed as dist
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["AxisGroup", "all_gather", "all_reduce", "all_to_all", "axis_group", "exchange", "local_ranks", "per_rank", "reduce_scatter"]
+__all__ = ["AxisGroup", "all_gather", "all_reduce", "all_to_all", "axis_group", "exchange", "exchange_counted", "local_ranks", "per_rank", "reduce_scatter"]
 
 Counts = tuple[tuple[int, ...], ...]
 
@@ -166,6 +166,49 @@ def exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:
     # the functional collective, so that a traced program (vsf.jit's, over local shards) records it
     recv = [counts[i][me] for i in range(n)]
     return _wait(_compat.functional_collectives.all_to_all_single(x.contiguous(), recv, list(counts[me]), g.group))
+
+
+def exchange_counted(x: torch.Tensor, counts: torch.Tensor, g: AxisGroup, rows: int) -> torch.Tensor:
+    """:func:`exchange` with the row counts a tensor computed this step (an ``[n, n]`` integer
+    matrix, the same on every member of the axis group, read when it runs), member ``i`` sending
+    the first ``sum(counts[i])`` rows of ``x``; the result is padded with zero rows to ``rows``.
+    Each axis group has its own matrix (the groups of another axis route their own tokens).
+    """
+    n = g.size
+    if counts.shape != (n, n):
+        raise ValueError(f"exchange over {g.axis!r} needs a {n}x{n} matrix of row counts, got shape {tuple(counts.shape)}")
+    if g.kind == "simulated":
+        xs, cs = _values(x, g.mesh), _values(counts, g.mesh)
+        with _compat.local_mode_disabled():
+            out = {}
+            for r in xs:
+                matrix, me = cs[r].tolist(), g.index(r)
+                blocks = [xs[src][sum(matrix[i][:me]) : sum(matrix[i][: me + 1])] for i, src in enumerate(g.members(r))]
+                out[r] = _padded(torch.cat(blocks), rows, g.axis, me)
+            return _compat.make_local(out)
+    return torch.ops.vsf.exchange_counted(x, counts, g.group.group_name, g.axis, rows)
+
+
+@torch.library.custom_op("vsf::exchange_counted", mutates_args=())
+def _exchange_counted(x: torch.Tensor, counts: torch.Tensor, group: str, axis: str, rows: int) -> torch.Tensor:
+    """A real rank's counted exchange, one op: a program traced on fake tensors (``vsf.jit``'s
+    over local shards) keeps it whole and reads the counts when it runs."""
+    pg = _compat.process_group_named(group)
+    matrix, me = counts.tolist(), dist.get_rank(pg)
+    recv = x.new_empty((sum(row[me] for row in matrix), *x.shape[1:]))
+    dist.all_to_all_single(recv, x[: sum(matrix[me])].contiguous(), [row[me] for row in matrix], list(matrix[me]), group=pg)
+    return _padded(recv, rows, axis, me)
+
+
+@_exchange_counted.register_fake
+def _(x: torch.Tensor, counts: torch.Tensor, group: str, axis: str, rows: int) -> torch.Tensor:
+    return x.new_empty((rows, *x.shape[1:]))
+
+
+def _padded(t: torch.Tensor, rows: int, axis: str, me: int) -> torch.Tensor:
+    if t.shape[0] > rows:
+        raise ValueError(f"member {me} of axis {axis!r} receives {t.shape[0]} rows, more than the {rows} its buffer holds")
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 
 def _simulated_exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 ``all_gather_v`` and ``reduce_scatter_v`` transpose to each other and ``all_to_all_v(M)`` to
 ``all_to_all_v(M transposed)`` (see :mod:`vsf.ops.collectives` for the gradient convention).
+``all_to_all_counted`` is ``all_to_all_v`` whose matrix is a tensor computed in the step (an
+expert-parallel dispatch's token counts), its operand and result padded to fixed row counts, so
+that it runs inside ``vsf.jit`` with counts that differ from step to step and rank to rank.
 On gloo and simulated ranks they move exactly the data through one ``all_to_all_single`` with
 split sizes; on NCCL all-gather and reduce-scatter pad each piece to the largest one.
 
@@ -25,13 +28,13 @@ from typing import Any
 
 import torch
 
-from vsf.ops import backend
+from vsf.ops import backend, region
 from vsf.ops.backend import AxisGroup, Counts
 from vsf.ops.collectives import Linear, apply_linear, axis_size_of, one_group
-from vsf.ops.recording import Sent, sent
+from vsf.ops.recording import Sent, current_region, sent, traces_step
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["all_gather_v", "all_to_all_v", "reduce_scatter_v"]
+__all__ = ["all_gather_v", "all_to_all_counted", "all_to_all_v", "reduce_scatter_v"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,53 @@ class _AllToAllV(Linear):
         return _AllToAllV(self.g, tuple(zip(*self.counts)), self.dim)
 
 
+@dataclass(frozen=True)
+class _AllToAllCounted:
+    """The ragged all-to-all of :func:`all_to_all_counted`: ``rows_in`` rows in (a rank sends the
+    first ``sum(counts[me])``), ``rows_out`` rows out (what it receives, then zero rows); with
+    ``transposed`` it exchanges by the transposed matrix, which makes it its own transpose's."""
+
+    g: AxisGroup
+    rows_in: int
+    rows_out: int
+    transposed: bool
+    moves = (0,)
+    passes_partials = True
+    replicates = False
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return backend.exchange_counted(x, counts.T if self.transposed else counts, self.g, self.rows_out)
+
+    def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
+        """The result's shape and the most the average rank sends: the rows of the smaller of its
+        operand and its result (the ranks together send as many rows as they receive), all
+        leaving the rank. A dispatch and its combine so count each token copy once (their
+        analytic volume); which rank sends more depends on the counts, known when it runs."""
+        _traced_rows(x, 0, self.rows_in, "all_to_all_counted")
+        row_bytes = x.numel() // max(x.shape[0], 1) * x.element_size()
+        return sent("all_to_all_v", self.g, x, (self.rows_out, *x.shape[1:]), min(self.rows_in, self.rows_out) * row_bytes)
+
+    def transpose(self) -> "_AllToAllCounted":
+        return _AllToAllCounted(self.g, self.rows_out, self.rows_in, not self.transposed)
+
+
+class _Counted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, op: _AllToAllCounted, key: int | None) -> torch.Tensor:
+        ctx.op, ctx.key = op, key
+        ctx.save_for_backward(counts)
+        if key is not None:
+            return region.exchange(x, counts, region.Call(op, key))
+        if traces_step():
+            raise ValueError(f"an all_to_all_counted over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region")
+        return op(x, counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        counts, = ctx.saved_tensors
+        return _Counted.apply(grad, counts, ctx.op.transpose(), ctx.key), None, None, None
+
+
 def _one_shape(rows: tuple[int, ...], op: str, axis: str, what: str) -> None:
     """Inside a jitted region: ``rows`` (per rank) must be equal, a traced value having one shape."""
     if len(set(rows)) > 1:
@@ -223,6 +273,38 @@ def all_to_all_v(x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]]
         raise ValueError(f"all_to_all_v over {axis!r} (size {n}) needs an {n}x{n} send_sizes matrix, got {len(counts)} rows")
     g = one_group(axis, mesh, "all_to_all_v")
     return _identity_rows(x, dim, counts[0][0], axis, "all_to_all_v") if g is None else apply_linear(x, _AllToAllV(g, counts, dim % x.ndim))
+
+
+def all_to_all_counted(x: torch.Tensor, counts: torch.Tensor, axis: str, rows: int, *, mesh: Mesh | None = None) -> torch.Tensor:
+    """Ragged all-to-all along dim 0 whose send matrix is a tensor: ``counts[i][j]`` rows go from
+    rank ``i`` of ``axis`` to rank ``j`` (``counts``: an ``[n, n]`` integer tensor, the same on every
+    rank of the axis, e.g. ``all_gather`` of each rank's own row; it may differ from step to step).
+
+    Rank ``i`` sends the first ``sum(counts[i])`` rows of ``x`` (the block for rank 0, then rank
+    1, ...); the result stacks the blocks received from rank 0, 1, ... and pads them with zero rows
+    to ``rows`` (at least the most a rank can receive), so that operand and result have one shape
+    on every rank and every step, as a value of a ``vsf.jit`` graph must. Its backward exchanges
+    the cotangent's received rows back by the transposed matrix. This is an expert-parallel
+    dispatch (tokens to the ranks that hold their experts) and, transposed, its combine.
+
+    Example::
+
+        >>> counts = vsf.ops.all_gather(mine[None], "ep")          # [n, n]: rank i's row is its own
+        >>> got = vsf.ops.all_to_all_counted(rows, counts, "ep", rows=n * rows.shape[0])
+    """
+    n = axis_size_of(axis, mesh, "all_to_all_counted")
+    if counts.shape != (n, n) or counts.dtype.is_floating_point:
+        raise ValueError(f"all_to_all_counted over {axis!r} (size {n}) needs an {n}x{n} integer counts tensor, got {counts.dtype} of shape {tuple(counts.shape)}")
+    g = one_group(axis, mesh, "all_to_all_counted")
+    if g is None:
+        return _padded_rows(x, rows)
+    return _Counted.apply(x, counts, _AllToAllCounted(g, x.shape[0], rows, False), current_region())
+
+
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] > rows:
+        raise ValueError(f"all_to_all_counted: {x.shape[0]} rows do not fit the result's {rows}")
+    return _pad_rows(x, rows)
 
 
 def _identity_rows(x: torch.Tensor, dim: int, rows: int, axis: str, op: str) -> torch.Tensor:

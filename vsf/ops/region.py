@@ -11,8 +11,9 @@ region's manual axes, global over the others). Four boundary ops mark where valu
 * ``vsf::manual_in_grad`` and ``vsf::manual_out_grad``: their transposes, which the backward of a
   step that differentiates through the region runs.
 
-The named-axis collectives the body runs are ``vsf::manual_collective(x, op)`` nodes and
-``axis_index`` is ``vsf::manual_axis_index(op)``; ``key`` and ``op`` name a :class:`Region` or a
+The named-axis collectives the body runs are ``vsf::manual_collective(x, op)`` nodes, a ragged
+exchange whose row counts are values of the body (an expert-parallel dispatch) is
+``vsf::manual_exchange(x, counts, op)``, and ``axis_index`` is ``vsf::manual_axis_index(op)``; ``key`` and ``op`` name a :class:`Region` or a
 :class:`Call` registered here. Their autograd (each collective's transpose, :mod:`vsf.ops.collectives`)
 is recorded while the step is traced, so the backward is ops of the same graph.
 
@@ -50,8 +51,8 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
 
 __all__ = [
-    "AXIS_INDEX_OP", "BOUNDARY_OPS", "COLLECTIVE_OP", "REGION_OPS", "Call", "Region",
-    "axis_index", "boundary", "call", "collective", "copies", "lookup", "register", "summed_over",
+    "AXIS_INDEX_OP", "BOUNDARY_OPS", "COLLECTIVE_OP", "COLLECTIVE_OPS", "EXCHANGE_OP", "REGION_OPS", "Call", "Region",
+    "axis_index", "boundary", "call", "collective", "copies", "exchange", "lookup", "register", "summed_over",
 ]
 
 
@@ -173,6 +174,16 @@ def _(x: torch.Tensor, key: int) -> torch.Tensor:
     return lookup(key).op.abstract(x)[0]
 
 
+@torch.library.custom_op("vsf::manual_exchange", mutates_args=())
+def _manual_exchange(x: torch.Tensor, counts: torch.Tensor, key: int) -> torch.Tensor:
+    raise RuntimeError("a shard_map region's exchange runs only inside the program vsf.jit lowers it into")
+
+
+@_manual_exchange.register_fake
+def _(x: torch.Tensor, counts: torch.Tensor, key: int) -> torch.Tensor:
+    return lookup(key).op.abstract(x)[0]
+
+
 @torch.library.custom_op("vsf::manual_axis_index", mutates_args=())
 def _manual_axis_index(key: int) -> torch.Tensor:
     raise RuntimeError("a shard_map region's axis_index runs only inside the program vsf.jit lowers it into")
@@ -184,8 +195,10 @@ def _(key: int) -> torch.Tensor:
 
 
 COLLECTIVE_OP = torch.ops.vsf.manual_collective.default
+EXCHANGE_OP = torch.ops.vsf.manual_exchange.default
+COLLECTIVE_OPS = frozenset({COLLECTIVE_OP, EXCHANGE_OP})  # the region ops that communicate (their operand first, their Call last)
 AXIS_INDEX_OP = torch.ops.vsf.manual_axis_index.default
-REGION_OPS = frozenset({*BOUNDARY_OPS.values(), COLLECTIVE_OP, AXIS_INDEX_OP})  # every op a traced region leaves
+REGION_OPS = frozenset({*BOUNDARY_OPS.values(), *COLLECTIVE_OPS, AXIS_INDEX_OP})  # every op a traced region leaves
 
 
 class _Boundary(torch.autograd.Function):
@@ -222,6 +235,17 @@ def collective(x: torch.Tensor, c: Call) -> torch.Tensor:
         >>> y = collective(x, Call(psum_over_tp, key))
     """
     return COLLECTIVE_OP(x, register(c))
+
+
+def exchange(x: torch.Tensor, counts: torch.Tensor, c: Call) -> torch.Tensor:
+    """The node of a traced region that runs ``c.op`` on ``x`` with the row counts ``counts`` (a
+    value of the body, known only when the step runs; autograd is the caller's).
+
+    Example::
+
+        >>> y = exchange(rows, counts, Call(dispatch_over_ep, key))
+    """
+    return EXCHANGE_OP(x, counts, register(c))
 
 
 def axis_index(c: Call) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""Expert parallelism (``vsf.nn.expert_parallel``) inside ``vsf.jit``: experts split over ``ep``, the
+tokens dispatched to them and combined back by ragged all-to-alls whose counts the routing gives
+each step. Oracle: the same mixture of experts computed densely on one device (each token's chosen
+experts' weights indexed and applied), its loss and gradients (experts' weights, tokens, gates);
+the exchanges' bytes against the analytic dispatch + combine volume, computed here by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vsf
+from vsf import P
+
+TOKENS, HIDDEN, FFN, EXPERTS, K = 32, 32, 16, 8, 2
+
+
+def experts(rows, offsets, w_in, w_out):
+    return F.grouped_mm(F.silu(F.grouped_mm(rows, w_in.transpose(1, 2), offs=offsets)), w_out.transpose(1, 2), offs=offsets)
+
+
+def dense(x, index, gates, w_in, w_out):
+    out = torch.zeros_like(x)
+    for k in range(index.shape[1]):
+        h = F.silu(torch.einsum("th,tfh->tf", x, w_in[index[:, k]]))
+        out = out + gates[:, k, None] * torch.einsum("tf,thf->th", h, w_out[index[:, k]])
+    return out
+
+
+def loss_of(moe):
+    def loss(p):
+        return (moe(p["x"], p["index"], p["gates"], p["w_in"], p["w_out"]) ** 2).sum()
+    return loss
+
+
+def inputs(skewed: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(TOKENS, EXPERTS, generator=g)
+    if skewed:  # every token to experts 6 and 7: one rank of ep receives every token copy
+        logits[:, 6:] += 100.0
+    gates, index = torch.softmax(logits, -1).topk(K, -1)
+    return {"x": torch.randn(TOKENS, HIDDEN, generator=g), "gates": gates, "index": index,
+            "w_in": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * 0.1, "w_out": torch.randn(EXPERTS, HIDDEN, FFN, generator=g) * 0.1}
+
+
+# layout: (mesh shape, axis names, the token axes, the experts' specs)
+LAYOUTS = {
+    "dp_ep": ((2, 2), ("dp", "ep"), ("dp", "ep"), {"w_in": P("ep"), "w_out": P("ep")}),
+    # experts further split over fsdp (torchtitan's efsdp): gathered over fsdp into the region,
+    # their gradients reduce-scattered
+    "fsdp_ep": ((2, 2), ("fsdp", "ep"), ("fsdp", "ep"), {"w_in": P("ep", "fsdp"), "w_out": P("ep", "fsdp")}),
+    # tp an automatic axis of the region: each expert Megatron-split over its ffn dim
+    "ep_tp": ((2, 2), ("ep", "tp"), ("ep",), {"w_in": P("ep", "tp", None), "w_out": P("ep", None, "tp")}),
+}
+CASES = [("dp_ep", False), ("dp_ep", True), ("fsdp_ep", False), ("ep_tp", False)]
+
+
+@pytest.mark.parametrize("layout, skewed", CASES, ids=[f"{l}-{'skewed' if s else 'spread'}" for l, s in CASES])
+def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
+    """Loss and every gradient (experts' weights, tokens, gates) as the dense one-device mixture;
+    skewed: all tokens routed to one rank's experts (the fullest receive buffer, and ranks that
+    receive nothing)."""
+    p = inputs(skewed)
+    grad_of = {k for k in p if k != "index"}
+    want_loss, want = vsf.value_and_grad(lambda q: loss_of(dense)({**q, "index": p["index"]}))({k: p[k] for k in grad_of})
+    shape, names, token_axes, specs = LAYOUTS[layout]
+    sim(4)
+    mesh = vsf.make_mesh(shape, names)
+
+    def moe(x, index, gates, w_in, w_out):
+        return vsf.nn.expert_parallel(experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=token_axes, mesh=mesh)
+
+    step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
+    tokens = vsf.NamedSharding(mesh, P(token_axes))
+    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in grad_of}
+    loss, grads = step(q, vsf.device_put(p["index"], tokens))
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
+    for k in grad_of:
+        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}")
+        assert grads[k].placements == q[k].placements, k
+    if layout != "dp_ep":
+        return
+    # bytes over ep: the dispatch and the combine forward, their transposes backward, each every
+    # token copy of the rank's share once (tokens / 4 ranks x top-k x hidden x 4 bytes); and the
+    # per-expert counts gathered over ep (one int64 per expert, from the other rank)
+    cost = step.lower(q, vsf.device_put(p["index"], tokens)).cost()
+    over_ep = [c for c in cost.collectives if c.axis == "ep"]
+    exchanges = [c for c in over_ep if c.kind == "all_to_all_v"]
+    assert [c.bytes for c in exchanges] == [TOKENS // 4 * K * HIDDEN * 4] * 4
+    assert sorted((c.kind, c.bytes) for c in over_ep if c.kind != "all_to_all_v") == [("all_gather", EXPERTS * 8), ("all_reduce", 4)]  # counts; the loss
+
+
+def test_expert_dim_must_divide(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("ep",))
+    with pytest.raises(ValueError, match=r"weights\[0\] has 3 experts \(dim 0\), which 'ep' of size 2 does not divide"):
+        vsf.nn.expert_parallel(experts, torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), (torch.zeros(3, 8, 8),), axis="ep", mesh=mesh)
+    with pytest.raises(ValueError, match=r"token_axes \('dp',\) must include the expert axis 'ep'"):
+        vsf.nn.expert_parallel(experts, torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), (torch.zeros(2, 8, 8),), axis="ep", token_axes=("dp",), mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def ranks(world):
+    return world("jit_expert_parallel.py", nproc=2)
+
+
+@pytest.mark.world("jit_expert_parallel.py", nproc=2)
+@pytest.mark.multiprocess
+def test_on_gloo_one_plan_follows_each_steps_routing(ranks):
+    """Real processes: the program is traced once into local ops (the exchanges kept whole, their
+    counts read when they run), and three routings through that one plan each equal one device."""
+    for got in ranks:
+        assert got["plan_count"] == 1 and got["traced_program"], got
+        for errors in got["errors"]:
+            assert max(errors.values()) <= 1e-5, got

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -515,7 +516,65 @@ class _Combined:
 def dtensor_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
     """What DTensor's dispatcher does for ``op`` on ``mesh`` when its tensor inputs arrive placed as
     the :class:`Placed` arguments say: the input placements it redistributes them to, and the
-    placements of its outputs (``None`` for a non-tensor output)."""
+    placements of its outputs (``None`` for a non-tensor output).
+
+    An op with per-mesh-dim rules is first asked on the mesh dims some input is not replicated
+    on (:func:`_on_split_dims`): DTensor combines such rules over every mesh dim, so the full
+    question costs the rules' count to the power of the mesh's dims (a ``bmm`` on a 5D mesh:
+    minutes), while the dims every input replicates do not change an answer that moves nothing."""
+    if registered_rules(op) == "single":
+        answer = _on_split_dims(op, args, kwargs, mesh)
+        if answer is not None:
+            return answer
+    return _full_decision(op, args, kwargs, mesh)
+
+
+def _on_split_dims(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]] | None:
+    """DTensor's decision for an op with per-mesh-dim rules on ``mesh``, asked on an abstract mesh
+    of the dims where some input is not replicated (same sizes, same order), where that answer
+    moves no input; ``None`` otherwise (ask the whole mesh).
+
+    It is the whole mesh's answer: DTensor expands such rules as the product of one rule per mesh
+    dim and, where some combination takes every input as it arrives, runs the last such one
+    (nothing negative-cost comes out of the expansion). On a dim every input replicates, the
+    rules taking them as they are end, last, in the one that keeps the outputs replicated (asked
+    on a one-dim mesh: checked, not assumed); combined with the others, that adds no partial
+    type, so the last combination of the whole mesh is the small mesh's last one with those
+    dims replicated."""
+    leaves = [a.placements for a in torch_tree_leaves((args, kwargs)) if isinstance(a, Placed)]
+    split = [k for k in range(mesh.ndim) if any(not isinstance(p[k], Replicate) for p in leaves)]
+    if len(split) == mesh.ndim or not leaves:
+        return None
+    replicated = lambda x: torch_tree_map(lambda a: Placed(a.value, (Replicate(),)) if isinstance(a, Placed) else a, x)  # noqa: E731
+    one_ins, outs = _full_decision(op, replicated(args), replicated(kwargs), _abstract_mesh(2))
+    if any(p != (Replicate(),) for p in one_ins) or any(o is not None and o != (Replicate(),) for o in outs):
+        return None
+    if split:
+        narrow = lambda x: torch_tree_map(lambda a: Placed(a.value, tuple(a.placements[k] for k in split)) if isinstance(a, Placed) else a, x)  # noqa: E731
+        try:
+            ins, outs = _full_decision(op, narrow(args), narrow(kwargs), _abstract_grid(tuple(mesh.size(k) for k in split)))
+        except Exception:  # noqa: BLE001 - refused on the small mesh: the whole mesh answers for itself
+            return None
+        if ins != [tuple(p[k] for k in split) for p in leaves]:
+            return None
+
+    def widen(p: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        out: list[Placement] = [Replicate()] * mesh.ndim
+        for k, q in zip(split, p):
+            out[k] = q
+        return tuple(out)
+
+    return [tuple(p) for p in leaves], [None if o is None else widen(o) for o in outs]
+
+
+@functools.cache
+def _abstract_grid(sizes: tuple[int, ...]) -> DeviceMesh:
+    """A DeviceMesh of ``sizes`` with no process group: enough to ask DTensor's strategies."""
+    return DeviceMesh("cpu", torch.arange(math.prod(sizes)).reshape(sizes), _init_backend=False, _rank=0)
+
+
+def _full_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
+    """:func:`dtensor_decision` asked of DTensor on the whole of ``mesh``."""
     placed = [a.placements for a in torch_tree_leaves((args, kwargs)) if isinstance(a, Placed)]
     out = _propagator().propagate_op_sharding(_dispatch_schema(op, _specs(args, mesh), _specs(kwargs, mesh)))
     suggested = placed

@@ -407,3 +407,18 @@ def test_every_exported_verb_is_called_here():
     tree = ast.parse(pathlib.Path(__file__).read_text())
     named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_compat"}
     assert sorted(set(_compat.__all__) - named) == [], "exported by vsf._compat but not exercised in tests/test_compat.py"
+
+
+def test_process_group_named_resolves_a_mesh_group():
+    with vsf.simulate(2):
+        group = vsf.make_mesh((2,), ("x",)).device_mesh.get_group(0)
+        assert _compat.process_group_named(group.group_name) is group
+
+
+def test_inductor_compile_runs_an_fx_graph_as_written():
+    gm = torch.fx.symbolic_trace(lambda x, y: (x.sin() * y).sum(0))
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    compiled = _compat.inductor_compile(gm, [x, y])
+    out = compiled(x, y)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    torch.testing.assert_close(out, (x.sin() * y).sum(0))

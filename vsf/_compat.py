@@ -57,7 +57,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable, register_op_strategy
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
-from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode

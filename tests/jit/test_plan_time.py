@@ -8,6 +8,7 @@ of the long way round.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -58,3 +59,54 @@ def test_decision_on_split_dims_is_the_whole_mesh_decision(op, shapes, choices):
         assert ask(_compat.dtensor_decision) == full, layouts
         fast_ones += _compat._on_split_dims(op, args, {}, mesh) is not None
     assert fast_ones > 5  # the shortcut was taken, not only the long way
+
+
+def _gpt_plan(layers: int, shape: tuple[int, ...]):
+    """The plan of an SGD step of a ``layers``-layer GPT (separate qkv/proj/fc1/fc2 linears, tp on
+    the weights Megatron's way, batch over dp x fsdp) on a planning-only 5D mesh of ``shape``."""
+    from toy_models import GPT, GPTConfig
+
+    import vsf
+    from vsf import P
+
+    cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=layers)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mesh = vsf.make_mesh(shape, ("pp", "dp", "fsdp", "cp", "tp"))
+    rules = [(r".*(qkv|fc1)\.(weight|bias)", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+    params = {k: torch.empty(v.shape) for k, v in vsf.tree.from_module(model).items()}
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    idx = vsf.device_put(torch.zeros(16, cfg.seq, dtype=torch.long), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+
+    def loss_fn(p, idx, tgt):
+        return vsf.tree.apply(model, p, idx, tgt)
+
+    def step(p, idx, tgt):
+        loss, g = vsf.value_and_grad(loss_fn)(p, idx, tgt)
+        return vsf.tree.map(lambda a, b: a - 0.01 * b, p, g), loss
+
+    return vsf.jit(step).lower(p, idx, idx)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
+def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape):
+    """The solver decides once per op context and reuses the decision for the repeated blocks'
+    ops (``AxisSolver.reuse``); planned with every op costed anew, the plan is the same: every
+    op's placements, every redistribution, and the bytes per axis."""
+    from vsf.jit import solver
+
+    sim(math.prod(shape), compute=False)
+    asked = []
+    choose = solver.AxisSolver._choose
+    monkeypatch.setattr(solver.AxisSolver, "_choose", lambda self, k, greedy: asked.append(k) or choose(self, k, greedy))
+    reused = _gpt_plan(4, shape)
+    decided = len(asked)
+    monkeypatch.setattr(solver.AxisSolver, "reuse", False)
+    asked.clear()
+    one_by_one = _gpt_plan(4, shape)
+    assert decided < len(asked) / 2  # blocks were decided once, not op by op
+    a, b = reused.plan, one_by_one.plan
+    assert [(p.ins, p.outs) for p in a.nodes.values()] == [(p.ins, p.outs) for p in b.nodes.values()]
+    assert [(r.value[0].name, r.src, r.dst) for r in a.redistributions] == [(r.value[0].name, r.src, r.dst) for r in b.redistributions]
+    assert reused.cost().comm_bytes == one_by_one.cost().comm_bytes
+    assert reused.cost().collectives == one_by_one.cost().collectives

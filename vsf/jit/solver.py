@@ -44,6 +44,8 @@ def _encode(codes: "Codes", strategies: list[Strategy]) -> list[tuple[tuple[int,
 class AxisSolver:
     """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
+    reuse = True  # decide once per op context (:meth:`_context`); False costs every op anew (tests compare)
+
     def __init__(self, problem: "Problem", axis: str, codes: "Codes", encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
         self.p = problem
         self.axis = axis
@@ -81,6 +83,7 @@ class AxisSolver:
                 encoded[id(allowed)] = _encode(codes, allowed)
             self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
+        self.picked: dict[tuple[Any, ...], int | None] = {}  # decisions by context (_context)
         self.view = [is_view(node) for node in problem.ops]
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
         self.unsplit = self._unsplit_strategies()
@@ -161,6 +164,8 @@ class AxisSolver:
         return size
 
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
+        if not need:  # (most values, while the greedy pass has not reached their readers)
+            return 0.0
         row, fixed = self.codes.factor[label], self.codes.fixed[label]
         return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
 
@@ -217,7 +222,8 @@ class AxisSolver:
         for v, lab in zip(self.outs[k], outs):
             if v < 0 or lab < 0:
                 continue
-            total += self._value_cost(v, lab, need[v])
+            if need[v]:
+                total += self._value_cost(v, lab, need[v])
             if self.final.get(v, lab) != lab:
                 # ties go to computing a result in the layout it leaves in: moved after the last
                 # op it lands in a fresh buffer, where a donated input's buffer could have held it
@@ -241,10 +247,39 @@ class AxisSolver:
             if v >= 0 and lab >= 0:
                 self.label[v] = lab
 
+    def _context(self, k: int, greedy: bool) -> tuple[Any, ...]:
+        """Everything :meth:`_evaluate` reads to cost op ``k``'s strategies: its strategy list, its
+        work, its current choice (repair passes), and per input and output the placement, bytes,
+        hints, reorder costs and wanted placements (in their order: the sums run in it). Ops of a
+        model's repeated blocks meet the same context, block after block, so :meth:`_pick` decides
+        once per context (:attr:`reuse`) what it would decide for each (the same arithmetic on the
+        same numbers)."""
+        label, need, fb, hints, reorder, final = self.label, self.need, self.fb, self.hints, self.reorder, self.final
+        ins, outs = self.ins[k], self.outs[k]
+        return (
+            id(self.strategies[k]), greedy, -1 if greedy else self.choice[k], self.work[k], tuple(ins.index(v) for v in ins),
+            tuple((label[v], fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None, tuple(need[v].items())) for v in ins),
+            tuple(None if v < 0 else (fb[v], final.get(v), tuple(need[v].items())) for v in outs),
+        )
+
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
         if len(options) == 1 and not greedy:
             return False
+        key = self._context(k, greedy) if self.reuse else None
+        if key in self.picked:
+            j = self.picked[key]
+            if j is not None:
+                self._apply(k, j)
+            return j is not None
+        changed = self._choose(k, greedy)
+        if key is not None:
+            self.picked[key] = self.choice[k] if changed else None
+        return changed
+
+    def _choose(self, k: int, greedy: bool) -> bool:
+        """:meth:`_pick` for op ``k``, its strategies costed one by one."""
+        options = range(len(self.strategies[k]))
         # The first, greedy pass never shards inputs no other input is sharded like (it cannot see
         # that a later op will want them so); the repair passes take any strategy that pays.
         costs = [(self._evaluate(k, j, greedy, greedy), j) for j in options]

@@ -73,6 +73,7 @@ class Strategies:
         self.classes = classes
         self.own = own  # vsf's strategies for the ops it runs itself (kind "manual": vsf.jit.manual)
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
+        self.by_node: dict[Any, tuple[list[Strategy], bool]] = {}
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
 
@@ -80,6 +81,9 @@ class Strategies:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
         ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules);
         ``balanced``: some value on this axis is split balanced (its variants join the shard rules)."""
+        mine = (node, n, tuple(ragged), balanced)
+        if mine in self.by_node:  # (asked per op by every axis's solver, every sweep)
+            return self.by_node[mine]
         arrivals = self.arrivals(node, n)
         key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), balanced, arrivals)
         if key not in self.cache:
@@ -92,6 +96,7 @@ class Strategies:
             if op.rules == "full" and _blind_to_offsets(node):
                 found = found + _valid(_strided_variants(node, found, arrivals, n), node, n, arrivals)
             self.cache[key] = (found, fallback)
+        self.by_node[mine] = self.cache[key]
         return self.cache[key]
 
     def arrivals(self, node: torch.fx.Node, n: int) -> tuple[tuple[Placement, ...], ...]:

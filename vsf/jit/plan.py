@@ -21,6 +21,7 @@ import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from vsf import _compat
+from vsf.config import PlanOptions
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import Value, placeholders_of
 from vsf.sharding.mesh import Mesh
@@ -126,6 +127,7 @@ class Plan:
     redistributions: tuple[Redistribution, ...]
     buckets: tuple[Bucket, ...]
     order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
+    options: PlanOptions  # the switches it was planned with (vsf.config.plan_options)
 
     def collectives(self) -> list[Collective]:
         """Every collective the program runs (a bucket counts once; a manual region's own too)."""

@@ -35,7 +35,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.fx
@@ -76,7 +76,7 @@ def _causal(node: torch.fx.Node) -> bool:
     return bool(_given(node).get("is_causal", False))
 
 
-def mode_of(node: torch.fx.Node, options: PlanOptions) -> str:
+def mode_of(node: torch.fx.Node, options: PlanOptions) -> Literal["all_gather", "ring"]:
     """How ``node`` runs on sequence shards: ``options.context_parallel`` when it forces one,
     else (``"auto"``) the ring where the keys and values gathered would exceed
     ``options.context_parallel_gather_bytes`` (on their whole shape), the gather where not.

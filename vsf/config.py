@@ -73,23 +73,82 @@
   initialises the process group (the first mesh under ``torchrun``); it applies to that group
   and to every group created after it (the meshes' axes, the checkpoint group).
 
+The switches a plan depends on (``allow_replicated_fallback``, ``allow_unkeyed_random``,
+``context_parallel``, ``context_parallel_gather_bytes``, ``compute_bytes_per_flop``,
+``bucket_bytes``) are read once per ``vsf.jit`` call into a :class:`PlanOptions` (:func:`plan_options`),
+which is part of the call's cache key and is passed down to every stage that plans: a switch
+changed between two calls plans the step again with the new value, and ``step.replans`` names it.
+The others are read when they act (``strict`` and ``check_plan`` on every call, ``jit_mode`` when a
+program runs).
+
 Example::
 
     >>> vsf.config.strict = True
 """
 
+import dataclasses
 from os import environ as _environ
+from typing import Literal, get_args
+
+JitMode = Literal["auto", "trace", "interpret", "replay"]
+ContextParallelMode = Literal["auto", "all_gather", "ring"]
 
 strict: bool = False
 allow_replicated_fallback: bool = False
-jit_mode: str = "auto"
+jit_mode: JitMode = "auto"
 check_plan: bool = False
 check_tolerance: tuple[float, float] = (1e-4, 1e-5)
 compile_random: bool = False
 allow_unkeyed_random: bool = False
-context_parallel: str = "auto"
+context_parallel: ContextParallelMode = "auto"
 context_parallel_gather_bytes: int = 64 * 2**20
 bucket_bytes: int = 4 * 2**20
 compute_bytes_per_flop: float = 0.01
 check_across_processes: bool = True
 collective_timeout: float = float(_environ.get("VSF_COLLECTIVE_TIMEOUT", "600"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The switches one plan is made with (each documented above, under its name), read at once by
+    :func:`plan_options`; the defaults are the module's. Part of a ``vsf.jit`` call's cache key.
+
+    Example::
+
+        >>> PlanOptions(bucket_bytes=2**20).bucket_bytes
+        1048576
+    """
+
+    allow_replicated_fallback: bool = False
+    allow_unkeyed_random: bool = False
+    context_parallel: ContextParallelMode = "auto"
+    context_parallel_gather_bytes: int = 64 * 2**20
+    compute_bytes_per_flop: float = 0.01
+    bucket_bytes: int = 4 * 2**20
+
+    def changed(self, other: "PlanOptions") -> list[str]:
+        """The switches whose values differ from ``other``'s, as ``vsf.config.NAME OLD -> NEW``.
+
+        Example::
+
+            >>> PlanOptions().changed(PlanOptions(bucket_bytes=2**20))
+            ['vsf.config.bucket_bytes 4194304 -> 1048576']
+        """
+        return [
+            f"vsf.config.{f.name} {getattr(self, f.name)!r} -> {getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def plan_options() -> PlanOptions:
+    """The plan switches as they are set now, checked: a string switch must be one of its kinds.
+
+    Example::
+
+        >>> vsf.config.bucket_bytes = 2**20
+        >>> plan_options().bucket_bytes
+        1048576
+    """
+    if context_parallel not in get_args(ContextParallelMode):
+        raise ValueError(f"vsf.config.context_parallel must be one of {get_args(ContextParallelMode)}, got {context_parallel!r}")
+    return PlanOptions(allow_replicated_fallback, allow_unkeyed_random, context_parallel, context_parallel_gather_bytes, compute_bytes_per_flop, bucket_bytes)

@@ -309,6 +309,29 @@ def test_replans_only_on_shape_dtype_sharding_or_static_change(sim, caplog):
     assert sum(r.message.startswith("planning") for r in caplog.records) == 5
 
 
+def test_a_plan_switch_changed_between_calls_plans_again_with_its_value(sim, monkeypatch):
+    # two partial sums of 4 x 4 fp32 (64 B each), reduced at the end: one bucket of both at the
+    # default cap, each alone at a cap of 64 B; the switch is part of the cache key
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    split = lambda t, d: vsf.device_put(t, vsf.NamedSharding(mesh, P(*[None] * d, "dp")))  # noqa: E731
+    x1, x2, w1, w2 = split(torch.randn(4, 6), 1), split(torch.randn(4, 6), 1), split(torch.randn(6, 4), 0), split(torch.randn(6, 4), 0)
+    jf = vsf.jit(lambda a, b, c, d: (a @ c, b @ d), out_shardings=vsf.NamedSharding(mesh, P()))
+    members = lambda: [len(b.members) for b in jf.lower(x1, x2, w1, w2).plan.buckets]  # noqa: E731
+    assert members() == [2] and jf.plan_count == 1
+    monkeypatch.setattr(vsf.config, "bucket_bytes", 64)
+    assert members() == [] and jf.plan_count == 2
+    assert jf.replans[-1] == f"options changed: vsf.config.bucket_bytes {4 * 2**20} -> 64"
+    out = jf(x1, x2, w1, w2)
+    torch.testing.assert_close(vsf.device_get(out[0]), vsf.device_get(x1) @ vsf.device_get(w1))
+    assert jf.plan_count == 2
+    monkeypatch.setattr(vsf.config, "bucket_bytes", 4 * 2**20)
+    assert members() == [2] and jf.plan_count == 2   # the first plan, from the cache
+    monkeypatch.setattr(vsf.config, "context_parallel", "rings")
+    with pytest.raises(ValueError, match=r"vsf.config.context_parallel must be one of \('auto', 'all_gather', 'ring'\), got 'rings'"):
+        jf(x1, x2, w1, w2)
+
+
 def test_python_numbers_are_traced_not_static(sim):
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))

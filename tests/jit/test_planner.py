@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import vsf
 from vsf import _compat
 from vsf._compat import StridedShard
+from vsf.config import PlanOptions
 from vsf.jit.buckets import bucket_kind, form_buckets
 from vsf.jit.classify import OpClass, classify
 from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_shape, transition_bytes
@@ -30,6 +31,7 @@ from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding import constraint
 
 aten = torch.ops.aten
+BUCKET_BYTES = PlanOptions().bucket_bytes   # vsf.config.bucket_bytes's default
 R, P = Replicate(), Partial()
 
 
@@ -73,7 +75,7 @@ def test_a_constraint_is_classified_by_its_op():
 def test_matmul_offers_the_megatron_strategies_on_one_axis():
     gm = _graph(lambda x, w: x @ w, (4, 6), (6, 8))
     mm = _node(gm, aten.mm.default)
-    found, fallback = Strategies(False, {mm: classify(mm)}).of(mm, 2)
+    found, fallback = Strategies(PlanOptions(), {mm: classify(mm)}).of(mm, 2)
     assert not fallback
     expected = {
         Strategy((R, R), (R,)),  # replicated
@@ -89,8 +91,8 @@ def test_an_op_without_strategy_is_a_plan_error_or_a_flagged_fallback():
     gm = _graph(lambda x: x.renorm(2, 0, 1.0), (4, 4))
     node = _node(gm, aten.renorm.default)
     with pytest.raises(vsf.PlanError, match="renorm.default has no DTensor sharding strategy"):
-        Strategies(False, {node: classify(node)}).of(node, 2)
-    found, fallback = Strategies(True, {node: classify(node)}).of(node, 2)
+        Strategies(PlanOptions(), {node: classify(node)}).of(node, 2)
+    found, fallback = Strategies(PlanOptions(allow_replicated_fallback=True), {node: classify(node)}).of(node, 2)
     assert fallback and found == [Strategy((R,), (R,))]
 
 
@@ -256,7 +258,7 @@ def test_independent_all_reduces_share_one_bucket(sim):
     out = output_node(gm)
     muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
     moves = [_reduction(mesh, gm, n, out) for n in muls]
-    buckets, order = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves})
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)
     (bucket,) = buckets
     assert bucket.members == tuple(moves) and bucket.mesh_dims == (0,) and bucket.before is out
     # one all-reduce of 32 + 16 floats: the members' bytes, 2(n-1)/n of 128 and 64 bytes
@@ -272,7 +274,7 @@ def test_a_reduction_that_depends_on_another_is_not_bucketed_with_it(sim):
     first, last = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
     (add,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     moves = [_reduction(mesh, gm, first, add), _reduction(mesh, gm, last, out)]
-    buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [add], id(moves[1]): [out]})
+    buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [add], id(moves[1]): [out]}, BUCKET_BYTES)
     # each reduction alone, started right after its value exists
     nodes = list(gm.graph.nodes)
     want = nodes[: nodes.index(first) + 1] + [moves[0]] + nodes[nodes.index(first) + 1 : nodes.index(last) + 1] + [moves[1], out]
@@ -286,11 +288,11 @@ def test_uneven_or_mixed_dtype_reductions_stay_apart(sim):
     out = output_node(gm)
     muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
     moves = [_reduction(mesh, gm, n, out) for n in muls]
-    assert form_buckets(mesh, gm, moves, {id(r): [out] for r in moves})[0] == ()  # float32 and float64
+    assert form_buckets(mesh, gm, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0] == ()  # float32 and float64
     odd = _graph(lambda a, b: (a * 2, b * 3), (5, 4), (8, 4))
     out = output_node(odd)
     moves = [Redistribution(value_of(n), (Shard(0),), (R,), (), out) for n in odd.graph.nodes if n.target is aten.mul.Tensor]
-    assert form_buckets(mesh, odd, moves, {id(r): [out] for r in moves})[0] == ()  # gathers, not reductions
+    assert form_buckets(mesh, odd, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0] == ()  # gathers, not reductions
 
 
 def test_which_redistributions_can_join_a_bucket(sim):
@@ -323,7 +325,7 @@ def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
     mul = _node(gm, aten.mul.Tensor)
     mm1, mm2 = [n for n in gm.graph.nodes if n.target is aten.mm.default]
     moves = [Redistribution(value_of(w), (Shard(0),), (R,), collectives_of(mesh, w.meta["val"], (Shard(0),), (R,)), mm) for w, mm in ((a, mm1), (b, mm2))]
-    buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [mm1], id(moves[1]): [mm2]})
+    buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [mm1], id(moves[1]): [mm2]}, BUCKET_BYTES)
     (bucket,) = buckets
     assert bucket.kind == "all_gather" and bucket.members == tuple(moves) and bucket.before is mm1
     # one all-gather into 2 x 64 floats, each rank sending its halves: (n-1)/n of 256 bytes each
@@ -331,13 +333,12 @@ def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
     assert order.index(mul) < order.index(bucket) < order.index(mm1)
 
 
-def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucket_by_bucket(sim, monkeypatch):
+def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucket_by_bucket(sim):
     """Three pairs of gradients produced one pair after the other (a backward), each pair used by
     the optimizer-like adds written in the opposite order: with buckets of two values (256 B),
     each pair is one bucket started right after its second value, and the adds run bucket by
     bucket, the first bucket's first (they wait for no later collective)."""
     sim(2, compute=False)
-    monkeypatch.setattr(vsf.config, "bucket_bytes", 2 * 8 * 4 * 4)
     mesh = vsf.make_mesh((2,), ("dp",))
 
     def f(x):
@@ -350,7 +351,7 @@ def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucke
     muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
     adds = {n.args[0]: n for n in gm.graph.nodes if n.target is aten.add.Tensor}
     moves = [_reduction(mesh, gm, m, adds[m]) for m in muls]
-    buckets, order = form_buckets(mesh, gm, moves, {id(r): [adds[m]] for r, m in zip(moves, muls)})
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [adds[m]] for r, m in zip(moves, muls)}, 2 * 8 * 4 * 4)
     assert [b.members for b in buckets] == [tuple(moves[0:2]), tuple(moves[2:4]), tuple(moves[4:6])]
     at = {id(item): i for i, item in enumerate(order)}
     for k, b in enumerate(buckets):
@@ -372,7 +373,7 @@ def test_a_reduction_of_little_values_computed_from_the_inputs_starts_first(sim)
     mm, mul = _node(gm, aten.mm.default), _node(gm, aten.mul.Tensor)
     count = [n for n in gm.graph.nodes if n.target is aten.sum.default][0]
     moves = [_reduction(mesh, gm, count, out), _reduction(mesh, gm, mul, out)]
-    buckets, order = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves})
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)
     assert buckets == ()  # (an integer and a float: each alone)
     at = {id(item): i for i, item in enumerate(order)}
     assert at[id(moves[0])] < at[id(mm)] and at[id(moves[1])] == at[id(mul)] + 1
@@ -386,7 +387,7 @@ def test_an_elementwise_op_keeps_its_input_sharding_and_moves_nothing(sim):
     sim(2, compute=False)
     mesh = vsf.make_mesh((2,), ("dp",))
     gm = _graph(lambda x: x * 2, (8, 4))
-    plan = propagate(gm, mesh, [(Shard(0),)], [None])
+    plan = propagate(gm, mesh, [(Shard(0),)], [None], PlanOptions())
     mul = _node(gm, aten.mul.Tensor)
     assert plan.nodes[mul].ins == ((Shard(0),),) and plan.nodes[mul].outs == ((Shard(0),),)
     assert plan.nodes[mul].op.kind == "strategy" and plan.nodes[mul].direct
@@ -397,7 +398,7 @@ def test_a_split_contraction_is_reduced_once_where_the_output_asks(sim):
     sim(2, compute=False)
     mesh = vsf.make_mesh((2,), ("dp",))
     gm = _graph(lambda x, w: x @ w, (4, 8), (8, 6))
-    plan = propagate(gm, mesh, [(Shard(1),), (Shard(0),)], [vsf.NamedSharding(mesh, vsf.P())])
+    plan = propagate(gm, mesh, [(Shard(1),), (Shard(0),)], [vsf.NamedSharding(mesh, vsf.P())], PlanOptions())
     mm = _node(gm, aten.mm.default)
     assert plan.nodes[mm].outs == ((P,),)
     # the 4x6 float32 result (96 bytes) all-reduced over 2 ranks: 2(n-1)/n * 96

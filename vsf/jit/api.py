@@ -234,7 +234,7 @@ class Jitted:
                     kw[where] = value
             return tuple(full), kw
 
-        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), self.backend), inputs, dyn, rebuild, positions, leaves)
+        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), config.plan_options(), self.backend), inputs, dyn, rebuild, positions, leaves)
 
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
@@ -293,17 +293,17 @@ class Jitted:
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
-            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions())
+            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions(), allow_unkeyed_random=call.options.allow_unkeyed_random)
         out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
         if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
-            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes)
+            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes)
             compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
         if compiled is None:
             plan = propagate(
-                traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets,
-                allow_replicated_fallback=config.allow_replicated_fallback, reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
+                traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets, call.options,
+                reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
             )
             compiled = Compiled(self, plan, traced, call.names, out_names)
         self._cache[call.key] = compiled

@@ -1,7 +1,7 @@
 """Collective bucketing and scheduling: independent collectives of one kind over one mesh axis
 run as one collective on a flat buffer, found in the graph instead of at hook time: gradient
 all-reduces (DDP's buckets), parameter all-gathers and gradient reduce-scatters (FSDP's
-per-layer groups), each bucket at most ``vsf.config.bucket_bytes``. Each bucket is placed in the
+per-layer groups), each bucket at most ``bucket_bytes`` (the plan's ``vsf.config.bucket_bytes``). Each bucket is placed in the
 execution order after all its values exist and before any use: reductions (a lone one too) as
 soon as their values exist, gathers just before their first use. The ops that use a reduction's
 result run after the ops that do not (the optimizer's updates of the first gradient bucket
@@ -11,7 +11,7 @@ a mean's tokens) starts first, with its inputs.
 
 Example::
 
-    >>> buckets, order = form_buckets(mesh, gm, moves, users)
+    >>> buckets, order = form_buckets(mesh, gm, moves, users, 4 * 2**20)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from vsf import _compat, config
+from vsf import _compat
 from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
 from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
@@ -40,10 +40,12 @@ __all__ = ["SMALL_BYTES", "bucket_kind", "form_buckets"]
 SMALL_BYTES = 64 * 2**10
 
 
-def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistribution], users: dict[int, list[torch.fx.Node]]) -> tuple[tuple[Bucket, ...], tuple[Any, ...]]:
+def form_buckets(
+    mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistribution], users: dict[int, list[torch.fx.Node]], bucket_bytes: int
+) -> tuple[tuple[Bucket, ...], tuple[Any, ...]]:
     """Group single-axis collectives of one kind (same axis and dtype, evenly sharded values;
     see :func:`bucket_kind`) that do not depend on each other, so each group runs as one
-    collective on a flat buffer of at most ``vsf.config.bucket_bytes``; and an execution order
+    collective on a flat buffer of at most ``bucket_bytes``; and an execution order
     (graph nodes, buckets, and the lone reductions that start early, as their
     :class:`Redistribution`) that runs each group after all its values exist and before any use.
     Reductions group in the order their values are produced, gathers in the order they are
@@ -66,7 +68,7 @@ def form_buckets(mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistrib
     for (kind, k, _dtype), rs in groups.items():
         gather = kind == "all_gather"
         rs.sort(key=lambda r: first_use[id(r)] if gather else index[r.value[0]])
-        cap = config.bucket_bytes
+        cap = bucket_bytes
         current: list[Redistribution] = []
         consumers = producers = size = 0
         for r in rs:

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vsf import tree
+from vsf.config import PlanOptions
 from vsf.jit.plan import Placements
 from vsf.sharding.mesh import Mesh
 
@@ -42,6 +43,11 @@ class Call:
     def grad(self) -> tuple[Any, ...] | None:
         """:func:`vsf.jit.differentiable.grad_mask` of the call's leaves."""
         return self.key[4]
+
+    @property
+    def options(self) -> PlanOptions:
+        """The switches the call plans with (:func:`vsf.config.plan_options`, read as it was prepared)."""
+        return self.key[5]
 
     def leaves_of(self, argnums: Sequence[int]) -> list[int]:
         """Positions, among the call's leaves, of the leaves of positional arguments ``argnums``."""

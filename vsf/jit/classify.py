@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -120,11 +120,14 @@ for _op in ATTENTION_OPS:
         attention.register(_op)
 
 
+OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]   # see the module docs
+
+
 @dataclasses.dataclass(frozen=True)
 class OpClass:
     """What kind an op is (see the module docs)."""
 
-    kind: str
+    kind: OpKind
     rules: str | None
     local: bool
     ragged_reduction: bool

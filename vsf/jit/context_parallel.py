@@ -28,20 +28,21 @@ block of its own and ``n - 1`` pairs of half-block calls on every rank.
 
 Example::
 
-    >>> sequence_rules(causal_sdpa_node)          # one mesh dim: results, then q, k, v
+    >>> sequence_rules(causal_sdpa_node, PlanOptions())          # one mesh dim: results, then q, k, v
     [[Shard(dim=2), Shard(dim=2), Shard(dim=2), Replicate(), Replicate()]]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.fx
 from torch.distributed.tensor import Placement, Shard
 
-from vsf import _compat, config, runtime
+from vsf import _compat, runtime
+from vsf.config import PlanOptions
 from vsf.jit import attention
 from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import meta_of, outputs_meta, tensor_args
@@ -52,7 +53,6 @@ from vsf.sharding.named import BalancedPlacement, from_placements
 
 __all__ = ["collectives", "is_attention", "mode_of", "run", "runs", "sequence_rules", "splits_sequence"]
 
-MODES = ("auto", "all_gather", "ring")
 _FORWARD, _BACKWARD = ATTENTION_OPS
 
 
@@ -76,27 +76,25 @@ def _causal(node: torch.fx.Node) -> bool:
     return bool(_given(node).get("is_causal", False))
 
 
-def mode_of(node: torch.fx.Node) -> str:
-    """How ``node`` runs on sequence shards: ``vsf.config.context_parallel`` when it forces one,
+def mode_of(node: torch.fx.Node, options: PlanOptions) -> Literal["all_gather", "ring"]:
+    """How ``node`` runs on sequence shards: ``options.context_parallel`` when it forces one,
     else (``"auto"``) the ring where the keys and values gathered would exceed
-    ``vsf.config.context_parallel_gather_bytes`` (on their whole shape), the gather where not.
+    ``options.context_parallel_gather_bytes`` (on their whole shape), the gather where not.
 
     Example::
 
-        >>> mode_of(causal_sdpa_node)           # 2 x 4 x 16 x 8 fp32 keys and values
+        >>> mode_of(causal_sdpa_node, PlanOptions())           # 2 x 4 x 16 x 8 fp32 keys and values
         'all_gather'
     """
-    if config.context_parallel not in MODES:
-        raise ValueError(f"vsf.config.context_parallel must be one of {MODES}, got {config.context_parallel!r}")
-    if config.context_parallel != "auto":
-        return config.context_parallel
+    if options.context_parallel != "auto":
+        return options.context_parallel
     given = _given(node)
     kv = [given[name].meta["val"] for name in ("key", "value")]
     gathered = sum(t.numel() * t.element_size() for t in kv)
-    return "ring" if gathered > config.context_parallel_gather_bytes else "all_gather"
+    return "ring" if gathered > options.context_parallel_gather_bytes else "all_gather"
 
 
-def sequence_rules(node: torch.fx.Node) -> list[list[Placement]]:
+def sequence_rules(node: torch.fx.Node, options: PlanOptions) -> list[list[Placement]]:
     """vsf's per-mesh-dim rules (results' placements, then the tensor inputs') that split an
     attention node over its queries' sequence: with keys and values whole for a causal node
     (:func:`mode_of` ``"all_gather"``; a full one has DTensor's), or with every tensor split,
@@ -104,7 +102,7 @@ def sequence_rules(node: torch.fx.Node) -> list[list[Placement]]:
     if not is_attention(node):
         return []
     names = _tensor_names(node)
-    if mode_of(node) == "ring":
+    if mode_of(node, options) == "ring":
         if any(n in names for n in ("attn_mask", "attn_bias")):
             return []
         return [[Shard(2)] * (len(outputs_meta(node)) + len(names))]

@@ -12,7 +12,7 @@ tensor input's gradient as a plain tensor.
 
 Example::
 
-    >>> jp = plan_joint(fun, mesh, inputs, leaves, rebuild, grad_mask(leaves), traced, out_targets)
+    >>> jp = plan_joint(fun, mesh, inputs, leaves, rebuild, grad_mask(leaves), traced, out_targets, PlanOptions())
     >>> outs = attach(program(name, jp, leaves, layouts, metas, run), leaves, locals_in, check=False)
 """
 
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from vsf import _compat, config
+from vsf import _compat
+from vsf.config import PlanOptions
 from vsf.errors import HigherOrderGradError
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.graph import output_node
@@ -84,6 +85,7 @@ def plan_joint(
     grad: Sequence[Any],
     traced: Traced,
     out_targets: Sequence[NamedSharding | None],
+    options: PlanOptions,
     unreduced: Sequence[int] = (),
     unsharded: Sequence[str] = (),
 ) -> JointPlan | None:
@@ -100,10 +102,11 @@ def plan_joint(
     the ``unsharded`` axes it splits, where the plan holds it so."""
     in_placements = [tuple(x.placements) for x in inputs]
     out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
-    targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets)
+    targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets, options)
     avals = [(tuple(x.shape), x.dtype) for x in inputs]
     mask = [g is not None for g in grad]
-    joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops, never_planned_decompositions())
+    joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops, never_planned_decompositions(),
+                        allow_unkeyed_random=options.allow_unkeyed_random)
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)
@@ -111,7 +114,7 @@ def plan_joint(
     may_stay = [_replicated_axes(mesh, leaves[i]) + _split_axes(mesh, leaves[i], unsharded) if i in unreduced else () for i in with_grad]
     plan = propagate(
         joint.traced.graph, mesh, in_placements + [to_placements(t) for t in targets], targets + grad_targets,
-        allow_replicated_fallback=config.allow_replicated_fallback, unreduced=[()] * len(targets) + may_stay,
+        options, unreduced=[()] * len(targets) + may_stay,
     )
     parts = partition(plan, len(avals), len(out_metas), [j for j, d in enumerate(joint.differentiable) if d])
     return JointPlan(plan, parts, joint, with_grad)
@@ -155,11 +158,13 @@ def grad_shardings(jp: JointPlan, leaves: Sequence[Any]) -> list[NamedSharding |
     return [from_placements(jp.plan.mesh, grads[i], x.ndim) if i in grads and isinstance(x, DTensor) else None for i, x in enumerate(leaves)]
 
 
-def _output_shardings(mesh: Mesh, traced: Traced, in_placements: list[Placements], out_metas: list[torch.Tensor], out_targets: Sequence[NamedSharding | None]) -> list[NamedSharding]:
+def _output_shardings(
+    mesh: Mesh, traced: Traced, in_placements: list[Placements], out_metas: list[torch.Tensor], out_targets: Sequence[NamedSharding | None], options: PlanOptions
+) -> list[NamedSharding]:
     fixed = [t if t is not None or m.ndim else NamedSharding(mesh, PartitionSpec()) for t, m in zip(out_targets, out_metas)]
     if all(t is not None for t in fixed):
         return fixed
-    alone = propagate(traced.graph, mesh, in_placements, fixed, allow_replicated_fallback=config.allow_replicated_fallback)
+    alone = propagate(traced.graph, mesh, in_placements, fixed, options)
     return [t if t is not None else from_placements(mesh, pl, m.ndim) for t, pl, m in zip(fixed, alone.outputs, out_metas)]
 
 

@@ -56,6 +56,8 @@ def trace_joint(
     device: str,
     unplanned: Callable[[torch.fx.GraphModule], set[Any]] = lambda gm: set(),
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    *,
+    allow_unkeyed_random: bool = False,
 ) -> Joint:
     """Trace ``fun``'s forward and its vjp with respect to the inputs ``mask`` marks, for a call
     whose tensor leaves have ``avals`` and whose tensor outputs have ``out_avals`` (one cotangent
@@ -79,7 +81,7 @@ def trace_joint(
         info["diff"], info["has_grad"] = tuple(diff), tuple(g is not None for g in grads)
         return outs + [g for g in grads if g is not None]
 
-    traced = trace(joint, [*avals, *out_avals], lambda ts: ((ts,), {}), device, unplanned, decompositions)
+    traced = trace(joint, [*avals, *out_avals], lambda ts: ((ts,), {}), device, unplanned, decompositions, allow_unkeyed_random=allow_unkeyed_random)
     return Joint(traced, info["tree"], info["consts"], n, len(out_avals), info["diff"], info["has_grad"])
 
 

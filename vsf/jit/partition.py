@@ -256,9 +256,9 @@ def _program(
     graph.output(tuple(read(a, pl) for a, pl in zip(outputs, out_placements)))
     sub = torch.fx.GraphModule(gm, graph)
     ins = tuple(s.placements for s in saved) + tuple(plan.placement((ph, 0)) for ph in inputs)
-    draft = Plan(plan.mesh, sub, nodes, ins, tuple(out_placements), (), (), ())
+    draft = Plan(plan.mesh, sub, nodes, ins, tuple(out_placements), (), (), (), plan.options)
     moves, users = _redistributions(draft)
-    buckets, order = form_buckets(plan.mesh, sub, moves, {id(r): users[(r.value, r.dst)] for r in moves})
+    buckets, order = form_buckets(plan.mesh, sub, moves, {id(r): users[(r.value, r.dst)] for r in moves}, plan.options.bucket_bytes)
     return dataclasses.replace(draft, redistributions=moves, buckets=buckets, order=order)
 
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from vsf import _compat
+from vsf.config import PlanOptions
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import Value, placeholders_of
+from vsf.ops.recording import CollectiveKind
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement
 
@@ -53,12 +55,16 @@ Placements = tuple[Placement, ...]
 R, PARTIAL = Replicate(), Partial()
 
 
+MoveKind = CollectiveKind | Literal["slice", "partition"]   # a collective, or a local step of a redistribution (a shard or a partial share kept)
+BucketKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective the program runs: its kind, mesh axis, the local shape it reduces or gathers
     into (per rank), and the bytes each rank sends."""
 
-    kind: str
+    kind: MoveKind
     axis: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -88,7 +94,7 @@ class Bucket:
     time). Partial averages join partial sums: their local values are divided by the axis size
     first."""
 
-    kind: str
+    kind: BucketKind
     members: tuple[Redistribution, ...]
     mesh_dims: tuple[int, ...]  # the mesh dims it communicates over (one collective each; one dim unless all_reduce)
     before: torch.fx.Node
@@ -126,6 +132,7 @@ class Plan:
     redistributions: tuple[Redistribution, ...]
     buckets: tuple[Bucket, ...]
     order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
+    options: PlanOptions  # the switches it was planned with (vsf.config.plan_options)
 
     def collectives(self) -> list[Collective]:
         """Every collective the program runs (a bucket counts once; a manual region's own too)."""

@@ -22,7 +22,7 @@ Priority when annotations disagree: a ``with_sharding_constraint`` fixes its val
 (:mod:`vsf.jit.manual`); inputs keep
 the sharding they arrive with (``in_shardings``); ``out_shardings`` are met by a final
 redistribution. Nothing is replicated silently: an op without a DTensor strategy is an error
-naming the op and the user's line, unless ``allow_replicated_fallback`` is set, in which case the
+naming the op and the user's line, unless ``options.allow_replicated_fallback`` is set, in which case the
 plan marks that op as replicated.
 
 The per-axis choices are then combined and checked op by op with DTensor's own propagation on the
@@ -39,7 +39,8 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Placement, Shard
 
-from vsf import _compat, config
+from vsf import _compat
+from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.classify import classify, constant_nodes
@@ -64,8 +65,8 @@ def propagate(
     mesh: Mesh,
     in_placements: Sequence[Placements],
     out_shardings: Sequence[NamedSharding | None],
+    options: PlanOptions,
     *,
-    allow_replicated_fallback: bool = False,
     reshard_after_forward: bool | None = None,
     memory_budget: int | None = None,
     unreduced: Sequence[Sequence[str]] | None = None,
@@ -74,7 +75,7 @@ def propagate(
 
     ``in_placements`` gives each placeholder's DTensor placements (over ``mesh.device_axes``);
     ``out_shardings`` each output's required sharding, ``None`` to let propagation choose
-    (anything but an unreduced partial). ``unreduced``: per output, mesh axes on which it may
+    (anything but an unreduced partial); ``options`` the switches it plans with. ``unreduced``: per output, mesh axes on which it may
     stay an unreduced partial sum where its required sharding replicates it (a gradient the
     caller accumulates over calls and reduces once): it stays so where the plan holds it as one,
     which costs nothing there (a replicated result is not split into a partial one).
@@ -91,8 +92,8 @@ def propagate(
     problem = Problem(
         mesh=mesh, gm=gm, ops=ops,
         inputs={n: tensor_args(n) for n in ops},
-        strategies=Strategies(allow_replicated_fallback, {n: classify(n, constants) for n in ops}, manual.auto_strategies),
-        seeds={}, out_req={}, pinned={}, solved={}, bytes_per_flop=config.compute_bytes_per_flop,
+        strategies=Strategies(options, {n: classify(n, constants) for n in ops}, manual.auto_strategies),
+        seeds={}, out_req={}, pinned={}, solved={}, bytes_per_flop=options.compute_bytes_per_flop,
     )
     problem.index()
     for ph, pl in zip(placeholders, in_placements):
@@ -122,9 +123,9 @@ def propagate(
                 solver.solve()
                 problem.solved[axis] = solver
         plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
-    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=bool(reshard_after_forward))
+    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward))
     if reshard_after_forward is None and memory_budget is not None and peak_bytes(plan) > memory_budget:
-        plan = _scheduled(mesh, gm, plans, in_placements, final, moved, regather=True)
+        plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=True)
     return plan
 
 
@@ -235,14 +236,14 @@ def _check_with_dtensor(
 
 def _scheduled(
     mesh: Mesh, gm: torch.fx.GraphModule, plans: dict[torch.fx.Node, NodePlan], in_placements: Sequence[Placements],
-    final: list[Placements], moves: list[Redistribution], *, regather: bool,
+    final: list[Placements], moves: list[Redistribution], options: PlanOptions, *, regather: bool,
 ) -> Plan:
     """The plan: with each gathered input gathered again for its later uses if ``regather``, the
     collectives bucketed and the program's order."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
-    buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved})
-    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order)
+    buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved}, options.bucket_bytes)
+    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order, options)
 
 
 def _strategy_decision(

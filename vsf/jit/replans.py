@@ -1,12 +1,14 @@
 """Why a jitted function planned again: the first difference between the cache keys of two calls
 (tree structure, leaves' shapes, dtypes and shardings, static arguments, mesh, the inputs torch
-autograd differentiates), in the words ``Jitted.replans`` and the ``vsf.jit`` logger show.
+autograd differentiates, the plan's switches ``vsf.config.plan_options``), in the words
+``Jitted.replans`` and the ``vsf.jit`` logger show.
 
 Example::
 
     >>> step(params, batch); step(params, bigger_batch)
+    >>> vsf.config.bucket_bytes = 2**20; step(params, bigger_batch)
     >>> step.replans
-    ['first call', "args[1]: shape changed, i64[8,32] -> i64[16,32]"]
+    ['first call', "args[1]: shape changed, i64[8,32] -> i64[16,32]", 'options changed: vsf.config.bucket_bytes 4194304 -> 1048576']
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def replan_reason(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list
         return f"mesh changed: {old[3]!r} -> {new[3]!r}"
     if old[2] != new[2]:
         return f"static arguments changed: {old[2]} -> {new[2]}"
+    if old[5] != new[5]:
+        return f"options changed: {', '.join(old[5].changed(new[5]))}"
     if old[4] != new[4]:
         wrt = lambda g: ", ".join(n for n, m in zip(names, g or ()) if m is not None) or "none"  # noqa: E731
         return f"inputs differentiated by torch autograd changed: {wrt(old[4])} -> {wrt(new[4])}"

@@ -5,7 +5,7 @@ strategy registry.
 
 Example::
 
-    >>> strategies, is_fallback = Strategies(False, {mm_node: classify(mm_node)}).of(mm_node, 2)
+    >>> strategies, is_fallback = Strategies(PlanOptions(), {mm_node: classify(mm_node)}).of(mm_node, 2)
     >>> strategies[0]
     Strategy(ins=(Shard(dim=0), Replicate()), outs=(Shard(dim=0),))
 """
@@ -25,6 +25,7 @@ import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from vsf import _compat
+from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.jit import context_parallel
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
@@ -65,11 +66,13 @@ class Strategy:
 class Strategies:
     """DTensor's candidate strategies per op and axis size, cached by op signature and the strided
     shards and partial sums its inputs may arrive with (:meth:`arrivals`); ``classes`` holds each op's
-    :class:`~vsf.jit.classify.OpClass`, in graph order."""
+    :class:`~vsf.jit.classify.OpClass`, in graph order; ``options`` the plan's switches (the
+    replicated fallback, context parallelism's mode)."""
 
-    def __init__(self, allow_replicated_fallback: bool, classes: dict[torch.fx.Node, OpClass],
+    def __init__(self, options: PlanOptions, classes: dict[torch.fx.Node, OpClass],
                  own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None) -> None:
-        self.fallback = allow_replicated_fallback
+        self.options = options
+        self.fallback = options.allow_replicated_fallback
         self.classes = classes
         self.own = own  # vsf's strategies for the ops it runs itself (kind "manual": vsf.jit.manual)
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
@@ -135,7 +138,7 @@ class Strategies:
         strided = tuple(tuple(p for p in ps if isinstance(p, _compat.StridedShard)) for ps in arrivals)
         found = _single_dim(node, n, strided) if op.rules == "single" else _by_each_input(node, n, strided) if op.rules else None
         if found:
-            return _valid(found + _context_parallel(node), node, n, arrivals), False
+            return _valid(found + _context_parallel(node, self.options), node, n, arrivals), False
         if self.fallback:
             return [Strategy(tuple(R for _ in ins), tuple(R if o is not None else None for o in outs))], True
         raise PlanError(
@@ -277,10 +280,10 @@ def _local_shapes_hold(node: torch.fx.Node, ins: Sequence[tuple[int, ...]], outs
     return len(got) == len(outs) and all(want is None or (isinstance(o, torch.Tensor) and tuple(o.shape) == want) for o, want in zip(got, outs))
 
 
-def _context_parallel(node: torch.fx.Node) -> list[Strategy]:
+def _context_parallel(node: torch.fx.Node, options: PlanOptions) -> list[Strategy]:
     """vsf's own splits of an attention node over its queries' sequence (:mod:`vsf.jit.context_parallel`)."""
     n_out = len(outputs_meta(node))
-    return [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node)]
+    return [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node, options)]
 
 
 def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:

@@ -18,7 +18,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from vsf import _compat, config, tree
+from vsf import _compat, tree
 from vsf.errors import TraceError
 from vsf.jit.graph import is_library_file, placeholders_of, source_line
 from vsf.ops.recording import tracing_step
@@ -49,12 +49,15 @@ def trace(
     device: str,
     unplanned: Callable[[torch.fx.GraphModule], set[Any]] = lambda gm: set(),
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    *,
+    allow_unkeyed_random: bool = False,
 ) -> Traced:
     """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
     fake tensors of the given ``(shape, dtype)`` avals. Ops ``unplanned(graph)`` names (no sharding
     strategy) are replaced by PyTorch's decompositions of them, recursively (see :func:`decompose`);
     ``decompositions`` (the ops known to be unplanned in any graph) are applied while tracing, so
-    that the common ones need no second trace."""
+    that the common ones need no second trace. A draw from torch's generator is a ``TraceError``
+    unless ``allow_unkeyed_random`` (the plan's ``vsf.config.allow_unkeyed_random``)."""
     out_info: dict[str, Any] = {}
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -66,7 +69,7 @@ def trace(
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     with _compat.local_mode_disabled(), tracing_step():
-        return _trace(fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}))
+        return _trace(fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random)
 
 
 def _trace(
@@ -77,6 +80,7 @@ def _trace(
     device: str,
     unplanned: Callable[[torch.fx.GraphModule], set[Any]],
     decompositions: dict[Any, Callable[..., Any]],
+    allow_unkeyed_random: bool,
 ) -> Traced:
     with _compat.fake_mode():
         fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
@@ -103,7 +107,8 @@ def _trace(
             )(*fakes)
     gm = decompose(gm, fakes, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
-    _reject_unkeyed_random(gm, fun)
+    if not allow_unkeyed_random:
+        _reject_unkeyed_random(gm, fun)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
@@ -180,8 +185,6 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
 
 def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
     """A draw from torch's generator would give a different mask per layout: refuse it."""
-    if config.allow_unkeyed_random:
-        return
     for node in gm.graph.nodes:
         if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs):
             where = source_line(node)

@@ -17,13 +17,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from vsf.ops.backend import AxisGroup
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["Sent", "check_axis", "current_region", "manual_axes", "sent", "tracing_step", "traces_step"]
+__all__ = ["CollectiveKind", "Sent", "check_axis", "current_region", "manual_axes", "sent", "tracing_step", "traces_step"]
+
+
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "ppermute"]   # what a collective does
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Sent:
     """One collective a manual region runs, as its plan lists it: kind, mesh axis, the local shape
     it moves (the gathered shape for an all-gather), and the bytes each rank sends."""
 
-    kind: str
+    kind: CollectiveKind
     axis: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -103,7 +107,7 @@ def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
     return int(round(full * {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "ppermute": 1}.get(kind, (n - 1) / n)))
 
 
-def sent(kind: str, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None) -> tuple[torch.Tensor, Sent]:
+def sent(kind: CollectiveKind, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None) -> tuple[torch.Tensor, Sent]:
     """An empty result of ``out_shape`` (a traced collective's fake result) and the record of
     what ``kind`` over ``g`` sends for ``x`` (``nbytes``, or the ring model's figure)."""
     shape = out_shape if kind == "all_gather" else tuple(x.shape)

@@ -95,7 +95,7 @@ class Pipeline:
         *,
         mesh: Mesh,
         microbatches: int,
-        schedule: str = "1f1b",
+        schedule: sched.ScheduleName = "1f1b",
         batch: PartitionSpec = PartitionSpec(),
         activations: PartitionSpec | None = None,
         tied: Sequence[str] = (),

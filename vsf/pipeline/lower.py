@@ -34,6 +34,7 @@ from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.jit import Lowered
 from vsf.jit.graph import placeholders_of
 from vsf.jit.report import Cost, fmt_bytes
+from vsf.pipeline.schedule import ScheduleName
 from vsf.pipeline.split import Layout, leaf_names
 from vsf.pipeline.stage import Boundary, shard_bytes, stand_in
 from vsf.sharding.inspect import type_string
@@ -162,7 +163,7 @@ class PipelineLowered:
     (the ``Lowered`` of stage ``s``'s gradients reduced once a step), ``sends``, :meth:`cost` and
     :meth:`as_text`."""
 
-    def __init__(self, mesh: Mesh, axis: str, schedule: str, microbatches: int, prefixes: Sequence[Sequence[str]],
+    def __init__(self, mesh: Mesh, axis: str, schedule: ScheduleName, microbatches: int, prefixes: Sequence[Sequence[str]],
                  stages: dict[int, Lowered], loss: Lowered | None, reducers: dict[int, Lowered], gathers: dict[int, Lowered],
                  costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
         self.mesh, self.axis, self.schedule, self.microbatches = mesh, axis, schedule, microbatches

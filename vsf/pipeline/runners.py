@@ -69,7 +69,7 @@ def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], 
 
 
 def run_torch(mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]],
-              mesh: Mesh, axis: str, schedule: str, num_stages: int, microbatches: int, deferred: dict[int, list[Callable[[], None]]]) -> list[torch.Tensor]:
+              mesh: Mesh, axis: str, schedule: sched.ScheduleName, num_stages: int, microbatches: int, deferred: dict[int, list[Callable[[], None]]]) -> list[torch.Tensor]:
     """This process's stages ``mods`` of torch's ``schedule`` over ``mesh``'s ``axis`` groups,
     talking to the other ranks over ``axis``: the losses (on the last stage's ranks). Under a
     zero-bubble schedule each stage's ``dw_builder`` (torch's hook for a weight backward of one's

@@ -27,19 +27,23 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping
+from typing import Literal, get_args
 
 from vsf import _compat
 
-__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Action", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions", "stage_rank"]
+__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Action", "ScheduleName", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions", "stage_rank"]
 
+
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
 
 
 class _Schedules(Mapping):
     """``{name: torch.distributed.pipelining schedule class}``, importing torch's pipelining (and
     with it torch._dynamo, about 0.6 s of every process's start) only when a class is looked up."""
 
-    _CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble",
-                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+    _CLASSES = dict(zip(get_args(ScheduleName), ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+                                                 "ScheduleZBVZeroBubble", "ScheduleDualPipeV")))
 
     def __getitem__(self, name: str) -> type:
         return getattr(importlib.import_module("torch.distributed.pipelining"), self._CLASSES[name])
@@ -62,7 +66,7 @@ V_SHAPED = ("zbv", "dualpipev")   # two stages a rank, stage s and 2p - 1 - s on
 DEFERRED = ("zb", "zbv", "dualpipev")   # the schedules running a backward's weight part apart ("I", then "W")
 
 
-def stage_rank(schedule: str, stage: int, ranks: int) -> int:
+def stage_rank(schedule: ScheduleName, stage: int, ranks: int) -> int:
     """The pp rank running ``stage`` under ``schedule``: stage ``s`` on rank ``s % ranks`` (one
     stage a rank, or Megatron's interleaved loop), and for the V-shaped schedules stage ``s`` and
     stage ``2 ranks - 1 - s`` on rank ``s`` (the first and last stages on rank 0).
@@ -75,14 +79,14 @@ def stage_rank(schedule: str, stage: int, ranks: int) -> int:
     return min(stage, 2 * ranks - 1 - stage) if schedule in V_SHAPED else stage % ranks
 
 
-def check_schedule(name: str) -> str:
+def check_schedule(name: str) -> ScheduleName:
     key = name.lower()
     if key not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {sorted(SCHEDULES)}")
     return key
 
 
-def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis: str = "pp") -> int:
+def check_stages(schedule: ScheduleName, stages: int, ranks: int, microbatches: int, axis: str = "pp") -> int:
     """The number of stages each of the ``ranks`` ranks of the pipeline axis runs under
     ``schedule``, after checking that ``stages`` and ``microbatches`` fit it (errors say what the
     schedule needs)."""
@@ -102,7 +106,7 @@ def check_stages(schedule: str, stages: int, ranks: int, microbatches: int, axis
     return stages // ranks
 
 
-def rank_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> list[list[Step]]:
+def rank_actions(schedule: ScheduleName, ranks: int, stages: int, microbatches: int) -> list[list[Step]]:
     """Each pp rank's forwards and backwards as ``(stage, "F" | "B", microbatch)``, in the order it
     runs them: :func:`stage_actions` for GPipe and 1F1B (stage ``s`` on rank ``s``), torch's own
     order for the others (each stage on its :func:`stage_rank`; a zero-bubble one splits a
@@ -116,7 +120,7 @@ def rank_actions(schedule: str, ranks: int, stages: int, microbatches: int) -> l
     return [[(s, kind, mb) for kind, mb in acts] for s, acts in enumerate(stage_actions(schedule, stages, microbatches))]
 
 
-def stage_actions(schedule: str, stages: int, microbatches: int) -> list[list[Action]]:
+def stage_actions(schedule: ScheduleName, stages: int, microbatches: int) -> list[list[Action]]:
     """Each stage's forwards ("F") and backwards ("B") by microbatch, in the order it runs them.
 
     GPipe: every forward, then every backward. 1F1B (torch's ``Schedule1F1B``): stage ``s`` runs

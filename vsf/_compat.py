@@ -345,6 +345,15 @@ def trace_fake(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> torch.
     return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
 
 
+def checkpointing_as_eager() -> contextlib.AbstractContextManager[None]:
+    """Inside, ``torch.utils.checkpoint`` traced by ``make_fx`` recomputes as it does eagerly (a
+    selective policy's saved results are kept and the rest is run again in the backward, where the
+    trace records it), instead of running once and tagging the graph's nodes for
+    ``torch.compile``'s partitioner (what it does under any proxy mode otherwise): torch's flag for
+    non-strict ``make_fx`` tracing, which ``torch.export`` sets for the same reason."""
+    return torch.compiler._non_strict_tracing_context()
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """Is ``t`` a fake tensor (or a wrapper of one)?"""
     return is_fake_tensor(t)

@@ -422,3 +422,26 @@ def test_inductor_compile_runs_an_fx_graph_as_written():
     out = compiled(x, y)
     out = out[0] if isinstance(out, (tuple, list)) else out
     torch.testing.assert_close(out, (x.sin() * y).sum(0))
+
+
+def test_checkpointing_as_eager_traces_the_recompute_eager_autograd_runs():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def f(x):
+        y = checkpoint(lambda t: t.sin().sin(), x, use_reentrant=False)
+        return torch.autograd.grad(y.sum(), x)[0]
+
+    class Count(TorchDispatchMode):
+        sins = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.sins += func == aten.sin.default
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, requires_grad=True)
+    with Count():
+        f(x)
+    with _compat.checkpointing_as_eager():
+        graph = _compat.trace_fake(f, (x,))
+    assert Count.sins == 3  # two forward, the inner one again in the backward
+    assert sum(n.target == aten.sin.default for n in graph.graph.nodes) == Count.sins

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives", ("vsf.ops", "vsf.ops.")),
     ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing", "fingerprint", "make_array"))),
     ("jit", ("vsf.jit", "vsf.jit.")),
-    ("transforms", ("vsf.func", "vsf.abstract", "vsf.random", "vsf.random.", "vsf.nn", "vsf.nn.", "vsf.pipeline", "vsf.pipeline.")),
+    ("transforms", ("vsf.func", "vsf.remat_policies", "vsf.abstract", "vsf.random", "vsf.random.", "vsf.nn", "vsf.nn.", "vsf.pipeline", "vsf.pipeline.")),
     ("optimizers", ("vsf.optim", "vsf.optim.")),
     ("checkpoints", ("vsf.checkpoint", "vsf.checkpoint.")),
     ("api", ("vsf", "vsf.debug", "vsf.launch", "vsf.stages")),

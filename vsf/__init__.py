@@ -13,10 +13,10 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, sharding, stages, tree
+from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, remat_policies, sharding, stages, tree
 from vsf.errors import ApplyError, CorruptCheckpointError, HigherOrderGradError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
 from vsf.abstract import ShapeDtypeStruct, eval_shape
-from vsf.func import grad, shard_map, value_and_grad, with_sharding_constraint
+from vsf.func import checkpoint_name, grad, remat, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
 from vsf.runtime import simulate
 from vsf.sharding import (
@@ -65,6 +65,7 @@ __all__ = [
     "TraceError",
     "balanced",
     "checkpoint",
+    "checkpoint_name",
     "config",
     "debug",
     "errors",
@@ -83,6 +84,8 @@ __all__ = [
     "ops",
     "ragged",
     "random",
+    "remat",
+    "remat_policies",
     "shard_map",
     "sharding",
     "simulate",

@@ -70,6 +70,7 @@ __all__ = [
     "StridedShard",
     "active_local_mode",
     "below_local_mode",
+    "checkpointing_as_eager",
     "clear_sharding_caches",
     "decomposition",
     "dispatch_mode_base",
@@ -351,6 +352,15 @@ def inductor_compile(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -
     from torch._inductor import compile as compile_fx
 
     return compile_fx(gm, list(inputs))
+
+
+def checkpointing_as_eager() -> contextlib.AbstractContextManager[None]:
+    """Inside, ``torch.utils.checkpoint`` traced by ``make_fx`` recomputes as it does eagerly (a
+    selective policy's saved results are kept and the rest is run again in the backward, where the
+    trace records it), instead of running once and tagging the graph's nodes for
+    ``torch.compile``'s partitioner (what it does under any proxy mode otherwise): torch's flag for
+    non-strict ``make_fx`` tracing, which ``torch.export`` sets for the same reason."""
+    return torch.compiler._non_strict_tracing_context()
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Function transforms over pytrees: ``grad``, ``value_and_grad``, ``with_sharding_constraint``,
+"""Function transforms over pytrees: ``grad``, ``value_and_grad``, ``remat``, ``with_sharding_constraint``,
 ``shard_map``.
 
 The first three work eagerly on DTensors (using ``torch.autograd.grad``, which DTensor supports,
@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from vsf import _compat, tree
+from vsf import _compat, remat_policies, tree
+from vsf.ops.names import NAME_OP
 from vsf.ops.recording import current_region, manual_axes
 from vsf.ops.region import Region, boundary, copies, lookup, register, summed_over
 from vsf.sharding.constraint import constrain
@@ -92,6 +94,46 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
         return (g, value_aux[1]) if has_aux else g
 
     return wrapped
+
+
+def remat(fun: Callable[..., Any], policy: remat_policies.Policy | None = None) -> Callable[..., Any]:
+    """``fun`` whose intermediate values the backward computes again instead of keeping them from
+    the forward (JAX's ``jax.checkpoint`` / ``jax.remat``): only what ``policy`` saves (see
+    :mod:`vsf.remat_policies`; ``None``: nothing but ``fun``'s inputs) is kept. Inside
+    :func:`vsf.jit` the plan runs the recomputed ops right before their first backward use (and
+    gathers a sharded weight they read again there, under ``reshard_after_forward``); its text
+    marks them. Eagerly it is torch's non-reentrant ``torch.utils.checkpoint.checkpoint`` with a
+    selective-checkpoint policy. The values are those of ``fun`` itself: the recompute reads the
+    same inputs, and a random draw must come from a key (``vsf.random``) to repeat.
+
+    Example::
+
+        >>> block = vsf.remat(block, policy=vsf.remat_policies.dots_saveable)
+        >>> loss, grads = vsf.value_and_grad(lambda p: block(p, x).sum())(params)
+    """
+    save = policy or remat_policies.nothing_saveable
+
+    def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if save(op, *args, **kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = functools.partial(create_selective_checkpoint_contexts, choose)
+
+    @functools.wraps(fun)
+    def rematted(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(functools.partial(fun, **kwargs), *args, use_reentrant=False, context_fn=context)
+
+    return rematted
+
+
+def checkpoint_name(x: Any, name: str) -> Any:
+    """``x`` (a tensor or a pytree of them) named ``name`` for a :func:`remat` policy (JAX's
+    ``checkpoint_name``): :func:`vsf.remat_policies.save_only_these_names` saves it by that name.
+
+    Example::
+
+        >>> h = vsf.checkpoint_name(torch.relu(x @ w1), "hidden")
+    """
+    return tree.map(lambda t: NAME_OP(t, name) if isinstance(t, torch.Tensor) else t, x)
 
 
 def _reduced(value: torch.Tensor) -> torch.Tensor:

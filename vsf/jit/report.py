@@ -21,6 +21,7 @@ from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, va
 from vsf.jit.memory import peak_bytes
 from vsf.jit.partition import Partitioned, Saved, SplitBackward
 from vsf.jit.plan import Bucket, Collective, Plan, Redistribution
+from vsf.jit.remat import recomputed
 from vsf.sharding.inspect import type_string
 
 __all__ = ["Cost", "cost", "differentiable_cost", "differentiable_text", "fmt_bytes", "plan_text"]
@@ -137,6 +138,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     for ph, pl, label in zip(placeholders_of(gm), plan.inputs, input_names):
         lines.append(f"  %{ph.name:<14} {_type(plan, ph.meta['val'], pl):<28} {label}")
     lines.append("ops:")
+    again = recomputed(gm)
     moves: dict[torch.fx.Node, list[str]] = {}
     placed = {id(r) for b in plan.buckets for r in b.members} | {id(r) for r in plan.order if isinstance(r, Redistribution)}
     for r in plan.redistributions:
@@ -158,6 +160,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         ins = [f"%{v[0].name}{f'[{v[1]}]' if v[1] else ''}:{_type(plan, meta_of(v), pl)}" for v, pl in zip(tensor_args(node), step.ins)]
         outs = [_type(plan, node.meta["val"][i] if isinstance(node.meta["val"], (list, tuple)) else node.meta["val"], pl) for i, pl in enumerate(step.outs) if pl is not None]
         flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
+        flag += f"   (recomputed: %{again[node].name} again)" if node in again else ""
         lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
         lines.extend(f"    {c.kind} over {c.axis} (inside the region): {list(c.shape)} {fmt_bytes(c.bytes)} sent" for c in step.collectives)
     output = output_node(gm)
@@ -165,10 +168,24 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     lines.append("outputs:")
     for a, pl, label in zip(_compat.torch_tree_leaves(output.args), plan.outputs, output_names):
         lines.append(f"  {label:<16} {_type(plan, meta_of(value_of(a)), pl)}  (from %{a.name})")
+    if again:
+        lines.append(_remat_line(plan, again))
     c = cost(plan)
     per_axis = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
     lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{fmt_bytes(c.peak_bytes)}")
     return "\n".join(lines)
+
+
+def _remat_line(plan: Plan, again: dict[torch.fx.Node, torch.fx.Node]) -> str:
+    """What rematerialisation does in ``plan``: the ops run again, the forward values the backward
+    recomputes instead of keeping (bytes per rank), and the collectives run again for them."""
+    firsts = set(again.values())
+    kept = sum(local_bytes(plan.mesh, meta_of((n, i)), pl) for n in firsts for i, pl in enumerate(plan.nodes[n].outs) if pl is not None)
+    flops = sum(local_flops(plan.mesh, n, plan.nodes[n].ins, plan.nodes[n].outs) for n in again)
+    regathered = [c for r in plan.redistributions if r.before in again for c in r.collectives]
+    gathers = f"; {len(regathered)} collectives run again for them ({fmt_bytes(sum(c.bytes for c in regathered))} sent)" if regathered else ""
+    return (f"remat: {len(again)} ops recomputed in the backward ({round(flops):,} FLOPs per rank) instead of keeping "
+            f"{len(firsts)} forward values, {fmt_bytes(kept)} per rank{gathers}")
 
 
 def _op_name(node: torch.fx.Node) -> str:

@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from vsf import _compat, tree
 from vsf.errors import TraceError
 from vsf.jit.graph import is_library_file, placeholders_of, source_line
+from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
 
 __all__ = ["Traced", "draws_random", "trace"]
@@ -86,7 +87,8 @@ def _trace(
         fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
     _compat.register_stack_anchor(fun)
     try:
-        joint = make_fx(flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True)(*fakes)
+        with _compat.checkpointing_as_eager():
+            joint = make_fx(flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True)(*fakes)
     except Exception as e:
         if not _compat.is_data_dependent_error(e):
             raise
@@ -105,6 +107,7 @@ def _trace(
                 decomposition_table=decompositions | _FOREACH_DECOMPOSITIONS,
                 tracing_mode="fake",
             )(*fakes)
+    _drop_names(gm)
     gm = decompose(gm, fakes, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
     if not allow_unkeyed_random:
@@ -134,6 +137,14 @@ def decompose(gm: torch.fx.GraphModule, fakes: Sequence[torch.Tensor], unplanned
         table.update(found)
         with fx_traceback.preserve_node_meta():
             gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
+
+
+def _drop_names(gm: torch.fx.GraphModule) -> None:
+    """Read every value named for a remat policy (``vsf.checkpoint_name``) as the value itself: the
+    name did its work while tracing (the policy saw it), and a plan holds no copy for it."""
+    for node in gm.graph.find_nodes(op="call_function", target=NAME_OP):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
 
 
 def _needs_rewrite(node: torch.fx.Node) -> bool:

@@ -1,0 +1,76 @@
+"""Which ops of a traced graph compute a value again (rematerialisation): an op that applies the
+same op to the same values as an earlier one, found by numbering the graph's values (each op's
+key: its target and its arguments, read through ``detach``). A step traced through
+:func:`vsf.remat` or torch's non-reentrant activation checkpointing holds, after the forward, the
+recomputed forward ops that its backward reads instead of values kept from the forward: the
+plan runs them there (right before their first backward use, where autograd traced them), so
+the values they recompute are freed after their last forward use.
+
+Example::
+
+    >>> again = recomputed(vsf.jit(step).lower(params, batch).plan.graph)
+    >>> {n.name: first.name for n, first in again.items()}
+    {'addmm_5': 'addmm_1', 'gelu_2': 'gelu_1'}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.fx
+
+from vsf.jit.graph import GETITEM, is_view
+from vsf.jit.trace import draws_random
+
+__all__ = ["recomputed"]
+
+_SAME_VALUE = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
+
+def recomputed(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each op of ``gm`` that computes a value an earlier op computed (neither a view nor a
+    constant, nor a draw from torch's generator), mapped to the first op that computed it."""
+    same: dict[torch.fx.Node, torch.fx.Node] = {}
+    first: dict[Hashable, torch.fx.Node] = {}
+    on_inputs: set[torch.fx.Node] = set()
+    again: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        same[node] = node
+        if node.op == "placeholder" or any(a in on_inputs for a in node.all_input_nodes):
+            on_inputs.add(node)
+        if node.op != "call_function" or draws_random(node.target, node.args, node.kwargs):
+            continue
+        if node.target in _SAME_VALUE:
+            same[node] = same[node.args[0]]
+            continue
+        key = _key(node, same)
+        if key is None:
+            continue
+        earlier = first.setdefault(key, node)
+        same[node] = earlier
+        if earlier is not node and node in on_inputs and node.target is not GETITEM and not is_view(node):
+            again[node] = earlier
+    return again
+
+
+def _key(node: torch.fx.Node, same: dict[torch.fx.Node, torch.fx.Node]) -> Hashable | None:
+    """``node``'s op and arguments, each argument node read as the first node of its value
+    (``None`` when an argument cannot be compared)."""
+    try:
+        key = (node.target, _frozen(node.args, same), _frozen(node.kwargs, same))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(x: Any, same: dict[torch.fx.Node, torch.fx.Node]) -> Any:
+    if isinstance(x, torch.fx.Node):
+        return ("node", same[x])
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(a, same) for a in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v, same)) for k, v in x.items()))
+    return x

@@ -1,5 +1,5 @@
 """``vsf.jit(backend="inductor")``: each rank's planned program compiled by Inductor. On 2 real
-gloo processes (tier 3) a GPT step equals the same step unsharded; under ``vsf.simulate`` and in
+gloo processes (tier 3), and on one GPU with NCCL (tier 4, ``cuda``), a GPT step equals the same step unsharded; under ``vsf.simulate`` and in
 checking mode the program runs eagerly after one warning; a program Inductor cannot compile runs
 as traced after a warning naming the reason. Inductor compiles are slow on CPU (about a minute of
 CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default, the
@@ -63,6 +63,18 @@ def test_compiled_shard_map_block_under_torch_autograd_equals_one_device(inducto
     for r in inductor:
         assert r["compiled_by_inductor"] == [True, True]  # its forward and backward programs
         assert r["max_param_err"] < 1e-5 and r["warnings"] == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_fsdp_adamw_step_on_one_gpu_with_nccl(tmp_path_factory):
+    # one process on one GPU, NCCL: Inductor generates Triton kernels for the program
+    from multiproc import launch_once
+
+    ranks = launch_once(tmp_path_factory, "jit_inductor.py", 1, "fsdp_adamw", "cuda")
+    _equals_one_device(ranks)
+    assert ranks[0]["compiled_by_inductor"] == [True] and ranks[0]["warnings"] == []
+    assert ranks[0]["device"] == "cuda"
 
 
 def _sgd_case():

@@ -97,6 +97,7 @@ def train(case):
         "want_losses": want_losses,
         "max_param_err": max((got[k].cpu() - want[k]).abs().max().item() for k in want),
         "leaves": len(vsf.tree.leaves((p, s))),
+        "device": vsf.tree.leaves(p)[0].to_local().device.type,
         "buffers_reused": reused,
     }
 

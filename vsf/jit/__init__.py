@@ -16,7 +16,7 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.buckets` - bucketing of all-reduces, all-gathers and reduce-scatters, and the execution order;
 * :mod:`~vsf.jit.propagate` - the driver: per-axis choices combined and checked with DTensor;
 * :mod:`~vsf.jit.lower` - the plan run (or traced) on local shards;
-* :mod:`~vsf.jit.runner` - one planned program run: interpreted, traced once, or checked;
+* :mod:`~vsf.jit.runner` - one planned program run: interpreted, traced once (and compiled by Inductor, ``backend="inductor"``), or checked;
 * :mod:`~vsf.jit.replay` - under ``vsf.simulate``, a program's first call recorded as plain per-rank ops and replayed;
 * :mod:`~vsf.jit.joint` - the joint graph (forward + vjp) of a call torch autograd differentiates;
 * :mod:`~vsf.jit.partition` - a planned joint graph split into forward and backward programs, with the saved values (and a backward into its input and weight parts);

@@ -12,6 +12,11 @@ weighted by the router's gates and summed per token. The backward is the same ex
 Inside ``vsf.jit`` the plan lists the exchanges (``all_to_all_v`` over the expert axis) and moves
 no expert weight over that axis.
 
+:func:`use_expert_parallel` runs a Hugging Face ``transformers`` MoE model's experts through it
+(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ...: every experts module that transformers builds with
+``@use_experts_implementation``, fused weights with the expert dim first), as an experts
+implementation of transformers' own registry.
+
 Example::
 
     >>> def experts(rows, offsets, w_in, w_out):
@@ -23,15 +28,19 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from vsf import ops
 from vsf.func import shard_map
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.spec import P
 
-__all__ = ["expert_parallel"]
+__all__ = ["expert_parallel", "use_expert_parallel"]
+
+_IMPLEMENTATION = "vsf_expert_parallel"  # the name of vsf's experts implementation in transformers' registry
 
 
 def expert_parallel(
@@ -106,3 +115,50 @@ def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.
     out = torch.where(valid, out, 0.0)[torch.argsort(regroup)]
     back = ops.all_to_all_counted(out, by_rank.T, axis, rows)[torch.argsort(order)]
     return (back.view(t, k, -1) * gates[..., None]).sum(1).to(x.dtype)
+
+
+def use_expert_parallel(model: torch.nn.Module, *, axis: str, token_axes: Sequence[str] | None = None, mesh: Mesh | None = None) -> None:
+    """Run the routed experts of the ``transformers`` model ``model`` through :func:`expert_parallel`
+    over ``axis`` (the tokens split over ``token_axes``, default ``(axis,)``, on ``mesh``, default the
+    current one): vsf's experts implementation is registered with transformers
+    (``ALL_EXPERTS_FUNCTIONS``) and set on the model (``set_experts_implementation``). Lay the
+    experts' weights out ``P(axis)`` (``gate_up_proj`` / ``up_proj`` and ``down_proj``) and the
+    batch over ``token_axes``. An experts module with biases or a post-expert norm is a
+    ``ValueError`` when it runs.
+
+    Example::
+
+        >>> vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+        >>> p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: P("ep") if ".experts." in k else P() for k in params}))
+    """
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # type: ignore[import-not-found]  # (an optional dependency: the lint environment has none)
+
+    m = mesh if mesh is not None else current_mesh()
+    if m is None:
+        raise ValueError("use_expert_parallel needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
+    settings = (m, axis, tuple(token_axes) if token_axes is not None else None)
+    found = [module for module in model.modules() if hasattr(module, "is_concatenated") and hasattr(module, "down_proj")]
+    if not found:
+        raise ValueError(f"use_expert_parallel: {type(model).__name__} has no transformers experts module (one built with @use_experts_implementation)")
+    for module in found:
+        module.vsf_expert_parallel = settings
+    ALL_EXPERTS_FUNCTIONS[_IMPLEMENTATION] = _transformers_experts
+    model.set_experts_implementation(_IMPLEMENTATION)
+
+
+def _transformers_experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (its signature) through :func:`expert_parallel`."""
+    name = type(module).__name__
+    if module.has_bias or module.has_post_expert_norm:
+        raise ValueError(f"use_expert_parallel: {name} has expert biases or a post-expert norm, which vsf's experts implementation does not run")
+    mesh, axis, token_axes = module.vsf_expert_parallel
+    up = module.gate_up_proj if module.has_gate else module.up_proj
+
+    def grouped(rows: torch.Tensor, offsets: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return F.grouped_mm(x, w if module.is_transposed else w.transpose(1, 2), offs=offsets)
+
+        h = linear(rows, w_up)
+        return linear(module._apply_gate(h) if module.has_gate else module.act_fn(h), w_down)
+
+    return expert_parallel(grouped, hidden_states, top_k_index, top_k_weights, (up, module.down_proj), axis=axis, token_axes=token_axes, mesh=mesh)

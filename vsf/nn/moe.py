@@ -52,6 +52,7 @@ def expert_parallel(
     *,
     axis: str,
     token_axes: Sequence[str] | None = None,
+    capacity: int | None = None,
     mesh: Mesh | None = None,
 ) -> torch.Tensor:
     """The routed experts' output for each token, ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(x[t])``,
@@ -64,8 +65,11 @@ def expert_parallel(
     ending at ``offsets[e]`` (int32, ``grouped_mm``'s convention; rows past the last offset are
     padding, zero in and ignored out). ``token_axes``: the mesh axes the tokens are split over (dim
     0, major to minor; default ``(axis,)``), which must include ``axis``: each rank routes its own
-    tokens. The buffer each rank receives into holds ``n * tokens * k`` rows for its share of the
-    tokens (no token is ever dropped: every rank may route all its tokens to one rank's experts).
+    tokens. ``capacity``: the rows each rank's receive buffer holds, by default ``n`` times its
+    token copies (``n * tokens * k`` for its share of the tokens over ``axis`` of size ``n``: enough
+    when every rank routes all its tokens to one rank's experts). A smaller one saves memory, and a
+    step whose routing sends a rank more rows than it holds is a ``ValueError`` naming the rank and
+    the rows (no token is ever dropped).
 
     Example::
 
@@ -84,18 +88,21 @@ def expert_parallel(
     split = P(tokens)
 
     def body(x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
-        return _routed(experts, x, index, gates, local, axis, n)
+        return _routed(experts, x, index, gates, local, axis, n, capacity)
 
     region = shard_map(body, mesh=m, in_specs=(split, split, split, *(P(axis) for _ in weights)), out_specs=split, axis_names=tokens)
     return region(x, top_k_index, top_k_weights, *weights)
 
 
 def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor,
-            local: tuple[torch.Tensor, ...], axis: str, n: int) -> torch.Tensor:
+            local: tuple[torch.Tensor, ...], axis: str, n: int, capacity: int | None) -> torch.Tensor:
     """One rank's part: dispatch its token copies, run its experts, combine (see the module docs)."""
     t, k = index.shape
     per_rank = local[0].shape[0]
-    rows, capacity = t * k, n * t * k
+    rows = t * k
+    capacity = n * rows if capacity is None else capacity
+    if capacity < rows:
+        raise ValueError(f"expert_parallel: capacity {capacity} is less than the {rows} token copies of a rank ({t} tokens x top-{k}), which the ranks receive on average")
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
     sent = x[order // k]

@@ -2,7 +2,7 @@
 on a ``("dp", "ep") = 2x2`` mesh, the tokens over both axes, planned two ways side by side:
 
 * ``dispatch``: the experts run through ``vsf.nn.expert_parallel`` (tokens sent to the experts'
-  ranks and back by ragged all-to-alls, ``tests/models/zoo.py``'s ``expert_parallel``);
+  ranks and back by ragged all-to-alls; ``vsf.nn.use_expert_parallel``);
 * ``gather``: the model's own ``grouped_mm`` experts, planned by ``vsf.jit`` as they are (the
   planner brings the experts' weights to the tokens).
 
@@ -58,7 +58,7 @@ def run(quick: bool) -> list[dict]:
         for name in ("dispatch", "gather"):
             model = build()
             if name == "dispatch":
-                zoo.expert_parallel(model, mesh, "ep", ("dp", "ep"))
+                vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
             params = vsf.tree.from_module(model)
             specs = {k: P("ep") if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else P() for k in params}
             p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))

@@ -114,3 +114,33 @@ def test_on_gloo_one_plan_follows_each_steps_routing(ranks):
         assert got["plan_count"] == 1 and got["traced_program"], got
         for errors in got["errors"]:
             assert max(errors.values()) <= 1e-5, got
+
+
+def test_eagerly_outside_jit_equals_one_device(sim):
+    """The same region run eagerly (``vsf.shard_map`` on DTensors, each simulated rank its own counts)."""
+    p = inputs(True)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+    tokens, split = vsf.NamedSharding(mesh, P(("dp", "ep"))), vsf.NamedSharding(mesh, P("ep"))
+    y = vsf.nn.expert_parallel(experts, *(vsf.device_put(p[k], tokens) for k in ("x", "index", "gates")),
+                               (vsf.device_put(p["w_in"], split), vsf.device_put(p["w_out"], split)), axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+    torch.testing.assert_close(vsf.device_get(y), dense(p["x"], p["index"], p["gates"], p["w_in"], p["w_out"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_routing_beyond_the_capacity_is_an_error(sim):
+    """A receive buffer of one rank's own token copies (the average) cannot take every token:
+    the step that routes them all to one rank raises, naming the rank and the rows; nothing is dropped."""
+    p = inputs(True)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("ep",))
+    tokens, split = vsf.NamedSharding(mesh, P("ep")), vsf.NamedSharding(mesh, P("ep"))
+    args = [vsf.device_put(p[k], tokens) for k in ("x", "index", "gates")]
+    weights = (vsf.device_put(p["w_in"], split), vsf.device_put(p["w_out"], split))
+    rows = TOKENS // 2 * K
+    def moe(capacity):
+        return vsf.jit(lambda x, index, gates, w: vsf.nn.expert_parallel(experts, x, index, gates, w, axis="ep", capacity=capacity, mesh=mesh))
+
+    with pytest.raises(ValueError, match=f"member 1 of axis 'ep' receives {2 * rows} rows, more than the {rows} its buffer holds"):
+        moe(rows)(*args, weights)
+    with pytest.raises(ValueError, match=f"capacity {rows - 1} is less than the {rows} token copies of a rank"):
+        moe(rows - 1)(*args, weights)

@@ -1,8 +1,8 @@
 """Expert parallelism on the Hugging Face MoE families (the zoo's tiny configs with 8 experts,
 top-2: Mixtral by default, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 in the sweep): their experts'
 fused weights split over ``ep`` on the expert dim, the tokens over ``("dp", "ep")``, the
-experts run through ``vsf.nn.expert_parallel`` (a transformers experts implementation the zoo
-registers). Oracles: the model trained by plain PyTorch on one device (params after 3 steps), and
+experts run through ``vsf.nn.expert_parallel`` (``vsf.nn.use_expert_parallel``: vsf's experts
+implementation registered with transformers). Oracles: the model trained by plain PyTorch on one device (params after 3 steps), and
 the analytic dispatch + combine volume, computed here by hand."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(s
     tx = zoo.adamw()
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
-    zoo.expert_parallel(model, mesh, "ep", ("dp", "ep"))
+    vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, expert_specs(params)))
     s = optim.init_sharded(tx, p)
     step = vsf.jit(zoo.train_step(model, tx, family.loss))
@@ -62,3 +62,11 @@ def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(s
     gathered = [c for c in over_ep if c.kind == "all_gather" and c.dtype.is_floating_point]
     assert sum(c.bytes for c in gathered) < shard, gathered
     assert not any(math.prod(c.shape) % (EXPERTS * zoo.HIDDEN * zoo.FFN) == 0 for c in gathered), gathered
+
+
+def test_a_model_without_transformers_experts_is_an_error(sim):
+    model, _ = zoo.built(zoo.families()["llama"])
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("ep",))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no transformers experts module"):
+        vsf.nn.use_expert_parallel(model, axis="ep", mesh=mesh)

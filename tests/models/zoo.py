@@ -401,25 +401,3 @@ def moe(name: str, experts: int = 8) -> Family:
         return type(model)(model.config)
 
     return dataclasses.replace(family, build=build)
-
-
-def expert_parallel(model: torch.nn.Module, mesh: vsf.Mesh, axis: str, token_axes: tuple[str, ...]) -> None:
-    """Run ``model``'s routed experts (a transformers ``@use_experts_implementation`` module:
-    fused ``gate_up_proj`` / ``down_proj`` weights, expert dim first) through
-    :func:`vsf.nn.expert_parallel` over ``axis``, the tokens split over ``token_axes``: a
-    transformers experts implementation registered for it and set on the model."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    def grouped(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
-        def run(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-            h = module._apply_gate(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets))
-            return F.grouped_mm(h, down.transpose(1, 2), offs=offsets)
-        return run
-
-    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        assert not self.has_bias and not self.is_transposed and self.has_gate, "the zoo's experts: fused gate_up, no bias, [experts, out, in]"
-        return vsf.nn.expert_parallel(grouped(self), hidden_states, top_k_index, top_k_weights, (self.gate_up_proj, self.down_proj),
-                                      axis=axis, token_axes=token_axes, mesh=mesh)
-
-    ALL_EXPERTS_FUNCTIONS["vsf_expert_parallel"] = forward
-    model.set_experts_implementation("vsf_expert_parallel")

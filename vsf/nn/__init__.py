@@ -1,6 +1,7 @@
 """Neural-network helpers: :func:`dropout` on keyed random numbers, :mod:`vsf.nn.initializers`
 (JAX's ``jax.nn.initializers`` home and names, torch's fan conventions), and
-:func:`expert_parallel` (a mixture-of-experts layer with its experts split over a mesh axis).
+:func:`expert_parallel` (a mixture-of-experts layer with its experts split over a mesh axis;
+:func:`use_expert_parallel` for a ``transformers`` MoE model).
 
 Example::
 
@@ -10,7 +11,7 @@ Example::
 from __future__ import annotations
 
 from vsf.nn import initializers
-from vsf.nn.moe import expert_parallel
+from vsf.nn.moe import expert_parallel, use_expert_parallel
 from vsf.random.dropout import dropout
 
-__all__ = ["dropout", "expert_parallel", "initializers"]
+__all__ = ["dropout", "expert_parallel", "initializers", "use_expert_parallel"]

@@ -12,6 +12,11 @@ weighted by the router's gates and summed per token. The backward is the same ex
 Inside ``vsf.jit`` the plan lists the exchanges (``all_to_all_v`` over the expert axis) and moves
 no expert weight over that axis.
 
+:func:`use_expert_parallel` runs a Hugging Face ``transformers`` MoE model's experts through it
+(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ...: every experts module that transformers builds with
+``@use_experts_implementation``, fused weights with the expert dim first), as an experts
+implementation of transformers' own registry.
+
 Example::
 
     >>> def experts(rows, offsets, w_in, w_out):
@@ -23,15 +28,19 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from vsf import ops
 from vsf.func import shard_map
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.spec import P
 
-__all__ = ["expert_parallel"]
+__all__ = ["expert_parallel", "use_expert_parallel"]
+
+_IMPLEMENTATION = "vsf_expert_parallel"  # the name of vsf's experts implementation in transformers' registry
 
 
 def expert_parallel(
@@ -43,6 +52,7 @@ def expert_parallel(
     *,
     axis: str,
     token_axes: Sequence[str] | None = None,
+    capacity: int | None = None,
     mesh: Mesh | None = None,
 ) -> torch.Tensor:
     """The routed experts' output for each token, ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(x[t])``,
@@ -55,8 +65,11 @@ def expert_parallel(
     ending at ``offsets[e]`` (int32, ``grouped_mm``'s convention; rows past the last offset are
     padding, zero in and ignored out). ``token_axes``: the mesh axes the tokens are split over (dim
     0, major to minor; default ``(axis,)``), which must include ``axis``: each rank routes its own
-    tokens. The buffer each rank receives into holds ``n * tokens * k`` rows for its share of the
-    tokens (no token is ever dropped: every rank may route all its tokens to one rank's experts).
+    tokens. ``capacity``: the rows each rank's receive buffer holds, by default ``n`` times its
+    token copies (``n * tokens * k`` for its share of the tokens over ``axis`` of size ``n``: enough
+    when every rank routes all its tokens to one rank's experts). A smaller one saves memory, and a
+    step whose routing sends a rank more rows than it holds is a ``ValueError`` naming the rank and
+    the rows (no token is ever dropped).
 
     Example::
 
@@ -75,18 +88,21 @@ def expert_parallel(
     split = P(tokens)
 
     def body(x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
-        return _routed(experts, x, index, gates, local, axis, n)
+        return _routed(experts, x, index, gates, local, axis, n, capacity)
 
     region = shard_map(body, mesh=m, in_specs=(split, split, split, *(P(axis) for _ in weights)), out_specs=split, axis_names=tokens)
     return region(x, top_k_index, top_k_weights, *weights)
 
 
 def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor,
-            local: tuple[torch.Tensor, ...], axis: str, n: int) -> torch.Tensor:
+            local: tuple[torch.Tensor, ...], axis: str, n: int, capacity: int | None) -> torch.Tensor:
     """One rank's part: dispatch its token copies, run its experts, combine (see the module docs)."""
     t, k = index.shape
     per_rank = local[0].shape[0]
-    rows, capacity = t * k, n * t * k
+    rows = t * k
+    capacity = n * rows if capacity is None else capacity
+    if capacity < rows:
+        raise ValueError(f"expert_parallel: capacity {capacity} is less than the {rows} token copies of a rank ({t} tokens x top-{k}), which the ranks receive on average")
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
     sent = x[order // k]
@@ -106,3 +122,50 @@ def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.
     out = torch.where(valid, out, 0.0)[torch.argsort(regroup)]
     back = ops.all_to_all_counted(out, by_rank.T, axis, rows)[torch.argsort(order)]
     return (back.view(t, k, -1) * gates[..., None]).sum(1).to(x.dtype)
+
+
+def use_expert_parallel(model: torch.nn.Module, *, axis: str, token_axes: Sequence[str] | None = None, mesh: Mesh | None = None) -> None:
+    """Run the routed experts of the ``transformers`` model ``model`` through :func:`expert_parallel`
+    over ``axis`` (the tokens split over ``token_axes``, default ``(axis,)``, on ``mesh``, default the
+    current one): vsf's experts implementation is registered with transformers
+    (``ALL_EXPERTS_FUNCTIONS``) and set on the model (``set_experts_implementation``). Lay the
+    experts' weights out ``P(axis)`` (``gate_up_proj`` / ``up_proj`` and ``down_proj``) and the
+    batch over ``token_axes``. An experts module with biases or a post-expert norm is a
+    ``ValueError`` when it runs.
+
+    Example::
+
+        >>> vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+        >>> p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: P("ep") if ".experts." in k else P() for k in params}))
+    """
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # type: ignore[import-not-found]  # (an optional dependency: the lint environment has none)
+
+    m = mesh if mesh is not None else current_mesh()
+    if m is None:
+        raise ValueError("use_expert_parallel needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
+    settings = (m, axis, tuple(token_axes) if token_axes is not None else None)
+    found = [module for module in model.modules() if hasattr(module, "is_concatenated") and hasattr(module, "down_proj")]
+    if not found:
+        raise ValueError(f"use_expert_parallel: {type(model).__name__} has no transformers experts module (one built with @use_experts_implementation)")
+    for module in found:
+        module.vsf_expert_parallel = settings
+    ALL_EXPERTS_FUNCTIONS[_IMPLEMENTATION] = _transformers_experts
+    model.set_experts_implementation(_IMPLEMENTATION)
+
+
+def _transformers_experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (its signature) through :func:`expert_parallel`."""
+    name = type(module).__name__
+    if module.has_bias or module.has_post_expert_norm:
+        raise ValueError(f"use_expert_parallel: {name} has expert biases or a post-expert norm, which vsf's experts implementation does not run")
+    mesh, axis, token_axes = module.vsf_expert_parallel
+    up = module.gate_up_proj if module.has_gate else module.up_proj
+
+    def grouped(rows: torch.Tensor, offsets: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return F.grouped_mm(x, w if module.is_transposed else w.transpose(1, 2), offs=offsets)
+
+        h = linear(rows, w_up)
+        return linear(module._apply_gate(h) if module.has_gate else module.act_fn(h), w_down)
+
+    return expert_parallel(grouped, hidden_states, top_k_index, top_k_weights, (up, module.down_proj), axis=axis, token_axes=token_axes, mesh=mesh)

@@ -597,6 +597,21 @@ def dispatcher_special_ops() -> frozenset[Any]:
     return frozenset(d._random_ops) | frozenset(d._custom_op_handlers)
 
 
+def shape_argument_ops() -> frozenset[Any]:
+    """Ops that take sizes of their global tensors as arguments (``native_group_norm``'s N, C and
+    HxW, an upsample backward's input size, a view's or ``new_zeros``' shape, ``squeeze``'s dims),
+    which DTensor's sharding propagation rewrites to a shard's before it runs the op locally: on a
+    shard they must run through DTensor's dispatcher.
+
+    Example::
+
+        >>> torch.ops.aten.native_group_norm.default in shape_argument_ops()
+        True
+    """
+    prop = _propagator()
+    return frozenset(prop.op_to_shape_and_stride_idx) | frozenset(prop.op_to_scalar_shape_adjuster) | frozenset(prop.squeeze_op_to_dims_variant)
+
+
 def dtensor_local(x: DTensor) -> torch.Tensor:
     """A DTensor's local shard itself: ``to_local()`` without its autograd function and view
     (which cost milliseconds per call under ``LocalTensorMode``). For non-differentiable math."""

@@ -281,6 +281,33 @@ def is_local_tensor(t: Any) -> bool:
     return isinstance(t, LocalTensor)
 
 
+def reconcile(t: torch.Tensor) -> torch.Tensor:
+    """The one value every simulated rank holds of ``t`` (a ``LocalTensor`` whose ranks must agree),
+    as a plain tensor: ``LocalTensor.reconcile`` with NaN equal to NaN at the same positions (a
+    diverged loss is still read), and a ``ValueError`` naming the first rank that differs.
+
+    Example::
+
+        >>> reconcile(make_local({0: torch.tensor(float("nan")), 1: torch.tensor(float("nan"))}))   # tensor(nan)
+    """
+    values = sorted(t._local_tensors.items())
+    rank0, first = values[0]
+    for rank, v in values[1:]:
+        if not _same_values(first, v):
+            raise ValueError(f"simulated ranks {rank0} and {rank} hold different values of a replicated {tuple(first.shape)} tensor")
+    return first.clone().detach().requires_grad_(t.requires_grad)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are ``a`` and ``b`` equal, NaN equal to NaN at the same positions?"""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})

@@ -37,7 +37,7 @@ from torch.fx.node import map_arg
 
 from vsf import _compat, config, runtime
 from vsf.errors import PlanCheckError
-from vsf.jit.classify import ATTENTION_OPS
+from vsf.jit.classify import draws_random
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, source_line, value_of
 from vsf.jit.lower import execute
 from vsf.jit.plan import Placements, Plan, as_contiguous, is_shard, split_dim
@@ -177,18 +177,7 @@ def _unchecked(node: torch.fx.Node) -> bool:
     """Is ``node``'s value not the unsharded op's to compare: random numbers, memory left
     uninitialised, or a value leaving a manual region (its body has no unsharded op; its
     assembled results are what later ops are checked against)?"""
-    return node.target in _UNINITIALISED or node.target in REGION_OPS or _draws(node)
-
-
-def _draws(node: torch.fx.Node) -> bool:
-    """Does ``node`` draw random numbers? An attention kernel is tagged random for its dropout:
-    without dropout it draws none."""
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    if node.target in ATTENTION_OPS:
-        names = [a.name for a in _compat.op_schema(node.target).arguments]
-        return {**dict(zip(names, node.args)), **node.kwargs}.get("dropout_p", 0.0) != 0.0
-    return True
+    return node.target in _UNINITIALISED or node.target in REGION_OPS or draws_random(node.target, node.args, node.kwargs)
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:

@@ -8,7 +8,8 @@ against what the traced global graph computes. :class:`Checker` does that op by 
 the planned program gave its inputs, so rounding differences do not pile up and the first op that
 differs is the one at fault (its own sharding or the redistributions of its inputs). Random ops
 (the planned program draws its own numbers) and ``empty`` buffers are not compared; their
-assembled result feeds the ops after them.
+assembled result feeds the ops after them (an ``empty`` buffer zeroed first on every rank: its
+replicas, garbage otherwise, then agree where a model writes it piece by piece).
 
 Turn it on with ``vsf.config.check_plan = True`` (every jitted call checks) or call
 ``f.check(*args)`` (this call only): two switches, one code path. The flag checks a script as it
@@ -219,6 +220,10 @@ class Checker:
         if manual.inside(node):
             return  # a region's body value: each rank's own, no global value to assemble
         step = self.plan.nodes[node]
+        if node.target in _UNINITIALISED:  # zeroed (uninitialised memory may hold anything): replicas then agree, and
+            for o in outs:                 # what the program reads of it before writing it is read alike by the unsharded graph
+                if isinstance(o, torch.Tensor):
+                    o.zero_()
         want = None if _unchecked(node) else self._reference(node)
         wants = want if isinstance(want, (list, tuple)) else [want]
         for i, (o, placements) in enumerate(zip(outs, step.outs)):

@@ -278,6 +278,33 @@ def is_local_tensor(t: Any) -> bool:
     return isinstance(t, LocalTensor)
 
 
+def reconcile(t: torch.Tensor) -> torch.Tensor:
+    """The one value every simulated rank holds of ``t`` (a ``LocalTensor`` whose ranks must agree),
+    as a plain tensor: ``LocalTensor.reconcile`` with NaN equal to NaN at the same positions (a
+    diverged loss is still read), and a ``ValueError`` naming the first rank that differs.
+
+    Example::
+
+        >>> reconcile(make_local({0: torch.tensor(float("nan")), 1: torch.tensor(float("nan"))}))   # tensor(nan)
+    """
+    values = sorted(t._local_tensors.items())
+    rank0, first = values[0]
+    for rank, v in values[1:]:
+        if not _same_values(first, v):
+            raise ValueError(f"simulated ranks {rank0} and {rank} hold different values of a replicated {tuple(first.shape)} tensor")
+    return first.clone().detach().requires_grad_(t.requires_grad)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are ``a`` and ``b`` equal, NaN equal to NaN at the same positions?"""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
 def make_local(per_rank: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a ``LocalTensor`` holding ``per_rank[r]`` on simulated rank ``r``."""
     return LocalTensor({r: v.detach() for r, v in per_rank.items()})
@@ -671,6 +698,21 @@ def dispatcher_special_ops() -> frozenset[Any]:
     """Ops DTensor's dispatcher runs its own way (random ops, custom handlers): lower them through DTensor."""
     d = DTensor._op_dispatcher
     return frozenset(d._random_ops) | frozenset(d._custom_op_handlers)
+
+
+def shape_argument_ops() -> frozenset[Any]:
+    """Ops that take sizes of their global tensors as arguments (``native_group_norm``'s N, C and
+    HxW, an upsample backward's input size, a view's or ``new_zeros``' shape, ``squeeze``'s dims),
+    which DTensor's sharding propagation rewrites to a shard's before it runs the op locally: on a
+    shard they must run through DTensor's dispatcher.
+
+    Example::
+
+        >>> torch.ops.aten.native_group_norm.default in shape_argument_ops()
+        True
+    """
+    prop = _propagator()
+    return frozenset(prop.op_to_shape_and_stride_idx) | frozenset(prop.op_to_scalar_shape_adjuster) | frozenset(prop.squeeze_op_to_dims_variant)
 
 
 def dtensor_local(x: DTensor) -> torch.Tensor:

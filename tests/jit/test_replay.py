@@ -103,6 +103,29 @@ def test_gpt_adamw_step_on_a_5d_layout(sim):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+def test_attention_without_dropout_replays(sim, layout):
+    """SDPA's kernels are tagged random for their dropout; without it they draw nothing and the
+    program replays (it ran under LocalTensorMode on every call before), bit for bit."""
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False, sdpa=True)
+    params, tx, train_step = _adamw_gpt(cfg)
+    g = torch.Generator().manual_seed(0)
+    idx, tgt = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g)
+    want_p, want_o = params, tx.init(params)
+    for _ in range(STEPS):
+        want_p, want_o, _ = train_step(want_p, want_o, idx, tgt)
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    sim(len(axes) * 2)
+    mesh = vsf.make_mesh(shape, axes)
+    rules = [(r".*qkv\.weight", P("tp")), (r".*proj\.weight", P(None, "tp")), (r".*", P())] if layout == "dp_tp" else [(r".*", P())]
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    batch = vsf.device_put((idx, tgt), vsf.NamedSharding(mesh, P("dp")))
+    jitted, got = _assert_replayed_equals_interpreted(train_step, (p, optim.init_sharded(tx, p), *batch))
+    assert any("scaled_dot_product" in str(n.target) for n in jitted.lower(p, optim.init_sharded(tx, p), *batch).plan.graph.graph.nodes)
+    for a, b in zip(vsf.tree.leaves(vsf.device_get(got[-1][0])), vsf.tree.leaves(want_p)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _sgd_mlp():
     def loss_fn(p, x, y):
         return ((F.gelu(x @ p["w1"]) @ p["w2"] + p["b"] - y) ** 2).mean()

@@ -1,8 +1,8 @@
 """The zoo beyond ``transformers``: models of other libraries no one here wrote (x-transformers'
-decoder language model, diffusers' DiT, mamba.py's Mamba), built from tiny configs in code (random
-weights, no hub), each trained a few steps through ``vsf.jit`` on dp x Megatron TP (the first step
-in checking mode, ``step.check``, which must find no op whose sharded result differs from one
-device's) and, in the sweep (``sweep`` marker), on DP and FSDP, against the same model trained by
+decoder language model, diffusers' DiT and UNet, mamba.py's Mamba), built from tiny configs in code
+(random weights, no hub), each trained a few steps through ``vsf.jit`` on dp x Megatron TP (the
+UNet on DP; the first step in checking mode, ``step.check``, which must find no op whose sharded
+result differs from one device's) and, in the sweep (``sweep`` marker), on its other layouts, against the same model trained by
 plain PyTorch (``torch.optim.AdamW``) on one device, params compared after the steps (the zoo's
 train step, oracle and tolerances: :mod:`zoo`)."""
 
@@ -72,6 +72,24 @@ def _denoising_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> 
     return F.mse_loss(out, batch["noise"])
 
 
+def _unet() -> torch.nn.Module:
+    """diffusers' UNet2DModel (DDPM's denoiser): residual blocks of convolutions, GroupNorm and
+    time embeddings, self-attention at the lower resolution, down- and upsampling (nearest). Group
+    norm on a batch shard called the local op with the global batch size until it ran through
+    DTensor's dispatcher (``Expected X.numel() == N * C * HxW``)."""
+    from diffusers import UNet2DModel
+
+    return UNet2DModel(
+        sample_size=IMAGE, in_channels=CHANNELS, out_channels=CHANNELS, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=4, attention_head_dim=8,
+    )
+
+
+def _unet_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The noise-prediction loss of an unconditional denoiser (the batch's labels unused)."""
+    return F.mse_loss(run(batch["images"], timestep=batch["timesteps"]).sample, batch["noise"])
+
+
 def _mamba() -> torch.nn.Module:
     """mamba.py's Mamba: selective state-space blocks (no attention), the scan over the sequence
     run in parallel (Blelloch's, an ``autograd.Function`` with in-place steps), between an
@@ -114,10 +132,14 @@ FAMILIES = {f.name: f for f in [
                      also=((r".*conv1d\.(weight|bias)", P("tp")), (r".*A_log", P("tp", None)), (r".*mixer\.D", P("tp")))),
         _next_token_loss,
     ),
+    # a convolutional net: data parallel only (no Megatron rules: the convolutions stay whole)
+    zoo.Family("unet", _unet, _noisy_images, ((r".*", P()),), _unet_loss),
 ]}
-# dp x tp (with one step in checking mode) runs by default; the other layouts are the sweep
-CASES = [pytest.param(name, layout, marks=() if layout == "dp_tp" else pytest.mark.sweep, id=f"{name}-{layout}")
-         for name in FAMILIES for layout in ("dp_tp", "dp", "fsdp")]
+# each family's default layout (with one step in checking mode) runs by default; its others are the sweep
+DEFAULT = {"x_transformers": "dp_tp", "dit": "dp_tp", "mamba": "dp_tp", "unet": "dp"}
+LAYOUTS = {"unet": ("dp", "fsdp")}
+CASES = [pytest.param(name, layout, marks=() if layout == DEFAULT[name] else pytest.mark.sweep, id=f"{name}-{layout}")
+         for name in FAMILIES for layout in LAYOUTS.get(name, ("dp_tp", "dp", "fsdp"))]
 
 
 @functools.cache
@@ -128,6 +150,6 @@ def _oracle(name: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("name, layout", CASES)
 def test_trains_like_torch_on_one_device(sim, name, layout):
     want = _oracle(name)
-    losses, params, step = zoo.jit_train(FAMILIES[name], layout, sim, check=layout == "dp_tp")
+    losses, params, step = zoo.jit_train(FAMILIES[name], layout, sim, check=layout == DEFAULT[name])
     assert step.plan_count == 1
     zoo.assert_like_oracle(f"{name} {layout}", losses, params, want)

@@ -173,6 +173,18 @@ def families() -> dict[str, Family]:
             megatron(r"q_proj|k_proj|v_proj|fc1", r"self_attn\.dense|fc2", r"model\.embed_tokens|lm_head", also=((r"lm_head\.bias", P("tp")),)),
         ),
         Family(
+            # its SDPA call passes the causal mask it builds (a [batch, 1, T, T] broadcast), so SDPA's
+            # CPU flash kernel runs with a mask argument; one key/value head a query head
+            # (``multi_query`` off: with one shared head SDPA takes its math path)
+            "falcon",
+            lambda: T.FalconForCausalLM(T.FalconConfig(
+                vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, multi_query=False,
+                max_position_embeddings=2 * SEQ,
+            )),
+            causal_batch,
+            megatron(r"query_key_value|dense_h_to_4h", r"self_attention\.dense|dense_4h_to_h", r"transformer\.word_embeddings"),
+        ),
+        Family(
             "gpt_neox",
             lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
                 vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,

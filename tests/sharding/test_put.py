@@ -252,6 +252,24 @@ def test_trivial_specs_and_none_leave_non_tensors_alone(mesh):
     assert isinstance(out["t"], DTensor) and type(out["u"]) is not DTensor
 
 
+def test_a_replicated_nan_is_read(mesh):
+    """A diverged run's loss: a replicated value holding NaN (and inf) is read, NaN at its
+    positions (the ranks' copies compared NaN equal to NaN; torch's own reconcile refused them)."""
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
+    loss = vsf.jit(lambda v: v * 2)(vsf.device_put(x, vsf.NamedSharding(mesh, P())))
+    got = vsf.device_get(loss)
+    assert torch.equal(got.isnan(), torch.tensor([False, True, False, False]))
+    assert got[0] == 2 and got[2] == float("inf") and got[3] == -4
+
+
+def test_replicas_that_differ_are_an_error(mesh):
+    """Ranks holding different values of a value claimed replicated are named, NaN or not."""
+    from vsf import _compat
+
+    with pytest.raises(ValueError, match="simulated ranks 0 and 2 hold different values"):
+        _compat.reconcile(_compat.make_local({0: torch.tensor([float("nan")]), 1: torch.tensor([float("nan")]), 2: torch.tensor([0.0]), 3: torch.tensor([0.0])}))
+
+
 # -- on 4 real gloo processes ------------------------------------------------------------------
 # Tier 3: device_put / device_get on 4 real gloo processes under torchrun (a 2x2 mesh).
 #

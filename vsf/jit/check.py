@@ -8,7 +8,8 @@ against what the traced global graph computes. :class:`Checker` does that op by 
 the planned program gave its inputs, so rounding differences do not pile up and the first op that
 differs is the one at fault (its own sharding or the redistributions of its inputs). Random ops
 (the planned program draws its own numbers) and ``empty`` buffers are not compared; their
-assembled result feeds the ops after them.
+assembled result feeds the ops after them (an ``empty`` buffer zeroed first on every rank: its
+replicas, garbage otherwise, then agree where a model writes it piece by piece).
 
 Turn it on with ``vsf.config.check_plan = True`` (every jitted call checks) or call
 ``f.check(*args)`` (this call only): two switches, one code path. The flag checks a script as it
@@ -37,7 +38,7 @@ from torch.fx.node import map_arg
 
 from vsf import _compat, config, runtime
 from vsf.errors import PlanCheckError
-from vsf.jit.classify import ATTENTION_OPS
+from vsf.jit.classify import draws_random
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, source_line, value_of
 from vsf.jit.lower import execute
 from vsf.jit.plan import Placements, Plan, as_contiguous, is_shard, split_dim
@@ -177,18 +178,7 @@ def _unchecked(node: torch.fx.Node) -> bool:
     """Is ``node``'s value not the unsharded op's to compare: random numbers, memory left
     uninitialised, or a value leaving a manual region (its body has no unsharded op; its
     assembled results are what later ops are checked against)?"""
-    return node.target in _UNINITIALISED or node.target in REGION_OPS or _draws(node)
-
-
-def _draws(node: torch.fx.Node) -> bool:
-    """Does ``node`` draw random numbers? An attention kernel is tagged random for its dropout:
-    without dropout it draws none."""
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    if node.target in ATTENTION_OPS:
-        names = [a.name for a in _compat.op_schema(node.target).arguments]
-        return {**dict(zip(names, node.args)), **node.kwargs}.get("dropout_p", 0.0) != 0.0
-    return True
+    return node.target in _UNINITIALISED or node.target in REGION_OPS or draws_random(node.target, node.args, node.kwargs)
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:
@@ -230,6 +220,10 @@ class Checker:
         if manual.inside(node):
             return  # a region's body value: each rank's own, no global value to assemble
         step = self.plan.nodes[node]
+        if node.target in _UNINITIALISED:  # zeroed (uninitialised memory may hold anything): replicas then agree, and
+            for o in outs:                 # what the program reads of it before writing it is read alike by the unsharded graph
+                if isinstance(o, torch.Tensor):
+                    o.zero_()
         want = None if _unchecked(node) else self._reference(node)
         wants = want if isinstance(want, (list, tuple)) else [want]
         for i, (o, placements) in enumerate(zip(outs, step.outs)):

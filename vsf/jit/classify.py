@@ -11,8 +11,8 @@ on the plan (``NodePlan.op``), so that strategies, the full-mesh check and lower
 * ``strategy``: DTensor registers a strategy for it, per mesh dim (``rules == "single"``) or for
   the whole op (``"full"``: also a custom op's rules a user registers with torch's public
   ``torch.distributed.tensor.experimental.register_sharding``); ``local`` ops run as they are on local shards (their rules are per
-  mesh dim and DTensor's dispatcher has no special handler for them), the others run through
-  DTensor's dispatcher;
+  mesh dim, DTensor's dispatcher has no special handler for them and they take no global sizes
+  as arguments: :data:`SHAPE_ARGUMENT_OPS`), the others run through DTensor's dispatcher;
 * ``none``: no strategy: a ``PlanError``, or replicated under ``allow_replicated_fallback``.
 
 ``ragged_reduction`` ops (sums, norms) also run on a rank's own ragged rows.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -44,8 +44,8 @@ from vsf.ops import region
 from vsf.sharding import constraint
 
 __all__ = [
-    "ATTENTION_OPS", "BATCH_NORM_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
-    "VARIANCE_DECOMPOSITIONS", "OpClass", "classify", "constant_nodes", "never_planned_decompositions", "unplanned_ops",
+    "ATTENTION_OPS", "BATCH_NORM_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "SHAPE_ARGUMENT_OPS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
+    "VARIANCE_DECOMPOSITIONS", "OpClass", "classify", "constant_nodes", "draws_random", "never_planned_decompositions", "unplanned_ops",
 ]
 
 aten = torch.ops.aten
@@ -67,6 +67,13 @@ RAGGED_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.lina
 
 
 DISPATCHER_SPECIAL = _compat.dispatcher_special_ops()
+
+
+# Ops whose arguments name sizes of their global tensors (group norm's N, C, HxW; an upsample
+# backward's input size; a view's shape): DTensor's dispatcher rewrites them for a shard, so they
+# never run directly on local shards (called there with the traced sizes, group norm on a batch
+# shard raised and a shape could silently be the global one).
+SHAPE_ARGUMENT_OPS = _compat.shape_argument_ops()
 
 
 # Ops whose DTensor strategy gives wrong numbers on some inputs: they are decomposed (and the pieces
@@ -123,6 +130,23 @@ for _op in ATTENTION_OPS:
 OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]   # see the module docs
 
 
+def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Does calling ``op`` on ``args``/``kwargs`` draw random numbers? An op PyTorch tags random
+    (``nondeterministic_seeded``) does, except an attention kernel called without dropout
+    (``dropout_p`` 0: the tag is for its dropout, and without it the kernel reads no generator).
+
+    Example::
+
+        >>> draws_random(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v), {})
+        False
+    """
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    names = [a.name for a in _compat.op_schema(op).arguments]
+    given = {**dict(zip(names, args)), **kwargs}
+    return "dropout_p" not in names or given.get("dropout_p", 0.0) != 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class OpClass:
     """What kind an op is (see the module docs)."""
@@ -137,7 +161,7 @@ def classify(node: torch.fx.Node, constants: frozenset[torch.fx.Node] = frozense
     """The kind of the op ``node`` runs (a ``call_function`` or ``get_attr`` node); ``constants``
     are the graph's :func:`constant_nodes`."""
     rules = _compat.registered_rules(node.target)
-    local = rules == "single" and node.target not in DISPATCHER_SPECIAL
+    local = rules == "single" and node.target not in DISPATCHER_SPECIAL and node.target not in SHAPE_ARGUMENT_OPS
     ragged_reduction = node.target in RAGGED_REDUCTIONS
     if node.target in region.REGION_OPS:
         kind = "manual"

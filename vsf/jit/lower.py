@@ -83,9 +83,7 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
         def arg(a: Any) -> Any:
             if isinstance(a, torch.fx.Node) and is_tensor_node(a):
                 v, dst = value_of(a), next(wanted)
-                local = get(v, dst, node)
-                if node.target in _FOLDING_VIEWS:
-                    local = _traced_layout(local, meta_of(v))
+                local = _traced_layout(get(v, dst, node), meta_of(v))
                 return _compat.dtensor_from_local(local, spec(v, dst)) if as_dtensor else local
             return a
 
@@ -179,29 +177,47 @@ def _unstack(y: torch.Tensor, dim: int) -> torch.Tensor:
     return y.movedim(0, dim).reshape(*piece[:dim], y.shape[0] * piece[dim], *piece[dim + 1 :])
 
 
-_FOLDING_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default})  # (aten ops are public operators)
-
-
 def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
-    """``local`` stored in the dim order ``traced`` had, for a view that folds dims (it needs the
-    strides the trace had; a copy only where they differ). A shard's memory order can differ from
-    the traced value's: a collective returns a row-major buffer, and a kernel's output order may
-    follow its inputs' (SDPA's CPU kernel on q, k, v that a redistribution made row-major)."""
-    order = _dim_order(traced)
-    if _dense_in(local, order):
+    """``local`` laid out as the trace laid out its value ``traced``, for the op about to read it:
+    a kernel may read its input's strides as the trace's (a view that folds dims needs them), and
+    its result's layout may follow its input's (SDPA's CPU kernel on q, k, v), which later ops
+    then read. A shard's layout can differ from the traced value's: a collective returns a
+    row-major buffer, a redistribution materialises a broadcast (an expanded attention mask), a
+    slice of a shard is strided where the traced value was dense. So: dims the trace broadcast
+    (stride 0) broadcast again (their values are equal along them, on every shard), the other dims
+    stored in the traced memory order, densely where the traced value was dense; a copy only where
+    the layouts differ, none where they agree (read off the strides). (Uneven shards under
+    ``vsf.simulate``, whose sizes differ by rank, are left as they are.)"""
+    if local.ndim != traced.ndim or not all(type(n) is int for n in (*local.shape, *local.stride())):
         return local
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return local.permute(order).contiguous().permute(inverse)
+    broadcast = [d for d in range(traced.ndim) if traced.shape[d] > 1 and traced.stride(d) == 0 and local.shape[d] > 1 and local.stride(d) != 0]
+    base = local[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(local.ndim))] if broadcast else local
+    order = _dim_order(traced)
+    shape = [1 if traced.stride(d) == 0 else s for d, s in enumerate(traced.shape)]
+    if _dense_in(traced.stride(), shape, order):
+        keep = _dense_in(base.stride(), base.shape, order)
+    else:  # a strided view in the trace too: the same order suffices
+        keep = _ordered_in(base, order)
+    if not keep:
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        base = base.permute(order).contiguous().permute(inverse)
+    return base.expand(local.shape) if broadcast else base
 
 
-def _dense_in(t: torch.Tensor, order: Sequence[int]) -> bool:
-    """Is ``t`` stored densely with its dims in ``order``, outermost first (read off its strides: no op)?"""
+def _dense_in(stride: Sequence[int], shape: Sequence[int], order: Sequence[int]) -> bool:
+    """Are ``shape``'s elements at ``stride`` stored densely with dims in ``order``, outermost first (no op)?"""
     step = 1
     for d in reversed(order):
-        if t.shape[d] > 1 and t.stride(d) != step:
+        if shape[d] > 1 and stride[d] != step:
             return False
-        step *= t.shape[d]
+        step *= shape[d]
     return True
+
+
+def _ordered_in(t: torch.Tensor, order: Sequence[int]) -> bool:
+    """Are ``t``'s dims (those of size > 1) in memory order ``order``, outermost first?"""
+    strides = [t.stride(d) for d in order if t.shape[d] > 1]
+    return all(a >= b for a, b in zip(strides, strides[1:]))
 
 
 def _dim_order(t: torch.Tensor) -> list[int]:

@@ -11,8 +11,9 @@ mode just below ``LocalTensorMode`` sees every plain op it runs, one rank's tens
 collectives' own arithmetic on the ranks' buffers included, and writes those that compute from
 the ranks' input shards into a :class:`Program` (the ops in order, over slots of values). Later
 calls with inputs laid out alike run that program with no mode on the dispatch stack: the same ops in the same order on the same values, so the same bits. A program the
-record cannot replay faithfully (it draws random numbers, reads a computed value into Python,
-writes a tensor that existed before it, or needs autograd) keeps running under
+record cannot replay faithfully (it draws random numbers, which an attention kernel without
+dropout does not; it reads a computed value into Python,
+it writes a tensor that existed before it, or needs autograd) keeps running under
 ``LocalTensorMode``; :attr:`Replayed.why_not` says why. So does a call made while another
 dispatch mode watches the ops (``CommDebugMode`` counting collectives): it sees the program's
 collectives, which a replay computes as plain arithmetic.
@@ -36,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat
+from vsf.jit.classify import draws_random
 
 __all__ = ["Program", "Replayed"]
 
@@ -226,7 +228,7 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
     def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor], out: Any) -> str | None:
         """Write ``func``'s call into the program if it computes from the inputs; why not, if a
         replay would not reproduce it."""
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if draws_random(func, args, kwargs):
             return f"it draws random numbers ({func})"
         schema = _compat.op_schema(func)
         written = list(_written(schema, args, kwargs)) if schema is not None and schema.is_mutable else []

@@ -269,7 +269,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         full = t.full_tensor() if isinstance(t, DTensor) else t
     if _compat.is_local_tensor(full):
         with _compat.local_mode_disabled():
-            return full.reconcile()
+            return _compat.reconcile(full)
     return full
 
 

@@ -1,0 +1,173 @@
+"""What an op called on a shard is given: the traced value's layout, and a shard's sizes.
+
+The plan runs each op on local shards, which a collective, a redistribution or a slice may lay out
+otherwise than the trace laid out the value (a row-major buffer, a materialised broadcast), and
+some ops take sizes of their global tensors as arguments (group norm's N, C and HxW; an upsample
+backward's input size). Each case here trains a few steps sharded and compares the params with
+the same steps on one device (torch's own AdamW and autograd).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vsf
+from vsf import P, optim
+from vsf.jit.lower import _traced_layout
+
+B, H, T, D, WIDTH = 4, 4, 16, 8, 32
+LR, STEPS = 1e-2, 3
+
+
+class Attention(torch.nn.Module):
+    """Self-attention through ``scaled_dot_product_attention`` with an explicit additive mask
+    (SDPA's CPU flash kernel with a mask argument, as Hugging Face's Falcon calls it): ``mask``
+    ``"causal"`` a [T, T] mask, ``"expanded"`` the same expanded to [B, 1, T, T] (a view with
+    stride 0 over the batch), ``"padded"`` a per-row causal and padding mask [B, 1, T, T]."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(WIDTH, 3 * H * D, bias=False)  # (a key bias's gradient is zero but for rounding)
+        self.out = torch.nn.Linear(H * D, WIDTH)
+        self.mask = mask
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q, k, v = self.qkv(x).view(b, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        keep = torch.ones(T, T, dtype=torch.bool).tril()
+        if self.mask == "expanded":
+            keep = keep[None, None].expand(b, 1, T, T)
+        elif self.mask == "padded":
+            keep = keep & (torch.arange(T) < lengths[:, None])[:, None, None, :]
+        bias = torch.where(keep, 0.0, torch.finfo(x.dtype).min)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.out(y.transpose(1, 2).reshape(b, T, H * D))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, WIDTH, generator=g)
+    return x, torch.randn(B, T, WIDTH, generator=g), torch.randint(T // 2, T + 1, (B,), generator=g)
+
+
+def _torch_run(model: torch.nn.Module, loss_fn, batch) -> dict[str, torch.Tensor]:
+    """The oracle: ``model`` trained ``STEPS`` steps by plain PyTorch on one device."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _jit_run(sim, model: torch.nn.Module, loss_fn, batch, shape, axes, specs, batch_spec) -> dict[str, torch.Tensor]:
+    """``model`` trained ``STEPS`` steps through ``vsf.jit`` (the first checked) on a mesh of ``shape``."""
+    params = vsf.tree.from_module(model)
+    tx = optim.adamw(LR)
+
+    def step(p, s, batch):
+        loss, grads = vsf.value_and_grad(lambda p: loss_fn(lambda *a: vsf.tree.apply(model, p, *a), batch))(p)
+        updates, s = tx.update(grads, s, p)
+        return optim.apply_updates(p, updates), s, loss
+
+    sim(len(axes) and int(torch.tensor(shape).prod()))
+    mesh = vsf.make_mesh(shape, axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs(params)))
+    s = optim.init_sharded(tx, p)
+    b = vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec))
+    jitted = vsf.jit(step)
+    for i in range(STEPS):
+        p, s, _ = (jitted.check if i == 0 else jitted)(p, s, b)
+    return vsf.device_get(p)
+
+
+def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _attention_loss(run, batch) -> torch.Tensor:
+    x, target, lengths = batch
+    return F.mse_loss(run(x, lengths), target)
+
+
+@pytest.mark.parametrize("mask", ["causal", "expanded", "padded"])
+def test_masked_attention_on_batch_shards_trains_like_one_device(sim, mask):
+    torch.manual_seed(0)
+    model, batch = Attention(mask), _batch()
+    want = _torch_run(model, _attention_loss, batch)
+    got = _jit_run(sim, model, _attention_loss, batch, (2,), ("dp",), lambda p: {k: P() for k in p}, P("dp"))
+    _assert_params_close(got, want)
+
+
+def test_masked_attention_on_batch_and_head_shards_trains_like_one_device(sim):
+    """dp x tp: the mask split with the batch, q, k, v also over their heads (Megatron's attention)."""
+    torch.manual_seed(0)
+    model, batch = Attention("expanded"), _batch()
+    want = _torch_run(model, _attention_loss, batch)
+    specs = lambda p: {"qkv.weight": P("tp", None), "out.weight": P(None, "tp"), "out.bias": P()}  # noqa: E731
+    got = _jit_run(sim, model, _attention_loss, batch, (2, 2), ("dp", "tp"), specs, P("dp"))
+    _assert_params_close(got, want)
+
+
+class ConvGroupNorm(torch.nn.Module):
+    """A convolution, group norm, upsampling (``mode``) and a 1x1 convolution: diffusers' UNet's pieces."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 8)
+        self.up = torch.nn.Upsample(scale_factor=2, mode=mode)
+        self.head = torch.nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.up(F.silu(self.norm(self.conv(x)))))
+
+
+def _image_loss(run, batch) -> torch.Tensor:
+    return run(batch).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_group_norm_and_upsampling_on_batch_shards_train_like_one_device(sim, mode):
+    """Group norm's N and an upsample backward's input size are a shard's, not the traced global
+    ones (the local group norm raised ``Expected X.numel() == N * C * HxW``)."""
+    torch.manual_seed(0)
+    model, x = ConvGroupNorm(mode), torch.randn(4, 3, 8, 8)
+    want = _torch_run(model, _image_loss, x)
+    got = _jit_run(sim, model, _image_loss, x, (2,), ("dp",), lambda p: {k: P() for k in p}, P("dp"))
+    _assert_params_close(got, want)
+
+
+def test_group_norm_with_channel_split_convolutions_trains_like_one_device(sim):
+    """dp x tp: the first convolution's output channels split over tp, the batch over dp."""
+    torch.manual_seed(0)
+    model, x = ConvGroupNorm("nearest"), torch.randn(4, 3, 8, 8)
+    want = _torch_run(model, _image_loss, x)
+    specs = lambda p: {k: P("tp") if k.startswith("conv.") else P() for k in p}  # noqa: E731
+    got = _jit_run(sim, model, _image_loss, x, (2, 2), ("dp", "tp"), specs, P("dp"))
+    _assert_params_close(got, want)
+
+
+def test_a_shard_is_laid_out_as_the_traced_value():
+    """A materialised broadcast is a broadcast again (stride 0, same values); a row-major shard of
+    a value the trace stored transposed is stored transposed; a shard already laid out so is
+    passed as it is (no copy)."""
+    mask = torch.randn(1, 1, T, T)
+    traced = mask.expand(B, 1, T, T)
+    local = traced[:2].contiguous()
+    out = _traced_layout(local, traced)
+    assert out.stride(0) == 0 and torch.equal(out, local)
+
+    traced = torch.randn(8, 6).t()              # stored [6, 8] column-major
+    local = traced[:3].contiguous()             # a row-major shard of it
+    out = _traced_layout(local, traced)
+    assert out.stride() == (1, 3) and torch.equal(out, local)
+
+    assert _traced_layout(out, traced) is out

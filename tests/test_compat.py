@@ -106,6 +106,16 @@ def test_local_tensor_mode_holds_a_value_per_rank():
     assert _compat.local_shards(plain, 3) == {3: plain} and not _compat.is_local_tensor(plain)
 
 
+def test_reconcile_reads_nan_and_names_differing_ranks():
+    with _compat.local_tensor_mode(2):
+        nan = _compat.make_local({0: torch.tensor([float("nan"), 1.0]), 1: torch.tensor([float("nan"), 1.0])})
+        other = _compat.make_local({0: torch.tensor([1.0]), 1: torch.tensor([2.0])})
+    one = _compat.reconcile(nan)
+    assert not _compat.is_local_tensor(one) and one[0].isnan() and one[1] == 1.0
+    with pytest.raises(ValueError, match="ranks 0 and 1"):
+        _compat.reconcile(other)
+
+
 def test_generator_ops_go_to_the_handler_which_runs_each_rank_alone():
     expected = torch.rand(3, generator=torch.Generator().manual_seed(5))
     calls = []
@@ -445,3 +455,9 @@ def test_checkpointing_as_eager_traces_the_recompute_eager_autograd_runs():
         graph = _compat.trace_fake(f, (x,))
     assert Count.sins == 3  # two forward, the inner one again in the backward
     assert sum(n.target == aten.sin.default for n in graph.graph.nodes) == Count.sins
+
+
+def test_shape_argument_ops_are_the_ops_taking_global_sizes():
+    ops = _compat.shape_argument_ops()
+    assert {aten.native_group_norm.default, aten.view.default, aten.new_zeros.default} <= ops
+    assert aten.add.Tensor not in ops and aten.mm.default not in ops

@@ -6,6 +6,8 @@ It is greedy in graph order, then repairs locally (an op's choice is revisited w
 or a consumer's changed), then tries to remove each redistribution left by changing a region of
 ops at once (:meth:`AxisSolver._cascades`). A value redistributed to one placement is redistributed once however
 many ops use it there, and a ``Partial`` result stays partial until the cheapest point to reduce it.
+The greedy pass, the repairs and the cascades share the solver's state (each op's choice and the
+redistributions it implies) and its incremental cost bookkeeping, so they are one piece.
 
 Example::
 

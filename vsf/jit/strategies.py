@@ -1,7 +1,9 @@
 """DTensor's sharding strategies for an op, as the planner uses them: per mesh axis of ``n``
 ranks, the list of (input placements -> output placements) an op allows; and DTensor's own
 decision for an op on the full mesh. This is the only module of the planner that asks DTensor's
-strategy registry.
+strategy registry, so the translation of DTensor's strategies into per-axis choices, the rules vsf
+registers where DTensor has none, and the fallback are one piece: the only place that knows DTensor's
+strategy types.
 
 Example::
 

@@ -117,16 +117,19 @@ def gather(mesh: Mesh, rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]
 def check_same(leaves: Sequence[tuple[str, torch.Tensor, Mesh]], what: str = "device_put") -> None:
     """Raise ``ValueError`` unless every rank of each leaf's mesh holds the same value of it
     (``leaves``: key path, plain tensor, mesh). One :func:`gather` per mesh; nothing on one
-    process, and under simulation only per-rank tensors are compared.
+    process, and under simulation only per-rank tensors are compared; fake tensors (under
+    :func:`vsf.eval_shape`, or while tracing) have no values to compare and are skipped.
 
     Example::
 
         >>> check_same([("['x']", batch, mesh)])     # under torchrun, every process passes the whole batch
     """
+    if _compat.fake_mode_active():
+        return
     by_mesh: dict[Mesh, list[tuple[str, torch.Tensor]]] = {}
     simulated = runtime.is_simulated()
     for path, t, mesh in leaves:
-        if mesh.size > 1 and (_compat.is_local_tensor(t) if simulated else runtime.world_size() > 1 and runtime.rank() in mesh.devices):
+        if mesh.size > 1 and not _compat.is_fake(t) and (_compat.is_local_tensor(t) if simulated else runtime.world_size() > 1 and runtime.rank() in mesh.devices):
             by_mesh.setdefault(mesh, []).append((path, t))
     for mesh, items in by_mesh.items():
         ranks = ranks_here(mesh)

@@ -89,8 +89,11 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     for k in want:   # gradients of the first step (tied wte: both stages' parts summed), params after the last
         torch.testing.assert_close(first[k], want_grads[k], rtol=1e-5, atol=1e-7, msg=lambda e, k=k: f"grad {k}: {e}")
         # AdamW's step normalises each element's gradient: where a gradient is ~0 its rounding
-        # decides the step, so params are compared to 1% of the learning rate (1e-3)
-        torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
+        # decides the step, so params are compared to 3% of the learning rate (1e-3); a wrong
+        # gradient moves its elements by the whole learning rate (zb-m2 and dualpipev-m4 each
+        # had one element of blocks.1.attn.qkv.weight 1.1e-5 and 1.5e-5 away, first-step
+        # gradients within 1e-7)
+        torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=3e-5, msg=lambda e, k=k: f"param {k}: {e}")
     # each stage's params and Adam moments live on its pp coordinate's ranks only
     ranks = lambda k: tuple(range(pipe.rank_of(layout.split.owner[k]) * dp * tp, (pipe.rank_of(layout.split.owner[k]) + 1) * dp * tp))  # noqa: E731
     for k, v in p.items():

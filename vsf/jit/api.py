@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -35,8 +36,10 @@ from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import check_not_donated, donate
 from vsf.jit.graph import output_node
+from vsf.jit.memory import peak_bytes
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
+from vsf.jit.remat import recomputed, without_recompute
 from vsf.jit.replans import replan_reason
 from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
@@ -118,6 +121,24 @@ def jit(
     return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget,
                   unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads), backend=backend,
                   reduce_dtype=reduce_dtype)
+
+
+def _within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.GraphModule, memory_budget: int | None) -> Plan:
+    """``gm``'s plan (``plan_of``), where ``memory_budget`` decides the recompute the step asked
+    for (``vsf.remat``, activation checkpointing): kept if the plan without it would peak above
+    the budget (then also, as ``propagate`` decides, with params gathered again), dropped (the
+    forward keeps the values, no op runs twice) if that fits. The plan's notes say which."""
+    plan = plan_of(gm)
+    again = recomputed(gm)
+    if memory_budget is None or not again:
+        return plan
+    kept = plan_of(without_recompute(gm))
+    with_remat, without = peak_bytes(plan), peak_bytes(kept)
+    if without <= memory_budget:
+        note = f"memory_budget {memory_budget:,} B: no recompute ({len(again)} ops of remat dropped: ~{without:,} B peak without them fits; ~{with_remat:,} B with them)"
+        return dataclasses.replace(kept, notes=kept.notes + (note,))
+    note = f"memory_budget {memory_budget:,} B: {len(again)} ops recomputed in the backward (~{without:,} B peak without the recompute would not fit; ~{with_remat:,} B with it)"
+    return dataclasses.replace(plan, notes=plan.notes + (note,))
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -311,12 +332,12 @@ class Jitted:
             joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes, self.reduce_dtype)
             compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
         if compiled is None:
-            plan = propagate(
-                traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets, call.options,
+            plan_of = functools.partial(
+                propagate, mesh=mesh, in_placements=[tuple(x.placements) for x in call.inputs], out_shardings=out_targets, options=call.options,
                 reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
                 reduce_dtype=self.reduce_dtype,
             )
-            compiled = Compiled(self, plan, traced, call.names, out_names)
+            compiled = Compiled(self, _within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names)
         self._cache[call.key] = compiled
         return compiled
 

@@ -126,9 +126,12 @@ def propagate(
                 problem.solved[axis] = solver
         plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
     plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward))
-    if reshard_after_forward is None and memory_budget is not None and peak_bytes(plan) > memory_budget:
+    notes: tuple[str, ...] = ()
+    if reshard_after_forward is None and memory_budget is not None and (kept := peak_bytes(plan)) > memory_budget:
         plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=True)
-    return dataclasses.replace(plan, reduce_dtype=reduce_dtype)
+        notes = (f"memory_budget {memory_budget:,} B: params gathered again for their backward uses (reshard after forward; "
+                 f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",)
+    return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
 
 
 def _out_requirement(s: NamedSharding | None, k: int, may_stay_unreduced: bool) -> Any:

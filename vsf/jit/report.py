@@ -173,6 +173,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     c = cost(plan)
     per_axis = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
     lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{fmt_bytes(c.peak_bytes)}")
+    lines.extend(plan.notes)
     return "\n".join(lines)
 
 

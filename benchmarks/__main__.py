@@ -30,6 +30,7 @@ BENCHMARKS = {
     "context_parallel": "benchmarks.bench_context_parallel",
     "pipeline": "benchmarks.bench_pipeline",
     "moe": "benchmarks.bench_moe",
+    "remat": "benchmarks.bench_remat",
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 
 import pytest
 import torch
@@ -186,3 +187,22 @@ def test_torch_checkpointing_recomputes_in_the_plan_and_trains_like_one_device(s
     assert counted == collections.Counter({op: LAYERS * n for op, n in per_block.items()})
     _, plain = _train(sim, "dp", block)
     assert lowered.cost().peak_bytes < plain.cost().peak_bytes
+
+
+def test_memory_budget_keeps_the_recompute_only_where_the_plan_would_not_fit_without_it(sim):
+    """Between the two peaks the plan recomputes (and fits); above the peak without remat it
+    drops the recompute (no op runs twice); the plan text says which, and both train like one
+    device."""
+    _, with_remat = _train(sim, "dp", vsf.remat(block))
+    _, without = _train(sim, "dp", block)
+    low, high = with_remat.cost().peak_bytes, without.cost().peak_bytes
+    want = _oracle()
+    for budget, recomputes in (((low + high) // 2, True), (high, False)):
+        got, lowered = _train(sim, "dp", vsf.remat(block), memory_budget=budget)
+        _assert_close(got, want)
+        assert lowered.cost().peak_bytes <= budget
+        assert bool(recomputed(lowered.plan.graph)) is recomputes
+        said = re.search(rf"memory_budget {budget:,} B: (\d+ ops recomputed in the backward \(~([\d,]+) B peak without|no recompute)", lowered.as_text())
+        assert said is not None and said.group(1).startswith("no recompute") is not recomputes
+        if recomputes:  # the plan without the recompute, which it weighed, would not fit
+            assert int(said.group(2).replace(",", "")) > budget

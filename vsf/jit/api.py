@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -35,8 +36,10 @@ from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import check_not_donated, donate
 from vsf.jit.graph import output_node
+from vsf.jit.memory import peak_bytes
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
+from vsf.jit.remat import recomputed, without_recompute
 from vsf.jit.replans import replan_reason
 from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
@@ -57,6 +60,7 @@ def jit(
     reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: int | Sequence[int] = (),
     unsharded_grad_axes: Sequence[str] = (), deferred_grad_argnums: int | Sequence[int] = (), on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
     backend: str = "eager",
+    reduce_dtype: torch.dtype | None = None,
 ) -> Any:
     """Compile ``fun`` into a sharded program (usable as ``@jit`` and ``@jit(...)``).
 
@@ -73,6 +77,11 @@ def jit(
       afterwards raises an error that says so.
     * ``reshard_after_forward`` (FSDP2's name): ``True`` gathers a sharded param again in the backward, ``False``
       keeps it; ``None``: only if ``.cost().peak_bytes`` would exceed ``memory_budget`` (bytes per rank).
+    * ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``): every reduction (all-reduce,
+      reduce-scatter) of a floating value of another dtype runs in this one: each rank's partial
+      sum is cast to it, reduced, and cast back (``torch.float32``: bf16 gradients summed in fp32,
+      as one device's matmul accumulates them, at twice the bytes). The plan text shows each such
+      collective with its dtype; ``None`` reduces each value in its own.
     * ``unreduced_grad_argnums``: arguments whose DTensors' gradients (under torch autograd) come back
       unreduced (``Partial``) on the axes they are replicated on, where the plan holds them so (a
       weight's, the batch over ``dp``): ``.grad`` sums calls' linearly, the caller reduces once (DDP's ``no_sync``).
@@ -110,7 +119,26 @@ def jit(
     if fun is None:
         return lambda f: jit(f, **options)
     return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget,
-                  unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads), backend=backend)
+                  unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads), backend=backend,
+                  reduce_dtype=reduce_dtype)
+
+
+def _within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.GraphModule, memory_budget: int | None) -> Plan:
+    """``gm``'s plan (``plan_of``), where ``memory_budget`` decides the recompute the step asked
+    for (``vsf.remat``, activation checkpointing): kept if the plan without it would peak above
+    the budget (then also, as ``propagate`` decides, with params gathered again), dropped (the
+    forward keeps the values, no op runs twice) if that fits. The plan's notes say which."""
+    plan = plan_of(gm)
+    again = recomputed(gm)
+    if memory_budget is None or not again:
+        return plan
+    kept = plan_of(without_recompute(gm))
+    with_remat, without = peak_bytes(plan), peak_bytes(kept)
+    if without <= memory_budget:
+        note = f"memory_budget {memory_budget:,} B: no recompute ({len(again)} ops of remat dropped: ~{without:,} B peak without them fits; ~{with_remat:,} B with them)"
+        return dataclasses.replace(kept, notes=kept.notes + (note,))
+    note = f"memory_budget {memory_budget:,} B: {len(again)} ops recomputed in the backward (~{without:,} B peak without the recompute would not fit; ~{with_remat:,} B with it)"
+    return dataclasses.replace(plan, notes=plan.notes + (note,))
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -121,7 +149,7 @@ class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
     def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = (), unsharded_grad_axes: tuple[str, ...] = (),
-                 deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None), backend: str = "eager") -> None:
+                 deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None), backend: str = "eager", reduce_dtype: torch.dtype | None = None) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -132,6 +160,9 @@ class Jitted:
         self.reshard_after_forward, self.memory_budget = reshard_after_forward, memory_budget
         self.unreduced_grad_argnums, self.unsharded_grad_axes = unreduced_grad_argnums, unsharded_grad_axes
         self.deferred_grad_argnums, self.on_deferred_grads = deferred
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be a floating-point torch.dtype (torch.float32, say), got {reduce_dtype!r}")
+        self.reduce_dtype = reduce_dtype
         if self.deferred_grad_argnums and self.on_deferred_grads is None:
             raise ValueError(f"deferred_grad_argnums={self.deferred_grad_argnums} needs on_deferred_grads: the function that gets each call's deferred gradients to run")
         if backend not in BACKENDS:
@@ -298,14 +329,15 @@ class Jitted:
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
         if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
-            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes)
+            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes, self.reduce_dtype)
             compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
         if compiled is None:
-            plan = propagate(
-                traced.graph, mesh, [tuple(x.placements) for x in call.inputs], out_targets, call.options,
+            plan_of = functools.partial(
+                propagate, mesh=mesh, in_placements=[tuple(x.placements) for x in call.inputs], out_shardings=out_targets, options=call.options,
                 reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
+                reduce_dtype=self.reduce_dtype,
             )
-            compiled = Compiled(self, plan, traced, call.names, out_names)
+            compiled = Compiled(self, _within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names)
         self._cache[call.key] = compiled
         return compiled
 

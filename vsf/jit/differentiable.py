@@ -88,6 +88,7 @@ def plan_joint(
     options: PlanOptions,
     unreduced: Sequence[int] = (),
     unsharded: Sequence[str] = (),
+    reduce_dtype: torch.dtype | None = None,
 ) -> JointPlan | None:
     """Trace ``fun``'s joint graph for a call (its ``inputs`` as DTensors, its ``leaves`` as passed,
     ``grad`` from :func:`grad_mask`), plan it once and split it; ``traced`` is the forward alone and
@@ -99,7 +100,7 @@ def plan_joint(
     as the forward alone is planned. Each gradient is planned to end in its input's sharding
     (a plain tensor's: replicated), or for a DTensor leaf in ``unreduced`` (indices into
     ``leaves``) an unreduced sum on the axes that sharding replicates, and whole and unreduced on
-    the ``unsharded`` axes it splits, where the plan holds it so."""
+    the ``unsharded`` axes it splits, where the plan holds it so. ``reduce_dtype``: as ``vsf.jit``'s."""
     in_placements = [tuple(x.placements) for x in inputs]
     out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
     targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets, options)
@@ -114,7 +115,7 @@ def plan_joint(
     may_stay = [_replicated_axes(mesh, leaves[i]) + _split_axes(mesh, leaves[i], unsharded) if i in unreduced else () for i in with_grad]
     plan = propagate(
         joint.traced.graph, mesh, in_placements + [to_placements(t) for t in targets], targets + grad_targets,
-        options, unreduced=[()] * len(targets) + may_stay,
+        options, unreduced=[()] * len(targets) + may_stay, reduce_dtype=reduce_dtype,
     )
     parts = partition(plan, len(avals), len(out_metas), [j for j, d in enumerate(joint.differentiable) if d])
     return JointPlan(plan, parts, joint, with_grad)

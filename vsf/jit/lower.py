@@ -13,6 +13,7 @@ collectives, which is what each step then runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,10 +114,15 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
 
 
 def _move(plan: Plan, r: Redistribution, local: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``r``'s value (``local``, laid out as ``r.src``) laid out as ``r.dst``."""
-    prev = r.src
+    """This rank's shard of ``r``'s value (``local``, laid out as ``r.src``) laid out as ``r.dst``
+    (a reduction in the plan's ``reduce_dtype``: cast to it for the move, and back)."""
+    prev, t, wire = r.src, meta_of(r.value), plan.reduced_in(r)
+    if wire is not None:
+        local, t = local.to(wire), torch.empty_strided(t.shape, t.stride(), dtype=wire, device="meta")
     for nxt in transition_path(plan.mesh, r.src, r.dst):
-        local, prev = move_local(plan.mesh, meta_of(r.value), local, prev, nxt), nxt
+        local, prev = move_local(plan.mesh, t, local, prev, nxt), nxt
+    if wire is not None:
+        local = local.to(meta_of(r.value).dtype)
     # a shard cut from a replicated value, unpadded after an uneven collective or taken from an
     # all-to-all is a strided view, which some kernels read as a contiguous block (CPU
     # layer-norm backward's mean and rstd, view rules)
@@ -130,6 +136,9 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
     their layout allows (an all-reduce's, a reduce-scatter's; a gather's members are
     interleaved by rank, so each is copied out). (The functional all-reduce copies the buffer
     once more; its in-place twin would not, but ``CommDebugMode`` does not count it.)"""
+    wire = plan.reduced_in(b)
+    if wire is not None:  # reduced in the plan's reduce_dtype, each result cast back to its own
+        return [o.to(p.dtype) for p, o in zip(pieces, _run_bucket(dataclasses.replace(plan, reduce_dtype=None), b, [p.to(wire) for p in pieces]))]
     dm, mesh = plan.mesh.device_mesh, plan.mesh
     nd = len(b.members[0].src)
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]

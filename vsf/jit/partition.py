@@ -259,7 +259,7 @@ def _program(
     draft = Plan(plan.mesh, sub, nodes, ins, tuple(out_placements), (), (), (), plan.options)
     moves, users = _redistributions(draft)
     buckets, order = form_buckets(plan.mesh, sub, moves, {id(r): users[(r.value, r.dst)] for r in moves}, plan.options.bucket_bytes)
-    return dataclasses.replace(draft, redistributions=moves, buckets=buckets, order=order)
+    return dataclasses.replace(draft, redistributions=moves, buckets=buckets, order=order, reduce_dtype=plan.reduce_dtype)
 
 
 def _redistributions(plan: Plan) -> tuple[tuple[Redistribution, ...], dict[tuple[Value, Placements], list[torch.fx.Node]]]:

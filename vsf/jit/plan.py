@@ -133,13 +133,33 @@ class Plan:
     buckets: tuple[Bucket, ...]
     order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
     options: PlanOptions  # the switches it was planned with (vsf.config.plan_options)
+    reduce_dtype: torch.dtype | None = None  # floating values are reduced in this dtype (FSDP2's reduce_dtype); None: in their own
+    notes: tuple[str, ...] = ()  # what the planner chose and why (memory_budget's decisions), for the plan text
 
     def collectives(self) -> list[Collective]:
-        """Every collective the program runs (a bucket counts once; a manual region's own too)."""
+        """Every collective the program runs (a bucket counts once; a manual region's own too),
+        in the dtype it runs in (:meth:`wire`)."""
         bucketed = {id(r) for b in self.buckets for r in b.members}
-        out = [c for r in self.redistributions if id(r) not in bucketed for c in r.collectives]
+        out = [c for r in self.redistributions if id(r) not in bucketed for c in self.wire(r)]
         inside = [c for node in self.order if isinstance(node, torch.fx.Node) and node in self.nodes for c in self.nodes[node].collectives]
-        return out + [c for b in self.buckets for c in b.collectives] + inside
+        return out + [c for b in self.buckets for c in self.wire(b)] + inside
+
+    def reduced_in(self, r: Redistribution | Bucket) -> torch.dtype | None:
+        """The dtype ``r`` runs in where :attr:`reduce_dtype` changes it: a move that reduces a
+        floating value of another dtype (its value is cast for the move, and back after it)."""
+        dtype = r.collectives[0].dtype if r.collectives else None
+        reduces = any(c.kind in ("all_reduce", "reduce_scatter") for c in r.collectives)
+        if self.reduce_dtype is None or not reduces or dtype is None or not dtype.is_floating_point or dtype == self.reduce_dtype:
+            return None
+        return self.reduce_dtype
+
+    def wire(self, r: Redistribution | Bucket) -> tuple[Collective, ...]:
+        """``r``'s collectives as they run: in :meth:`reduced_in`'s dtype where it applies, with its bytes."""
+        dtype = self.reduced_in(r)
+        if dtype is None:
+            return r.collectives
+        scale = lambda c: c.bytes * dtype.itemsize // c.dtype.itemsize  # noqa: E731
+        return tuple(dataclasses.replace(c, dtype=dtype, bytes=scale(c)) for c in r.collectives)
 
     def serving(self, user: torch.fx.Node, value: Value, dst: Placements) -> Redistribution:
         """The redistribution that gives ``user`` its input ``value`` laid out as ``dst``."""

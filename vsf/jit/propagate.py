@@ -70,6 +70,7 @@ def propagate(
     reshard_after_forward: bool | None = None,
     memory_budget: int | None = None,
     unreduced: Sequence[Sequence[str]] | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> Plan:
     """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
 
@@ -81,6 +82,7 @@ def propagate(
     which costs nothing there (a replicated result is not split into a partial one).
     ``reshard_after_forward``: whether a gathered input is gathered again for its later uses (:func:`_regathered`); ``None`` lets ``memory_budget``
     (bytes per rank) decide: kept gathered unless the plan's estimated peak would exceed it.
+    ``reduce_dtype``: the dtype floating values are reduced in (:attr:`Plan.reduce_dtype`).
     """
     axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
     placeholders = placeholders_of(gm)
@@ -124,9 +126,12 @@ def propagate(
                 problem.solved[axis] = solver
         plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
     plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward))
-    if reshard_after_forward is None and memory_budget is not None and peak_bytes(plan) > memory_budget:
+    notes: tuple[str, ...] = ()
+    if reshard_after_forward is None and memory_budget is not None and (kept := peak_bytes(plan)) > memory_budget:
         plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=True)
-    return plan
+        notes = (f"memory_budget {memory_budget:,} B: params gathered again for their backward uses (reshard after forward; "
+                 f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",)
+    return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
 
 
 def _out_requirement(s: NamedSharding | None, k: int, may_stay_unreduced: bool) -> Any:

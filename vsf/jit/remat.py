@@ -24,7 +24,7 @@ import torch.fx
 from vsf.jit.graph import GETITEM, is_view
 from vsf.jit.trace import draws_random
 
-__all__ = ["recomputed"]
+__all__ = ["recomputed", "without_recompute"]
 
 _SAME_VALUE = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
@@ -53,6 +53,25 @@ def recomputed(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
         if earlier is not node and node in on_inputs and node.target is not GETITEM and not is_view(node):
             again[node] = earlier
     return again
+
+
+def without_recompute(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with every recomputed op (:func:`recomputed`) read as the value its first op computed
+    (the forward keeps it for the backward): the same values, no recompute.
+
+    Example::
+
+        >>> kept = without_recompute(traced.graph)   # what memory_budget compares against
+    """
+    again = recomputed(gm)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = env[again[node]] if node in again else graph.node_copy(node, env.__getitem__)
+    out = torch.fx.GraphModule(gm, graph)
+    out.graph.eliminate_dead_code()
+    out.recompile()
+    return out
 
 
 def _key(node: torch.fx.Node, same: dict[torch.fx.Node, torch.fx.Node]) -> Hashable | None:

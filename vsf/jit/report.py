@@ -150,8 +150,8 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
             continue
         if isinstance(node, Bucket):
             names = ", ".join(f"%{r.value[0].name}" for r in node.members)
-            for c in node.collectives:
-                lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {fmt_bytes(c.bytes)} sent")
+            for c in plan.wire(node):
+                lines.append(f"    {c.kind} over {c.axis}: one bucket of {len(node.members)} values ({names}), [{c.shape[0]}] {fmt_bytes(c.bytes)} sent{_in_dtype(plan, node)}")
             continue
         if node not in plan.nodes:
             continue
@@ -173,6 +173,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
     c = cost(plan)
     per_axis = ", ".join(f"{a} {fmt_bytes(b)}" for a, b in c.comm_bytes.items() if mesh.axis_size(a) > 1) or "none"
     lines.append(f"cost per rank: sends {per_axis}; {len(c.collectives)} collectives; peak memory ~{fmt_bytes(c.peak_bytes)}")
+    lines.extend(plan.notes)
     return "\n".join(lines)
 
 
@@ -195,12 +196,17 @@ def _op_name(node: torch.fx.Node) -> str:
     return str(getattr(target, "__name__", target)).replace(".default", "")
 
 
-def _move_lines(plan: Plan, r: "object") -> list[str]:
+def _move_lines(plan: Plan, r: Redistribution) -> list[str]:
     t = meta_of(r.value)
     src, dst = _type(plan, t, r.src), _type(plan, t, r.dst)
     if not r.collectives:
         return [f"    slice  %{r.value[0].name}: {src} -> {dst} (local, no communication)"]
     return [
-        f"    {c.kind} over {c.axis}: %{r.value[0].name} {list(c.shape)} {fmt_bytes(c.bytes)} sent  ({src} -> {dst})"
-        for c in r.collectives
+        f"    {c.kind} over {c.axis}: %{r.value[0].name} {list(c.shape)} {fmt_bytes(c.bytes)} sent{_in_dtype(plan, r)}  ({src} -> {dst})"
+        for c in plan.wire(r)
     ]
+
+
+def _in_dtype(plan: Plan, r: Redistribution | Bucket) -> str:
+    wire = plan.reduced_in(r)
+    return f" in {str(wire).removeprefix('torch.')} (reduce_dtype; {str(r.collectives[0].dtype).removeprefix('torch.')} before and after)" if wire is not None else ""

@@ -70,7 +70,8 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
     program (a per-rank buffer failed there with ``DataDependentOutputException: aten.equal``).
     Its parameters keep one value per rank (equal on every rank: they are drawn as separate
     processes draw them, which a plain tensor inside the simulation would not be); pass them
-    explicitly, as ``vsf.tree.apply(model, params, ...)`` does, rather than closing over them.
+    explicitly, as ``vsf.tree.apply(model, params, ...)`` does, rather than closing over them (a
+    ``vsf.jit`` function that reads them from the module is a ``vsf.TraceError`` at its call).
 
     Example::
 

@@ -118,6 +118,46 @@ def test_a_module_weight_read_from_the_module_is_refused(sim):
         direct(p, x)
 
 
+def test_a_module_built_inside_simulate_and_closed_over_is_refused_at_the_jit_call(sim):
+    """Its params hold one value per simulated rank: read from the module (not the arguments) they
+    ran rank by rank outside the traced graph, and the result failed later, at device_get. The same
+    module built outside the simulation meets the rule on module weights above."""
+    outside = Checkpointed()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    inside = Checkpointed()
+    x = vsf.device_put(torch.randn(4, 16), vsf.NamedSharding(mesh, P("dp")))
+    with pytest.raises(vsf.TraceError, match=r"reads the module tensors inside\.blocks\.0\.0\.weight, .* built inside `vsf.simulate` "
+                       r".*Build the model outside `vsf.simulate`, or pass its params as arguments and run it with vsf.tree.apply"):
+        vsf.jit(lambda x: inside(x))(x)
+    offset = vsf.tree.from_module(inside)["head.bias"]
+    with pytest.raises(vsf.TraceError, match=r"reads a tensor built inside `vsf.simulate` from outside its arguments"):
+        vsf.jit(lambda x: x + offset)(x)
+    with pytest.raises(vsf.TraceError, match=r"reads a module's parameter \(float32\[32, 16\]\) from the module itself"):
+        vsf.jit(lambda x: outside(x))(x)
+
+
+def test_a_module_built_inside_simulate_trains_through_explicit_params_like_one_device():
+    """Its params, passed as arguments, give one device's loss and gradients: the oracle is the
+    same params (read back with device_get) on a module built outside, differentiated by torch."""
+    with vsf.simulate(2):
+        mesh = vsf.make_mesh((2,), ("dp",))
+        model = Checkpointed()
+        params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, P()))
+        (x,) = _batches(1)[0]
+        step = vsf.jit(lambda p, x: vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, x))(p))
+        loss, grads = vsf.device_get(step(params, vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))))
+        plain = vsf.device_get(params)
+    assert all(type(t) is torch.Tensor for t in (loss, *plain.values(), *grads.values()))
+    oracle = Checkpointed()
+    oracle.remat = False
+    oracle.load_state_dict(plain)
+    want = oracle(x)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    _assert_close(grads, {k: p.grad for k, p in oracle.named_parameters()})
+
+
 def test_reentrant_checkpointing_is_refused_eagerly_and_under_jit(sim):
     model = Checkpointed(reentrant=True)
     params = vsf.tree.from_module(model)

@@ -67,7 +67,10 @@ def trace(
         leaves, treedef = tree.flatten(out)
         out_info["tree"] = treedef
         out_info["consts"] = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-        return [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if any(_compat.is_local_tensor(x) for x in tensors):
+            _reject_simulated_constants(fun)
+        return tensors
 
     with _compat.local_mode_disabled(), tracing_step():
         return _trace(fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random)
@@ -178,6 +181,43 @@ def _reject_module_weights(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
                 "such as `model.head.weight`, or torch.func.functional_call with activation checkpointing, whose recompute reads "
                 "the module's own weights, does this)."
             )
+
+
+def _reject_simulated_constants(fun: Callable[..., Any]) -> None:
+    """A result computed from a tensor made under ``vsf.simulate`` that the step did not take as an
+    argument (one value per simulated rank, run rank by rank outside the traced graph): refuse it,
+    naming the module parameter or buffer the function closes over, where one is found."""
+    found = _simulated_module_tensors(fun)
+    what = f"the module tensor{'s' if len(found) > 1 else ''} {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "a tensor"
+    raise TraceError(
+        f"{_fun_name(fun)} reads {what} built inside `vsf.simulate` from outside its arguments: such a tensor holds one "
+        "value per simulated rank and cannot be a constant of a traced step. Build the model outside `vsf.simulate`, "
+        "or pass its params as arguments and run it with vsf.tree.apply(model, params, ...)."
+    )
+
+
+def _simulated_module_tensors(fun: Callable[..., Any]) -> list[str]:
+    """``name.param`` of each parameter or buffer made under ``vsf.simulate`` of the modules ``fun``
+    is, is bound to, closes over or names as a global."""
+    code = getattr(fun, "__code__", None)
+    named: dict[str, Any] = {_fun_name(fun): fun, "self": getattr(fun, "__self__", None)}
+    if code is not None:
+        cells = getattr(fun, "__closure__", None) or ()
+        named |= {name: _cell_value(cell) for name, cell in zip(code.co_freevars, cells, strict=True)}
+        named |= {name: fun.__globals__[name] for name in code.co_names if name in fun.__globals__}
+    return [
+        f"{name}.{key}"
+        for name, module in named.items() if isinstance(module, torch.nn.Module)
+        for key, t in (*module.named_parameters(), *module.named_buffers()) if _compat.is_local_tensor(t)
+    ]
+
+
+def _cell_value(cell: Any) -> Any:
+    """What the closure cell ``cell`` holds (``None`` before the enclosing function assigns it)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 _NO_DRAW = {"dropout_p": 0.0, "dropout": 0.0, "p": 0.0, "train": False}  # argument values that make a seeded op deterministic

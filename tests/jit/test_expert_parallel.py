@@ -91,6 +91,27 @@ def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     assert sorted((c.kind, c.bytes) for c in over_ep if c.kind != "all_to_all_v") == [("all_gather", EXPERTS * 8), ("all_reduce", 4)]  # counts; the loss
 
 
+def test_one_jitted_step_follows_each_calls_routing_under_simulation(sim):
+    """Calls 2 and 3 of a simulated step are recorded and replayed (vsf.jit.replay) unless the
+    program reads a computed value: the exchange reads its counts, so every call must route as
+    its own inputs say (a recording kept the second call's counts for the third: a wrong number)."""
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+    specs = {"w_in": P("ep"), "w_out": P("ep")}
+    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
+
+    def moe(x, index, gates, w_in, w_out):
+        return vsf.nn.expert_parallel(experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+
+    step = vsf.jit(lambda q, index: loss_of(moe)({**q, "index": index}))
+    for call, skewed in enumerate((False, False, True, False)):
+        p = inputs(skewed)
+        p["index"] = p["index"].roll(call * TOKENS // 4, 0)  # each call routes other tokens to other ranks
+        q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in p if k != "index"}
+        got = step(q, vsf.device_put(p["index"], tokens))
+        torch.testing.assert_close(vsf.device_get(got), loss_of(dense)(p), rtol=1e-5, atol=0)
+
+
 def test_expert_dim_must_divide(sim):
     sim(2)
     mesh = vsf.make_mesh((2,), ("ep",))

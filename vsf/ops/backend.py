@@ -182,11 +182,19 @@ def exchange_counted(x: torch.Tensor, counts: torch.Tensor, g: AxisGroup, rows: 
         with _compat.local_mode_disabled():
             out = {}
             for r in xs:
-                matrix, me = cs[r].tolist(), g.index(r)
+                matrix, me = _read_counts(cs[r]), g.index(r)
                 blocks = [xs[src][sum(matrix[i][:me]) : sum(matrix[i][: me + 1])] for i, src in enumerate(g.members(r))]
                 out[r] = _padded(torch.cat(blocks), rows, g.axis, me)
             return _compat.make_local(out)
     return torch.ops.vsf.exchange_counted(x, counts, g.group.group_name, g.axis, rows)
+
+
+def _read_counts(counts: torch.Tensor) -> list[list[int]]:
+    """The rows of a count matrix as Python ints, each read by ``item()`` (an op a dispatch mode
+    sees, where ``tolist()`` reads memory directly): a simulated step that reads them is one whose
+    Python code depends on computed values, which :mod:`vsf.jit.replay` must see to refuse to
+    record it (a recording would keep this step's counts for every later step)."""
+    return [[int(c.item()) for c in row.unbind(0)] for row in counts.unbind(0)]
 
 
 @torch.library.custom_op("vsf::exchange_counted", mutates_args=())

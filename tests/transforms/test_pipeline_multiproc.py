@@ -89,8 +89,10 @@ def _check(world_dp, ranks):
             got, where = r[name], (name, rank)
             assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where
             # AdamW normalises each gradient element: a near-zero one's rounding decides its step,
-            # so params are compared to 1% of the learning rate (1e-3); measured: <= 5.5e-7
-            assert got["max_param_err"] <= 1e-5, (where, got["max_param_err"])
+            # so params are compared to 3% of the learning rate (1e-3), a wrong gradient moving
+            # its elements by the whole rate; measured: <= 5.5e-7, 1.0e-5 since local inputs are
+            # laid out as traced (interleaved on 2 processes, gpipe on 4)
+            assert got["max_param_err"] <= 3e-5, (where, got["max_param_err"])
             mine = [s for s in range(n) if rank_of(name, s, pp) == rank // dp]
             # a rank holds its own stages' params and their Adam state
             assert got["held"] == sorted(k for s in mine for k in held(s, n)), where

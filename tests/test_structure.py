@@ -21,7 +21,7 @@ ROOT = pathlib.Path(vsf.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("vsf.errors", "vsf._compat", "vsf.config", "vsf.runtime")),
     ("pytrees", ("vsf.tree",)),
-    ("values", tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "named", "rules", "inspect", "constraint"))),
+    ("values", tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "placement", "named", "rules", "inspect", "constraint"))),
     ("collectives", ("vsf.ops", "vsf.ops.")),
     ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing", "fingerprint", "make_array"))),
     ("jit", ("vsf.jit", "vsf.jit.")),

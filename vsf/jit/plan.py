@@ -1,6 +1,7 @@
 """The plan ``jit`` makes and runs: a placement for every value, every redistribution between
 them, the buckets and the order the program runs in; and the vocabulary of placements the
-stages share (is a placement a shard, which dim it splits, how the per-axis solver sees it).
+stages share, re-exported from :mod:`vsf.sharding.placement` (is a placement a shard, which dim
+it splits, how the per-axis solver sees it).
 
 Example::
 
@@ -13,20 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate
 
-from vsf import _compat
 from vsf.config import PlanOptions
 from vsf.jit.classify import OpClass
 from vsf.jit.graph import Value, placeholders_of
 from vsf.ops.recording import CollectiveKind
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement
+from vsf.sharding.named import NamedSharding
+from vsf.sharding.placement import as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, kind_of, one_d, split_dim
 
 __all__ = [
     "Bucket",
@@ -183,49 +183,6 @@ def to_placements(s: NamedSharding) -> Placements:
     return tuple(s.placements)
 
 
-def is_shard(p: Any) -> bool:
-    """Does ``p`` split a tensor dim (a plain, strided, ragged or balanced shard)?"""
-    return isinstance(p, (Shard, _compat.StridedShard, RaggedPlacement, BalancedPlacement))
-
-
-def split_dim(p: Any) -> int:
-    """The tensor dim a shard-like placement splits (a ragged split of leading dims: dim 0)."""
-    return 0 if isinstance(p, RaggedPlacement) else p.dim
-
-
-def one_d(p: Placement) -> Placement:
-    """A placement as the 1D solver sees it (strided shards are shards of their dim)."""
-    return Shard(p.dim) if isinstance(p, _compat.StridedShard) else p
-
-
-def has_ragged(placements: Sequence[Placements]) -> bool:
-    """Does any of these layouts hold a ragged split?"""
-    return any(isinstance(p, RaggedPlacement) for pl in placements for p in pl)
-
-
-def has_balanced(placements: Sequence[Placements | None]) -> bool:
-    """Does any of these layouts hold a balanced split?"""
-    return any(isinstance(p, BalancedPlacement) for pl in placements if pl is not None for p in pl)
-
-
-def as_contiguous(placements: Placements | None) -> Placements | None:
-    """``placements`` with each balanced split read as DTensor's ``Shard`` of its dim (a strided
-    one's: its groups' chunks): the same local shards, of the balanced view
-    (:class:`~vsf.sharding.named.BalancedPlacement`)."""
-    if placements is None:
-        return None
-    plain = lambda p: Shard(p.dim) if p.split_factor is None else _compat.StridedShard(p.dim, split_factor=p.split_factor)  # noqa: E731
-    return tuple(plain(p) if isinstance(p, BalancedPlacement) else p for p in placements)
-
-
-def balanced_of(p: Placement) -> BalancedPlacement:
-    """The balanced split of the dim a plain or strided shard ``p`` splits (the inverse of
-    :func:`as_contiguous`; a balanced one as it is)."""
-    if isinstance(p, BalancedPlacement):
-        return p
-    return BalancedPlacement(p.dim, split_factor=p.split_factor if isinstance(p, _compat.StridedShard) else None)
-
-
 def splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
     """Is every dim of ``t`` split into equal shards by all the mesh dims that split it together
     (a balanced split: into twice as many equal chunks)?
@@ -238,5 +195,5 @@ def splits_evenly(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
     ways = [1] * t.ndim
     for axis, p in zip(mesh.device_axes, placements):
         if is_shard(p):
-            ways[split_dim(p)] *= mesh.axis_size(axis) * (2 if isinstance(p, BalancedPlacement) else 1)
+            ways[split_dim(p)] *= mesh.axis_size(axis) * (2 if kind_of(p) == "balanced" else 1)
     return all(size % n == 0 for size, n in zip(t.shape, ways))

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from vsf import _compat, tree
 from vsf.tree import KeyPath
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
+from vsf.sharding.placement import BalancedPlacement, RaggedPlacement, balanced_order, kind_of, split_dim
 from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, PartitionSpec, RaggedShard
 
 __all__ = ["BalancedPlacement", "NamedSharding", "RaggedPlacement", "balanced_order", "chunk", "from_placements", "resolve", "sharding_of"]
@@ -54,102 +55,6 @@ def chunk(start: int, stop: int, n: int, i: int) -> tuple[int, int]:
     step = -(-size // n) if size else 0
     lo = min(start + i * step, stop)
     return lo, min(lo + step, stop)
-
-
-class RaggedPlacement(Placement):
-    """The DTensor placement of a :class:`~vsf.RaggedShard` on its mesh dim.
-
-    DTensor keeps it (``placements``, ``to_local()`` with per-rank sizes, the global ``shape``)
-    but has no strategy for it: its ops and ``full_tensor`` / ``redistribute`` raise instead of
-    computing with ``torch.chunk`` sizes. vsf moves ragged values itself
-    (:func:`vsf.device_put`, :func:`vsf.sharding.ragged.reshard`).
-
-    Example::
-
-        >>> [p.ragged for p in x.placements if isinstance(p, RaggedPlacement)]
-        [RaggedShard('fsdp', units=(1, 2, 1, 0), dims=1, block=1)]
-    """
-
-    def __init__(self, ragged: RaggedShard) -> None:
-        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
-        self._ragged = ragged
-
-    @property
-    def ragged(self) -> RaggedShard:
-        """The ragged split: ``axis``, ``units``, ``dims``, ``block``."""
-        return self._ragged
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RaggedPlacement) and other._ragged == self._ragged
-
-    def __hash__(self) -> int:
-        return hash(("RaggedPlacement", self._ragged))
-
-    def __repr__(self) -> str:
-        return f"RaggedPlacement({self._ragged!r})"
-
-
-class BalancedPlacement(Placement):
-    """The DTensor placement of a :class:`~vsf.BalancedShard` on its mesh dim: tensor dim ``dim``
-    cut into ``2n`` chunks, this rank holding chunks ``i`` and ``2n-1-i`` of its ``n`` ranks;
-    with a ``split_factor`` ``g`` (inside ``vsf.jit``: a view merged the split dim into a larger
-    one, ``[b, t] -> [b*t]``), the dim is ``g`` groups, each split so.
-
-    Each rank's local tensor is exactly ``Shard(dim)``'s (``_StridedShard(dim, g)``'s) local
-    tensor of the dim permuted into :func:`balanced_order`; DTensor has no strategy for it (its
-    ops raise), so ``vsf.jit`` plans it (every contiguous-shard rule of an op holds on the
-    chunks) and vsf moves it.
-
-    Example::
-
-        >>> BalancedPlacement(1)
-        BalancedPlacement(dim=1)
-    """
-
-    def __init__(self, dim: int, *, split_factor: int | None = None) -> None:
-        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
-        self._dim, self._split_factor = int(dim), None if split_factor is None else int(split_factor)
-
-    @property
-    def dim(self) -> int:
-        """The tensor dim it splits."""
-        return self._dim
-
-    @property
-    def split_factor(self) -> int | None:
-        """How many groups of the dim are each split balanced, where a view merged dims (``None``:
-        the whole dim, a spec's layout; DTensor tells a strided shard of one group from a shard)."""
-        return self._split_factor
-
-    @property
-    def groups(self) -> int:
-        """How many groups of the dim are each split balanced (1 for the whole dim)."""
-        return self._split_factor or 1
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BalancedPlacement) and (other._dim, other._split_factor) == (self._dim, self._split_factor)
-
-    def __hash__(self) -> int:
-        return hash(("BalancedPlacement", self._dim, self._split_factor))
-
-    def __repr__(self) -> str:
-        sf = f", split_factor={self._split_factor}" if self._split_factor is not None else ""
-        return f"BalancedPlacement(dim={self._dim}{sf})"
-
-
-def balanced_order(size: int, n: int, groups: int = 1) -> torch.Tensor:
-    """The positions of a dim of ``size`` in the balanced order over ``n`` ranks: chunk ``i``,
-    then chunk ``2n-1-i``, for ``i = 0 .. n-1`` (each of ``groups`` equal groups so:
-    ``t.index_select(dim, order)`` is the view each rank's contiguous block, or strided blocks,
-    are cut from; ``argsort(order)`` undoes it).
-
-    Example::
-
-        >>> balanced_order(8, 2)
-        tensor([0, 1, 6, 7, 2, 3, 4, 5])
-    """
-    c = size // (2 * n * groups)
-    return torch.arange(size).view(groups, 2 * n, c)[:, list(BalancedShard.chunk_order(n))].reshape(-1)
 
 
 class NamedSharding:
@@ -177,7 +82,7 @@ class NamedSharding:
         if spec.ragged is not None and len(spec.ragged.units) != mesh.axis_size(spec.ragged.axis):
             r = spec.ragged
             raise ValueError(f"{r!r} has {len(r.units)} units but mesh axis {r.axis!r} has {mesh.axis_size(r.axis)} ranks")
-        if spec.ragged is not None and any(isinstance(e, BalancedShard) for e in spec):
+        if spec.ragged is not None and spec.balanced:
             raise ValueError(f"{spec!r} holds a ragged and a balanced entry; vsf takes one or the other")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
@@ -202,7 +107,7 @@ class NamedSharding:
     @property
     def balanced(self) -> dict[int, BalancedShard]:
         """The spec's :class:`~vsf.BalancedShard` entries by dim, those whose axis is larger than 1."""
-        return {d: e for d, e in enumerate(self._spec) if isinstance(e, BalancedShard) and self._mesh.axis_size(e.axis) > 1}
+        return {d: b for d, b in self._spec.balanced.items() if self._mesh.axis_size(b.axis) > 1}
 
     def as_contiguous(self) -> "NamedSharding":
         """The same local shards read as contiguous shards of :meth:`index_view` (every balanced
@@ -213,7 +118,8 @@ class NamedSharding:
             >>> NamedSharding(mesh, P(None, vsf.balanced("cp"))).as_contiguous().spec
             P(None, 'cp')
         """
-        entries = [e.axis if isinstance(e, BalancedShard) else e for e in self._spec]
+        balanced = self._spec.balanced
+        entries = [balanced[d].axis if d in balanced else e for d, e in enumerate(self._spec)]
         return NamedSharding(self._mesh, PartitionSpec(*entries, unreduced=self._spec.unreduced))
 
     @classmethod
@@ -257,7 +163,7 @@ class NamedSharding:
                 raise ValueError(
                     f"{self._spec!r}{at}: P.UNCONSTRAINED (dim {dim}) is only allowed in with_sharding_constraint"
                 )
-        strided = {p.dim for p in self.placements if isinstance(p, _compat.StridedShard)}
+        strided = {split_dim(p) for p in self.placements if kind_of(p) == "strided"}
         for dim in sorted(strided):
             if shape[dim] % self.num_shards(dim):
                 axes = self._spec.entry_axes(dim)
@@ -422,21 +328,23 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
     split: dict[int, list[str]] = {}  # dim -> the axes that split it, in mesh order
     balanced: dict[int, BalancedShard] = {}
     ragged_entry: RaggedShard | None = None
+    p: Any   # a placement, read as its kind says
     for axis, p in zip(dm_axes, placements):
-        if isinstance(p, RaggedPlacement):
+        k = kind_of(p)
+        if k == "ragged":
             ragged_entry = p.ragged
-        elif isinstance(p, BalancedPlacement):
+        elif k == "balanced":
             if p.split_factor is not None:
                 raise ValueError(f"{p} over {axis!r} splits groups of dim {p.dim} (a merged view's), which no vsf spec names")
             if p.dim in split or p.dim in balanced:
                 other = split.get(p.dim) or balanced[p.dim]
                 raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced over {axis!r} and over {other}: vsf has no such layout")
             balanced[p.dim] = BalancedShard(axis)
-        elif isinstance(p, Partial):
+        elif k == "partial":
             if p.reduce_op != "sum":
                 raise ValueError(f"a {p} placement over {axis!r} has no vsf spec (only sum partials are 'unreduced')")
             unreduced.append(axis)
-        elif isinstance(p, (Shard, _compat.StridedShard)):
+        elif k in ("shard", "strided"):
             if p.dim in balanced:
                 raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced and over {axis!r}: vsf has no such layout")
             split.setdefault(p.dim, []).append(axis)

@@ -382,6 +382,17 @@ class PartitionSpec:
         return first if isinstance(first, RaggedShard) else None
 
     @property
+    def balanced(self) -> dict[int, BalancedShard]:
+        """The :class:`BalancedShard` entries by dim.
+
+        Example::
+
+            >>> P("dp", balanced("cp")).balanced
+            {1: BalancedShard('cp')}
+        """
+        return {d: e for d, e in enumerate(self._entries) if isinstance(e, BalancedShard)}
+
+    @property
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis this spec mentions (sharding or unreduced)."""
         return tuple(a for e in self._entries for a in _entry_axes(e)) + self._unreduced

@@ -22,10 +22,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from vsf import _compat
 from vsf.jit.cost import local_shape, transition_bytes, transition_kind
 from vsf.errors import PlanError
-from vsf.jit.plan import Collective, Placements, as_contiguous, has_balanced, has_ragged, is_shard, one_d, split_dim
+from vsf.jit.plan import Collective, Placements
 from vsf.sharding import ragged
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, RaggedPlacement, balanced_order, from_placements
+from vsf.sharding.named import from_placements
+from vsf.sharding.placement import (
+    as_contiguous, balanced_order, has_balanced, has_ragged, has_strided, is_shard, kind_of, layout_of, on_dim, one_d, split_dim,
+)
 
 __all__ = ["Regather", "collectives_of", "local_step", "minor_step", "move_local", "strided_regather", "transition_path"]
 
@@ -42,14 +45,14 @@ def minor_step(mesh: Mesh, src: Placements, dst: Placements) -> tuple[int, int] 
     if len(changed) != 1:
         return None
     k = changed[0]
-    strided = [p for p in (src[k], dst[k]) if isinstance(p, _compat.StridedShard)]
-    if not strided or any(not isinstance(p, (Replicate, Partial, _compat.StridedShard)) for p in (src[k], dst[k])):
+    strided = [p for p in (src[k], dst[k]) if kind_of(p) == "strided"]
+    if not strided or any(kind_of(p) not in ("replicate", "partial", "strided") for p in (src[k], dst[k])):
         return None
     d = strided[0].dim
     if any(p.dim != d for p in strided) or any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (src[k], dst[k])):
         return None
     inner = [j for j in range(k + 1, len(src)) if is_shard(src[j]) and split_dim(src[j]) == d]
-    if any(type(src[j]) is not Shard for j in inner):  # a strided split inside: not the one 1D split of the local shard
+    if any(kind_of(src[j]) != "shard" for j in inner):  # a strided split inside: not the one 1D split of the local shard
         return None
     later = math.prod(mesh.axis_size(mesh.device_axes[j]) for j in inner)
     earlier = any(is_shard(src[j]) and split_dim(src[j]) == d for j in range(k))
@@ -69,7 +72,7 @@ def local_step(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) ->
 
 
 def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[int, int] | None:
-    if not any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)) or has_ragged([src, dst]) or has_balanced([src, dst]):
+    if not has_strided([src, dst]) or has_ragged([src, dst]) or has_balanced([src, dst]):
         return None
     sizes = tuple(mesh.axis_size(a) for a in mesh.device_axes)
     for k, (a, b) in enumerate(zip(src, dst)):
@@ -84,7 +87,7 @@ def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst
             return None
         if any(shape[d] % math.prod(n for n, p in zip(sizes, pl) if splits_d(p)) for pl in (src, dst)):
             return None  # uneven: DTensor's 1D collective pads the largest shard
-        along = lambda pl: tuple(_compat.StridedShard(0, split_factor=p.split_factor) if isinstance(p, _compat.StridedShard) else Shard(0) if splits_d(p) else Replicate() for p in pl)  # noqa: E731
+        along = lambda pl: tuple(on_dim(p, 0) if kind_of(p) == "strided" or splits_d(p) else Replicate() for p in pl)  # noqa: E731
         return (k, d) if _pieces_of(shape[d], along(whole), along(split), k, sizes) else None
     return None
 
@@ -124,7 +127,7 @@ def strided_regather(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: P
     over ``fsdp`` alone would leave cp's shard interleaved as ``S(0)/sf4``, and DTensor's all-to-all
     of ``S(1), S(0)/sf4 -> S(0), S(0)/sf4`` splits the rows cp kept rather than the whole dim."""
     src, dst = tuple(src), tuple(dst)
-    if not any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)) or has_ragged([src, dst]) or has_balanced([src, dst]) or src == dst:
+    if not has_strided([src, dst]) or has_ragged([src, dst]) or has_balanced([src, dst]) or src == dst:
         return None
     if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)) or any(isinstance(a, Partial) and a.reduce_op != "sum" and a != b for a, b in zip(src, dst)):
         return None
@@ -190,11 +193,11 @@ def _run_regather(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placeme
     for k, d, p, length in r.gathers:
         shape[d] = length
         local = move(local, k, Shard(d), Replicate())
-        if isinstance(p, _compat.StridedShard):
+        if kind_of(p) == "strided":
             local = swap(local, d, mesh.axis_size(mesh.device_axes[k]), p.split_factor)
     for k, d, p, length in r.slices:
         shape[d] = length
-        if isinstance(p, _compat.StridedShard):
+        if kind_of(p) == "strided":
             local = swap(local, d, p.split_factor, mesh.axis_size(mesh.device_axes[k]))
         local = move(local, k, Replicate(), Shard(d))
     return local
@@ -211,15 +214,15 @@ def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placem
     nesting) that becomes a plain placement moves first, alone: DTensor moving it with other mesh
     dims slices those first and then regathers the strided shard as if it split the whole dim
     (``(S(0)/sf2, R) -> (R, S(0))`` left each rank all rows, wrongly ordered)."""
-    if any(isinstance(p, _compat.StridedShard) for p in (*src, *dst)):
-        last = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b and isinstance(b, _compat.StridedShard)]
+    if has_strided([src, dst]):
+        last = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b and kind_of(b) == "strided"]
         if len(last) == 1:
             mid = tuple(src[k] if k == last[0] else p for k, p in enumerate(dst))
-            if mid != tuple(src) and not any(isinstance(p, _compat.StridedShard) for p in (*src, *mid)) and minor_step(mesh, mid, dst) is not None:
+            if mid != tuple(src) and not has_strided([src, mid]) and minor_step(mesh, mid, dst) is not None:
                 return [*transition_path(mesh, src, mid), tuple(dst)]
         changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
         alone = lambda k: not any(j != k and is_shard(p) and split_dim(p) == src[k].dim for j, p in enumerate(src))  # noqa: E731
-        first = [k for k in changed if isinstance(src[k], _compat.StridedShard) and not isinstance(dst[k], _compat.StridedShard) and alone(k)]
+        first = [k for k in changed if kind_of(src[k]) == "strided" and kind_of(dst[k]) != "strided" and alone(k)]
         if first and len(first) < len(changed):
             mid = tuple(dst[k] if k in first else p for k, p in enumerate(src))
             return [mid, *transition_path(mesh, mid, dst)]
@@ -291,18 +294,18 @@ def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements
         return _run_regather(mesh, t, local, src, regather)
     if has_balanced([src, dst]):
         return _move_balanced(mesh, t, local, src, dst)
-    if not any(isinstance(p, RaggedPlacement) for p in (*src, *dst)):
+    if not has_ragged([src, dst]):
         return _compat.redistribute_local(local, dm, src, dst, shape=t.shape, stride=t.stride(), dtype=t.dtype)
     for k, (a, b) in enumerate(zip(src, dst)):
         if a == b:
             continue
         mid = tuple(b if j == k else p for j, p in enumerate(src))
-        if isinstance(a, RaggedPlacement) or isinstance(b, RaggedPlacement):
+        if kind_of(a) == "ragged" or kind_of(b) == "ragged":
             axis = mesh.device_axes[k]
             shape = ragged.group_shape(from_placements(mesh, src, t.ndim), axis, tuple(t.shape))
-            local = ragged.reshard(local, shape, _layout(a), _layout(b), mesh=mesh)
+            local = ragged.reshard(local, shape, layout_of(a), layout_of(b), mesh=mesh)
         else:  # another mesh dim: DTensor moves it; the ragged rows are just rows there
-            plain = lambda pl: tuple(Replicate() if isinstance(p, RaggedPlacement) else p for p in pl)  # noqa: E731
+            plain = lambda pl: tuple(Replicate() if kind_of(p) == "ragged" else p for p in pl)  # noqa: E731
             local = move_local(mesh, t, local, plain(src), plain(mid))
         src = mid
     return local
@@ -312,10 +315,10 @@ def _check_balanced(mesh: Mesh, placements: Placements) -> None:
     """A balanced split is its dim's last split: its chunks are of the whole dim, or with a split
     factor of each group of the block that earlier mesh dims' plain shards leave."""
     for k, p in enumerate(placements):
-        if isinstance(p, BalancedPlacement):
+        if kind_of(p) == "balanced":
             others = [
                 mesh.device_axes[j] for j, q in enumerate(placements)
-                if j != k and is_shard(q) and split_dim(q) == p.dim and (j > k or type(q) is not Shard)
+                if j != k and is_shard(q) and split_dim(q) == p.dim and (j > k or kind_of(q) != "shard")
             ]
             if others:
                 raise PlanError(f"dim {p.dim} is split balanced over {mesh.device_axes[k]!r} and over {others} too ({placements}): vsf has no such layout")
@@ -333,13 +336,13 @@ def _move_balanced(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placem
         if a == b:
             continue
         n = mesh.axis_size(mesh.device_axes[k])
-        if isinstance(a, BalancedPlacement):
+        if kind_of(a) == "balanced":
             whole = tuple(Replicate() if j == k else p for j, p in enumerate(current))
             local = move(local, current, whole)
             local = local.index_select(a.dim, torch.argsort(balanced_order(local.shape[a.dim], n, a.groups)))
             current = whole
         nxt = tuple(b if j == k else p for j, p in enumerate(current))
-        if isinstance(b, BalancedPlacement):
+        if kind_of(b) == "balanced":
             local = local.index_select(b.dim, balanced_order(local.shape[b.dim], n, b.groups))
         if nxt != current:
             local = move(local, current, nxt)
@@ -349,7 +352,3 @@ def _move_balanced(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placem
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-
-
-def _layout(p: Any) -> Any:
-    return p.ragged if isinstance(p, RaggedPlacement) else p

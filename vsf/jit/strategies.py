@@ -33,9 +33,9 @@ from vsf.jit import context_parallel
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
 from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.cost import local_shape
-from vsf.jit.plan import PARTIAL, Placements, R, balanced_of, has_ragged, is_shard, split_dim, splits_evenly
+from vsf.jit.plan import PARTIAL, Placements, R, splits_evenly
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import RaggedPlacement
+from vsf.sharding.placement import RaggedPlacement, balanced_of, has_ragged, has_strided, is_shard, kind_of, on_dim, one_d, split_dim
 
 __all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "register_elementwise", "row_wise", "runnable"]
 
@@ -119,7 +119,7 @@ class Strategies:
             outs: list[dict[Placement, None]] = [{} for _ in outputs_meta(p)]
             for st in self.of(p, n)[0]:
                 for i, o in enumerate(st.outs):
-                    if isinstance(o, (_compat.StridedShard, Partial)):
+                    if kind_of(o) in ("strided", "partial"):
                         outs[i].setdefault(o)
             self.arriving[(p, n)] = tuple(tuple(o) for o in outs)
         return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in tensor_args(node))
@@ -137,7 +137,7 @@ class Strategies:
         if op.kind == "value_blind":
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
-        strided = tuple(tuple(p for p in ps if isinstance(p, _compat.StridedShard)) for ps in arrivals)
+        strided = tuple(tuple(p for p in ps if kind_of(p) == "strided") for ps in arrivals)
         found = _single_dim(node, n, strided) if op.rules == "single" else _by_each_input(node, n, strided) if op.rules else None
         if found:
             return _valid(found + _context_parallel(node, self.options), node, n, arrivals), False
@@ -179,7 +179,7 @@ def _blind_to_offsets(node: torch.fx.Node) -> bool:
 
 def _balanced_variants(node: torch.fx.Node, strategies: list[Strategy], n: int) -> list[Strategy]:
     """Each rule whose shards on this axis are all plain or strided shards, with every one a
-    balanced split instead (:class:`~vsf.sharding.named.BalancedPlacement`; a strided shard, a
+    balanced split instead (:class:`~vsf.sharding.placement.BalancedPlacement`; a strided shard, a
     view's merge of a split dim into a larger one, becomes a balanced split of each of its
     groups), where each split dim cuts into ``2n`` equal chunks (per group). A rule that computes
     every contiguous block of a dim on its own (what a shard rule says, for any number of ranks)
@@ -192,7 +192,7 @@ def _balanced_variants(node: torch.fx.Node, strategies: list[Strategy], n: int) 
     for st in strategies:
         placed = [*st.ins, *st.outs]
         shards = [(t, p) for t, p in zip(metas, placed) if p is not None and is_shard(p)]
-        plain = all(type(p) in (Shard, _compat.StridedShard) for _, p in shards)
+        plain = all(kind_of(p) in ("shard", "strided") for _, p in shards)
         if not shards or not plain or any(t is None or t.shape[p.dim] % (2 * n * balanced_of(p).groups) for t, p in shards):
             continue
         swap = lambda p: balanced_of(p) if p is not None and is_shard(p) else p  # noqa: E731
@@ -211,11 +211,11 @@ def _strided_variants(node: torch.fx.Node, strategies: list[Strategy], arrivals:
     would be gathered. Such a rule runs on the local shards (:func:`row_wise`), so only one whose
     arguments hold there is offered."""
     metas = [meta_of(v) for v in tensor_args(node)] + outputs_meta(node)
-    strided = list(dict.fromkeys(p for ps in arrivals for p in ps if isinstance(p, _compat.StridedShard)))
+    strided = list(dict.fromkeys(p for ps in arrivals for p in ps if kind_of(p) == "strided"))
     out = []
     for st in strategies:
         shards = [(t, p) for t, p in zip(metas, [*st.ins, *st.outs]) if t is not None and p is not None and is_shard(p)]
-        if not shards or any(type(p) is not Shard for _, p in shards) or len({(p.dim, t.shape[p.dim]) for t, p in shards}) != 1:
+        if not shards or any(kind_of(p) != "shard" for _, p in shards) or len({(p.dim, t.shape[p.dim]) for t, p in shards}) != 1:
             continue
         d = shards[0][1].dim
         local = [None if t is None else tuple(k // n if p is not None and is_shard(p) and i == d else k for i, k in enumerate(t.shape)) for t, p in zip(metas, [*st.ins, *st.outs])]
@@ -240,7 +240,7 @@ def row_wise(
     one dim of one size, DTensor runs the same layout with plain shards in place of the strided
     ones as a row rule, and the op's arguments hold on local shards (run on meta tensors of the
     local shapes, it gives the outputs' local shapes: an ``expand`` to a global size does not)."""
-    if not _has_strided(ins) or not _blind_to_offsets(node) or any(isinstance(q, Partial) for p in [*arrived, *ins] for q in p):
+    if not has_strided(ins) or not _blind_to_offsets(node) or any(isinstance(q, Partial) for p in [*arrived, *ins] for q in p):
         return None
     metas = [meta_of(v) for v in tensor_args(node)]
     dims = {(split_dim(q), t.shape[split_dim(q)]) for t, p in zip(metas, ins) for q in p if is_shard(q)}
@@ -250,14 +250,14 @@ def row_wise(
     for k in range(len(mesh.device_axes)):
         split = [a[k] for a, p in zip(arrived, ins) if is_shard(p[k])]
         came = {q for q in split if is_shard(q) and split_dim(q) == d}
-        if len(came) > 1 or (split and not came and any(isinstance(p[k], _compat.StridedShard) for p in ins)):
+        if len(came) > 1 or (split and not came and any(kind_of(p[k]) == "strided" for p in ins)):
             return None
         common.append(came.pop() if came else next((p[k] for p in ins if is_shard(p[k])), R))
     placed = lambda p: None if p is None else tuple(common[k] if is_shard(q) else q for k, q in enumerate(p))  # noqa: E731
     got_in, got_out = [placed(p) for p in ins], [placed(o) for o in outs]
     if any(isinstance(q, Partial) for o in got_out if o is not None for q in o) or not all(splits_evenly(mesh, t, p) for t, p in zip(metas, got_in)):
         return None
-    plain = lambda p: None if p is None else tuple(Shard(q.dim) if isinstance(q, _compat.StridedShard) else q for q in p)  # noqa: E731
+    plain = lambda p: None if p is None else tuple(one_d(q) for q in p)  # noqa: E731
     want = [plain(p) for p in got_in]
     if dtensor_decision(node, mesh.device_mesh, want, asked) != (want, [plain(o) for o in got_out]) or not runnable(mesh, node, got_in, got_out):
         return None
@@ -356,7 +356,7 @@ def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int, arrivals: tu
 def _fits(t: torch.Tensor, p: Placement, n: int) -> bool:
     """Does ``t``'s dim have a row per shard of ``p`` (a strided shard: its split factor's pieces
     split evenly, as a view merging an evenly split dim into a larger one leaves them)?"""
-    if isinstance(p, _compat.StridedShard):
+    if kind_of(p) == "strided":
         return p.dim < t.ndim and t.shape[p.dim] % (p.split_factor * n) == 0
     return not isinstance(p, Shard) or (p.dim < t.ndim and t.shape[p.dim] >= n)
 
@@ -380,9 +380,9 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     if node.target in _RESHAPES:
         if not all(splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed):
             return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
-        if _has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
+        if has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
             return False
-    if node.target in DISPATCHER_SPECIAL and _has_strided(ins):
+    if node.target in DISPATCHER_SPECIAL and has_strided(ins):
         return False
     extreme = any(isinstance(q, Partial) and q.reduce_op in ("max", "min") for p in outs if p is not None for q in p)
     return not extreme or not any(_has_empty_shard(mesh, t, p) for t, p in zip(metas, ins))
@@ -390,10 +390,6 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-
-
-def _has_strided(placements: Sequence[Placements]) -> bool:
-    return any(isinstance(p, _compat.StridedShard) for pl in placements for p in pl)
 
 
 def _nests(mesh: Mesh, placements: Placements) -> bool:
@@ -404,7 +400,7 @@ def _nests(mesh: Mesh, placements: Placements) -> bool:
     ``S(0), S(0)/sf4``), which DTensor regathers first."""
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]
     for k, p in enumerate(placements):
-        if isinstance(p, _compat.StridedShard):
+        if kind_of(p) == "strided":
             later = [j for j, q in enumerate(placements) if j > k and is_shard(q) and split_dim(q) == p.dim]
             if later and p.split_factor != math.prod(sizes[j] for j in later):
                 return False
@@ -456,7 +452,7 @@ def _in_group(placements: Placements, dims: list[int]) -> Placements:
     for p in placements:
         if is_shard(p) and split_dim(p) in dims:
             d = dims.index(split_dim(p))
-            out.append(_compat.StridedShard(d, split_factor=p.split_factor) if isinstance(p, _compat.StridedShard) else Shard(d))
+            out.append(on_dim(p, d) if kind_of(p) == "strided" else Shard(d))
         else:
             out.append(R)
     return tuple(out)
@@ -468,7 +464,7 @@ def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> boo
     for d, size in enumerate(t.shape):
         pieces = [size]
         for axis, p in zip(mesh.device_axes, placements):
-            if isinstance(p, Shard) and not isinstance(p, _compat.StridedShard) and p.dim == d:
+            if kind_of(p) == "shard" and p.dim == d:
                 n = mesh.axis_size(axis)
                 pieces = [max(0, min(-(-s // n), s - i * -(-s // n))) for s in pieces for i in range(n)]
         if 0 in pieces:

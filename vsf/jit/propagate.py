@@ -54,7 +54,8 @@ from vsf.jit.solver import AxisSolver, Problem
 from vsf.jit.strategies import Strategies, decide, dtensor_decision, row_wise, runnable
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, from_placements
+from vsf.sharding.named import NamedSharding, from_placements
+from vsf.sharding.placement import has_strided, kind_of, split_factor
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["propagate"]
@@ -100,15 +101,15 @@ def propagate(
     problem.index()
     for ph, pl in zip(placeholders, in_placements):
         for p in pl:
-            if isinstance(p, RaggedPlacement) and p.ragged.dims != 1:
+            if kind_of(p) == "ragged" and p.ragged.dims != 1:
                 raise PlanError(f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})")
     dm_axes = list(mesh.device_axes)
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
-        problem.balanced[axis] = any(isinstance(pl[k], BalancedPlacement) for pl in in_placements)
+        problem.balanced[axis] = any(kind_of(pl[k]) == "balanced" for pl in in_placements)
         problem.ragged[axis] = sorted(
-            {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if isinstance(pl[k], RaggedPlacement)},
+            {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if kind_of(pl[k]) == "ragged"},
             key=repr,
         )
         problem.out_req[axis] = [
@@ -286,7 +287,7 @@ def _balanced_decision(
     :func:`as_contiguous`) and read back with every shard balanced on the mesh dims the per-axis
     choices split balanced (a rule on contiguous blocks holds on the balanced chunks when every
     operand holds the same ones: :func:`vsf.jit.strategies._balanced_variants`)."""
-    dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if isinstance(q, BalancedPlacement)}
+    dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if kind_of(q) == "balanced"}
     got_in, got_out, direct = _strategy_decision(
         node, mesh, op, [as_contiguous(p) for p in arrived], [as_contiguous(p) for p in ins], [as_contiguous(p) for p in outs],
         [as_contiguous(p) for p in preferred], asked,
@@ -359,16 +360,16 @@ def _keep_strided(
     replicated on that mesh dim (the split the per-axis solver counted on was not made)."""
     unmet = {
         k for a, want in zip(actual, ins) for k, w in enumerate(want)
-        if isinstance(w, _compat.StridedShard) and not (is_shard(a[k]) and split_dim(a[k]) == w.dim)
+        if kind_of(w) == "strided" and not (is_shard(a[k]) and split_dim(a[k]) == w.dim)
     }
     flat = lambda p: [R if k in unmet else one_d(q) for k, q in enumerate(p)]  # noqa: E731
     ins, outs = [flat(p) for p in ins], [None if p is None else flat(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
             a[k].split_factor for a, want in zip(actual, ins)
-            if isinstance(a[k], _compat.StridedShard) and isinstance(want[k], Shard) and want[k].dim == a[k].dim
+            if kind_of(a[k]) == "strided" and isinstance(want[k], Shard) and want[k].dim == a[k].dim
             and all(one_d(w) == one_d(b) for j, (b, w) in enumerate(zip(a, want)) if j != k and is_shard(b) and split_dim(b) == a[k].dim)
-        } | {p[k].split_factor for p in preferred if p is not None and isinstance(p[k], _compat.StridedShard)}
+        } | {p[k].split_factor for p in preferred if p is not None and kind_of(p[k]) == "strided"}
         if len(factors) != 1:
             continue
         sf = factors.pop()
@@ -383,7 +384,7 @@ def _as_arrived(actual: Placements, want: Placements) -> Placements:
     that dim (the full mesh's factor of a merged dim differs from one axis's: see
     :func:`_keep_strided`), or by ``Replicate`` where the value arrives without one."""
     strided = lambda a, w: a if is_shard(a) and split_dim(a) == w.dim else R  # noqa: E731
-    return tuple(strided(a, w) if isinstance(w, _compat.StridedShard) else w for a, w in zip(actual, want))
+    return tuple(strided(a, w) if kind_of(w) == "strided" else w for a, w in zip(actual, want))
 
 
 def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:
@@ -394,8 +395,7 @@ def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placeme
     try:
         from_placements(mesh, out, t.ndim)
     except ValueError:
-        strided = lambda p: isinstance(p, _compat.StridedShard) or (isinstance(p, BalancedPlacement) and p.split_factor is not None)  # noqa: E731
-        return tuple(R if strided(p) else p for p in out)
+        return tuple(R if split_factor(p) is not None else p for p in out)
     return out
 
 
@@ -405,7 +405,7 @@ def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements
     found: dict[tuple[int, ...], list[Placements]] = {}
     for ph, pl in zip(placeholders_of(gm), in_placements):
         same_shape = found.setdefault(tuple(ph.meta["val"].shape), [])
-        if any(isinstance(p, _compat.StridedShard) for p in pl) and tuple(pl) not in same_shape:
+        if has_strided([pl]) and tuple(pl) not in same_shape:
             same_shape.append(tuple(pl))
     return found
 
@@ -416,7 +416,7 @@ def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, 
     (its gradient, its update) are split as the state is, so they reach it without regathering.
     ``None`` if there is none."""
     candidates = nestings.get(tuple(t.shape))
-    if not candidates or any(isinstance(p, _compat.StridedShard) for p in placements):
+    if not candidates or has_strided([placements]):
         return None
     plain = tuple(one_d(p) for p in placements)
     return next((pl for pl in candidates if tuple(one_d(p) for p in pl) == plain), None)

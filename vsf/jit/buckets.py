@@ -30,7 +30,7 @@ from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
 from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, RaggedPlacement
+from vsf.sharding.placement import dtensor_native
 
 __all__ = ["SMALL_BYTES", "bucket_kind", "form_buckets"]
 
@@ -244,7 +244,7 @@ def _produced(node: torch.fx.Node) -> int:
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
     return all(
-        not is_shard(p) or (not isinstance(p, (RaggedPlacement, BalancedPlacement)) and t.shape[p.dim] % mesh.axis_size(a) == 0)
+        not is_shard(p) or (dtensor_native(p) and t.shape[p.dim] % mesh.axis_size(a) == 0)
         for a, p in zip(mesh.device_axes, placements)
     )
 

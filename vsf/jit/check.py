@@ -46,7 +46,8 @@ from vsf.jit import manual
 from vsf.ops.region import REGION_OPS
 from vsf.sharding.inspect import type_string
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, balanced_order, from_placements
+from vsf.sharding.named import from_placements
+from vsf.sharding.placement import balanced_order, kind_of
 
 __all__ = ["Checker", "assemble", "run_checked"]
 
@@ -117,7 +118,7 @@ def _in_order(mesh: Mesh, placements: Placements, view: torch.Tensor) -> torch.T
     original order. A balanced split of groups (a view's merge) reorders within each group of the
     block the earlier mesh dims' shards leave: the dim holds that many groups per such block."""
     for k, p in enumerate(placements):
-        if isinstance(p, BalancedPlacement):
+        if kind_of(p) == "balanced":
             blocks = math.prod(mesh.axis_size(a) for j, (a, q) in enumerate(zip(mesh.device_axes, placements)) if j < k and is_shard(q) and split_dim(q) == p.dim)
             order = balanced_order(view.shape[p.dim], mesh.axis_size(mesh.device_axes[k]), blocks * p.groups)
             view = view.index_select(p.dim, torch.argsort(order))

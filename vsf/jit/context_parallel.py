@@ -49,7 +49,8 @@ from vsf.jit.graph import meta_of, outputs_meta, tensor_args
 from vsf.jit.plan import Collective, Placements, is_shard, split_dim, splits_evenly
 from vsf.ops import backend, collectives as ops
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement, from_placements
+from vsf.sharding.named import from_placements
+from vsf.sharding.placement import kind_of, split_factor
 
 __all__ = ["collectives", "is_attention", "mode_of", "run", "runs", "sequence_rules", "splits_sequence"]
 
@@ -142,7 +143,7 @@ def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Seque
     return (
         len(metas) == len(placed)
         and len(lengths) == 1
-        and not any(isinstance(q, _compat.StridedShard) or (isinstance(q, BalancedPlacement) and q.split_factor is not None) for _, p in shards for q in p)
+        and not any(split_factor(q) is not None for _, p in shards for q in p)
         and all(splits_evenly(mesh, t, p) for t, p in shards)
         and (not keys or (keys == queries == _split_of(node, ins, "value") and len(keys) == 1))
         and len({ins[names.index(name)][queries[0]] for name in ("query", "key", "value") if keys}) <= 1
@@ -183,7 +184,7 @@ def run(mesh: Mesh, node: torch.fx.Node, args: tuple, kwargs: dict[str, Any], in
     block = given["query"].shape[2]
     n = q_meta.shape[2] // block
     k = _split_of(node, ins, "query")[0]
-    split, balanced = mesh.device_axes[k], isinstance(ins[qi][k], BalancedPlacement)
+    split, balanced = mesh.device_axes[k], kind_of(ins[qi][k]) == "balanced"
     group = backend.axis_group(mesh, split)
     index = lambda rank: queries.index(q_meta.shape, rank)[2].start // block  # noqa: E731
     # a real process knows its rank while it plans its blocks and skips those it does not see;

@@ -3,7 +3,7 @@
 * all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
   all-to-all ``(n-1)/n`` of the local shard;
 * each collective also costs a start-up latency of :data:`COLLECTIVE_LATENCY_BYTES`;
-* a balanced split (:class:`~vsf.sharding.named.BalancedPlacement`) moves to or from another
+* a balanced split (:class:`~vsf.sharding.placement.BalancedPlacement`) moves to or from another
   shard by gathering the whole dim first;
 * a local slice sends nothing but is charged a token cost, and so is a local partition of a
   replicated value into a partial one (each rank keeps its share, ``v / n`` of a sum: a bias
@@ -40,7 +40,7 @@ from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import is_tensor_node
 from vsf.jit.plan import Placements, R, is_shard, split_dim
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import BalancedPlacement
+from vsf.sharding.placement import kind_of
 
 __all__ = [
     "COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "REPLICATED_OR_SUM", "is_sum", "local_bytes", "local_flops", "local_shape", "op_flops",
@@ -100,7 +100,7 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
         return "partition"  # local: each rank keeps its share of the value
     if isinstance(src, Partial):
         return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if is_shard(dst) else "invalid"
-    if is_shard(src) and is_shard(dst) and BalancedPlacement in (type(src), type(dst)):
+    if is_shard(src) and is_shard(dst) and "balanced" in (kind_of(src), kind_of(dst)):
         return "all_gather"  # gathered (and put in order), then sliced: vsf has no balanced all-to-all
     if is_shard(src):
         return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if is_shard(dst) else "invalid"

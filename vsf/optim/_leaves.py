@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vsf import _compat, tree
 from vsf.sharding.mesh import group_across, mesh_of
-from vsf.sharding.named import RaggedPlacement, from_placements
+from vsf.sharding.named import from_placements
+from vsf.sharding.placement import has_ragged
 from vsf.sharding.put import device_put
 
 __all__ = [
@@ -141,7 +142,7 @@ def zeros_like(x: Any) -> Any:
 def redistribute(x: DTensor, placements: Sequence[Any]) -> DTensor:
     """``x`` with ``placements`` on its mesh: DTensor's ``redistribute``, or ``vsf.device_put``'s
     when either layout is ragged (DTensor cannot move those)."""
-    if any(isinstance(p, RaggedPlacement) for p in (*x.placements, *placements)):
+    if has_ragged([x.placements, placements]):
         return device_put(x, from_placements(mesh_of(x.device_mesh), placements, x.ndim))
     with _compat.quiet_redistribute():
         return x.redistribute(x.device_mesh, placements)

@@ -1,6 +1,6 @@
 """Eager math on sharded DTensors in any vsf layout, ragged ones included.
 
-DTensor has no strategy for a :class:`~vsf.sharding.named.RaggedPlacement` (its ops raise; a
+DTensor has no strategy for a :class:`~vsf.sharding.placement.RaggedPlacement` (its ops raise; a
 ``vsf.jit`` plan is to handle ragged operands itself). For eager code these helpers compute on
 the local shards and communicate only what the math needs, never gathering a value:
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh, mesh_of
-from vsf.sharding.named import BalancedPlacement, Index, from_placements, sharding_of
+from vsf.sharding.named import Index, from_placements, sharding_of
+from vsf.sharding.placement import kind_of
 from vsf.sharding.spec import RaggedShard
 
 __all__ = ["AddressableShard", "shards", "type_string", "typeof", "visualize_sharding"]
@@ -84,12 +85,14 @@ def _placements_string(n: int, dim: int, mesh: Mesh, placements: Sequence[Placem
     """Dim ``dim`` (of size ``n``) as DTensor splits it, axis by axis in mesh order, each strided
     split with its split factor: ``128@<dp,fsdp,tp/sf16>``."""
     axes = []
+    p: Any   # a placement, read as its kind says
     for axis, p in zip(mesh.device_axes, placements):
-        if isinstance(p, _compat.StridedShard) and p.dim == dim:
+        k = kind_of(p)
+        if k == "strided" and p.dim == dim:
             axes.append(f"{axis}/sf{p.split_factor}")
-        elif isinstance(p, BalancedPlacement) and p.dim == dim:
+        elif k == "balanced" and p.dim == dim:
             axes.append(f"{axis}~bal" + (f"/sf{p.split_factor}" if p.split_factor is not None else ""))
-        elif isinstance(p, Shard) and p.dim == dim:
+        elif k == "shard" and p.dim == dim:
             axes.append(axis)
     return f"{n}@<{','.join(axes)}>" if axes else str(n)
 

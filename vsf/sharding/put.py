@@ -28,7 +28,8 @@ from vsf import _compat, config, ops, runtime, tree
 from vsf.ops import backend
 from vsf.sharding import fingerprint, ragged
 from vsf.sharding.mesh import mesh_of
-from vsf.sharding.named import BalancedPlacement, NamedSharding, RaggedPlacement, balanced_order, from_placements, resolve, sharding_of
+from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
+from vsf.sharding.placement import balanced_order, has_balanced, has_ragged, kind_of, layout_of
 from vsf.sharding.spec import PartitionSpec
 
 __all__ = ["assemble", "device_get", "device_put", "from_local", "is_sharding_leaf", "local_device", "place"]
@@ -169,10 +170,10 @@ def _direct_axis(src: NamedSharding, dst: NamedSharding) -> str | None:
         return None
     a = differ[0]
     pair = (_layout_placement(src, a), _layout_placement(dst, a))
-    if not any(isinstance(p, RaggedPlacement) for p in pair):
+    if not has_ragged([pair]):
         return None
     for p in pair:
-        if isinstance(p, _compat.StridedShard):
+        if kind_of(p) == "strided":
             return None
         if isinstance(p, Shard) and any(b != a for s in (src, dst) for b in s.spec.entry_axes(p.dim)):
             return None   # another axis splits that dim too: the split is nested, not one axis's
@@ -184,8 +185,7 @@ def _layout_placement(s: NamedSharding, axis: str) -> Placement:
 
 
 def _layout(s: NamedSharding, axis: str) -> ragged.Layout:
-    p = _layout_placement(s, axis)
-    return p.ragged if isinstance(p, RaggedPlacement) else p
+    return layout_of(_layout_placement(s, axis))
 
 
 def from_local(local: torch.Tensor, sharding: NamedSharding, shape: Sequence[int]) -> DTensor:
@@ -256,7 +256,7 @@ def device_get(x: Any) -> Any:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, DTensor) and any(isinstance(p, BalancedPlacement) for p in t.placements):
+    if isinstance(t, DTensor) and has_balanced([t.placements]):
         return _unbalance(t, sharding_of(t))
     if isinstance(t, DTensor):
         layout = _layout_of(t)

@@ -461,3 +461,24 @@ def test_shape_argument_ops_are_the_ops_taking_global_sizes():
     ops = _compat.shape_argument_ops()
     assert {aten.native_group_norm.default, aten.view.default, aten.new_zeros.default} <= ops
     assert aten.add.Tensor not in ops and aten.mm.default not in ops
+
+
+def test_tracer_and_traced_node_find_the_node_computing_a_traced_tensor():
+    """Inside a make_fx trace, the graph node of a traced tensor (a placeholder, an op's result);
+    outside one no tracer, and a tensor the trace does not track has no node."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen, constant = {}, torch.ones(1)
+
+    def f(x):
+        by = _compat.tracer()
+        y = x.detach().sin()
+        seen["x"], seen["y"], seen["other"] = (_compat.traced_node(t, by) for t in (x, y, constant))
+        return y
+
+    assert _compat.tracer() is None
+    graph = make_fx(f, tracing_mode="fake")(torch.randn(3))
+    nodes = {n.name: n for n in graph.graph.nodes}
+    assert seen["x"] is nodes["x_1"] and seen["x"].op == "placeholder"
+    assert seen["y"] is nodes["sin"] and seen["y"].args[0].target == aten.detach.default
+    assert seen["other"] is None

@@ -58,7 +58,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy,
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, has_proxy_slot, make_fx
 from torch.fx.proxy import _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
@@ -131,6 +131,8 @@ __all__ = [
     "torch_tree_leaves",
     "torch_tree_map",
     "trace_fake",
+    "traced_node",
+    "tracer",
     "undeclared_writes",
     "whole_op_strategies",
     "wrapper_tensor",
@@ -390,6 +392,19 @@ def checkpointing_as_eager() -> contextlib.AbstractContextManager[None]:
     ``torch.compile``'s partitioner (what it does under any proxy mode otherwise): torch's flag for
     non-strict ``make_fx`` tracing, which ``torch.export`` sets for the same reason."""
     return torch.compiler._non_strict_tracing_context()
+
+
+def tracer() -> Any | None:
+    """The tracer of the innermost ``make_fx`` trace running now (``None`` outside one): an opaque
+    handle for :func:`traced_node`."""
+    mode = get_proxy_mode()
+    return mode.tracer if mode is not None else None
+
+
+def traced_node(t: torch.Tensor, by: Any) -> torch.fx.Node | None:
+    """The node of the graph ``by`` (a :func:`tracer`) is building that computes the traced tensor
+    ``t`` (``None`` where that trace does not track ``t``)."""
+    return get_proxy_slot(t, by).proxy.node if has_proxy_slot(t, by) else None
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -664,3 +664,26 @@ def test_a_constant_the_function_closes_over_runs_on_real_processes(ranks):
     # tensor among fake ones and stopped); value and gradient equal the unsharded math
     for r in ranks:
         assert r["constant_err"] < 1e-5 and r["constant_grad_err"] < 1e-6
+
+
+def test_step_input_names_the_input_a_traced_tensor_is_and_its_sharding(sim):
+    """While a step's code is traced, ``vsf.jit.trace.step_input`` finds the input behind a tensor
+    (itself, detached, cast) with its name and sharding; a computed value has none."""
+    from vsf.jit.trace import step_input
+
+    seen = {}
+
+    def f(p, x):
+        w = vsf.grad(lambda w: (w * 2).sum())(p["w"])  # (a detached copy is what grad differentiates)
+        seen.update(w=step_input(p["w"]), cast=step_input(p["w"].detach().to(torch.bfloat16)), x=step_input(x), computed=step_input(x + 1))
+        return w + x
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    p = {"w": vsf.device_put(torch.ones(4, 2), vsf.NamedSharding(mesh, P("dp")))}
+    vsf.jit(f).lower(p, vsf.device_put(torch.ones(4, 2), vsf.NamedSharding(mesh, P())))
+    assert (seen["w"].name, seen["w"].sharding.spec) == ("args[0]['w']", P("dp"))
+    assert seen["cast"] == seen["w"]
+    assert (seen["x"].name, seen["x"].sharding.spec) == ("args[1]", P())
+    assert seen["computed"] is None
+    assert step_input(torch.ones(1)) is None  # outside a trace

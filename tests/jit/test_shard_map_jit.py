@@ -127,7 +127,7 @@ def test_the_body_is_traced_into_the_plan_and_its_psum_is_a_collective_of_the_pr
     assert "mm(%manual_in:f32[4,4], %manual_in_1:f32[4,4]) -> f32[4,4]" in text
     assert "manual_out(%manual_collective:f32[4,4]) -> f32[8@dp,4]" in text
     # each rank's [4 rows, 4] partial product is all-reduced over tp=2: 2(n-1)/n of 64 bytes
-    assert "all_reduce over tp (inside the region): [4, 4] 64 B sent" in text
+    assert "all_reduce over tp (inside shard_map(mlp)): [4, 4] 64 B sent" in text
     assert Collective("all_reduce", "tp", (4, 4), torch.float32, 64) in lowered.cost().collectives
     assert lowered.cost().count("all_reduce", "tp") == 1
     torch.testing.assert_close(vsf.device_get(f(*args)), 2 * plain_mlp(x, w1, w2))
@@ -455,5 +455,5 @@ def test_a_balanced_ragged_all_to_all_is_a_collective_of_the_plan_equal_to_the_e
     torch.testing.assert_close(vsf.device_get(jitted(xs)), 2 * x[balanced_rows()])
     lowered = jitted.lower(xs)
     # rank 2 keeps none of its 4 rows: 4 rows of 3 floats leave it, the most any rank sends
-    assert "all_to_all_v over i (inside the region): [4, 3] 48 B sent" in lowered.as_text()
+    assert "all_to_all_v over i (inside shard_map(<lambda>)): [4, 3] 48 B sent" in lowered.as_text()
     assert lowered.cost().collectives == (Collective("all_to_all_v", "i", (4, 3), torch.float32, 48),)

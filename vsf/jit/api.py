@@ -324,12 +324,14 @@ class Jitted:
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
-            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions(), allow_unkeyed_random=call.options.allow_unkeyed_random)
+            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions(), allow_unkeyed_random=call.options.allow_unkeyed_random,
+                           shardings=[sharding_of(x) for x in call.inputs], names=leaf_names(call.dyn), options=call.options)
         out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
         if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
-            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes, self.reduce_dtype)
+            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes, self.reduce_dtype,
+                               leaf_names(call.dyn))
             compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
         if compiled is None:
             plan_of = functools.partial(

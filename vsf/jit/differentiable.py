@@ -89,6 +89,7 @@ def plan_joint(
     unreduced: Sequence[int] = (),
     unsharded: Sequence[str] = (),
     reduce_dtype: torch.dtype | None = None,
+    names: Callable[[int], str] = lambda i: f"input #{i}",
 ) -> JointPlan | None:
     """Trace ``fun``'s joint graph for a call (its ``inputs`` as DTensors, its ``leaves`` as passed,
     ``grad`` from :func:`grad_mask`), plan it once and split it; ``traced`` is the forward alone and
@@ -100,14 +101,15 @@ def plan_joint(
     as the forward alone is planned. Each gradient is planned to end in its input's sharding
     (a plain tensor's: replicated), or for a DTensor leaf in ``unreduced`` (indices into
     ``leaves``) an unreduced sum on the axes that sharding replicates, and whole and unreduced on
-    the ``unsharded`` axes it splits, where the plan holds it so. ``reduce_dtype``: as ``vsf.jit``'s."""
+    the ``unsharded`` axes it splits, where the plan holds it so. ``reduce_dtype``: as ``vsf.jit``'s; ``names``: the inputs' names (``args[0]['w']``), for
+    messages."""
     in_placements = [tuple(x.placements) for x in inputs]
     out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
     targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets, options)
     avals = [(tuple(x.shape), x.dtype) for x in inputs]
     mask = [g is not None for g in grad]
     joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops, never_planned_decompositions(),
-                        allow_unkeyed_random=options.allow_unkeyed_random)
+                        allow_unkeyed_random=options.allow_unkeyed_random, shardings=[sharding_of(x) for x in inputs], names=names, options=options)
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)

@@ -18,6 +18,7 @@ import torch.fx
 from vsf import _compat
 from vsf.jit.cost import local_bytes, local_flops
 from vsf.jit.graph import meta_of, output_node, placeholders_of, tensor_args, value_of
+from vsf.jit.manual import region_of
 from vsf.jit.memory import peak_bytes
 from vsf.jit.partition import Partitioned, Saved, SplitBackward
 from vsf.jit.plan import Bucket, Collective, Plan, Redistribution
@@ -162,7 +163,8 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         flag = "   <-- no sharding strategy: run replicated (allow_replicated_fallback)" if step.fallback else ""
         flag += f"   (recomputed: %{again[node].name} again)" if node in again else ""
         lines.append(f"  %{node.name} = {_op_name(node)}({', '.join(ins)}) -> {', '.join(outs)}{flag}")
-        lines.extend(f"    {c.kind} over {c.axis} (inside the region): {list(c.shape)} {fmt_bytes(c.bytes)} sent" for c in step.collectives)
+        region = f"shard_map({r.name})" if step.collectives and (r := region_of(node)) is not None else "the region"
+        lines.extend(f"    {c.kind} over {c.axis} (inside {region}): {list(c.shape)} {fmt_bytes(c.bytes)} sent" for c in step.collectives)
     output = output_node(gm)
     lines.extend(moves.get(output, ()))
     lines.append("outputs:")

@@ -4,13 +4,19 @@ The graph's inputs are the tensor leaves of the arguments in their *global* shap
 calls :func:`vsf.grad` inside becomes one joint forward+backward graph, because the backward
 ops run (and are recorded) while the step is traced. In-place ops are functionalized away, and
 ``_foreach_*`` ops are split into one op per tensor so every node has one tensor per operand.
+
+While the step's code runs, :func:`step_input` says which of the step's inputs a traced tensor
+is and how that input is laid out, and the rewrites an upper layer registered
+(:func:`rewrite_while_tracing`) are in force: ``vsf.nn.moe`` runs a ``transformers`` experts
+module whose weights arrive split on the expert dim as a dispatch to the experts' ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,12 +25,14 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, tree
+from vsf.config import PlanOptions
 from vsf.errors import TraceError
 from vsf.jit.graph import is_library_file, placeholders_of, source_line
 from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
+from vsf.sharding.named import NamedSharding
 
-__all__ = ["Traced", "draws_random", "trace"]
+__all__ = ["StepInput", "Traced", "draws_random", "rewrite_while_tracing", "step_input", "trace"]
 
 aten = torch.ops.aten
 
@@ -43,6 +51,81 @@ class Traced:
     out_consts: tuple[Any, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One input of the step being traced, as :func:`step_input` finds it: its ``args[0]['w']``-style
+    name and the sharding it arrives with."""
+
+    name: str
+    sharding: NamedSharding
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """The inputs of a step being traced: the trace's handle, each input's sharding (``None``: not
+    known, e.g. a cotangent of a joint trace) and its name."""
+
+    tracer: Any
+    shardings: Sequence[NamedSharding | None]
+    names: Callable[[int], str]
+    options: PlanOptions
+
+
+_TRACING: list[_Inputs] = []  # the steps whose code is running under trace now, innermost last
+_REWRITES: list[Callable[[PlanOptions], contextlib.AbstractContextManager[Any]]] = []
+_SAME_VALUE = {aten.detach.default, aten.alias.default, aten._to_copy.default, aten.clone.default}  # an input's value, another tensor
+
+
+def rewrite_while_tracing(context: Callable[[PlanOptions], contextlib.AbstractContextManager[Any]]) -> None:
+    """Run every step's code under ``context(options)`` (the plan's switches) while :func:`trace`
+    records it: an upper layer's substitution of library code that it recognises, which reads the
+    inputs' layout with :func:`step_input` (registered once, when that layer is imported).
+
+    Example::
+
+        >>> rewrite_while_tracing(vsf.nn.moe.dispatching_transformers_experts)
+    """
+    if context not in _REWRITES:
+        _REWRITES.append(context)
+
+
+def step_input(t: torch.Tensor) -> StepInput | None:
+    """While a step's code runs under :func:`trace`: the step input that the traced tensor ``t`` is
+    (itself, or its value through ``detach``, a dtype cast or a copy), with its sharding; ``None``
+    outside a trace, for a computed value, or for an input whose sharding the trace was not given.
+
+    Example::
+
+        >>> found = step_input(module.down_proj)
+        >>> found.name, found.sharding.spec
+        ("args[0]['model.layers.0.mlp.experts.down_proj']", P('ep'))
+    """
+    if not _TRACING:
+        return None
+    step = _TRACING[-1]
+    node = _compat.traced_node(t, step.tracer)
+    while node is not None and node.op == "call_function" and node.target in _SAME_VALUE:
+        node = node.args[0]
+    if node is None or node.op != "placeholder":
+        return None
+    i = list(node.graph.find_nodes(op="placeholder")).index(node)
+    sharding = step.shardings[i] if i < len(step.shardings) else None
+    return StepInput(step.names(i), sharding) if sharding is not None else None
+
+
+@contextlib.contextmanager
+def _running(inputs: _Inputs) -> Iterator[None]:
+    """The step's code runs: its inputs known to :func:`step_input`, the registered rewrites in force."""
+    _TRACING.append(inputs)
+    try:
+        with contextlib.ExitStack() as stack:
+            for context in _REWRITES:
+                stack.enter_context(context(inputs.options))
+            yield
+    finally:
+        _TRACING.pop()
+
+
 def trace(
     fun: Callable[..., Any],
     avals: Sequence[tuple[tuple[int, ...], torch.dtype]],
@@ -52,18 +135,24 @@ def trace(
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     *,
     allow_unkeyed_random: bool = False,
+    shardings: Sequence[NamedSharding | None] = (),
+    names: Callable[[int], str] = lambda i: f"input #{i}",
+    options: PlanOptions | None = None,
 ) -> Traced:
     """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
     fake tensors of the given ``(shape, dtype)`` avals. Ops ``unplanned(graph)`` names (no sharding
     strategy) are replaced by PyTorch's decompositions of them, recursively (see :func:`decompose`);
     ``decompositions`` (the ops known to be unplanned in any graph) are applied while tracing, so
     that the common ones need no second trace. A draw from torch's generator is a ``TraceError``
-    unless ``allow_unkeyed_random`` (the plan's ``vsf.config.allow_unkeyed_random``)."""
+    unless ``allow_unkeyed_random`` (the plan's ``vsf.config.allow_unkeyed_random``).
+    ``shardings`` / ``names``: the leading inputs' layouts and names, for :func:`step_input`;
+    ``options``: the plan's switches (default: the defaults), for the rewrites (:func:`rewrite_while_tracing`)."""
     out_info: dict[str, Any] = {}
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
         args, kwargs = rebuild(list(tensors))
-        out = fun(*args, **kwargs)
+        with _running(_Inputs(_compat.tracer(), shardings, names, options if options is not None else PlanOptions())):
+            out = fun(*args, **kwargs)
         leaves, treedef = tree.flatten(out)
         out_info["tree"] = treedef
         out_info["consts"] = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)

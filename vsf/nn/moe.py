@@ -12,10 +12,16 @@ weighted by the router's gates and summed per token. The backward is the same ex
 Inside ``vsf.jit`` the plan lists the exchanges (``all_to_all_v`` over the expert axis) and moves
 no expert weight over that axis.
 
-:func:`use_expert_parallel` runs a Hugging Face ``transformers`` MoE model's experts through it
-(Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ...: every experts module that transformers builds with
-``@use_experts_implementation``, fused weights with the expert dim first), as an experts
-implementation of transformers' own registry.
+A Hugging Face ``transformers`` MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ...: every
+experts module that transformers builds with ``@use_experts_implementation``, fused weights with the
+expert dim first) needs no call: inside ``vsf.jit``, an experts module whose weights
+(``gate_up_proj`` / ``up_proj`` and ``down_proj``) arrive split on the expert dim over one mesh axis
+runs through it (:func:`dispatching_transformers_experts`, in force while a step is traced),
+its tokens split over every mesh axis that the weights do not split on another dim. A weight
+split on the expert dim over several axes, or the two weights split differently, is a
+``PlanError``; to gather the experts instead, split another of their dims.
+:func:`use_expert_parallel` sets the axes explicitly, as an experts implementation of
+transformers' own registry.
 
 Example::
 
@@ -27,18 +33,23 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from vsf import ops
+from vsf.config import PlanOptions
+from vsf.errors import PlanError
 from vsf.func import shard_map
+from vsf.jit.trace import StepInput, rewrite_while_tracing, step_input
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.spec import P
 
-__all__ = ["expert_parallel", "use_expert_parallel"]
+__all__ = ["dispatching_transformers_experts", "expert_parallel", "use_expert_parallel"]
 
 _IMPLEMENTATION = "vsf_expert_parallel"  # the name of vsf's experts implementation in transformers' registry
 
@@ -87,10 +98,10 @@ def expert_parallel(
             raise ValueError(f"expert_parallel: weights[{i}] has {w.shape[0]} experts (dim 0), which {axis!r} of size {n} does not divide")
     split = P(tokens)
 
-    def body(x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
+    def expert_dispatch(x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
         return _routed(experts, x, index, gates, local, axis, n, capacity)
 
-    region = shard_map(body, mesh=m, in_specs=(split, split, split, *(P(axis) for _ in weights)), out_specs=split, axis_names=tokens)
+    region = shard_map(expert_dispatch, mesh=m, in_specs=(split, split, split, *(P(axis) for _ in weights)), out_specs=split, axis_names=tokens)
     return region(x, top_k_index, top_k_weights, *weights)
 
 
@@ -154,11 +165,17 @@ def use_expert_parallel(model: torch.nn.Module, *, axis: str, token_axes: Sequen
 
 
 def _transformers_experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts forward (its signature) through :func:`expert_parallel`."""
+    """transformers' experts forward (its signature) through :func:`expert_parallel`, with
+    :func:`use_expert_parallel`'s settings."""
+    return _dispatched(module, hidden_states, top_k_index, top_k_weights, *module.vsf_expert_parallel)
+
+
+def _dispatched(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                mesh: Mesh, axis: str, token_axes: Sequence[str] | None) -> torch.Tensor:
+    """The transformers experts ``module`` run through :func:`expert_parallel` over ``axis``."""
     name = type(module).__name__
     if module.has_bias or module.has_post_expert_norm:
-        raise ValueError(f"use_expert_parallel: {name} has expert biases or a post-expert norm, which vsf's experts implementation does not run")
-    mesh, axis, token_axes = module.vsf_expert_parallel
+        raise ValueError(f"expert parallelism: {name} has expert biases or a post-expert norm, which vsf's dispatch does not run")
     up = module.gate_up_proj if module.has_gate else module.up_proj
 
     def grouped(rows: torch.Tensor, offsets: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -169,3 +186,78 @@ def _transformers_experts(module: Any, hidden_states: torch.Tensor, top_k_index:
         return linear(module._apply_gate(h) if module.has_gate else module.act_fn(h), w_down)
 
     return expert_parallel(grouped, hidden_states, top_k_index, top_k_weights, (up, module.down_proj), axis=axis, token_axes=token_axes, mesh=mesh)
+
+
+@contextlib.contextmanager
+def dispatching_transformers_experts(options: PlanOptions) -> Iterator[None]:
+    """Inside, transformers' experts implementations (``ALL_EXPERTS_FUNCTIONS``) run a module whose
+    weights are step inputs split on the expert dim (``P("ep")``, ``P("ep", "fsdp")``, ...) through
+    :func:`expert_parallel` over that axis, the tokens split over every mesh axis, in mesh order,
+    that neither weight splits on another dim (those, e.g. ``tp``, stay automatic in the region);
+    any other module runs as transformers would. ``vsf.jit`` enters it while it traces a step
+    (:func:`vsf.jit.trace.rewrite_while_tracing`), with the plan's ``options``: nothing changes
+    where ``vsf.config.dispatch_experts`` is off, or where transformers' MoE integration is not
+    imported. :func:`use_expert_parallel`'s explicit settings take precedence.
+
+    Example::
+
+        >>> p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: P("ep") if ".experts." in k else P() for k in params}))
+        >>> p, s, loss = vsf.jit(train_step)(p, s, batch)  # the plan's text lists shard_map(expert_dispatch)
+    """
+    integration = sys.modules.get("transformers.integrations.moe")
+    interface = integration.ALL_EXPERTS_FUNCTIONS if integration is not None else None
+    if interface is None or not options.dispatch_experts or "get_interface" in vars(interface):  # (already in force: a trace inside a trace)
+        yield
+        return
+    resolve = interface.get_interface
+    interface.get_interface = lambda implementation, default: _dispatch_if_split(resolve(implementation, default))
+    try:
+        yield
+    finally:
+        del interface.get_interface
+
+
+def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The experts implementation ``forward``, or the dispatch where the module's weights say so."""
+    if forward is _transformers_experts:
+        return forward
+
+    def experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        split = _expert_split(module)
+        if split is None:
+            return forward(module, hidden_states, top_k_index, top_k_weights)
+        return _dispatched(module, hidden_states, top_k_index, top_k_weights, *split)
+
+    return experts
+
+
+def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
+    """``(mesh, expert axis, token axes)`` where the experts ``module``'s weights arrive split on the
+    expert dim (plain axis entries; a ragged or balanced one is not an expert split), else ``None``."""
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    found = {k: step_input(getattr(module, k)) for k in (up, "down_proj")}
+    on_experts = {k: _expert_axes(f) for k, f in found.items()}
+    if not any(on_experts.values()):
+        return None
+    said = "; ".join(f"{f.name} is {f.sharding.spec!r}" if f is not None else f"{k} is not a step input" for k, f in found.items())
+    axes = set(on_experts.values())
+    if len(axes) > 1:
+        raise PlanError(f"{type(module).__name__}: its weights split the expert dim (dim 0) differently ({said}): vsf dispatches tokens to experts "
+                        "split alike over one mesh axis. Lay both out alike (e.g. P('ep')), or split neither on dim 0 to gather them")
+    (split,) = axes
+    if len(split) > 1:
+        raise PlanError(f"{type(module).__name__}: its weights split the expert dim (dim 0) over {split!r} ({said}): vsf dispatches tokens over "
+                        f"one mesh axis. Split dim 0 over one axis and another dim over the rest (efsdp: P({split[0]!r}, {split[1]!r}))")
+    shardings = [f.sharding for f in found.values() if f is not None]
+    elsewhere = {a for s in shardings for d in range(1, len(s.spec)) for a in s.spec.entry_axes(d)}
+    mesh = shardings[0].mesh
+    return mesh, split[0], tuple(a for a in mesh.axis_names if a not in elsewhere)
+
+
+def _expert_axes(found: StepInput | None) -> tuple[str, ...]:
+    """The mesh axes a step input's plain entry for dim 0 splits it over (none for another input)."""
+    spec = found.sharding.spec if found is not None else P()
+    return spec.entry_axes(0) if len(spec) and isinstance(spec[0], (str, tuple)) else ()
+
+
+rewrite_while_tracing(dispatching_transformers_experts)

@@ -2,8 +2,8 @@
 gloo processes (tier 3), and on one GPU with NCCL (tier 4, ``cuda``), a GPT step equals the same step unsharded; under ``vsf.simulate`` and in
 checking mode the program runs eagerly after one warning; a program Inductor cannot compile runs
 as traced after a warning naming the reason. Inductor compiles are slow on CPU (about a minute of
-CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default, the
-differentiated block under ``sweep``."""
+CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default; the
+differentiated block, the zoo's models and the pipeline's stages under ``sweep``."""
 
 import warnings
 
@@ -83,11 +83,13 @@ def test_compiled_zoo_model_trains_like_torch_on_one_device(world, name, layout)
         assert r["plan_count"] == 1 and r["compiled_by_inductor"] and r["warnings"] == []
 
 
+@pytest.mark.sweep
 @pytest.mark.world("pipeline_gpt.py", "1", "inductor", nproc=2)
 @pytest.mark.multiprocess
 def test_compiled_pipeline_stages_train_like_one_device(world):
     """pp = 2, 1F1B over torch's schedule: each stage's forward and backward program, the loss's
-    and each stage's gradient reduction compiled by Inductor."""
+    and each stage's gradient reduction compiled by Inductor (8 compiles: the sweep; under
+    ``vsf.simulate`` they run eagerly, tests/transforms/test_pipeline.py)."""
     for rank, r in enumerate(world("pipeline_gpt.py", "1", "inductor", nproc=2)):
         r = r["1f1b"]
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)

@@ -2,8 +2,8 @@
 gloo processes (tier 3), and on one GPU with NCCL (tier 4, ``cuda``), a GPT step equals the same step unsharded; under ``vsf.simulate`` and in
 checking mode the program runs eagerly after one warning; a program Inductor cannot compile runs
 as traced after a warning naming the reason. Inductor compiles are slow on CPU (about a minute of
-CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default, the
-differentiated block under ``sweep``."""
+CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default; the
+differentiated block, the zoo's models and the pipeline's stages under ``sweep``."""
 
 import warnings
 
@@ -63,6 +63,39 @@ def test_compiled_shard_map_block_under_torch_autograd_equals_one_device(inducto
     for r in inductor:
         assert r["compiled_by_inductor"] == [True, True]  # its forward and backward programs
         assert r["max_param_err"] < 1e-5 and r["warnings"] == []
+
+
+# the zoo (tests/models) on real processes, each rank's program compiled: Hugging Face's Llama
+# (rotary tables, RMSNorm, SDPA) on FSDP, and diffusers' UNet (convolutions, GroupNorm, nearest
+# upsampling, attention at the lower resolution) on DP; AdamW with params and state donated
+ZOO = [("llama", "fsdp"), ("unet", "dp")]
+
+
+@pytest.mark.sweep
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, layout", ZOO, ids=[f"{n}-{layout}" for n, layout in ZOO])
+@pytest.mark.world("zoo_jit.py", "llama", "fsdp", "inductor", nproc=2)
+@pytest.mark.world("zoo_jit.py", "unet", "dp", "inductor", nproc=2)
+def test_compiled_zoo_model_trains_like_torch_on_one_device(world, name, layout):
+    for r in world("zoo_jit.py", name, layout, "inductor", nproc=2):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
+        assert r["not_close"] == [], r["max_param_err"]  # the zoo's tolerances (rtol 1e-5, atol 1e-6) after 3 AdamW steps
+        assert r["plan_count"] == 1 and r["compiled_by_inductor"] and r["warnings"] == []
+
+
+@pytest.mark.sweep
+@pytest.mark.world("pipeline_gpt.py", "1", "inductor", nproc=2)
+@pytest.mark.multiprocess
+def test_compiled_pipeline_stages_train_like_one_device(world):
+    """pp = 2, 1F1B over torch's schedule: each stage's forward and backward program, the loss's
+    and each stage's gradient reduction compiled by Inductor (8 compiles: the sweep; under
+    ``vsf.simulate`` they run eagerly, tests/transforms/test_pipeline.py)."""
+    for rank, r in enumerate(world("pipeline_gpt.py", "1", "inductor", nproc=2)):
+        r = r["1f1b"]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
+        assert r["max_param_err"] < 3e-5   # AdamW moves a param whose gradient is ~0 by its rounding (tests/transforms/test_pipeline.py)
+        assert r["compiled_by_inductor"] == [True] * (5 if rank else 3), r["compiled_by_inductor"]  # stage forward, backward, reduction; the loss's two
+        assert r["warnings"] == []
 
 
 @pytest.mark.cuda

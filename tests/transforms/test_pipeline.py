@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,25 @@ def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, mo
     _trains_like_one_device(pipe, p, layout, {k: P() for k in params}, model.cfg, want_losses, want_grads, want)
 
 
+def test_an_inductor_pipeline_runs_eagerly_under_simulation_after_one_warning_a_program(sim):
+    """``backend="inductor"`` reaches every program of the step (real processes compile them:
+    tests/jit/test_inductor.py); simulated ranks are LocalTensors, which Inductor does not
+    compile, so each program runs as ``"eager"`` after one warning naming that reason: each
+    stage's forward and backward, the loss's, and each stage's gradient reduction, 8 in all."""
+    model, params = _model(layers=2)
+    want_losses, want_grads, want = _one_device(model, params)
+    fns, loss_fn, prefixes = pipeline_stages(model, 2)
+    sim(2)
+    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((2,), ("pp",)), microbatches=2, tied=("wte.weight",), backend="inductor")
+    p, layout = pipe.place(params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trains_like_one_device(pipe, p, layout, {k: P() for k in params}, model.cfg, want_losses, want_grads, want)
+    messages = [str(w.message) for w in caught if "vsf.jit" in str(w.message)]
+    assert len(messages) == 8, messages
+    assert all("runs as backend='eager' here: simulated ranks run as LocalTensors" in m for m in messages), messages
+
+
 def _trains_like_one_device(pipe, p, layout, specs, cfg, want_losses, want_grads, want):
     """``pipe`` trained ``STEPS`` steps from ``p`` gives one device's losses, first gradients and
     params, and the params keep their ``specs``."""
@@ -346,6 +366,8 @@ def test_bad_splits_are_errors_naming_the_key_path(sim):
         pipe([prefixes[0] + prefixes[1]], tied=())
     with pytest.raises(ValueError, match=r"'blocks\.0\.fc1\.weight' has the spec P\('pp'\)"):
         pipe().place(params, {k: P("pp") if k == "blocks.0.fc1.weight" else P() for k in params})
+    with pytest.raises(ValueError, match=r"backend must be one of \('eager', 'inductor'\) \(vsf.jit's\), got 'xla'"):
+        pipe(backend="xla")
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb-h2'; expected one of \['1f1b', 'dualpipev', 'gpipe', 'interleaved', 'zb', 'zbv'\]"):
         pipe(schedule="zb-h2")
     with pytest.raises(ValueError, match=r"the zbv schedule runs two stages on each of the 2 pp ranks \(stages s and 3 - s on rank s\): give 4 stages; got 2"):

@@ -42,7 +42,7 @@ def report_of(jitted, caught):
     return {
         "backend": jitted.backend,
         "programs": len(rs),
-        "compiled_by_inductor": [r.compiled is not None and r.compiled != r.local.forward for r in rs],
+        "compiled_by_inductor": [r.compiled_by_inductor for r in rs],
         "plan_count": jitted.plan_count,
         "warnings": [str(w.message) for w in caught if "vsf.jit" in str(w.message)],
     }

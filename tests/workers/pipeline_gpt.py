@@ -1,6 +1,8 @@
 """Tier 3 worker: a GPT trained 3 steps through vsf.pipeline on real gloo processes (torch's
 ScheduleGPipe and Schedule1F1B over the pp groups, 4 microbatches), against the same steps run on
-one device in each process. argv: out_dir, dp size (world = 2 * dp). On 2 processes the same
+one device in each process. argv: out_dir, dp size (world = 2 * dp), and optionally ``inductor``:
+then only 1F1B runs, every program of the step compiled by Inductor (``Pipeline(backend=...)``),
+and each rank also reports which of its programs Inductor compiled and vsf.jit's warnings. On 2 processes the same
 launch also runs torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (a 4-block GPT,
 two one-block stages per rank),
 on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B, pp=2 x cp=2 with
@@ -11,6 +13,7 @@ Each run's pipe.lower (the plan the steps reuse) reports its sends and this stag
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
 from vsf import P, optim  # noqa: E402
 
 out, dp = Path(sys.argv[1]), int(sys.argv[2])
+backend = sys.argv[3] if len(sys.argv) > 3 else "eager"
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
 tx = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
@@ -39,6 +43,11 @@ def one_device(model, params):
     return p, losses
 
 
+def runners(jitted):
+    """The runners of every program of a jitted function's plans (a differentiable one's forward and backward)."""
+    return [r for c in jitted._cache.values() for r in getattr(c, "_runners", None) or (c._runner,)]
+
+
 def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     """The report of 3 pipelined steps of a GPT of ``stages`` (default ``pp``) blocks on a pp x
     ``axis`` mesh (``dp`` ranks over it): the batch over dp or fsdp, or each sequence over cp."""
@@ -49,7 +58,8 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     want, want_losses = one_device(model, params)
     mesh = vsf.make_mesh((pp, dp), ("pp", axis))
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
-    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=spec, activations=spec, tied=("wte.weight",))
+    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=spec, activations=spec, tied=("wte.weight",),
+                                  backend=backend)
     specs = {k: P("fsdp") if axis == "fsdp" and v.shape[0] % dp == 0 else P() for k, v in params.items()}
     p, layout = pipe.place(params, specs)
     s = tx.init(p)
@@ -61,9 +71,11 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
         return optim.apply_updates(params, updates), opt_state, loss
 
     losses = []
-    for i in range(STEPS):
-        p, s, loss = train_step(p, s, *batch_at(i, BATCH, model.cfg))
-        losses.append(vsf.device_get(loss).item())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            p, s, loss = train_step(p, s, *batch_at(i, BATCH, model.cfg))
+            losses.append(vsf.device_get(loss).item())
     got = {k: vsf.device_get(v) for k, v in p.items() if v is not None}
     return {
         "want_losses": want_losses,
@@ -87,11 +99,13 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
         "reducer_plans": [r.plan_count for r in pipe._reducers.values()],
         "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
         "memory": vsf.debug.memory_report(p).get(rank, 0),
+        "compiled_by_inductor": [r.compiled_by_inductor for j in (*pipe._programs.values(), *pipe._reducers.values()) for r in runners(j) if r.local is not None],
+        "warnings": [str(w.message) for w in caught if "vsf.jit" in str(w.message)],
     }
 
 
-report = {schedule: pipelined(2, dp, schedule) for schedule in ("gpipe", "1f1b")}
-if world == 2:   # two stages on each rank
+report = {schedule: pipelined(2, dp, schedule) for schedule in (("1f1b",) if backend == "inductor" else ("gpipe", "1f1b"))}
+if world == 2 and backend == "eager":   # two stages on each rank
     report.update({schedule: pipelined(2, 1, schedule, stages=4) for schedule in ("interleaved", "zb", "zbv", "dualpipev")})
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})

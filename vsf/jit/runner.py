@@ -72,6 +72,11 @@ class Runner:
             self.compiled = self._compile(self.local, locals_in) if self.backend == "inductor" else self.local.forward
         return self.compiled(*locals_in)
 
+    @property
+    def compiled_by_inductor(self) -> bool:
+        """Does this program run as Inductor compiled it (not yet run, run eagerly, or a compile that failed: no)?"""
+        return self.local is not None and self.compiled is not None and self.compiled != self.local.forward
+
     def _compile(self, gm: torch.fx.GraphModule, locals_in: list[torch.Tensor]) -> Callable[..., Any]:
         """Inductor's compile of ``gm``; ``gm`` itself, after a warning with the reason, where it fails."""
         try:

@@ -49,6 +49,10 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
 * Tied params (``tied=("wte.weight",)``) are held by the first stage naming them; each step the
   later stages that name them get a copy and their gradients are summed into the owner's
   (Megatron's rule), so the tree, the optimizer state and checkpoints hold one value.
+* ``backend`` is ``vsf.jit``'s: ``"inductor"`` has Inductor compile every program of the step on
+  its first call (each stage's forward and backward, the zero-bubble schedules' input and weight
+  parts of it, the loss's, and the once-a-step gradient reduction and gather); under
+  ``vsf.simulate`` they run as ``"eager"`` after one warning each, as any jitted program there.
 
 Example::
 
@@ -72,6 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from vsf import runtime, tree
 from vsf.abstract import ShapeDtypeStruct
+from vsf.jit.runner import BACKENDS
 from vsf.pipeline import runners
 from vsf.pipeline import schedule as sched
 from vsf.pipeline.lower import Bounds, PipelineLowered, boundaries, first_entries, lower_step
@@ -101,11 +106,14 @@ class Pipeline:
         tied: Sequence[str] = (),
         axis: str = "pp",
         reshard_after_forward: bool = False,
+        backend: str = "eager",
     ) -> None:
         if len(stages) != len(params):
             raise ValueError(f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage")
         if axis not in mesh.axis_names:
             raise ValueError(f"the pipeline axis {axis!r} is not an axis of the mesh {mesh.shape}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} (vsf.jit's), got {backend!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.schedule = sched.check_schedule(schedule)
@@ -114,7 +122,7 @@ class Pipeline:
             raise ValueError(f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch")
         self.stages, self.loss_fn, self.prefixes, self.tied = list(stages), loss_fn, [list(p) for p in params], tuple(tied)
         self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
-        self.batch, self.reshard_after_forward = batch, reshard_after_forward
+        self.batch, self.reshard_after_forward, self.backend = batch, reshard_after_forward, backend
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
         self.meshes = [mesh.at(axis, self.rank_of(s)) for s in range(len(stages))]
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
@@ -291,7 +299,7 @@ class Pipeline:
         key = (s, out)
         if key not in self._programs:
             sink = self._deferred.setdefault(s, []).append if self.schedule in sched.DEFERRED else None
-            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes, on_deferred_grads=sink)
+            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes, on_deferred_grads=sink, backend=self.backend)
         return self._programs[key]
 
     def _reducer(self, layout: Layout, s: int) -> Any:
@@ -300,7 +308,7 @@ class Pipeline:
         axes a param is replicated on, and whole over the batch's axes it is split on: DDP's one
         all-reduce a step and FSDP's one reduce-scatter, not one a microbatch)."""
         if (layout, s) not in self._reducers:
-            self._reducers[(layout, s)] = mean_reducer(self.microbatches, {k: layout.where(k, s)[0] for k in layout.split.names[s]})
+            self._reducers[(layout, s)] = mean_reducer(self.microbatches, {k: layout.where(k, s)[0] for k in layout.split.names[s]}, self.backend)
         return self._reducers[(layout, s)]
 
     def _gathered(self, layout: Layout, s: int) -> list[str]:
@@ -320,13 +328,13 @@ class Pipeline:
         first microbatch (FSDP2 under torch's pipeline schedules gathers once and keeps them
         gathered through the step: ``reshard_after_backward(False)``)."""
         if (layout, s) not in self._gathers:
-            self._gathers[(layout, s)] = gather_program({k: self._held(layout, k, s) for k in self._gathered(layout, s)})
+            self._gathers[(layout, s)] = gather_program({k: self._held(layout, k, s) for k in self._gathered(layout, s)}, self.backend)
         return self._gathers[(layout, s)]
 
     def _loss_program(self, last: int) -> Any:
         key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))
         if key not in self._programs:
-            self._programs[key] = stage_program(self.loss_fn, key[1])
+            self._programs[key] = stage_program(self.loss_fn, key[1], backend=self.backend)
         return self._programs[key]
 
     def _value(self, layout: Layout, k: str, stage: int, values: dict[str, Any], lent: dict[str, DTensor]) -> DTensor:

@@ -74,23 +74,25 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
 
 
 def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = (), unsharded_grad_axes: Sequence[str] = (),
-                  on_deferred_grads: Callable[[Callable[[], None]], None] | None = None) -> Any:
+                  on_deferred_grads: Callable[[Callable[[], None]], None] | None = None, backend: str = "eager") -> Any:
     """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
     backward, and reused while shapes and layouts stay); the gradients of the arguments
     ``unreduced_grad_argnums`` (a stage's params) come back unreduced over the axes they are
     replicated on, and whole and unreduced over the ``unsharded_grad_axes`` they are split on
     (the batch's: fsdp), for the step to reduce once (see ``vsf.jit``). With
     ``on_deferred_grads`` (a zero-bubble schedule), the backward computes the input gradients only
-    and hands it the function that computes those params' gradients later."""
+    and hands it the function that computes those params' gradients later. ``backend``: ``vsf.jit``'s
+    (``"inductor"`` compiles the forward and backward programs)."""
     deferred = tuple(unreduced_grad_argnums) if on_deferred_grads is not None else ()
     return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes,
-               deferred_grad_argnums=deferred, on_deferred_grads=on_deferred_grads)
+               deferred_grad_argnums=deferred, on_deferred_grads=on_deferred_grads, backend=backend)
 
 
-def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding]) -> Any:
+def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding], backend: str = "eager") -> Any:
     """The jitted program that turns a stage's gradients summed over ``microbatches`` (a dict
     ``name -> DTensor``, unreduced where the stage program left them so) into their mean, laid out
-    as ``shardings``: every pending reduction of the step at once, bucketed by the planner.
+    as ``shardings``: every pending reduction of the step at once, bucketed by the planner
+    (``backend``: ``vsf.jit``'s).
 
     Example::
 
@@ -102,12 +104,13 @@ def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding]) -> Any:
     def mean_of_microbatches(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: g / microbatches for k, g in grads.items()}
 
-    return jit(mean_of_microbatches, out_shardings=shardings)
+    return jit(mean_of_microbatches, out_shardings=shardings, backend=backend)
 
 
-def gather_program(shardings: dict[str, NamedSharding]) -> Any:
+def gather_program(shardings: dict[str, NamedSharding], backend: str = "eager") -> Any:
     """The jitted program laying a stage's params (a dict ``name -> DTensor``) out as
-    ``shardings``: the params split over the batch's axes gathered once a step.
+    ``shardings``: the params split over the batch's axes gathered once a step (``backend``:
+    ``vsf.jit``'s).
 
     Example::
 
@@ -119,7 +122,7 @@ def gather_program(shardings: dict[str, NamedSharding]) -> Any:
     def gathered(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(params)
 
-    return jit(gathered, out_shardings=shardings)
+    return jit(gathered, out_shardings=shardings, backend=backend)
 
 
 class StageModule(torch.nn.Module):

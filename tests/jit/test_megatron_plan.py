@@ -166,6 +166,19 @@ def test_megatron_gpt_gathers_the_projection_where_its_work_costs_less_than_the_
     assert {c.kind for c in gathered} == {"all_gather"} and sum(math.prod(c.shape) for c in gathered) == cfg.layers * (b * t * d + d * d)
 
 
+def test_a_collective_start_up_above_the_bytes_it_saves_plans_megatron_with_fewer_collectives(sim, monkeypatch):
+    """Bytes only, as above, but each collective's start-up charged as one ``[b, t, d]`` activation's
+    bytes (``vsf.config.collective_latency_bytes`` = 64 KiB; the default 4 KiB gives the plan above,
+    5 collectives a block): gathering the projection's input and weight saves ``(n-1)/n * (b*t*d -
+    d*d) * 4`` bytes a block (24 KiB) but starts more collectives, so the plan is Megatron's, 4
+    all-reduces of ``[b, t, d]`` a block and nothing else (more bytes, fewer launches)."""
+    monkeypatch.setattr(vsf.config, "collective_latency_bytes", 64 * 2**10)
+    cfg, _, _, _, cost = _issue_gpt_cost(sim, monkeypatch, 0.0)
+    n, b, t, d = 2, 8, cfg.seq, cfg.dim
+    assert [(c.kind, tuple(c.shape)) for c in cost.collectives] == [("all_reduce", (b, t, d))] * (cfg.layers * 4)
+    assert sum(cost.comm_bytes.values()) == cfg.layers * 4 * 2 * (n - 1) / n * b * t * d * 4
+
+
 def test_megatron_gpt_step_sends_megatron_bytes(sim, monkeypatch):
     """With work charged above the projection's and the head gradient's break-evens but below the
     head's (:func:`_break_evens`): Megatron's plan on every block, two all-reduces of the

@@ -2,7 +2,8 @@
 
 * all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
   all-to-all ``(n-1)/n`` of the local shard;
-* each collective also costs a start-up latency of :data:`COLLECTIVE_LATENCY_BYTES`;
+* each collective also costs a start-up latency (``vsf.config.collective_latency_bytes``,
+  :data:`COLLECTIVE_LATENCY_BYTES` by default);
 * a balanced split (:class:`~vsf.sharding.placement.BalancedPlacement`) moves to or from another
   shard by gathering the whole dim first;
 * a local slice sends nothing but is charged a token cost, and so is a local partition of a
@@ -35,7 +36,7 @@ import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate
 from torch.utils.flop_counter import flop_registry
 
-from vsf import _compat
+from vsf import _compat, config
 from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import is_tensor_node
 from vsf.jit.plan import Placements, R, is_shard, split_dim
@@ -57,9 +58,9 @@ INF = float("inf")
 _SLICE_COST = 1e-3
 
 
-# Each collective also costs a start-up latency, charged as this many bytes: with equal bytes, one
-# all-reduce beats a reduce-scatter plus an all-gather.
-COLLECTIVE_LATENCY_BYTES = 4096.0
+# Each collective also costs a start-up latency, charged as this many bytes (vsf.config.collective_latency_bytes's
+# default; a plan charges its own): with equal bytes, one all-reduce beats a reduce-scatter plus an all-gather.
+COLLECTIVE_LATENCY_BYTES = config.PlanOptions.collective_latency_bytes
 
 
 _COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
@@ -108,11 +109,11 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
 
 
 class Codes:
-    """Placements of one axis as small ints, with the byte factor and the fixed (per-collective)
-    cost of every transition."""
+    """Placements of one axis as small ints, with the byte factor and the fixed (per-collective:
+    ``latency``) cost of every transition."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, latency: float = COLLECTIVE_LATENCY_BYTES) -> None:
+        self.n, self.latency = n, latency
         self.of: dict[Any, int] = {}
         self.placements: list[Any] = []
         self.factor: list[list[float]] = []
@@ -133,7 +134,7 @@ class Codes:
             return self._fixed(a, R) if isinstance(a, Partial) else 0.0
         if b is REPLICATED_OR_SUM:
             return 0.0 if is_sum(a) else self._fixed(a, R)
-        return COLLECTIVE_LATENCY_BYTES if transition_kind(a, b) in _COLLECTIVE_KINDS else 0.0
+        return self.latency if transition_kind(a, b) in _COLLECTIVE_KINDS else 0.0
 
     def _factor(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:

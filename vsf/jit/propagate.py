@@ -118,7 +118,7 @@ def propagate(
         problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
-        codes = {axis: Codes(mesh.axis_size(axis)) for axis in axes}
+        codes = {axis: Codes(mesh.axis_size(axis), options.collective_latency_bytes) for axis in axes}
         encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
         for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:

@@ -1,10 +1,11 @@
 """Expert parallelism: Hugging Face Mixtral (8 experts, top-2) with its experts split over ``ep``
 on a ``("dp", "ep") = 2x2`` mesh, the tokens over both axes, planned two ways side by side:
 
-* ``dispatch``: the experts run through ``vsf.nn.expert_parallel`` (tokens sent to the experts'
-  ranks and back by ragged all-to-alls; ``vsf.nn.use_expert_parallel``);
-* ``gather``: the model's own ``grouped_mm`` experts, planned by ``vsf.jit`` as they are (the
-  planner brings the experts' weights to the tokens).
+* ``dispatch``: the specs alone (``vsf.jit`` runs the experts through ``vsf.nn.expert_parallel``:
+  tokens sent to the experts' ranks and back by ragged all-to-alls);
+* ``gather``: the same specs with ``vsf.config.dispatch_experts = False``: the model's own
+  ``grouped_mm`` experts, planned by ``vsf.jit`` as they are (the planner brings the experts'
+  weights to the tokens).
 
 Rows: the bytes each rank sends over ``ep`` per training step (the plan's ``Cost``) of the two;
 the dispatch plan's all-to-all bytes against the analytic dispatch + combine volume (per layer:
@@ -29,6 +30,17 @@ EXPERTS, TOP_K = 8, 2
 
 def _sizes(quick: bool) -> dict[str, int]:
     return {"hidden": 32, "ffn": 64, "layers": 2, "batch": 4, "seq": 16} if quick else {"hidden": 128, "ffn": 256, "layers": 2, "batch": 8, "seq": 64}
+
+
+def _with_dispatch(on: bool, f):
+    """``f()`` with ``vsf.config.dispatch_experts`` set to ``on`` (restored after)."""
+    import vsf
+
+    before, vsf.config.dispatch_experts = vsf.config.dispatch_experts, on
+    try:
+        return f()
+    finally:
+        vsf.config.dispatch_experts = before
 
 
 def run(quick: bool) -> list[dict]:
@@ -57,18 +69,17 @@ def run(quick: bool) -> list[dict]:
         batch = vsf.device_put({"input_ids": ids, "labels": ids}, vsf.NamedSharding(mesh, P(("dp", "ep"))))
         for name in ("dispatch", "gather"):
             model = build()
-            if name == "dispatch":
-                vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
             params = vsf.tree.from_module(model)
             specs = {k: P("ep") if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else P() for k in params}
             p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
             s = optim.init_sharded(tx, p)
             step = vsf.jit(zoo.train_step(model, tx))
-            cost[name] = step.lower(p, s, batch).cost()
+            dispatch = name == "dispatch"
+            cost[name] = _with_dispatch(dispatch, lambda: step.lower(p, s, batch).cost())
             state = [p, s]
 
-            def one(step=step, state=state) -> None:
-                state[0], state[1], loss = step(state[0], state[1], batch)
+            def one(step=step, state=state, dispatch=dispatch) -> None:
+                state[0], state[1], loss = _with_dispatch(dispatch, lambda: step(state[0], state[1], batch))
                 vsf.device_get(loss)
 
             one()  # the first call compiles, the second records the replay

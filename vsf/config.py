@@ -54,6 +54,13 @@
   size, each run as one collective; smaller buckets start communicating earlier in the backward
   and hold less memory at once, larger ones launch fewer collectives. Read when a step is planned.
 
+* ``dispatch_experts`` (default ``True``): inside ``vsf.jit``, a ``transformers`` experts module
+  (Mixtral's, Qwen-MoE's, DeepSeek's: built with ``@use_experts_implementation``) whose weights
+  arrive split on the expert dim over one mesh axis sends its tokens to the experts' ranks and
+  back (:func:`vsf.nn.expert_parallel`, the region ``shard_map(expert_dispatch)`` in the plan's
+  text); ``False`` plans the module as transformers runs it (the experts' weights gathered to the
+  tokens). Read when a step is traced.
+
 * ``check_across_processes`` (default ``True``): on several processes, :func:`vsf.device_put`
   of plain tensors checks that every process passed the same value (each must hold the whole
   value; a process's own half of a batch passes every shape check and would silently be taken
@@ -75,7 +82,7 @@
 
 The switches a plan depends on (``allow_replicated_fallback``, ``allow_unkeyed_random``,
 ``context_parallel``, ``context_parallel_gather_bytes``, ``compute_bytes_per_flop``,
-``bucket_bytes``) are read once per ``vsf.jit`` call into a :class:`PlanOptions` (:func:`plan_options`),
+``bucket_bytes``, ``dispatch_experts``) are read once per ``vsf.jit`` call into a :class:`PlanOptions` (:func:`plan_options`),
 which is part of the call's cache key and is passed down to every stage that plans: a switch
 changed between two calls plans the step again with the new value, and ``step.replans`` names it.
 The others are read when they act (``strict`` and ``check_plan`` on every call, ``jit_mode`` when a
@@ -104,6 +111,7 @@ context_parallel: ContextParallelMode = "auto"
 context_parallel_gather_bytes: int = 64 * 2**20
 bucket_bytes: int = 4 * 2**20
 compute_bytes_per_flop: float = 0.01
+dispatch_experts: bool = True
 check_across_processes: bool = True
 collective_timeout: float = float(_environ.get("VSF_COLLECTIVE_TIMEOUT", "600"))
 
@@ -125,6 +133,7 @@ class PlanOptions:
     context_parallel_gather_bytes: int = 64 * 2**20
     compute_bytes_per_flop: float = 0.01
     bucket_bytes: int = 4 * 2**20
+    dispatch_experts: bool = True
 
     def changed(self, other: "PlanOptions") -> list[str]:
         """The switches whose values differ from ``other``'s, as ``vsf.config.NAME OLD -> NEW``.
@@ -151,4 +160,4 @@ def plan_options() -> PlanOptions:
     """
     if context_parallel not in get_args(ContextParallelMode):
         raise ValueError(f"vsf.config.context_parallel must be one of {get_args(ContextParallelMode)}, got {context_parallel!r}")
-    return PlanOptions(allow_replicated_fallback, allow_unkeyed_random, context_parallel, context_parallel_gather_bytes, compute_bytes_per_flop, bucket_bytes)
+    return PlanOptions(allow_replicated_fallback, allow_unkeyed_random, context_parallel, context_parallel_gather_bytes, compute_bytes_per_flop, bucket_bytes, dispatch_experts)

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import zoo
+from context_parallel_checks import assert_equal_to_one_device, reference
 
 import vsf
 from vsf import P, optim
@@ -55,30 +56,77 @@ def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(s
 
     lowered = step.lower(p, s, vsf.device_put(batches[0], tokens))
     assert lowered.as_text().count("all_to_all_v over ep (inside shard_map(expert_dispatch))") == 4 * MOE_LAYERS[name]
-    cost = lowered.cost()
-    over_ep = [c for c in cost.collectives if c.axis == "ep"]
-    # per layer: dispatch and combine forward, their transposes backward, each the rank's tokens
-    # (batch x seq / 4 ranks) x top-k x hidden x 4 bytes; and the per-expert counts (int64) once
-    rank_tokens = zoo.BATCH * zoo.SEQ // 4
+    assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, MOE_LAYERS[name])
+
+
+def assert_tokens_sent_not_experts(collectives, rank_tokens, layers):
+    """Over ``ep``: per MoE layer, the dispatch and combine forward and their transposes backward,
+    each a rank's ``rank_tokens`` x top-k x hidden x 4 bytes, and the per-expert counts (int64)
+    once; no expert weight."""
+    over_ep = [c for c in collectives if c.axis == "ep"]
     exchanges = [c.bytes for c in over_ep if c.kind == "all_to_all_v"]
-    assert exchanges == [rank_tokens * TOP_K * zoo.HIDDEN * 4] * (4 * MOE_LAYERS[name])
+    assert exchanges == [rank_tokens * TOP_K * zoo.HIDDEN * 4] * (4 * layers)
     counts = [c for c in over_ep if c.kind == "all_gather" and c.shape == (2, EXPERTS)]  # [ep ranks, experts] gathered
-    assert [c.bytes for c in counts] == [EXPERTS * 8] * MOE_LAYERS[name]
-    # no expert weight crosses ep: one layer's local down_proj alone is 32 KiB, the rest gathered
-    # over ep (attention's and the loss's activations, as any plan with tokens split over two axes)
-    # is smaller altogether
+    assert [c.bytes for c in counts] == [EXPERTS * 8] * layers
+    # one layer's local down_proj alone is 32 KiB, the rest gathered over ep (attention's and the
+    # loss's activations, as any plan with tokens split over two axes) is smaller altogether
     shard = EXPERTS // 2 * zoo.HIDDEN * zoo.FFN * 4
     gathered = [c for c in over_ep if c.kind == "all_gather" and c.dtype.is_floating_point]
     assert sum(c.bytes for c in gathered) < shard, gathered
     assert not any(math.prod(c.shape) % (EXPERTS * zoo.HIDDEN * zoo.FFN) == 0 for c in gathered), gathered
 
 
-def test_a_model_without_transformers_experts_is_an_error(sim):
-    model, _ = zoo.built(zoo.families()["llama"])
-    sim(2)
-    mesh = vsf.make_mesh((2,), ("ep",))
-    with pytest.raises(ValueError, match="LlamaForCausalLM has no transformers experts module"):
-        vsf.nn.use_expert_parallel(model, axis="ep", mesh=mesh)
+# (mesh axes, how keys and values move): the tokens' rows (batch over ep, sequence over cp) merged
+# in the MoE layer, the region's in mesh order: as they are, or (cp first) moved
+CP_ORDERS = [pytest.param(("ep", "cp"), "ring", id="ep-cp-ring"), pytest.param(("cp", "ep"), "all_gather", id="cp-ep-all_gather", marks=pytest.mark.sweep)]
+
+
+@pytest.mark.parametrize("axes, mode", CP_ORDERS)
+def test_on_ep_x_cp_equals_one_device(sim, monkeypatch, axes, mode):
+    """Mixtral's experts ``P("ep")`` alone, four sequences split over ep by the batch and over cp by
+    the sequence (attention on sequence shards): the loss and every gradient are one device's, and
+    the tokens go to the experts (each rank's 16 tokens), no expert weight over ep."""
+    monkeypatch.setattr(vsf.config, "context_parallel", mode)
+    model, _ = zoo.built(zoo.moe("mixtral", EXPERTS))
+    params = vsf.tree.from_module(model)
+    ids = torch.randint(0, zoo.VOCAB, (4, zoo.SEQ), generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(p, ids):
+        return vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss
+
+    want = reference(loss_fn, params, (ids,))
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, expert_specs(params)))
+    tokens = vsf.device_put(ids, vsf.NamedSharding(mesh, P("ep", "cp")))
+    step = vsf.jit(lambda p, ids: vsf.value_and_grad(loss_fn)(p, ids))
+    assert_equal_to_one_device(vsf.device_get(step(p, tokens)), want)
+    assert_tokens_sent_not_experts(step.lower(p, tokens).cost().collectives, 4 * zoo.SEQ // 4, zoo.LAYERS)
+
+
+def test_pipelined_on_pp_x_ep_trains_like_torch_on_one_device(sim):
+    """Mixtral cut into two stages of one layer each (``zoo.pipeline_stages``), 1F1B over ``pp``, two
+    microbatches; in each stage the experts ``P("ep")`` alone and the microbatch split over ep,
+    the params read as they are laid out in each microbatch's programs
+    (``reshard_after_forward=True``: by default the pipeline gathers params split over the
+    batch's axes once a step, experts included): the losses and the params after 3 AdamW steps
+    are one device's, and each stage's program sends its microbatch's tokens (8 a rank) to the
+    experts and back."""
+    family = zoo.moe("mixtral", EXPERTS)
+    want = zoo.torch_run(family)
+    model, batches = zoo.built(family)
+    params = vsf.tree.from_module(model)
+    fns, prefixes, tied = zoo.pipeline_stages("mixtral", model)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("pp", "ep"))
+    pipe = vsf.pipeline.Pipeline(fns, zoo.causal_lm_loss, prefixes, mesh=mesh, microbatches=2, batch=P("ep"), tied=tied, reshard_after_forward=True)
+    placed = pipe.place(params, expert_specs(params))
+    p, losses = zoo.train_pipelined(pipe, zoo.adamw(), placed, batches)
+    zoo.assert_like_oracle("mixtral pp x ep", losses, vsf.device_get(p), want)
+    lowered = pipe.lower(p, batches[0]["input_ids"], batches[0]["labels"], layout=placed[1])
+    for stage in lowered.stages.values():
+        exchanges = [c.bytes for c in stage.cost().collectives if c.axis == "ep" and c.kind == "all_to_all_v"]
+        assert exchanges == [zoo.BATCH // 2 * zoo.SEQ // 2 * TOP_K * zoo.HIDDEN * 4] * 4
 
 
 TOKENS = 32
@@ -127,6 +175,32 @@ def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, im
         torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}")
     over_ep = sorted((c.kind, c.bytes) for c in step.lower(*args).cost().collectives if c.axis == "ep")
     assert over_ep == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)] * 4
+
+
+def test_with_dispatch_experts_off_the_same_specs_gather_the_experts(sim, monkeypatch):
+    """``vsf.config.dispatch_experts = False``: the experts module planned as transformers runs it,
+    one device's numbers, its weights brought to the tokens (each rank sends its 4 experts' 32x32
+    and 32x16 floats over ep) and no exchange; switching it back plans again, saying why."""
+    module, params, batch = _experts("grouped_mm")
+    grad_of = vsf.value_and_grad(_loss_of(module), argnums=(0, 1))
+    want_loss, (want, want_x) = grad_of(params, *batch)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
+    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in batch))
+    step = vsf.jit(grad_of)
+    monkeypatch.setattr(vsf.config, "dispatch_experts", False)
+    loss, (grads, grad_x) = step(*args)
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(vsf.device_get(grad_x), want_x, rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6)
+    over_ep = [c for c in step.lower(*args).cost().collectives if c.axis == "ep"]
+    assert not [c for c in over_ep if c.kind == "all_to_all_v"]
+    assert [c.bytes for c in over_ep if c.kind == "all_gather" and c.bytes >= 4096] == [EXPERTS // 2 * (32 * 32 + 32 * 16) * 4]
+    monkeypatch.setattr(vsf.config, "dispatch_experts", True)
+    step.lower(*args)
+    assert step.replans[-1] == "options changed: vsf.config.dispatch_experts False -> True"
 
 
 @pytest.mark.parametrize("specs, message", [

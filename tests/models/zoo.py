@@ -395,11 +395,11 @@ def _llama_stages(model: Any) -> tuple[list[Any], list[list[str]], tuple[str, ..
 
 
 def pipeline_stages(name: str, model: torch.nn.Module) -> tuple[list[Callable[..., torch.Tensor]], list[list[str]], tuple[str, ...]]:
-    """``model`` of family ``name`` (``gpt2`` or ``llama``, ``LAYERS`` = 2) cut into two pipeline
-    stages of one decoder layer each, as a user writes them: the stage functions, each stage's
-    key-path prefixes, and the tied params (GPT-2's embedding, which its output layer reuses).
-    The loss of the last stage's logits is :func:`causal_lm_loss`."""
-    return {"gpt2": _gpt2_stages, "llama": _llama_stages}[name](model)
+    """``model`` of family ``name`` (``gpt2``, ``llama`` or ``mixtral``, whose modules are Llama's,
+    ``LAYERS`` = 2) cut into two pipeline stages of one decoder layer each, as a user writes them:
+    the stage functions, each stage's key-path prefixes, and the tied params (GPT-2's embedding,
+    which its output layer reuses). The loss of the last stage's logits is :func:`causal_lm_loss`."""
+    return {"gpt2": _gpt2_stages, "llama": _llama_stages, "mixtral": _llama_stages}[name](model)
 
 
 def moe(name: str, experts: int = 8) -> Family:

@@ -325,7 +325,7 @@ class Jitted:
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
             traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions(), allow_unkeyed_random=call.options.allow_unkeyed_random,
-                           shardings=[sharding_of(x) for x in call.inputs], names=leaf_names(call.dyn))
+                           shardings=[sharding_of(x) for x in call.inputs], names=leaf_names(call.dyn), options=call.options)
         out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None

@@ -109,7 +109,7 @@ def plan_joint(
     avals = [(tuple(x.shape), x.dtype) for x in inputs]
     mask = [g is not None for g in grad]
     joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops, never_planned_decompositions(),
-                        allow_unkeyed_random=options.allow_unkeyed_random, shardings=[sharding_of(x) for x in inputs], names=names)
+                        allow_unkeyed_random=options.allow_unkeyed_random, shardings=[sharding_of(x) for x in inputs], names=names, options=options)
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)

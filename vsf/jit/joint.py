@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vsf import tree
+from vsf.config import PlanOptions
 from vsf.jit.trace import Traced, trace
 from vsf.sharding.named import NamedSharding
 
@@ -61,11 +62,12 @@ def trace_joint(
     allow_unkeyed_random: bool = False,
     shardings: Sequence[NamedSharding | None] = (),
     names: Callable[[int], str] = lambda i: f"input #{i}",
+    options: PlanOptions | None = None,
 ) -> Joint:
     """Trace ``fun``'s forward and its vjp with respect to the inputs ``mask`` marks, for a call
     whose tensor leaves have ``avals`` and whose tensor outputs have ``out_avals`` (one cotangent
     placeholder each; an output that is not differentiable leaves its cotangent unused).
-    ``shardings`` / ``names``: the inputs' layouts and names while ``fun`` runs (:func:`vsf.jit.trace.step_input`)."""
+    ``shardings`` / ``names`` / ``options``: as :func:`vsf.jit.trace.trace`'s."""
     n, info = len(avals), {}
 
     @functools.wraps(fun)
@@ -86,7 +88,7 @@ def trace_joint(
         return outs + [g for g in grads if g is not None]
 
     traced = trace(joint, [*avals, *out_avals], lambda ts: ((ts,), {}), device, unplanned, decompositions, allow_unkeyed_random=allow_unkeyed_random,
-                   shardings=shardings, names=names)
+                   shardings=shardings, names=names, options=options)
     return Joint(traced, info["tree"], info["consts"], n, len(out_avals), info["diff"], info["has_grad"])
 
 

@@ -25,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, tree
+from vsf.config import PlanOptions
 from vsf.errors import TraceError
 from vsf.jit.graph import is_library_file, placeholders_of, source_line
 from vsf.ops.names import NAME_OP
@@ -67,17 +68,18 @@ class _Inputs:
     tracer: Any
     shardings: Sequence[NamedSharding | None]
     names: Callable[[int], str]
+    options: PlanOptions
 
 
 _TRACING: list[_Inputs] = []  # the steps whose code is running under trace now, innermost last
-_REWRITES: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+_REWRITES: list[Callable[[PlanOptions], contextlib.AbstractContextManager[Any]]] = []
 _SAME_VALUE = {aten.detach.default, aten.alias.default, aten._to_copy.default, aten.clone.default}  # an input's value, another tensor
 
 
-def rewrite_while_tracing(context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-    """Run every step's code under ``context()`` while :func:`trace` records it: an upper layer's
-    substitution of library code that it recognises, which reads the inputs' layout with
-    :func:`step_input` (registered once, when that layer is imported).
+def rewrite_while_tracing(context: Callable[[PlanOptions], contextlib.AbstractContextManager[Any]]) -> None:
+    """Run every step's code under ``context(options)`` (the plan's switches) while :func:`trace`
+    records it: an upper layer's substitution of library code that it recognises, which reads the
+    inputs' layout with :func:`step_input` (registered once, when that layer is imported).
 
     Example::
 
@@ -118,7 +120,7 @@ def _running(inputs: _Inputs) -> Iterator[None]:
     try:
         with contextlib.ExitStack() as stack:
             for context in _REWRITES:
-                stack.enter_context(context())
+                stack.enter_context(context(inputs.options))
             yield
     finally:
         _TRACING.pop()
@@ -135,6 +137,7 @@ def trace(
     allow_unkeyed_random: bool = False,
     shardings: Sequence[NamedSharding | None] = (),
     names: Callable[[int], str] = lambda i: f"input #{i}",
+    options: PlanOptions | None = None,
 ) -> Traced:
     """Trace ``fun(*args, **kwargs)`` where ``rebuild(tensors)`` makes the call's arguments from
     fake tensors of the given ``(shape, dtype)`` avals. Ops ``unplanned(graph)`` names (no sharding
@@ -142,12 +145,13 @@ def trace(
     ``decompositions`` (the ops known to be unplanned in any graph) are applied while tracing, so
     that the common ones need no second trace. A draw from torch's generator is a ``TraceError``
     unless ``allow_unkeyed_random`` (the plan's ``vsf.config.allow_unkeyed_random``).
-    ``shardings`` / ``names``: the leading inputs' layouts and names, for :func:`step_input`."""
+    ``shardings`` / ``names``: the leading inputs' layouts and names, for :func:`step_input`;
+    ``options``: the plan's switches (default: the defaults), for the rewrites (:func:`rewrite_while_tracing`)."""
     out_info: dict[str, Any] = {}
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
         args, kwargs = rebuild(list(tensors))
-        with _running(_Inputs(_compat.tracer(), shardings, names)):
+        with _running(_Inputs(_compat.tracer(), shardings, names, options if options is not None else PlanOptions())):
             out = fun(*args, **kwargs)
         leaves, treedef = tree.flatten(out)
         out_info["tree"] = treedef

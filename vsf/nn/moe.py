@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from vsf import ops
+from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.func import shard_map
 from vsf.jit.trace import StepInput, rewrite_while_tracing, step_input
@@ -188,14 +189,15 @@ def _dispatched(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Ten
 
 
 @contextlib.contextmanager
-def dispatching_transformers_experts() -> Iterator[None]:
+def dispatching_transformers_experts(options: PlanOptions) -> Iterator[None]:
     """Inside, transformers' experts implementations (``ALL_EXPERTS_FUNCTIONS``) run a module whose
     weights are step inputs split on the expert dim (``P("ep")``, ``P("ep", "fsdp")``, ...) through
     :func:`expert_parallel` over that axis, the tokens split over every mesh axis, in mesh order,
     that neither weight splits on another dim (those, e.g. ``tp``, stay automatic in the region);
     any other module runs as transformers would. ``vsf.jit`` enters it while it traces a step
-    (:func:`vsf.jit.trace.rewrite_while_tracing`); it does nothing unless transformers' MoE
-    integration is imported. :func:`use_expert_parallel`'s explicit settings take precedence.
+    (:func:`vsf.jit.trace.rewrite_while_tracing`), with the plan's ``options``: nothing changes
+    where ``vsf.config.dispatch_experts`` is off, or where transformers' MoE integration is not
+    imported. :func:`use_expert_parallel`'s explicit settings take precedence.
 
     Example::
 
@@ -204,7 +206,7 @@ def dispatching_transformers_experts() -> Iterator[None]:
     """
     integration = sys.modules.get("transformers.integrations.moe")
     interface = integration.ALL_EXPERTS_FUNCTIONS if integration is not None else None
-    if interface is None or "get_interface" in vars(interface):  # (already in force: a trace inside a trace)
+    if interface is None or not options.dispatch_experts or "get_interface" in vars(interface):  # (already in force: a trace inside a trace)
         yield
         return
     resolve = interface.get_interface

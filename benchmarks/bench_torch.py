@@ -179,39 +179,12 @@ def _fsdp_rules(model, n: int) -> list[tuple[str, tuple]]:
 
 
 def _peak_bytes(step: Callable[[], None]) -> int:
-    """The peak of heap bytes in use during one call of ``step`` beyond those in use before it:
-    glibc's ``mallinfo2`` (all threads' allocations) read after each aten op ``step`` dispatches."""
-    import ctypes
+    """The peak of heap bytes in use during one call of ``step`` beyond those in use before it
+    (``tests/heap.py``: glibc's ``mallinfo2`` read after each aten op ``step`` dispatches)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from heap import peak_heap_bytes
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError) as e:
-        raise RuntimeError(f"the peak-memory row needs glibc 2.33+ (mallinfo2, Linux); this C library has none: {e}") from e
-    mallinfo2.restype = MallInfo2
-
-    def in_use() -> int:
-        info = mallinfo2()
-        return info.uordblks + info.hblkhd  # heap chunks in use + mmapped chunks (large tensors)
-
-    class Sampler(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.peak = in_use()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, in_use())
-            return out
-
-    start = in_use()
-    with Sampler() as sampler:
-        step()
-    return sampler.peak - start
+    return peak_heap_bytes(step)
 
 
 def _launches(step: Callable[[], None]) -> int:

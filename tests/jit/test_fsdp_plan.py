@@ -66,13 +66,15 @@ def test_both_choices_equal_one_device(sim):
 
 
 def test_resharding_gathers_each_layer_again_lowers_the_peak_and_launches_no_more_than_fsdp2(sim):
-    """Planned only (shapes, no values): a GPT whose blocks each about fill a bucket (3 MiB of
-    params), 4 ranks. Kept gathered, a block's params live from its forward to its backward;
-    resharded, each block is gathered again in the backward. Either way the program launches no
+    """Planned only (shapes, no values): a 3-block GPT whose blocks each about fill a bucket (3 MiB
+    of params), 4 ranks. Kept gathered, a block's params live from its forward to its backward;
+    resharded, each block is gathered again in the backward (a bucket's worth at a time, with the
+    bucket's flat buffers beside it while it runs: with 2 blocks that holds about as much as
+    keeping both, so the peak falls from 3 blocks on). Either way the program launches no
     more collectives than FSDP2 with ``fully_shard`` on each block and the root: one all-gather
     per module in the forward (and one more in the backward when resharding), one reduce-scatter
     per module, besides the loss's two scalar all-reduces."""
-    cfg = GPTConfig(vocab=256, seq=64, dim=256, heads=4, layers=2, fused_qkv=False)
+    cfg = GPTConfig(vocab=256, seq=64, dim=256, heads=4, layers=3, fused_qkv=False)
     model = GPT(cfg)
     sim(4, compute=False)
     mesh = vsf.make_mesh((4,), ("fsdp",))
@@ -80,7 +82,7 @@ def test_resharding_gathers_each_layer_again_lowers_the_peak_and_launches_no_mor
     idx = torch.zeros(16, cfg.seq, dtype=torch.long)
     batch = vsf.device_put((idx, idx), vsf.NamedSharding(mesh, P("fsdp")))
     kept, again = (vsf.jit(_step(model), reshard_after_forward=r).lower(sharded, *batch).cost() for r in (False, True))
-    assert again.count("all_gather") >= kept.count("all_gather") + cfg.layers
+    assert again.count("all_gather") > kept.count("all_gather") and again.comm_bytes["fsdp"] > kept.comm_bytes["fsdp"]
     assert again.peak_bytes < kept.peak_bytes
     modules = cfg.layers + 1
     for cost, gathers in ((kept, modules), (again, 2 * modules)):

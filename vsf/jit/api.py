@@ -337,7 +337,7 @@ class Jitted:
             plan_of = functools.partial(
                 propagate, mesh=mesh, in_placements=[tuple(x.placements) for x in call.inputs], out_shardings=out_targets, options=call.options,
                 reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
-                reduce_dtype=self.reduce_dtype,
+                reduce_dtype=self.reduce_dtype, donated=call.leaves_of(self.donate_argnums),
             )
             compiled = Compiled(self, _within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names)
         self._cache[call.key] = compiled

@@ -1,7 +1,11 @@
 """Collective bucketing and scheduling: independent collectives of one kind over one mesh axis
 run as one collective on a flat buffer, found in the graph instead of at hook time: gradient
 all-reduces (DDP's buckets), parameter all-gathers and gradient reduce-scatters (FSDP's
-per-layer groups), each bucket at most ``bucket_bytes`` (the plan's ``vsf.config.bucket_bytes``). Each bucket is placed in the
+per-layer groups), each bucket at most ``bucket_bytes`` (the plan's ``vsf.config.bucket_bytes``)
+and, in a step that recomputes blocks in its backward (:func:`vsf.jit.remat.recompute_blocks`),
+within one block's backward: its params gathered again, and its gradients reduce-scattered as
+soon as they exist, as FSDP2 runs each checkpointed block, so that no more than about a block's
+gathered params and unreduced gradients are alive at once. Each bucket is placed in the
 execution order after all its values exist and before any use: reductions (a lone one too) as
 soon as their values exist, gathers just before their first use. The ops that use a reduction's
 result run after the ops that do not (the optimizer's updates of the first gradient bucket
@@ -29,6 +33,7 @@ from vsf import _compat
 from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
 from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
+from vsf.jit.remat import recompute_blocks
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.placement import dtensor_native
 
@@ -65,16 +70,19 @@ def form_buckets(
         if kind is not None and id(r) in first_use:
             groups.setdefault((*kind, meta_of(r.value).dtype), []).append(r)
     formed: list[tuple[str, tuple[int, ...], list[Redistribution]]] = []
+    block = recompute_blocks(gm)
     for (kind, k, _dtype), rs in groups.items():
         gather = kind == "all_gather"
-        rs.sort(key=lambda r: first_use[id(r)] if gather else index[r.value[0]])
+        at = (lambda r: first_use[id(r)]) if gather else (lambda r: index[r.value[0]])  # noqa: E731
+        rs.sort(key=at)
         cap = bucket_bytes
         current: list[Redistribution] = []
         consumers = producers = size = 0
         for r in rs:
             p = r.value[0]
             mine = sum(1 << index[u] for u in users[id(r)])
-            fits = not (anc[p] & consumers) and not (producers & mine) and size < cap
+            same_block = not block or not current or block[nodes[at(r)]] == block[nodes[at(current[0])]]
+            fits = not (anc[p] & consumers) and not (producers & mine) and size < cap and same_block
             if current and not fits:
                 formed.append((kind, k, current))
                 current, consumers, producers, size = [], 0, 0, 0

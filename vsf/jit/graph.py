@@ -75,8 +75,19 @@ def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
 
 def tensor_args(node: torch.fx.Node) -> list[Value]:
     """The values ``node`` takes as tensor arguments, in argument order (``add(x, x)``: ``x`` twice)."""
-    leaves = _compat.torch_tree_leaves((node.args, node.kwargs))
-    return [value_of(a) for a in leaves if isinstance(a, torch.fx.Node) and is_tensor_node(a)]
+    return [value_of(a) for a in _nodes_in((node.args, node.kwargs)) if is_tensor_node(a)]
+
+
+def _nodes_in(x: Any) -> list[torch.fx.Node]:
+    """The nodes among an fx argument structure's leaves, in pytree order (a quicker
+    ``torch_tree_leaves`` for the lists, tuples and dicts fx arguments are made of)."""
+    if isinstance(x, torch.fx.Node):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [n for a in x for n in _nodes_in(a)]
+    if isinstance(x, dict):
+        return [n for a in x.values() for n in _nodes_in(a)]
+    return []
 
 
 def is_tensor_node(n: torch.fx.Node) -> bool:

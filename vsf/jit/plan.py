@@ -135,6 +135,7 @@ class Plan:
     options: PlanOptions  # the switches it was planned with (vsf.config.plan_options)
     reduce_dtype: torch.dtype | None = None  # floating values are reduced in this dtype (FSDP2's reduce_dtype); None: in their own
     notes: tuple[str, ...] = ()  # what the planner chose and why (memory_budget's decisions), for the plan text
+    donated: frozenset[int] = frozenset()  # the inputs (by position) the caller donated: outputs may take their buffers
 
     def collectives(self) -> list[Collective]:
         """Every collective the program runs (a bucket counts once; a manual region's own too),

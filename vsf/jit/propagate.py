@@ -72,6 +72,7 @@ def propagate(
     memory_budget: int | None = None,
     unreduced: Sequence[Sequence[str]] | None = None,
     reduce_dtype: torch.dtype | None = None,
+    donated: Sequence[int] = (),
 ) -> Plan:
     """Plan ``gm`` (a traced graph on global shapes) over ``mesh``.
 
@@ -84,6 +85,7 @@ def propagate(
     ``reshard_after_forward``: whether a gathered input is gathered again for its later uses (:func:`_regathered`); ``None`` lets ``memory_budget``
     (bytes per rank) decide: kept gathered unless the plan's estimated peak would exceed it.
     ``reduce_dtype``: the dtype floating values are reduced in (:attr:`Plan.reduce_dtype`).
+    ``donated``: the inputs the caller donates (:attr:`Plan.donated`).
     """
     axes = [a for a in mesh.device_axes if mesh.axis_size(a) > 1]
     placeholders = placeholders_of(gm)
@@ -126,10 +128,10 @@ def propagate(
                 solver.solve()
                 problem.solved[axis] = solver
         plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
-    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward))
+    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated)
     notes: tuple[str, ...] = ()
     if reshard_after_forward is None and memory_budget is not None and (kept := peak_bytes(plan)) > memory_budget:
-        plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=True)
+        plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=True, donated=donated)
         notes = (f"memory_budget {memory_budget:,} B: params gathered again for their backward uses (reshard after forward; "
                  f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",)
     return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
@@ -242,14 +244,14 @@ def _check_with_dtensor(
 
 def _scheduled(
     mesh: Mesh, gm: torch.fx.GraphModule, plans: dict[torch.fx.Node, NodePlan], in_placements: Sequence[Placements],
-    final: list[Placements], moves: list[Redistribution], options: PlanOptions, *, regather: bool,
+    final: list[Placements], moves: list[Redistribution], options: PlanOptions, *, regather: bool, donated: Sequence[int] = (),
 ) -> Plan:
     """The plan: with each gathered input gathered again for its later uses if ``regather``, the
     collectives bucketed and the program's order."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
     buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved}, options.bucket_bytes)
-    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order, options)
+    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order, options, donated=frozenset(donated))
 
 
 def _strategy_decision(

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from vsf.jit.cost import op_flops
 from vsf.jit.graph import GETITEM, is_view
 from vsf.jit.trace import draws_random
 
-__all__ = ["recomputed", "without_recompute"]
+__all__ = ["recomputed", "recompute_blocks", "without_recompute"]
 
 _SAME_VALUE = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
@@ -53,6 +54,42 @@ def recomputed(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
         if earlier is not node and node in on_inputs and node.target is not GETITEM and not is_view(node):
             again[node] = earlier
     return again
+
+
+def recompute_blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
+    """Each node of ``gm`` numbered by the runs of recomputed ops (:func:`recomputed`) that start
+    at or before it: 0 before the first, ``k`` from the ``k``-th run on. A run is a block's forward
+    computed again where its backward starts (torch recomputes a checkpointed block whole at
+    its first saved-value use), so ``k`` counts the blocks whose backward has begun; views and
+    tuple indexing neither start nor end a run, and only a run that recomputes a matmul (or
+    other work :func:`vsf.jit.cost.op_flops` counts) is a block's (autograd's own recompute of
+    a comparison in a cross-entropy's backward is not). Empty when no block is recomputed.
+
+    Example::
+
+        >>> blocks = recompute_blocks(gm)   # a 2-block checkpointed model
+        >>> sorted(set(blocks.values()))
+        [0, 1, 2]
+    """
+    again = recomputed(gm)
+    runs: list[list[torch.fx.Node]] = []
+    running = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is not GETITEM and not is_view(node):
+            if node in again and not running:
+                runs.append([])
+            running = node in again
+            if running:
+                runs[-1].append(node)
+    starts = {run[0] for run in runs if any(op_flops(n) for n in run)}
+    if not starts:
+        return {}
+    out: dict[torch.fx.Node, int] = {}
+    k = 0
+    for node in gm.graph.nodes:
+        k += node in starts
+        out[node] = k
+    return out
 
 
 def without_recompute(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

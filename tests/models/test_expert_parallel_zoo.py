@@ -210,12 +210,14 @@ def test_with_dispatch_experts_off_the_same_specs_gather_the_experts(sim, monkey
      r"MixtralExperts: its weights split the expert dim \(dim 0\) differently \(args\[0\]\['gate_up_proj'\] is P\('ep'\); args\[0\]\['down_proj'\] is P\(\)\)"),
     ({"gate_up_proj": P(("dp", "ep")), "down_proj": P(("dp", "ep"))},
      r"MixtralExperts: its weights split the expert dim \(dim 0\) over \('dp', 'ep'\) .*: vsf dispatches tokens over one mesh axis"),
-], ids=["one-weight-split", "two-axes"])
+    ({"gate_up_proj": P("ep"), "down_proj": P("ep")},
+     r"MixtralExperts: its experts split over 'ep' take 30 tokens, which the 4 ranks of the token axes \('dp', 'ep'\) .* do not divide"),
+], ids=["one-weight-split", "two-axes", "tokens-indivisible"])
 def test_an_expert_split_vsf_cannot_dispatch_is_an_error(sim, specs, message):
     module, params, batch = _experts("grouped_mm")
+    batch = batch if "30 tokens" not in message else tuple(t[:30] for t in batch)
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
-    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
     p = {k: vsf.device_put(v, vsf.NamedSharding(mesh, specs[k])) for k, v in params.items()}
     with pytest.raises(vsf.PlanError, match=message):
-        vsf.jit(_loss_of(module)).lower(p, *(vsf.device_put(t, tokens) for t in batch))
+        vsf.jit(_loss_of(module)).lower(p, *batch)

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -226,7 +227,13 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
         split = _expert_split(module)
         if split is None:
             return forward(module, hidden_states, top_k_index, top_k_weights)
-        return _dispatched(module, hidden_states, top_k_index, top_k_weights, *split)
+        mesh, axis, tokens = split
+        ranks = math.prod(mesh.axis_size(a) for a in tokens)
+        if hidden_states.shape[0] % ranks:
+            raise PlanError(f"{type(module).__name__}: its experts split over {axis!r} take {hidden_states.shape[0]} tokens, which the {ranks} ranks of the "
+                            f"token axes {tokens!r} (every axis its weights do not split elsewhere) do not divide: vsf dispatches each rank's share. "
+                            "Give it a divisible number of tokens, or set vsf.config.dispatch_experts = False to gather the experts instead")
+        return _dispatched(module, hidden_states, top_k_index, top_k_weights, mesh, axis, tokens)
 
     return experts
 
@@ -243,7 +250,7 @@ def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
     axes = set(on_experts.values())
     if len(axes) > 1:
         raise PlanError(f"{type(module).__name__}: its weights split the expert dim (dim 0) differently ({said}): vsf dispatches tokens to experts "
-                        "split alike over one mesh axis. Lay both out alike (e.g. P('ep')), or split neither on dim 0 to gather them")
+                        "split alike over one mesh axis. Lay both out alike (e.g. P('ep')), or split neither on dim 0 (or set vsf.config.dispatch_experts = False) to gather them")
     (split,) = axes
     if len(split) > 1:
         raise PlanError(f"{type(module).__name__}: its weights split the expert dim (dim 0) over {split!r} ({said}): vsf dispatches tokens over "

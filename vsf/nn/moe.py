@@ -19,8 +19,8 @@ expert dim first) needs no call: inside ``vsf.jit``, an experts module whose wei
 runs through it (:func:`dispatching_transformers_experts`, in force while a step is traced),
 its tokens split over every mesh axis that the weights do not split on another dim. A weight
 split on the expert dim over several axes, or the two weights split differently, is a
-``PlanError``; to gather the experts instead, split another of their dims.
-:func:`use_expert_parallel` sets the axes explicitly, as an experts implementation of
+``PlanError``; to gather the experts instead, split another of their dims or set
+``vsf.config.dispatch_experts = False``. :func:`use_expert_parallel` sets the axes explicitly, as an experts implementation of
 transformers' own registry.
 
 Example::

@@ -68,9 +68,11 @@ def assert_tokens_sent_not_experts(collectives, rank_tokens, layers):
     assert exchanges == [rank_tokens * TOP_K * zoo.HIDDEN * 4] * (4 * layers)
     counts = [c for c in over_ep if c.kind == "all_gather" and c.shape == (2, EXPERTS)]  # [ep ranks, experts] gathered
     assert [c.bytes for c in counts] == [EXPERTS * 8] * layers
-    # one layer's local down_proj alone is 32 KiB, the rest gathered over ep (attention's and the
-    # loss's activations, as any plan with tokens split over two axes) is smaller altogether
-    shard = EXPERTS // 2 * zoo.HIDDEN * zoo.FFN * 4
+    # one layer's local experts are 96 KiB (4 x (128 x 32 + 32 x 64) floats), the rest gathered over
+    # ep (attention's and the loss's activations, as any plan with tokens split over two axes;
+    # with cp before ep in the mesh, the tokens' rows regathered in the region's order) is smaller
+    # altogether
+    shard = EXPERTS // 2 * (2 * zoo.FFN * zoo.HIDDEN + zoo.HIDDEN * zoo.FFN) * 4
     gathered = [c for c in over_ep if c.kind == "all_gather" and c.dtype.is_floating_point]
     assert sum(c.bytes for c in gathered) < shard, gathered
     assert not any(math.prod(c.shape) % (EXPERTS * zoo.HIDDEN * zoo.FFN) == 0 for c in gathered), gathered
@@ -221,3 +223,11 @@ def test_an_expert_split_vsf_cannot_dispatch_is_an_error(sim, specs, message):
     p = {k: vsf.device_put(v, vsf.NamedSharding(mesh, specs[k])) for k, v in params.items()}
     with pytest.raises(vsf.PlanError, match=message):
         vsf.jit(_loss_of(module)).lower(p, *batch)
+
+
+def test_a_model_without_transformers_experts_is_an_error(sim):
+    model, _ = zoo.built(zoo.families()["llama"])
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("ep",))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no transformers experts module"):
+        vsf.nn.use_expert_parallel(model, axis="ep", mesh=mesh)

@@ -30,11 +30,11 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, tree
-from vsf.jit.call import Call, leaf_names, param_names
-from vsf.jit.differentiable import JointPlan, attach, grad_mask, grad_shardings, plan_joint, program
+from vsf.jit.call import Arguments, Call, leaf_names, param_names
+from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
-from vsf.jit.donation import check_not_donated, donate
+from vsf.jit.donation import donate
 from vsf.jit.graph import output_node
 from vsf.jit.memory import peak_bytes
 from vsf.jit.plan import Plan
@@ -44,10 +44,9 @@ from vsf.jit.replans import replan_reason
 from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
 from vsf.jit.trace import Traced, trace
-from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
+from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
-from vsf.sharding.put import device_put, is_sharding_leaf
-from vsf.sharding.spec import PartitionSpec
+from vsf.sharding.put import is_sharding_leaf
 
 __all__ = ["Compiled", "Jitted", "Lowered", "jit"]
 
@@ -175,7 +174,7 @@ class Jitted:
         self._last_key: tuple[Any, ...] | None = None
         self.replans: list[str] = []
         self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
-        self._params = param_names(fun)
+        self._arguments = Arguments(self._name, tuple(param_names(fun)), static_argnums, static_argnames, in_shardings, backend)
 
     @property
     def plan_count(self) -> int:
@@ -203,6 +202,9 @@ class Jitted:
         donate(args, self.donate_argnums, self._name)
         return result
 
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        return self._arguments.prepare(args, kwargs)
+
     def lower(self, *args: Any, **kwargs: Any) -> "Lowered":
         """Plan this function for these arguments without running it.
 
@@ -213,106 +215,6 @@ class Jitted:
         """
         call = self._prepare(args, kwargs)
         return Lowered(self._cache.get(call.key) or self._compile(call))
-
-    # -- arguments ------------------------------------------------------------------------
-
-    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
-        if not self.static_argnums and not self.static_argnames:
-            return args, kwargs, ()
-        statics = []
-        for i in self.static_argnums:
-            if i >= len(args):
-                raise ValueError(f"static_argnums has {i} but {self._name} got {len(args)} positional arguments")
-            statics.append(("arg", i, args[i]))
-        for name in self.static_argnames:
-            if name in kwargs:
-                statics.append(("kw", name, kwargs[name]))
-            elif name in self._params and self._params.index(name) < len(args):
-                statics.append(("arg", self._params.index(name), args[self._params.index(name)]))
-        for s in statics:
-            try:
-                hash(s[2])
-            except TypeError:
-                raise TypeError(f"static argument {s[1]!r} of {self._name} must be hashable, got {type(s[2]).__name__}") from None
-        static_pos = {s[1] for s in statics if s[0] == "arg"}
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        return dyn_args, dyn_kwargs, tuple(statics)
-
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-        dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
-        dyn = (dyn_args, dyn_kwargs)
-        leaves, treedef = tree.flatten(dyn)
-        targets = self._in_targets(dyn_args, len(leaves))
-        name = leaf_names(dyn)
-        mesh = self._mesh(name, leaves, targets)
-        inputs, key_leaves = [], []
-        for i, (leaf, target) in enumerate(zip(leaves, targets)):
-            x = self._as_dtensor(leaf, target, mesh, lambda i=i: name(i))
-            inputs.append(x)
-            key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__))
-        static_pos = {s[1] for s in statics if s[0] == "arg"}
-        positions = [i for i in range(len(args)) if i not in static_pos]
-
-        def rebuild(tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            d_args, d_kwargs = tree.unflatten(treedef, tensors)
-            full = list(args)
-            for pos, value in zip(positions, d_args):
-                full[pos] = value
-            kw = dict(d_kwargs)
-            for kind, where, value in statics:
-                if kind == "kw":
-                    kw[where] = value
-            return tuple(full), kw
-
-        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), config.plan_options(), self.backend), inputs, dyn, rebuild, positions, leaves)
-
-    def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
-        if self.in_shardings is None:
-            return [None] * n
-        prefix = self.in_shardings if not is_sharding_leaf(self.in_shardings) else tuple(self.in_shardings for _ in dyn_args)
-        per_arg = tree.broadcast_prefix(prefix, dyn_args, is_leaf=is_sharding_leaf, what="in_shardings")
-        return per_arg + [None] * (n - len(per_arg))
-
-    def _mesh(self, name: Callable[[int], str], leaves: list[Any], targets: list[Any]) -> Mesh:
-        found: dict[Mesh, int] = {}
-        for i, (leaf, target) in enumerate(zip(leaves, targets)):
-            if isinstance(leaf, DTensor):
-                check_not_donated(leaf, lambda i=i: name(i))
-                found.setdefault(mesh_of(leaf.device_mesh), i)
-            if isinstance(target, NamedSharding):
-                found.setdefault(target.mesh, i)
-        here = current_mesh()
-        if len(found) > 1:
-            detail = "; ".join(f"{name(i)} is on {m!r}" for m, i in found.items())
-            raise ValueError(f"the inputs of {self._name} live on different meshes: {detail}")
-        if found:
-            mesh, i = next(iter(found.items()))
-            if here is not None and here != mesh:
-                raise ValueError(f"{name(i)} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
-            return mesh
-        if here is None:
-            raise ValueError(f"{self._name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)")
-        return here
-
-    def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, name_of: Callable[[], str]) -> DTensor:
-        if isinstance(leaf, DTensor) and target is None:
-            return leaf
-        name = name_of()
-        if isinstance(leaf, (bool, int, float)):
-            leaf = torch.tensor(leaf, dtype=torch.float32 if isinstance(leaf, float) else None)
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"argument {name} of {self._name} is a {type(leaf).__name__}; only tensors and Python numbers can be traced (mark the argument static)")
-        want = resolve(target, name) if target is not None else None
-        if isinstance(leaf, DTensor):
-            have = sharding_of(leaf)
-            if want == have:
-                return leaf
-            if config.strict:
-                raise ValueError(f"{name} arrives as {have.spec!r} but in_shardings asks for {want.spec!r} (vsf.config.strict is set)")
-            log.warning("%s: input %s arrives as %r but in_shardings asks for %r; resharding it", self._name, name, have.spec, want.spec)
-            return device_put(leaf, want)
-        return device_put(leaf, want or NamedSharding(mesh, PartitionSpec()))
 
     # -- planning -------------------------------------------------------------------------
 

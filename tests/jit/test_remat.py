@@ -40,8 +40,9 @@ def block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 
 def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, layer=block) -> torch.Tensor:
+    """``layer`` for every block, or a list of one per block."""
     for i in range(LAYERS):
-        x = layer({k.split(".")[1]: v for k, v in params.items() if k.startswith(f"{i}.")}, x)
+        x = (layer[i] if isinstance(layer, list) else layer)({k.split(".")[1]: v for k, v in params.items() if k.startswith(f"{i}.")}, x)
     return x.square().mean()
 
 
@@ -189,23 +190,63 @@ def test_torch_checkpointing_recomputes_in_the_plan_and_trains_like_one_device(s
     assert lowered.cost().peak_bytes < plain.cost().peak_bytes
 
 
-def test_memory_budget_keeps_the_recompute_only_where_the_plan_would_not_fit_without_it(sim):
-    """Between the two peaks the plan recomputes (and fits); above the peak without remat it
-    drops the recompute (no op runs twice); the plan text says which, and both train like one
-    device."""
-    _, with_remat = _train(sim, "dp", vsf.remat(block))
-    _, without = _train(sim, "dp", block)
-    low, high = with_remat.cost().peak_bytes, without.cost().peak_bytes
+def _peaks_recomputing_the_first(sim) -> list[int]:
+    """The estimated peak of the model with its first ``m`` blocks (and only those) written with
+    ``vsf.remat``, for ``m`` from 0 to every block: the oracle of what a budget should choose."""
+    return [_train(sim, "dp", [vsf.remat(block)] * m + [block] * (LAYERS - m))[1].cost().peak_bytes for m in range(LAYERS + 1)]
+
+
+def _said(lowered, budget: int) -> re.Match:
+    said = re.search(rf"memory_budget {budget:,} B: recomputes (no block|every block|blocks? 0(?:-(\d+))?) of {LAYERS} in the backward, \d+ ops "
+                     rf"\(estimated peak ~([\d,]+) B, (fits|does NOT fit the budget); ~([\d,]+) B with every block, ~([\d,]+) B with none", lowered.as_text())
+    assert said is not None, lowered.as_text()
+    return said
+
+
+def _recomputed_blocks(lowered) -> int:
+    """How many blocks the plan recomputes: its recomputed matmuls over the two of one block."""
+    matmuls = _recomputed_ops(lowered)["mm.default"]
+    assert matmuls % 2 == 0, matmuls
+    return matmuls // 2
+
+
+def test_memory_budget_recomputes_the_fewest_blocks_that_fit(sim):
+    """Budget by budget, the plan recomputes the forward's first ``m`` blocks for the least ``m``
+    whose peak (read off the same model with only those blocks written with ``vsf.remat``) fits:
+    between the peaks with every block and with none, some but not all blocks; it fits, says
+    so, and trains like one device without remat."""
+    peaks = _peaks_recomputing_the_first(sim)
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[1] > peaks[-1], peaks
     want = _oracle()
-    for budget, recomputes in (((low + high) // 2, True), (high, False)):
+    for budget in sorted({(peaks[m] + peaks[m + 1]) // 2 for m in range(LAYERS)} | {peaks[1]}):
+        chosen = next(m for m, peak in enumerate(peaks) if peak <= budget)
         got, lowered = _train(sim, "dp", vsf.remat(block), memory_budget=budget)
         _assert_close(got, want)
-        assert lowered.cost().peak_bytes <= budget
-        assert bool(recomputed(lowered.plan.graph)) is recomputes
-        said = re.search(rf"memory_budget {budget:,} B: (\d+ ops recomputed in the backward \(~([\d,]+) B peak without|no recompute)", lowered.as_text())
-        assert said is not None and said.group(1).startswith("no recompute") is not recomputes
-        if recomputes:  # the plan without the recompute, which it weighed, would not fit
-            assert int(said.group(2).replace(",", "")) > budget
+        assert _recomputed_blocks(lowered) == chosen, (budget, peaks)
+        assert lowered.cost().peak_bytes == peaks[chosen] <= budget
+        said = _said(lowered, budget)
+        assert said.group(1) == ("block 0" if chosen == 1 else f"blocks 0-{chosen - 1}" if 1 < chosen < LAYERS else "every block")
+        assert said.group(4) == "fits" and [int(said.group(i).replace(",", "")) for i in (3, 5, 6)] == [peaks[chosen], peaks[-1], peaks[0]]
+
+
+def test_memory_budget_above_the_peak_without_remat_recomputes_nothing(sim):
+    _, without = _train(sim, "dp", block)
+    budget = without.cost().peak_bytes
+    got, lowered = _train(sim, "dp", vsf.remat(block), memory_budget=budget)
+    _assert_close(got, _oracle())
+    assert not recomputed(lowered.plan.graph) and lowered.cost().peak_bytes == budget
+    said = _said(lowered, budget)
+    assert said.group(1) == "no block" and said.group(4) == "fits"
+
+
+def test_memory_budget_below_the_peak_with_every_block_recomputes_all_and_says_it_does_not_fit(sim):
+    _, full = _train(sim, "dp", vsf.remat(block))
+    budget = full.cost().peak_bytes - 1
+    got, lowered = _train(sim, "dp", vsf.remat(block), memory_budget=budget)
+    _assert_close(got, _oracle())
+    assert _recomputed_blocks(lowered) == LAYERS and lowered.cost().peak_bytes == budget + 1
+    said = _said(lowered, budget)
+    assert said.group(1) == "every block" and said.group(4) == "does NOT fit the budget"
 
 
 @pytest.mark.world("jit_memory.py", nproc=2)

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -36,10 +35,9 @@ from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import donate
 from vsf.jit.graph import output_node
-from vsf.jit.memory import peak_bytes
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
-from vsf.jit.remat import recomputed, without_recompute
+from vsf.jit.remat import within_budget
 from vsf.jit.replans import replan_reason
 from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
@@ -76,6 +74,10 @@ def jit(
       afterwards raises an error that says so.
     * ``reshard_after_forward`` (FSDP2's name): ``True`` gathers a sharded param again in the backward, ``False``
       keeps it; ``None``: only if ``.cost().peak_bytes`` would exceed ``memory_budget`` (bytes per rank).
+    * ``memory_budget``: bytes per rank. It also decides, block by block, the recompute a step asks
+      for (``vsf.remat``, torch's activation checkpointing): the plan recomputes the fewest of the
+      forward's first blocks whose estimated peak fits, every block (saying it does not fit) if
+      none does (:func:`vsf.jit.remat.within_budget`); the plan text says what it chose.
     * ``reduce_dtype`` (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``): every reduction (all-reduce,
       reduce-scatter) of a floating value of another dtype runs in this one: each rank's partial
       sum is cast to it, reduced, and cast back (``torch.float32``: bf16 gradients summed in fp32,
@@ -120,24 +122,6 @@ def jit(
     return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget,
                   unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads), backend=backend,
                   reduce_dtype=reduce_dtype)
-
-
-def _within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.GraphModule, memory_budget: int | None) -> Plan:
-    """``gm``'s plan (``plan_of``), where ``memory_budget`` decides the recompute the step asked
-    for (``vsf.remat``, activation checkpointing): kept if the plan without it would peak above
-    the budget (then also, as ``propagate`` decides, with params gathered again), dropped (the
-    forward keeps the values, no op runs twice) if that fits. The plan's notes say which."""
-    plan = plan_of(gm)
-    again = recomputed(gm)
-    if memory_budget is None or not again:
-        return plan
-    kept = plan_of(without_recompute(gm))
-    with_remat, without = peak_bytes(plan), peak_bytes(kept)
-    if without <= memory_budget:
-        note = f"memory_budget {memory_budget:,} B: no recompute ({len(again)} ops of remat dropped: ~{without:,} B peak without them fits; ~{with_remat:,} B with them)"
-        return dataclasses.replace(kept, notes=kept.notes + (note,))
-    note = f"memory_budget {memory_budget:,} B: {len(again)} ops recomputed in the backward (~{without:,} B peak without the recompute would not fit; ~{with_remat:,} B with it)"
-    return dataclasses.replace(plan, notes=plan.notes + (note,))
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -241,7 +225,7 @@ class Jitted:
                 reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
                 reduce_dtype=self.reduce_dtype, donated=call.leaves_of(self.donate_argnums),
             )
-            compiled = Compiled(self, _within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names)
+            compiled = Compiled(self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names)
         self._cache[call.key] = compiled
         return compiled
 

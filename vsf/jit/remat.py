@@ -15,7 +15,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -23,9 +24,11 @@ import torch.fx
 
 from vsf.jit.cost import op_flops
 from vsf.jit.graph import GETITEM, is_view
+from vsf.jit.memory import peak_bytes
+from vsf.jit.plan import Plan
 from vsf.jit.trace import draws_random
 
-__all__ = ["recomputed", "recompute_blocks", "without_recompute"]
+__all__ = ["recomputed", "recompute_blocks", "within_budget", "without_recompute"]
 
 _SAME_VALUE = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
@@ -92,23 +95,74 @@ def recompute_blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
     return out
 
 
-def without_recompute(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` with every recomputed op (:func:`recomputed`) read as the value its first op computed
-    (the forward keeps it for the backward): the same values, no recompute.
+def without_recompute(gm: torch.fx.GraphModule, keep: frozenset[int] = frozenset()) -> torch.fx.GraphModule:
+    """``gm`` with each recomputed op (:func:`recomputed`) read as the value its first op computed
+    (the forward keeps it for the backward), except in the blocks numbered in ``keep``
+    (:func:`recompute_blocks`' numbers), which still recompute: the same values, less recompute.
 
     Example::
 
         >>> kept = without_recompute(traced.graph)   # what memory_budget compares against
+        >>> last_two = without_recompute(traced.graph, keep=frozenset({3, 4}))   # of 4 blocks: recomputes the first two forward blocks
     """
     again = recomputed(gm)
+    block = recompute_blocks(gm) if keep else {}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
-        env[node] = env[again[node]] if node in again else graph.node_copy(node, env.__getitem__)
+        dropped = node in again and block.get(node, 0) not in keep
+        env[node] = env[again[node]] if dropped else graph.node_copy(node, env.__getitem__)
     out = torch.fx.GraphModule(gm, graph)
     out.graph.eliminate_dead_code()
     out.recompile()
     return out
+
+
+def within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.GraphModule, memory_budget: int | None) -> Plan:
+    """``gm``'s plan (``plan_of``), where ``memory_budget`` decides, block by block, the recompute
+    the step asked for (``vsf.remat``, activation checkpointing): the plan recomputes the first
+    ``m`` blocks of the forward (whose values live longest) for the least ``m`` whose estimated
+    peak fits the budget, and keeps the other blocks' values from the forward (then also, as
+    ``propagate`` decides, with params gathered again). Found by bisection over ``m`` (the peak
+    falls as ``m`` grows): about ``log2`` of the blocks plans besides the two ends. If even every
+    block's recompute does not fit, the plan recomputes every block and says it does not fit.
+    The plan's notes state the budget, the estimates and the choice.
+
+    Example::
+
+        >>> plan = within_budget(plan_of, traced.graph, 12 * 2**20)   # 8 checkpointed blocks
+        >>> plan.notes[-1]
+        'memory_budget 12,582,912 B: recomputes blocks 0-2 of 8 in the backward, 33 ops (estimated peak ~11,953,152 B, fits; ...)'
+    """
+    plan = plan_of(gm)
+    again = recomputed(gm)
+    if memory_budget is None or not again:
+        return plan
+    runs = max(recompute_blocks(gm).values(), default=0)  # blocks, numbered in the backward's order: the forward's first is the last
+    blocks = max(runs, 1)  # (a recompute that no block's matmul starts counts as one block)
+    plans = {blocks: plan}
+
+    def recomputing(m: int) -> Plan:  # the plan recomputing the forward's first m blocks
+        if m not in plans:
+            plans[m] = plan_of(without_recompute(gm, keep=frozenset(range(runs - m + 1, runs + 1))))
+        return plans[m]
+
+    def fits(m: int) -> bool:
+        return peak_bytes(recomputing(m)) <= memory_budget
+
+    lo, hi = 0, blocks
+    if fits(0):
+        hi = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    chosen = recomputing(hi)
+    none, every, peak = peak_bytes(recomputing(0)), peak_bytes(plan), peak_bytes(chosen)
+    which = "no block" if hi == 0 else "every block" if hi == blocks else f"blocks 0-{hi - 1}" if hi > 1 else "block 0"
+    fit = "fits" if peak <= memory_budget else "does NOT fit the budget"
+    note = (f"memory_budget {memory_budget:,} B: recomputes {which} of {blocks} in the backward, {len(recomputed(chosen.graph))} ops "
+            f"(estimated peak ~{peak:,} B, {fit}; ~{every:,} B with every block, ~{none:,} B with none; {len(plans)} plans weighed)")
+    return dataclasses.replace(chosen, notes=chosen.notes + (note,))
 
 
 def _key(node: torch.fx.Node, same: dict[torch.fx.Node, torch.fx.Node]) -> Hashable | None:

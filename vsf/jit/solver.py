@@ -86,6 +86,7 @@ class AxisSolver:
             self.strategies.append(encoded[id(allowed)])
         self.choice = [-1] * len(problem.ops)
         self.picked: dict[tuple[Any, ...], int | None] = {}  # decisions by context (_context)
+        self.costed: dict[tuple[Any, ...], tuple[float, ...]] = {}  # every strategy's cost by context (_costs)
         self.view = [is_view(node) for node in problem.ops]
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
         self.unsplit = self._unsplit_strategies()
@@ -279,6 +280,18 @@ class AxisSolver:
             self.picked[key] = self.choice[k] if changed else None
         return changed
 
+    def _costs(self, k: int) -> tuple[float, ...]:
+        """What each strategy of op ``k`` costs in the solution as it stands (:meth:`_evaluate` of a
+        repair: every strategy allowed), computed once per context (:meth:`_context`): the cascades
+        and the partial-sum merges ask it of the same ops of every repeated block."""
+        key = self._context(k, False) if self.reuse else None
+        costs = self.costed.get(key) if key is not None else None
+        if costs is None:
+            costs = tuple(self._evaluate(k, j, False, False) for j in range(len(self.strategies[k])))
+            if key is not None:
+                self.costed[key] = costs
+        return costs
+
     def _choose(self, k: int, greedy: bool) -> bool:
         """:meth:`_pick` for op ``k``, its strategies costed one by one."""
         options = range(len(self.strategies[k]))
@@ -367,7 +380,7 @@ class AxisSolver:
         takers = self._takers(v, req)
         if len(takers) < 2 or any(c in changed or not takes for c, takes in takers):
             return []
-        return [(c, min(takes, key=lambda j, c=c: self._evaluate(c, j, False, False))) for c, takes in takers]
+        return [(c, min(takes, key=self._costs(c).__getitem__)) for c, takes in takers]
 
     def _keeps_split(self, k: int, j: int) -> bool:
         """Does strategy ``j`` keep op ``k``'s work split over this axis if its current one does?
@@ -414,8 +427,9 @@ class AxisSolver:
             c = queue.popleft()
             if c in old or len(self.strategies[c]) == 1:
                 continue
-            here = self._evaluate(c, self.choice[c], False, False)
-            best_cost, best = min((self._evaluate(c, s, False, False), s) for s in range(len(self.strategies[c])) if self._keeps_split(c, s))
+            costs = self._costs(c)
+            here = costs[self.choice[c]]
+            best_cost, best = min((costs[s], s) for s in range(len(costs)) if self._keeps_split(c, s))
             if best_cost < here - 1e-6:
                 change(c, best)
                 continue
@@ -454,7 +468,8 @@ class AxisSolver:
         if p is None or depth == 0 or p in moves:
             return False
         i = self.outs[p].index(v)
-        options = sorted((self._evaluate(p, j, False, False), j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req)
+        costs = self._costs(p)
+        options = sorted((costs[j], j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req)
         if not options or options[0][0] == INF:
             return False
         j = options[0][1]

@@ -47,7 +47,7 @@ from vsf.jit.classify import classify, constant_nodes
 from vsf.jit import context_parallel, manual
 from vsf.jit.cost import NOT_PARTIAL, REPLICATED_OR_SUM, Codes, is_sum, transition_kind
 from vsf.jit.memory import peak_bytes
-from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, tensor_args, user_line, value_of
+from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, signature, tensor_args, user_line, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import AxisSolver, Problem
@@ -172,6 +172,7 @@ def _check_with_dtensor(
     plans: dict[torch.fx.Node, NodePlan] = {}
     moves: dict[tuple[Value, Placements], Redistribution] = {}
     asked: dict[Any, Any] = {}
+    decided: dict[Any, tuple[list[Placements], list[Placements | None], bool]] = {}
 
     def combined(per_axis: dict[str, Placement | None]) -> Placements:
         return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
@@ -217,10 +218,12 @@ def _check_with_dtensor(
         elif op.kind == "strategy" and not fallback:
             arrived = [actual[v] for v in ins]
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
-            if has_balanced([*arrived, *want_in, *want_out]):
-                want_in, want_out, direct = _balanced_decision(node, mesh, op, arrived, want_in, want_out, preferred, asked)
-            else:
-                want_in, want_out, direct = _strategy_decision(node, mesh, op, arrived, want_in, want_out, preferred, asked)
+            # (decided once per op signature and layouts: a model's repeated blocks ask the same)
+            key = (node.target, signature(node.args), signature(node.kwargs), tuple((tuple(t.shape), t.dtype) for t in outputs_meta(node) if t is not None), op, tuple(arrived), tuple(want_in), tuple(want_out), tuple(preferred))
+            if key not in decided:
+                decide_op = _balanced_decision if has_balanced([*arrived, *want_in, *want_out]) else _strategy_decision
+                decided[key] = decide_op(node, mesh, op, arrived, want_in, want_out, preferred, asked)
+            want_in, want_out, direct = decided[key]
         if manual.inside(node) and op.kind != "manual":
             _local_over_manual(node, mesh, want_in, want_out)
         for v, dst in zip(ins, want_in):

@@ -110,3 +110,20 @@ def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape)
     assert [(r.value[0].name, r.src, r.dst) for r in a.redistributions] == [(r.value[0].name, r.src, r.dst) for r in b.redistributions]
     assert reused.cost().comm_bytes == one_by_one.cost().comm_bytes
     assert reused.cost().collectives == one_by_one.cost().collectives
+
+
+def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):
+    """Tracing records each op's stack trace by walking the Python frames it keeps
+    (:func:`vsf._compat.kept_frames_only`); fx's own capture of every frame gives the same text on
+    every node of a GPT train step, forward and backward, and names the model's lines."""
+    import contextlib
+
+    from vsf.jit.graph import source_line
+
+    sim(8, compute=False)
+    fast = _gpt_plan(2, (1, 2, 2, 1, 2)).plan.graph
+    monkeypatch.setattr(_compat, "kept_frames_only", contextlib.nullcontext)
+    full = _gpt_plan(2, (1, 2, 2, 1, 2)).plan.graph
+    traces = lambda gm: [(n.name, n.meta.get("stack_trace")) for n in gm.graph.nodes]  # noqa: E731
+    assert traces(fast) == traces(full)
+    assert sum("toy_models.py" in source_line(n) for n in fast.graph.nodes) > 50

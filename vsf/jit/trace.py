@@ -179,7 +179,7 @@ def _trace(
         fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
     _compat.register_stack_anchor(fun)
     try:
-        with _compat.checkpointing_as_eager():
+        with _compat.checkpointing_as_eager(), _compat.kept_frames_only():
             joint = make_fx(flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True)(*fakes)
     except Exception as e:
         if not _compat.is_data_dependent_error(e):

@@ -127,6 +127,7 @@ class Codes:
             self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
             self.fixed = [[self._fixed(a, b) for b in self.placements] for a in self.placements]
             self.shard = [is_shard(q) for q in self.placements]
+            self.partial = [isinstance(q, Partial) for q in self.placements]
         return self.of[p]
 
     def _fixed(self, a: Any, b: Any) -> float:
@@ -150,7 +151,7 @@ class Codes:
         return self.shard[c]
 
     def is_partial(self, c: int) -> bool:
-        return isinstance(self.placements[c], Partial)
+        return self.partial[c]
 
 
 def local_shape(mesh: Mesh, t: torch.Tensor, placements: Placements) -> tuple[int, ...]:

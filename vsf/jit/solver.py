@@ -87,6 +87,7 @@ class AxisSolver:
         self.choice = [-1] * len(problem.ops)
         self.picked: dict[tuple[Any, ...], int | None] = {}  # decisions by context (_context)
         self.costed: dict[tuple[Any, ...], tuple[float, ...]] = {}  # every strategy's cost by context (_costs)
+        self.summing: dict[int, list[int]] = {}  # per strategy list, the strategies giving a partial result
         self.view = [is_view(node) for node in problem.ops]
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
         self.unsplit = self._unsplit_strategies()
@@ -453,8 +454,12 @@ class AxisSolver:
         input used by the q, k and v projections), which no single op's change pays for (each alone
         adds a reduction the sum would have shared)."""
         partial = self.codes.is_partial
-        for j, (ins, outs) in enumerate(self.strategies[k]):
-            if j == self.choice[k] or not any(o >= 0 and partial(o) for o in outs):
+        options = self.strategies[k]
+        if id(options) not in self.summing:
+            self.summing[id(options)] = [j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)]
+        for j in self.summing[id(options)]:
+            ins = options[j][0]
+            if j == self.choice[k]:
                 continue
             moves: dict[int, int] = {}
             if all(not partial(req) or self.label[v] == req or self._make_partial(v, req, moves, 3) for v, req in zip(self.ins[k], ins)) and moves:

@@ -81,6 +81,7 @@ class Strategies:
         self.by_node: dict[Any, tuple[list[Strategy], bool]] = {}
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
+        self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
 
     def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False) -> tuple[list[Strategy], bool]:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
@@ -116,13 +117,21 @@ class Strategies:
                     unknown.add(p)
                     stack.append(p)
         for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
-            outs: list[dict[Placement, None]] = [{} for _ in outputs_meta(p)]
-            for st in self.of(p, n)[0]:
+            self.arriving[(p, n)] = self._given(self.of(p, n)[0], len(outputs_meta(p)))
+        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in tensor_args(node))
+
+    def _given(self, strategies: list[Strategy], n_out: int) -> tuple[tuple[Placement, ...], ...]:
+        """Per output, the strided shards and partial sums some of ``strategies`` give it (once per
+        list: ops of one signature share one)."""
+        key = (id(strategies), n_out)
+        if key not in self.given:
+            outs: list[dict[Placement, None]] = [{} for _ in range(n_out)]
+            for st in strategies:
                 for i, o in enumerate(st.outs):
                     if kind_of(o) in ("strided", "partial"):
                         outs[i].setdefault(o)
-            self.arriving[(p, n)] = tuple(tuple(o) for o in outs)
-        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in tensor_args(node))
+            self.given[key] = tuple(tuple(o) for o in outs)
+        return self.given[key]
 
     def _compute(self, node: torch.fx.Node, op: OpClass, n: int, arrivals: tuple[tuple[Placement, ...], ...]) -> tuple[list[Strategy], bool]:
         ins = tensor_args(node)

@@ -443,11 +443,11 @@ def kept_frames_only() -> Iterator[None]:
     first) at the cost of walking the Python frames: fx's own capture symbolizes every frame of
     the stack first. For ``make_fx``'s tracer only (it keeps forward frames alone)."""
     captured = fx_proxy.CapturedTraceback
-    fx_proxy.CapturedTraceback = _KeptFrames  # type: ignore[misc]
+    fx_proxy.CapturedTraceback = _KeptFrames
     try:
         yield
     finally:
-        fx_proxy.CapturedTraceback = captured  # type: ignore[misc]
+        fx_proxy.CapturedTraceback = captured
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -865,7 +865,7 @@ def register_mesh_dim_rules(
         def check(input_specs: list[DTensorSpec], output_specs: Any) -> bool:
             specs = [*input_specs, *(output_specs if isinstance(output_specs, (tuple, list)) else (output_specs,))]
             layouts = [(s.tensor_meta.shape, tuple(s.placements)) for s in specs if s is not None and s.tensor_meta is not None]
-            return valid(given, layouts, tuple(mesh.shape))  # type: ignore[misc]
+            return valid(given, layouts, tuple(mesh.shape))
 
         return expand_to_full_mesh_op_strategy(mesh, op_schema, rules(given), input_index=n_out, is_valid_strategy_cb=None if valid is None else check)
 

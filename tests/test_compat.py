@@ -281,6 +281,29 @@ def test_stack_anchor_makes_fx_record_the_anchored_functions_line():
     assert "x.sin()" in sin.meta.get("stack_trace", "") or "user_step" in sin.meta.get("stack_trace", "")
 
 
+def test_kept_frames_only_records_the_stack_traces_fx_records():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return x.cos() * 2   # a module's forward: kept
+
+    def user_step(x):
+        return Block()(x.sin()).sum()   # the anchored function: kept
+
+    def run(x):
+        return user_step(x)
+
+    _compat.register_stack_anchor(user_step)
+    traces = lambda gm: [(n.name, n.meta.get("stack_trace")) for n in gm.graph.nodes]  # noqa: E731
+    full = make_fx(run, tracing_mode="fake", record_stack_traces=True)(torch.ones(2))
+    with _compat.kept_frames_only():
+        fast = make_fx(run, tracing_mode="fake", record_stack_traces=True)(torch.ones(2))
+    assert traces(fast) == traces(full)
+    (cos,) = [n for n in fast.graph.nodes if n.target is aten.cos.default]
+    assert "x.cos() * 2" in cos.meta["stack_trace"] and "Block()(x.sin())" in cos.meta["stack_trace"]
+
+
 def test_torch_pytree_and_op_schemas():
     tree = {"a": [1, (2, 3)], "b": torch.fx.immutable_collections.immutable_list([4])}
     assert _compat.torch_tree_leaves(tree) == [1, 2, 3, 4]

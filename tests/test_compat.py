@@ -8,7 +8,6 @@ The last test fails when ``_compat`` exports a name no test here calls.
 from __future__ import annotations
 
 import ast
-import contextlib
 import inspect
 import logging
 import pathlib
@@ -507,27 +506,3 @@ def test_tracer_and_traced_node_find_the_node_computing_a_traced_tensor():
     assert seen["y"] is nodes["sin"] and seen["y"].args[0].target == aten.detach.default
     assert seen["other"] is None
 
-
-def test_kept_frames_only_records_the_stack_traces_fx_records_itself():
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    class Block(torch.nn.Module):
-        def forward(self, x):
-            return torch.relu(x).sin()   # the frames fx keeps: this forward's
-
-    def anchored(x):
-        return Block()(x) * 2
-
-    def run(x):
-        return anchored(x)
-
-    _compat.register_stack_anchor(anchored)
-
-    def traces(ctx) -> list[str]:
-        with ctx:
-            gm = make_fx(run, tracing_mode="fake", record_stack_traces=True)(torch.ones(2))
-        return [n.meta.get("stack_trace", "") for n in gm.graph.nodes if n.op == "call_function"]
-
-    fx_own, kept = traces(contextlib.nullcontext()), traces(_compat.kept_frames_only())
-    assert kept == fx_own and len(kept) == 3
-    assert all("in forward" in t for t in kept[:2]) and "in anchored" in kept[2]

@@ -37,25 +37,25 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor import Placement, Shard
 
 from vsf import _compat
 from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
+from vsf.jit.combine import check_with_dtensor
 from vsf.jit.classify import classify, constant_nodes
-from vsf.jit import context_parallel, manual
-from vsf.jit.cost import NOT_PARTIAL, REPLICATED_OR_SUM, Codes, is_sum, transition_kind
+from vsf.jit import manual
+from vsf.jit.cost import NOT_PARTIAL, REPLICATED_OR_SUM, Codes
 from vsf.jit.memory import peak_bytes
-from vsf.jit.graph import Value, is_view, meta_of, op_nodes, output_node, outputs_meta, placeholders_of, signature, tensor_args, user_line, value_of
-from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
-from vsf.jit.redistribute import collectives_of
+from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
+from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
 from vsf.jit.solver import AxisSolver, Problem
-from vsf.jit.strategies import Strategies, decide, dtensor_decision, row_wise, runnable
+from vsf.jit.strategies import Strategies
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, from_placements
-from vsf.sharding.placement import has_strided, kind_of, split_factor
+from vsf.sharding.named import NamedSharding
+from vsf.sharding.placement import kind_of
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["propagate"]
@@ -127,7 +127,7 @@ def propagate(
                 solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
                 solver.solve()
                 problem.solved[axis] = solver
-        plans, moved, final = _check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
+        plans, moved, final = check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
     plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated)
     notes: tuple[str, ...] = ()
     if reshard_after_forward is None and memory_budget is not None and (kept := peak_bytes(plan)) > memory_budget:
@@ -147,102 +147,12 @@ def _out_requirement(s: NamedSharding | None, k: int, may_stay_unreduced: bool) 
     return REPLICATED_OR_SUM if may_stay_unreduced and p == R else p
 
 
-def _kept_unreduced(axes: Sequence[str], arrived: Placements, want: Placements, unreduced: Sequence[str]) -> Placements:
-    """An output's placements: ``want``, but an unreduced sum as it arrives on each axis of
-    ``unreduced`` where ``want`` replicates it."""
-    return tuple(a if axis in unreduced and w == R and is_sum(a) else w for axis, a, w in zip(axes, arrived, want))
-
-
 def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
     s = constraint.parse(node.args[1])
     if axis in s.spec.axes:
         return {one_d(to_placements(s)[list(mesh.device_axes).index(axis)])}
     free = {R} | {Shard(d) for d, e in enumerate(s.spec) if e is UNCONSTRAINED}
     return free
-
-
-def _check_with_dtensor(
-    problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None],
-    unreduced: Sequence[Sequence[str]],
-) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
-    """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
-    propagation), every redistribution with its users, and the outputs' placements (an output
-    that may stay unreduced on an axis keeps an unreduced sum it arrives with there)."""
-    mesh, gm = problem.mesh, problem.gm
-    dm_axes = list(mesh.device_axes)
-    actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
-    plans: dict[torch.fx.Node, NodePlan] = {}
-    moves: dict[tuple[Value, Placements], Redistribution] = {}
-    asked: dict[Any, Any] = {}
-    decided: dict[Any, tuple[list[Placements], list[Placements | None], bool]] = {}
-
-    def combined(per_axis: dict[str, Placement | None]) -> Placements:
-        return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
-
-    users: dict[tuple[Value, Placements], list[torch.fx.Node]] = {}
-    nestings = _input_nestings(gm, in_placements)
-
-    def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
-        return None if t is None or p is None else _nested(nestings, t, p)
-
-    def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
-        src = actual[v]
-        if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
-            raise PlanError(f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}")
-        if src != dst:
-            users.setdefault((v, dst), []).append(before)
-            if (v, dst) not in moves:
-                moves[(v, dst)] = Redistribution(v, src, dst, collectives_of(mesh, meta_of(v), src, dst), before)
-
-    for k, node in enumerate(problem.ops):
-        ins = problem.inputs[node]
-        choice = {a: problem.solved[a].placement_of(k) for a in axes}
-        want_in = [combined({a: choice[a][0][i] for a in axes}) for i in range(len(ins))]
-        n_out = len(outputs_meta(node))
-        want_out = [
-            None if outputs_meta(node)[i] is None else combined({a: choice[a][1][i] for a in axes})
-            for i in range(n_out)
-        ]
-        op = problem.strategies.classes[node]
-        fallback = bool(ins) and problem.strategies.of(node, 2)[1]
-        direct = False
-        if op.kind == "constraint":
-            s = constraint.parse(node.args[1])
-            target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
-            want_in, want_out = [target], [target]
-        elif op.kind == "manual":
-            want_in, want_out = manual.placements(node, mesh, want_in, want_out)
-            direct = True
-        elif op.kind == "value_blind":
-            direct = True
-        elif context_parallel.runs(mesh, node, want_in, want_out):
-            pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
-        elif op.kind == "strategy" and not fallback:
-            arrived = [actual[v] for v in ins]
-            preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
-            # (decided once per op signature and layouts: a model's repeated blocks ask the same)
-            key = (node.target, signature(node.args), signature(node.kwargs), tuple((tuple(t.shape), t.dtype) for t in outputs_meta(node) if t is not None), op, tuple(arrived), tuple(want_in), tuple(want_out), tuple(preferred))
-            if key not in decided:
-                decide_op = _balanced_decision if has_balanced([*arrived, *want_in, *want_out]) else _strategy_decision
-                decided[key] = decide_op(node, mesh, op, arrived, want_in, want_out, preferred, asked)
-            want_in, want_out, direct = decided[key]
-        if manual.inside(node) and op.kind != "manual":
-            _local_over_manual(node, mesh, want_in, want_out)
-        for v, dst in zip(ins, want_in):
-            move(v, dst, node)
-        inside = manual.collectives(node, mesh, want_in) if op.kind == "manual" else context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
-        plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
-        for i, out in enumerate(want_out):
-            if out is not None:
-                actual[(node, i)] = out
-    out_node = output_node(gm)
-    outs = [value_of(a) for a in _compat.torch_tree_leaves(out_node.args)]
-    final = []
-    for v, s, ok in zip(outs, out_shardings, unreduced):
-        dst = _kept_unreduced(dm_axes, actual[v], to_placements(s), ok) if s is not None else _expressible(mesh, meta_of(v), actual[v])
-        move(v, dst, out_node)
-        final.append(dst)
-    return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final
 
 
 def _scheduled(
@@ -255,64 +165,6 @@ def _scheduled(
     moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
     buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved}, options.bucket_bytes)
     return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order, options, donated=frozenset(donated))
-
-
-def _strategy_decision(
-    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
-    preferred: list[Placements | None], asked: dict[Any, Any],
-) -> tuple[list[Placements], list[Placements | None], bool]:
-    """How an op with a DTensor strategy runs, given the per-axis choices ``ins``/``outs`` and the
-    layouts its inputs arrive with: directly on the local shards where its rule allows (strided
-    shards kept as they arrive), else as DTensor decides. Returns the placements and whether it
-    runs directly."""
-    direct = op.local or (op.ragged_reduction and has_ragged(ins))
-    if direct and not has_ragged(ins):
-        strided = _keep_strided(arrived, ins, outs, preferred)
-        if strided != (ins, outs):
-            # DTensor keeps a strided shard only through rules written with placeholders
-            # (elementwise ones), not through rules that name plain shards (embedding's)
-            direct = dtensor_decision(node, mesh.device_mesh, strided[0], asked) == strided
-        ins, outs = strided
-        direct = direct and runnable(mesh, node, ins, outs)
-    if not direct:
-        rows = row_wise(node, mesh, arrived, ins, outs, asked)
-        if rows is not None:
-            return *rows, True
-        ins = [_as_arrived(a, w) for a, w in zip(arrived, ins)]
-        ins, outs = decide(node, mesh, [p if p is not None else w for p, w in zip(preferred, ins)], asked)
-    return ins, outs, direct
-
-
-def _balanced_decision(
-    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
-    preferred: list[Placements | None], asked: dict[Any, Any],
-) -> tuple[list[Placements], list[Placements | None], bool]:
-    """:func:`_strategy_decision` for an op some of whose operands arrive or are wanted split
-    balanced: decided on the contiguous shards of the balanced view (the same local shards,
-    :func:`as_contiguous`) and read back with every shard balanced on the mesh dims the per-axis
-    choices split balanced (a rule on contiguous blocks holds on the balanced chunks when every
-    operand holds the same ones: :func:`vsf.jit.strategies._balanced_variants`)."""
-    dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if kind_of(q) == "balanced"}
-    got_in, got_out, direct = _strategy_decision(
-        node, mesh, op, [as_contiguous(p) for p in arrived], [as_contiguous(p) for p in ins], [as_contiguous(p) for p in outs],
-        [as_contiguous(p) for p in preferred], asked,
-    )
-    metas = [meta_of(v) for v in tensor_args(node)] + list(outputs_meta(node))
-
-    def back(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
-        if p is None:
-            return None
-        out = list(p)
-        for k in dims:
-            if is_shard(p[k]):
-                b = balanced_of(p[k])
-                if t.shape[b.dim] % (2 * b.groups * mesh.axis_size(mesh.device_axes[k])):
-                    raise PlanError(f"{node.target} would split dim {b.dim} of {tuple(t.shape)} balanced over {mesh.device_axes[k]!r}, which does not cut it into equal chunks{user_line(node)}")
-                out[k] = b
-        return tuple(out)
-
-    placed = [back(t, p) for t, p in zip(metas, [*got_in, *got_out])]
-    return placed[: len(got_in)], placed[len(got_in) :], direct
 
 
 def _regathered(index: dict[torch.fx.Node, int], r: Redistribution) -> tuple[Redistribution, ...]:
@@ -337,91 +189,3 @@ def _input_view(node: torch.fx.Node) -> bool:
             return False
         node = node.all_input_nodes[0]
     return True
-
-
-def _local_over_manual(node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> None:
-    """A region's body op runs on each rank's values as they are over the region's manual axes:
-    DTensor's decision on the full mesh must move nothing there."""
-    r = manual.region_of(node)
-    for k, a in enumerate(mesh.device_axes):
-        if a in r.manual and any(p is not None and p[k] != R for p in [*ins, *outs]):
-            raise PlanError(f"{node.target} in shard_map({r.name}) would need {list(ins)} -> {list(outs)}, which moves values over its manual axis {a!r}{user_line(node)}")
-
-
-def _keep_strided(
-    actual: list[Placements], ins: list[Placements], outs: list[Placements | None], preferred: Sequence[Placements | None]
-) -> tuple[list[Placements], list[Placements | None]]:
-    """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
-    shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
-    same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
-    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing. An input keeps its
-    shard only if it also keeps the other mesh dims' splits of that tensor dim, which the factor
-    counts (``dp``'s factor in ``P(("tp", "dp"))`` is ``tp``'s split: gathering ``tp`` and keeping
-    ``dp`` strided is a move DTensor cannot make). ``preferred`` (per input, then per output: see
-    :func:`_nested`) counts like an input arriving strided. A strided shard the per-axis solver
-    chose (one axis's view of a merged dim: ``bmm`` on ``[b*h@tp, ...]``) counts as a plain shard
-    here: its factor on the full mesh is the arriving value's (``[b@dp, h@tp]`` merged leaves tp
-    a factor of ``b / dp``); where such an input arrives without a split of that dim, the op runs
-    replicated on that mesh dim (the split the per-axis solver counted on was not made)."""
-    unmet = {
-        k for a, want in zip(actual, ins) for k, w in enumerate(want)
-        if kind_of(w) == "strided" and not (is_shard(a[k]) and split_dim(a[k]) == w.dim)
-    }
-    flat = lambda p: [R if k in unmet else one_d(q) for k, q in enumerate(p)]  # noqa: E731
-    ins, outs = [flat(p) for p in ins], [None if p is None else flat(p) for p in outs]
-    for k in range(len(ins[0]) if ins else 0):
-        factors = {
-            a[k].split_factor for a, want in zip(actual, ins)
-            if kind_of(a[k]) == "strided" and isinstance(want[k], Shard) and want[k].dim == a[k].dim
-            and all(one_d(w) == one_d(b) for j, (b, w) in enumerate(zip(a, want)) if j != k and is_shard(b) and split_dim(b) == a[k].dim)
-        } | {p[k].split_factor for p in preferred if p is not None and kind_of(p[k]) == "strided"}
-        if len(factors) != 1:
-            continue
-        sf = factors.pop()
-        for p in [*ins, *(o for o in outs if o is not None)]:
-            if isinstance(p[k], Shard):
-                p[k] = _compat.StridedShard(p[k].dim, split_factor=sf)
-    return [tuple(p) for p in ins], [None if o is None else tuple(o) for o in outs]
-
-
-def _as_arrived(actual: Placements, want: Placements) -> Placements:
-    """``want`` with each strided shard the per-axis solver chose replaced by the arriving shard of
-    that dim (the full mesh's factor of a merged dim differs from one axis's: see
-    :func:`_keep_strided`), or by ``Replicate`` where the value arrives without one."""
-    strided = lambda a, w: a if is_shard(a) and split_dim(a) == w.dim else R  # noqa: E731
-    return tuple(strided(a, w) if kind_of(w) == "strided" else w for a, w in zip(actual, want))
-
-
-def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:
-    """Where a graph output left to propagation ends up: reduced (a partial becomes replicated) and
-    in a layout a spec can name (a strided shard that none names, as a view merging a dim sharded
-    on one axis into another leaves, is gathered)."""
-    out = tuple(R if isinstance(p, Partial) else p for p in placements)
-    try:
-        from_placements(mesh, out, t.ndim)
-    except ValueError:
-        return tuple(R if split_factor(p) is not None else p for p in out)
-    return out
-
-
-def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements]) -> dict[tuple[int, ...], list[Placements]]:
-    """The strided layouts of the graph's inputs, by shape: a ZeRO state leaf ``P(("fsdp", "dp"))``
-    nests ``dp`` inside ``fsdp``, against mesh order."""
-    found: dict[tuple[int, ...], list[Placements]] = {}
-    for ph, pl in zip(placeholders_of(gm), in_placements):
-        same_shape = found.setdefault(tuple(ph.meta["val"].shape), [])
-        if has_strided([pl]) and tuple(pl) not in same_shape:
-            same_shape.append(tuple(pl))
-    return found
-
-
-def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, placements: Placements) -> Placements | None:
-    """The strided layout of an input of ``t``'s shape whose mesh dims split the same tensor dims
-    as ``placements`` do (in mesh order), if there is one: values shaped like a ZeRO state leaf
-    (its gradient, its update) are split as the state is, so they reach it without regathering.
-    ``None`` if there is none."""
-    candidates = nestings.get(tuple(t.shape))
-    if not candidates or has_strided([placements]):
-        return None
-    plain = tuple(one_d(p) for p in placements)
-    return next((pl for pl in candidates if tuple(one_d(p) for p in pl) == plain), None)

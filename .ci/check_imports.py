@@ -48,7 +48,8 @@ class Hidden(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, allowed: set[str]) -> None:
         providers = md.packages_distributions()
         self.hidden = {
-            top: sorted(dists) for top, dists in providers.items()
+            top: sorted(dists)
+            for top, dists in providers.items()
             if top not in sys.stdlib_module_names and not {re.sub(r"[-_.]+", "-", d).lower() for d in dists} & allowed
         }
 
@@ -56,7 +57,10 @@ class Hidden(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(name, self) if name in self.hidden else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        raise ModuleNotFoundError(f"No module named {spec.name!r} ({', '.join(self.hidden[spec.name])} is not a declared dependency)", name=spec.name)
+        raise ModuleNotFoundError(
+            f"No module named {spec.name!r} ({', '.join(self.hidden[spec.name])} is not a declared dependency)",
+            name=spec.name,
+        )
 
     def exec_module(self, module: object) -> None:
         raise AssertionError("create_module always raises")
@@ -73,8 +77,11 @@ def main() -> int:
             name, count = info.name, count + 1
             importlib.import_module(name)
     except ImportError as e:
-        print(f"check_imports: {name} cannot be imported with vsf's declared runtime dependencies "
-              f"({', '.join(sorted(allowed))}): {e}", file=sys.stderr)
+        print(
+            f"check_imports: {name} cannot be imported with vsf's declared runtime dependencies "
+            f"({', '.join(sorted(allowed))}): {e}",
+            file=sys.stderr,
+        )
         return 1
     print(f"check_imports: all {count} vsf modules import with the declared runtime dependencies alone")
     return 0

@@ -76,7 +76,13 @@ def table(rows: Sequence[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (about a minute or two)")
-    parser.add_argument("--only", action="append", choices=list(BENCHMARKS), metavar="NAME", help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=list(BENCHMARKS),
+        metavar="NAME",
+        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}",
+    )
     args = parser.parse_args(argv)
     where = machine()
     rows, seconds = [], {}

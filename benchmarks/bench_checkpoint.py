@@ -51,8 +51,14 @@ from vsf.checkpoint.checksum import BLOCK, checksums
 __all__ = ["run"]
 
 HF_PROCS = 2
-TARGETS = {"checkpoint save": 0.9, "checkpoint load": 0.9, "async save block": 5.0, "checksum vs crc32": None, "checksum vs adler32": None,
-           "hf load RSS growth": 0.75 * HF_PROCS}   # ratio >= target
+TARGETS = {
+    "checkpoint save": 0.9,
+    "checkpoint load": 0.9,
+    "async save block": 5.0,
+    "checksum vs crc32": None,
+    "checksum vs adler32": None,
+    "hf load RSS growth": 0.75 * HF_PROCS,
+}  # ratio >= target
 
 
 def _shapes(total_bytes: int) -> dict:
@@ -63,13 +69,18 @@ def _shapes(total_bytes: int) -> dict:
 
 def _tree(total_bytes: int) -> dict:
     """A model-like tree: a few large matrices, many small vectors, a step counter."""
-    return {"params": vsf.tree.map(lambda s: torch.randn(s), _shapes(total_bytes), is_leaf=lambda x: isinstance(x, tuple)), "step": 1000}
+    return {
+        "params": vsf.tree.map(lambda s: torch.randn(s), _shapes(total_bytes), is_leaf=lambda x: isinstance(x, tuple)),
+        "step": 1000,
+    }
 
 
 Timing = tuple[float, float]  # (wall seconds, CPU seconds of this process, all threads)
 
 
-def _pairs(name: str, vsf_fn: Callable[[Path], Timing], ref_fn: Callable[[Path], Timing], root: Path, repeats: int) -> dict:
+def _pairs(
+    name: str, vsf_fn: Callable[[Path], Timing], ref_fn: Callable[[Path], Timing], root: Path, repeats: int
+) -> dict:
     """A row from ``repeats`` back-to-back pairs of timed calls, alternating which goes first."""
     vsf_t: list[Timing] = []
     ref_t: list[Timing] = []
@@ -110,7 +121,8 @@ def run(quick: bool = False, directory: str | None = None) -> list[dict]:
                 "checkpoint save",
                 lambda p: _timed(lambda: vsf.checkpoint.save(p, tree)),
                 lambda p: _timed(lambda: dcp.save(state, checkpoint_id=p)),
-                root, repeats,
+                root,
+                repeats,
             )
         ]
         vsf.checkpoint.save(root / "vsf", tree)
@@ -120,7 +132,15 @@ def run(quick: bool = False, directory: str | None = None) -> list[dict]:
             fresh = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in state.items()}
             dcp.load(fresh, checkpoint_id=root / "ref")
 
-        rows.append(_pairs("checkpoint load", lambda _: _timed(lambda: vsf.checkpoint.load(root / "vsf", target)), lambda _: _timed(dcp_load), root, repeats))
+        rows.append(
+            _pairs(
+                "checkpoint load",
+                lambda _: _timed(lambda: vsf.checkpoint.load(root / "vsf", target)),
+                lambda _: _timed(dcp_load),
+                root,
+                repeats,
+            )
+        )
 
         def async_block(p: Path) -> Timing:
             wall, cpu = time.perf_counter(), time.process_time()
@@ -129,11 +149,23 @@ def run(quick: bool = False, directory: str | None = None) -> list[dict]:
             handle.wait()
             return blocked
 
-        rows.append(_pairs("async save block", async_block, lambda p: _timed(lambda: vsf.checkpoint.save(p, tree)), root, repeats))
+        rows.append(
+            _pairs(
+                "async save block", async_block, lambda p: _timed(lambda: vsf.checkpoint.save(p, tree)), root, repeats
+            )
+        )
         data = memoryview(torch.cat([x.reshape(-1).view(torch.uint8) for x in state.values()]).numpy())
         blocks = [data[i : i + BLOCK] for i in range(0, len(data), BLOCK)]
         for name, zlib_sum in (("checksum vs crc32", zlib.crc32), ("checksum vs adler32", zlib.adler32)):
-            rows.append(_pairs(name, lambda _: _timed(lambda: [checksums(b) for b in blocks]), lambda _, f=zlib_sum: _timed(lambda: [f(b) for b in blocks]), root, repeats))
+            rows.append(
+                _pairs(
+                    name,
+                    lambda _: _timed(lambda: [checksums(b) for b in blocks]),
+                    lambda _, f=zlib_sum: _timed(lambda: [f(b) for b in blocks]),
+                    root,
+                    repeats,
+                )
+            )
         del data, blocks, state
         vsf.checkpoint.save_hf(root / "hf", tree["params"], max_shard_bytes=total // 4)
         rows.append(_hf_memory(root / "hf", total, quick))
@@ -152,13 +184,30 @@ def _hf_memory(directory: Path, total: int, quick: bool) -> dict:
     """The ``hf load RSS growth`` row: :func:`_hf_worker` on :data:`HF_PROCS` processes."""
     out = directory.parent / "rss"
     out.mkdir()
-    launch.run(Path(__file__).resolve(), HF_PROCS, "--hf-worker", str(directory), str(out), *(["--quick"] if quick else []), timeout=1800)
+    launch.run(
+        Path(__file__).resolve(),
+        HF_PROCS,
+        "--hf-worker",
+        str(directory),
+        str(out),
+        *(["--quick"] if quick else []),
+        timeout=1800,
+    )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(HF_PROCS)]
     grew = max(r["peak"] - r["before"] for r in ranks)
     size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     target = TARGETS["hf load RSS growth"]
-    return {"name": "hf load RSS growth", "vsf": grew, "ref": size, "unit": "B", "ratio": size / grew, "cpu_ratio": float("nan"),
-            "target": f">= {target:g} ({HF_PROCS} procs)", "met": size / grew >= target, "ranks": ranks}
+    return {
+        "name": "hf load RSS growth",
+        "vsf": grew,
+        "ref": size,
+        "unit": "B",
+        "ratio": size / grew,
+        "cpu_ratio": float("nan"),
+        "target": f">= {target:g} ({HF_PROCS} procs)",
+        "met": size / grew >= target,
+        "ranks": ranks,
+    }
 
 
 def _hf_worker(directory: str, out: str, quick: bool) -> None:
@@ -167,8 +216,14 @@ def _hf_worker(directory: str, out: str, quick: bool) -> None:
     (after loading one small tensor first: what the first load runs once is not the load's)."""
     total = (64 if quick else 512) << 20
     mesh = vsf.make_mesh((HF_PROCS,), ("fsdp",))
-    target = vsf.tree.map(lambda s: vsf.ShapeDtypeStruct(s, torch.float32, vsf.NamedSharding(mesh, P("fsdp"))), _shapes(total), is_leaf=lambda x: isinstance(x, tuple))
-    vsf.checkpoint.load(directory, {"layer0": {"b": target["layer0"]["b"]}})   # code run once (imports, DTensor's caches) is not the load's
+    target = vsf.tree.map(
+        lambda s: vsf.ShapeDtypeStruct(s, torch.float32, vsf.NamedSharding(mesh, P("fsdp"))),
+        _shapes(total),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    vsf.checkpoint.load(
+        directory, {"layer0": {"b": target["layer0"]["b"]}}
+    )  # code run once (imports, DTensor's caches) is not the load's
     gc.collect()
     before = peak = _rss()
     done = threading.Event()
@@ -186,7 +241,9 @@ def _hf_worker(directory: str, out: str, quick: bool) -> None:
     after = _rss()
     held = sum(x.to_local().nbytes for x in vsf.tree.leaves(params))
     rank = vsf.runtime.rank()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"before": before, "peak": max(peak, after), "after": after, "held": held}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"before": before, "peak": max(peak, after), "after": after, "held": held})
+    )
 
 
 def _load() -> str:
@@ -208,12 +265,18 @@ def main() -> None:
     print(f"{'name':<20} {'vsf_s':>8} {'ref_s':>8} {'ratio':>7} {'cpu':>6}  target")
     for r in rows:
         if r["unit"] == "B":
-            print(f"{r['name']:<20} {r['vsf'] / 2**20:6.1f}Mi {r['ref'] / 2**20:6.1f}Mi {r['ratio']:7.2f} {'-':>6}  {r['target']}")
+            print(
+                f"{r['name']:<20} {r['vsf'] / 2**20:6.1f}Mi {r['ref'] / 2**20:6.1f}Mi {r['ratio']:7.2f} {'-':>6}  {r['target']}"
+            )
             for k, rank in enumerate(r["ranks"]):
-                print(f"  rank {k}: resident {rank['before'] / 2**20:.1f} MiB before, {rank['peak'] / 2**20:.1f} at most while loading, "
-                      f"{rank['after'] / 2**20:.1f} after; its shards {rank['held'] / 2**20:.1f} MiB")
+                print(
+                    f"  rank {k}: resident {rank['before'] / 2**20:.1f} MiB before, {rank['peak'] / 2**20:.1f} at most while loading, "
+                    f"{rank['after'] / 2**20:.1f} after; its shards {rank['held'] / 2**20:.1f} MiB"
+                )
         else:
-            print(f"{r['name']:<20} {r['vsf']:8.3f} {r['ref']:8.3f} {r['ratio']:7.2f} {r['cpu_ratio']:6.2f}  {r['target']}")
+            print(
+                f"{r['name']:<20} {r['vsf']:8.3f} {r['ref']:8.3f} {r['ratio']:7.2f} {r['cpu_ratio']:6.2f}  {r['target']}"
+            )
 
 
 if __name__ == "__main__":

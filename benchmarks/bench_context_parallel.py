@@ -36,7 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = 4
-ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+ATTENTION = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+)
 
 
 def _config(quick: bool):
@@ -92,7 +95,9 @@ def _worker(out: str, quick: bool) -> None:
         dist.all_gather(every, mine)
         spread[name] = [t.item() for t in every]
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"seconds": {k: statistics.median(v) for k, v in times.items()}, "attention": spread}))
+        Path(out).write_text(
+            json.dumps({"seconds": {k: statistics.median(v) for k, v in times.items()}, "attention": spread})
+        )
 
 
 def run(quick: bool) -> list[dict]:
@@ -112,14 +117,31 @@ def run(quick: bool) -> list[dict]:
         ("cp_ring", "cp_auto", "cp=4 ring vs auto (all gathered)"),
         ("cp_balanced_ring", "cp_ring", "cp=4 ring, balanced vs contiguous"),
     ):
-        rows.append({"name": f"step, {label}, {where}", "vsf": t[mine], "ref": t[theirs], "unit": "s", "ratio": t[mine] / t[theirs], "target": "-", "met": None})
+        rows.append(
+            {
+                "name": f"step, {label}, {where}",
+                "vsf": t[mine],
+                "ref": t[theirs],
+                "unit": "s",
+                "ratio": t[mine] / t[theirs],
+                "target": "-",
+                "met": None,
+            }
+        )
     for name, label, target in (("cp_ring", "contiguous", None), ("cp_balanced_ring", "balanced", 1.2)):
         per_rank = r["attention"][name]
         ratio = max(per_rank) / min(per_rank)
-        rows.append({
-            "name": f"per-rank attention time max / min, {label} causal layout (ring), {where}", "vsf": max(per_rank), "ref": min(per_rank),
-            "unit": "s", "ratio": ratio, "target": "-" if target is None else f"<= {target}", "met": None if target is None else ratio <= target,
-        })
+        rows.append(
+            {
+                "name": f"per-rank attention time max / min, {label} causal layout (ring), {where}",
+                "vsf": max(per_rank),
+                "ref": min(per_rank),
+                "unit": "s",
+                "ratio": ratio,
+                "target": "-" if target is None else f"<= {target}",
+                "met": None if target is None else ratio <= target,
+            }
+        )
     return rows
 
 
@@ -133,7 +155,9 @@ def main() -> None:
         _worker(ns.worker, ns.quick)
         return
     for row in run(ns.quick):
-        print(f"{row['name']:<100} vsf {row['vsf']:>10.4g}  ref {row['ref']:>10.4g}  ratio {row['ratio']:6.3f}  (target {row['target']})")
+        print(
+            f"{row['name']:<100} vsf {row['vsf']:>10.4g}  ref {row['ref']:>10.4g}  ratio {row['ratio']:6.3f}  (target {row['target']})"
+        )
 
 
 if __name__ == "__main__":

@@ -133,11 +133,24 @@ def bench_steps(quick: bool) -> list[dict]:
             launch.run(Path(__file__).resolve(), nproc, "--worker", out, *(["--quick"] if quick else []), timeout=1200)
             t = json.loads(Path(out).read_text())
         ratio = t["jit"] / t["eager"]
-        rows.append({"name": f"jit step vs eager DTensor, small GPT, {nproc} gloo procs", "vsf": t["jit"], "ref": t["eager"], "unit": "s", "ratio": ratio, "target": "<= 0.5", "met": ratio <= 0.5})
+        rows.append(
+            {
+                "name": f"jit step vs eager DTensor, small GPT, {nproc} gloo procs",
+                "vsf": t["jit"],
+                "ref": t["eager"],
+                "unit": "s",
+                "ratio": ratio,
+                "target": "<= 0.5",
+                "met": ratio <= 0.5,
+            }
+        )
     return rows
 
 
-PLAN_SHAPES = {8: (1, 2, 2, 1, 2), 1024: (2, 8, 4, 4, 4)}  # (pp, dp, fsdp, cp, tp): every axis of 1024 ranks larger than 1
+PLAN_SHAPES = {
+    8: (1, 2, 2, 1, 2),
+    1024: (2, 8, 4, 4, 4),
+}  # (pp, dp, fsdp, cp, tp): every axis of 1024 ranks larger than 1
 
 
 def plan_seconds(layers: int, ranks: int) -> float:
@@ -171,13 +184,37 @@ def bench_planning(quick: bool) -> list[dict]:
     rows = []
     for n in depths:
         ratio = t[(n, 1024)] / t[(n, 8)]
-        target, met = ("<= 5 s (8 ranks <= 3 s), ratio <= 1.2", t[(n, 1024)] <= 5 and t[(n, 8)] <= 3 and ratio <= 1.2) if n == 24 else ("ratio <= 1.2", ratio <= 1.2)
-        rows.append({"name": f"planning a {n}-layer GPT step, 1024 vs 8 ranks (5D)", "vsf": t[(n, 1024)], "ref": t[(n, 8)], "unit": "s", "ratio": ratio, "target": target, "met": met})
+        target, met = (
+            ("<= 5 s (8 ranks <= 3 s), ratio <= 1.2", t[(n, 1024)] <= 5 and t[(n, 8)] <= 3 and ratio <= 1.2)
+            if n == 24
+            else ("ratio <= 1.2", ratio <= 1.2)
+        )
+        rows.append(
+            {
+                "name": f"planning a {n}-layer GPT step, 1024 vs 8 ranks (5D)",
+                "vsf": t[(n, 1024)],
+                "ref": t[(n, 8)],
+                "unit": "s",
+                "ratio": ratio,
+                "target": target,
+                "met": met,
+            }
+        )
     deep = depths[-1]
     if deep != 24:
         for r in PLAN_SHAPES:
             ratio = t[(deep, r)] / t[(24, r)]
-            rows.append({"name": f"planning a {deep}-layer vs a 24-layer GPT step, {r} ranks", "vsf": t[(deep, r)], "ref": t[(24, r)], "unit": "s", "ratio": ratio, "target": "<= 2", "met": ratio <= 2})
+            rows.append(
+                {
+                    "name": f"planning a {deep}-layer vs a 24-layer GPT step, {r} ranks",
+                    "vsf": t[(deep, r)],
+                    "ref": t[(24, r)],
+                    "unit": "s",
+                    "ratio": ratio,
+                    "target": "<= 2",
+                    "met": ratio <= 2,
+                }
+            )
     return rows
 
 
@@ -222,8 +259,17 @@ def bench_call(quick: bool) -> list[dict]:
         return best
 
     jit_s, eager_s = per_call(f), per_call(lambda a: a + 1)
-    return [{"name": "cached call of a trivial jitted function vs the eager DTensor op", "vsf": jit_s, "ref": eager_s, "unit": "s", "ratio": jit_s / eager_s,
-             "target": "< 100 us per call", "met": jit_s < 100e-6}]
+    return [
+        {
+            "name": "cached call of a trivial jitted function vs the eager DTensor op",
+            "vsf": jit_s,
+            "ref": eager_s,
+            "unit": "s",
+            "ratio": jit_s / eager_s,
+            "target": "< 100 us per call",
+            "met": jit_s < 100e-6,
+        }
+    ]
 
 
 def run(quick: bool) -> list[dict]:
@@ -241,7 +287,9 @@ def main() -> None:
         _step_worker(ns.worker, ns.quick)
         return
     for row in run(ns.quick):
-        print(f"{row['name']:<72} vsf {row['vsf'] * 1e3:10.3f} ms  ref {row['ref'] * 1e3:10.3f} ms  ratio {row['ratio']:6.3f}  (target {row['target']})")
+        print(
+            f"{row['name']:<72} vsf {row['vsf'] * 1e3:10.3f} ms  ref {row['ref'] * 1e3:10.3f} ms  ratio {row['ratio']:6.3f}  (target {row['target']})"
+        )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,11 @@ EXPERTS, TOP_K = 8, 2
 
 
 def _sizes(quick: bool) -> dict[str, int]:
-    return {"hidden": 32, "ffn": 64, "layers": 2, "batch": 4, "seq": 16} if quick else {"hidden": 128, "ffn": 256, "layers": 2, "batch": 8, "seq": 64}
+    return (
+        {"hidden": 32, "ffn": 64, "layers": 2, "batch": 4, "seq": 16}
+        if quick
+        else {"hidden": 128, "ffn": 256, "layers": 2, "batch": 8, "seq": 64}
+    )
 
 
 def _with_dispatch(on: bool, f):
@@ -57,9 +61,19 @@ def run(quick: bool) -> list[dict]:
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        return T.MixtralForCausalLM(T.MixtralConfig(
-            vocab_size=zoo.VOCAB, hidden_size=z["hidden"], intermediate_size=z["ffn"], num_hidden_layers=z["layers"], num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=2 * z["seq"], num_local_experts=EXPERTS, num_experts_per_tok=TOP_K))
+        return T.MixtralForCausalLM(
+            T.MixtralConfig(
+                vocab_size=zoo.VOCAB,
+                hidden_size=z["hidden"],
+                intermediate_size=z["ffn"],
+                num_hidden_layers=z["layers"],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=2 * z["seq"],
+                num_local_experts=EXPERTS,
+                num_experts_per_tok=TOP_K,
+            )
+        )
 
     ids = torch.randint(0, zoo.VOCAB, (z["batch"], z["seq"]), generator=torch.Generator().manual_seed(1))
     tx = zoo.adamw()
@@ -97,12 +111,33 @@ def run(quick: bool) -> list[dict]:
     t = {k: statistics.median(v) for k, v in times.items()}
     where = f"Mixtral {EXPERTS} experts top-{TOP_K}, hidden {z['hidden']}, {z['layers']} layers, {z['batch']}x{z['seq']} tokens, dp x ep = 2x2"
     return [
-        {"name": f"bytes over ep per step, dispatch plan vs gather plan ({where})", "vsf": ep["dispatch"], "ref": ep["gather"], "unit": "B",
-         "ratio": ep["dispatch"] / ep["gather"], "target": "< 1", "met": ep["dispatch"] < ep["gather"]},
-        {"name": "dispatch plan's all-to-all bytes over ep vs analytic dispatch + combine volume", "vsf": exchanged, "ref": analytic, "unit": "B",
-         "ratio": exchanged / analytic, "target": "<= 1", "met": exchanged <= analytic},
-        {"name": "step time on 4 simulated ranks, dispatch plan vs gather plan", "vsf": t["dispatch"], "ref": t["gather"], "unit": "s",
-         "ratio": t["dispatch"] / t["gather"], "target": "-", "met": None},
+        {
+            "name": f"bytes over ep per step, dispatch plan vs gather plan ({where})",
+            "vsf": ep["dispatch"],
+            "ref": ep["gather"],
+            "unit": "B",
+            "ratio": ep["dispatch"] / ep["gather"],
+            "target": "< 1",
+            "met": ep["dispatch"] < ep["gather"],
+        },
+        {
+            "name": "dispatch plan's all-to-all bytes over ep vs analytic dispatch + combine volume",
+            "vsf": exchanged,
+            "ref": analytic,
+            "unit": "B",
+            "ratio": exchanged / analytic,
+            "target": "<= 1",
+            "met": exchanged <= analytic,
+        },
+        {
+            "name": "step time on 4 simulated ranks, dispatch plan vs gather plan",
+            "vsf": t["dispatch"],
+            "ref": t["gather"],
+            "unit": "s",
+            "ratio": t["dispatch"] / t["gather"],
+            "target": "-",
+            "met": None,
+        },
     ]
 
 
@@ -110,7 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the zoo's tiny sizes, fewer repetitions")
     for row in run(parser.parse_args().quick):
-        print(f"{row['name']:<100} vsf {row['vsf']:12.6g}  ref {row['ref']:12.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})")
+        print(
+            f"{row['name']:<100} vsf {row['vsf']:12.6g}  ref {row['ref']:12.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})"
+        )
 
 
 if __name__ == "__main__":

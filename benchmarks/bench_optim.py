@@ -30,8 +30,18 @@ def param_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d), "pos": (1024, d), "ln_f.w": (d,), "ln_f.b": (d,)}
     for i in range(layers):
         block = {
-            "ln1.w": (d,), "ln1.b": (d,), "qkv.w": (3 * d, d), "qkv.b": (3 * d,), "proj.w": (d, d), "proj.b": (d,),
-            "ln2.w": (d,), "ln2.b": (d,), "fc1.w": (4 * d, d), "fc1.b": (4 * d,), "fc2.w": (d, 4 * d), "fc2.b": (d,),
+            "ln1.w": (d,),
+            "ln1.b": (d,),
+            "qkv.w": (3 * d, d),
+            "qkv.b": (3 * d,),
+            "proj.w": (d, d),
+            "proj.b": (d,),
+            "ln2.w": (d,),
+            "ln2.b": (d,),
+            "fc1.w": (4 * d, d),
+            "fc1.b": (4 * d,),
+            "fc2.w": (d, 4 * d),
+            "fc2.b": (d,),
         }
         shapes.update({f"blocks.{i}.{k}": v for k, v in block.items()})
     return shapes
@@ -62,7 +72,13 @@ def _torch_adamw(params: dict, grads: dict, impl: str) -> torch.optim.Optimizer:
 
 
 def _race(
-    name: str, vsf_step: Callable[[], None], ref_step: Callable[[], None], numel: int, leaves: int, repeats: int, impl: str = "foreach"
+    name: str,
+    vsf_step: Callable[[], None],
+    ref_step: Callable[[], None],
+    numel: int,
+    leaves: int,
+    repeats: int,
+    impl: str = "foreach",
 ) -> dict:
     """One row: median seconds per step of ``vsf_step`` and ``ref_step``, interleaved after a warm-up."""
     vsf_times: list[float] = []
@@ -106,7 +122,10 @@ def bench_adamw(quick: bool, *, repeats: int) -> list[dict]:
 
     mesh = vsf.make_mesh((1,), ("dp",))
     put = vsf.NamedSharding(mesh, vsf.P())
-    jit_carry = {"params": vsf.device_put({k: v.clone() for k, v in params.items()}, put), "grads": vsf.device_put(grads, put)}
+    jit_carry = {
+        "params": vsf.device_put({k: v.clone() for k, v in params.items()}, put),
+        "grads": vsf.device_put(grads, put),
+    }
     jit_carry["state"] = tx.init(jit_carry["params"])
 
     def donated_step() -> None:
@@ -116,7 +135,15 @@ def bench_adamw(quick: bool, *, repeats: int) -> list[dict]:
     return [
         _race("adamw update (eager, functional)", eager_step, foreach.step, numel, len(params), repeats),
         _race("adamw update in a donated vsf.jit step", donated_step, foreach.step, numel, len(params), repeats),
-        _race("adamw update in a donated vsf.jit step", donated_step, fused.step, numel, len(params), repeats, impl="fused"),
+        _race(
+            "adamw update in a donated vsf.jit step",
+            donated_step,
+            fused.step,
+            numel,
+            len(params),
+            repeats,
+            impl="fused",
+        ),
     ]
 
 
@@ -130,7 +157,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model (seconds instead of a minute)")
     args = parser.parse_args()
     for row in run(args.quick):
-        print(f"{row['name']}: vsf {row['vsf'] * 1e3:.1f} ms, torch {row['ref'] * 1e3:.1f} ms, ratio {row['ratio']:.2f}")
+        print(
+            f"{row['name']}: vsf {row['vsf'] * 1e3:.1f} ms, torch {row['ref'] * 1e3:.1f} ms, ratio {row['ratio']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -78,14 +78,30 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMED = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("interleaved", 4), ("interleaved", 8), ("zb", 4), ("zb", 8),
-         ("zbv", 4), ("zbv", 8), ("dualpipev", 8))
+TIMED = (
+    ("gpipe", 4),
+    ("gpipe", 8),
+    ("1f1b", 4),
+    ("1f1b", 8),
+    ("interleaved", 4),
+    ("interleaved", 8),
+    ("zb", 4),
+    ("zb", 8),
+    ("zbv", 4),
+    ("zbv", 8),
+    ("dualpipev", 8),
+)
 MEMORY = (("1f1b", 4), ("1f1b", 8), ("1f1b", 16), ("gpipe", 4), ("gpipe", 8), ("gpipe", 16))
-PLAIN = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))   # also run as plain torch stages (:func:`_plain_step`; one stage a rank)
+PLAIN = (
+    ("gpipe", 4),
+    ("gpipe", 8),
+    ("1f1b", 4),
+    ("1f1b", 8),
+)  # also run as plain torch stages (:func:`_plain_step`; one stage a rank)
 
 
 def _config(quick: bool):
-    sys.path[:0] = [str(ROOT), str(ROOT / "examples")]   # (a worker runs this file as a script)
+    sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # (a worker runs this file as a script)
     from gpt import GPTConfig
 
     return GPTConfig(vocab=256, seq=64, dim=256, heads=4, layers=4 if quick else 8, period=8)
@@ -110,8 +126,8 @@ class _Clock:
                 t1 = time.monotonic()
                 if what == "step":
                     self.enter, self.leave = t0, t1
-                else:   # (forward_one_chunk(mb, ...), backward_one_chunk(mb, ..., full_backward=), backward_weight_one_chunk(mb, ...),
-                        #  _maybe_compute_loss(stage, output, targets, mb))
+                else:  # (forward_one_chunk(mb, ...), backward_one_chunk(mb, ..., full_backward=), backward_weight_one_chunk(mb, ...),
+                    #  _maybe_compute_loss(stage, output, targets, mb))
                     index = (args[0] if what == "L" else stage).stage_index
                     kind = "I" if what == "B" and kwargs.get("full_backward") is False else what
                     self.actions.append((kind, index, args[3] if what == "L" else args[0], t0, t1))
@@ -154,7 +170,7 @@ class _Saved:
     storages excluded), their peak, and one microbatch's share (across the stage's first forward)."""
 
     def __init__(self) -> None:
-        self.live: dict[int, list[int]] = {}   # storage address -> [holders, bytes]
+        self.live: dict[int, list[int]] = {}  # storage address -> [holders, bytes]
         self.params: set[int] = set()
         self.now = self.peak = 0
         self.per_microbatch = None
@@ -238,20 +254,31 @@ def _worker(out: str, quick: bool) -> None:
         if _stages(schedule, pp) > cfg.layers:
             continue
         fns, loss_fn, prefixes = pipeline_stages(model, _stages(schedule, pp))
-        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, tied=("wte.weight",))
+        pipe = vsf.pipeline.Pipeline(
+            fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, tied=("wte.weight",)
+        )
         p, layout = pipe.place(params)
         batch = batch_at(0, (2 if quick else 4) * m, cfg)
         step = lambda: vsf.device_get(pipe.value_and_grad(p, *batch, layout=layout)[0])  # noqa: E731
-        step()   # plans the stage programs
+        step()  # plans the stage programs
         key = f"{schedule},{m}"
         if (schedule, m) in TIMED:
             runs = {key: step}
             if (schedule, m) in PLAIN:
-                runs[f"plain,{key}"] = _plain_step(fns[rank], loss_fn, {k: v for k, v in params.items() if k.startswith(tuple(prefixes[rank]))},
-                                                   cfg.dim, schedule, m, batch)
-            for run in [*runs.values()] * 2:   # (warm: the plans made, the heap grown)
+                runs[f"plain,{key}"] = _plain_step(
+                    fns[rank],
+                    loss_fn,
+                    {k: v for k, v in params.items() if k.startswith(tuple(prefixes[rank]))},
+                    cfg.dim,
+                    schedule,
+                    m,
+                    batch,
+                )
+            for run in [*runs.values()] * 2:  # (warm: the plans made, the heap grown)
                 run()
-            for _ in range(repeats):   # (each repetition of vsf's step next to one of the plain step's: the same load on both)
+            for _ in range(
+                repeats
+            ):  # (each repetition of vsf's step next to one of the plain step's: the same load on both)
                 for name, run in runs.items():
                     result["timed"].setdefault(name, []).append(_timed(run, pp))
         if (schedule, m) in MEMORY:
@@ -273,7 +300,9 @@ def _keep_freed_memory() -> None:
     import ctypes
 
     libc = ctypes.CDLL(None)
-    if hasattr(libc, "mallopt"):   # glibc: M_TRIM_THRESHOLD never reached; M_MMAP_THRESHOLD fixed at its most (no dynamic change)
+    if hasattr(
+        libc, "mallopt"
+    ):  # glibc: M_TRIM_THRESHOLD never reached; M_MMAP_THRESHOLD fixed at its most (no dynamic change)
         libc.mallopt(-1, 2**31 - 1)
         libc.mallopt(-3, 32 * 2**20)
 
@@ -294,7 +323,9 @@ def _timed(step: Callable[[], None], pp: int) -> list:
     return gathered
 
 
-def _plain_step(fn: Callable, loss_fn: Callable, params: dict, dim: int, schedule: str, m: int, batch: tuple) -> Callable[[], None]:
+def _plain_step(
+    fn: Callable, loss_fn: Callable, params: dict, dim: int, schedule: str, m: int, batch: tuple
+) -> Callable[[], None]:
     """What a user would write without vsf: this rank's stage function over plain tensors (its own
     copy of the stage's params: the last stage's output layer is not tied to the first stage's
     embedding) in an ``nn.Module``, on torch's ``PipelineStage`` and the same schedule class,
@@ -318,10 +349,14 @@ def _plain_step(fn: Callable, loss_fn: Callable, params: dict, dim: int, schedul
     rank, pp = dist.get_rank(), dist.get_world_size()
     idx, targets = batch
     one = idx.shape[0] // m
-    x = idx[:one] if rank == 0 else torch.zeros(one, idx.shape[1], dim, requires_grad=True)   # (the shapes it receives and sends)
+    x = (
+        idx[:one] if rank == 0 else torch.zeros(one, idx.shape[1], dim, requires_grad=True)
+    )  # (the shapes it receives and sends)
     with torch.no_grad():
         example_out = torch.empty_like(fn(dict(params), x)).requires_grad_(True)
-    stage = PipelineStage(Stage(), rank, pp, torch.device("cpu"), input_args=(x,), output_args=example_out, group=dist.group.WORLD)
+    stage = PipelineStage(
+        Stage(), rank, pp, torch.device("cpu"), input_args=(x,), output_args=example_out, group=dist.group.WORLD
+    )
     runner = SCHEDULES[schedule](stage, m, loss_fn=loss_fn, scale_grads=False)
     if rank == 0:
         return lambda: runner.step(idx)
@@ -365,14 +400,18 @@ def _replayed(ranks: list) -> list[float]:
         for kind, stage, mb, t0, t1 in r[0]:
             key = (stage, "F" if kind == "L" else kind, mb)
             durations[key] = durations.get(key, 0.0) + t1 - t0
-    return bubble([[(stage, kind, mb) for kind, stage, mb, _, _ in r[0] if kind != "L"] for r in ranks], durations=durations)
+    return bubble(
+        [[(stage, kind, mb) for kind, stage, mb, _, _ in r[0] if kind != "L"] for r in ranks], durations=durations
+    )
 
 
 def _not_waiting(ranks: list, s: int) -> float:
     """Rank ``s``'s time, between its step's start and its last action, with the rank free and
     the input of its next action there but that action not started (the sends, the receive's
     copy, waking the process, the schedule's bookkeeping): idle time that is not the bubble."""
-    ends = {(stage, "B" if kind == "I" else kind, mb): t1 for r in ranks for kind, stage, mb, _, t1 in r[0]}   # (an input part hands on what a backward does)
+    ends = {
+        (stage, "B" if kind == "I" else kind, mb): t1 for r in ranks for kind, stage, mb, _, t1 in r[0]
+    }  # (an input part hands on what a backward does)
     waits_for = {"F": lambda st, mb: (st - 1, "F", mb), "W": lambda st, mb: (st, "B", mb)}
     free, total = ranks[s][1], 0.0
     for kind, stage, mb, t0, t1 in ranks[s][0]:
@@ -401,55 +440,134 @@ def bench(pp: int, quick: bool) -> list[dict]:
         theory = bubble(rank_actions(schedule, pp, _stages(schedule, pp), m))
         ratios = [a / b for a, b in zip(idle, theory)]
         per_stage = "/".join(f"{x:.2f}" for x in idle)
-        rows.append({
-            "name": f"idle fraction per stage (stages 0-{pp - 1}: {per_stage}; ratios {'/'.join(f'{x:.2f}' for x in ratios)}), {schedule.upper()}, m={m}, {where}",
-            "vsf": statistics.mean(idle), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(ratios),
-            "target": "0.9-1.1 every stage", "met": all(0.9 <= x <= 1.1 for x in ratios),
-        })
-        rows.append({
-            "name": f"idle fraction replayed from the measured compute times, no sends or bookkeeping (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in replayed)}), {schedule.upper()}, m={m}, {where}",
-            "vsf": statistics.mean(replayed), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(replayed) / statistics.mean(theory), "target": "-", "met": None,
-        })
-        rows.append({
-            "name": f"of the idle fraction, the part with the input there (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in excess)}), {schedule.upper()}, m={m}, {where}",
-            "vsf": statistics.mean(excess), "ref": statistics.mean(idle), "unit": "%", "ratio": statistics.mean(excess) / statistics.mean(idle), "target": "-", "met": None,
-        })
-        rows.append({"name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}", "vsf": whole, "ref": span, "unit": "s", "ratio": whole / span, "target": "-", "met": None})
+        rows.append(
+            {
+                "name": f"idle fraction per stage (stages 0-{pp - 1}: {per_stage}; ratios {'/'.join(f'{x:.2f}' for x in ratios)}), {schedule.upper()}, m={m}, {where}",
+                "vsf": statistics.mean(idle),
+                "ref": statistics.mean(theory),
+                "unit": "%",
+                "ratio": statistics.mean(ratios),
+                "target": "0.9-1.1 every stage",
+                "met": all(0.9 <= x <= 1.1 for x in ratios),
+            }
+        )
+        rows.append(
+            {
+                "name": f"idle fraction replayed from the measured compute times, no sends or bookkeeping (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in replayed)}), {schedule.upper()}, m={m}, {where}",
+                "vsf": statistics.mean(replayed),
+                "ref": statistics.mean(theory),
+                "unit": "%",
+                "ratio": statistics.mean(replayed) / statistics.mean(theory),
+                "target": "-",
+                "met": None,
+            }
+        )
+        rows.append(
+            {
+                "name": f"of the idle fraction, the part with the input there (stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in excess)}), {schedule.upper()}, m={m}, {where}",
+                "vsf": statistics.mean(excess),
+                "ref": statistics.mean(idle),
+                "unit": "%",
+                "ratio": statistics.mean(excess) / statistics.mean(idle),
+                "target": "-",
+                "met": None,
+            }
+        )
+        rows.append(
+            {
+                "name": f"pipelined step (value_and_grad) vs the schedule's span, {schedule.upper()}, m={m}, {where}",
+                "vsf": whole,
+                "ref": span,
+                "unit": "s",
+                "ratio": whole / span,
+                "target": "-",
+                "met": None,
+            }
+        )
         if f"plain,{schedule},{m}" in r["timed"]:
             plain_idle, _, _, plain_span, _ = _idle(r["timed"][f"plain,{schedule},{m}"])
             versus = f"vs torch's own pipelining of the same stage functions on plain tensors, {schedule.upper()}, m={m}, {where}"
-            rows.append({
-                "name": f"idle fraction (plain torch, stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in plain_idle)}) {versus}",
-                "vsf": statistics.mean(idle), "ref": statistics.mean(plain_idle), "unit": "%", "ratio": statistics.mean(idle) / statistics.mean(plain_idle),
-                "target": "<= 1.1", "met": statistics.mean(idle) <= 1.1 * statistics.mean(plain_idle),
-            })
-            rows.append({
-                "name": f"plain torch's idle fraction vs the theory (what torch's schedule over gloo reaches here; ratios {'/'.join(f'{a / b:.2f}' for a, b in zip(plain_idle, theory))}), {schedule.upper()}, m={m}, {where}",
-                "vsf": statistics.mean(plain_idle), "ref": statistics.mean(theory), "unit": "%", "ratio": statistics.mean(plain_idle) / statistics.mean(theory), "target": "-", "met": None,
-            })
-            rows.append({"name": f"the schedule's span {versus}", "vsf": span, "ref": plain_span, "unit": "s", "ratio": span / plain_span, "target": "-", "met": None})
-        if _stages(schedule, pp) > pp and ("1f1b", m) in spans:   # (the same work a rank: the span is the busy time over 1 - idle)
-            theory = (1 - bubble(rank_actions("1f1b", pp, pp, m))[0]) / (1 - statistics.mean(bubble(rank_actions(schedule, pp, _stages(schedule, pp), m))))
-            rows.append({"name": f"{schedule.upper()}'s span (2 stages a rank) vs 1F1B's, m={m}, {where}", "vsf": span, "ref": spans["1f1b", m], "unit": "s",
-                         "ratio": span / spans["1f1b", m], "target": f"- (theory {theory:.3f} with equal work)", "met": None})
+            rows.append(
+                {
+                    "name": f"idle fraction (plain torch, stages 0-{pp - 1}: {'/'.join(f'{x:.2f}' for x in plain_idle)}) {versus}",
+                    "vsf": statistics.mean(idle),
+                    "ref": statistics.mean(plain_idle),
+                    "unit": "%",
+                    "ratio": statistics.mean(idle) / statistics.mean(plain_idle),
+                    "target": "<= 1.1",
+                    "met": statistics.mean(idle) <= 1.1 * statistics.mean(plain_idle),
+                }
+            )
+            rows.append(
+                {
+                    "name": f"plain torch's idle fraction vs the theory (what torch's schedule over gloo reaches here; ratios {'/'.join(f'{a / b:.2f}' for a, b in zip(plain_idle, theory))}), {schedule.upper()}, m={m}, {where}",
+                    "vsf": statistics.mean(plain_idle),
+                    "ref": statistics.mean(theory),
+                    "unit": "%",
+                    "ratio": statistics.mean(plain_idle) / statistics.mean(theory),
+                    "target": "-",
+                    "met": None,
+                }
+            )
+            rows.append(
+                {
+                    "name": f"the schedule's span {versus}",
+                    "vsf": span,
+                    "ref": plain_span,
+                    "unit": "s",
+                    "ratio": span / plain_span,
+                    "target": "-",
+                    "met": None,
+                }
+            )
+        if (
+            _stages(schedule, pp) > pp and ("1f1b", m) in spans
+        ):  # (the same work a rank: the span is the busy time over 1 - idle)
+            theory = (1 - bubble(rank_actions("1f1b", pp, pp, m))[0]) / (
+                1 - statistics.mean(bubble(rank_actions(schedule, pp, _stages(schedule, pp), m)))
+            )
+            rows.append(
+                {
+                    "name": f"{schedule.upper()}'s span (2 stages a rank) vs 1F1B's, m={m}, {where}",
+                    "vsf": span,
+                    "ref": spans["1f1b", m],
+                    "unit": "s",
+                    "ratio": span / spans["1f1b", m],
+                    "target": f"- (theory {theory:.3f} with equal work)",
+                    "met": None,
+                }
+            )
     mem = r["memory"]
     for schedule, m in MEMORY:
         actions = stage_actions(schedule, pp, m)
         peaks = [mem[s][f"{schedule},{m}"]["peak"] for s in range(pp)]
         theory = [in_flight(actions[s]) * mem[s][f"{schedule},{m}"]["per_microbatch"] for s in range(pp)]
         per_stage = "/".join(f"{x / 2**20:.1f}" for x in peaks)
-        rows.append({
-            "name": f"peak saved activations, stage 0 (stages 0-{pp - 1}: {per_stage} MiB) vs in-flight x one microbatch's, {schedule.upper()}, m={m}, {where}",
-            "vsf": peaks[0], "ref": theory[0], "unit": "B", "ratio": peaks[0] / theory[0], "target": "1.0", "met": abs(peaks[0] / theory[0] - 1) < 0.05,
-        })
+        rows.append(
+            {
+                "name": f"peak saved activations, stage 0 (stages 0-{pp - 1}: {per_stage} MiB) vs in-flight x one microbatch's, {schedule.upper()}, m={m}, {where}",
+                "vsf": peaks[0],
+                "ref": theory[0],
+                "unit": "B",
+                "ratio": peaks[0] / theory[0],
+                "target": "1.0",
+                "met": abs(peaks[0] / theory[0] - 1) < 0.05,
+            }
+        )
     for schedule in ("1f1b", "gpipe"):
         low, high = (mem[0][f"{schedule},{m}"]["peak"] for m in (4, 16))
         flat = schedule == "1f1b"
-        rows.append({
-            "name": f"peak saved activations, stage 0, m=16 vs m=4, {schedule.upper()}, {where}",
-            "vsf": high, "ref": low, "unit": "B", "ratio": high / low,
-            "target": "1.0 (flat in m)" if flat else "- (grows with m: 4.0)", "met": abs(high / low - 1) < 0.05 if flat else None,
-        })
+        rows.append(
+            {
+                "name": f"peak saved activations, stage 0, m=16 vs m=4, {schedule.upper()}, {where}",
+                "vsf": high,
+                "ref": low,
+                "unit": "B",
+                "ratio": high / low,
+                "target": "1.0 (flat in m)" if flat else "- (grows with m: 4.0)",
+                "met": abs(high / low - 1) < 0.05 if flat else None,
+            }
+        )
     return rows
 
 
@@ -468,7 +586,9 @@ def main() -> None:
         _worker(ns.worker, ns.quick)
         return
     for row in run(ns.quick):
-        print(f"{row['name']:<84} vsf {row['vsf']:>14.6g}  ref {row['ref']:>14.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})")
+        print(
+            f"{row['name']:<84} vsf {row['vsf']:>14.6g}  ref {row['ref']:>14.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})"
+        )
 
 
 if __name__ == "__main__":

@@ -104,14 +104,16 @@ def measure(quick: bool) -> list[dict]:
         reps = len(reports[0]["samples"][name])
         seconds = [max(r["samples"][name][i]["seconds"] for r in reports) for i in range(reps)]
         wire = [sum(r["samples"][name][i]["wire"] for r in reports) for i in range(reps)]
-        rows.append({
-            "way": name,
-            "tensors": len(shapes),
-            "data_bytes": total * 4,
-            "payload_bytes": (NPROC - 1) * total * 4,   # every rank receives the others' data
-            "wire_bytes": int(statistics.median(wire)),
-            "median_ms": round(statistics.median(seconds) * 1e3, 3),
-        })
+        rows.append(
+            {
+                "way": name,
+                "tensors": len(shapes),
+                "data_bytes": total * 4,
+                "payload_bytes": (NPROC - 1) * total * 4,  # every rank receives the others' data
+                "wire_bytes": int(statistics.median(wire)),
+                "median_ms": round(statistics.median(seconds) * 1e3, 3),
+            }
+        )
     ragged, padded, _ = rows
     for row in rows:
         row["wire_vs_payload"] = round(row["wire_bytes"] / row["payload_bytes"], 4)
@@ -130,11 +132,24 @@ def run(quick: bool) -> list[dict]:
 
     wire = ragged["wire_bytes"] / ragged["payload_bytes"]
     return [
-        row(f"ragged all_gather_v, {NPROC} gloo procs: bytes on the wire vs payload", ragged["wire_bytes"], ragged["payload_bytes"], "B",
-            "1 (+1% socket framing)", 1.0 <= wire <= 1.01),
-        row("ragged vs padded-even Shard all-gather: bytes on the wire", ragged["wire_bytes"], padded["wire_bytes"], "B"),
+        row(
+            f"ragged all_gather_v, {NPROC} gloo procs: bytes on the wire vs payload",
+            ragged["wire_bytes"],
+            ragged["payload_bytes"],
+            "B",
+            "1 (+1% socket framing)",
+            1.0 <= wire <= 1.01,
+        ),
+        row(
+            "ragged vs padded-even Shard all-gather: bytes on the wire", ragged["wire_bytes"], padded["wire_bytes"], "B"
+        ),
         row("ragged vs padded-even Shard all-gather: time", ragged["median_ms"] / 1e3, padded["median_ms"] / 1e3, "s"),
-        row("gather_group (pack, one all_gather_v, unpack) vs padded Shard: time", group["median_ms"] / 1e3, padded["median_ms"] / 1e3, "s"),
+        row(
+            "gather_group (pack, one all_gather_v, unpack) vs padded Shard: time",
+            group["median_ms"] / 1e3,
+            padded["median_ms"] / 1e3,
+            "s",
+        ),
     ]
 
 

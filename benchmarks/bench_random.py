@@ -70,7 +70,15 @@ def bench_normal(n: int, reps: int, compiled: bool, threads: int) -> dict:
     ratio = vsf_t / ref_t
     how = f"compile_random (compiled once in {warm:.0f} s)" if compiled else "eager"
     cores = f"{threads} thread{'s' if threads > 1 else ''}, cores busy vsf {vsf_cpu / vsf_t:.1f} / torch {ref_cpu / ref_t:.1f}"
-    return {"name": f"normal, {n / 1e6:.0f}M float32 vs torch.randn, {how}, {cores}", "vsf": vsf_t, "ref": ref_t, "unit": "s", "ratio": ratio, "target": f"<= {TARGET}", "met": ratio <= TARGET}
+    return {
+        "name": f"normal, {n / 1e6:.0f}M float32 vs torch.randn, {how}, {cores}",
+        "vsf": vsf_t,
+        "ref": ref_t,
+        "unit": "s",
+        "ratio": ratio,
+        "target": f"<= {TARGET}",
+        "met": ratio <= TARGET,
+    }
 
 
 def run(quick: bool) -> list[dict]:
@@ -87,7 +95,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     for row in run(args.quick):
-        print(f"{row['name']}: vsf {row['vsf']:.3f} s, torch {row['ref']:.3f} s, ratio {row['ratio']:.2f} (target {row['target']})")
+        print(
+            f"{row['name']}: vsf {row['vsf']:.3f} s, torch {row['ref']:.3f} s, ratio {row['ratio']:.2f} (target {row['target']})"
+        )
     print(f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

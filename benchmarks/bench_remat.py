@@ -87,7 +87,9 @@ def _worker(out: str, quick: bool) -> None:
     result = {
         "seconds": {k: statistics.median(v) for k, v in times.items()},
         "peak": {k: _peak_bytes(run) for k, run in steps.items()},
-        "estimate": {k: low.cost().peak_bytes - _input_bytes(low) for k, low in (("plain", low_plain), ("remat", low_remat))},
+        "estimate": {
+            k: low.cost().peak_bytes - _input_bytes(low) for k, low in (("plain", low_plain), ("remat", low_remat))
+        },
         "recomputed": "ops recomputed in the backward" in low_remat.as_text(),
     }
     if rank == 0:
@@ -105,17 +107,47 @@ def run(quick: bool) -> list[dict]:
     layers = _config(quick).layers
     where = f"{layers}-layer GPT, FSDP, 2 gloo procs"
     rows = [
-        {"name": f"peak heap bytes, every block rematerialised vs none, {where}", "vsf": peak["remat"], "ref": peak["plain"], "unit": "B",
-         "ratio": peak["remat"] / peak["plain"], "target": "<= 0.5", "met": peak["remat"] / peak["plain"] <= 0.5},
-        {"name": f"step, every block rematerialised vs none, {where}", "vsf": t["remat"], "ref": t["plain"], "unit": "s",
-         "ratio": t["remat"] / t["plain"], "target": "<= 1.35", "met": t["remat"] / t["plain"] <= 1.35},
-        {"name": f"peak heap bytes, vsf full remat vs FSDP2 with full activation checkpointing, {where}", "vsf": peak["remat"], "ref": peak["fsdp2_ac"], "unit": "B",
-         "ratio": peak["remat"] / peak["fsdp2_ac"], "target": "<= 1.0", "met": peak["remat"] / peak["fsdp2_ac"] <= 1.0},
+        {
+            "name": f"peak heap bytes, every block rematerialised vs none, {where}",
+            "vsf": peak["remat"],
+            "ref": peak["plain"],
+            "unit": "B",
+            "ratio": peak["remat"] / peak["plain"],
+            "target": "<= 0.5",
+            "met": peak["remat"] / peak["plain"] <= 0.5,
+        },
+        {
+            "name": f"step, every block rematerialised vs none, {where}",
+            "vsf": t["remat"],
+            "ref": t["plain"],
+            "unit": "s",
+            "ratio": t["remat"] / t["plain"],
+            "target": "<= 1.35",
+            "met": t["remat"] / t["plain"] <= 1.35,
+        },
+        {
+            "name": f"peak heap bytes, vsf full remat vs FSDP2 with full activation checkpointing, {where}",
+            "vsf": peak["remat"],
+            "ref": peak["fsdp2_ac"],
+            "unit": "B",
+            "ratio": peak["remat"] / peak["fsdp2_ac"],
+            "target": "<= 1.0",
+            "met": peak["remat"] / peak["fsdp2_ac"] <= 1.0,
+        },
     ]
     for k, label in (("remat", "full remat"), ("plain", "no remat")):
         ratio = est[k] / peak[k]
-        rows.append({"name": f"estimated peak (cost().peak_bytes less the inputs) vs measured, {label}, {where}", "vsf": est[k], "ref": peak[k], "unit": "B",
-                     "ratio": ratio, "target": "0.9-1.1", "met": 0.9 <= ratio <= 1.1})
+        rows.append(
+            {
+                "name": f"estimated peak (cost().peak_bytes less the inputs) vs measured, {label}, {where}",
+                "vsf": est[k],
+                "ref": peak[k],
+                "unit": "B",
+                "ratio": ratio,
+                "target": "0.9-1.1",
+                "met": 0.9 <= ratio <= 1.1,
+            }
+        )
     return rows
 
 
@@ -129,7 +161,9 @@ def main() -> None:
         _worker(ns.worker, ns.quick)
         return
     for row in run(ns.quick):
-        print(f"{row['name']:<100} vsf {row['vsf']:>14.6g}  ref {row['ref']:>14.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})")
+        print(
+            f"{row['name']:<100} vsf {row['vsf']:>14.6g}  ref {row['ref']:>14.6g}  ratio {row['ratio']:6.3f}  (target {row['target']})"
+        )
 
 
 if __name__ == "__main__":

@@ -20,16 +20,21 @@ def main() -> None:
     with vsf.simulate(8):
         mesh = vsf.make_mesh((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))
         print(f"mesh: {mesh.shape} ({mesh.size} simulated ranks)\n")
-        specs = vsf.sharding.match(params, [
-            (r".*attn\.qkv\.weight", P("tp", "fsdp")),
-            (r".*mlp\.fc2\.weight", P("fsdp", "tp")),
-            (r"embed\.weight", P(("dp", "fsdp"))),
-            (r".*", P()),
-        ])
+        specs = vsf.sharding.match(
+            params,
+            [
+                (r".*attn\.qkv\.weight", P("tp", "fsdp")),
+                (r".*mlp\.fc2\.weight", P("fsdp", "tp")),
+                (r"embed\.weight", P(("dp", "fsdp"))),
+                (r".*", P()),
+            ],
+        )
         placed = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
         for name, x in placed.items():
             s = vsf.sharding.sharding_of(x)
-            print(f"{name:28s} {vsf.typeof(x):24s} spec={specs[name]!r:22s} rank0 shard {tuple(s.shard_shape(x.shape, 0))}")
+            print(
+                f"{name:28s} {vsf.typeof(x):24s} spec={specs[name]!r:22s} rank0 shard {tuple(s.shard_shape(x.shape, 0))}"
+            )
         print()
         print(vsf.debug.visualize_sharding(placed["blocks.0.attn.qkv.weight"]))
         back = vsf.device_get(placed)

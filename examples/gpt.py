@@ -151,13 +151,15 @@ def pipeline_stages(model: GPT, stages: int) -> tuple[list[Any], Any, list[list[
     bounds = [n * s // stages for s in range(stages + 1)]
 
     def sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
 
     def make(s: int) -> Any:
         def stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             if s == 0:
                 t = x.shape[1]
-                x = functional_call(model.wte, sub(params, "wte."), (x,)) + functional_call(model.wpe, sub(params, "wpe."), (torch.arange(t, device=x.device),))
+                x = functional_call(model.wte, sub(params, "wte."), (x,)) + functional_call(
+                    model.wpe, sub(params, "wpe."), (torch.arange(t, device=x.device),)
+                )
             for i in range(bounds[s], bounds[s + 1]):
                 x = functional_call(model.blocks[i], sub(params, f"blocks.{i}."), (x,))
             if s == stages - 1:

@@ -60,19 +60,42 @@ RULES = [
     (r"(wte|wpe)\.weight", P("fsdp")),
     (r".*", P()),
 ]
-BATCH = P(("dp", "fsdp"), "cp")   # the batch dim over every data-parallel axis, each sequence over cp
+BATCH = P(("dp", "fsdp"), "cp")  # the batch dim over every data-parallel axis, each sequence over cp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run = p.add_argument_group("ranks and mesh")
-    run.add_argument("--simulate", type=int, metavar="N", help="simulate N ranks in this process (default: the ranks torchrun started, or 1)")
+    run.add_argument(
+        "--simulate",
+        type=int,
+        metavar="N",
+        help="simulate N ranks in this process (default: the ranks torchrun started, or 1)",
+    )
     for axis in ("dp", "fsdp", "tp"):
-        run.add_argument(f"--{axis}", type=int, help=f"size of the {axis} axis (default: derived from the number of ranks)")
-    run.add_argument("--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)")
-    run.add_argument("--pp", type=int, default=1, help="pipeline stages over the pp axis, each a run of consecutive blocks (default 1)")
+        run.add_argument(
+            f"--{axis}", type=int, help=f"size of the {axis} axis (default: derived from the number of ranks)"
+        )
+    run.add_argument(
+        "--cp", type=int, default=1, help="size of the cp axis: each sequence split over this many ranks (default 1)"
+    )
+    run.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages over the pp axis, each a run of consecutive blocks (default 1)",
+    )
     run.add_argument("--microbatches", type=int, default=4, help="microbatches per step with --pp (default 4)")
-    run.add_argument("--schedule", choices=sorted(vsf.pipeline.SCHEDULES), default="1f1b", help="pipeline schedule with --pp (default 1f1b; interleaved and zb, its zero-bubble form, and the V-shaped zero-bubble zbv and dualpipev: two stages on each pp rank)")
+    run.add_argument(
+        "--schedule",
+        choices=sorted(vsf.pipeline.SCHEDULES),
+        default="1f1b",
+        help="pipeline schedule with --pp (default 1f1b; interleaved and zb, its zero-bubble form, and the V-shaped zero-bubble zbv and dualpipev: two stages on each pp rank)",
+    )
     model = p.add_argument_group("model and data")
     model.add_argument("--vocab", type=int, default=16)
     model.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -84,33 +107,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--seed", type=int, default=0, help="seeds the params and the data")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=200)
-    train.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (linear warmup, cosine decay to 0 at --steps)")
+    train.add_argument(
+        "--lr", type=float, default=1e-2, help="peak learning rate (linear warmup, cosine decay to 0 at --steps)"
+    )
     train.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 10)")
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
     out = p.add_argument_group("checkpoints and output")
-    out.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="checkpoints, metrics.jsonl and loss.png go here")
+    out.add_argument(
+        "--out", type=Path, default=Path("runs/train_gpt"), help="checkpoints, metrics.jsonl and loss.png go here"
+    )
     out.add_argument("--save-every", type=int, default=50, help="save a checkpoint every N steps (and at the end)")
     out.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     out.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint in <out>/ckpt")
-    out.add_argument("--log-every", type=int, default=None, help="steps between log lines when stdout is not a terminal (default: steps // 10)")
-    out.add_argument("--print-plan", action="store_true", help="print the jitted step's plan (every op's shardings and every collective)")
+    out.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        help="steps between log lines when stdout is not a terminal (default: steps // 10)",
+    )
+    out.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the jitted step's plan (every op's shardings and every collective)",
+    )
     args = p.parse_args(argv)
     if not 1 <= args.pp <= args.layers:
         p.error(f"--pp {args.pp} must be between 1 and --layers {args.layers}: each stage holds at least one block")
     if args.schedule in vsf.pipeline.INTERLEAVED and args.pp > 1 and 2 * args.pp > args.layers:
-        p.error(f"--schedule {args.schedule} puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}")
+        p.error(
+            f"--schedule {args.schedule} puts two stages on each of the --pp {args.pp} ranks: it needs --layers {2 * args.pp} or more, got {args.layers}"
+        )
     if args.cp < 1 or args.seq % args.cp:
-        p.error(f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)")
+        p.error(
+            f"--cp {args.cp} must be a positive divisor of --seq {args.seq} (each rank holds an equal part of every sequence)"
+        )
     return args
 
 
 def config(args: argparse.Namespace) -> GPTConfig:
     """The model and data sizes the command line asks for."""
-    return GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers, period=args.period)
+    return GPTConfig(
+        vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers, period=args.period
+    )
 
 
-def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: int | None = None, cp: int = 1, pp: int = 1) -> dict[str, int]:
+def mesh_shape(
+    world: int, dp: int | None = None, fsdp: int | None = None, tp: int | None = None, cp: int = 1, pp: int = 1
+) -> dict[str, int]:
     """The 5D mesh for ``world`` ranks: ``pp``, ``cp`` and the given sizes are kept, factors of 2 of the
     rest go to the unset axes among dp, fsdp, tp in turn (8 ranks: 2 x 2 x 2), an odd remainder
     to the first unset.
@@ -132,7 +176,9 @@ def mesh_shape(world: int, dp: int | None = None, fsdp: int | None = None, tp: i
     world //= cp * pp
     fixed = math.prod(v for v in given.values() if v is not None)
     if world % fixed:
-        raise ValueError(f"{world} ranks cannot be split as {({k: v for k, v in given.items() if v is not None})}: their product {fixed} must divide {world}")
+        raise ValueError(
+            f"{world} ranks cannot be split as { ({k: v for k, v in given.items() if v is not None}) }: their product {fixed} must divide {world}"
+        )
     free = [k for k, v in given.items() if v is None]
     sizes = {k: v or 1 for k, v in given.items()}
     rest = world // fixed
@@ -163,13 +209,15 @@ class Result:
 class Reporter:
     """A progress bar on a terminal, plain periodic lines otherwise (only rank 0 writes)."""
 
-    def __init__(self, total: int, tokens_per_step: int, every: int, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total: int, tokens_per_step: int, every: int, enabled: bool, stream: TextIO | None = None
+    ) -> None:
         self.total, self.tokens, self.every, self.enabled = total, tokens_per_step, every, enabled
         self.stream = sys.stdout if stream is None else stream
         self.bar = enabled and self.stream.isatty()
         self.start = time.perf_counter()
         self.steps = 0
-        self.open_line = False   # the bar is drawn and its line not ended yet
+        self.open_line = False  # the bar is drawn and its line not ended yet
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.steps += 1
@@ -181,7 +229,9 @@ class Reporter:
             width = 30
             fill = width * done // self.total
             eta = (time.perf_counter() - self.start) / self.steps * (self.total - done)
-            self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}  loss {loss:.4f}  {rate:,.0f} tok/s  eta {eta:.0f}s ")
+            self.stream.write(
+                f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}  loss {loss:.4f}  {rate:,.0f} tok/s  eta {eta:.0f}s "
+            )
             self.open_line = done < self.total
             if not self.open_line:
                 self.stream.write("\n")
@@ -212,11 +262,22 @@ def make_pipeline(args: argparse.Namespace, model: GPT, mesh: vsf.Mesh) -> vsf.p
     over every data-parallel axis and each sequence over cp (the activations between stages too),
     the tied embedding held by the first stage."""
     fns, loss, prefixes = pipeline_stages(model, args.pp * (2 if args.schedule in vsf.pipeline.INTERLEAVED else 1))
-    return vsf.pipeline.Pipeline(fns, loss, prefixes, mesh=mesh, microbatches=args.microbatches, schedule=args.schedule,
-                                 batch=BATCH, activations=BATCH, tied=("wte.weight",))
+    return vsf.pipeline.Pipeline(
+        fns,
+        loss,
+        prefixes,
+        mesh=mesh,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        batch=BATCH,
+        activations=BATCH,
+        tied=("wte.weight",),
+    )
 
 
-def make_pipelined_step(pipe: vsf.pipeline.Pipeline, layout: vsf.pipeline.Layout, tx: optim.GradientTransformation) -> Any:
+def make_pipelined_step(
+    pipe: vsf.pipeline.Pipeline, layout: vsf.pipeline.Layout, tx: optim.GradientTransformation
+) -> Any:
     """The train step with the pipelined loss and gradients: each stage's update where it lives."""
 
     def train_step(params: dict[str, torch.Tensor | None], opt_state: Any, idx: torch.Tensor, targets: torch.Tensor):
@@ -235,26 +296,38 @@ def make_optimizer(args: argparse.Namespace) -> optim.GradientTransformation:
 
 def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor]) -> Result:
     """Lay out, restore or initialise, and train; runs on every rank (or inside ``vsf.simulate``)."""
-    shape = mesh_shape(args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp, args.cp, args.pp)
+    shape = mesh_shape(
+        args.simulate or int(os.environ.get("WORLD_SIZE", "1")), args.dp, args.fsdp, args.tp, args.cp, args.pp
+    )
     mesh = vsf.make_mesh(tuple(shape.values()), AXES)
     cfg = model.cfg
-    rep = Reporter(args.steps, args.batch * cfg.seq, args.log_every or max(1, args.steps // 10), vsf.runtime.rank() == 0)
-    rep.say(f"mesh {' x '.join(f'{a}={n}' for a, n in shape.items())} ({mesh.size} ranks, {mesh.device_type}"
-            f"{', simulated' if vsf.runtime.is_simulated() else ''}); {sum(p.numel() for p in params.values()):,} params")
+    rep = Reporter(
+        args.steps, args.batch * cfg.seq, args.log_every or max(1, args.steps // 10), vsf.runtime.rank() == 0
+    )
+    rep.say(
+        f"mesh {' x '.join(f'{a}={n}' for a, n in shape.items())} ({mesh.size} ranks, {mesh.device_type}"
+        f"{', simulated' if vsf.runtime.is_simulated() else ''}); {sum(p.numel() for p in params.values()):,} params"
+    )
 
     tx = make_optimizer(args)
     specs = vsf.sharding.match(params, RULES)
     pipe = make_pipeline(args, model, mesh) if args.pp > 1 else None
-    placed, layout = pipe.place(params, specs) if pipe else (vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), None)
+    placed, layout = (
+        pipe.place(params, specs) if pipe else (vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), None)
+    )
     state = {"params": placed}
     state["opt"] = optim.init_sharded(tx, state["params"], zero_axes=("dp",))
-    for name in ("blocks.0.attn.qkv.weight", "wte.weight"):   # (both on rank 0; None on the later stages' ranks)
+    for name in ("blocks.0.attn.qkv.weight", "wte.weight"):  # (both on rank 0; None on the later stages' ranks)
         if rep.enabled:
-            rep.say(f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}")
+            rep.say(
+                f"  {name:<26} {vsf.typeof(state['params'][name]):<24} adam mu {vsf.typeof(state['opt'][1].mu[name])}"
+            )
     if pipe:
         for s in range(pipe.num_stages):
             rep.say(f"  stage {s}: ranks {list(pipe.meshes[s].devices)}, {', '.join(pipe.prefixes[s])}")
-    mngr = vsf.checkpoint.CheckpointManager(args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False)
+    mngr = vsf.checkpoint.CheckpointManager(
+        args.out / "ckpt", max_to_keep=args.keep, save_interval_steps=args.save_every, progress=False
+    )
     first, state = restore(args, mngr, state, rep)
 
     if pipe:
@@ -263,7 +336,7 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
         step_fn = make_step(model, tx)
         put_batch = vsf.NamedSharding(mesh, BATCH)
         batch = load_batch(first, args, cfg, put_batch)
-        lowered = step_fn.lower(state["params"], state["opt"], *batch)   # plans the step once; calls reuse it
+        lowered = step_fn.lower(state["params"], state["opt"], *batch)  # plans the step once; calls reuse it
         if args.print_plan:
             rep.say(lowered.as_text())
 
@@ -278,7 +351,9 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
         seconds = time.perf_counter() - t0
         rep.step(step, losses[step], seconds)
         if metrics:
-            metrics.write(json.dumps({"step": step, "loss": losses[step], "tokens_per_s": args.batch * cfg.seq / seconds}) + "\n")
+            metrics.write(
+                json.dumps({"step": step, "loss": losses[step], "tokens_per_s": args.batch * cfg.seq / seconds}) + "\n"
+            )
             metrics.flush()
         if mngr.save(step + 1, {**state, "step": step + 1}, force=step + 1 == args.steps, blocking=False):
             rep.say(f"checkpoint {step + 1}: saving in the background to {mngr.step_path(step + 1)}")
@@ -293,22 +368,30 @@ def train(args: argparse.Namespace, model: GPT, params: dict[str, torch.Tensor])
     return result
 
 
-def load_batch(step: int, args: argparse.Namespace, cfg: GPTConfig, sharding: vsf.NamedSharding) -> tuple[torch.Tensor, torch.Tensor]:
+def load_batch(
+    step: int, args: argparse.Namespace, cfg: GPTConfig, sharding: vsf.NamedSharding
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s ``(inputs, targets)`` as global DTensors laid out as ``sharding``, each process
     passing only its slice: its rank's rows and sequence part under torchrun, everything under
     vsf.simulate (one process holding every rank). The data is generated whole here; a real loader
     reads only the process's slice."""
     inputs, targets = batch_at(step, args.batch, cfg, seed=args.seed)
     mine = vsf.sharding.process_slice(sharding, inputs.shape)
-    return vsf.make_array_from_process_local_data(sharding, (inputs[mine], targets[mine]), (inputs.shape, targets.shape))
+    return vsf.make_array_from_process_local_data(
+        sharding, (inputs[mine], targets[mine]), (inputs.shape, targets.shape)
+    )
 
 
-def restore(args: argparse.Namespace, mngr: vsf.checkpoint.CheckpointManager, state: dict[str, Any], rep: Reporter) -> tuple[int, dict[str, Any]]:
+def restore(
+    args: argparse.Namespace, mngr: vsf.checkpoint.CheckpointManager, state: dict[str, Any], rep: Reporter
+) -> tuple[int, dict[str, Any]]:
     """The step to start from and the state there: the latest committed checkpoint's with
     ``--resume`` (read straight into ``state``'s layouts), else step 0 and ``state`` itself."""
     if not args.resume:
         if mngr.all_steps():
-            raise SystemExit(f"{mngr.directory} already holds checkpoints {mngr.all_steps()}: pass --resume, or choose another --out")
+            raise SystemExit(
+                f"{mngr.directory} already holds checkpoints {mngr.all_steps()}: pass --resume, or choose another --out"
+            )
         return 0, state
     first = mngr.latest_step()
     if first is None:
@@ -317,7 +400,9 @@ def restore(args: argparse.Namespace, mngr: vsf.checkpoint.CheckpointManager, st
     restored = mngr.restore(first, target={**state, "step": 0})
     if restored.pop("step") != first:
         raise RuntimeError(f"checkpoint {mngr.step_path(first)} holds another step")
-    rep.say(f"resumed from {mngr.step_path(first)}" + (" (the last step: nothing to do)" if first >= args.steps else ""))
+    rep.say(
+        f"resumed from {mngr.step_path(first)}" + (" (the last step: nothing to do)" if first >= args.steps else "")
+    )
     return first, restored
 
 
@@ -347,29 +432,45 @@ def _pipeline_summary(rep: Reporter, args: argparse.Namespace, result: Result, p
         ranks = pipe.meshes[r].devices
         held = max(result.memory.get(k, 0) for k in ranks)
         label = f"stage {r}" if v == 1 else f"stages {[s for s in range(pipe.num_stages) if pipe.rank_of(s) == r]}"
-        rep.say(f"{label} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
-                f"{args.schedule} bubble {idle[r]:.1%} of the step ({theory})")
+        rep.say(
+            f"{label} (ranks {list(ranks)}): params + optimizer state {_kib(held)} per rank; "
+            f"{args.schedule} bubble {idle[r]:.1%} of the step ({theory})"
+        )
 
 
 def _kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def _summary(rep: Reporter, args: argparse.Namespace, cfg: GPTConfig, result: Result, cost: Cost | None, mngr: vsf.checkpoint.CheckpointManager | None, pipe: vsf.pipeline.Pipeline | None) -> None:
+def _summary(
+    rep: Reporter,
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    result: Result,
+    cost: Cost | None,
+    mngr: vsf.checkpoint.CheckpointManager | None,
+    pipe: vsf.pipeline.Pipeline | None,
+) -> None:
     steps = sorted(result.losses)
     n = len(steps)
     tokens = n * args.batch * cfg.seq
     head, tail = result.losses[steps[0]], result.losses[steps[-1]]
-    rep.say(f"\n{n} steps in {result.seconds:.1f} s ({tokens / result.seconds:,.0f} tokens/s); "
-            f"loss {head:.4f} (step {steps[0]}) -> {tail:.4f} (step {steps[-1]}); a perfect copier reaches {floor_loss(cfg):.4f}")
+    rep.say(
+        f"\n{n} steps in {result.seconds:.1f} s ({tokens / result.seconds:,.0f} tokens/s); "
+        f"loss {head:.4f} (step {steps[0]}) -> {tail:.4f} (step {steps[-1]}); a perfect copier reaches {floor_loss(cfg):.4f}"
+    )
     if pipe:
         _pipeline_summary(rep, args, result, pipe)
     else:
         rep.say("params + optimizer state per rank: " + ", ".join(f"{r}: {_kib(b)}" for r, b in result.memory.items()))
         kinds = collections.Counter(c.kind for c in cost.collectives)
         per_axis = ", ".join(f"{a} {_kib(b)}" for a, b in result.comm_bytes.items() if b)
-        rep.say(f"each step sends per rank (from the plan): {per_axis}; {len(cost.collectives)} collectives "
-                f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else "each step sends nothing (one rank)")
+        rep.say(
+            f"each step sends per rank (from the plan): {per_axis}; {len(cost.collectives)} collectives "
+            f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})"
+            if kinds
+            else "each step sends nothing (one rank)"
+        )
     rep.say(f"checkpoints: {mngr.directory} steps {mngr.all_steps()}; metrics: {args.out / 'metrics.jsonl'}")
     rep.say(plot_losses(args.out / "metrics.jsonl", args.out / "loss.png", floor_loss(cfg)))
 

@@ -99,7 +99,13 @@ def world(request, tmp_path_factory):
             if not ended.exists():
                 out.mkdir()
                 try:
-                    torchrun(WORKERS / "world.py", nproc, str(out), *(json.dumps(list(s)) for n, s in sections if n == nproc), timeout=900)
+                    torchrun(
+                        WORKERS / "world.py",
+                        nproc,
+                        str(out),
+                        *(json.dumps(list(s)) for n, s in sections if n == nproc),
+                        timeout=900,
+                    )
                     failure = None
                 except Exception as e:  # noqa: BLE001 (raised again by each section it stopped)
                     failure = f"{type(e).__name__}: {e}"
@@ -108,11 +114,15 @@ def world(request, tmp_path_factory):
 
     def section(script: str, *args: str, nproc: int = 4) -> list[dict]:
         if (nproc, (script, *args)) not in sections:
-            raise LookupError(f"{script} {args} on {nproc} processes is not a section: mark the test @pytest.mark.world({script!r}, ..., nproc={nproc})")
+            raise LookupError(
+                f"{script} {args} on {nproc} processes is not a section: mark the test @pytest.mark.world({script!r}, ..., nproc={nproc})"
+            )
         out, failure = launched(nproc)
         where = out / section_name(script, *args)
         if not all((where / f"done.rank{r}").exists() for r in range(nproc)):
-            raise RuntimeError(f"the launch of {nproc} processes stopped before section {script} {args} finished:\n{failure}")
+            raise RuntimeError(
+                f"the launch of {nproc} processes stopped before section {script} {args} finished:\n{failure}"
+            )
         return results(where, nproc)
 
     return section

@@ -16,7 +16,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (f, ctypes.c_size_t)
+        for f in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _in_use() -> Callable[[], int]:
@@ -25,7 +39,9 @@ def _in_use() -> Callable[[], int]:
     try:
         mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError) as e:
-        raise RuntimeError(f"the peak-memory reading needs glibc 2.33+ (mallinfo2, Linux); this C library has none: {e}") from e
+        raise RuntimeError(
+            f"the peak-memory reading needs glibc 2.33+ (mallinfo2, Linux); this C library has none: {e}"
+        ) from e
     mallinfo2.restype = _MallInfo2
 
     def in_use() -> int:

@@ -30,7 +30,11 @@ lib = torch.library.Library("vsfcompat", "DEF")
 lib.define("double(Tensor x) -> Tensor")
 lib.define("scaled(Tensor x, Tensor y, float s) -> Tensor")
 lib.define("nothing(Tensor x) -> Tensor")
-for _name, _fn in {"double": lambda x: x * 2, "scaled": lambda x, y, s: (x + y) * s, "nothing": lambda x: x.clone()}.items():
+for _name, _fn in {
+    "double": lambda x: x * 2,
+    "scaled": lambda x, y, s: (x + y) * s,
+    "nothing": lambda x: x.clone(),
+}.items():
     lib.impl(_name, _fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"vsfcompat::{_name}", lambda *a, **k: torch.empty_like(a[0]), lib=lib)
 
@@ -73,9 +77,9 @@ def test_fake_process_group_and_one_rank_meshes():
 
 def test_position_in_copy_of_a_sliced_mesh(sim):
     sim(4)
-    tp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["tp"]   # copies {0, 1} and {2, 3}
+    tp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["tp"]  # copies {0, 1} and {2, 3}
     assert [_compat.position_in_copy(tp, r) for r in range(4)] == [(0,), (1,), (0,), (1,)]
-    dp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["dp"]   # copies {0, 2} and {1, 3}
+    dp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["dp"]  # copies {0, 2} and {1, 3}
     assert [_compat.position_in_copy(dp, r) for r in range(4)] == [(0,), (0,), (1,), (1,)]
 
 
@@ -133,7 +137,7 @@ def test_generator_ops_go_to_the_handler_which_runs_each_rank_alone():
     g = torch.Generator().manual_seed(5)
     with _compat.local_tensor_mode(2, each_rank_from_the_same_state):
         x = torch.rand(3, generator=g)
-        y = torch.ones(3) * 2          # no generator: the mode's own path
+        y = torch.ones(3) * 2  # no generator: the mode's own path
     assert [op for op, n in calls] == [aten.rand.generator] and calls[0][1] == 1
     assert all(torch.equal(v, expected) for v in _compat.local_shards(x, 0).values())
     assert sorted(_compat.local_shards(x, 0)) == [0, 1]
@@ -149,7 +153,7 @@ def test_dispatch_modes_below_beside_and_off():
         below = _Recorder()
         with _compat.below_local_mode(below):
             x + 1
-        assert aten.add.Tensor in below.seen           # run per rank, on each rank's plain tensor
+        assert aten.add.Tensor in below.seen  # run per rank, on each rank's plain tensor
     beside = _Recorder()
     with beside:
         assert _compat.other_dispatch_modes()
@@ -173,41 +177,59 @@ def test_functional_collectives_reduce_across_simulated_ranks(sim):
 
 def test_reduce_partial_carries_out_each_pending_reduction(sim):
     values = [torch.tensor(1.0), torch.tensor(3.0)]
-    assert [_compat.reduce_partial(Partial(op), values).item() for op in ("sum", "avg", "max", "min")] == [4.0, 2.0, 3.0, 1.0]
+    assert [_compat.reduce_partial(Partial(op), values).item() for op in ("sum", "avg", "max", "min")] == [
+        4.0,
+        2.0,
+        3.0,
+        1.0,
+    ]
     sim(2)
     # DTensor's own partial 2-norm of a sharded vector norm: sqrt(3^2 + 4^2)
     x = torch.ones(4)
     _, outs = _compat.dtensor_decision(aten.linalg_vector_norm.default, (_compat.Placed(x, (Shard(0),)),), {}, _mesh(2))
     (norm,) = outs[0]
-    assert isinstance(norm, Partial) and _compat.reduce_partial(norm, [torch.tensor(3.0), torch.tensor(4.0)]).item() == pytest.approx(5.0)
+    assert isinstance(norm, Partial) and _compat.reduce_partial(
+        norm, [torch.tensor(3.0), torch.tensor(4.0)]
+    ).item() == pytest.approx(5.0)
 
 
 def test_dtensor_decision_and_whole_op_strategies_for_matmul_and_sum(sim):
     sim(2)
     a, b = torch.ones(4, 6), torch.ones(6, 8)
-    ins, outs = _compat.dtensor_decision(aten.mm.default, (_compat.Placed(a, (Shard(0),)), _compat.Placed(b, (Replicate(),))), {}, _mesh(2))
+    ins, outs = _compat.dtensor_decision(
+        aten.mm.default, (_compat.Placed(a, (Shard(0),)), _compat.Placed(b, (Replicate(),))), {}, _mesh(2)
+    )
     assert (ins, outs) == ([(Shard(0),), (Replicate(),)], [(Shard(0),)])
     offered = _compat.whole_op_strategies(aten.sum.default, (_compat.Placed(a, (Shard(0),)),), {}, 2)
-    assert ((Shard(0),), (Partial(),)) in offered     # a sum of row shards is a partial sum
-    assert _compat.whole_op_strategies(torch.ops.vsfcompat.nothing.default, (_compat.Placed(a, (Shard(0),)),), {}, 2) is None
+    assert ((Shard(0),), (Partial(),)) in offered  # a sum of row shards is a partial sum
+    assert (
+        _compat.whole_op_strategies(torch.ops.vsfcompat.nothing.default, (_compat.Placed(a, (Shard(0),)),), {}, 2)
+        is None
+    )
 
 
 def test_single_dim_strategies_of_matmul():
     a, b = torch.ones(4, 6), torch.ones(6, 8)
     rules = _compat.single_dim_strategies(aten.mm.default, (a, b), {}, torch.ones(4, 8))
-    assert [Shard(0), Shard(0), Replicate()] in rules          # rows of a -> rows of the product
-    assert [Shard(1), Replicate(), Shard(1)] in rules          # columns of b -> columns of the product
-    assert [Partial(), Shard(1), Shard(0)] in rules            # the contracted dim -> a partial sum
+    assert [Shard(0), Shard(0), Replicate()] in rules  # rows of a -> rows of the product
+    assert [Shard(1), Replicate(), Shard(1)] in rules  # columns of b -> columns of the product
+    assert [Partial(), Shard(1), Shard(0)] in rules  # the contracted dim -> a partial sum
     strided = _compat.StridedShard(0, split_factor=2)
-    assert [strided, strided, Replicate()] in _compat.single_dim_strategies(aten.mm.default, (a, b), {}, torch.ones(4, 8), shards=(strided,))
+    assert [strided, strided, Replicate()] in _compat.single_dim_strategies(
+        aten.mm.default, (a, b), {}, torch.ones(4, 8), shards=(strided,)
+    )
     assert _compat.single_dim_strategies(aten.sum.default, (a,), {}, torch.ones(())) is None
-    assert [_compat.registered_rules(op) for op in (aten.mm.default, aten.sum.default, torch.ops.vsfcompat.nothing.default)] == ["single", "full", None]
+    assert [
+        _compat.registered_rules(op) for op in (aten.mm.default, aten.sum.default, torch.ops.vsfcompat.nothing.default)
+    ] == ["single", "full", None]
 
 
 def test_is_shardable_and_shard_of(sim):
     sim(2)
     dm = _mesh(2)
-    assert _compat.is_shardable(torch.ones(4, 1), dm, (Shard(0),)) and not _compat.is_shardable(torch.ones(4, 1), dm, (Shard(1),))
+    assert _compat.is_shardable(torch.ones(4, 1), dm, (Shard(0),)) and not _compat.is_shardable(
+        torch.ones(4, 1), dm, (Shard(1),)
+    )
     t = torch.arange(8)
     assert _compat.shard_of(t, (_compat.StridedShard(0, split_factor=2),), (2,), (1,)).tolist() == [2, 3, 6, 7]
     assert _compat.shard_of(t, (Shard(0),), (2,), (1,)).tolist() == [4, 5, 6, 7]
@@ -228,10 +250,14 @@ def test_redistribution_and_dtensor_wrapping(sim):
     _compat.swap_local(d, doubled)
     assert _compat.dtensor_local(d) is doubled
     like = _compat.dtensor_like(local, d)
-    assert (like.shape, like.placements, like.device_mesh) == (d.shape, d.placements, d.device_mesh) and _compat.dtensor_local(like) is local
+    assert (like.shape, like.placements, like.device_mesh) == (
+        d.shape,
+        d.placements,
+        d.device_mesh,
+    ) and _compat.dtensor_local(like) is local
     _compat.clear_sharding_caches()
     assert DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize == 0
-    assert (d + 1).placements == (Shard(0),)    # propagation works again after the caches went
+    assert (d + 1).placements == (Shard(0),)  # propagation works again after the caches went
 
 
 def test_wrapper_tensor_has_the_shape_and_no_storage():
@@ -255,7 +281,7 @@ def test_fake_tensors_and_tracing():
     real = torch.tensor([1.0, 2.0])
     with _compat.fake_mode():
         assert _compat.fake_mode_active()
-        y = torch.ones(2) + real              # a real input is accepted
+        y = torch.ones(2) + real  # a real input is accepted
         assert _compat.is_fake(y) and y.shape == (2,)
     gm = _compat.trace_fake(lambda x: x * real, [torch.ones(2)])
     assert torch.equal(gm(torch.tensor([3.0, 4.0])), torch.tensor([3.0, 8.0]))
@@ -269,7 +295,7 @@ def test_stack_anchor_makes_fx_record_the_anchored_functions_line():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def user_step(x):
-        return x.sin()   # the line fx should record
+        return x.sin()  # the line fx should record
 
     def run(x):
         return user_step(x)
@@ -285,10 +311,10 @@ def test_kept_frames_only_records_the_stack_traces_fx_records():
 
     class Block(torch.nn.Module):
         def forward(self, x):
-            return x.cos() * 2   # a module's forward: kept
+            return x.cos() * 2  # a module's forward: kept
 
     def user_step(x):
-        return Block()(x.sin()).sum()   # the anchored function: kept
+        return Block()(x.sin()).sum()  # the anchored function: kept
 
     def run(x):
         return user_step(x)
@@ -337,12 +363,21 @@ def test_register_mesh_dim_rules_and_its_filter(sim):
         seen.append(given)
         return [[Replicate()] * 3, [Shard(0)] * 3]
 
-    _compat.register_mesh_dim_rules(op, rules, static_from="s", valid=lambda given, layouts, mesh_shape: not any(p == Shard(0) and s[0] % 4 for s, ps in layouts for p in ps))
+    _compat.register_mesh_dim_rules(
+        op,
+        rules,
+        static_from="s",
+        valid=lambda given, layouts, mesh_shape: not any(p == Shard(0) and s[0] % 4 for s, ps in layouts for p in ps),
+    )
     x = torch.ones(4, 2)
-    _, outs = _compat.dtensor_decision(op, (_compat.Placed(x, (Shard(0),)), _compat.Placed(x, (Shard(0),)), 0.5), {}, _mesh(2))
+    _, outs = _compat.dtensor_decision(
+        op, (_compat.Placed(x, (Shard(0),)), _compat.Placed(x, (Shard(0),)), 0.5), {}, _mesh(2)
+    )
     assert outs == [(Shard(0),)] and seen[-1] == {"x": torch.Size([4, 2]), "y": torch.Size([4, 2]), "s": 0.5}
-    y = torch.ones(6, 2)                                   # 6 rows: the filter rejects the split
-    _, outs = _compat.dtensor_decision(op, (_compat.Placed(y, (Shard(0),)), _compat.Placed(y, (Shard(0),)), 0.5), {}, _mesh(2))
+    y = torch.ones(6, 2)  # 6 rows: the filter rejects the split
+    _, outs = _compat.dtensor_decision(
+        op, (_compat.Placed(y, (Shard(0),)), _compat.Placed(y, (Shard(0),)), 0.5), {}, _mesh(2)
+    )
     assert outs == [(Replicate(),)]
 
 
@@ -382,12 +417,21 @@ def test_fused_adam_steps_like_torch_adam():
     assert lr.dtype == torch.float64 and lr.item() == 0.1
     assert _compat.fused_adam_lr(torch.tensor(0.1), torch.device("cpu")).dtype == torch.float64
     _compat.fused_adam_(update, g, mu, nu, torch.tensor(1.0), lr, 0.9, 0.99, 1e-8)
-    assert torch.allclose(update, param.detach()) and torch.allclose(mu, opt.state[param]["exp_avg"]) and torch.allclose(nu, opt.state[param]["exp_avg_sq"])
+    assert (
+        torch.allclose(update, param.detach())
+        and torch.allclose(mu, opt.state[param]["exp_avg"])
+        and torch.allclose(nu, opt.state[param]["exp_avg_sq"])
+    )
 
 
 def test_pipeline_schedules_orders():
     assert _compat.pipeline_order(ScheduleGPipe, 2, 2)[1] == [(1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)]
-    assert _compat.interleaved_order(ScheduleInterleaved1F1B, 2, 2, 2)[0][:4] == [(0, "F", 0), (0, "F", 1), (2, "F", 0), (2, "F", 1)]
+    assert _compat.interleaved_order(ScheduleInterleaved1F1B, 2, 2, 2)[0][:4] == [
+        (0, "F", 0),
+        (0, "F", 1),
+        (2, "F", 0),
+        (2, "F", 1),
+    ]
 
 
 def test_module_node_copy_and_its_tables():
@@ -396,7 +440,7 @@ def test_module_node_copy_and_its_tables():
     params, buffers, children = _compat.module_tables(node)
     assert params["weight"] is lin.weight and buffers == {} and children == {}
     params["weight"] = torch.nn.Parameter(torch.zeros(2, 2))
-    assert torch.allclose(node(torch.ones(1, 2)), lin.bias.detach())       # the copy reads its own table
+    assert torch.allclose(node(torch.ones(1, 2)), lin.bias.detach())  # the copy reads its own table
     assert torch.allclose(lin(torch.ones(1, 2)), lin.weight.detach().sum(1) + lin.bias.detach())
     assert _compat.module_tables(lin)[0]["weight"] is lin.weight and lin.weight is not params["weight"]
 
@@ -438,8 +482,14 @@ def test_undeclared_writes_of_batch_norm():
 
 def test_every_exported_verb_is_called_here():
     tree = ast.parse(pathlib.Path(__file__).read_text())
-    named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_compat"}
-    assert sorted(set(_compat.__all__) - named) == [], "exported by vsf._compat but not exercised in tests/test_compat.py"
+    named = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_compat"
+    }
+    assert sorted(set(_compat.__all__) - named) == [], (
+        "exported by vsf._compat but not exercised in tests/test_compat.py"
+    )
 
 
 def test_process_group_named_resolves_a_mesh_group():
@@ -505,4 +555,3 @@ def test_tracer_and_traced_node_find_the_node_computing_a_traced_tensor():
     assert seen["x"] is nodes["x_1"] and seen["x"].op == "placeholder"
     assert seen["y"] is nodes["sin"] and seen["y"].args[0].target == aten.detach.default
     assert seen["other"] is None
-

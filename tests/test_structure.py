@@ -21,11 +21,31 @@ ROOT = pathlib.Path(vsf.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("vsf.errors", "vsf._compat", "vsf.config", "vsf.runtime")),
     ("pytrees", ("vsf.tree",)),
-    ("values", tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "placement", "named", "rules", "inspect", "constraint"))),
+    (
+        "values",
+        tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "placement", "named", "rules", "inspect", "constraint")),
+    ),
     ("collectives", ("vsf.ops", "vsf.ops.")),
-    ("movement", ("vsf.sharding",) + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing", "fingerprint", "make_array"))),
+    (
+        "movement",
+        ("vsf.sharding",)
+        + tuple(f"vsf.sharding.{m}" for m in ("put", "ragged", "eager", "packing", "fingerprint", "make_array")),
+    ),
     ("jit", ("vsf.jit", "vsf.jit.")),
-    ("transforms", ("vsf.func", "vsf.remat_policies", "vsf.abstract", "vsf.random", "vsf.random.", "vsf.nn", "vsf.nn.", "vsf.pipeline", "vsf.pipeline.")),
+    (
+        "transforms",
+        (
+            "vsf.func",
+            "vsf.remat_policies",
+            "vsf.abstract",
+            "vsf.random",
+            "vsf.random.",
+            "vsf.nn",
+            "vsf.nn.",
+            "vsf.pipeline",
+            "vsf.pipeline.",
+        ),
+    ),
     ("optimizers", ("vsf.optim", "vsf.optim.")),
     ("checkpoints", ("vsf.checkpoint", "vsf.checkpoint.")),
     ("api", ("vsf", "vsf.debug", "vsf.launch", "vsf.stages")),
@@ -74,7 +94,9 @@ GRAPH = {m: _vsf_imports(m) for m in MODULES}
 def test_every_import_goes_down_the_layers():
     wrong = [
         f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
-        for m, deps in GRAPH.items() for d in sorted(deps) if _layer(d) > _layer(m)
+        for m, deps in GRAPH.items()
+        for d in sorted(deps)
+        if _layer(d) > _layer(m)
     ]
     assert not wrong, "imports against docs/architecture.md's layer order:\n" + "\n".join(wrong)
 
@@ -87,7 +109,7 @@ def test_no_import_cycles():
         state[m] = 1
         for d in sorted(GRAPH[m]):
             if state.get(d) == 1:
-                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+                cycles.append(" -> ".join(stack[stack.index(d) :] + [d]))
             elif d not in state:
                 visit(d, stack + [d])
         state[m] = 2
@@ -107,15 +129,28 @@ def test_the_test_sees_real_edges():
     # the checks above would pass vacuously if the import reader found nothing
     assert "vsf.sharding.mesh" in GRAPH["vsf.jit.propagate"]
     assert "vsf.jit.solver" in GRAPH["vsf.jit.propagate"]
-    assert _layer("vsf.jit.lower") > _layer("vsf.sharding.ragged") > _layer("vsf.ops.backend") > _layer("vsf.sharding.mesh")
+    assert (
+        _layer("vsf.jit.lower")
+        > _layer("vsf.sharding.ragged")
+        > _layer("vsf.ops.backend")
+        > _layer("vsf.sharding.mesh")
+    )
 
 
 # -- private PyTorch names -----------------------------------------------------------------------
 
 # DTensor / Tensor / op internals a module could reach as attributes of an object it holds.
 PRIVATE_ATTRIBUTES = {
-    "_local_tensor", "_local_tensors", "_spec", "_op_dispatcher", "_make_wrapper_subclass",
-    "_schema", "_overloadname", "_rank_map", "_layout", "_mesh_layout",
+    "_local_tensor",
+    "_local_tensors",
+    "_spec",
+    "_op_dispatcher",
+    "_make_wrapper_subclass",
+    "_schema",
+    "_overloadname",
+    "_rank_map",
+    "_layout",
+    "_mesh_layout",
 }
 # aten's multi-tensor ops (torch._foreach_add, ...): registered operators with a schema, which
 # torch.optim's foreach path calls the same way; they are ops, not private Python APIs.
@@ -133,14 +168,18 @@ def _private_uses(path: pathlib.Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             if any(p.startswith("_") for p in node.module.split(".")):
                 found.append(f"line {node.lineno}: from {node.module} import ...")
-            found += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+            found += [
+                f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")
+            ]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             root = node.value
             while isinstance(root, ast.Attribute):
                 root = root.value
             from_torch = isinstance(root, ast.Name) and root.id == "torch"
             own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")  # vsf's own fields
-            if (node.attr in PRIVATE_ATTRIBUTES and not own) or (from_torch and not ALLOWED_TORCH_ATTRIBUTES.fullmatch(node.attr)):
+            if (node.attr in PRIVATE_ATTRIBUTES and not own) or (
+                from_torch and not ALLOWED_TORCH_ATTRIBUTES.fullmatch(node.attr)
+            ):
                 found.append(f"line {node.lineno}: .{node.attr}")
     return found
 
@@ -163,20 +202,31 @@ def test_the_private_name_check_catches_them(tmp_path):
 
 def test_compat_exports_verbs_not_private_types():
     # the one private type it exports is a placement value: the layout layer builds and compares it
-    types = sorted(n for n in _compat.__all__ if inspect.isclass(getattr(_compat, n)) and getattr(_compat, n).__module__.startswith("torch"))
+    types = sorted(
+        n
+        for n in _compat.__all__
+        if inspect.isclass(getattr(_compat, n)) and getattr(_compat, n).__module__.startswith("torch")
+    )
     assert types == ["StridedShard"], types
 
 
 def test_every_public_error_is_in_errors_and_exported():
     from vsf import errors
 
-    classes = [n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, Exception) and c.__module__ == "vsf.errors"]
+    classes = [
+        n
+        for n, c in vars(errors).items()
+        if inspect.isclass(c) and issubclass(c, Exception) and c.__module__ == "vsf.errors"
+    ]
     assert sorted(classes) == sorted(errors.__all__)
     assert all(getattr(vsf, n) is getattr(errors, n) and n in vsf.__all__ for n in classes)
     defined_elsewhere = [
-        f"{m}.{node.name}" for m, p in MODULES.items() if m != "vsf.errors"
+        f"{m}.{node.name}"
+        for m, p in MODULES.items()
+        if m != "vsf.errors"
         for node in ast.walk(ast.parse(p.read_text()))
-        if isinstance(node, ast.ClassDef) and not node.name.startswith("_")  # private ones carry control flow
+        if isinstance(node, ast.ClassDef)
+        and not node.name.startswith("_")  # private ones carry control flow
         and any(isinstance(b, ast.Name) and b.id.endswith(("Error", "Exception")) for b in node.bases)
     ]
     assert defined_elsewhere == [], defined_elsewhere
@@ -184,8 +234,10 @@ def test_every_public_error_is_in_errors_and_exported():
 
 def test_modules_are_small_or_say_why():
     long = [
-        f"{m} ({n} lines)" for m, p in MODULES.items()
-        if (n := len(p.read_text().splitlines())) > 500 and "one piece" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
+        f"{m} ({n} lines)"
+        for m, p in MODULES.items()
+        if (n := len(p.read_text().splitlines())) > 500
+        and "one piece" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
     ]
     assert not long, f"modules over 500 lines whose docstring does not say why they must be one piece: {long}"
 
@@ -203,7 +255,9 @@ def test_the_architecture_page_lists_these_layers():
 def test_every_compat_verb_vsf_uses_is_exported():
     # tests/test_compat.py exercises every name in _compat.__all__, so a verb used but not exported escapes it
     used = {
-        node.attr for p in MODULES.values() for node in ast.walk(ast.parse(p.read_text()))
+        node.attr
+        for p in MODULES.values()
+        for node in ast.walk(ast.parse(p.read_text()))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_compat"
     }
     assert sorted(used - set(_compat.__all__)) == []

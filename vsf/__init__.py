@@ -13,8 +13,31 @@ it as DTensors (NCCL on CUDA, gloo on CPU, or simulated ranks in one process)::
         print(vsf.typeof(params["w"]))          # f32[16@fsdp,8@tp]
 """
 
-from vsf import checkpoint, config, debug, errors, nn, ops, optim, pipeline, random, remat_policies, sharding, stages, tree
-from vsf.errors import ApplyError, CorruptCheckpointError, HigherOrderGradError, NotACheckpointError, PlanCheckError, PlanError, PlanMismatch, TraceError
+from vsf import (
+    checkpoint,
+    config,
+    debug,
+    errors,
+    nn,
+    ops,
+    optim,
+    pipeline,
+    random,
+    remat_policies,
+    sharding,
+    stages,
+    tree,
+)
+from vsf.errors import (
+    ApplyError,
+    CorruptCheckpointError,
+    HigherOrderGradError,
+    NotACheckpointError,
+    PlanCheckError,
+    PlanError,
+    PlanMismatch,
+    TraceError,
+)
 from vsf.abstract import ShapeDtypeStruct, eval_shape
 from vsf.func import checkpoint_name, grad, remat, shard_map, value_and_grad, with_sharding_constraint
 from vsf.jit import jit
@@ -46,6 +69,7 @@ def __getattr__(name: str) -> object:
 
         return importlib.import_module("vsf.launch")
     raise AttributeError(f"module 'vsf' has no attribute {name!r}")
+
 
 __all__ = [
     "ApplyError",

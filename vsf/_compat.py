@@ -56,9 +56,17 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder,
     register_single_dim_strategy,
 )
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable, register_op_strategy
+from torch.distributed.tensor._ops.utils import (
+    expand_to_full_mesh_op_strategy,
+    is_tensor_shardable,
+    register_op_strategy,
+)
 from torch.distributed.tensor._ops._math_ops import _NormPartial
-from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor
+from torch.distributed.tensor._redistribute import (
+    _gen_transform_infos,
+    clear_redistribute_planner_cache,
+    redistribute_local_tensor,
+)
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, has_proxy_slot, make_fx
 import torch.fx.proxy as fx_proxy
@@ -173,7 +181,9 @@ def single_rank_device_mesh(device_type: str, rank: int, name: str) -> DeviceMes
     return DeviceMesh(device_type, torch.tensor([rank]), mesh_dim_names=(name,), _init_backend=False)
 
 
-def one_rank_device_mesh(device_type: str, world_size: int, name: str, rank_map: torch.Tensor | None = None) -> DeviceMesh:
+def one_rank_device_mesh(
+    device_type: str, world_size: int, name: str, rank_map: torch.Tensor | None = None
+) -> DeviceMesh:
     """A DeviceMesh of one rank per copy, one copy for each of ``world_size`` ranks (a sub-mesh
     of size-1 axes): every rank sees itself, and no communicator is created. ``rank_map`` (a
     permutation of the ranks, default in order) only tells such meshes apart: DTensor takes equal
@@ -199,7 +209,9 @@ def position_in_copy(dm: DeviceMesh, rank: int) -> tuple[int, ...] | None:
     return tuple(hits[0, 1:].tolist()) if len(hits) else None
 
 
-def local_tensor_mode(n: int, on_generator_op: Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Generator]], Any] | None = None) -> LocalTensorMode:
+def local_tensor_mode(
+    n: int, on_generator_op: Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Generator]], Any] | None = None
+) -> LocalTensorMode:
     """``LocalTensorMode(n)``: ``n`` simulated ranks with real numbers. With ``on_generator_op``,
     an op the mode would run once per rank that is given an explicit ``torch.Generator`` goes to
     ``on_generator_op(func, args, kwargs, generators)`` instead (PyTorch's mode keeps per-rank
@@ -221,7 +233,9 @@ class _GeneratorHookMode(LocalTensorMode):
         super().__init__(ranks)
         self._on_generator_op = on_generator_op
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         generators = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
         if not generators or self._disable or _is_in_fake_tensor_mode() or not _runs_per_rank(args, kwargs):
@@ -251,7 +265,9 @@ def merge_rank_results(results: dict[int, Any], inputs: list[Any]) -> Any:
     flat = {r: torch.utils._pytree.tree_flatten(v) for r, v in results.items()}
     leaves, spec = flat[max(results)]
     combined = [
-        LocalTensor({r: flat[r][0][i]._local_tensors[r] for r in results}) if isinstance(leaf, LocalTensor) and id(leaf) not in given else leaf
+        LocalTensor({r: flat[r][0][i]._local_tensors[r] for r in results})
+        if isinstance(leaf, LocalTensor) and id(leaf) not in given
+        else leaf
         for i, leaf in enumerate(leaves)
     ]
     return torch.utils._pytree.tree_unflatten(combined, spec)
@@ -299,7 +315,9 @@ def reconcile(t: torch.Tensor) -> torch.Tensor:
     rank0, first = values[0]
     for rank, v in values[1:]:
         if not _same_values(first, v):
-            raise ValueError(f"simulated ranks {rank0} and {rank} hold different values of a replicated {tuple(first.shape)} tensor")
+            raise ValueError(
+                f"simulated ranks {rank0} and {rank} hold different values of a replicated {tuple(first.shape)} tensor"
+            )
     return first.clone().detach().requires_grad_(t.requires_grad)
 
 
@@ -430,7 +448,11 @@ class _KeptFrames:
         f = self.frame
         while f is not None:
             code = f.f_code
-            if code.co_name == "forward" or code.co_filename.endswith("torch/__init__.py") or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS:
+            if (
+                code.co_name == "forward"
+                or code.co_filename.endswith("torch/__init__.py")
+                or (code.co_filename, code.co_name) in _STACK_TRACE_ANCHORS
+            ):
                 kept.append(traceback.FrameSummary(code.co_filename, f.f_lineno, code.co_name))
             f = f.f_back
         return traceback.StackSummary.from_list(kept[::-1])
@@ -503,7 +525,9 @@ def _meta_of(t: torch.Tensor) -> TensorMeta:
 
 def _specs(x: Any, mesh: DeviceMesh) -> Any:
     """``x`` with every :class:`Placed` replaced by DTensor's spec of it on ``mesh``."""
-    return torch_tree_map(lambda a: DTensorSpec(mesh, a.placements, tensor_meta=_meta_of(a.value)) if isinstance(a, Placed) else a, x)
+    return torch_tree_map(
+        lambda a: DTensorSpec(mesh, a.placements, tensor_meta=_meta_of(a.value)) if isinstance(a, Placed) else a, x
+    )
 
 
 def registered_rules(op: Any) -> str | None:
@@ -533,7 +557,10 @@ def single_dim_strategies(
     args_meta, kwargs_meta = torch_tree_map(to_meta, args), torch_tree_map(to_meta, kwargs)
     out_meta = _meta_of(out) if isinstance(out, torch.Tensor) else [None if o is None else _meta_of(o) for o in out]
     rules = info.func(op, args_meta, kwargs_meta)
-    n_in = sum(isinstance(a, TensorMeta) for a in torch.utils._pytree.tree_leaves((args_meta, kwargs_meta), is_leaf=lambda x: isinstance(x, TensorMeta)))
+    n_in = sum(
+        isinstance(a, TensorMeta)
+        for a in torch.utils._pytree.tree_leaves((args_meta, kwargs_meta), is_leaf=lambda x: isinstance(x, TensorMeta))
+    )
     n_out = (len(rules[0]) - n_in) if rules else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
     rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
     return _fill_single_dim_strategy_placeholders({Shard(0), *shards}, rules)
@@ -561,7 +588,9 @@ def whole_op_strategies(op: Any, args: Any, kwargs: dict[str, Any], n: int) -> l
         for s in specs:
             outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
             ins = s.input_specs if s.input_specs is not None else (s.output_specs,) * n_in
-            out.append((tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs)))
+            out.append(
+                (tuple(i.placements[0] for i in ins), tuple(None if o is None else o.placements[0] for o in outs))
+            )
         return out
     schema = _dispatch_schema(op, tuple(args), dict(kwargs))
     res = rule(schema)
@@ -600,7 +629,9 @@ def _tuple_strategy_specs(result: Any) -> list[Any]:
     combos = []
     for i in range(len(children[0].strategies)):
         specs = [c.strategies[min(i, len(c.strategies) - 1)] for c in children]
-        combos.append(_Combined(tuple(s.output_specs for s in specs), tuple(x for s in specs for x in (s.input_specs or ()))))
+        combos.append(
+            _Combined(tuple(s.output_specs for s in specs), tuple(x for s in specs for x in (s.input_specs or ())))
+        )
     return combos
 
 
@@ -610,7 +641,9 @@ class _Combined:
     input_specs: Any
 
 
-def dtensor_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
+def dtensor_decision(
+    op: Any, args: Any, kwargs: Any, mesh: DeviceMesh
+) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
     """What DTensor's dispatcher does for ``op`` on ``mesh`` when its tensor inputs arrive placed as
     the :class:`Placed` arguments say: the input placements it redistributes them to, and the
     placements of its outputs (``None`` for a non-tensor output).
@@ -626,7 +659,9 @@ def dtensor_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple
     return _full_decision(op, args, kwargs, mesh)
 
 
-def _on_split_dims(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]] | None:
+def _on_split_dims(
+    op: Any, args: Any, kwargs: Any, mesh: DeviceMesh
+) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]] | None:
     """DTensor's decision for an op with per-mesh-dim rules on ``mesh``, asked on an abstract mesh
     of the dims where some input is not replicated (same sizes, same order), where that answer
     moves no input; ``None`` otherwise (ask the whole mesh).
@@ -647,9 +682,13 @@ def _on_split_dims(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[l
     if any(p != (Replicate(),) for p in one_ins) or any(o is not None and o != (Replicate(),) for o in outs):
         return None
     if split:
-        narrow = lambda x: torch_tree_map(lambda a: Placed(a.value, tuple(a.placements[k] for k in split)) if isinstance(a, Placed) else a, x)  # noqa: E731
+        narrow = lambda x: torch_tree_map(
+            lambda a: Placed(a.value, tuple(a.placements[k] for k in split)) if isinstance(a, Placed) else a, x
+        )  # noqa: E731
         try:
-            ins, outs = _full_decision(op, narrow(args), narrow(kwargs), _abstract_grid(tuple(mesh.size(k) for k in split)))
+            ins, outs = _full_decision(
+                op, narrow(args), narrow(kwargs), _abstract_grid(tuple(mesh.size(k) for k in split))
+            )
         except Exception:  # noqa: BLE001 - refused on the small mesh: the whole mesh answers for itself
             return None
         if ins != [tuple(p[k] for k in split) for p in leaves]:
@@ -670,14 +709,20 @@ def _abstract_grid(sizes: tuple[int, ...]) -> DeviceMesh:
     return DeviceMesh("cpu", torch.arange(math.prod(sizes)).reshape(sizes), _init_backend=False, _rank=0)
 
 
-def _full_decision(op: Any, args: Any, kwargs: Any, mesh: DeviceMesh) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
+def _full_decision(
+    op: Any, args: Any, kwargs: Any, mesh: DeviceMesh
+) -> tuple[list[tuple[Placement, ...]], list[tuple[Placement, ...] | None]]:
     """:func:`dtensor_decision` asked of DTensor on the whole of ``mesh``."""
     placed = [a.placements for a in torch_tree_leaves((args, kwargs)) if isinstance(a, Placed)]
     out = _propagator().propagate_op_sharding(_dispatch_schema(op, _specs(args, mesh), _specs(kwargs, mesh)))
     suggested = placed
     if out.needs_redistribute and out.redistribute_schema is not None:
         schema = out.redistribute_schema
-        suggested = [s.placements for s in torch_tree_leaves((schema.args_schema, schema.kwargs_schema)) if isinstance(s, DTensorSpec)]
+        suggested = [
+            s.placements
+            for s in torch_tree_leaves((schema.args_schema, schema.kwargs_schema))
+            if isinstance(s, DTensorSpec)
+        ]
     specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else (out.output_spec,)
     return [tuple(p) for p in suggested], [None if s is None else tuple(s.placements) for s in specs]
 
@@ -687,7 +732,9 @@ def is_shardable(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement,
     return is_tensor_shardable(t.shape, DTensorSpec(mesh, placements, tensor_meta=_meta_of(t)))
 
 
-def shard_of(t: torch.Tensor, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]) -> torch.Tensor:
+def shard_of(
+    t: torch.Tensor, placements: Sequence[Placement], sizes: Sequence[int], coordinate: Sequence[int]
+) -> torch.Tensor:
     """The shard of ``t`` that the rank at ``coordinate`` of a mesh of ``sizes`` holds when ``t`` is
     laid out as ``placements``: DTensor's own split of each sharded mesh dim in mesh order (as
     ``distribute_tensor`` makes it), a strided shard's pieces included.
@@ -706,7 +753,9 @@ def shard_of(t: torch.Tensor, placements: Sequence[Placement], sizes: Sequence[i
 # -- redistribution and DTensor internals ---------------------------------------------------------
 
 
-def redistribute_steps(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...], t: torch.Tensor) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
+def redistribute_steps(
+    mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...], t: torch.Tensor
+) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
     """The per-mesh-dim steps DTensor takes moving ``t`` from ``src`` to ``dst``: ``(mesh_dim, from, to, logical_shape)``."""
     meta = _meta_of(t)
     infos = _gen_transform_infos(DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta))
@@ -714,12 +763,21 @@ def redistribute_steps(mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[
 
 
 def redistribute_local(
-    local: torch.Tensor, mesh: DeviceMesh, src: tuple[Placement, ...], dst: tuple[Placement, ...], *, shape: Any, stride: Any, dtype: torch.dtype
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    *,
+    shape: Any,
+    stride: Any,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """This rank's shard of a tensor of global ``shape``/``stride``/``dtype``, moved from ``src`` to
     ``dst`` by DTensor's redistribution (explicit collectives on the local shard)."""
     meta = _tensor_meta(shape, stride, dtype)
-    return redistribute_local_tensor(local, DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta))
+    return redistribute_local_tensor(
+        local, DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta)
+    )
 
 
 def dtensor_layout(mesh: DeviceMesh, placements: tuple[Placement, ...], t: torch.Tensor) -> Any:
@@ -772,7 +830,11 @@ def shape_argument_ops() -> frozenset[Any]:
         True
     """
     prop = _propagator()
-    return frozenset(prop.op_to_shape_and_stride_idx) | frozenset(prop.op_to_scalar_shape_adjuster) | frozenset(prop.squeeze_op_to_dims_variant)
+    return (
+        frozenset(prop.op_to_shape_and_stride_idx)
+        | frozenset(prop.op_to_scalar_shape_adjuster)
+        | frozenset(prop.squeeze_op_to_dims_variant)
+    )
 
 
 def dtensor_local(x: DTensor) -> torch.Tensor:
@@ -789,14 +851,34 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def fused_adam_(
-    update: torch.Tensor, grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, count: torch.Tensor, lr: torch.Tensor, b1: float, b2: float, eps: float
+    update: torch.Tensor,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
 ) -> None:
     """PyTorch's fused Adam kernel (``torch.optim.Adam(fused=True)``'s) on one tensor of each kind,
     all of one dtype and memory order: ``update`` is stepped as the param (no weight decay),
     ``mu`` and ``nu`` are updated in place; ``count`` is the step number (float32, on their
     device), ``lr`` from :func:`fused_adam_lr`."""
     torch._fused_adam_(
-        [update], [grad], [mu], [nu], [], [count], lr=lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False
+        [update],
+        [grad],
+        [mu],
+        [nu],
+        [],
+        [count],
+        lr=lr,
+        beta1=b1,
+        beta2=b2,
+        weight_decay=0.0,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
     )
 
 
@@ -827,7 +909,6 @@ def register_single_dim_rules(op: Any, rules: Callable[[list[torch.Size]], list[
     register_single_dim_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=len(op._schema.arguments)))(single)
 
 
-
 def decomposition(op: Any) -> Any:
     """PyTorch's own decomposition of ``op`` into other aten ops (``torch._decomp``), or ``None``."""
     return decomposition_table.get(op)
@@ -838,7 +919,8 @@ def register_mesh_dim_rules(
     rules: Callable[[dict[str, Any]], list[list[Placement]]],
     *,
     static_from: str,
-    valid: Callable[[dict[str, Any], list[tuple[torch.Size, tuple[Placement, ...]]], tuple[int, ...]], bool] | None = None,
+    valid: Callable[[dict[str, Any], list[tuple[torch.Size, tuple[Placement, ...]]], tuple[int, ...]], bool]
+    | None = None,
 ) -> None:
     """Register with DTensor a whole-op strategy for ``op`` built from rules over one mesh dim,
     which DTensor expands over every mesh dim (``expand_to_full_mesh_op_strategy``).
@@ -864,10 +946,14 @@ def register_mesh_dim_rules(
 
         def check(input_specs: list[DTensorSpec], output_specs: Any) -> bool:
             specs = [*input_specs, *(output_specs if isinstance(output_specs, (tuple, list)) else (output_specs,))]
-            layouts = [(s.tensor_meta.shape, tuple(s.placements)) for s in specs if s is not None and s.tensor_meta is not None]
+            layouts = [
+                (s.tensor_meta.shape, tuple(s.placements)) for s in specs if s is not None and s.tensor_meta is not None
+            ]
             return valid(given, layouts, tuple(mesh.shape))
 
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, rules(given), input_index=n_out, is_valid_strategy_cb=None if valid is None else check)
+        return expand_to_full_mesh_op_strategy(
+            mesh, op_schema, rules(given), input_index=n_out, is_valid_strategy_cb=None if valid is None else check
+        )
 
     register_op_strategy(op, schema_info=RuntimeSchemaInfo(static_argnum=names.index(static_from)))(strategy)
 
@@ -908,7 +994,9 @@ def register_like(op: Any, twin: Any) -> bool:
     """
     prop = _propagator()
     if twin in prop.op_single_dim_strategy_funcs:
-        prop.register_single_dim_op_strategy(op, prop.op_single_dim_strategy_funcs[twin], prop.op_to_schema_info_for_single_dim_strategy.get(twin))
+        prop.register_single_dim_op_strategy(
+            op, prop.op_single_dim_strategy_funcs[twin], prop.op_to_schema_info_for_single_dim_strategy.get(twin)
+        )
     elif twin in prop.op_strategy_funcs:
         prop.register_op_strategy(op, prop.op_strategy_funcs[twin], prop.op_to_schema_info.get(twin))
     else:
@@ -947,7 +1035,9 @@ def below_local_mode(mode: Any) -> Iterator[None]:
     local = next((i for i, m in enumerate(stack) if isinstance(m, LocalTensorMode)), None)
     if local is None:
         raise RuntimeError("below_local_mode needs an enabled LocalTensorMode (vsf.simulate)")
-    above = [_pop_mode() for _ in range(len(stack) - local)][::-1]  # bottom first: the LocalTensorMode, then the modes above it
+    above = [_pop_mode() for _ in range(len(stack) - local)][
+        ::-1
+    ]  # bottom first: the LocalTensorMode, then the modes above it
     _push_mode(mode)
     for m in above:
         _push_mode(m)
@@ -994,12 +1084,18 @@ def pipeline_order(schedule: type, stages: int, microbatches: int) -> dict[int, 
     sizes = type("_Sizes", (), {"_num_stages": stages, "_n_microbatches": microbatches})()
     order = schedule._get_pipeline_order(sizes)
     return {
-        rank: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions if a is not None and a.computation_type.value in ("F", "B")]
+        rank: [
+            (a.stage_index, a.computation_type.value, a.microbatch_index)
+            for a in actions
+            if a is not None and a.computation_type.value in ("F", "B")
+        ]
         for rank, actions in order.items()
     }
 
 
-def interleaved_order(schedule: type, stages_per_rank: int, ranks: int, microbatches: int) -> list[list[tuple[int, str, int]]]:
+def interleaved_order(
+    schedule: type, stages_per_rank: int, ranks: int, microbatches: int
+) -> list[list[tuple[int, str, int]]]:
     """The compute actions a multi-stage ``schedule`` (``ScheduleInterleaved1F1B``,
     ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) runs on
     each of ``ranks`` pp ranks holding ``stages_per_rank`` stages each, in its order, from the
@@ -1013,8 +1109,18 @@ def interleaved_order(schedule: type, stages_per_rank: int, ranks: int, microbat
         [(0, 'F', 0), (0, 'F', 1), (2, 'F', 0), (2, 'F', 1)]
     """
     rounds = max(1, microbatches // ranks)
-    sizes = type("_Sizes", (), {"n_local_stages": stages_per_rank, "pp_group_size": ranks, "_n_microbatches": microbatches, "num_stages": stages_per_rank * ranks,
-                                "number_of_rounds": rounds, "microbatches_per_round": microbatches // rounds})()
+    sizes = type(
+        "_Sizes",
+        (),
+        {
+            "n_local_stages": stages_per_rank,
+            "pp_group_size": ranks,
+            "_n_microbatches": microbatches,
+            "num_stages": stages_per_rank * ranks,
+            "number_of_rounds": rounds,
+            "microbatches_per_round": microbatches // rounds,
+        },
+    )()
     order = [schedule._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
     flat = [[sub for a in acts if a is not None for sub in (a.sub_actions or (a,))] for acts in order]
     return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts] for acts in flat]
@@ -1061,7 +1167,17 @@ def reentrant_checkpoint_caller(func: Any, args: Sequence[Any]) -> str | None:
     return "<unknown location>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
-_BATCH_NORM_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps", "cudnn_enabled")
+_BATCH_NORM_ARGS = (
+    "input",
+    "weight",
+    "bias",
+    "running_mean",
+    "running_var",
+    "training",
+    "momentum",
+    "eps",
+    "cudnn_enabled",
+)
 
 
 def undeclared_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -156,4 +156,6 @@ def empty(s: ShapeDtypeStruct) -> torch.Tensor:
     rank = runtime.rank() if runtime.rank() in mesh.devices else mesh.devices[0]
     local = torch.empty(s.sharding.shard_shape(s.shape, rank), dtype=s.dtype, device=device)
     full = torch.empty(s.shape, dtype=s.dtype, device="meta")
-    return DTensor.from_local(local, mesh.device_mesh, s.sharding.placements, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(
+        local, mesh.device_mesh, s.sharding.placements, run_check=False, shape=full.shape, stride=full.stride()
+    )

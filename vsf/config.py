@@ -155,7 +155,8 @@ class PlanOptions:
         """
         return [
             f"vsf.config.{f.name} {getattr(self, f.name)!r} -> {getattr(other, f.name)!r}"
-            for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
         ]
 
 
@@ -169,6 +170,16 @@ def plan_options() -> PlanOptions:
         1048576
     """
     if context_parallel not in get_args(ContextParallelMode):
-        raise ValueError(f"vsf.config.context_parallel must be one of {get_args(ContextParallelMode)}, got {context_parallel!r}")
-    return PlanOptions(allow_replicated_fallback, allow_unkeyed_random, context_parallel, context_parallel_gather_bytes, compute_bytes_per_flop, bucket_bytes,
-                       dispatch_experts, collective_latency_bytes)
+        raise ValueError(
+            f"vsf.config.context_parallel must be one of {get_args(ContextParallelMode)}, got {context_parallel!r}"
+        )
+    return PlanOptions(
+        allow_replicated_fallback,
+        allow_unkeyed_random,
+        context_parallel,
+        context_parallel_gather_bytes,
+        compute_bytes_per_flop,
+        bucket_bytes,
+        dispatch_experts,
+        collective_latency_bytes,
+    )

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ApplyError", "CorruptCheckpointError", "HigherOrderGradError", "NotACheckpointError", "PlanCheckError", "PlanError", "PlanMismatch", "TraceError"]
+__all__ = [
+    "ApplyError",
+    "CorruptCheckpointError",
+    "HigherOrderGradError",
+    "NotACheckpointError",
+    "PlanCheckError",
+    "PlanError",
+    "PlanMismatch",
+    "TraceError",
+]
 
 
 class ApplyError(ValueError):
@@ -51,7 +60,17 @@ class PlanCheckError(RuntimeError):
     (``inf`` where shapes or layouts disagree).
     """
 
-    def __init__(self, message: str, *, op: str, node: str, line: str, inputs: Sequence[str], outputs: Sequence[str], max_error: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str,
+        node: str,
+        line: str,
+        inputs: Sequence[str],
+        outputs: Sequence[str],
+        max_error: float,
+    ) -> None:
         super().__init__(message)
         self.op = op
         self.node = node

@@ -33,7 +33,9 @@ __all__ = ["grad", "shard_map", "value_and_grad", "with_sharding_constraint"]
 _DEPTH = [0]  # nesting of grad transforms, so an inner grad keeps its graph for the outer one
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
     """``fun``'s value and its gradient with respect to the pytree argument(s) ``argnums``.
 
     ``fun`` must return a scalar tensor (or ``(scalar, aux)`` with ``has_aux=True``). Gradients
@@ -52,7 +54,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, ha
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         for i in nums:
             if i >= len(args):
-                raise ValueError(f"argnums {argnums!r} asks for argument {i}, but {len(args)} positional arguments were given")
+                raise ValueError(
+                    f"argnums {argnums!r} asks for argument {i}, but {len(args)} positional arguments were given"
+                )
         flat = {i: tree.flatten(args[i]) for i in nums}
         with torch.enable_grad(), implicit_replication():
             diff = {i: [_watch(x) for x in flat[i][0]] for i in nums}
@@ -140,7 +144,9 @@ def _reduced(value: torch.Tensor) -> torch.Tensor:
     """An eager DTensor value with pending reductions, reduced (it is one number: cheap, and printable)."""
     if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
         with _compat.quiet_redistribute():
-            return value.redistribute(value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements])
+            return value.redistribute(
+                value.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in value.placements]
+            )
     return value
 
 
@@ -201,10 +207,20 @@ def _reshard_in_graph(x: torch.Tensor, s: NamedSharding, where: str) -> DTensor:
 
 def _check_constraint(s: NamedSharding, x: torch.Tensor, where: str) -> None:
     if len(s.spec) > x.ndim:
-        raise ValueError(f"with_sharding_constraint {s.spec!r} for {where} has {len(s.spec)} entries but the value has rank {x.ndim} (shape {tuple(x.shape)})")
+        raise ValueError(
+            f"with_sharding_constraint {s.spec!r} for {where} has {len(s.spec)} entries but the value has rank {x.ndim} (shape {tuple(x.shape)})"
+        )
 
 
-def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None = None, axis_names: Sequence[str] | None = None, check_vma: bool = True) -> Callable[..., Any]:
+def shard_map(
+    f: Callable[..., Any],
+    *,
+    in_specs: Any,
+    out_specs: Any,
+    mesh: Mesh | None = None,
+    axis_names: Sequence[str] | None = None,
+    check_vma: bool = True,
+) -> Callable[..., Any]:
     """``f`` run on each rank's local shards, with collectives you write (JAX's ``shard_map``).
 
     Each tensor argument is laid out as ``in_specs`` says (a pytree prefix of the arguments, one
@@ -257,8 +273,21 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
         manual = _manual(axis_names, m, name)
         in_pairs, in_def = tree.flatten_with_path(args)
         specs = tree.broadcast_prefix(in_specs, args, is_leaf=_is_spec, what="in_specs")
-        placed = [(x, _only_manual(_even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}"), manual, name, "in_specs", f"args{tree.keystr(path)}") if isinstance(x, torch.Tensor) else None)
-                  for (path, x), spec in zip(in_pairs, specs)]
+        placed = [
+            (
+                x,
+                _only_manual(
+                    _even(NamedSharding(m, spec), tuple(x.shape), f"args{tree.keystr(path)}"),
+                    manual,
+                    name,
+                    "in_specs",
+                    f"args{tree.keystr(path)}",
+                )
+                if isinstance(x, torch.Tensor)
+                else None,
+            )
+            for (path, x), spec in zip(in_pairs, specs)
+        ]
         if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x, _ in placed):
             return _traced_region(f, name, m, manual, out_specs, in_def, placed, check_vma)
         local = [_local_shard(x, s, manual) if s is not None else x for x, s in placed]
@@ -266,7 +295,13 @@ def shard_map(f: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mes
             out = f(*tree.unflatten(in_def, local))
         out_pairs, out_def = tree.flatten_with_path(out)
         specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
-        return tree.unflatten(out_def, [_global(y, NamedSharding(m, spec), _result(path), manual, name) for (path, y), spec in zip(out_pairs, specs)])
+        return tree.unflatten(
+            out_def,
+            [
+                _global(y, NamedSharding(m, spec), _result(path), manual, name)
+                for (path, y), spec in zip(out_pairs, specs)
+            ],
+        )
 
     return mapped
 
@@ -277,7 +312,9 @@ def _manual(axis_names: Sequence[str] | None, m: Mesh, name: str) -> tuple[str, 
         return tuple(m.axis_names)
     unknown = [a for a in axis_names if a not in m.axis_names]
     if unknown:
-        raise ValueError(f"shard_map({name}): axis_names {tuple(axis_names)!r} names {unknown[0]!r}, which is not an axis of the mesh {tuple(m.axis_names)!r}")
+        raise ValueError(
+            f"shard_map({name}): axis_names {tuple(axis_names)!r} names {unknown[0]!r}, which is not an axis of the mesh {tuple(m.axis_names)!r}"
+        )
     return tuple(a for a in m.axis_names if a in axis_names)
 
 
@@ -285,7 +322,9 @@ def _only_manual(s: NamedSharding, manual: tuple[str, ...], name: str, what: str
     """``s``, if its spec names manual axes only (the automatic ones are not the region's to split)."""
     auto = [a for a in s.spec.axes if a not in manual]
     if auto:
-        raise ValueError(f"shard_map({name}): {what} gives {where} the spec {s.spec!r}, which splits over {auto[0]!r}; the region is manual over {manual!r} only, and specs may name only those axes")
+        raise ValueError(
+            f"shard_map({name}): {what} gives {where} the spec {s.spec!r}, which splits over {auto[0]!r}; the region is manual over {manual!r} only, and specs may name only those axes"
+        )
     return s
 
 
@@ -293,13 +332,24 @@ def _result(path: Any) -> str:
     return "the result" + (tree.keystr(path) if path else "")
 
 
-def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str, ...], out_specs: Any, in_def: Any, placed: list[tuple[Any, NamedSharding | None]], check_vma: bool) -> Any:
+def _traced_region(
+    f: Callable[..., Any],
+    name: str,
+    m: Mesh,
+    manual: tuple[str, ...],
+    out_specs: Any,
+    in_def: Any,
+    placed: list[tuple[Any, NamedSharding | None]],
+    check_vma: bool,
+) -> Any:
     """The region traced into the graph under way (see :mod:`vsf.ops.region`): each tensor
     argument enters it through a ``manual_in`` op, the body's ops and collectives are traced as
     they run on the values it sees, and each tensor result leaves through a ``manual_out`` op."""
     outer = current_region()
     if outer is not None:
-        raise ValueError(f"shard_map({name}) is called inside shard_map({lookup(outer).name}) in a vsf.jit step: nested regions are not supported there; make one region manual over both sets of axes")
+        raise ValueError(
+            f"shard_map({name}) is called inside shard_map({lookup(outer).name}) in a vsf.jit step: nested regions are not supported there; make one region manual over both sets of axes"
+        )
     region = Region(name, m, manual, tuple(s for _, s in placed if s is not None), check_vma)
     key = register(region)
     entered = iter(boundary(x, key, i, "manual_in") for i, x in enumerate(x for x, s in placed if s is not None))
@@ -307,10 +357,15 @@ def _traced_region(f: Callable[..., Any], name: str, m: Mesh, manual: tuple[str,
         out = f(*tree.unflatten(in_def, [next(entered) if s is not None else x for x, s in placed]))
     out_pairs, out_def = tree.flatten_with_path(out)
     specs = tree.broadcast_prefix(out_specs, out, is_leaf=_is_spec, what="out_specs")
-    region.outs = tuple(_out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
-                        for (path, y), spec in zip(out_pairs, specs) if isinstance(y, torch.Tensor))
+    region.outs = tuple(
+        _out_sharding(y, NamedSharding(m, spec), _result(path), manual, name)
+        for (path, y), spec in zip(out_pairs, specs)
+        if isinstance(y, torch.Tensor)
+    )
     region.out_names = tuple(_result(path) for path, y in out_pairs if isinstance(y, torch.Tensor))
-    results = iter(boundary(y, key, i, "manual_out") for i, y in enumerate(y for _, y in out_pairs if isinstance(y, torch.Tensor)))
+    results = iter(
+        boundary(y, key, i, "manual_out") for i, y in enumerate(y for _, y in out_pairs if isinstance(y, torch.Tensor))
+    )
     return tree.unflatten(out_def, [next(results) if isinstance(y, torch.Tensor) else y for _, y in out_pairs])
 
 
@@ -333,7 +388,9 @@ def _even(s: NamedSharding, shape: tuple[int, ...], where: str) -> NamedSharding
     s.check(shape, where)
     for d in range(len(shape)):
         if shape[d] % s.num_shards(d):
-            raise ValueError(f"shard_map: {where} has {shape[d]} in dim {d}, which {s.spec!r} splits {s.num_shards(d)} ways: it must divide evenly")
+            raise ValueError(
+                f"shard_map: {where} has {shape[d]} in dim {d}, which {s.spec!r} splits {s.num_shards(d)} ways: it must divide evenly"
+            )
     return s
 
 

@@ -36,10 +36,15 @@ def free_port() -> int:
 def command(script: str | Path, nproc: int, args: Sequence[str] = ()) -> list[str]:
     """The ``torch.distributed.run`` command line for ``script`` on ``nproc`` local processes."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
     ]
 
 
@@ -51,13 +56,24 @@ def environment(collective_timeout: float | None = None) -> dict[str, str]:
 
         >>> subprocess.run(vsf.launch.command("train.py", 2), env=vsf.launch.environment(collective_timeout=60))
     """
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
     if collective_timeout is not None:
         env["VSF_COLLECTIVE_TIMEOUT"] = str(float(collective_timeout))
     return env
 
 
-def run(script: str | Path, nproc: int, *args: str, timeout: float = 600, capture: bool = True, collective_timeout: float | None = None) -> subprocess.CompletedProcess:
+def run(
+    script: str | Path,
+    nproc: int,
+    *args: str,
+    timeout: float = 600,
+    capture: bool = True,
+    collective_timeout: float | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` processes; raise ``RuntimeError`` with its output if it fails
     (``timeout``: seconds for the whole run; ``collective_timeout``: see the module docs)."""
     cmd = command(script, nproc, args)
@@ -71,7 +87,12 @@ def run(script: str | Path, nproc: int, *args: str, timeout: float = 600, captur
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vsf.launch", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--nproc", type=int, required=True, help="number of processes (ranks)")
-    parser.add_argument("--collective-timeout", type=float, metavar="S", help="seconds a collective waits for the other ranks before it raises (default: vsf.config's, 600)")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a collective waits for the other ranks before it raises (default: vsf.config's, 600)",
+    )
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)

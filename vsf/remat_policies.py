@@ -45,11 +45,17 @@ aten = torch.ops.aten
 Policy = Callable[..., bool]
 
 _NO_BATCH_DOTS = frozenset({aten.mm.default, aten.addmm.default, aten._scaled_mm.default})
-_BATCHED_DOTS = frozenset({
-    aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-})
+_BATCHED_DOTS = frozenset(
+    {
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._grouped_mm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+)
 
 
 def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:

@@ -94,7 +94,11 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
     def start(self) -> "simulate":
         """Initialise the fake process group (and, with ``compute``, the per-rank tensor mode)."""
         if dist.is_initialized():
-            where = f"inside {_ACTIVE[-1]!r}" if _ACTIVE else f"a real {dist.get_backend()} group of {dist.get_world_size()} ranks"
+            where = (
+                f"inside {_ACTIVE[-1]!r}"
+                if _ACTIVE
+                else f"a real {dist.get_backend()} group of {dist.get_world_size()} ranks"
+            )
             raise RuntimeError(f"cannot start {self!r}: a process group already exists ({where}); stop it first")
         _compat.init_fake_process_group(self.n)
         if self.compute:
@@ -122,7 +126,9 @@ class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)
     def __enter__(self) -> "simulate":
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
@@ -150,7 +156,9 @@ class _RankGenerators:
         # matches the generator's state, and is ignored.
         self.states: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
 
-    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generators: list[torch.Generator]) -> Any:
+    def __call__(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generators: list[torch.Generator]
+    ) -> Any:
         states = {g: self._rank_states(g) for g in generators}
         results = {}
         for r in self.ranks:
@@ -236,7 +244,7 @@ def ensure_world(device_type: str) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(seconds=config.collective_timeout)
         dist.init_process_group(backend, timeout=timeout)
-        dist.distributed_c10d.default_pg_timeout = timeout   # for the groups created later (the meshes' axes)
+        dist.distributed_c10d.default_pg_timeout = timeout  # for the groups created later (the meshes' axes)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     _CREATED.append(weakref.ref(dist.group.WORLD))

@@ -164,7 +164,9 @@ def register_dataclass(cls: type[T], *, data_fields: Sequence[str] | None = None
     def unflatten_fn(aux: tuple[Any, ...], kids: Sequence[Any]) -> Any:
         return cls(**dict(zip(children, kids)), **dict(zip(meta, aux)))
 
-    optree.register_pytree_node(cls, flatten_fn, unflatten_fn, namespace=NAMESPACE, path_entry_type=optree.DataclassEntry)
+    optree.register_pytree_node(
+        cls, flatten_fn, unflatten_fn, namespace=NAMESPACE, path_entry_type=optree.DataclassEntry
+    )
     return cls
 
 
@@ -179,7 +181,9 @@ def broadcast_prefix(prefix: Any, tree: Any, *, is_leaf: Callable[[Any], bool], 
     return out
 
 
-def _broadcast(prefix: Any, tree: Any, is_leaf: Callable[[Any], bool], path: tuple[Any, ...], out: list[Any], what: str) -> None:
+def _broadcast(
+    prefix: Any, tree: Any, is_leaf: Callable[[Any], bool], path: tuple[Any, ...], out: list[Any], what: str
+) -> None:
     if is_leaf(prefix):
         out.extend([prefix] * len(leaves(tree)))
         return
@@ -237,7 +241,9 @@ def from_module(module: torch.nn.Module, *, params: bool = True, buffers: bool =
     return {k: v.detach() for k, v in named.items()}
 
 
-def apply(module: torch.nn.Module, state: dict[str, torch.Tensor], *args: Any, mutable: bool = False, **kwargs: Any) -> Any:
+def apply(
+    module: torch.nn.Module, state: dict[str, torch.Tensor], *args: Any, mutable: bool = False, **kwargs: Any
+) -> Any:
     """Run ``module(*args, **kwargs)`` with the tensors of ``state`` in place of its own.
 
     ``state`` maps the module's names to tensors, as :func:`from_module` returns them: every
@@ -309,8 +315,14 @@ def _check_names(module: torch.nn.Module, slots: list[_Slot], state: dict[str, t
         raise ValueError(f"params do not match {type(module).__name__}: missing {missing}, unknown {unknown}")
     tied: dict[int, str] = {}
     for s in slots:
-        if s.key in state and tied.setdefault(id(s.tensor), s.key) != s.key and state[tied[id(s.tensor)]] is not state[s.key]:
-            raise ValueError(f"{type(module).__name__} ties {tied[id(s.tensor)]!r} and {s.key!r} (one tensor), but state gives them different values")
+        if (
+            s.key in state
+            and tied.setdefault(id(s.tensor), s.key) != s.key
+            and state[tied[id(s.tensor)]] is not state[s.key]
+        ):
+            raise ValueError(
+                f"{type(module).__name__} ties {tied[id(s.tensor)]!r} and {s.key!r} (one tensor), but state gives them different values"
+            )
 
 
 @dataclasses.dataclass
@@ -323,7 +335,9 @@ class _Placed:
     version: int | None
 
 
-def _bind(module: torch.nn.Module, slots: list[_Slot], state: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, list[_Placed]]:
+def _bind(
+    module: torch.nn.Module, slots: list[_Slot], state: dict[str, torch.Tensor]
+) -> tuple[torch.nn.Module, list[_Placed]]:
     """A copy of ``module``'s tree of modules (sharing their code, hooks and attributes) whose
     slots hold ``state``'s tensors (a tied slot the tensor given for any of its names), the
     module's own elsewhere; each buffer a copy, so that a write in forward changes neither."""
@@ -346,7 +360,9 @@ def _bind(module: torch.nn.Module, slots: list[_Slot], state: dict[str, torch.Te
     return copies[id(module)], placed
 
 
-def _written(module: torch.nn.Module, placed: list[_Placed], state: dict[str, torch.Tensor], mutable: bool, hidden: set[int]) -> dict[str, torch.Tensor]:
+def _written(
+    module: torch.nn.Module, placed: list[_Placed], state: dict[str, torch.Tensor], mutable: bool, hidden: set[int]
+) -> dict[str, torch.Tensor]:
     """The new values of the buffers of ``state`` that forward wrote (an :class:`ApplyError` for
     any other write, or for any write without ``mutable``): a slot that holds another tensor now,
     or whose tensor was written in place (its version counter moved, or ``hidden`` has its id)."""
@@ -357,7 +373,9 @@ def _written(module: torch.nn.Module, placed: list[_Placed], state: dict[str, to
             continue
         name, key = type(module).__name__, p.slot.key
         if p.slot.param:
-            raise ApplyError(f"{name}'s forward wrote its parameter {key!r} (in place or by assignment): vsf.tree.apply's params are read-only; return a new value instead")
+            raise ApplyError(
+                f"{name}'s forward wrote its parameter {key!r} (in place or by assignment): vsf.tree.apply's params are read-only; return a new value instead"
+            )
         if not any(q.slot.key in state for q in placed if q.slot.tensor is p.slot.tensor):
             raise ApplyError(
                 f"{name}'s forward wrote its buffer {key!r}, which state does not hold: pass the buffers in state "
@@ -383,7 +401,9 @@ class _Watch(torch.overrides.TorchFunctionMode):
         self.name = name
         self.written: set[int] = set()
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         where = _compat.reentrant_checkpoint_caller(func, args)
         if where is not None:

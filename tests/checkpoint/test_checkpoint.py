@@ -75,7 +75,9 @@ def test_simulated_async_save_snapshots(tmp_path):
         handle = vsf.checkpoint.save(tmp_path / "c", tree, blocking=False)
         for leaf in vsf.tree.leaves(tree):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                (leaf.to_local() if isinstance(leaf, torch.distributed.tensor.DTensor) else leaf).add_(1.0)  # ragged DTensors have no ops
+                (leaf.to_local() if isinstance(leaf, torch.distributed.tensor.DTensor) else leaf).add_(
+                    1.0
+                )  # ragged DTensors have no ops
         handle.wait()
         assert handle.done() and "committed" in repr(handle)
         assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c")) == []
@@ -97,7 +99,13 @@ def test_shape_dtype_struct_is_a_value(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
     s = vsf.ShapeDtypeStruct((8, 6), torch.bfloat16, vsf.NamedSharding(mesh, P("dp", ("tp",))))
-    namespace = {"ShapeDtypeStruct": vsf.ShapeDtypeStruct, "NamedSharding": vsf.NamedSharding, "Mesh": vsf.Mesh, "P": P, "torch": torch}
+    namespace = {
+        "ShapeDtypeStruct": vsf.ShapeDtypeStruct,
+        "NamedSharding": vsf.NamedSharding,
+        "Mesh": vsf.Mesh,
+        "P": P,
+        "torch": torch,
+    }
     assert eval(repr(s), namespace) == s and hash(eval(repr(s), namespace)) == hash(s)
     assert (s.ndim, s.nbytes) == (2, 96)
     assert s != vsf.ShapeDtypeStruct((8, 6), torch.bfloat16)
@@ -109,7 +117,11 @@ def test_shape_dtype_struct_is_a_value(sim):
 
 @pytest.mark.parametrize(
     "args, error",
-    [(((2, -1), torch.float32), ValueError), (((2,), "float32"), TypeError), (((2,), torch.float32, P("x")), TypeError)],
+    [
+        (((2, -1), torch.float32), ValueError),
+        (((2,), "float32"), TypeError),
+        (((2,), torch.float32, P("x")), TypeError),
+    ],
 )
 def test_shape_dtype_struct_rejects_bad_fields(args, error):
     with pytest.raises(error, match="ShapeDtypeStruct"):
@@ -133,7 +145,9 @@ def test_eval_shape_matches_the_real_outputs_with_their_shardings(sim):
         {"w": torch.randn(8, 6), "b": torch.randn(6)},
         {"w": vsf.NamedSharding(mesh, P("dp", "tp")), "b": vsf.NamedSharding(mesh, P())},
     )
-    expected = vsf.tree.map(lambda x: vsf.ShapeDtypeStruct.like(x) if isinstance(x, torch.Tensor) else x, _adam_like_init(params))
+    expected = vsf.tree.map(
+        lambda x: vsf.ShapeDtypeStruct.like(x) if isinstance(x, torch.Tensor) else x, _adam_like_init(params)
+    )
     assert vsf.eval_shape(_adam_like_init, params) == expected
     abstract = vsf.tree.map(vsf.ShapeDtypeStruct.like, params)
     assert vsf.eval_shape(_adam_like_init, abstract) == expected
@@ -192,10 +206,19 @@ def test_target_values_come_from_the_checkpoint(tmp_path):
     "target, message",
     [
         ({"w": vsf.ShapeDtypeStruct((2,), torch.float32)}, r"the checkpoint has a leaf at step that the target lacks"),
-        ({"step": 0, "w": vsf.ShapeDtypeStruct((2,), torch.float32), "x": 1}, r"the target has a leaf at x that the checkpoint lacks"),
-        ({"step": 0, "w": vsf.ShapeDtypeStruct((3,), torch.float32)}, r"w: the checkpoint holds torch.float32 of shape \(2,\), but the target asks for torch.float32 of shape \(3,\)"),
+        (
+            {"step": 0, "w": vsf.ShapeDtypeStruct((2,), torch.float32), "x": 1},
+            r"the target has a leaf at x that the checkpoint lacks",
+        ),
+        (
+            {"step": 0, "w": vsf.ShapeDtypeStruct((3,), torch.float32)},
+            r"w: the checkpoint holds torch.float32 of shape \(2,\), but the target asks for torch.float32 of shape \(3,\)",
+        ),
         ({"step": 0, "w": vsf.ShapeDtypeStruct((2,), torch.float16)}, r"w: .* but the target asks for torch.float16"),
-        ({"step": vsf.ShapeDtypeStruct((), torch.int64), "w": torch.zeros(2)}, r"step: the checkpoint holds a int there, but the target asks for a tensor"),
+        (
+            {"step": vsf.ShapeDtypeStruct((), torch.int64), "w": torch.zeros(2)},
+            r"step: the checkpoint holds a int there, but the target asks for a tensor",
+        ),
         ({"step": 0, "w": 0.0}, r"w: the checkpoint holds a tensor there, but the target has a float"),
     ],
 )
@@ -219,7 +242,11 @@ def test_nothing_is_written_into_a_live_target_when_loading_fails(tmp_path):
 
 @pytest.mark.parametrize("blocks", [3, _PARALLEL_READ // BLOCK + 1])  # checked as read / on a helper thread
 def test_leaves_of_many_blocks_load_exactly_and_damage_in_any_block_names_the_leaf(tmp_path, blocks):
-    tree = {"small": torch.arange(5), "big": torch.randn(blocks * BLOCK // 4 + 1000), "after": torch.ones(3)}  # blocks + 1 blocks
+    tree = {
+        "small": torch.arange(5),
+        "big": torch.randn(blocks * BLOCK // 4 + 1000),
+        "after": torch.ones(3),
+    }  # blocks + 1 blocks
     _save(tmp_path / "c", tree)
     assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c"), tree) == []
     name, offset, length = cc.payload_of(tmp_path / "c", "big")
@@ -227,7 +254,10 @@ def test_leaves_of_many_blocks_load_exactly_and_damage_in_any_block_names_the_le
     for i, where in enumerate([offset + 100, offset + BLOCK + 5, offset + length // 2, offset + length - 100]):
         damaged = Path(shutil.copytree(tmp_path / "c", tmp_path / f"d{i}"))
         cc.flip(damaged / name, where)
-        with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=rf"{name}: bytes \d+\.\.\d+ fail their checksum.* leaves big \(found by rank 0\)$"):
+        with pytest.raises(
+            vsf.checkpoint.CorruptCheckpointError,
+            match=rf"{name}: bytes \d+\.\.\d+ fail their checksum.* leaves big \(found by rank 0\)$",
+        ):
             vsf.checkpoint.load(damaged)
 
 
@@ -237,7 +267,9 @@ def test_bad_leaves_are_refused_before_anything_is_written(tmp_path, sim):
     sim(2)
     mesh = vsf.make_mesh((2,), ("x",))
     partial = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P()))
-    partial = torch.distributed.tensor.DTensor.from_local(partial.to_local(), mesh.device_mesh, [torch.distributed.tensor.Partial()])
+    partial = torch.distributed.tensor.DTensor.from_local(
+        partial.to_local(), mesh.device_mesh, [torch.distributed.tensor.Partial()]
+    )
     with pytest.raises(ValueError, match=r"g is an unreduced partial sum over \('x',\)"):
         vsf.checkpoint.save(tmp_path / "c", {"g": partial})
     assert not (tmp_path / "c").exists()
@@ -295,7 +327,10 @@ def test_manager_rejects_bad_settings(tmp_path, kwargs):
     [
         ((12, 4), P(vsf.ragged("dp", (1, 2)), "tp")),
         ((3, 4, 2), P(vsf.ragged("tp", (1, 3), dims=2))),
-        ((2, 3, 5, 2), P(vsf.ragged("dp", (7, 0, 16, 7), dims=3), None, None, "tp")),  # partial rows at both ends, an empty rank
+        (
+            (2, 3, 5, 2),
+            P(vsf.ragged("dp", (7, 0, 16, 7), dims=3), None, None, "tp"),
+        ),  # partial rows at both ends, an empty rank
         ((6, 4), P(vsf.ragged("tp", (1, 1)), "dp")),
         ((0, 3), P(vsf.ragged("dp", (1, 2)))),
     ],
@@ -309,7 +344,9 @@ def test_ragged_boxes_hold_exactly_each_ranks_rows_in_order(shape, spec):
     for rank in mesh.devices:
         local = s.index_view(ids)[s.index(shape, rank)]  # the layout's own definition of the shard
         boxes = ragged.boxes(s, shape, rank)
-        assert len(boxes) <= 2 * spec.ragged.dims - 1 and all(math.prod(b.sizes) for b in boxes) or math.prod(shape) == 0
+        assert (
+            len(boxes) <= 2 * spec.ragged.dims - 1 and all(math.prod(b.sizes) for b in boxes) or math.prod(shape) == 0
+        )
         got = [ids[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))].flatten() for b in boxes]
         assert torch.equal(torch.cat(got) if got else local[:0].flatten(), local.flatten()), rank  # every row, in order
         for b, g in zip(boxes, got):
@@ -395,7 +432,9 @@ def test_each_rank_wrote_only_its_own_shards_and_replicas_once(runs):
             key = f"{prefix}.{name}"
             sharding = vsf.NamedSharding(mesh, spec)
             ids = torch.arange(math.prod(shape)).reshape(shape)  # element -> its flat index
-            held = {rank: set(sharding.index_view(ids)[sharding.index(shape, rank)].flatten().tolist()) for rank in range(4)}
+            held = {
+                rank: set(sharding.index_view(ids)[sharding.index(shape, rank)].flatten().tolist()) for rank in range(4)
+            }
             written = []
             for chunk in md.state_dict_metadata[key].chunks:
                 writer = int(md.storage_data[MetadataIndex(key, chunk.offsets)].relative_path.split("_")[2])
@@ -449,7 +488,12 @@ def test_dcp_alone_reads_the_ragged_leaves_whole(runs, tmp_path):
     dcp_to_torch_save(out / "a", tmp_path / "a.pt")
     flat = torch.load(tmp_path / "a.pt", weights_only=True)
     expected = {vsf.tree.keystr(p): x for p, x in vsf.tree.leaves_with_path(cc.oracle())}
-    ragged = [f"{prefix}.{name}" for prefix in ("params", "opt.mu", "opt.nu") for name, (*_, spec, _) in cc.PARAMS.items() if spec.ragged]
+    ragged = [
+        f"{prefix}.{name}"
+        for prefix in ("params", "opt.mu", "opt.nu")
+        for name, (*_, spec, _) in cc.PARAMS.items()
+        if spec.ragged
+    ]
     assert len(ragged) == 9
     for key in ragged:
         assert flat[key].dtype == expected[key].dtype and torch.equal(flat[key], expected[key]), key
@@ -501,7 +545,10 @@ def test_truncated_file_names_file(damaged):
     name, _, _ = cc.payload_of(damaged, "params.w1")
     data = (damaged / name).read_bytes()
     (damaged / name).write_bytes(data[: len(data) - 100])
-    with pytest.raises(vsf.checkpoint.CorruptCheckpointError, match=rf"{name} has {len(data) - 100} bytes, but {len(data)} were written"):
+    with pytest.raises(
+        vsf.checkpoint.CorruptCheckpointError,
+        match=rf"{name} has {len(data) - 100} bytes, but {len(data)} were written",
+    ):
         vsf.checkpoint.load(damaged, UNSHARDED)
 
 
@@ -546,11 +593,16 @@ def test_missing_marker_or_path(damaged):
 #
 # One process, a one-rank CUDA mesh; skipped without a GPU.
 
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_plain_leaves_follow_the_live_target_else_the_meshes_device(tmp_path):
     mesh = vsf.make_mesh((1,), ("x",), device_type="cuda")
-    tree = {"w": vsf.device_put(torch.randn(4, 3), vsf.NamedSharding(mesh, P("x"))), "b": torch.randn(3, device="cuda"), "step": 7}
+    tree = {
+        "w": vsf.device_put(torch.randn(4, 3), vsf.NamedSharding(mesh, P("x"))),
+        "b": torch.randn(3, device="cuda"),
+        "step": 7,
+    }
     vsf.checkpoint.save(tmp_path / "c", tree)
     as_saved = vsf.checkpoint.load(tmp_path / "c")
     assert as_saved["b"].device.type == "cuda" and as_saved["w"].to_local().device.type == "cuda"
@@ -559,4 +611,6 @@ def test_plain_leaves_follow_the_live_target_else_the_meshes_device(tmp_path):
     on_cpu = vsf.checkpoint.load(tmp_path / "c", dict(abstract, b=torch.zeros(3)))  # a live CPU tensor: the CPU
     assert on_cpu["b"].device.type == "cpu"
     for loaded in (as_saved, on_cpu):
-        assert torch.equal(loaded["b"].cpu(), tree["b"].cpu()) and torch.equal(vsf.device_get(loaded["w"]).cpu(), vsf.device_get(tree["w"]).cpu())
+        assert torch.equal(loaded["b"].cpu(), tree["b"].cpu()) and torch.equal(
+            vsf.device_get(loaded["w"]).cpu(), vsf.device_get(tree["w"]).cpu()
+        )

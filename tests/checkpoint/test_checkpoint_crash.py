@@ -26,12 +26,28 @@ pytestmark = pytest.mark.multiprocess
 def rounds(tmp_path_factory):
     out = tmp_path_factory.mktemp("crash")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, str(WORKERS / "ckpt_crash_writer.py"), str(out), "0"], check=True, env=env, timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(WORKERS / "ckpt_crash_writer.py"), str(out), "0"],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
     return json.loads((out / "result.json").read_text())
 
 
 def test_every_round_was_a_kill(rounds):
-    assert [r["plan"] for r in rounds] == ["bytes:1", f"bytes:{3 << 21}", "before_rename", "random", "after_prune:3", "before_prune", "after_prune:1", "random", "random"]
+    assert [r["plan"] for r in rounds] == [
+        "bytes:1",
+        f"bytes:{3 << 21}",
+        "before_rename",
+        "random",
+        "after_prune:3",
+        "before_prune",
+        "after_prune:1",
+        "random",
+        "random",
+    ]
     assert all(r["killed"] for r in rounds)
 
 
@@ -43,7 +59,9 @@ def test_listed_steps_always_load_with_the_values_they_saved(rounds):
 
 
 def test_a_kill_before_pruning_keeps_one_step_too_many_until_the_next_commit(rounds):
-    three, before, after = (next(r for r in rounds if r["plan"] == p) for p in ("after_prune:3", "before_prune", "after_prune:1"))
+    three, before, after = (
+        next(r for r in rounds if r["plan"] == p) for p in ("after_prune:3", "before_prune", "after_prune:1")
+    )
     assert three["steps"] == [three["start"], three["start"] + 1, three["start"] + 2], three
     assert before["steps"] == three["steps"] + [before["start"]], before
     assert after["steps"] == [after["start"] - 2, after["start"] - 1, after["start"]], after

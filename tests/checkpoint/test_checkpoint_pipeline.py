@@ -36,7 +36,9 @@ def _whole(state):
 
 def _pipeline(model, mesh):
     fns, loss_fn, prefixes = pipeline_stages(model, 2)
-    return vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=2, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
+    return vsf.pipeline.Pipeline(
+        fns, loss_fn, prefixes, mesh=mesh, microbatches=2, schedule="1f1b", batch=P("dp"), tied=("wte.weight",)
+    )
 
 
 def test_simulated_pp2_checkpoint_loads_onto_one_mesh_and_back_bit_exact(tmp_path):
@@ -98,8 +100,8 @@ def test_each_leaf_is_saved_once_with_its_global_shape_on_its_stage(ranks):
     shapes = {k: list(v.shape) for k, v in _params().items()}
     saved = ranks[0]["saved"]
     held = set(ranks[0]["held"]) | set(ranks[2]["held"])
-    assert set(saved) == held and len(saved) == 46   # 15 params, their 2 x 15 Adam moments, the step count
-    assert {k[len("params."):]: v[0] for k, v in saved.items() if k.startswith("params.")} == shapes
+    assert set(saved) == held and len(saved) == 46  # 15 params, their 2 x 15 Adam moments, the step count
+    assert {k[len("params.") :]: v[0] for k, v in saved.items() if k.startswith("params.")} == shapes
     # Adam's step count is held by every rank, on the first stage's mesh (vsf.optim.init_sharded)
     count = "['opt'][1].count"
     stage0, stage1 = set(ranks[0]["held"]), set(ranks[2]["held"]) - {count}
@@ -134,7 +136,10 @@ def test_one_step_from_the_loaded_checkpoint_is_the_live_runs_next_step(ranks):
 @pytest.mark.multiprocess
 def test_wrong_targets_name_the_key_path_on_every_rank(ranks):
     for rank, r in enumerate(ranks):
-        assert "params.lnf.weight: the checkpoint holds torch.float32 of shape (16,), but the target asks for torch.float32 of shape (17,)" in r["wrong_shape"]
+        assert (
+            "params.lnf.weight: the checkpoint holds torch.float32 of shape (16,), but the target asks for torch.float32 of shape (17,)"
+            in r["wrong_shape"]
+        )
         assert rank >= 2 or r["wrong_shape"].startswith("rank 2's target does not fit the checkpoint")
         assert "the checkpoint has a leaf at params.blocks.1.fc2.weight that the target lacks" in r["missing_leaf"]
         assert "None at params.blocks.1.fc1.weight on every rank" in r["none_everywhere"]

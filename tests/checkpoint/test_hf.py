@@ -14,8 +14,21 @@ import transformers
 import vsf
 from vsf import P
 
-CONFIG = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-RULES = [(r".*(q|k|v|gate|up)_proj\.weight", P("tp", "fsdp")), (r".*(o|down)_proj\.weight", P("fsdp", "tp")), (r".*embed_tokens\.weight", P("fsdp")), (r".*", P())]
+CONFIG = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+RULES = [
+    (r".*(q|k|v|gate|up)_proj\.weight", P("tp", "fsdp")),
+    (r".*(o|down)_proj\.weight", P("fsdp", "tp")),
+    (r".*embed_tokens\.weight", P("fsdp")),
+    (r".*", P()),
+]
 
 
 def _llama() -> transformers.LlamaForCausalLM:
@@ -35,7 +48,9 @@ def saved(tmp_path_factory):
 def _target(model: torch.nn.Module, mesh: vsf.Mesh, dtype: torch.dtype | None = None) -> dict:
     shapes = vsf.tree.from_module(model)
     specs = vsf.sharding.match(shapes, RULES)
-    return vsf.tree.map(lambda t, s: vsf.ShapeDtypeStruct(t.shape, dtype or t.dtype, vsf.NamedSharding(mesh, s)), shapes, specs)
+    return vsf.tree.map(
+        lambda t, s: vsf.ShapeDtypeStruct(t.shape, dtype or t.dtype, vsf.NamedSharding(mesh, s)), shapes, specs
+    )
 
 
 def _on_meta(config: transformers.PretrainedConfig) -> transformers.LlamaForCausalLM:
@@ -57,8 +72,10 @@ def test_load_reads_a_hugging_face_directory_into_the_target_s_shards(sim, saved
     assert all(torch.equal(got[k], own[k]) for k in own)
     assert vsf.typeof(params["model.layers.0.self_attn.q_proj.weight"]) == "f32[16@tp,16@fsdp]"
     assert vsf.typeof(params["model.embed_tokens.weight"]) == "f32[32@fsdp,16]"
-    whole = vsf.checkpoint.load(root / layout)   # no target: every tensor whole, by name
-    assert all(torch.equal(whole[k], own[k]) for k in own) and not isinstance(whole["lm_head.weight"], torch.distributed.tensor.DTensor)
+    whole = vsf.checkpoint.load(root / layout)  # no target: every tensor whole, by name
+    assert all(torch.equal(whole[k], own[k]) for k in own) and not isinstance(
+        whole["lm_head.weight"], torch.distributed.tensor.DTensor
+    )
 
 
 def test_the_target_s_dtype_is_what_comes_back_and_mistakes_are_named(sim, saved):
@@ -69,9 +86,15 @@ def test_the_target_s_dtype_is_what_comes_back_and_mistakes_are_named(sim, saved
     got = vsf.device_get(vsf.checkpoint.load(root / "sharded", target))
     assert all(torch.equal(got[k], v.bfloat16()) for k, v in vsf.tree.from_module(model).items())
     target["model.norm.weights"] = target.pop("model.norm.weight")
-    with pytest.raises(ValueError, match=r"the target has a leaf at model.norm.weights that the checkpoint .* lacks \(it holds 12 tensors; similar names: model.norm.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"the target has a leaf at model.norm.weights that the checkpoint .* lacks \(it holds 12 tensors; similar names: model.norm.weight",
+    ):
         vsf.checkpoint.load(root / "one", target)
-    with pytest.raises(ValueError, match=r"lm_head.weight: the checkpoint .* holds shape \(32, 16\) \(F32\), but the target asks for \(16, 32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"lm_head.weight: the checkpoint .* holds shape \(32, 16\) \(F32\), but the target asks for \(16, 32\)",
+    ):
         vsf.checkpoint.load(root / "one", {"lm_head.weight": vsf.ShapeDtypeStruct((16, 32), torch.float32)})
 
 
@@ -103,12 +126,14 @@ def test_a_meta_model_s_buffers_are_recomputed_and_it_runs_like_the_model(sim, s
     vsf.checkpoint.materialize_buffers(empty)
     for (name, got), (_, want) in zip(empty.named_buffers(), model.named_buffers()):
         assert torch.equal(got, want), name
-    assert all(p.is_meta for p in empty.parameters())   # params stay where they were
+    assert all(p.is_meta for p in empty.parameters())  # params stay where they were
     sim(2)
     mesh = vsf.make_mesh((1, 2), ("fsdp", "tp"))
     params = vsf.checkpoint.load(root / "one", _target(empty, mesh))
     ids = torch.randint(0, 32, (4, 8))
-    logits = vsf.jit(lambda p, i: vsf.tree.apply(empty, p, i).logits)(params, vsf.device_put(ids, vsf.NamedSharding(mesh, P("fsdp"))))
+    logits = vsf.jit(lambda p, i: vsf.tree.apply(empty, p, i).logits)(
+        params, vsf.device_put(ids, vsf.NamedSharding(mesh, P("fsdp")))
+    )
     torch.testing.assert_close(vsf.device_get(logits), model(ids).logits.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -143,8 +168,11 @@ def test_plain_modules_recompute_through_reset_parameters_or_are_named():
     assert torch.equal(net[1].inv_freq, Rotary(8).inv_freq) and net[1].scale.is_meta
     with torch.device("meta"):
         bad = torch.nn.Sequential(torch.nn.Linear(4, 4), Forgetful(8))
-    with pytest.raises(ValueError, match=r"cannot recompute the meta buffer 1.inv_freq of Forgetful \(Forgetful.reset_parameters\(\) left it unset\): "
-                                         r"give Forgetful a reset_parameters\(\) that computes its buffers"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot recompute the meta buffer 1.inv_freq of Forgetful \(Forgetful.reset_parameters\(\) left it unset\): "
+        r"give Forgetful a reset_parameters\(\) that computes its buffers",
+    ):
         vsf.checkpoint.materialize_buffers(bad)
 
 
@@ -157,10 +185,12 @@ def test_a_model_built_inside_a_simulation_runs_like_one_built_outside(sim, save
     ids = torch.randint(0, 32, (4, 8))
     sim(2)
     inside = _llama() if build == "config" else transformers.LlamaForCausalLM.from_pretrained(root / "one")
-    assert not any(vsf._compat.is_local_tensor(b) for b in inside.buffers())   # per-rank buffers failed with aten.equal
+    assert not any(vsf._compat.is_local_tensor(b) for b in inside.buffers())  # per-rank buffers failed with aten.equal
     mesh = vsf.make_mesh((2, 1), ("fsdp", "tp"))
     params = vsf.device_put(vsf.tree.from_module(inside), vsf.NamedSharding(mesh, P()))
-    logits = vsf.jit(lambda p, i: vsf.tree.apply(inside, p, i).logits)(params, vsf.device_put(ids, vsf.NamedSharding(mesh, P("fsdp"))))
+    logits = vsf.jit(lambda p, i: vsf.tree.apply(inside, p, i).logits)(
+        params, vsf.device_put(ids, vsf.NamedSharding(mesh, P("fsdp")))
+    )
     torch.testing.assert_close(vsf.device_get(logits), model(ids).logits.detach(), rtol=1e-5, atol=1e-6)
 
 

@@ -43,7 +43,9 @@ SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch
 PIPE_STEPS = 10
 PIPE = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "16", "--steps", str(PIPE_STEPS)]
 # the example imports this checkout's vsf, whatever the environment has installed
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+ENV = dict(
+    os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+)
 
 
 def example_command(*args: str, nproc: int | None = None) -> list[str]:
@@ -58,7 +60,7 @@ def descendants(pid: int) -> list[int]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:   # the process ended meanwhile
+        except OSError:  # the process ended meanwhile
             continue
         parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     found, todo = [], [pid]
@@ -80,7 +82,9 @@ class Background:
     def __init__(self, out: Path, *args: str) -> None:
         self.out = out
         self.log = (out / "stdout.txt").open("w")
-        self.proc = subprocess.Popen(example_command(*args, "--out", str(out)), stdout=self.log, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.proc = subprocess.Popen(
+            example_command(*args, "--out", str(out)), stdout=self.log, stderr=subprocess.PIPE, text=True, env=ENV
+        )
 
     def wait(self) -> str:
         _, err = self.proc.communicate(timeout=900)
@@ -101,12 +105,49 @@ def background(tmp_path_factory):
     """The one-process run and the 8-rank simulated run of the small config, started now."""
     runs = {
         "one": Background(tmp_path_factory.mktemp("one_process"), *SMALL, "--save-every", str(STEPS)),
-        "sim8": Background(tmp_path_factory.mktemp("simulate_8"), *SMALL, "--simulate", "8", "--save-every", str(STEPS), "--print-plan"),
-        "cp2": Background(tmp_path_factory.mktemp("cp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--save-every", str(STEPS)),
-        "cp2tp2": Background(tmp_path_factory.mktemp("cp_2_tp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--tp", "2", "--save-every", str(STEPS)),
+        "sim8": Background(
+            tmp_path_factory.mktemp("simulate_8"), *SMALL, "--simulate", "8", "--save-every", str(STEPS), "--print-plan"
+        ),
+        "cp2": Background(
+            tmp_path_factory.mktemp("cp_2"), *SMALL, "--simulate", "4", "--cp", "2", "--save-every", str(STEPS)
+        ),
+        "cp2tp2": Background(
+            tmp_path_factory.mktemp("cp_2_tp_2"),
+            *SMALL,
+            "--simulate",
+            "4",
+            "--cp",
+            "2",
+            "--tp",
+            "2",
+            "--save-every",
+            str(STEPS),
+        ),
         "pp1": Background(tmp_path_factory.mktemp("pp_1"), *PIPE, "--save-every", str(PIPE_STEPS)),
-        "pp2dp2": Background(tmp_path_factory.mktemp("pp_2_dp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--dp", "2", "--save-every", str(PIPE_STEPS // 2)),
-        "pp2tp2": Background(tmp_path_factory.mktemp("pp_2_tp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--tp", "2", "--schedule", "gpipe"),
+        "pp2dp2": Background(
+            tmp_path_factory.mktemp("pp_2_dp_2"),
+            *PIPE,
+            "--simulate",
+            "4",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--save-every",
+            str(PIPE_STEPS // 2),
+        ),
+        "pp2tp2": Background(
+            tmp_path_factory.mktemp("pp_2_tp_2"),
+            *PIPE,
+            "--simulate",
+            "4",
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--schedule",
+            "gpipe",
+        ),
         "pp2cp2": Background(tmp_path_factory.mktemp("pp_2_cp_2"), *PIPE, "--simulate", "4", "--pp", "2", "--cp", "2"),
     }
     yield runs
@@ -124,24 +165,30 @@ def one_process(background) -> list[float]:
 @pytest.mark.multiprocess
 def test_killed_two_process_run_resumes_with_the_same_losses(background, one_process, tmp_path):
     args = [*SMALL, "--out", str(tmp_path), "--save-every", "10"]
-    run = subprocess.Popen(example_command(*args, nproc=2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    run = subprocess.Popen(
+        example_command(*args, nproc=2), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV
+    )
     mngr = vsf.checkpoint.CheckpointManager(tmp_path / "ckpt")
     deadline = time.monotonic() + 300
     while run.poll() is None and not mngr.all_steps() and time.monotonic() < deadline:
         time.sleep(0.02)
-    for pid in [run.pid, *descendants(run.pid)]:   # the launcher, torchrun and both ranks, mid-run
+    for pid in [run.pid, *descendants(run.pid)]:  # the launcher, torchrun and both ranks, mid-run
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     _, err = run.communicate()
-    assert run.returncode == -signal.SIGKILL, f"the run ended before it could be killed ({run.returncode}):\n{err[-3000:]}"
+    assert run.returncode == -signal.SIGKILL, (
+        f"the run ended before it could be killed ({run.returncode}):\n{err[-3000:]}"
+    )
     committed = mngr.latest_step()
     killed = {m["step"]: m["loss"] for m in metrics(tmp_path)}
     assert committed is not None and committed <= max(killed) + 1 < STEPS
 
-    done = subprocess.run(example_command(*args, "--resume", nproc=2), capture_output=True, text=True, timeout=600, env=ENV)
+    done = subprocess.run(
+        example_command(*args, "--resume", nproc=2), capture_output=True, text=True, timeout=600, env=ENV
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"resumed from {tmp_path / 'ckpt' / str(committed)}" in done.stdout
-    logged = metrics(tmp_path)[len(killed):]
+    logged = metrics(tmp_path)[len(killed) :]
     assert [m["step"] for m in logged] == list(range(committed, STEPS))
     resumed = {m["step"]: m["loss"] for m in logged}
     # the steps both runs took after the checkpoint: the same program on the same state and data
@@ -176,7 +223,9 @@ def test_eight_simulated_ranks_learn_and_match_one_process(background, one_proce
     assert len(re.findall(r"^\s+(?:all_reduce|all_gather|reduce_scatter|all_to_all) over \w+: ", out, re.M)) == planned
 
 
-@pytest.mark.parametrize("run, mesh", [("cp2", "dp=2 x fsdp=1 x cp=2 x tp=1"), ("cp2tp2", "dp=1 x fsdp=1 x cp=2 x tp=2")])
+@pytest.mark.parametrize(
+    "run, mesh", [("cp2", "dp=2 x fsdp=1 x cp=2 x tp=1"), ("cp2tp2", "dp=1 x fsdp=1 x cp=2 x tp=2")]
+)
 def test_sequences_split_over_cp_train_like_one_process(background, one_process, run, mesh):
     out = background[run].wait()
     assert f"mesh pp=1 x {mesh} (4 ranks, cpu, simulated)" in out
@@ -186,10 +235,18 @@ def test_sequences_split_over_cp_train_like_one_process(background, one_process,
     assert "cp " in sends
 
 
-@pytest.mark.parametrize("run, mesh, schedule", [
-    ("pp2dp2", "pp=2 x dp=2 x fsdp=1 x cp=1 x tp=1", "1f1b"), ("pp2tp2", "pp=2 x dp=1 x fsdp=1 x cp=1 x tp=2", "gpipe"),
-    ("pp2cp2", "pp=2 x dp=1 x fsdp=1 x cp=2 x tp=1", "1f1b"),   # each sequence split over cp inside the stages, and between them
-])
+@pytest.mark.parametrize(
+    "run, mesh, schedule",
+    [
+        ("pp2dp2", "pp=2 x dp=2 x fsdp=1 x cp=1 x tp=1", "1f1b"),
+        ("pp2tp2", "pp=2 x dp=1 x fsdp=1 x cp=1 x tp=2", "gpipe"),
+        (
+            "pp2cp2",
+            "pp=2 x dp=1 x fsdp=1 x cp=2 x tp=1",
+            "1f1b",
+        ),  # each sequence split over cp inside the stages, and between them
+    ],
+)
 def test_two_pipeline_stages_train_like_one_process(background, run, mesh, schedule):
     background["pp1"].wait()
     want = [m["loss"] for m in metrics(background["pp1"].out)]
@@ -198,7 +255,10 @@ def test_two_pipeline_stages_train_like_one_process(background, run, mesh, sched
     losses = [m["loss"] for m in metrics(background[run].out)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
     # the summary: each stage's ranks, what they hold, and the schedule's bubble ((p-1)/(m+p-1) = 20%)
-    assert re.search(r"stage 0 \(ranks \[0, 1\]\): params \+ optimizer state [\d.]+ KiB per rank; " + schedule + r" bubble 20\.0%", out)
+    assert re.search(
+        r"stage 0 \(ranks \[0, 1\]\): params \+ optimizer state [\d.]+ KiB per rank; " + schedule + r" bubble 20\.0%",
+        out,
+    )
     assert re.search(r"stage 1 \(ranks \[2, 3\]\): params \+ optimizer state [\d.]+ KiB per rank", out)
 
 
@@ -207,9 +267,22 @@ def test_a_pipelined_run_resumed_halfway_continues_its_loss_curve(background, tm
     whole = metrics(background["pp2dp2"].out)
     half = PIPE_STEPS // 2
     shutil.copytree(background["pp2dp2"].out / "ckpt", tmp_path / "ckpt")
-    shutil.rmtree(tmp_path / "ckpt" / str(PIPE_STEPS))   # as if the run had stopped after step `half`
+    shutil.rmtree(tmp_path / "ckpt" / str(PIPE_STEPS))  # as if the run had stopped after step `half`
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in whole[:half]))
-    args = [*PIPE, "--simulate", "4", "--pp", "2", "--dp", "2", "--save-every", str(half), "--out", str(tmp_path), "--resume"]
+    args = [
+        *PIPE,
+        "--simulate",
+        "4",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--save-every",
+        str(half),
+        "--out",
+        str(tmp_path),
+        "--resume",
+    ]
     done = subprocess.run(example_command(*args), capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"resumed from {tmp_path / 'ckpt' / str(half)}" in done.stdout
@@ -281,7 +354,9 @@ def _has_matplotlib() -> bool:
 
 
 def test_the_summary_says_when_matplotlib_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 2.0}\n')
-    assert "matplotlib is not installed" in train_gpt.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png", 0.5)
+    assert "matplotlib is not installed" in train_gpt.plot_losses(
+        tmp_path / "metrics.jsonl", tmp_path / "loss.png", 0.5
+    )
     assert not (tmp_path / "loss.png").exists()

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+PAGES = {
+    p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
 sys.path.insert(0, str(ROOT / "examples"))
 import train_gpt  # noqa: E402
 
@@ -63,4 +65,4 @@ def test_every_example_command_parses():
     assert len(runs) >= 4
     for cmd in runs:
         args = cmd[[i for i, a in enumerate(cmd) if a.endswith("train_gpt.py")][0] + 1 :]
-        train_gpt.parse_args(args)   # exits on an unknown flag
+        train_gpt.parse_args(args)  # exits on an unknown flag

@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_module_imports_with_the_declared_dependencies_alone():
-    check = subprocess.run([sys.executable, str(ROOT / ".ci" / "check_imports.py")], capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "check_imports.py")], capture_output=True, text=True, timeout=300
+    )
     assert check.returncode == 0, check.stderr
     assert "vsf modules import with the declared runtime dependencies alone" in check.stdout
 
@@ -23,6 +25,8 @@ def test_the_check_fails_on_an_undeclared_import(tmp_path):
     shutil.copytree(ROOT / "vsf", tmp_path / "vsf", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "vsf" / "sharding" / "uses_numpy.py").write_text("import numpy\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    check = subprocess.run([sys.executable, str(ROOT / ".ci" / "check_imports.py")], capture_output=True, text=True, timeout=300, env=env)
+    check = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "check_imports.py")], capture_output=True, text=True, timeout=300, env=env
+    )
     assert check.returncode == 1
     assert "vsf.sharding.uses_numpy cannot be imported" in check.stderr and "numpy" in check.stderr

@@ -19,7 +19,9 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path: Path):
     nb = nbformat.read(path, as_version=4)
-    unexecuted = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip() and c.execution_count is None]
+    unexecuted = [
+        i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip() and c.execution_count is None
+    ]
     assert not unexecuted, f"{path.name} is stored without outputs for code cells {unexecuted}: store it executed"
     # raises CellExecutionError, naming the cell and its traceback, on the first error
     NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(path.parent)}}).execute()

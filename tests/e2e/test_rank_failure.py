@@ -35,17 +35,31 @@ class Pair:
     def __init__(self, out: Path) -> None:
         self.out = out
         env = launch.environment(collective_timeout=TIMEOUT)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.free_port()), WORLD_SIZE="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-        self.procs = [subprocess.Popen([sys.executable, str(WORKER), str(out)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(launch.free_port()),
+            WORLD_SIZE="2",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        )
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out)],
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
 
     def wait_ready(self, deadline: float) -> None:
         while not all((self.out / f"ready.rank{r}").exists() for r in range(2)):
             failed = [p.poll() for p in self.procs if p.poll() is not None]
             if failed or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the workers did not start ({failed}):\n" + "\n".join(p.stderr.read()[-3000:] for p in self.procs))
+                raise RuntimeError(
+                    f"the workers did not start ({failed}):\n" + "\n".join(p.stderr.read()[-3000:] for p in self.procs)
+                )
             time.sleep(0.05)
 
     def survivor(self, since: float) -> tuple[float, str]:
@@ -58,7 +72,7 @@ class Pair:
     def stop(self) -> None:
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)   # a stopped process too
+                os.kill(p.pid, signal.SIGKILL)  # a stopped process too
             p.communicate()
 
 
@@ -83,12 +97,12 @@ def failures(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_a_killed_rank_makes_the_other_raise_at_once(failures):
     seconds, error = failures["kill"]
-    assert seconds < TIMEOUT, error   # the closed connection, not the timeout
+    assert seconds < TIMEOUT, error  # the closed connection, not the timeout
     assert error.startswith(("RuntimeError", "DistBackendError")), error
 
 
 @pytest.mark.multiprocess
 def test_a_stopped_rank_makes_the_other_raise_after_the_timeout(failures):
     seconds, error = failures["stop"]
-    assert TIMEOUT - 0.5 <= seconds < TIMEOUT + 20, error   # (rank 0 may have begun waiting a step before)
+    assert TIMEOUT - 0.5 <= seconds < TIMEOUT + 20, error  # (rank 0 may have begun waiting a step before)
     assert f"Timed out waiting {int(TIMEOUT * 1000)}ms" in error

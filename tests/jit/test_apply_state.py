@@ -50,7 +50,10 @@ class Checkpointed(torch.nn.Module):
 
     def __init__(self, dim: int = 16, layers: int = 3, reentrant: bool = False) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim)) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+            for _ in range(layers)
+        )
         self.head = torch.nn.Linear(dim, 1)
         self.remat, self.reentrant = True, reentrant
 
@@ -60,7 +63,12 @@ class Checkpointed(torch.nn.Module):
         return self.head(x).square().mean()
 
 
-MEGATRON = [(r".*\.0\.weight", P("tp", None)), (r".*\.0\.bias", P("tp")), (r".*\.2\.weight", P(None, "tp")), (r".*", P())]
+MEGATRON = [
+    (r".*\.0\.weight", P("tp", None)),
+    (r".*\.0\.bias", P("tp")),
+    (r".*\.2\.weight", P(None, "tp")),
+    (r".*", P()),
+]
 
 
 def _batches(n: int = STEPS) -> list[tuple[torch.Tensor]]:
@@ -111,7 +119,9 @@ def test_a_module_weight_read_from_the_module_is_refused(sim):
     p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
     x = vsf.device_put(torch.randn(4, 16), vsf.NamedSharding(mesh, P("dp")))
     recompute = vsf.jit(lambda p, x: vsf.grad(lambda p: torch.func.functional_call(model, p, (x,)))(p))
-    with pytest.raises(vsf.TraceError, match=r"reads a module's parameter \(float32\[32, 16\]\) from the module itself"):
+    with pytest.raises(
+        vsf.TraceError, match=r"reads a module's parameter \(float32\[32, 16\]\) from the module itself"
+    ):
         recompute(p, x)
     direct = vsf.jit(lambda p, x: vsf.grad(lambda p: vsf.tree.apply(model, p, x) + model.head.weight.sum())(p))
     with pytest.raises(vsf.TraceError, match=r"reads a module's parameter \(float32\[1, 16\]\)"):
@@ -127,13 +137,18 @@ def test_a_module_built_inside_simulate_and_closed_over_is_refused_at_the_jit_ca
     mesh = vsf.make_mesh((2,), ("dp",))
     inside = Checkpointed()
     x = vsf.device_put(torch.randn(4, 16), vsf.NamedSharding(mesh, P("dp")))
-    with pytest.raises(vsf.TraceError, match=r"reads the module tensors inside\.blocks\.0\.0\.weight, .* built inside `vsf.simulate` "
-                       r".*Build the model outside `vsf.simulate`, or pass its params as arguments and run it with vsf.tree.apply"):
+    with pytest.raises(
+        vsf.TraceError,
+        match=r"reads the module tensors inside\.blocks\.0\.0\.weight, .* built inside `vsf.simulate` "
+        r".*Build the model outside `vsf.simulate`, or pass its params as arguments and run it with vsf.tree.apply",
+    ):
         vsf.jit(lambda x: inside(x))(x)
     offset = vsf.tree.from_module(inside)["head.bias"]
     with pytest.raises(vsf.TraceError, match=r"reads a tensor built inside `vsf.simulate` from outside its arguments"):
         vsf.jit(lambda x: x + offset)(x)
-    with pytest.raises(vsf.TraceError, match=r"reads a module's parameter \(float32\[32, 16\]\) from the module itself"):
+    with pytest.raises(
+        vsf.TraceError, match=r"reads a module's parameter \(float32\[32, 16\]\) from the module itself"
+    ):
         vsf.jit(lambda x: outside(x))(x)
 
 
@@ -178,9 +193,15 @@ def test_reentrant_checkpointing_is_refused_eagerly_and_under_jit(sim):
 def _cnn() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.Conv2d(8, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 5),
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 5),
     )
 
 
@@ -217,7 +238,7 @@ def test_batchnorm_running_stats_come_back_with_mutable_eagerly():
     want = _cnn_oracle()
     _assert_close(p, dict(want.named_parameters()))
     _assert_close(s, dict(want.named_buffers()))
-    _assert_close(stats, before)                                         # state is not written
+    _assert_close(stats, before)  # state is not written
     _assert_close(vsf.tree.from_module(model, params=False, buffers=True), before)  # nor the module's own
 
 
@@ -230,7 +251,7 @@ def test_batchnorm_cnn_on_batch_shards_equals_one_device_and_reduces_only_partia
     param's gradient once (DDP's), and the mean loss's sum and count: no activation."""
     model, tx = _cnn(), _adamw()
     params, stats = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
-    want = _cnn_oracle()   # plain PyTorch, before the simulated ranks start
+    want = _cnn_oracle()  # plain PyTorch, before the simulated ranks start
     x, y = _images(1)[0]
     with FlopCounterMode(display=False) as one_device:
         F.cross_entropy(_cnn()(x), y).backward()
@@ -271,7 +292,9 @@ def test_a_buffer_write_without_mutable_is_an_error_naming_it(sim):
     mesh = vsf.make_mesh((2,), ("dp",))
     bx = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
     with pytest.raises(vsf.ApplyError, match=own):
-        vsf.jit(lambda p, x: vsf.tree.apply(model, p, x).sum())(vsf.device_put(params, vsf.NamedSharding(mesh, P())), bx)
+        vsf.jit(lambda p, x: vsf.tree.apply(model, p, x).sum())(
+            vsf.device_put(params, vsf.NamedSharding(mesh, P())), bx
+        )
     with pytest.raises(vsf.ApplyError, match=given):
         vsf.jit(lambda p, x: vsf.tree.apply(model, p, x).sum())(vsf.device_put(state, vsf.NamedSharding(mesh, P())), bx)
     assert int(model[1].num_batches_tracked) == 0 and torch.equal(model[1].running_mean, torch.zeros(8))
@@ -299,7 +322,12 @@ def test_a_reassigned_buffer_comes_back_and_a_param_write_is_an_error():
     x = torch.randn(3, 2)
     out, updated = vsf.tree.apply(model, state, x, mutable=True)
     torch.testing.assert_close(out, model.lin(x))
-    assert updated.keys() == {"calls"} and int(updated["calls"]) == 1 and int(state["calls"]) == 0 and int(model.calls) == 0
+    assert (
+        updated.keys() == {"calls"}
+        and int(updated["calls"]) == 1
+        and int(state["calls"]) == 0
+        and int(model.calls) == 0
+    )
     _, updated = vsf.tree.apply(model, {**state, **updated}, x, mutable=True)
     assert int(updated["calls"]) == 2
     with pytest.raises(vsf.ApplyError, match=r"Counter's forward wrote its parameter 'lin.weight'"):
@@ -339,7 +367,12 @@ class RouterMoE(torch.nn.Module):
 MOE_LAYOUTS = {
     "dp": ((2,), ("dp",), lambda k: P(), P("dp")),
     "fsdp": ((2,), ("fsdp",), lambda k: P("fsdp"), P("fsdp")),
-    "tp": ((2,), ("tp",), lambda k: P(None, "tp") if k in ("w1", "w3") else P(None, None, "tp") if k == "w2" else P(), P()),
+    "tp": (
+        (2,),
+        ("tp",),
+        lambda k: P(None, "tp") if k in ("w1", "w3") else P(None, None, "tp") if k == "w2" else P(),
+        P(),
+    ),
 }
 
 

@@ -17,7 +17,14 @@ from vsf import P
 from vsf.jit import Compiled, report
 
 CFG = GPTConfig(dim=16, heads=2, seq=8)
-MEGATRON = {"attn.qkv.weight": P("tp"), "attn.qkv.bias": P("tp"), "attn.proj.weight": P(None, "tp"), "fc1.weight": P("tp"), "fc1.bias": P("tp"), "fc2.weight": P(None, "tp")}
+MEGATRON = {
+    "attn.qkv.weight": P("tp"),
+    "attn.qkv.bias": P("tp"),
+    "attn.proj.weight": P(None, "tp"),
+    "fc1.weight": P("tp"),
+    "fc1.bias": P("tp"),
+    "fc2.weight": P(None, "tp"),
+}
 
 
 def block_case():
@@ -74,7 +81,9 @@ def test_block_backward_equals_one_device(sim, layout):
     mesh = vsf.make_mesh((2, 2), axes)
     specs = megatron_specs(params) if layout == "megatron" else fsdp_specs(params)
     p = sharded_params(mesh, params, specs)
-    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp") if layout == "megatron" else P(("dp", "fsdp")))).requires_grad_(True)
+    xs = vsf.device_put(
+        x, vsf.NamedSharding(mesh, P("dp") if layout == "megatron" else P(("dp", "fsdp")))
+    ).requires_grad_(True)
     out = vsf.jit(fn)(p, xs)
     assert out.requires_grad
     out.sum().backward()
@@ -106,7 +115,11 @@ def mlp_params():
     return {"w1": torch.randn(8, 16) / 3, "w2": torch.randn(16, 8) / 3}
 
 
-@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda ps: torch.optim.SGD(ps, lr=0.1), lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)],
+    ids=["sgd", "adamw"],
+)
 def test_two_jitted_functions_in_a_torch_training_loop(sim, make_opt):
     a, b = mlp_params(), mlp_params()
     x, y = torch.randn(8, 8), torch.randn(8, 8)
@@ -144,7 +157,7 @@ def test_accumulation_retain_graph_and_outputs_without_grad(sim):
 
     ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     h1, h2 = fn(ref, x1)[0], fn(ref, x2)[0]
-    ((h1 ** 2).sum() + h2.sum()).backward(retain_graph=True)
+    ((h1**2).sum() + h2.sum()).backward(retain_graph=True)
     h1.sum().backward()
     sim(2)
     mesh = vsf.make_mesh((2,), ("tp",))
@@ -152,7 +165,7 @@ def test_accumulation_retain_graph_and_outputs_without_grad(sim):
     g = vsf.jit(fn)
     (o1, idx, s, three), (o2, *_) = g(p, x1), g(p, x2)
     assert not idx.requires_grad and not s.requires_grad and three == 3 and not idx.is_floating_point()
-    ((o1 ** 2).sum() + o2.sum()).backward(retain_graph=True)  # two calls accumulate before one backward
+    ((o1**2).sum() + o2.sum()).backward(retain_graph=True)  # two calls accumulate before one backward
     o1.sum().backward()  # the same output used again
     assert_grads(p, {k: v.grad for k, v in ref.items()})
     assert g.plan_count == 1
@@ -175,10 +188,21 @@ def test_unreduced_gradients_accumulate_over_calls_and_reduce_once(sim):
     shown = lowered.grad_shardings[0][0]
     for k, w in p.items():
         dp_, tp_ = w.grad.placements
-        assert dp_ == Partial() and (tp_ == w.placements[1] or (w.placements[1] == Replicate() and tp_ == Partial())), (k, w.grad.placements)
+        assert dp_ == Partial() and (tp_ == w.placements[1] or (w.placements[1] == Replicate() and tp_ == Partial())), (
+            k,
+            w.grad.placements,
+        )
         assert vsf.sharding.named.sharding_of(w.grad) == shown[k] and "dp" in shown[k].spec.unreduced, k
-        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
-    assert xs[0].grad.placements == xs[0].placements and lowered.grad_shardings[0][1] == vsf.NamedSharding(mesh, P("dp"))
+        torch.testing.assert_close(
+            vsf.device_get(w.grad.redistribute(placements=w.placements)),
+            want[k],
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, k=k: f"{k}: {m}",
+        )
+    assert xs[0].grad.placements == xs[0].placements and lowered.grad_shardings[0][1] == vsf.NamedSharding(
+        mesh, P("dp")
+    )
     torch.testing.assert_close(vsf.device_get(xs[0].grad), want_x, rtol=1e-5, atol=1e-6)
     assert g.plan_count == 1
 
@@ -197,10 +221,18 @@ def test_unsharded_gradients_accumulate_whole_over_calls_and_reduce_scatter_once
     for v in xs:
         g(p, v).sum().backward()
     assert not any(c.kind == "reduce_scatter" for c in g.lower(p, xs[0]).cost().collectives)
-    assert any(c.kind == "reduce_scatter" for c in vsf.jit(fn, unreduced_grad_argnums=(0,)).lower(p, xs[0]).cost().collectives)
+    assert any(
+        c.kind == "reduce_scatter" for c in vsf.jit(fn, unreduced_grad_argnums=(0,)).lower(p, xs[0]).cost().collectives
+    )
     for k, w in p.items():
         assert w.grad.placements == (Partial(),) and w.grad.to_local().shape == params[k].shape, (k, w.grad.placements)
-        torch.testing.assert_close(vsf.device_get(w.grad.redistribute(placements=w.placements)), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            vsf.device_get(w.grad.redistribute(placements=w.placements)),
+            want[k],
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, k=k: f"{k}: {m}",
+        )
     assert g.plan_count == 1
 
 
@@ -225,21 +257,34 @@ def test_deferred_gradients_split_the_backward_into_its_input_and_weight_parts(s
         weights()
     for k, w in p.items():
         assert w.grad.placements == w.placements, k
-        torch.testing.assert_close(vsf.device_get(w.grad), want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            vsf.device_get(w.grad), want[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}"
+        )
     # the parts: every op of the backward in exactly one; the weights' four matmuls (qkv, proj, fc1,
     # fc2) in the second, and with them the gradients' all-reduce over dp (the params are replicated there)
     compiled = next(iter(g._cache.values()))
     split, backward = compiled._program.split, compiled.parts.backward
-    ops = lambda plan, name=None: sum(1 for n in plan.graph.graph.nodes if n.op == "call_function" and name in (None, str(n.target)))  # noqa: E731
+    ops = lambda plan, name=None: sum(
+        1 for n in plan.graph.graph.nodes if n.op == "call_function" and name in (None, str(n.target))
+    )  # noqa: E731
     assert ops(split.inputs) + ops(split.weights) == ops(backward)
-    assert ops(split.weights, "aten.mm.default") == 4 and ops(split.inputs, "aten.mm.default") == ops(backward, "aten.mm.default") - 4
+    assert (
+        ops(split.weights, "aten.mm.default") == 4
+        and ops(split.inputs, "aten.mm.default") == ops(backward, "aten.mm.default") - 4
+    )
     bytes_dp = [report.cost(plan).comm_bytes["dp"] for plan in (backward, split.inputs, split.weights)]
     assert bytes_dp[0] > 0 and bytes_dp[1:] == [0, bytes_dp[0]]
-    assert re.search(r"backward is cut in two \(deferred_grad_argnums\): the part run in backward has \d+ ops", g.lower(p, xs[0]).as_text())
+    assert re.search(
+        r"backward is cut in two \(deferred_grad_argnums\): the part run in backward has \d+ ops",
+        g.lower(p, xs[0]).as_text(),
+    )
     with pytest.raises(ValueError, match="needs on_deferred_grads"):
         vsf.jit(fn, deferred_grad_argnums=(0,))
     computed = {**p, "fc1.weight": p["fc1.weight"] * 1.0}
-    with pytest.raises(ValueError, match=r"args\[0\]\['fc1\.weight'\] has its gradient deferred .* must be an autograd leaf .*grad_fn MulBackward0"):
+    with pytest.raises(
+        ValueError,
+        match=r"args\[0\]\['fc1\.weight'\] has its gradient deferred .* must be an autograd leaf .*grad_fn MulBackward0",
+    ):
         g(computed, xs[0])
 
 
@@ -315,7 +360,9 @@ def test_lowered_text_and_cost_show_both_programs(sim):
     assert "grad of args[0]['w1']" in text and "cotangent of" in text
     parts = lowered.compile().parts
     cost = lowered.cost()
-    assert len(cost.collectives) == len(report.cost(parts.forward).collectives) + len(report.cost(parts.backward).collectives)
+    assert len(cost.collectives) == len(report.cost(parts.forward).collectives) + len(
+        report.cost(parts.backward).collectives
+    )
     assert cost.count("all_reduce", "dp") == 1  # the two weight gradients, one bucket
 
 
@@ -365,7 +412,9 @@ def test_cotangents_in_other_layouts_or_missing(sim):
     replicated = vsf.device_put(ct, vsf.NamedSharding(mesh, P()))
     torch.autograd.backward([out], [replicated])
     out, _ = g(p, xs)
-    partial = torch.distributed.tensor.DTensor.from_local(replicated.to_local() / 4, mesh.device_mesh, [torch.distributed.tensor.Partial()] * 2)
+    partial = torch.distributed.tensor.DTensor.from_local(
+        replicated.to_local() / 4, mesh.device_mesh, [torch.distributed.tensor.Partial()] * 2
+    )
     torch.autograd.backward([out], [partial])
     assert_grads(p, want)
     assert g.plan_count == 1 and "redistributed once" in g.lower(p, xs).as_text()

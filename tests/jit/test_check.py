@@ -93,7 +93,11 @@ def test_plan_claiming_a_partial_sum_is_replicated_is_caught(sim):
     f = vsf.jit(loss_fn)
     plan = f.lower(p, *batch).plan
     # h @ w2 contracts the tp-split dim: a partial sum. Claim it is whole on every rank.
-    node = next(n for n, s in plan.nodes.items() if s.outs and isinstance(s.outs[0], tuple) and isinstance(s.outs[0][0], Partial))
+    node = next(
+        n
+        for n, s in plan.nodes.items()
+        if s.outs and isinstance(s.outs[0], tuple) and isinstance(s.outs[0][0], Partial)
+    )
     plan.nodes[node] = dataclasses.replace(plan.nodes[node], outs=((Replicate(),),))
     with pytest.raises(vsf.PlanCheckError) as info:
         f.check(p, *batch)
@@ -108,7 +112,13 @@ def test_skipped_reduction_is_charged_to_the_op_that_reads_it(sim, monkeypatch):
     from vsf.jit import lower
 
     move = lower.move_local
-    monkeypatch.setattr(lower, "move_local", lambda mesh, t, local, src, dst: local if any(isinstance(p, Partial) for p in src) else move(mesh, t, local, src, dst))
+    monkeypatch.setattr(
+        lower,
+        "move_local",
+        lambda mesh, t, local, src, dst: (
+            local if any(isinstance(p, Partial) for p in src) else move(mesh, t, local, src, dst)
+        ),
+    )
     params, batch, loss_fn = _mlp()
     sim(2)
     mesh = vsf.make_mesh((2,), ("tp",))
@@ -117,7 +127,7 @@ def test_skipped_reduction_is_charged_to_the_op_that_reads_it(sim, monkeypatch):
         vsf.jit(loss_fn).check(p, *batch)
     assert info.value.op == "aten.sub.Tensor"
     assert info.value.inputs == ("f32[32,16]{U:tp} -> f32[32,16]", "f32[32,16]")
-    assert "return ((F.gelu(x @ p[\"w1\"] + p[\"b1\"]) @ p[\"w2\"] - y) ** 2).mean()" in info.value.line
+    assert 'return ((F.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2).mean()' in info.value.line
 
 
 def test_correct_plan_passes_on_an_mlp_train_step(sim, monkeypatch):
@@ -135,7 +145,9 @@ def test_correct_plan_passes_on_an_mlp_train_step(sim, monkeypatch):
         want.append(loss)
     sim(8)
     mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {"w1": P("fsdp", "tp"), "b1": P("tp"), "w2": P("tp", "fsdp")}))
+    p = vsf.device_put(
+        params, vsf.NamedSharding.tree(mesh, {"w1": P("fsdp", "tp"), "b1": P("tp"), "w2": P("tp", "fsdp")})
+    )
     s = optim.init_sharded(tx, p, zero_axes=("dp",))
     b = vsf.device_put(batch, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
     monkeypatch.setattr(vsf.config, "check_plan", True)
@@ -163,7 +175,12 @@ def test_correct_plan_passes_on_a_gpt_step_on_the_5d_mesh(sim):
     want = step(params, tx.init(params), *batch)[2]
     sim(8)
     mesh = vsf.make_mesh((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))
-    rules = [(r".*(qkv|fc1)\.weight", P("tp", "fsdp")), (r".*(qkv|fc1)\.bias", P("tp")), (r".*(proj|fc2)\.weight", P("fsdp", "tp")), (r".*", P())]
+    rules = [
+        (r".*(qkv|fc1)\.weight", P("tp", "fsdp")),
+        (r".*(qkv|fc1)\.bias", P("tp")),
+        (r".*(proj|fc2)\.weight", P("fsdp", "tp")),
+        (r".*", P()),
+    ]
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
     s = optim.init_sharded(tx, p, zero_axes=("dp",))
     b = vsf.device_put(batch, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))

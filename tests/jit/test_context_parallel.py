@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from context_parallel_checks import SDPA, assert_attention_on_a_ring, assert_attention_on_sequence_shards, assert_equal_to_one_device, attention_plans, on_axis, reference
+from context_parallel_checks import (
+    SDPA,
+    assert_attention_on_a_ring,
+    assert_attention_on_sequence_shards,
+    assert_equal_to_one_device,
+    attention_plans,
+    on_axis,
+    reference,
+)
 from torch.distributed.tensor import Replicate, Shard
 
 import vsf
@@ -89,7 +97,12 @@ def _qkv_case(causal: bool, kv_heads: int, seq: int = 16, heads: int = 4):
     return {"q": q, "k": k, "v": v}, (), lambda p: _attention_loss(p["q"], p["k"], p["v"], causal)
 
 
-QKV_SPECS = {"cp2": P(None, None, "cp"), "cp4": P(None, None, "cp"), "cp2_tp2": P(None, "tp", "cp"), "dp2_cp2": P("dp", None, "cp")}
+QKV_SPECS = {
+    "cp2": P(None, None, "cp"),
+    "cp4": P(None, None, "cp"),
+    "cp2_tp2": P(None, "tp", "cp"),
+    "dp2_cp2": P("dp", None, "cp"),
+}
 
 
 def _run_qkv(sim, layout, params, loss_fn):
@@ -256,7 +269,9 @@ def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
         assert r["ring_max_param_err"] < 1e-5
         assert r["ring_key_placements"] == [str((Shard(2),))] * 2
         for mode, arg in (("balanced", "query"), ("balanced_ring", "key")):
-            torch.testing.assert_close(torch.tensor(r[f"{mode}_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(r[f"{mode}_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0
+            )
             assert r[f"{mode}_max_param_err"] < 1e-5
             assert r[f"{mode}_{arg}_placements"] == [str((BalancedPlacement(2),))] * 2
 

@@ -51,7 +51,9 @@ def _attention_reference(q, k, v, *mask, gqa=False):
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("axis, spec, split", [("dp", P("dp"), 0), ("tp", P(None, "tp"), 1)], ids=["batch-on-dp", "heads-on-tp"])
+@pytest.mark.parametrize(
+    "axis, spec, split", [("dp", P("dp"), 0), ("tp", P(None, "tp"), 1)], ids=["batch-on-dp", "heads-on-tp"]
+)
 def test_sdpa_runs_sharded_over_batch_or_heads_like_one_device(sim, heads, kv_heads, axis, spec, split):
     q = torch.randn(4, heads, 8, 16)
     k, v = torch.randn(2, 4, kv_heads, 8, 16).unbind(0)
@@ -92,7 +94,9 @@ def test_sdpa_grouped_heads_are_split_only_into_equal_parts(sim):
     k, v = torch.randn(2, 2, 3, 8, 16).unbind(0)
     sim(2)
     mesh = vsf.make_mesh((2,), ("tp",))
-    (loss, grads), plan = _jit_on(mesh, lambda q, k, v: _attention_step(q, k, v, gqa=True), (q, k, v), [P(None, "tp"), P(), P()])
+    (loss, grads), plan = _jit_on(
+        mesh, lambda q, k, v: _attention_step(q, k, v, gqa=True), (q, k, v), [P(None, "tp"), P(), P()]
+    )
     want_loss, want_grads = _attention_reference(q, k, v, gqa=True)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
     for g, w in zip(grads, want_grads):
@@ -125,7 +129,9 @@ def test_an_op_with_neither_strategy_nor_decomposition_is_a_plan_error_naming_it
     m, a, b = torch.randn(3, 5), torch.randn(4, 3, 2), torch.randn(4, 2, 5)
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
-    with pytest.raises(PlanError, match=r"aten\.addbmm\.default has no DTensor sharding strategy.*test_coverage\.py.*torch\.addbmm"):
+    with pytest.raises(
+        PlanError, match=r"aten\.addbmm\.default has no DTensor sharding strategy.*test_coverage\.py.*torch\.addbmm"
+    ):
         _jit_on(mesh, lambda m, a, b: torch.addbmm(m, a, b), (m, a, b), [P(), P("dp"), P("dp")])
 
 
@@ -245,6 +251,8 @@ def test_a_constraint_on_a_constant_lays_it_out_as_it_says(sim):
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
     s = vsf.NamedSharding(mesh, P("dp"))
-    out = vsf.jit(lambda x: x + vsf.with_sharding_constraint(torch.arange(8.0)[:, None].expand(8, 6).clone(), s))(vsf.device_put(torch.ones(8, 6), s))
+    out = vsf.jit(lambda x: x + vsf.with_sharding_constraint(torch.arange(8.0)[:, None].expand(8, 6).clone(), s))(
+        vsf.device_put(torch.ones(8, 6), s)
+    )
     assert vsf.sharding.sharding_of(out) == s
     torch.testing.assert_close(vsf.device_get(out), torch.arange(8.0)[:, None] + torch.ones(8, 6))

@@ -46,7 +46,9 @@ def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-gated_tanh.register_autograd(lambda ctx, grad: gated_tanh_backward(grad, *ctx.saved_tensors), setup_context=_save_inputs)
+gated_tanh.register_autograd(
+    lambda ctx, grad: gated_tanh_backward(grad, *ctx.saved_tensors), setup_context=_save_inputs
+)
 
 
 @register_sharding(torch.ops.vsf_test.gated_tanh.default)
@@ -63,9 +65,10 @@ def _gated_tanh_rules(x, gate):
 def _gated_tanh_backward_rules(grad, x, gate):
     """As the forward's; over rows, the gate's gradient is a partial sum."""
     features = x.ndim - 1
-    return [([Replicate(), Replicate()], [Replicate()] * 3), ([Shard(features), Shard(0)], [Shard(features), Shard(features), Shard(0)])] + [
-        ([Shard(d), Partial()], [Shard(d), Shard(d), Replicate()]) for d in range(features)
-    ]
+    return [
+        ([Replicate(), Replicate()], [Replicate()] * 3),
+        ([Shard(features), Shard(0)], [Shard(features), Shard(features), Shard(0)]),
+    ] + [([Shard(d), Partial()], [Shard(d), Shard(d), Replicate()]) for d in range(features)]
 
 
 def mlp(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +126,7 @@ def test_registered_rules_plan_it_sharded_and_it_trains_like_one_device(sim, lay
         p, s = step(p, s, batch)
     plan = step.lower(p, s, batch).as_text()
     split = "4@dp,6,16@tp" if layout == "dp_tp" else "4@dp,6,16"
-    for op in ("gated_tanh", "gated_tanh_backward"):   # the op and its backward ran on shards
+    for op in ("gated_tanh", "gated_tanh_backward"):  # the op and its backward ran on shards
         assert re.search(rf"= {op}\(%\w+:f32\[{split}\]", plan), plan
     got = vsf.device_get(p)
     for k in want:

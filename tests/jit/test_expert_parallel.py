@@ -17,7 +17,9 @@ TOKENS, HIDDEN, FFN, EXPERTS, K = 32, 32, 16, 8, 2
 
 
 def experts(rows, offsets, w_in, w_out):
-    return F.grouped_mm(F.silu(F.grouped_mm(rows, w_in.transpose(1, 2), offs=offsets)), w_out.transpose(1, 2), offs=offsets)
+    return F.grouped_mm(
+        F.silu(F.grouped_mm(rows, w_in.transpose(1, 2), offs=offsets)), w_out.transpose(1, 2), offs=offsets
+    )
 
 
 def dense(x, index, gates, w_in, w_out):
@@ -31,6 +33,7 @@ def dense(x, index, gates, w_in, w_out):
 def loss_of(moe):
     def loss(p):
         return (moe(p["x"], p["index"], p["gates"], p["w_in"], p["w_out"]) ** 2).sum()
+
     return loss
 
 
@@ -40,8 +43,13 @@ def inputs(skewed: bool) -> dict[str, torch.Tensor]:
     if skewed:  # every token to experts 6 and 7: one rank of ep receives every token copy
         logits[:, 6:] += 100.0
     gates, index = torch.softmax(logits, -1).topk(K, -1)
-    return {"x": torch.randn(TOKENS, HIDDEN, generator=g), "gates": gates, "index": index,
-            "w_in": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * 0.1, "w_out": torch.randn(EXPERTS, HIDDEN, FFN, generator=g) * 0.1}
+    return {
+        "x": torch.randn(TOKENS, HIDDEN, generator=g),
+        "gates": gates,
+        "index": index,
+        "w_in": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * 0.1,
+        "w_out": torch.randn(EXPERTS, HIDDEN, FFN, generator=g) * 0.1,
+    }
 
 
 # layout: (mesh shape, axis names, the token axes, the experts' specs)
@@ -63,13 +71,17 @@ def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     receive nothing)."""
     p = inputs(skewed)
     grad_of = {k for k in p if k != "index"}
-    want_loss, want = vsf.value_and_grad(lambda q: loss_of(dense)({**q, "index": p["index"]}))({k: p[k] for k in grad_of})
+    want_loss, want = vsf.value_and_grad(lambda q: loss_of(dense)({**q, "index": p["index"]}))(
+        {k: p[k] for k in grad_of}
+    )
     shape, names, token_axes, specs = LAYOUTS[layout]
     sim(4)
     mesh = vsf.make_mesh(shape, names)
 
     def moe(x, index, gates, w_in, w_out):
-        return vsf.nn.expert_parallel(experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=token_axes, mesh=mesh)
+        return vsf.nn.expert_parallel(
+            experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=token_axes, mesh=mesh
+        )
 
     step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
     tokens = vsf.NamedSharding(mesh, P(token_axes))
@@ -77,7 +89,9 @@ def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     loss, grads = step(q, vsf.device_put(p["index"], tokens))
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
     for k in grad_of:
-        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}")
+        torch.testing.assert_close(
+            vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}"
+        )
         assert grads[k].placements == q[k].placements, k
     if layout != "dp_ep":
         return
@@ -88,7 +102,10 @@ def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     over_ep = [c for c in cost.collectives if c.axis == "ep"]
     exchanges = [c for c in over_ep if c.kind == "all_to_all_v"]
     assert [c.bytes for c in exchanges] == [TOKENS // 4 * K * HIDDEN * 4] * 4
-    assert sorted((c.kind, c.bytes) for c in over_ep if c.kind != "all_to_all_v") == [("all_gather", EXPERTS * 8), ("all_reduce", 4)]  # counts; the loss
+    assert sorted((c.kind, c.bytes) for c in over_ep if c.kind != "all_to_all_v") == [
+        ("all_gather", EXPERTS * 8),
+        ("all_reduce", 4),
+    ]  # counts; the loss
 
 
 def test_one_jitted_step_follows_each_calls_routing_under_simulation(sim):
@@ -101,13 +118,19 @@ def test_one_jitted_step_follows_each_calls_routing_under_simulation(sim):
     tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
 
     def moe(x, index, gates, w_in, w_out):
-        return vsf.nn.expert_parallel(experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+        return vsf.nn.expert_parallel(
+            experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=("dp", "ep"), mesh=mesh
+        )
 
     step = vsf.jit(lambda q, index: loss_of(moe)({**q, "index": index}))
     for call, skewed in enumerate((False, False, True, False)):
         p = inputs(skewed)
         p["index"] = p["index"].roll(call * TOKENS // 4, 0)  # each call routes other tokens to other ranks
-        q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in p if k != "index"}
+        q = {
+            k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens)
+            for k in p
+            if k != "index"
+        }
         got = step(q, vsf.device_put(p["index"], tokens))
         torch.testing.assert_close(vsf.device_get(got), loss_of(dense)(p), rtol=1e-5, atol=0)
 
@@ -116,9 +139,26 @@ def test_expert_dim_must_divide(sim):
     sim(2)
     mesh = vsf.make_mesh((2,), ("ep",))
     with pytest.raises(ValueError, match=r"weights\[0\] has 3 experts \(dim 0\), which 'ep' of size 2 does not divide"):
-        vsf.nn.expert_parallel(experts, torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), (torch.zeros(3, 8, 8),), axis="ep", mesh=mesh)
+        vsf.nn.expert_parallel(
+            experts,
+            torch.zeros(4, 8),
+            torch.zeros(4, 1, dtype=torch.int64),
+            torch.ones(4, 1),
+            (torch.zeros(3, 8, 8),),
+            axis="ep",
+            mesh=mesh,
+        )
     with pytest.raises(ValueError, match=r"token_axes \('dp',\) must include the expert axis 'ep'"):
-        vsf.nn.expert_parallel(experts, torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), (torch.zeros(2, 8, 8),), axis="ep", token_axes=("dp",), mesh=mesh)
+        vsf.nn.expert_parallel(
+            experts,
+            torch.zeros(4, 8),
+            torch.zeros(4, 1, dtype=torch.int64),
+            torch.ones(4, 1),
+            (torch.zeros(2, 8, 8),),
+            axis="ep",
+            token_axes=("dp",),
+            mesh=mesh,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +183,17 @@ def test_eagerly_outside_jit_equals_one_device(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
     tokens, split = vsf.NamedSharding(mesh, P(("dp", "ep"))), vsf.NamedSharding(mesh, P("ep"))
-    y = vsf.nn.expert_parallel(experts, *(vsf.device_put(p[k], tokens) for k in ("x", "index", "gates")),
-                               (vsf.device_put(p["w_in"], split), vsf.device_put(p["w_out"], split)), axis="ep", token_axes=("dp", "ep"), mesh=mesh)
-    torch.testing.assert_close(vsf.device_get(y), dense(p["x"], p["index"], p["gates"], p["w_in"], p["w_out"]), rtol=1e-5, atol=1e-6)
+    y = vsf.nn.expert_parallel(
+        experts,
+        *(vsf.device_put(p[k], tokens) for k in ("x", "index", "gates")),
+        (vsf.device_put(p["w_in"], split), vsf.device_put(p["w_out"], split)),
+        axis="ep",
+        token_axes=("dp", "ep"),
+        mesh=mesh,
+    )
+    torch.testing.assert_close(
+        vsf.device_get(y), dense(p["x"], p["index"], p["gates"], p["w_in"], p["w_out"]), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_a_routing_beyond_the_capacity_is_an_error(sim):
@@ -158,10 +206,17 @@ def test_a_routing_beyond_the_capacity_is_an_error(sim):
     args = [vsf.device_put(p[k], tokens) for k in ("x", "index", "gates")]
     weights = (vsf.device_put(p["w_in"], split), vsf.device_put(p["w_out"], split))
     rows = TOKENS // 2 * K
-    def moe(capacity):
-        return vsf.jit(lambda x, index, gates, w: vsf.nn.expert_parallel(experts, x, index, gates, w, axis="ep", capacity=capacity, mesh=mesh))
 
-    with pytest.raises(ValueError, match=f"member 1 of axis 'ep' receives {2 * rows} rows, more than the {rows} its buffer holds"):
+    def moe(capacity):
+        return vsf.jit(
+            lambda x, index, gates, w: vsf.nn.expert_parallel(
+                experts, x, index, gates, w, axis="ep", capacity=capacity, mesh=mesh
+            )
+        )
+
+    with pytest.raises(
+        ValueError, match=f"member 1 of axis 'ep' receives {2 * rows} rows, more than the {rows} its buffer holds"
+    ):
         moe(rows)(*args, weights)
     with pytest.raises(ValueError, match=f"capacity {rows - 1} is less than the {rows} token copies of a rank"):
         moe(rows - 1)(*args, weights)

@@ -87,7 +87,10 @@ def test_resharding_gathers_each_layer_again_lowers_the_peak_and_launches_no_mor
     modules = cfg.layers + 1
     for cost, gathers in ((kept, modules), (again, 2 * modules)):
         assert cost.count("all_gather") <= gathers and cost.count("reduce_scatter") <= modules
-        assert cost.count("all_reduce") == 2 and len(cost.collectives) == cost.count("all_gather") + cost.count("reduce_scatter") + 2
+        assert (
+            cost.count("all_reduce") == 2
+            and len(cost.collectives) == cost.count("all_gather") + cost.count("reduce_scatter") + 2
+        )
 
 
 def test_a_memory_budget_chooses_resharding_only_when_keeping_would_exceed_it(sim):

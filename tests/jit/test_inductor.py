@@ -25,7 +25,9 @@ def _equals_one_device(ranks, steps=3):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
         assert r["max_param_err"] < 1e-4
         assert r["plan_count"] == 1
-        assert r["buffers_reused"] == [r["leaves"]] * steps  # donation: every new leaf written over the leaf it replaces
+        assert (
+            r["buffers_reused"] == [r["leaves"]] * steps
+        )  # donation: every new leaf written over the leaf it replaces
 
 
 @pytest.mark.world("jit_inductor.py", "fsdp_adamw", nproc=2)
@@ -44,7 +46,9 @@ def test_a_program_inductor_cannot_compile_runs_eagerly_with_the_reason(inductor
     for r in inductor:
         assert r["compiled_by_inductor"] == [False]
         (message,) = r["warnings"]
-        assert "NotImplementedError: no lowering for aten.frobnicate" in message and "runs as backend='eager'" in message
+        assert (
+            "NotImplementedError: no lowering for aten.frobnicate" in message and "runs as backend='eager'" in message
+        )
         assert "more lines" not in message
 
 
@@ -79,7 +83,9 @@ ZOO = [("llama", "fsdp"), ("unet", "dp")]
 def test_compiled_zoo_model_trains_like_torch_on_one_device(world, name, layout):
     for r in world("zoo_jit.py", name, layout, "inductor", nproc=2):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
-        assert r["not_close"] == [], r["max_param_err"]  # the zoo's tolerances (rtol 1e-5, atol 1e-6) after 3 AdamW steps
+        assert r["not_close"] == [], r[
+            "max_param_err"
+        ]  # the zoo's tolerances (rtol 1e-5, atol 1e-6) after 3 AdamW steps
         assert r["plan_count"] == 1 and r["compiled_by_inductor"] and r["warnings"] == []
 
 
@@ -93,8 +99,12 @@ def test_compiled_pipeline_stages_train_like_one_device(world):
     for rank, r in enumerate(world("pipeline_gpt.py", "1", "inductor", nproc=2)):
         r = r["1f1b"]
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
-        assert r["max_param_err"] < 3e-5   # AdamW moves a param whose gradient is ~0 by its rounding (tests/transforms/test_pipeline.py)
-        assert r["compiled_by_inductor"] == [True] * (5 if rank else 3), r["compiled_by_inductor"]  # stage forward, backward, reduction; the loss's two
+        assert (
+            r["max_param_err"] < 3e-5
+        )  # AdamW moves a param whose gradient is ~0 by its rounding (tests/transforms/test_pipeline.py)
+        assert r["compiled_by_inductor"] == [True] * (5 if rank else 3), r[
+            "compiled_by_inductor"
+        ]  # stage forward, backward, reduction; the loss's two
         assert r["warnings"] == []
 
 

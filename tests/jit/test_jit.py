@@ -14,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P
+
 STEPS = 2
 LR = 0.1
 
@@ -130,7 +131,9 @@ def test_gpt_matches_unsharded(sim, layout):
     assert jitted.plan_count == 1
 
 
-@pytest.mark.parametrize("case,layout", [("mlp", "dp_tp"), ("mlp", "fsdp"), ("attention", "dp_tp"), ("attention", "dp_cp")])
+@pytest.mark.parametrize(
+    "case,layout", [("mlp", "dp_tp"), ("mlp", "fsdp"), ("attention", "dp_tp"), ("attention", "dp_cp")]
+)
 def test_blocks_match_unsharded(sim, case, layout):
     params, batch, loss_fn = {"mlp": mlp_case, "attention": attention_case}[case]()
     step = make_step(loss_fn)
@@ -164,7 +167,9 @@ def megatron_mlp(sim, input_grad: bool):
     params, (x, y), loss_fn = mlp_case()
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    p = vsf.device_put(params, {"w1": vsf.NamedSharding(mesh, P(None, "tp")), "w2": vsf.NamedSharding(mesh, P("tp", None))})
+    p = vsf.device_put(
+        params, {"w1": vsf.NamedSharding(mesh, P(None, "tp")), "w2": vsf.NamedSharding(mesh, P("tp", None))}
+    )
     xb, yb = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("dp")))
 
     def step(params, x, y):
@@ -233,9 +238,14 @@ def test_bucketed_gathers_and_scatters_equal_one_device(sim, axes, dim):
     mesh = vsf.make_mesh((4,) if len(axes) == 1 else (2, 2), axes)
     spec, data = (P("fsdp") if dim == 0 else P(None, "fsdp")), P(axes)
     jitted, got_params, got_losses = run_sharded(step, params, (x, y), mesh, {"w1": spec, "w2": spec}, data, steps=3)
-    placed = vsf.device_put(params, vsf.NamedSharding(mesh, spec)), *vsf.device_put((x, y), vsf.NamedSharding(mesh, data))
+    placed = (
+        vsf.device_put(params, vsf.NamedSharding(mesh, spec)),
+        *vsf.device_put((x, y), vsf.NamedSharding(mesh, data)),
+    )
     kinds = sorted(b.kind for b in jitted.lower(*placed).plan.buckets)
-    assert kinds == (["all_gather", "reduce_scatter"] if len(axes) == 1 else ["all_gather", "all_reduce", "reduce_scatter"])
+    assert kinds == (
+        ["all_gather", "reduce_scatter"] if len(axes) == 1 else ["all_gather", "all_reduce", "reduce_scatter"]
+    )
     assert_close_trees(got_params, want_params)
     torch.testing.assert_close(torch.stack(got_losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
 
@@ -315,7 +325,12 @@ def test_a_plan_switch_changed_between_calls_plans_again_with_its_value(sim, mon
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
     split = lambda t, d: vsf.device_put(t, vsf.NamedSharding(mesh, P(*[None] * d, "dp")))  # noqa: E731
-    x1, x2, w1, w2 = split(torch.randn(4, 6), 1), split(torch.randn(4, 6), 1), split(torch.randn(6, 4), 0), split(torch.randn(6, 4), 0)
+    x1, x2, w1, w2 = (
+        split(torch.randn(4, 6), 1),
+        split(torch.randn(4, 6), 1),
+        split(torch.randn(6, 4), 0),
+        split(torch.randn(6, 4), 0),
+    )
     jf = vsf.jit(lambda a, b, c, d: (a @ c, b @ d), out_shardings=vsf.NamedSharding(mesh, P()))
     members = lambda: [len(b.members) for b in jf.lower(x1, x2, w1, w2).plan.buckets]  # noqa: E731
     assert members() == [2] and jf.plan_count == 1
@@ -326,9 +341,11 @@ def test_a_plan_switch_changed_between_calls_plans_again_with_its_value(sim, mon
     torch.testing.assert_close(vsf.device_get(out[0]), vsf.device_get(x1) @ vsf.device_get(w1))
     assert jf.plan_count == 2
     monkeypatch.setattr(vsf.config, "bucket_bytes", 4 * 2**20)
-    assert members() == [2] and jf.plan_count == 2   # the first plan, from the cache
+    assert members() == [2] and jf.plan_count == 2  # the first plan, from the cache
     monkeypatch.setattr(vsf.config, "context_parallel", "rings")
-    with pytest.raises(ValueError, match=r"vsf.config.context_parallel must be one of \('auto', 'all_gather', 'ring'\), got 'rings'"):
+    with pytest.raises(
+        ValueError, match=r"vsf.config.context_parallel must be one of \('auto', 'all_gather', 'ring'\), got 'rings'"
+    ):
         jf(x1, x2, w1, w2)
 
 
@@ -349,7 +366,11 @@ def test_in_and_out_shardings(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
     x = torch.randn(8, 6)
-    f = vsf.jit(lambda a: a * 2 + 1, in_shardings=vsf.NamedSharding(mesh, P("dp")), out_shardings=vsf.NamedSharding(mesh, P(None, "tp")))
+    f = vsf.jit(
+        lambda a: a * 2 + 1,
+        in_shardings=vsf.NamedSharding(mesh, P("dp")),
+        out_shardings=vsf.NamedSharding(mesh, P(None, "tp")),
+    )
     out = f(x)
     assert vsf.typeof(out) == "f32[8,6@tp]"
     torch.testing.assert_close(vsf.device_get(out), x * 2 + 1)
@@ -460,7 +481,17 @@ def _reused(fn, *args):
     ptrs = [a.data_ptr() for a in mine]
     outs = gm(*mine)
     taken = [ptrs.index(o.data_ptr()) if o.data_ptr() in ptrs else None for o in outs]
-    return outs, taken, [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable]
+    return (
+        outs,
+        taken,
+        [
+            str(n.target)
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+            and getattr(n.target, "_schema", None) is not None
+            and n.target._schema.is_mutable
+        ],
+    )
 
 
 def test_donated_buffer_takes_a_result_at_its_last_use():
@@ -481,7 +512,11 @@ def test_donated_buffer_takes_a_result_at_its_last_use():
 @pytest.mark.parametrize("moment_read_later", [False, True])
 def test_donated_moments_take_the_fused_adam_step_in_place(moment_read_later):
     # vsf::adam_step overwrites both moments in its in-place twin: only when both are free to take
-    count, lr, decay = torch.tensor(3.0), torch.tensor(1e-2, dtype=torch.float64), torch.tensor(-1e-3, dtype=torch.float64)
+    count, lr, decay = (
+        torch.tensor(3.0),
+        torch.tensor(1e-2, dtype=torch.float64),
+        torch.tensor(-1e-3, dtype=torch.float64),
+    )
 
     def step(g, m, v, p):
         u, m2, v2 = torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, 0.9, 0.999, 1e-8)
@@ -491,7 +526,9 @@ def test_donated_moments_take_the_fused_adam_step_in_place(moment_read_later):
     outs, taken, inplace = _reused(step, g, m, v, p)
     for got, want in zip(outs, step(g, m, v, p)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert (taken[1:3], "vsf.adam_step_.default" in inplace) == (([None, None], False) if moment_read_later else ([1, 2], True))
+    assert (taken[1:3], "vsf.adam_step_.default" in inplace) == (
+        ([None, None], False) if moment_read_later else ([1, 2], True)
+    )
     assert taken[0] == 3  # the op only read p (for the decay): p + u still takes p's buffer
 
 
@@ -513,16 +550,20 @@ def test_donated_buffer_takes_a_result_after_its_split_views_are_read():
 def test_donated_buffer_is_not_overwritten_while_a_view_of_it_is_read(case):
     def view_read_later(p):
         t = p.t()
-        return p + 1, t * 2     # t is read after p + 1: p + 1 may not overwrite p
+        return p + 1, t * 2  # t is read after p + 1: p + 1 may not overwrite p
 
     def view_read_by_the_op(p):
-        return [p + p.t()]      # an in-place add would read the transposed p while writing it
+        return [p + p.t()]  # an in-place add would read the transposed p while writing it
 
     def split_view_read_later(p):
         half = p.split(2)[1]
         return p + 1, half * 2
 
-    fn = {"view_read_later": view_read_later, "view_read_by_the_op": view_read_by_the_op, "split_view_read_later": split_view_read_later}[case]
+    fn = {
+        "view_read_later": view_read_later,
+        "view_read_by_the_op": view_read_by_the_op,
+        "split_view_read_later": split_view_read_later,
+    }[case]
     p = torch.randn(4, 4)
     outs, taken, _ = _reused(fn, p)
     for got, want in zip(outs, fn(p)):
@@ -601,6 +642,7 @@ def test_input_mutation_is_refused(sim):
 # -- on 4 real gloo processes ------------------------------------------------------------------
 # vsf.jit on 4 real gloo processes (tier 3): each rank runs the traced program over its local shards.
 
+
 @pytest.fixture(scope="module")
 def ranks(world):
     return world("jit_step.py")
@@ -675,7 +717,12 @@ def test_step_input_names_the_input_a_traced_tensor_is_and_its_sharding(sim):
 
     def f(p, x):
         w = vsf.grad(lambda w: (w * 2).sum())(p["w"])  # (a detached copy is what grad differentiates)
-        seen.update(w=step_input(p["w"]), cast=step_input(p["w"].detach().to(torch.bfloat16)), x=step_input(x), computed=step_input(x + 1))
+        seen.update(
+            w=step_input(p["w"]),
+            cast=step_input(p["w"].detach().to(torch.bfloat16)),
+            x=step_input(x),
+            computed=step_input(x + 1),
+        )
         return w + x
 
     sim(2)

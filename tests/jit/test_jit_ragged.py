@@ -47,7 +47,11 @@ def test_fsdp_step_gathers_params_and_scatters_grads_ragged(sim):
     want_params, want_loss = step(params, x, y)
     sim(4)
     mesh = vsf.make_mesh((4,), ("fsdp",))
-    specs = {"w1": P(vsf.ragged("fsdp", units=(1, 2, 1, 0))), "w2": P(vsf.ragged("fsdp", units=(3, 1, 2, 2))), "b": P(vsf.ragged("fsdp", units=(1, 1, 1, 1)))}
+    specs = {
+        "w1": P(vsf.ragged("fsdp", units=(1, 2, 1, 0))),
+        "w2": P(vsf.ragged("fsdp", units=(3, 1, 2, 2))),
+        "b": P(vsf.ragged("fsdp", units=(1, 1, 1, 1))),
+    }
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
     batch = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("fsdp")))
     jstep = vsf.jit(step)

@@ -165,8 +165,8 @@ def test_a_shard_is_laid_out_as_the_traced_value():
     out = _traced_layout(local, traced)
     assert out.stride(0) == 0 and torch.equal(out, local)
 
-    traced = torch.randn(8, 6).t()              # stored [6, 8] column-major
-    local = traced[:3].contiguous()             # a row-major shard of it
+    traced = torch.randn(8, 6).t()  # stored [6, 8] column-major
+    local = traced[:3].contiguous()  # a row-major shard of it
     out = _traced_layout(local, traced)
     assert out.stride() == (1, 3) and torch.equal(out, local)
 

@@ -76,7 +76,9 @@ def test_attention_on_split_heads_sends_only_the_loss_reduction(sim, layout):
     cost = jitted.lower(*args).cost()
     ring = {a: 2 * (mesh.axis_size(a) - 1) / mesh.axis_size(a) * 4 for a in names}
     assert {a: cost.comm_bytes.get(a, 0) for a in names} == pytest.approx(ring)
-    assert {c.kind for c in cost.collectives} == {"all_reduce"} and all(math.prod(c.shape) == 1 for c in cost.collectives)
+    assert {c.kind for c in cost.collectives} == {"all_reduce"} and all(
+        math.prod(c.shape) == 1 for c in cost.collectives
+    )
     loss, grads = jitted(*args)
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=1e-5)
     assert_close_trees(vsf.device_get(grads), want_grads)
@@ -106,7 +108,11 @@ def test_megatron_gpt_matches_one_device_and_never_moves_attention(sim, layout):
     jitted = vsf.jit(gpt_step(model))
     plan = jitted.lower(sharded, *data).plan
     bmm = aten.bmm.default
-    moved = [r for r in plan.redistributions if meta_of(r.value).ndim == 4 or r.value[0].target is bmm or r.before.target is bmm]
+    moved = [
+        r
+        for r in plan.redistributions
+        if meta_of(r.value).ndim == 4 or r.value[0].target is bmm or r.before.target is bmm
+    ]
     assert not moved, [f"%{r.value[0].name} {r.src} -> {r.dst} before %{r.before.name}" for r in moved]
     loss, grads = jitted(sharded, *data)
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=1e-5)
@@ -163,7 +169,9 @@ def test_megatron_gpt_gathers_the_projection_where_its_work_costs_less_than_the_
     assert sum(cost.comm_bytes.values()) == cfg.layers * per_block
     assert sum(cost.comm_bytes.values()) < cfg.layers * 4 * 2 * ring * b * t * d * 4
     gathered = [c for c in cost.collectives if c.kind != "all_reduce"]  # (proj's input and weight: one bucket or two)
-    assert {c.kind for c in gathered} == {"all_gather"} and sum(math.prod(c.shape) for c in gathered) == cfg.layers * (b * t * d + d * d)
+    assert {c.kind for c in gathered} == {"all_gather"} and sum(math.prod(c.shape) for c in gathered) == cfg.layers * (
+        b * t * d + d * d
+    )
 
 
 def test_a_collective_start_up_above_the_bytes_it_saves_plans_megatron_with_fewer_collectives(sim, monkeypatch):

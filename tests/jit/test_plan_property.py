@@ -78,7 +78,7 @@ def unary(op, positive=False):
 def binary(op, positive_rhs=False):
     def build(draw, rng):
         shape = _shape(draw)
-        rhs = list(shape[draw(st.integers(0, len(shape) - 1)):])  # a suffix: broadcast
+        rhs = list(shape[draw(st.integers(0, len(shape) - 1)) :])  # a suffix: broadcast
         rhs = [1 if draw(st.booleans()) and draw(st.booleans()) else s for s in rhs]
         if draw(st.booleans()):
             a, b = shape, tuple(rhs)
@@ -152,7 +152,7 @@ def bmm(draw, rng):
 def view(draw, rng):
     shape = _shape(draw, 2, 3)
     i = draw(st.integers(0, len(shape) - 2))
-    merged = shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:]
+    merged = shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2 :]
     src, dst = (shape, merged) if draw(st.booleans()) else (merged, shape)  # merge or split
     op = draw(st.sampled_from([aten.view.default, aten._unsafe_view.default, aten.reshape.default]))
     return Case(lambda x: op(x, list(dst)), [_data(rng, src)])
@@ -188,7 +188,7 @@ def expand(draw, rng):
     dim = draw(st.integers(0, len(shape) - 1))
     size = shape[dim]
     shape[dim] = 1
-    return Case(lambda x: aten.expand.default(x, [*shape[:dim], size, *shape[dim + 1:]]), [_data(rng, shape)])
+    return Case(lambda x: aten.expand.default(x, [*shape[:dim], size, *shape[dim + 1 :]]), [_data(rng, shape)])
 
 
 def slice_(draw, rng):
@@ -240,7 +240,10 @@ def embedding_backward(draw, rng):
     vocab, width = _shape(draw, 2, 2)
     ids_shape = _shape(draw, 1, 2)
     ids = torch.from_numpy(rng.integers(0, vocab, ids_shape))
-    return Case(lambda g, i: aten.embedding_dense_backward.default(g, i, vocab, -1, False), [_data(rng, (*ids_shape, width)), ids])
+    return Case(
+        lambda g, i: aten.embedding_dense_backward.default(g, i, vocab, -1, False),
+        [_data(rng, (*ids_shape, width)), ids],
+    )
 
 
 def layer_norm(draw, rng):
@@ -297,14 +300,19 @@ def triu(draw, rng):
 
 def baddbmm(draw, rng):
     b, m, k, n = _shape(draw, 4, 4)
-    return Case(lambda c, x, y: aten.baddbmm.default(c, x, y, beta=0.5, alpha=2.0), [_data(rng, (b, m, n)), _data(rng, (b, m, k)), _data(rng, (b, k, n))])
+    return Case(
+        lambda c, x, y: aten.baddbmm.default(c, x, y, beta=0.5, alpha=2.0),
+        [_data(rng, (b, m, n)), _data(rng, (b, m, k)), _data(rng, (b, k, n))],
+    )
 
 
 def merged_bmm_case(rng, b, h, m, k, n):
     """A 4D matmul as it traces: batch and heads merged into one dim (a split of the heads becomes
     a strided shard of it), ``bmm``, and the result viewed back."""
     return Case(
-        lambda x, y: aten._unsafe_view.default(aten.bmm.default(aten.view.default(x, [b * h, m, k]), aten.view.default(y, [b * h, k, n])), [b, h, m, n]),
+        lambda x, y: aten._unsafe_view.default(
+            aten.bmm.default(aten.view.default(x, [b * h, m, k]), aten.view.default(y, [b * h, k, n])), [b, h, m, n]
+        ),
         [_data(rng, (b, h, m, k)), _data(rng, (b, h, k, n))],
     )
 
@@ -326,7 +334,9 @@ def layer_norm_backward_case(rng, shape, which):
     x, w, b = _data(rng, shape), _data(rng, (width,)), _data(rng, (width,))
     _, mean, rstd = aten.native_layer_norm.default(x, [width], w, b, 1e-5)
     return Case(
-        lambda g, x, mean, rstd, w, b: aten.native_layer_norm_backward.default(g, x, [width], mean, rstd, w, b, [True, True, True])[which],
+        lambda g, x, mean, rstd, w, b: aten.native_layer_norm_backward.default(
+            g, x, [width], mean, rstd, w, b, [True, True, True]
+        )[which],
         [_data(rng, shape), x, mean, rstd, w, b],
     )
 
@@ -406,7 +416,10 @@ def _spec(draw, mesh: vsf.Mesh, shape, may_be_partial: bool) -> P:
     for d, axes in entries.items():
         if shape[d] % math.prod(mesh.axis_size(a) for a in axes) == 0:  # DTensor splits against mesh order evenly only
             axes[:] = draw(st.permutations(axes))
-    spec = [None if d not in entries else entries[d][0] if len(entries[d]) == 1 else tuple(entries[d]) for d in range(len(shape))]
+    spec = [
+        None if d not in entries else entries[d][0] if len(entries[d]) == 1 else tuple(entries[d])
+        for d in range(len(shape))
+    ]
     return P(*spec, unreduced=unreduced)
 
 
@@ -420,7 +433,9 @@ def _put(mesh: vsf.Mesh, full: torch.Tensor, spec: P, rng: np.random.Generator) 
     parts[-1] = full - parts[:-1].sum(0)
     stacked = vsf.device_put(parts, vsf.NamedSharding(mesh, P(axes, *spec)))
     placements = vsf.NamedSharding(mesh, spec).placements
-    return DTensor.from_local(stacked.to_local()[0], mesh.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(
+        stacked.to_local()[0], mesh.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def _dtensor(mesh: vsf.Mesh, full: torch.Tensor, placements, rng: np.random.Generator) -> DTensor:
@@ -471,7 +486,9 @@ def _check_direct_ops_are_dtensors(plan, whole: dict, mesh: vsf.Mesh, rng: np.ra
         _check_on_local_shards(node, step, whole, mesh, rng)
 
 
-def _placed_args(node: torch.fx.Node, placements, whole: dict, mesh: vsf.Mesh, rng: np.random.Generator, local: bool = False):
+def _placed_args(
+    node: torch.fx.Node, placements, whole: dict, mesh: vsf.Mesh, rng: np.random.Generator, local: bool = False
+):
     """``node``'s args with each tensor the unsharded value laid out as ``placements`` (its local shards if ``local``)."""
     ins = iter(placements)
 
@@ -493,7 +510,9 @@ def _check_on_local_shards(node: torch.fx.Node, step, whole: dict, mesh: vsf.Mes
             continue
         want = _dtensor(mesh, value, p, rng).to_local()
         for rank, shard in local_shards(want, 0).items():
-            assert torch.equal(local_shards(got, rank)[rank], shard), f"{node.format_node()} on rank {rank}'s local shards {step.ins}: not its shard of the output as {p}"
+            assert torch.equal(local_shards(got, rank)[rank], shard), (
+                f"{node.format_node()} on rank {rank}'s local shards {step.ins}: not its shard of the output as {p}"
+            )
 
 
 def check(mesh: vsf.Mesh, case: Case, specs: list[P], out_spec: P | None, rng: np.random.Generator) -> str:
@@ -502,7 +521,9 @@ def check(mesh: vsf.Mesh, case: Case, specs: list[P], out_spec: P | None, rng: n
     want = case.fn(*case.inputs)
     note = f"inputs {[tuple(x.shape) for x in case.inputs]} as {specs}, output {tuple(want.shape)} as {out_spec}"
     args = [_put(mesh, x, s, rng) for x, s in zip(case.inputs, specs)]
-    jitted = vsf.jit(lambda *xs: [case.fn(*xs)], out_shardings=[None if out_spec is None else vsf.NamedSharding(mesh, out_spec)])
+    jitted = vsf.jit(
+        lambda *xs: [case.fn(*xs)], out_shardings=[None if out_spec is None else vsf.NamedSharding(mesh, out_spec)]
+    )
     try:
         plan = jitted.lower(*args).plan
     except PlanError as e:
@@ -535,53 +556,136 @@ def test_plan_matches_dtensor_and_the_unsharded_op(sim, op, data):
 def _two_sums(rng):
     # DTensor's sharding cache keys a call by the op's registered runtime info: asked without
     # it, sum(x, [0, 1]) answered for sum(x, [2]) (Partial where the program gets Shard(0))
-    return Case(lambda x: aten.sum.dim_IntList(x, [0, 1], True) * aten.sum.dim_IntList(x, [2], True), [_data(rng, (4, 6, 8))])
+    return Case(
+        lambda x: aten.sum.dim_IntList(x, [0, 1], True) * aten.sum.dim_IntList(x, [2], True), [_data(rng, (4, 6, 8))]
+    )
 
 
 PINNED = {
     "reductions over other dims of one value": ((4,), _two_sums, [P("dp")], None),
     # per mesh dim 2 rows may be split, but not over S(0), S(0) together: DTensor's nll_loss
     # strategy raises, its view rule answers with 2 rows over 4 shards (and the program fails)
-    "nll_loss on fewer rows than the combined shards": ((2, 2), lambda rng: nll_loss_case(rng, 2, 3), [P(unreduced=("dp", "tp")), P(("dp", "tp"))], None),
-    "view to fewer rows than the combined shards": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [2, 2]), [_data(rng, (4,))]), [P("dp", unreduced="tp")], None),
+    "nll_loss on fewer rows than the combined shards": (
+        (2, 2),
+        lambda rng: nll_loss_case(rng, 2, 3),
+        [P(unreduced=("dp", "tp")), P(("dp", "tp"))],
+        None,
+    ),
+    "view to fewer rows than the combined shards": (
+        (2, 2),
+        lambda rng: Case(lambda x: aten.view.default(x, [2, 2]), [_data(rng, (4,))]),
+        [P("dp", unreduced="tp")],
+        None,
+    ),
     # a max over shards has no identity for a rank that holds no rows (5 rows on 4 ranks: 2, 2, 1, 0)
-    "amax over an empty shard": ((4,), lambda rng: Case(lambda x: aten.amax.default(x, [0]), [_data(rng, (5, 3))]), [P("dp")], None),
+    "amax over an empty shard": (
+        (4,),
+        lambda rng: Case(lambda x: aten.amax.default(x, [0]), [_data(rng, (5, 3))]),
+        [P("dp")],
+        None,
+    ),
     # merging a dim split on tp into a dim before it leaves a strided shard no spec names
-    "view leaving a layout no spec names": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [4]), [_data(rng, (2, 2))]), [P(None, "tp")], None),
+    "view leaving a layout no spec names": (
+        (2, 2),
+        lambda rng: Case(lambda x: aten.view.default(x, [4]), [_data(rng, (2, 2))]),
+        [P(None, "tp")],
+        None,
+    ),
     # reduce-scattering 5 columns over 2 ranks unpads a column slice, which view cannot take
-    "view of an uneven column shard": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [15]), [_data(rng, (3, 5))]), [P(unreduced="tp")], None),
+    "view of an uneven column shard": (
+        (2, 2),
+        lambda rng: Case(lambda x: aten.view.default(x, [15]), [_data(rng, (3, 5))]),
+        [P(unreduced="tp")],
+        None,
+    ),
     # an all-to-all leaves rstd a strided view, which CPU layer-norm backward reads as contiguous
-    "layer-norm backward of a moved rstd": ((2,), lambda rng: layer_norm_backward_case(rng, (3, 2), 0), [P(), P(), P(), P(None, "dp"), P(), P()], None),
+    "layer-norm backward of a moved rstd": (
+        (2,),
+        lambda rng: layer_norm_backward_case(rng, (3, 2), 0),
+        [P(), P(), P(), P(None, "dp"), P(), P()],
+        None,
+    ),
     # dp's split factor in P(("tp", "dp")) is tp's split: DTensor cannot gather tp and keep dp strided
-    "elementwise op gathering the major axis of a nesting": ((2, 2), lambda rng: Case(aten.neg.default, [_data(rng, (4,))]), [P(("tp", "dp"))], P("dp")),
+    "elementwise op gathering the major axis of a nesting": (
+        (2, 2),
+        lambda rng: Case(aten.neg.default, [_data(rng, (4,))]),
+        [P(("tp", "dp"))],
+        P("dp"),
+    ),
     # DTensor's view rule maps a strided input to a wrong layout (a silent wrong result), and makes
     # nestings out of plain shards that no redistribution undoes
-    "view of a strided shard": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [6, 4]), [_data(rng, (24,))]), [P(("tp", "dp"))], None),
-    "view merging two sharded dims": ((2, 2), lambda rng: Case(lambda x: aten.view.default(x, [8]), [_data(rng, (4, 2))]), [P("tp", unreduced="dp")], None),
+    "view of a strided shard": (
+        (2, 2),
+        lambda rng: Case(lambda x: aten.view.default(x, [6, 4]), [_data(rng, (24,))]),
+        [P(("tp", "dp"))],
+        None,
+    ),
+    "view merging two sharded dims": (
+        (2, 2),
+        lambda rng: Case(lambda x: aten.view.default(x, [8]), [_data(rng, (4, 2))]),
+        [P("tp", unreduced="dp")],
+        None,
+    ),
     # heads split on tp (and the batch on dp) merged into one dim: bmm and the view back keep the split
-    "bmm of merged batch and heads": ((2, 2), lambda rng: merged_bmm_case(rng, 2, 4, 3, 2, 3), [P("dp", "tp"), P("dp", "tp")], None),
-    "bmm of merged heads": ((2, 2), lambda rng: merged_bmm_case(rng, 3, 4, 2, 2, 2), [P(None, ("tp", "dp")), P(None, ("tp", "dp"))], None),
+    "bmm of merged batch and heads": (
+        (2, 2),
+        lambda rng: merged_bmm_case(rng, 2, 4, 3, 2, 3),
+        [P("dp", "tp"), P("dp", "tp")],
+        None,
+    ),
+    "bmm of merged heads": (
+        (2, 2),
+        lambda rng: merged_bmm_case(rng, 3, 4, 2, 2, 2),
+        [P(None, ("tp", "dp")), P(None, ("tp", "dp"))],
+        None,
+    ),
     # DTensor moving (S(0)/sf2, R) to (R, S(0)) in one step slices tp first, then regathers dp as if
     # it split the whole dim (each rank got all rows, wrongly ordered)
-    "strided shard gathered while another mesh dim slices": ((2, 2), lambda rng: merged_bmm_case(rng, 2, 2, 1, 1, 1), [P("tp"), P(None, "dp")], None),
+    "strided shard gathered while another mesh dim slices": (
+        (2, 2),
+        lambda rng: merged_bmm_case(rng, 2, 2, 1, 1, 1),
+        [P("tp"), P(None, "dp")],
+        None,
+    ),
     # a replicated value may become partial by keeping a share on each rank, but integer indices
     # cannot (embedding's rule, asked with partial indices, takes them)
-    "embedding of replicated indices on a split table": ((4,), lambda rng: Case(aten.embedding.default, [_data(rng, (4, 1)), torch.from_numpy(rng.integers(0, 4, (1,)))]), [P("dp"), P()], None),
+    "embedding of replicated indices on a split table": (
+        (4,),
+        lambda rng: Case(aten.embedding.default, [_data(rng, (4, 1)), torch.from_numpy(rng.integers(0, 4, (1,)))]),
+        [P("dp"), P()],
+        None,
+    ),
     # embedding's rules name plain shards: DTensor does not keep strided indices strided
     "embedding of strided indices": (
-        (2, 2), lambda rng: Case(aten.embedding.default, [_data(rng, (3, 2)), torch.from_numpy(rng.integers(0, 3, (8,)))]), [P(), P(("tp", "dp"))], None,
+        (2, 2),
+        lambda rng: Case(aten.embedding.default, [_data(rng, (3, 2)), torch.from_numpy(rng.integers(0, 3, (8,)))]),
+        [P(), P(("tp", "dp"))],
+        None,
     ),
     # DTensor's argmax handler takes plain shards only: it raised NotImplementedError on a strided one
-    "argmax across a strided shard": ((2, 2), lambda rng: Case(lambda x: aten.argmax.default(x, 1, False), [_data(rng, (4, 3))]), [P(("tp", "dp"))], None),
+    "argmax across a strided shard": (
+        (2, 2),
+        lambda rng: Case(lambda x: aten.argmax.default(x, 1, False), [_data(rng, (4, 3))]),
+        [P(("tp", "dp"))],
+        None,
+    ),
     # a bucketed all-gather read a one-element-a-rank member (layer norm's mean) back as a strided
     # view of the buffer, which CPU layer-norm backward reads as a contiguous block: a wrong weight gradient
-    "layer norm backward of a gathered mean": ((4,), lambda rng: layer_norm_backward_case(rng, (4, 4), 1), [P(), P(), P("dp", None), P(), P(), P("dp")], None),
+    "layer norm backward of a gathered mean": (
+        (4,),
+        lambda rng: layer_norm_backward_case(rng, (4, 4), 1),
+        [P(), P(), P("dp", None), P(), P(), P("dp")],
+        None,
+    ),
 }
 
 
 def nll_loss_case(rng, n, c):
     target = torch.from_numpy(rng.integers(0, c, (n,)))
-    return Case(lambda x, t: aten.nll_loss_forward.default(x, t, None, 1, -100)[0], [torch.log_softmax(_data(rng, (n, c)), -1), target])
+    return Case(
+        lambda x, t: aten.nll_loss_forward.default(x, t, None, 1, -100)[0],
+        [torch.log_softmax(_data(rng, (n, c)), -1), target],
+    )
 
 
 @pytest.mark.parametrize("name", list(PINNED))
@@ -599,9 +703,14 @@ def test_a_move_no_redistribution_makes_is_a_plan_error(sim, monkeypatch):
     bare ``KeyError: 'invalid'`` there."""
     from vsf.jit import strategies
 
-    monkeypatch.setattr(strategies, "dtensor_decision", lambda node, dm, want_in, asked: ([(Partial("max"),)], [(Partial("max"),)]))
+    monkeypatch.setattr(
+        strategies, "dtensor_decision", lambda node, dm, want_in, asked: ([(Partial("max"),)], [(Partial("max"),)])
+    )
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
     x = vsf.device_put(torch.ones(4, 3), vsf.NamedSharding(mesh, P("dp")))
-    with pytest.raises(PlanError, match=r"aten.sum.dim_IntList wants %arg0_1 as \(Partial\(max\),\) but it is \(Shard\(dim=0\),\).*test_plan_property.py"):
+    with pytest.raises(
+        PlanError,
+        match=r"aten.sum.dim_IntList wants %arg0_1 as \(Partial\(max\),\) but it is \(Shard\(dim=0\),\).*test_plan_property.py",
+    ):
         vsf.jit(lambda x: x.sum(0)).lower(x)

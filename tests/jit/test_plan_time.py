@@ -28,7 +28,9 @@ def _layouts(n_inputs: int, ndim: int, choices: list, count: int) -> list[tuple[
     out = []
     for _ in range(count):
         replicated = set(rng.sample(range(ndim), rng.randint(1, ndim)))
-        out.append(tuple(tuple(R if k in replicated else rng.choice(choices) for k in range(ndim)) for _ in range(n_inputs)))
+        out.append(
+            tuple(tuple(R if k in replicated else rng.choice(choices) for k in range(ndim)) for _ in range(n_inputs))
+        )
     return out
 
 
@@ -98,7 +100,9 @@ def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape)
     sim(math.prod(shape), compute=False)
     asked = []
     choose = solver.AxisSolver._choose
-    monkeypatch.setattr(solver.AxisSolver, "_choose", lambda self, k, greedy: asked.append(k) or choose(self, k, greedy))
+    monkeypatch.setattr(
+        solver.AxisSolver, "_choose", lambda self, k, greedy: asked.append(k) or choose(self, k, greedy)
+    )
     reused = _gpt_plan(4, shape)
     decided = len(asked)
     monkeypatch.setattr(solver.AxisSolver, "reuse", False)
@@ -107,7 +111,9 @@ def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape)
     assert decided < len(asked) / 2  # blocks were decided once, not op by op
     a, b = reused.plan, one_by_one.plan
     assert [(p.ins, p.outs) for p in a.nodes.values()] == [(p.ins, p.outs) for p in b.nodes.values()]
-    assert [(r.value[0].name, r.src, r.dst) for r in a.redistributions] == [(r.value[0].name, r.src, r.dst) for r in b.redistributions]
+    assert [(r.value[0].name, r.src, r.dst) for r in a.redistributions] == [
+        (r.value[0].name, r.src, r.dst) for r in b.redistributions
+    ]
     assert reused.cost().comm_bytes == one_by_one.cost().comm_bytes
     assert reused.cost().collectives == one_by_one.cost().collectives
 

@@ -31,7 +31,7 @@ from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding import constraint
 
 aten = torch.ops.aten
-BUCKET_BYTES = PlanOptions().bucket_bytes   # vsf.config.bucket_bytes's default
+BUCKET_BYTES = PlanOptions().bucket_bytes  # vsf.config.bucket_bytes's default
 R, P = Replicate(), Partial()
 
 
@@ -49,14 +49,29 @@ def _node(gm, target):
 
 def test_each_kind_of_op_is_classified_once_from_its_target_and_arguments():
     const = torch.arange(4.0)
-    gm = _graph(lambda x, w: (x @ w, x.sum(), torch.ones_like(x), torch.ones(3), x.renorm(2, 0, 1.0), torch.bernoulli(x.sigmoid()), x + const), (4, 4), (4, 4), mode="real")
+    gm = _graph(
+        lambda x, w: (
+            x @ w,
+            x.sum(),
+            torch.ones_like(x),
+            torch.ones(3),
+            x.renorm(2, 0, 1.0),
+            torch.bernoulli(x.sigmoid()),
+            x + const,
+        ),
+        (4, 4),
+        (4, 4),
+        mode="real",
+    )
     assert classify(_node(gm, aten.mm.default)) == OpClass("strategy", "single", local=True, ragged_reduction=False)
     assert classify(_node(gm, aten.sum.default)) == OpClass("strategy", "full", local=False, ragged_reduction=True)
     assert classify(_node(gm, aten.ones_like.default)).kind == "value_blind"
     assert classify(_node(gm, aten.ones.default)).kind == "constant"  # a factory: no tensor input
     assert classify(_node(gm, aten.renorm.default)).kind == "none"  # DTensor registers no strategy
     # a random op has per-mesh-dim rules but DTensor's dispatcher runs it its own way
-    assert classify(_node(gm, aten.bernoulli.default)) == OpClass("strategy", "single", local=False, ragged_reduction=False)
+    assert classify(_node(gm, aten.bernoulli.default)) == OpClass(
+        "strategy", "single", local=False, ragged_reduction=False
+    )
     (attr,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
     assert classify(attr).kind == "constant"
 
@@ -113,7 +128,9 @@ def test_the_cost_table_charges_a_latency_per_collective_and_forbids_impossible_
     assert codes.factor[p][r] == 1.0 and codes.fixed[p][r] == COLLECTIVE_LATENCY_BYTES  # all-reduce: 2(n-1)/n
     assert codes.factor[s0][r] == 0.5 and codes.factor[p][s0] == 0.5
     assert codes.fixed[r][s0] == 0.0  # a slice starts no collective
-    assert codes.factor[r][p] == codes.factor[r][s0] and codes.fixed[r][p] == 0.0  # a replicated value's share: local, a token
+    assert (
+        codes.factor[r][p] == codes.factor[r][s0] and codes.fixed[r][p] == 0.0
+    )  # a replicated value's share: local, a token
     assert codes.factor[s0][p] == float("inf")  # a shard never becomes partial by moving
 
 
@@ -189,19 +206,37 @@ def test_moves_through_strided_shards_that_dtensor_cannot_make_are_made_by_vsf(s
     sim(4, compute=False)
     fsdp_cp = vsf.make_mesh((2, 2), ("fsdp", "cp"))
     t = torch.empty(16, 3)
-    assert local_step(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), (R, StridedShard(0, split_factor=4))) == (0, 0)
-    kinds = [(c.kind, c.axis, c.shape) for c in collectives_of(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), (R, StridedShard(0, split_factor=4)))]
+    assert local_step(
+        fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), (R, StridedShard(0, split_factor=4))
+    ) == (0, 0)
+    kinds = [
+        (c.kind, c.axis, c.shape)
+        for c in collectives_of(
+            fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), (R, StridedShard(0, split_factor=4))
+        )
+    ]
     assert kinds == [("all_gather", "fsdp", (8, 3))]
     kept = (R, StridedShard(0, split_factor=2))
     assert local_step(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), kept) is None
     regather = strided_regather(fsdp_cp, (16, 3), (Shard(0), StridedShard(0, split_factor=2)), kept)
-    assert regather.gathers == ((1, 0, StridedShard(0, split_factor=2), 8), (0, 0, Shard(0), 16)) and regather.slices == ((1, 0, StridedShard(0, split_factor=2), 16),)
+    assert regather.gathers == (
+        (1, 0, StridedShard(0, split_factor=2), 8),
+        (0, 0, Shard(0), 16),
+    ) and regather.slices == ((1, 0, StridedShard(0, split_factor=2), 16),)
     got = collectives_of(fsdp_cp, t, (Shard(0), StridedShard(0, split_factor=2)), kept)
     # an all-gather sends (n-1)/n of what it gathers: 8 x 3 and 16 x 3 f32
-    assert [(c.kind, c.axis, c.shape, c.bytes) for c in got] == [("all_gather", "cp", (8, 3), 8 * 3 * 4 // 2), ("all_gather", "fsdp", (16, 3), 16 * 3 * 4 // 2)]
+    assert [(c.kind, c.axis, c.shape, c.bytes) for c in got] == [
+        ("all_gather", "cp", (8, 3), 8 * 3 * 4 // 2),
+        ("all_gather", "fsdp", (16, 3), 16 * 3 * 4 // 2),
+    ]
     cp_dp = vsf.make_mesh((2, 2), ("cp", "dp"))
-    assert local_step(cp_dp, t, (StridedShard(0, split_factor=4), Shard(0)), (StridedShard(0, split_factor=4), R)) == (1, 0)
-    assert strided_regather(cp_dp, (15, 3), (StridedShard(0, split_factor=4), Shard(0)), (R, R)) is None   # uneven: not vsf's
+    assert local_step(cp_dp, t, (StridedShard(0, split_factor=4), Shard(0)), (StridedShard(0, split_factor=4), R)) == (
+        1,
+        0,
+    )
+    assert (
+        strided_regather(cp_dp, (15, 3), (StridedShard(0, split_factor=4), Shard(0)), (R, R)) is None
+    )  # uneven: not vsf's
 
 
 def _layouts(ndim, two_dims):
@@ -229,8 +264,11 @@ def test_moves_vsf_makes_itself_give_dtensors_own_shards(sim, sizes):
     sim(math.prod(sizes))
     mesh = vsf.make_mesh(sizes, ("a", "b", "c")[: len(sizes)])
     ours = [
-        (src, dst) for src, dst in itertools.permutations(layouts, 2)
-        if not any(isinstance(b, Partial) and a != b for a, b in zip(src, dst))   # a partial sum is made by ops, not by moves
+        (src, dst)
+        for src, dst in itertools.permutations(layouts, 2)
+        if not any(
+            isinstance(b, Partial) and a != b for a, b in zip(src, dst)
+        )  # a partial sum is made by ops, not by moves
         and (local_step(mesh, x, src, dst) is not None or strided_regather(mesh, tuple(x.shape), src, dst) is not None)
     ]
     assert len(ours) > (1000 if len(sizes) == 2 else 200)
@@ -277,7 +315,12 @@ def test_a_reduction_that_depends_on_another_is_not_bucketed_with_it(sim):
     buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [add], id(moves[1]): [out]}, BUCKET_BYTES)
     # each reduction alone, started right after its value exists
     nodes = list(gm.graph.nodes)
-    want = nodes[: nodes.index(first) + 1] + [moves[0]] + nodes[nodes.index(first) + 1 : nodes.index(last) + 1] + [moves[1], out]
+    want = (
+        nodes[: nodes.index(first) + 1]
+        + [moves[0]]
+        + nodes[nodes.index(first) + 1 : nodes.index(last) + 1]
+        + [moves[1], out]
+    )
     assert buckets == () and list(order) == want
 
 
@@ -291,8 +334,12 @@ def test_uneven_or_mixed_dtype_reductions_stay_apart(sim):
     assert form_buckets(mesh, gm, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0] == ()  # float32 and float64
     odd = _graph(lambda a, b: (a * 2, b * 3), (5, 4), (8, 4))
     out = output_node(odd)
-    moves = [Redistribution(value_of(n), (Shard(0),), (R,), (), out) for n in odd.graph.nodes if n.target is aten.mul.Tensor]
-    assert form_buckets(mesh, odd, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0] == ()  # gathers, not reductions
+    moves = [
+        Redistribution(value_of(n), (Shard(0),), (R,), (), out) for n in odd.graph.nodes if n.target is aten.mul.Tensor
+    ]
+    assert (
+        form_buckets(mesh, odd, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0] == ()
+    )  # gathers, not reductions
 
 
 def test_which_redistributions_can_join_a_bucket(sim):
@@ -324,7 +371,10 @@ def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
     x, a, b = [n for n in gm.graph.nodes if n.op == "placeholder"]
     mul = _node(gm, aten.mul.Tensor)
     mm1, mm2 = [n for n in gm.graph.nodes if n.target is aten.mm.default]
-    moves = [Redistribution(value_of(w), (Shard(0),), (R,), collectives_of(mesh, w.meta["val"], (Shard(0),), (R,)), mm) for w, mm in ((a, mm1), (b, mm2))]
+    moves = [
+        Redistribution(value_of(w), (Shard(0),), (R,), collectives_of(mesh, w.meta["val"], (Shard(0),), (R,)), mm)
+        for w, mm in ((a, mm1), (b, mm2))
+    ]
     buckets, order = form_buckets(mesh, gm, moves, {id(moves[0]): [mm1], id(moves[1]): [mm2]}, BUCKET_BYTES)
     (bucket,) = buckets
     assert bucket.kind == "all_gather" and bucket.members == tuple(moves) and bucket.before is mm1
@@ -450,9 +500,33 @@ def test_a_reduce_scatter_is_waited_for_before_the_next_one_is_issued():
 def test_a_collective_is_waited_for_at_its_first_use_never_past_a_write_of_its_input(in_place):
     from vsf.jit.overlap import wait_late
 
-    names = [str(n.target).split(".")[1] if n.op == "call_function" else n.op for n in wait_late(_collective_graph(in_place)).graph.nodes]
+    names = [
+        str(n.target).split(".")[1] if n.op == "call_function" else n.op
+        for n in wait_late(_collective_graph(in_place)).graph.nodes
+    ]
     if in_place in ("x", "view of x"):  # x is still being sent until the wait
         view = ["t"] if in_place != "x" else []
-        assert names == ["placeholder", "placeholder", "all_reduce", "mul", *view, "wait_tensor", "view", "add_", "add", "output"]
+        assert names == [
+            "placeholder",
+            "placeholder",
+            "all_reduce",
+            "mul",
+            *view,
+            "wait_tensor",
+            "view",
+            "add_",
+            "add",
+            "output",
+        ]
     else:  # writing another buffer in place holds no wait back
-        assert names == ["placeholder", "placeholder", "all_reduce", "mul", *(["add_"] if in_place else []), "wait_tensor", "view", "add", "output"]
+        assert names == [
+            "placeholder",
+            "placeholder",
+            "all_reduce",
+            "mul",
+            *(["add_"] if in_place else []),
+            "wait_tensor",
+            "view",
+            "add",
+            "output",
+        ]

@@ -22,7 +22,10 @@ def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 def _params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"w1": (torch.randn(16, 32, generator=g) / 4).to(BF16), "w2": (torch.randn(32, 16, generator=g) / 6).to(BF16)}
+    return {
+        "w1": (torch.randn(16, 32, generator=g) / 4).to(BF16),
+        "w2": (torch.randn(32, 16, generator=g) / 6).to(BF16),
+    }
 
 
 def _batches() -> list[torch.Tensor]:
@@ -63,7 +66,9 @@ def _error(got, want) -> float:
     return sum((got[k] - want[k]).norm().item() for k in want)
 
 
-@pytest.mark.parametrize("axis, n, kind, factor", [("dp", 8, "all_reduce", 2 * 7 / 8), ("fsdp", 2, "reduce_scatter", 1 / 2)])
+@pytest.mark.parametrize(
+    "axis, n, kind, factor", [("dp", 8, "all_reduce", 2 * 7 / 8), ("fsdp", 2, "reduce_scatter", 1 / 2)]
+)
 def test_bf16_gradients_are_reduced_in_fp32_at_fp32_bytes_and_closer_to_one_device(sim, axis, n, kind, factor):
     want = _oracle()  # (before the simulated ranks start: torch's ops would run on every rank's values)
     sim(n)
@@ -74,7 +79,9 @@ def test_bf16_gradients_are_reduced_in_fp32_at_fp32_bytes_and_closer_to_one_devi
     grads = 16 * 32 + 32 * 16  # both weights' gradients, one bucket
     reductions = [c for c in lowered.cost().collectives if c.kind in ("all_reduce", "reduce_scatter")]
     assert [(c.kind, c.dtype, c.bytes) for c in reductions] == [(kind, torch.float32, round(factor * grads * 4))]
-    assert [(c.kind, c.dtype, c.bytes) for c in plain.cost().collectives if c.kind == kind] == [(kind, BF16, round(factor * grads * 2))]
+    assert [(c.kind, c.dtype, c.bytes) for c in plain.cost().collectives if c.kind == kind] == [
+        (kind, BF16, round(factor * grads * 2))
+    ]
     assert "sent in float32 (reduce_dtype; bfloat16 before and after)" in lowered.as_text()
     for got in (in_bf16, in_fp32):
         for k in want:

@@ -25,8 +25,11 @@ aten = torch.ops.aten
 
 def _params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {f"{i}.{k}": torch.randn(*shape, generator=g) / shape[0] ** 0.5 for i in range(LAYERS)
-            for k, shape in (("wq", (D, D)), ("w1", (D, FF)), ("w2", (FF, D)))}
+    return {
+        f"{i}.{k}": torch.randn(*shape, generator=g) / shape[0] ** 0.5
+        for i in range(LAYERS)
+        for k, shape in (("wq", (D, D)), ("w1", (D, FF)), ("w2", (FF, D)))
+    }
 
 
 def block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +45,9 @@ def block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, layer=block) -> torch.Tensor:
     """``layer`` for every block, or a list of one per block."""
     for i in range(LAYERS):
-        x = (layer[i] if isinstance(layer, list) else layer)({k.split(".")[1]: v for k, v in params.items() if k.startswith(f"{i}.")}, x)
+        x = (layer[i] if isinstance(layer, list) else layer)(
+            {k.split(".")[1]: v for k, v in params.items() if k.startswith(f"{i}.")}, x
+        )
     return x.square().mean()
 
 
@@ -65,7 +70,11 @@ def _oracle() -> dict[str, torch.Tensor]:
 LAYOUTS = {  # mesh, params' specs, batch spec
     "dp": (((2,), ("dp",)), lambda k: P(), P("dp")),
     "fsdp": (((2,), ("fsdp",)), lambda k: P("fsdp"), P("fsdp")),
-    "dp_tp": (((2, 2), ("dp", "tp")), lambda k: P(None, "tp") if k.endswith("w1") else P("tp", None) if k.endswith("w2") else P(), P("dp")),
+    "dp_tp": (
+        ((2, 2), ("dp", "tp")),
+        lambda k: P(None, "tp") if k.endswith("w1") else P("tp", None) if k.endswith("w2") else P(),
+        P("dp"),
+    ),
 }
 
 
@@ -112,9 +121,18 @@ POLICIES = {
     "nothing_saveable": (None, {"mm.default": 2, "bmm.default": 2, "_softmax.default": 1, "gelu.default": 1}),
     "everything_saveable": (vsf.remat_policies.everything_saveable, {}),
     "dots_saveable": (vsf.remat_policies.dots_saveable, {"_softmax.default": 1, "gelu.default": 1}),
-    "dots_with_no_batch_dims_saveable": (vsf.remat_policies.dots_with_no_batch_dims_saveable, {"bmm.default": 2, "_softmax.default": 1, "gelu.default": 1}),
-    "save_only_these_names": (vsf.remat_policies.save_only_these_names("hidden"), {"mm.default": 2, "bmm.default": 2, "_softmax.default": 1}),
-    "save_any_names_but_these": (vsf.remat_policies.save_any_names_but_these("hidden"), {"mm.default": 2, "bmm.default": 1, "_softmax.default": 1, "gelu.default": 1}),
+    "dots_with_no_batch_dims_saveable": (
+        vsf.remat_policies.dots_with_no_batch_dims_saveable,
+        {"bmm.default": 2, "_softmax.default": 1, "gelu.default": 1},
+    ),
+    "save_only_these_names": (
+        vsf.remat_policies.save_only_these_names("hidden"),
+        {"mm.default": 2, "bmm.default": 2, "_softmax.default": 1},
+    ),
+    "save_any_names_but_these": (
+        vsf.remat_policies.save_any_names_but_these("hidden"),
+        {"mm.default": 2, "bmm.default": 1, "_softmax.default": 1, "gelu.default": 1},
+    ),
 }
 
 
@@ -139,7 +157,10 @@ def test_full_remat_lowers_the_peak_and_trains_like_one_device_without_it(sim, l
     assert not recomputed(plain.plan.graph)
     assert lowered.cost().peak_bytes < plain.cost().peak_bytes
     text = lowered.as_text()
-    assert "(recomputed: %" in text and f"remat: {sum(_recomputed_ops(lowered).values())} ops recomputed in the backward" in text
+    assert (
+        "(recomputed: %" in text
+        and f"remat: {sum(_recomputed_ops(lowered).values())} ops recomputed in the backward" in text
+    )
 
 
 def test_fsdp_gathers_a_weight_again_for_the_recompute(sim):
@@ -148,7 +169,11 @@ def test_fsdp_gathers_a_weight_again_for_the_recompute(sim):
     held from the forward; the plan text counts the collectives the recompute runs again."""
     _, lowered = _train(sim, "fsdp", vsf.remat(block), reshard_after_forward=True)
     again = recomputed(lowered.plan.graph)
-    regathers = [r for r in lowered.plan.redistributions if r.before in again and any(c.kind == "all_gather" for c in r.collectives)]
+    regathers = [
+        r
+        for r in lowered.plan.redistributions
+        if r.before in again and any(c.kind == "all_gather" for c in r.collectives)
+    ]
     gathered = {r.value[0] for r in regathers}
     weights = {n for n in gathered if n.op == "placeholder" or all(a.op == "placeholder" for a in n.all_input_nodes)}
     assert weights, "no weight gathered again for the recompute"
@@ -170,14 +195,22 @@ def _torch_checkpointed(p, x):
 
 def _torch_selective(p, x):
     """torchtitan's selective activation checkpointing: torch's own policy saving matmul results."""
-    save = lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE if op in (aten.mm.default, aten.bmm.default) else CheckpointPolicy.PREFER_RECOMPUTE  # noqa: E731
-    return checkpoint(block, p, x, use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, save))
+    save = lambda ctx, op, *args, **kwargs: (
+        CheckpointPolicy.MUST_SAVE if op in (aten.mm.default, aten.bmm.default) else CheckpointPolicy.PREFER_RECOMPUTE
+    )  # noqa: E731
+    return checkpoint(
+        block, p, x, use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, save)
+    )
 
 
-@pytest.mark.parametrize("layer, per_block", [
-    (_torch_checkpointed, {"mm.default": 2, "bmm.default": 2, "_softmax.default": 1, "gelu.default": 1}),
-    (_torch_selective, {"_softmax.default": 1, "gelu.default": 1}),
-], ids=["full", "selective"])
+@pytest.mark.parametrize(
+    "layer, per_block",
+    [
+        (_torch_checkpointed, {"mm.default": 2, "bmm.default": 2, "_softmax.default": 1, "gelu.default": 1}),
+        (_torch_selective, {"_softmax.default": 1, "gelu.default": 1}),
+    ],
+    ids=["full", "selective"],
+)
 def test_torch_checkpointing_recomputes_in_the_plan_and_trains_like_one_device(sim, layer, per_block):
     """torch.utils.checkpoint inside the traced step is honoured as vsf.remat is: the plan
     recomputes what torch's policy does not save (before, torch's selective policy saved
@@ -193,12 +226,18 @@ def test_torch_checkpointing_recomputes_in_the_plan_and_trains_like_one_device(s
 def _peaks_recomputing_the_first(sim) -> list[int]:
     """The estimated peak of the model with its first ``m`` blocks (and only those) written with
     ``vsf.remat``, for ``m`` from 0 to every block: the oracle of what a budget should choose."""
-    return [_train(sim, "dp", [vsf.remat(block)] * m + [block] * (LAYERS - m))[1].cost().peak_bytes for m in range(LAYERS + 1)]
+    return [
+        _train(sim, "dp", [vsf.remat(block)] * m + [block] * (LAYERS - m))[1].cost().peak_bytes
+        for m in range(LAYERS + 1)
+    ]
 
 
 def _said(lowered, budget: int) -> re.Match:
-    said = re.search(rf"memory_budget {budget:,} B: recomputes (no block|every block|blocks? 0(?:-(\d+))?) of {LAYERS} in the backward, \d+ ops "
-                     rf"\(estimated peak ~([\d,]+) B, (fits|does NOT fit the budget); ~([\d,]+) B with every block, ~([\d,]+) B with none", lowered.as_text())
+    said = re.search(
+        rf"memory_budget {budget:,} B: recomputes (no block|every block|blocks? 0(?:-(\d+))?) of {LAYERS} in the backward, \d+ ops "
+        rf"\(estimated peak ~([\d,]+) B, (fits|does NOT fit the budget); ~([\d,]+) B with every block, ~([\d,]+) B with none",
+        lowered.as_text(),
+    )
     assert said is not None, lowered.as_text()
     return said
 
@@ -225,8 +264,14 @@ def test_memory_budget_recomputes_the_fewest_blocks_that_fit(sim):
         assert _recomputed_blocks(lowered) == chosen, (budget, peaks)
         assert lowered.cost().peak_bytes == peaks[chosen] <= budget
         said = _said(lowered, budget)
-        assert said.group(1) == ("block 0" if chosen == 1 else f"blocks 0-{chosen - 1}" if 1 < chosen < LAYERS else "every block")
-        assert said.group(4) == "fits" and [int(said.group(i).replace(",", "")) for i in (3, 5, 6)] == [peaks[chosen], peaks[-1], peaks[0]]
+        assert said.group(1) == (
+            "block 0" if chosen == 1 else f"blocks 0-{chosen - 1}" if 1 < chosen < LAYERS else "every block"
+        )
+        assert said.group(4) == "fits" and [int(said.group(i).replace(",", "")) for i in (3, 5, 6)] == [
+            peaks[chosen],
+            peaks[-1],
+            peaks[0],
+        ]
 
 
 def test_memory_budget_above_the_peak_without_remat_recomputes_nothing(sim):
@@ -259,7 +304,12 @@ def test_the_estimated_peak_is_the_measured_one_on_real_processes(world):
     for rank, r in enumerate(reports):
         for case in ("plain", "remat"):
             est, measured = r[case]["estimated"], r[case]["measured"]
-            assert abs(est / measured - 1) <= 0.10, f"rank {rank}, {case}: estimated {est:,} B, measured {measured:,} B ({est / measured:.3f}x)"
+            assert abs(est / measured - 1) <= 0.10, (
+                f"rank {rank}, {case}: estimated {est:,} B, measured {measured:,} B ({est / measured:.3f}x)"
+            )
         assert r["remat"]["recomputed"] > r["plain"]["recomputed"]
         assert r["remat"]["measured"] < r["plain"]["measured"]
-        assert r["plain"]["unlike_one_device"] is None and r["remat"]["unlike_one_device"] is None, (r["plain"]["unlike_one_device"], r["remat"]["unlike_one_device"])
+        assert r["plain"]["unlike_one_device"] is None and r["remat"]["unlike_one_device"] is None, (
+            r["plain"]["unlike_one_device"],
+            r["remat"]["unlike_one_device"],
+        )

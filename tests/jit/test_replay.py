@@ -18,7 +18,10 @@ STEPS = 3
 
 def _shards(tree):
     """Every rank's local shard of every leaf (plain copies)."""
-    return [{r: t.clone() for r, t in _compat.local_shards(_compat.dtensor_local(x), 0).items()} for x in vsf.tree.leaves(tree)]
+    return [
+        {r: t.clone() for r, t in _compat.local_shards(_compat.dtensor_local(x), 0).items()}
+        for x in vsf.tree.leaves(tree)
+    ]
 
 
 def _run(jitted, args, mode, steps=STEPS):
@@ -39,7 +42,7 @@ def _run(jitted, args, mode, steps=STEPS):
 def _carry(out, args):
     """The next call's arguments: the results that replace arguments (the state), then the rest."""
     state = out[:-1]
-    return (*state, *args[len(state):])
+    return (*state, *args[len(state) :])
 
 
 def _assert_replayed_equals_interpreted(step, args, steps=STEPS):
@@ -83,10 +86,15 @@ FSDP_TP = [
 
 
 def test_gpt_adamw_step_on_a_5d_layout(sim):
-    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False)  # (a key bias gets a zero gradient: Adam turns it into noise)
+    cfg = GPTConfig(
+        vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False
+    )  # (a key bias gets a zero gradient: Adam turns it into noise)
     params, tx, train_step = _adamw_gpt(cfg)
     g = torch.Generator().manual_seed(0)
-    idx, tgt = torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g)
+    idx, tgt = (
+        torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g),
+        torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g),
+    )
     steps = 3  # run, recorded, replayed
     want_p, want_o, want_losses = params, tx.init(params), []
     for _ in range(steps):
@@ -98,7 +106,9 @@ def test_gpt_adamw_step_on_a_5d_layout(sim):
     batch = vsf.device_put((idx, tgt), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
     o = optim.init_sharded(tx, p)
     _, got = _assert_replayed_equals_interpreted(train_step, (p, o, *batch), steps)
-    torch.testing.assert_close(torch.stack([vsf.device_get(out[2]) for out in got]), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.stack([vsf.device_get(out[2]) for out in got]), torch.stack(want_losses), rtol=1e-5, atol=1e-5
+    )
     for a, b in zip(vsf.tree.leaves(vsf.device_get(got[-1][0])), vsf.tree.leaves(want_p)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -110,18 +120,28 @@ def test_attention_without_dropout_replays(sim, layout):
     cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False, sdpa=True)
     params, tx, train_step = _adamw_gpt(cfg)
     g = torch.Generator().manual_seed(0)
-    idx, tgt = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g)
+    idx, tgt = (
+        torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g),
+        torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g),
+    )
     want_p, want_o = params, tx.init(params)
     for _ in range(STEPS):
         want_p, want_o, _ = train_step(want_p, want_o, idx, tgt)
     shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
     sim(len(axes) * 2)
     mesh = vsf.make_mesh(shape, axes)
-    rules = [(r".*qkv\.weight", P("tp")), (r".*proj\.weight", P(None, "tp")), (r".*", P())] if layout == "dp_tp" else [(r".*", P())]
+    rules = (
+        [(r".*qkv\.weight", P("tp")), (r".*proj\.weight", P(None, "tp")), (r".*", P())]
+        if layout == "dp_tp"
+        else [(r".*", P())]
+    )
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
     batch = vsf.device_put((idx, tgt), vsf.NamedSharding(mesh, P("dp")))
     jitted, got = _assert_replayed_equals_interpreted(train_step, (p, optim.init_sharded(tx, p), *batch))
-    assert any("scaled_dot_product" in str(n.target) for n in jitted.lower(p, optim.init_sharded(tx, p), *batch).plan.graph.graph.nodes)
+    assert any(
+        "scaled_dot_product" in str(n.target)
+        for n in jitted.lower(p, optim.init_sharded(tx, p), *batch).plan.graph.graph.nodes
+    )
     for a, b in zip(vsf.tree.leaves(vsf.device_get(got[-1][0])), vsf.tree.leaves(want_p)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -157,7 +177,11 @@ def test_uneven_and_ragged_shards(sim, kind):
     if kind == "uneven":  # 10 rows: 3, 3, 3, 1; w2's 24 rows whole
         specs = {"w1": P("fsdp"), "w2": P(None, "fsdp"), "b": P("fsdp")}
     else:
-        specs = {"w1": P(vsf.ragged("fsdp", units=(1, 2, 1, 0))), "w2": P(vsf.ragged("fsdp", units=(3, 1, 2, 2))), "b": P(vsf.ragged("fsdp", units=(1, 1, 1, 1)))}
+        specs = {
+            "w1": P(vsf.ragged("fsdp", units=(1, 2, 1, 0))),
+            "w2": P(vsf.ragged("fsdp", units=(3, 1, 2, 2))),
+            "b": P(vsf.ragged("fsdp", units=(1, 1, 1, 1))),
+        }
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
     batch = vsf.device_put((x, y), vsf.NamedSharding(mesh, P("fsdp")))
     _, got = _assert_replayed_equals_interpreted(step, (p, *batch))

@@ -48,24 +48,136 @@ def balanced_rows() -> list[int]:
 
 
 CASES = [
-    Case("psum", lambda x: vsf.ops.psum(x, "i"), P("i"), P(), lambda x: blocks(x).sum(0), (8, 3), ("all_reduce",), ("all_reduce",)),
-    Case("pmean", lambda x: vsf.ops.pmean(x, "i"), P("i"), P(), lambda x: blocks(x).mean(0), (8, 3), ("all_reduce",), ("all_reduce",)),
-    Case("pmax", lambda x: vsf.ops.pmax(x, "i"), P("i"), P(), lambda x: blocks(x).amax(0), (8, 3), ("all_reduce",), ("all_reduce", "all_reduce")),  # ties counted, cotangents summed
-    Case("all_gather", lambda x: vsf.ops.all_gather(x, "i", dim=1), P("i"), P("i"),
-         lambda x: torch.cat(list(blocks(x)), 1).repeat(4, 1), (8, 3), ("all_gather",), ("reduce_scatter",)),
-    Case("all_gather_untiled", lambda x: vsf.ops.all_gather(x, "i", dim=0, tiled=False), P("i"), P(), blocks, (8, 3), ("all_gather",), ("reduce_scatter",)),
-    Case("psum_scatter", lambda x: vsf.ops.psum_scatter(x, "i", dim=0), P("i"), P("i"), lambda x: blocks(x).sum(0), (16, 3), ("reduce_scatter",), ("all_gather",)),
-    Case("all_to_all", lambda x: vsf.ops.all_to_all(x, "i", 0, 1), P("i"), P("i"),
-         lambda x: blocks(x).permute(1, 0, 2).reshape(4, 12), (16, 3), ("all_to_all",), ("all_to_all",)),
-    Case("ppermute", lambda x: vsf.ops.ppermute(x, "i", [(j, (j + 1) % 4) for j in range(4)]), P("i"), P("i"),
-         lambda x: torch.roll(x, 2, 0), (8, 3), ("ppermute",), ("ppermute",)),
-    Case("ppermute_partial", lambda x: vsf.ops.ppermute(x, "i", [(0, 2), (1, 3)]), P("i"), P("i"),
-         lambda x: torch.cat([torch.zeros(4, 3), x[:4]]), (8, 3), ("ppermute",), ("ppermute",)),
-    Case("all_gather_v_even", lambda x: vsf.ops.all_gather_v(x, "i", sizes=(2, 2, 2, 2)), P("i"), P(), lambda x: x, (8, 3), ("all_gather",), ("reduce_scatter",)),
-    Case("reduce_scatter_v_even", lambda x: vsf.ops.reduce_scatter_v(x, "i", sizes=(1, 1, 1, 1)), P("i"), P("i"), lambda x: blocks(x).sum(0), (16, 3), ("reduce_scatter",), ("all_gather",)),
-    Case("all_to_all_v_balanced", lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED), P("i"), P("i"), lambda x: x[balanced_rows()], (16, 3), ("all_to_all_v",), ("all_to_all_v",)),
-    Case("axis_index", lambda x: x * (vsf.ops.axis_index("i") + 1), P("i"), P("i"),
-         lambda x: x * torch.arange(1.0, 5.0).repeat_interleave(2)[:, None], (8, 3), (), ()),
+    Case(
+        "psum",
+        lambda x: vsf.ops.psum(x, "i"),
+        P("i"),
+        P(),
+        lambda x: blocks(x).sum(0),
+        (8, 3),
+        ("all_reduce",),
+        ("all_reduce",),
+    ),
+    Case(
+        "pmean",
+        lambda x: vsf.ops.pmean(x, "i"),
+        P("i"),
+        P(),
+        lambda x: blocks(x).mean(0),
+        (8, 3),
+        ("all_reduce",),
+        ("all_reduce",),
+    ),
+    Case(
+        "pmax",
+        lambda x: vsf.ops.pmax(x, "i"),
+        P("i"),
+        P(),
+        lambda x: blocks(x).amax(0),
+        (8, 3),
+        ("all_reduce",),
+        ("all_reduce", "all_reduce"),
+    ),  # ties counted, cotangents summed
+    Case(
+        "all_gather",
+        lambda x: vsf.ops.all_gather(x, "i", dim=1),
+        P("i"),
+        P("i"),
+        lambda x: torch.cat(list(blocks(x)), 1).repeat(4, 1),
+        (8, 3),
+        ("all_gather",),
+        ("reduce_scatter",),
+    ),
+    Case(
+        "all_gather_untiled",
+        lambda x: vsf.ops.all_gather(x, "i", dim=0, tiled=False),
+        P("i"),
+        P(),
+        blocks,
+        (8, 3),
+        ("all_gather",),
+        ("reduce_scatter",),
+    ),
+    Case(
+        "psum_scatter",
+        lambda x: vsf.ops.psum_scatter(x, "i", dim=0),
+        P("i"),
+        P("i"),
+        lambda x: blocks(x).sum(0),
+        (16, 3),
+        ("reduce_scatter",),
+        ("all_gather",),
+    ),
+    Case(
+        "all_to_all",
+        lambda x: vsf.ops.all_to_all(x, "i", 0, 1),
+        P("i"),
+        P("i"),
+        lambda x: blocks(x).permute(1, 0, 2).reshape(4, 12),
+        (16, 3),
+        ("all_to_all",),
+        ("all_to_all",),
+    ),
+    Case(
+        "ppermute",
+        lambda x: vsf.ops.ppermute(x, "i", [(j, (j + 1) % 4) for j in range(4)]),
+        P("i"),
+        P("i"),
+        lambda x: torch.roll(x, 2, 0),
+        (8, 3),
+        ("ppermute",),
+        ("ppermute",),
+    ),
+    Case(
+        "ppermute_partial",
+        lambda x: vsf.ops.ppermute(x, "i", [(0, 2), (1, 3)]),
+        P("i"),
+        P("i"),
+        lambda x: torch.cat([torch.zeros(4, 3), x[:4]]),
+        (8, 3),
+        ("ppermute",),
+        ("ppermute",),
+    ),
+    Case(
+        "all_gather_v_even",
+        lambda x: vsf.ops.all_gather_v(x, "i", sizes=(2, 2, 2, 2)),
+        P("i"),
+        P(),
+        lambda x: x,
+        (8, 3),
+        ("all_gather",),
+        ("reduce_scatter",),
+    ),
+    Case(
+        "reduce_scatter_v_even",
+        lambda x: vsf.ops.reduce_scatter_v(x, "i", sizes=(1, 1, 1, 1)),
+        P("i"),
+        P("i"),
+        lambda x: blocks(x).sum(0),
+        (16, 3),
+        ("reduce_scatter",),
+        ("all_gather",),
+    ),
+    Case(
+        "all_to_all_v_balanced",
+        lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED),
+        P("i"),
+        P("i"),
+        lambda x: x[balanced_rows()],
+        (16, 3),
+        ("all_to_all_v",),
+        ("all_to_all_v",),
+    ),
+    Case(
+        "axis_index",
+        lambda x: x * (vsf.ops.axis_index("i") + 1),
+        P("i"),
+        P("i"),
+        lambda x: x * torch.arange(1.0, 5.0).repeat_interleave(2)[:, None],
+        (8, 3),
+        (),
+        (),
+    ),
     Case("replicated_input", lambda x: x * vsf.ops.axis_size("i"), P(), P(), lambda x: x * 4, (8, 3), (), ()),
 ]
 
@@ -133,7 +245,9 @@ def test_the_body_is_traced_into_the_plan_and_its_psum_is_a_collective_of_the_pr
     torch.testing.assert_close(vsf.device_get(f(*args)), 2 * plain_mlp(x, w1, w2))
 
 
-@pytest.mark.parametrize("make_tx", [lambda: optim.sgd(0.1), lambda: optim.adamw(1e-2, weight_decay=0.1)], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "make_tx", [lambda: optim.sgd(0.1), lambda: optim.adamw(1e-2, weight_decay=0.1)], ids=["sgd", "adamw"]
+)
 def test_a_megatron_mlp_region_in_a_jitted_train_step_equals_the_unsharded_step(sim, make_tx):
     x, w1, w2, t = _mlp_case()
     tx = make_tx()
@@ -143,6 +257,7 @@ def test_a_megatron_mlp_region_in_a_jitted_train_step_equals_the_unsharded_step(
             loss, grads = vsf.value_and_grad(lambda p: (model(x, *p) - t).pow(2).mean())(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optim.apply_updates(params, updates), opt_state, loss
+
         return train_step
 
     want, state, want_losses = (w1, w2), tx.init((w1, w2)), []
@@ -178,7 +293,7 @@ def test_commdebugmode_counts_the_planned_collectives_and_checking_mode_runs_the
     planned = step.lower(p, x).cost()
     ran = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     assert ran == {"all_reduce": planned.count("all_reduce"), "all_gather_into_tensor": planned.count("all_gather")}
-    assert planned.count("all_reduce", "tp") == 2   # the region's psum and its transpose
+    assert planned.count("all_reduce", "tp") == 2  # the region's psum and its transpose
     (loss, grads), want = step.check(p, x), step(p, x)
     torch.testing.assert_close(vsf.device_get(loss), vsf.device_get(want[0]))
     for g, w in zip(vsf.tree.leaves(grads), vsf.tree.leaves(want[1])):
@@ -221,6 +336,7 @@ def _loss_and_y(region, x, w):
     def loss(x):
         y = region(x)
         return (y * w).sum(), y
+
     return vsf.value_and_grad(loss, has_aux=True)(x)
 
 
@@ -233,7 +349,9 @@ def test_replicated_inputs_and_outputs_follow_the_documented_rule(sim):
     (blocks(xr * vr).sum(0).sum() * 3.0).backward()
     sim(4)
     mesh = vsf.make_mesh((4,), ("i",))
-    region = vsf.shard_map(lambda x, v: vsf.ops.psum((x * v).sum(0), "i"), mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+    region = vsf.shard_map(
+        lambda x, v: vsf.ops.psum((x * v).sum(0), "i"), mesh=mesh, in_specs=(P("i"), P()), out_specs=P()
+    )
     step = vsf.jit(lambda x, v: vsf.grad(lambda x, v: region(x, v).sum() * 3.0, argnums=(0, 1))(x, v))
     gx, gv = step(*vsf.device_put((x, v), vsf.NamedSharding(mesh, P())))
     torch.testing.assert_close(vsf.device_get(gx), xr.grad)
@@ -283,7 +401,10 @@ def test_bad_regions_are_refused_saying_where(sim):
         jitted(lambda a, b: (a, b), in_specs=P(), out_specs=(P(), P(), P()))(x)
     with pytest.raises(ValueError, match=r"axis_names \('dp', 'pp'\) names 'pp', which is not an axis of the mesh"):
         jitted(lambda a, b: a, in_specs=P(), out_specs=P(), axis_names=("dp", "pp"))(x)
-    with pytest.raises(ValueError, match=r"in_specs gives args\[0\] the spec P\('dp'\), which splits over 'dp'; the region is manual over \('tp',\) only"):
+    with pytest.raises(
+        ValueError,
+        match=r"in_specs gives args\[0\] the spec P\('dp'\), which splits over 'dp'; the region is manual over \('tp',\) only",
+    ):
         jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P(), axis_names=("tp",))(x)
     with pytest.raises(ValueError, match=r"out_specs gives the result the spec P\('dp'\), which splits over 'dp'"):
         jitted(lambda a, b: a, in_specs=P(), out_specs=P("dp"), axis_names=("tp",))(x)
@@ -291,46 +412,78 @@ def test_bad_regions_are_refused_saying_where(sim):
     def sums_over_dp(a, b):
         return vsf.ops.psum(a, "dp")
 
-    with pytest.raises(ValueError, match=r"psum over 'dp' inside shard_map\(sums_over_dp\): the region makes only \('tp',\) manual"):
+    with pytest.raises(
+        ValueError, match=r"psum over 'dp' inside shard_map\(sums_over_dp\): the region makes only \('tp',\) manual"
+    ):
         jitted(sums_over_dp, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
 
     def sums_over_cp(a, b):
         return vsf.ops.psum(a, "cp")
 
-    with pytest.raises(ValueError, match=r"psum over unknown mesh axis .cp. inside shard_map\(sums_over_cp\): the mesh has axes \('dp', 'tp'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"psum over unknown mesh axis .cp. inside shard_map\(sums_over_cp\): the mesh has axes \('dp', 'tp'\)",
+    ):
         jitted(sums_over_cp, in_specs=P(), out_specs=P())(x)
     line = vsf.make_mesh((4,), ("i",))
-    with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\) runs on Mesh\(\(4,\), \('i',\).*but the jitted step is planned over Mesh\(\(2, 2\), \('dp', 'tp'\)"):
+    with pytest.raises(
+        vsf.PlanError,
+        match=r"shard_map\(<lambda>\) runs on Mesh\(\(4,\), \('i',\).*but the jitted step is planned over Mesh\(\(2, 2\), \('dp', 'tp'\)",
+    ):
         vsf.jit(lambda x: vsf.shard_map(lambda a: a, mesh=line, in_specs=P(), out_specs=P())(x))(x)
     # the body sees only its arguments (and constants); a collective needs a region
-    with pytest.raises(vsf.PlanError, match=r"shard_map\(<lambda>\): aten.mul.Tensor reads %arg1_1, a value computed outside the region.*pass it to the region as an argument"):
+    with pytest.raises(
+        vsf.PlanError,
+        match=r"shard_map\(<lambda>\): aten.mul.Tensor reads %arg1_1, a value computed outside the region.*pass it to the region as an argument",
+    ):
         vsf.jit(lambda x, w: vsf.shard_map(lambda a: a * w, mesh=mesh, in_specs=P(), out_specs=P())(x))(x, x)
-    with pytest.raises(ValueError, match=r"an all_reduce over 'tp' inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region"):
+    with pytest.raises(
+        ValueError,
+        match=r"an all_reduce over 'tp' inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region",
+    ):
         vsf.jit(lambda x: vsf.ops.psum(x, "tp", mesh=mesh))(x)
+
     def outer(a, b):
         return vsf.shard_map(lambda a: a, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=("dp",))(a)
 
-    with pytest.raises(ValueError, match=r"shard_map\(<lambda>\) is called inside shard_map\(outer\) in a vsf.jit step: nested regions are not supported"):
+    with pytest.raises(
+        ValueError,
+        match=r"shard_map\(<lambda>\) is called inside shard_map\(outer\) in a vsf.jit step: nested regions are not supported",
+    ):
         jitted(outer, in_specs=P(), out_specs=P(), axis_names=("tp",))(x)
+
     # a result out_specs replicates over a manual axis must not vary over it (check_vma)
     def two_results(a, b):
         return vsf.ops.psum(a, "tp"), vsf.ops.ppermute(a, "tp", [(0, 1), (1, 0)])
 
-    with pytest.raises(vsf.PlanError, match=r"shard_map\(two_results\): the result\[1\] varies over 'tp', but out_specs gives it P\(\), which says it is the same on every rank of 'tp'"):
+    with pytest.raises(
+        vsf.PlanError,
+        match=r"shard_map\(two_results\): the result\[1\] varies over 'tp', but out_specs gives it P\(\), which says it is the same on every rank of 'tp'",
+    ):
         jitted(two_results, in_specs=P(), out_specs=P())(x)
     with pytest.raises(vsf.PlanError, match=r"the result varies over 'dp', but out_specs gives it P\(\)"):
         jitted(lambda a, b: vsf.ops.psum(a * vsf.ops.axis_index("dp"), "tp"), in_specs=P(), out_specs=P())(x)
-    y, z = jitted(two_results, in_specs=P(), out_specs=P(), check_vma=False)(x)   # trusted: each rank's own
+    y, z = jitted(two_results, in_specs=P(), out_specs=P(), check_vma=False)(x)  # trusted: each rank's own
     torch.testing.assert_close(vsf.device_get(y), 2 * torch.ones(4, 2))
     # ragged pieces of different sizes would give a traced value a different shape on each rank
-    with pytest.raises(ValueError, match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1"):
+    with pytest.raises(
+        ValueError,
+        match=r"all_gather_v over 'tp' inside a jitted shard_map: its operand would hold \(3, 1\) rows on ranks 0..1",
+    ):
         jitted(lambda a, b: vsf.ops.all_gather_v(a[:3], "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
-    with pytest.raises(ValueError, match=r"reduce_scatter_v over 'tp' inside a jitted shard_map: its result would hold \(3, 1\) rows"):
+    with pytest.raises(
+        ValueError, match=r"reduce_scatter_v over 'tp' inside a jitted shard_map: its result would hold \(3, 1\) rows"
+    ):
         jitted(lambda a, b: vsf.ops.reduce_scatter_v(a, "tp", sizes=(3, 1)), in_specs=P(), out_specs=P())(x)
-    with pytest.raises(ValueError, match=r"all_to_all_v over 'tp' inside a jitted shard_map: its result \(the send matrix's column sums\) would hold \(3, 5\) rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"all_to_all_v over 'tp' inside a jitted shard_map: its result \(the send matrix's column sums\) would hold \(3, 5\) rows",
+    ):
         jitted(lambda a, b: vsf.ops.all_to_all_v(a, "tp", [[1, 3], [2, 2]]), in_specs=P(), out_specs=P())(x)
     with pytest.raises(ValueError, match=r"args\[0\] has 3 in dim 0, which P\('dp'\) splits 2 ways"):
-        jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P("dp"))(vsf.device_put(torch.ones(3, 2), vsf.NamedSharding(mesh, P())))
+        jitted(lambda a, b: a, in_specs=P("dp"), out_specs=P("dp"))(
+            vsf.device_put(torch.ones(3, 2), vsf.NamedSharding(mesh, P()))
+        )
     with pytest.raises(ValueError, match=r"the result\[1\] has 0 dims but out_specs gives it P\('dp'\)"):
         jitted(lambda a, b: (a, a.sum()), in_specs=P(), out_specs=P("dp"))(x)
 
@@ -343,8 +496,13 @@ PARTIAL_MLP = dict(in_specs=(P(), P(None, "tp"), P("tp")), out_specs=P(), axis_n
 def _moved_axes(plan, inside: bool) -> set[str]:
     """The mesh axes the plan moves values over, for values a region's body computes (``inside``)
     or for the others."""
-    return {a for r in plan.redistributions if manual.inside(r.value[0]) == inside
-            for a, s, d in zip(plan.mesh.device_axes, r.src, r.dst) if s != d}
+    return {
+        a
+        for r in plan.redistributions
+        if manual.inside(r.value[0]) == inside
+        for a, s, d in zip(plan.mesh.device_axes, r.src, r.dst)
+        if s != d
+    }
 
 
 def test_a_region_manual_over_tp_is_planned_over_dp_and_fsdp_and_its_train_step_equals_one_device(sim):
@@ -359,6 +517,7 @@ def test_a_region_manual_over_tp_is_planned_over_dp_and_fsdp_and_its_train_step_
             loss, grads = vsf.value_and_grad(lambda p: (model(x, *p) - t).pow(2).mean())(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optim.apply_updates(params, updates), opt_state, loss, grads
+
         return train_step
 
     want, state, plain = (w1, w2), tx.init((w1, w2)), []
@@ -435,11 +594,13 @@ def test_a_ring_of_ppermutes_manual_over_cp_runs_on_each_dp_piece_of_the_batch(s
     torch.testing.assert_close(vsf.device_get(y), oracle(x))
     torch.testing.assert_close(vsf.device_get(loss), (oracle(x) * c).sum())
     torch.testing.assert_close(vsf.device_get(g), xr.grad)
-    (loss, y), g = step.check(*args)   # checking mode: every value outside the region against one device
+    (loss, y), g = step.check(*args)  # checking mode: every value outside the region against one device
     torch.testing.assert_close(vsf.device_get(g), xr.grad)
     cost = step.lower(*args).cost()
     # 3 ppermutes forward, 3 back, each of this rank's [2 rows, 2 positions, 3] block
-    assert [c_ for c_ in cost.collectives if c_.kind == "ppermute"] == [Collective("ppermute", "cp", (2, 2, 3), torch.float32, 48)] * 6
+    assert [c_ for c_ in cost.collectives if c_.kind == "ppermute"] == [
+        Collective("ppermute", "cp", (2, 2, 3), torch.float32, 48)
+    ] * 6
     assert cost.count("all_gather", "dp") == 0
 
 
@@ -448,7 +609,9 @@ def test_a_balanced_ragged_all_to_all_is_a_collective_of_the_plan_equal_to_the_e
     x = torch.randn(16, 3)
     sim(4)
     mesh = vsf.make_mesh((4,), ("i",))
-    region = vsf.shard_map(lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED) * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    region = vsf.shard_map(
+        lambda x: vsf.ops.all_to_all_v(x, "i", BALANCED) * 2, mesh=mesh, in_specs=P("i"), out_specs=P("i")
+    )
     xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("i")))
     jitted = vsf.jit(region)
     torch.testing.assert_close(vsf.device_get(jitted(xs)), vsf.device_get(region(xs)))

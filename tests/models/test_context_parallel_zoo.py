@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import zoo
-from context_parallel_checks import assert_attention_on_a_ring, assert_attention_on_sequence_shards, assert_equal_to_one_device, reference
+from context_parallel_checks import (
+    assert_attention_on_a_ring,
+    assert_attention_on_sequence_shards,
+    assert_equal_to_one_device,
+    reference,
+)
 
 import vsf
 from vsf import P
@@ -30,8 +35,16 @@ def _causal_lm(name, sequences):
 
 
 # by default each model with one way of moving keys and values, each way with a model; the rest in the sweep
-CP_CASES = [pytest.param(n, m, id=f"{n}-{m}", marks=() if (n, m) in {("gpt2", "ring"), ("llama", "all_gather"), ("mixtral", "ring")} else pytest.mark.sweep)
-            for n in ("gpt2", "llama", "mixtral") for m in ("all_gather", "ring")]
+CP_CASES = [
+    pytest.param(
+        n,
+        m,
+        id=f"{n}-{m}",
+        marks=() if (n, m) in {("gpt2", "ring"), ("llama", "all_gather"), ("mixtral", "ring")} else pytest.mark.sweep,
+    )
+    for n in ("gpt2", "llama", "mixtral")
+    for m in ("all_gather", "ring")
+]
 
 
 @pytest.mark.parametrize("name, mode", CP_CASES)
@@ -57,8 +70,16 @@ ORDERS = [  # (mesh axes, params' layout, tokens' spec): the batch and the seque
 
 # by default each axis order once (Llama on fsdp-cp, whose loss was wrong before); the rest in the sweep
 ORDER_CASES = [
-    pytest.param(n, *o, id=f"{n}-{'-'.join(o[0])}", marks=() if (n, o[0]) in {("gpt2", ("cp", "dp")), ("llama", ("fsdp", "cp")), ("gpt2", ("cp", "fsdp"))} else pytest.mark.sweep)
-    for n in ("gpt2", "llama") for o in ORDERS
+    pytest.param(
+        n,
+        *o,
+        id=f"{n}-{'-'.join(o[0])}",
+        marks=()
+        if (n, o[0]) in {("gpt2", ("cp", "dp")), ("llama", ("fsdp", "cp")), ("gpt2", ("cp", "fsdp"))}
+        else pytest.mark.sweep,
+    )
+    for n in ("gpt2", "llama")
+    for o in ORDERS
 ]
 
 
@@ -74,4 +95,6 @@ def test_batch_and_sequence_split_on_a_mesh_in_any_axis_order_equal_one_device(s
     specs = {k: P("fsdp") if kind == "fsdp" and v.shape[0] % 2 == 0 else P() for k, v in params.items()}
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
     tokens = vsf.device_put(ids, vsf.NamedSharding(mesh, spec))
-    assert_equal_to_one_device(vsf.device_get(vsf.jit(lambda p, ids: vsf.value_and_grad(loss_fn)(p, ids))(p, tokens)), want)
+    assert_equal_to_one_device(
+        vsf.device_get(vsf.jit(lambda p, ids: vsf.value_and_grad(loss_fn)(p, ids))(p, tokens)), want
+    )

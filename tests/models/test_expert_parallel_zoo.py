@@ -22,7 +22,12 @@ from vsf import P, optim
 pytestmark = pytest.mark.models
 
 EXPERTS, TOP_K = 8, 2
-MOE_LAYERS = {"mixtral": zoo.LAYERS, "qwen2_moe": zoo.LAYERS, "qwen3_moe": zoo.LAYERS, "deepseek_v3": zoo.LAYERS - 1}  # DeepSeek's first layer is dense
+MOE_LAYERS = {
+    "mixtral": zoo.LAYERS,
+    "qwen2_moe": zoo.LAYERS,
+    "qwen3_moe": zoo.LAYERS,
+    "deepseek_v3": zoo.LAYERS - 1,
+}  # DeepSeek's first layer is dense
 FAMILIES = ["mixtral"] + [pytest.param(f, marks=pytest.mark.sweep) for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3")]
 # how the experts come to run through the dispatch: their specs alone, or vsf.nn.use_expert_parallel
 HOW = ["specs", "use_expert_parallel"]
@@ -80,7 +85,10 @@ def assert_tokens_sent_not_experts(collectives, rank_tokens, layers):
 
 # (mesh axes, how keys and values move): the tokens' rows (batch over ep, sequence over cp) merged
 # in the MoE layer, the region's in mesh order: as they are, or (cp first) moved
-CP_ORDERS = [pytest.param(("ep", "cp"), "ring", id="ep-cp-ring"), pytest.param(("cp", "ep"), "all_gather", id="cp-ep-all_gather", marks=pytest.mark.sweep)]
+CP_ORDERS = [
+    pytest.param(("ep", "cp"), "ring", id="ep-cp-ring"),
+    pytest.param(("cp", "ep"), "all_gather", id="cp-ep-all_gather", marks=pytest.mark.sweep),
+]
 
 
 @pytest.mark.parametrize("axes, mode", CP_ORDERS)
@@ -128,7 +136,9 @@ def test_pipelined_on_pp_x_ep_trains_like_torch_on_one_device(sim):
     lowered = pipe.lower(p, batches[0]["input_ids"], batches[0]["labels"], layout=placed[1])
     assert lowered.as_text().count("params gathered once a step: ep 96.0 KiB") == 2
     for s in lowered.gathers.values():
-        assert [c.bytes for c in s.cost().collectives if c.axis == "ep"] == [EXPERTS // 2 * (2 * zoo.FFN * zoo.HIDDEN + zoo.HIDDEN * zoo.FFN) * 4]
+        assert [c.bytes for c in s.cost().collectives if c.axis == "ep"] == [
+            EXPERTS // 2 * (2 * zoo.FFN * zoo.HIDDEN + zoo.HIDDEN * zoo.FFN) * 4
+        ]
     for stage in lowered.stages.values():
         assert not [c for c in stage.cost().collectives if c.kind == "all_to_all_v"]
 
@@ -141,7 +151,13 @@ def _experts(implementation):
     run by transformers' experts ``implementation``, its params, and a routing of TOKENS tokens."""
     import transformers as T
 
-    config = T.MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, experts_implementation=implementation)
+    config = T.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=16,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        experts_implementation=implementation,
+    )
     torch.manual_seed(0)
     module = T.models.mixtral.modeling_mixtral.MixtralExperts(config)
     for w in module.parameters():
@@ -154,6 +170,7 @@ def _experts(implementation):
 def _loss_of(module):
     def loss(p, x, index, gates):
         return (vsf.tree.apply(module, p, x, index, gates) ** 2).sum()
+
     return loss
 
 
@@ -176,9 +193,14 @@ def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, im
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(vsf.device_get(grad_x), want_x, rtol=1e-5, atol=1e-6)
     for k in params:
-        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}")
+        torch.testing.assert_close(
+            vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}"
+        )
     over_ep = sorted((c.kind, c.bytes) for c in step.lower(*args).cost().collectives if c.axis == "ep")
-    assert over_ep == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)] * 4
+    assert (
+        over_ep
+        == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)] * 4
+    )
 
 
 def test_with_dispatch_experts_off_the_same_specs_gather_the_experts(sim, monkeypatch):
@@ -201,20 +223,32 @@ def test_with_dispatch_experts_off_the_same_specs_gather_the_experts(sim, monkey
         torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6)
     over_ep = [c for c in step.lower(*args).cost().collectives if c.axis == "ep"]
     assert not [c for c in over_ep if c.kind == "all_to_all_v"]
-    assert [c.bytes for c in over_ep if c.kind == "all_gather" and c.bytes >= 4096] == [EXPERTS // 2 * (32 * 32 + 32 * 16) * 4]
+    assert [c.bytes for c in over_ep if c.kind == "all_gather" and c.bytes >= 4096] == [
+        EXPERTS // 2 * (32 * 32 + 32 * 16) * 4
+    ]
     monkeypatch.setattr(vsf.config, "dispatch_experts", True)
     step.lower(*args)
     assert step.replans[-1] == "options changed: vsf.config.dispatch_experts False -> True"
 
 
-@pytest.mark.parametrize("specs, message", [
-    ({"gate_up_proj": P("ep"), "down_proj": P()},
-     r"MixtralExperts: its weights split the expert dim \(dim 0\) differently \(args\[0\]\['gate_up_proj'\] is P\('ep'\); args\[0\]\['down_proj'\] is P\(\)\)"),
-    ({"gate_up_proj": P(("dp", "ep")), "down_proj": P(("dp", "ep"))},
-     r"MixtralExperts: its weights split the expert dim \(dim 0\) over \('dp', 'ep'\) .*: vsf dispatches tokens over one mesh axis"),
-    ({"gate_up_proj": P("ep"), "down_proj": P("ep")},
-     r"MixtralExperts: its experts split over 'ep' take 30 tokens, which the 4 ranks of the token axes \('dp', 'ep'\) .* do not divide"),
-], ids=["one-weight-split", "two-axes", "tokens-indivisible"])
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (
+            {"gate_up_proj": P("ep"), "down_proj": P()},
+            r"MixtralExperts: its weights split the expert dim \(dim 0\) differently \(args\[0\]\['gate_up_proj'\] is P\('ep'\); args\[0\]\['down_proj'\] is P\(\)\)",
+        ),
+        (
+            {"gate_up_proj": P(("dp", "ep")), "down_proj": P(("dp", "ep"))},
+            r"MixtralExperts: its weights split the expert dim \(dim 0\) over \('dp', 'ep'\) .*: vsf dispatches tokens over one mesh axis",
+        ),
+        (
+            {"gate_up_proj": P("ep"), "down_proj": P("ep")},
+            r"MixtralExperts: its experts split over 'ep' take 30 tokens, which the 4 ranks of the token axes \('dp', 'ep'\) .* do not divide",
+        ),
+    ],
+    ids=["one-weight-split", "two-axes", "tokens-indivisible"],
+)
 def test_an_expert_split_vsf_cannot_dispatch_is_an_error(sim, specs, message):
     module, params, batch = _experts("grouped_mm")
     batch = batch if "30 tokens" not in message else tuple(t[:30] for t in batch)

@@ -28,10 +28,15 @@ def _x_transformers() -> torch.nn.Module:
     (``AutoregressiveWrapper``: each position predicts the next token)."""
     from x_transformers import AutoregressiveWrapper, Decoder, TransformerWrapper
 
-    return AutoregressiveWrapper(TransformerWrapper(
-        num_tokens=zoo.VOCAB, max_seq_len=2 * zoo.SEQ,
-        attn_layers=Decoder(dim=zoo.HIDDEN, depth=zoo.LAYERS, heads=zoo.HEADS, attn_dim_head=zoo.HIDDEN // zoo.HEADS),
-    ))
+    return AutoregressiveWrapper(
+        TransformerWrapper(
+            num_tokens=zoo.VOCAB,
+            max_seq_len=2 * zoo.SEQ,
+            attn_layers=Decoder(
+                dim=zoo.HIDDEN, depth=zoo.LAYERS, heads=zoo.HEADS, attn_dim_head=zoo.HIDDEN // zoo.HEADS
+            ),
+        )
+    )
 
 
 def _tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -49,8 +54,13 @@ def _dit() -> torch.nn.Module:
     from diffusers import DiTTransformer2DModel
 
     model = DiTTransformer2DModel(
-        num_attention_heads=zoo.HEADS, attention_head_dim=zoo.HIDDEN // zoo.HEADS, in_channels=CHANNELS,
-        num_layers=zoo.LAYERS, sample_size=IMAGE, patch_size=PATCH, num_embeds_ada_norm=CLASSES,
+        num_attention_heads=zoo.HEADS,
+        attention_head_dim=zoo.HIDDEN // zoo.HEADS,
+        in_channels=CHANNELS,
+        num_layers=zoo.LAYERS,
+        sample_size=IMAGE,
+        patch_size=PATCH,
+        num_embeds_ada_norm=CLASSES,
     )
     for block in model.transformer_blocks:
         block.norm1.emb.class_embedder.dropout_prob = 0.0
@@ -80,8 +90,15 @@ def _unet() -> torch.nn.Module:
     from diffusers import UNet2DModel
 
     return UNet2DModel(
-        sample_size=IMAGE, in_channels=CHANNELS, out_channels=CHANNELS, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=4, attention_head_dim=8,
+        sample_size=IMAGE,
+        in_channels=CHANNELS,
+        out_channels=CHANNELS,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+        attention_head_dim=8,
     )
 
 
@@ -113,33 +130,53 @@ def _next_token_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) ->
     return zoo.causal_lm_loss(run(batch["tokens"]), batch["tokens"])
 
 
-FAMILIES = {f.name: f for f in [
-    zoo.Family(
-        "x_transformers", _x_transformers, _tokens,
-        zoo.megatron(r"to_q|to_k|to_v|ff\.0\.0", r"to_out|ff\.2", r"net\.token_emb\.emb|net\.to_logits"),
-        _own_loss,
-    ),
-    zoo.Family(
-        "dit", _dit, _noisy_images,
-        zoo.megatron(r"attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj", r"attn1\.to_out\.0|ff\.net\.2", r"pos_embed\.proj"),
-        _denoising_loss,
-    ),
-    zoo.Family(
-        "mamba", _mamba, _causal_tokens,
-        # the fused in_proj's x and z halves, the depthwise convolution's channels, the state
-        # matrix A and skip D split over the inner width; x_proj and out_proj row-parallel
-        zoo.megatron(r"in_proj|dt_proj", r"x_proj|out_proj", r"0|3",
-                     also=((r".*conv1d\.(weight|bias)", P("tp")), (r".*A_log", P("tp", None)), (r".*mixer\.D", P("tp")))),
-        _next_token_loss,
-    ),
-    # a convolutional net: data parallel only (no Megatron rules: the convolutions stay whole)
-    zoo.Family("unet", _unet, _noisy_images, ((r".*", P()),), _unet_loss),
-]}
+FAMILIES = {
+    f.name: f
+    for f in [
+        zoo.Family(
+            "x_transformers",
+            _x_transformers,
+            _tokens,
+            zoo.megatron(r"to_q|to_k|to_v|ff\.0\.0", r"to_out|ff\.2", r"net\.token_emb\.emb|net\.to_logits"),
+            _own_loss,
+        ),
+        zoo.Family(
+            "dit",
+            _dit,
+            _noisy_images,
+            zoo.megatron(
+                r"attn1\.to_q|attn1\.to_k|attn1\.to_v|ff\.net\.0\.proj",
+                r"attn1\.to_out\.0|ff\.net\.2",
+                r"pos_embed\.proj",
+            ),
+            _denoising_loss,
+        ),
+        zoo.Family(
+            "mamba",
+            _mamba,
+            _causal_tokens,
+            # the fused in_proj's x and z halves, the depthwise convolution's channels, the state
+            # matrix A and skip D split over the inner width; x_proj and out_proj row-parallel
+            zoo.megatron(
+                r"in_proj|dt_proj",
+                r"x_proj|out_proj",
+                r"0|3",
+                also=((r".*conv1d\.(weight|bias)", P("tp")), (r".*A_log", P("tp", None)), (r".*mixer\.D", P("tp"))),
+            ),
+            _next_token_loss,
+        ),
+        # a convolutional net: data parallel only (no Megatron rules: the convolutions stay whole)
+        zoo.Family("unet", _unet, _noisy_images, ((r".*", P()),), _unet_loss),
+    ]
+}
 # each family's default layout (with one step in checking mode) runs by default; its others are the sweep
 DEFAULT = {"x_transformers": "dp_tp", "dit": "dp_tp", "mamba": "dp_tp", "unet": "dp"}
 LAYOUTS = {"unet": ("dp", "fsdp")}
-CASES = [pytest.param(name, layout, marks=() if layout == DEFAULT[name] else pytest.mark.sweep, id=f"{name}-{layout}")
-         for name in FAMILIES for layout in LAYOUTS.get(name, ("dp_tp", "dp", "fsdp"))]
+CASES = [
+    pytest.param(name, layout, marks=() if layout == DEFAULT[name] else pytest.mark.sweep, id=f"{name}-{layout}")
+    for name in FAMILIES
+    for layout in LAYOUTS.get(name, ("dp_tp", "dp", "fsdp"))
+]
 
 
 @functools.cache

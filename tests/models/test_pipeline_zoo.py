@@ -21,13 +21,18 @@ from vsf import P
 pytestmark = pytest.mark.models
 
 # layout: (mesh shape, axis names, params split by the family's Megatron rules, batch spec)
-LAYOUTS = {   # (pp alone: on real processes below)
+LAYOUTS = {  # (pp alone: on real processes below)
     "pp_dp": ((2, 2), ("pp", "dp"), False, P("dp")),
     "pp_tp": ((2, 2), ("pp", "tp"), True, P()),
 }
 # by default GPT-2 (tied head) on pp x Megatron tp and Llama on pp x dp; the other two in the sweep
-CASES = [pytest.param(f, l, id=f"{f}-{l}", marks=() if (f, l) in {("gpt2", "pp_tp"), ("llama", "pp_dp")} else pytest.mark.sweep)
-         for f in ("gpt2", "llama") for l in LAYOUTS]
+CASES = [
+    pytest.param(
+        f, l, id=f"{f}-{l}", marks=() if (f, l) in {("gpt2", "pp_tp"), ("llama", "pp_dp")} else pytest.mark.sweep
+    )
+    for f in ("gpt2", "llama")
+    for l in LAYOUTS
+]
 MICROBATCHES = 2
 
 
@@ -38,7 +43,7 @@ def _oracle(name: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("name, layout", CASES)
 def test_pipelined_training_equals_torch_on_one_device(sim, name, layout):
-    assert zoo.LAYERS == 2   # (one decoder layer a stage)
+    assert zoo.LAYERS == 2  # (one decoder layer a stage)
     family = zoo.families()[name]
     want_losses, want_params = _oracle(name)
     model, batches = zoo.built(family)
@@ -48,14 +53,25 @@ def test_pipelined_training_equals_torch_on_one_device(sim, name, layout):
     shape, axes, megatron, batch_spec = LAYOUTS[layout]
     sim(int(torch.tensor(shape).prod()))
     mesh = vsf.make_mesh(shape, axes)
-    pipe = vsf.pipeline.Pipeline(fns, zoo.causal_lm_loss, prefixes, mesh=mesh, microbatches=MICROBATCHES, schedule="1f1b", batch=batch_spec, tied=tied)
+    pipe = vsf.pipeline.Pipeline(
+        fns,
+        zoo.causal_lm_loss,
+        prefixes,
+        mesh=mesh,
+        microbatches=MICROBATCHES,
+        schedule="1f1b",
+        batch=batch_spec,
+        tied=tied,
+    )
     placed = pipe.place(params, vsf.sharding.match(params, list(family.tp_rules)) if megatron else None)
     p, losses = zoo.train_pipelined(pipe, zoo.adamw(), placed, batches)
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-4, atol=0)
     got = vsf.device_get(p)
     assert got.keys() == want_params.keys()
     for k, want in want_params.items():
-        torch.testing.assert_close(got[k], want, rtol=zoo.PARAMS_RTOL, atol=zoo.PARAMS_ATOL, msg=lambda m: f"{name} {layout} {k}: {m}")
+        torch.testing.assert_close(
+            got[k], want, rtol=zoo.PARAMS_RTOL, atol=zoo.PARAMS_ATOL, msg=lambda m: f"{name} {layout} {k}: {m}"
+        )
     # each param lives on its stage's pp coordinate only
     for k, v in p.items():
         stage = next(i for i, pre in enumerate(prefixes) if k.startswith(tuple(pre)))
@@ -73,7 +89,9 @@ def test_pipelined_training_on_real_processes_equals_torch_on_one_device(world, 
     model, _ = zoo.built(zoo.families()[name])
     _, prefixes, tied = zoo.pipeline_stages(name, model)
     every = sorted(vsf.tree.from_module(model))
-    for stage, r in enumerate(reports):   # (process r runs stage r)
+    for stage, r in enumerate(reports):  # (process r runs stage r)
         torch.testing.assert_close(r["losses"], r["want_losses"], rtol=1e-4, atol=0)
-        assert r["held"] == [k for k in every if k.startswith(tuple(prefixes[stage])) and not (stage > 0 and k in tied)], stage   # (a tied param: its first stage's)
+        assert r["held"] == [
+            k for k in every if k.startswith(tuple(prefixes[stage])) and not (stage > 0 and k in tied)
+        ], stage  # (a tied param: its first stage's)
         assert r["not_close"] == [], (stage, r["max_param_err"])

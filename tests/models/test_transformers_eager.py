@@ -32,15 +32,24 @@ MEGATRON_TRANSPOSED = [(MEGATRON[0][0], P(None, "tp")), (MEGATRON[1][0], P("tp")
 
 def llama_case():
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", use_cache=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+        use_cache=False,
     )
     model = transformers.LlamaForCausalLM(config)
     params = vsf.tree.from_module(model)
     tx = optim.adamw(1e-3)
 
     def step(p, state, ids):
-        loss, grads = vsf.value_and_grad(lambda p, ids: vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss)(p, ids)
+        loss, grads = vsf.value_and_grad(lambda p, ids: vsf.tree.apply(model, p, input_ids=ids, labels=ids).loss)(
+            p, ids
+        )
         updates, state = tx.update(grads, state, p)
         return optim.apply_updates(p, updates), state, loss
 
@@ -48,7 +57,8 @@ def llama_case():
 
 
 @pytest.mark.parametrize(
-    "layout", [((2,), ("dp",), None), ((2, 2), ("dp", "tp"), MEGATRON), ((2, 2), ("dp", "tp"), MEGATRON_TRANSPOSED)],
+    "layout",
+    [((2,), ("dp",), None), ((2, 2), ("dp", "tp"), MEGATRON), ((2, 2), ("dp", "tp"), MEGATRON_TRANSPOSED)],
     ids=["dp", "dp x tp", "dp x tp transposed rules"],
 )
 def test_llama_matches_one_device(sim, layout):

@@ -17,13 +17,33 @@ pytestmark = pytest.mark.models
 CORE = ["gpt2", "llama", "bert", "t5", "mixtral"]
 EXTRA = ["mistral", "qwen2", "gemma", "phi", "gpt_neox", "falcon"]  # other families, on two layouts
 MOE = ["qwen2_moe", "qwen3_moe", "deepseek_v3"]  # mixture-of-experts families beside Mixtral, on DP, FSDP and TP
-CASES = [(f, l) for f in CORE for l in zoo.LAYOUTS] + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")] + [(f, l) for f in MOE for l in ("dp", "fsdp", "tp")]
+CASES = (
+    [(f, l) for f in CORE for l in zoo.LAYOUTS]
+    + [(f, l) for f in EXTRA for l in ("dp", "dp_tp")]
+    + [(f, l) for f in MOE for l in ("dp", "fsdp", "tp")]
+)
 # By default each family trains on one layout, and each layout with one core family; the rest of
 # the cross product is the sweep (`-m sweep`)
-DEFAULT = {"gpt2": "5d", "llama": "fsdp", "bert": "dp", "t5": "tp", "mixtral": "dp_tp",
-           "mistral": "dp", "qwen2": "dp", "gemma": "dp_tp", "phi": "dp_tp", "gpt_neox": "dp_tp", "falcon": "dp",
-           "qwen2_moe": "tp", "qwen3_moe": "fsdp", "deepseek_v3": "dp"}
-CASES = [c if hasattr(c, "values") or DEFAULT.get(c[0], c[1]) == c[1] else pytest.param(*c, marks=pytest.mark.sweep) for c in CASES]
+DEFAULT = {
+    "gpt2": "5d",
+    "llama": "fsdp",
+    "bert": "dp",
+    "t5": "tp",
+    "mixtral": "dp_tp",
+    "mistral": "dp",
+    "qwen2": "dp",
+    "gemma": "dp_tp",
+    "phi": "dp_tp",
+    "gpt_neox": "dp_tp",
+    "falcon": "dp",
+    "qwen2_moe": "tp",
+    "qwen3_moe": "fsdp",
+    "deepseek_v3": "dp",
+}
+CASES = [
+    c if hasattr(c, "values") or DEFAULT.get(c[0], c[1]) == c[1] else pytest.param(*c, marks=pytest.mark.sweep)
+    for c in CASES
+]
 
 
 @functools.cache
@@ -36,7 +56,11 @@ def _oracle(name: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     return zoo.torch_run(_families()[name])
 
 
-@pytest.mark.parametrize("name, layout", CASES, ids=[f"{c.values[0]}-{c.values[1]}" if hasattr(c, "values") else f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    "name, layout",
+    CASES,
+    ids=[f"{c.values[0]}-{c.values[1]}" if hasattr(c, "values") else f"{c[0]}-{c[1]}" for c in CASES],
+)
 def test_trains_like_torch_on_one_device(sim, name, layout):
     want = _oracle(name)
     # each family's default layout takes its first step in checking mode: no op may differ from one device's
@@ -59,7 +83,7 @@ def test_llama_with_activation_checkpointing_trains_like_torch_without_it(sim, l
     zoo.assert_like_oracle(f"llama x{layers} {layout}", losses, params, zoo.torch_run(zoo.llama(layers)))
 
 
-REAL = ["llama", "bert"]   # rotary tables; position and token-type buffers, padding masks
+REAL = ["llama", "bert"]  # rotary tables; position and token-type buffers, padding masks
 
 
 @pytest.mark.multiprocess

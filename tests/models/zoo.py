@@ -29,7 +29,7 @@ STEPS = 3
 # weight of T5 on dp x tp differed by 1.9e-6, where torch's own fp32 run is 1.5e-6 off a float64
 # run elsewhere).
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-5, 0.01
-PARAMS_RTOL, PARAMS_ATOL = 1e-5, 1e-6   # a trained param against the oracle's
+PARAMS_RTOL, PARAMS_ATOL = 1e-5, 1e-6  # a trained param against the oracle's
 
 
 def model_loss(run: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -70,7 +70,9 @@ def seq2seq_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-def megatron(column: str, row: str, vocab: str, *, conv1d: bool = False, also: tuple[tuple[str, Any], ...] = ()) -> tuple[tuple[str, Any], ...]:
+def megatron(
+    column: str, row: str, vocab: str, *, conv1d: bool = False, also: tuple[tuple[str, Any], ...] = ()
+) -> tuple[tuple[str, Any], ...]:
     """Megatron's rules over ``tp``: column-parallel weights (q/k/v, gate/up, fc1) and their biases
     split over their outputs, row-parallel weights (o, down, fc2) over their inputs, embeddings and
     the head over the vocabulary, then the rules ``also`` gives; everything else replicated.
@@ -87,13 +89,27 @@ def megatron(column: str, row: str, vocab: str, *, conv1d: bool = False, also: t
 
 
 def _llama_like(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[[], torch.nn.Module]:
-    return lambda: model_cls(config_cls(**{
-        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS, "num_key_value_heads": 2, "max_position_embeddings": 2 * SEQ, **extra,
-    }))
+    return lambda: model_cls(
+        config_cls(
+            **{
+                "vocab_size": VOCAB,
+                "hidden_size": HIDDEN,
+                "intermediate_size": FFN,
+                "num_hidden_layers": LAYERS,
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 2 * SEQ,
+                **extra,
+            }
+        )
+    )
 
 
-_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB = r"q_proj|k_proj|v_proj|gate_proj|up_proj", r"o_proj|down_proj", r"model\.embed_tokens|lm_head"
+_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB = (
+    r"q_proj|k_proj|v_proj|gate_proj|up_proj",
+    r"o_proj|down_proj",
+    r"model\.embed_tokens|lm_head",
+)
 _LLAMA_TP = megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB)
 # the experts' fused [experts, 2 * ffn, hidden] and [experts, hidden, ffn] weights (Mixtral's, Qwen's,
 # DeepSeek's) split over ffn
@@ -104,96 +120,201 @@ def families() -> dict[str, Family]:
     """Every family of the zoo, by name (transformers is imported here, not at collection)."""
     import transformers as T
 
-    return {f.name: f for f in [
-        Family(
-            "gpt2",
-            lambda: T.GPT2LMHeadModel(T.GPT2Config(
-                vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-            )),
-            causal_batch,
-            megatron(r"c_attn|c_fc", r"attn\.c_proj|mlp\.c_proj", r"transformer\.wte", conv1d=True),
-        ),
-        Family("llama", _llama_like(T.LlamaConfig, T.LlamaForCausalLM), causal_batch, _LLAMA_TP),
-        Family(
-            "bert",
-            lambda: T.BertForMaskedLM(T.BertConfig(
-                vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                intermediate_size=FFN, max_position_embeddings=2 * SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            )),
-            masked_batch,
-            megatron(r"self\.query|self\.key|self\.value|intermediate\.dense", r"attention\.output\.dense|layer\.\d+\.output\.dense", r"bert\.embeddings\.word_embeddings",
-                     also=((r"cls\.predictions\.bias", P("tp")),)),
-        ),
-        Family(
-            "t5",
-            lambda: T.T5ForConditionalGeneration(T.T5Config(
-                vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS, num_heads=HEADS,
-                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-            )),
-            seq2seq_batch,
-            megatron(r"Attention\.q|Attention\.k|Attention\.v|DenseReluDense\.wi", r"Attention\.o|DenseReluDense\.wo", r"shared|lm_head"),
-        ),
-        Family(
-            "mixtral",
-            _llama_like(T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
-            causal_batch,
-            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
-        ),
-        Family(
-            "qwen2_moe",
-            _llama_like(T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, moe_intermediate_size=FFN, shared_expert_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2),
-            causal_batch,
-            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
-        ),
-        Family(
-            "qwen3_moe",
-            _llama_like(T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2, head_dim=HIDDEN // HEADS),
-            causal_batch,
-            megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
-        ),
-        Family(
-            # multi-head latent attention; layer 0 dense, layer 1 routed experts + a shared one
-            "deepseek_v3",
-            _llama_like(T.DeepseekV3Config, T.DeepseekV3ForCausalLM, moe_intermediate_size=FFN, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
-            causal_batch,
-            megatron(r"q_b_proj|kv_b_proj|gate_proj|up_proj", _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
-        ),
-        Family("mistral", _llama_like(T.MistralConfig, T.MistralForCausalLM), causal_batch, _LLAMA_TP),
-        Family("qwen2", _llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), causal_batch, _LLAMA_TP),
-        Family("gemma", _llama_like(T.GemmaConfig, T.GemmaForCausalLM, head_dim=HIDDEN // HEADS), causal_batch, _LLAMA_TP),
-        Family(
-            "phi",
-            lambda: T.PhiForCausalLM(T.PhiConfig(
-                vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                max_position_embeddings=2 * SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
-            )),
-            causal_batch,
-            megatron(r"q_proj|k_proj|v_proj|fc1", r"self_attn\.dense|fc2", r"model\.embed_tokens|lm_head", also=((r"lm_head\.bias", P("tp")),)),
-        ),
-        Family(
-            # its SDPA call passes the causal mask it builds (a [batch, 1, T, T] broadcast), so SDPA's
-            # CPU flash kernel runs with a mask argument; one key/value head a query head
-            # (``multi_query`` off: with one shared head SDPA takes its math path)
-            "falcon",
-            lambda: T.FalconForCausalLM(T.FalconConfig(
-                vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, multi_query=False,
-                max_position_embeddings=2 * SEQ,
-            )),
-            causal_batch,
-            megatron(r"query_key_value|dense_h_to_4h", r"self_attention\.dense|dense_4h_to_h", r"transformer\.word_embeddings"),
-        ),
-        Family(
-            "gpt_neox",
-            lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
-                vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                max_position_embeddings=2 * SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-            )),
-            causal_batch,
-            megatron(r"query_key_value|dense_h_to_4h", r"attention\.dense|dense_4h_to_h", r"gpt_neox\.embed_in|embed_out"),
-        ),
-    ]}
+    return {
+        f.name: f
+        for f in [
+            Family(
+                "gpt2",
+                lambda: T.GPT2LMHeadModel(
+                    T.GPT2Config(
+                        vocab_size=VOCAB,
+                        n_positions=2 * SEQ,
+                        n_embd=HIDDEN,
+                        n_layer=LAYERS,
+                        n_head=HEADS,
+                        resid_pdrop=0.0,
+                        embd_pdrop=0.0,
+                        attn_pdrop=0.0,
+                        bos_token_id=0,
+                        eos_token_id=0,
+                    )
+                ),
+                causal_batch,
+                megatron(r"c_attn|c_fc", r"attn\.c_proj|mlp\.c_proj", r"transformer\.wte", conv1d=True),
+            ),
+            Family("llama", _llama_like(T.LlamaConfig, T.LlamaForCausalLM), causal_batch, _LLAMA_TP),
+            Family(
+                "bert",
+                lambda: T.BertForMaskedLM(
+                    T.BertConfig(
+                        vocab_size=VOCAB,
+                        hidden_size=HIDDEN,
+                        num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS,
+                        intermediate_size=FFN,
+                        max_position_embeddings=2 * SEQ,
+                        hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0,
+                    )
+                ),
+                masked_batch,
+                megatron(
+                    r"self\.query|self\.key|self\.value|intermediate\.dense",
+                    r"attention\.output\.dense|layer\.\d+\.output\.dense",
+                    r"bert\.embeddings\.word_embeddings",
+                    also=((r"cls\.predictions\.bias", P("tp")),),
+                ),
+            ),
+            Family(
+                "t5",
+                lambda: T.T5ForConditionalGeneration(
+                    T.T5Config(
+                        vocab_size=VOCAB,
+                        d_model=HIDDEN,
+                        d_kv=HIDDEN // HEADS,
+                        d_ff=FFN,
+                        num_layers=LAYERS,
+                        num_heads=HEADS,
+                        dropout_rate=0.0,
+                        decoder_start_token_id=0,
+                        pad_token_id=0,
+                    )
+                ),
+                seq2seq_batch,
+                megatron(
+                    r"Attention\.q|Attention\.k|Attention\.v|DenseReluDense\.wi",
+                    r"Attention\.o|DenseReluDense\.wo",
+                    r"shared|lm_head",
+                ),
+            ),
+            Family(
+                "mixtral",
+                _llama_like(T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
+                causal_batch,
+                megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+            ),
+            Family(
+                "qwen2_moe",
+                _llama_like(
+                    T.Qwen2MoeConfig,
+                    T.Qwen2MoeForCausalLM,
+                    moe_intermediate_size=FFN,
+                    shared_expert_intermediate_size=FFN,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                ),
+                causal_batch,
+                megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+            ),
+            Family(
+                "qwen3_moe",
+                _llama_like(
+                    T.Qwen3MoeConfig,
+                    T.Qwen3MoeForCausalLM,
+                    moe_intermediate_size=FFN,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    head_dim=HIDDEN // HEADS,
+                ),
+                causal_batch,
+                megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+            ),
+            Family(
+                # multi-head latent attention; layer 0 dense, layer 1 routed experts + a shared one
+                "deepseek_v3",
+                _llama_like(
+                    T.DeepseekV3Config,
+                    T.DeepseekV3ForCausalLM,
+                    moe_intermediate_size=FFN,
+                    n_routed_experts=4,
+                    num_experts_per_tok=2,
+                    n_shared_experts=1,
+                    first_k_dense_replace=1,
+                    n_group=1,
+                    topk_group=1,
+                    q_lora_rank=16,
+                    kv_lora_rank=16,
+                    qk_rope_head_dim=4,
+                    qk_nope_head_dim=4,
+                    v_head_dim=8,
+                ),
+                causal_batch,
+                megatron(r"q_b_proj|kv_b_proj|gate_proj|up_proj", _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+            ),
+            Family("mistral", _llama_like(T.MistralConfig, T.MistralForCausalLM), causal_batch, _LLAMA_TP),
+            Family("qwen2", _llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), causal_batch, _LLAMA_TP),
+            Family(
+                "gemma",
+                _llama_like(T.GemmaConfig, T.GemmaForCausalLM, head_dim=HIDDEN // HEADS),
+                causal_batch,
+                _LLAMA_TP,
+            ),
+            Family(
+                "phi",
+                lambda: T.PhiForCausalLM(
+                    T.PhiConfig(
+                        vocab_size=VOCAB,
+                        hidden_size=HIDDEN,
+                        intermediate_size=FFN,
+                        num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS,
+                        max_position_embeddings=2 * SEQ,
+                        resid_pdrop=0.0,
+                        embd_pdrop=0.0,
+                        attention_dropout=0.0,
+                    )
+                ),
+                causal_batch,
+                megatron(
+                    r"q_proj|k_proj|v_proj|fc1",
+                    r"self_attn\.dense|fc2",
+                    r"model\.embed_tokens|lm_head",
+                    also=((r"lm_head\.bias", P("tp")),),
+                ),
+            ),
+            Family(
+                # its SDPA call passes the causal mask it builds (a [batch, 1, T, T] broadcast), so SDPA's
+                # CPU flash kernel runs with a mask argument; one key/value head a query head
+                # (``multi_query`` off: with one shared head SDPA takes its math path)
+                "falcon",
+                lambda: T.FalconForCausalLM(
+                    T.FalconConfig(
+                        vocab_size=VOCAB,
+                        hidden_size=HIDDEN,
+                        num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS,
+                        multi_query=False,
+                        max_position_embeddings=2 * SEQ,
+                    )
+                ),
+                causal_batch,
+                megatron(
+                    r"query_key_value|dense_h_to_4h",
+                    r"self_attention\.dense|dense_4h_to_h",
+                    r"transformer\.word_embeddings",
+                ),
+            ),
+            Family(
+                "gpt_neox",
+                lambda: T.GPTNeoXForCausalLM(
+                    T.GPTNeoXConfig(
+                        vocab_size=VOCAB,
+                        hidden_size=HIDDEN,
+                        intermediate_size=FFN,
+                        num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS,
+                        max_position_embeddings=2 * SEQ,
+                        hidden_dropout=0.0,
+                        attention_dropout=0.0,
+                    )
+                ),
+                causal_batch,
+                megatron(
+                    r"query_key_value|dense_h_to_4h", r"attention\.dense|dense_4h_to_h", r"gpt_neox\.embed_in|embed_out"
+                ),
+            ),
+        ]
+    }
 
 
 def llama(layers: int, *, checkpointed: bool = False) -> Family:
@@ -247,7 +368,9 @@ def adamw() -> optim.GradientTransformation:
     return optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
-def train_step(model: torch.nn.Module, tx: optim.GradientTransformation, loss_fn: Callable[..., torch.Tensor] = model_loss) -> Callable[..., Any]:
+def train_step(
+    model: torch.nn.Module, tx: optim.GradientTransformation, loss_fn: Callable[..., torch.Tensor] = model_loss
+) -> Callable[..., Any]:
     """The vsf training step of ``model`` (``loss_fn`` of a batch dict, the model's own by default),
     to run under ``vsf.jit``: ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
 
@@ -290,7 +413,9 @@ def _with_fsdp(spec: P, shape: torch.Size) -> P:
     return P(*entries)
 
 
-def jit_train(family: Family, layout: str, simulate: Callable[[int], Any], *, check: bool = False) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], Any]:
+def jit_train(
+    family: Family, layout: str, simulate: Callable[[int], Any], *, check: bool = False
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], Any]:
     """``family`` trained one step per batch of :func:`built` through ``vsf.jit`` on ``layout``,
     on ranks that ``simulate(n)`` starts (the ``sim`` fixture; after the model is built, which
     would otherwise hold simulated tensors): each step's loss, every param after the last step
@@ -313,17 +438,28 @@ def jit_train(family: Family, layout: str, simulate: Callable[[int], Any], *, ch
     return losses, vsf.device_get(p), step
 
 
-def assert_like_oracle(what: str, losses: list[torch.Tensor], params: dict[str, torch.Tensor], oracle: tuple[list[torch.Tensor], dict[str, torch.Tensor]]) -> None:
+def assert_like_oracle(
+    what: str,
+    losses: list[torch.Tensor],
+    params: dict[str, torch.Tensor],
+    oracle: tuple[list[torch.Tensor], dict[str, torch.Tensor]],
+) -> None:
     """Each loss within 1e-4 (relative) of the oracle's (:func:`torch_run`), every param within
     :data:`PARAMS_RTOL` / :data:`PARAMS_ATOL`; ``what`` names the run in a failure."""
     want_losses, want_params = oracle
-    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-4, atol=0, msg=lambda m: f"{what} losses: {m}")
+    torch.testing.assert_close(
+        torch.stack(losses), torch.stack(want_losses), rtol=1e-4, atol=0, msg=lambda m: f"{what} losses: {m}"
+    )
     assert params.keys() == want_params.keys()
     for k, want in want_params.items():
-        torch.testing.assert_close(params[k], want, rtol=PARAMS_RTOL, atol=PARAMS_ATOL, msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(
+            params[k], want, rtol=PARAMS_RTOL, atol=PARAMS_ATOL, msg=lambda m: f"{what} {k}: {m}"
+        )
 
 
-def train_pipelined(pipe: Any, tx: optim.GradientTransformation, placed: tuple[Any, Any], batches: list[dict[str, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
+def train_pipelined(
+    pipe: Any, tx: optim.GradientTransformation, placed: tuple[Any, Any], batches: list[dict[str, torch.Tensor]]
+) -> tuple[Any, list[torch.Tensor]]:
     """The params ``pipe.place`` returned with their layout (``placed``) trained one step per batch through the pipeline
     (the causal-LM labels as its targets): the params after the last step and each step's loss."""
     params, layout = placed
@@ -335,8 +471,9 @@ def train_pipelined(pipe: Any, tx: optim.GradientTransformation, placed: tuple[A
         losses.append(vsf.device_get(loss))
     return params, losses
 
+
 def _sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -356,16 +493,28 @@ def _gpt2_stages(model: Any) -> tuple[list[Any], list[list[str]], tuple[str, ...
         def stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             if s == 0:
-                x = functional_call(tr.wte, _sub(params, "transformer.wte."), (x,)) + functional_call(tr.wpe, _sub(params, "transformer.wpe."), (positions,))
-            mask = create_causal_mask(config=tr.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
-            x = functional_call(tr.h[s], _sub(params, f"transformer.h.{s}."), (x,), {"attention_mask": mask, "position_ids": positions})
+                x = functional_call(tr.wte, _sub(params, "transformer.wte."), (x,)) + functional_call(
+                    tr.wpe, _sub(params, "transformer.wpe."), (positions,)
+                )
+            mask = create_causal_mask(
+                config=tr.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+            )
+            x = functional_call(
+                tr.h[s], _sub(params, f"transformer.h.{s}."), (x,), {"attention_mask": mask, "position_ids": positions}
+            )
             if s == 1:
-                x = functional_call(tr.ln_f, _sub(params, "transformer.ln_f."), (x,)) @ params["transformer.wte.weight"].t()
+                x = (
+                    functional_call(tr.ln_f, _sub(params, "transformer.ln_f."), (x,))
+                    @ params["transformer.wte.weight"].t()
+                )
             return x
 
         return stage
 
-    prefixes = [["transformer.wte.", "transformer.wpe.", "transformer.h.0."], ["transformer.h.1.", "transformer.ln_f.", "transformer.wte."]]
+    prefixes = [
+        ["transformer.wte.", "transformer.wpe.", "transformer.h.0."],
+        ["transformer.h.1.", "transformer.ln_f.", "transformer.wte."],
+    ]
     return [make(0), make(1)], prefixes, ("transformer.wte.weight",)
 
 
@@ -381,11 +530,22 @@ def _llama_stages(model: Any) -> tuple[list[Any], list[list[str]], tuple[str, ..
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             if s == 0:
                 x = functional_call(m.embed_tokens, _sub(params, "model.embed_tokens."), (x,))
-            mask = create_causal_mask(config=m.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions)
+            mask = create_causal_mask(
+                config=m.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+            )
             rotary = m.rotary_emb(x, position_ids=positions)
-            x = functional_call(m.layers[s], _sub(params, f"model.layers.{s}."), (x,), {"attention_mask": mask, "position_ids": positions, "position_embeddings": rotary})
+            x = functional_call(
+                m.layers[s],
+                _sub(params, f"model.layers.{s}."),
+                (x,),
+                {"attention_mask": mask, "position_ids": positions, "position_embeddings": rotary},
+            )
             if s == 1:
-                x = functional_call(model.lm_head, _sub(params, "lm_head."), (functional_call(m.norm, _sub(params, "model.norm."), (x,)),))
+                x = functional_call(
+                    model.lm_head,
+                    _sub(params, "lm_head."),
+                    (functional_call(m.norm, _sub(params, "model.norm."), (x,)),),
+                )
             return x
 
         return stage
@@ -394,7 +554,9 @@ def _llama_stages(model: Any) -> tuple[list[Any], list[list[str]], tuple[str, ..
     return [make(0), make(1)], prefixes, ()
 
 
-def pipeline_stages(name: str, model: torch.nn.Module) -> tuple[list[Callable[..., torch.Tensor]], list[list[str]], tuple[str, ...]]:
+def pipeline_stages(
+    name: str, model: torch.nn.Module
+) -> tuple[list[Callable[..., torch.Tensor]], list[list[str]], tuple[str, ...]]:
     """``model`` of family ``name`` (``gpt2``, ``llama`` or ``mixtral``, whose modules are Llama's,
     ``LAYERS`` = 2) cut into two pipeline stages of one decoder layer each, as a user writes them:
     the stage functions, each stage's key-path prefixes, and the tied params (GPT-2's embedding,

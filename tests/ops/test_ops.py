@@ -10,12 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from workers.ops_oracles import all_gather_v_case, all_to_all_v_case, as_local, check_simulated, collective_cases, groups, per_rank, reduce_scatter_v_case
+from workers.ops_oracles import (
+    all_gather_v_case,
+    all_to_all_v_case,
+    as_local,
+    check_simulated,
+    collective_cases,
+    groups,
+    per_rank,
+    reduce_scatter_v_case,
+)
 
 import vsf
 from vsf import _compat
 from vsf.ops import backend
 from multiproc import launch_once
+
 SIZES = {"a": 2, "b": 3}
 CASES = {c.name: c for c in collective_cases(SIZES["b"])}
 
@@ -77,17 +87,20 @@ def test_planning_only_simulation_gives_shapes(sim):
     assert vsf.ops.all_gather_v(torch.ones(2, 3), "fsdp", (2, 2, 1, 1), mesh=m).shape == (6, 3)
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda x: vsf.ops.all_gather_v(x, "b", (1, 2)), "needs 3 non-negative sizes"),
-    (lambda x: vsf.ops.all_gather_v(x, "b", (1, -1, 2)), "needs 3 non-negative sizes"),
-    (lambda x: vsf.ops.all_gather_v(x, "b", (2, 2, 1)), "member 2 should hold 1 rows"),
-    (lambda x: vsf.ops.reduce_scatter_v(x, "b", (1, 1, 2)), "should hold 4 rows"),
-    (lambda x: vsf.ops.all_to_all_v(x, "b", [[1, 1, 1]] * 3), "must send 3 rows"),
-    (lambda x: vsf.ops.ppermute(x, "b", [(0, 1), (1, 1)]), "distinct sources and destinations"),
-    (lambda x: vsf.ops.all_to_all(x, ("a", "b"), 0, 0), "runs over one mesh axis"),
-    (lambda x: vsf.ops.all_to_all(x, "b", 0, 1), "not divisible by 3"),
-    (lambda x: vsf.ops.psum(x, "zz"), "unknown mesh axis 'zz'"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda x: vsf.ops.all_gather_v(x, "b", (1, 2)), "needs 3 non-negative sizes"),
+        (lambda x: vsf.ops.all_gather_v(x, "b", (1, -1, 2)), "needs 3 non-negative sizes"),
+        (lambda x: vsf.ops.all_gather_v(x, "b", (2, 2, 1)), "member 2 should hold 1 rows"),
+        (lambda x: vsf.ops.reduce_scatter_v(x, "b", (1, 1, 2)), "should hold 4 rows"),
+        (lambda x: vsf.ops.all_to_all_v(x, "b", [[1, 1, 1]] * 3), "must send 3 rows"),
+        (lambda x: vsf.ops.ppermute(x, "b", [(0, 1), (1, 1)]), "distinct sources and destinations"),
+        (lambda x: vsf.ops.all_to_all(x, ("a", "b"), 0, 0), "runs over one mesh axis"),
+        (lambda x: vsf.ops.all_to_all(x, "b", 0, 1), "not divisible by 3"),
+        (lambda x: vsf.ops.psum(x, "zz"), "unknown mesh axis 'zz'"),
+    ],
+)
 def test_bad_input(mesh, call, message):
     with pytest.raises(ValueError, match=message):
         call(as_local({r: torch.ones(2, 2) for r in mesh.devices}))
@@ -113,7 +126,7 @@ def test_every_transpose_is_an_adjoint(mesh):
         lhs = sum(v.sum() for v in per_rank(y.detach() * w.detach()).values())
         rhs = sum(v.sum() for v in per_rank(x.detach() * g.detach()).values())
         torch.testing.assert_close(lhs, rhs)
-        (gg,) = torch.autograd.grad((g * x).sum(), w)   # d<x, op^T(w)>/dw = op(x)
+        (gg,) = torch.autograd.grad((g * x).sum(), w)  # d<x, op^T(w)>/dw = op(x)
         for r, v in per_rank(gg).items():
             torch.testing.assert_close(v, per_rank(y)[r])
 
@@ -192,7 +205,9 @@ def nccl_reports(tmp_path_factory):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < NPROC, reason=f"needs {NPROC} CUDA devices (NCCL runs one rank per GPU)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < NPROC, reason=f"needs {NPROC} CUDA devices (NCCL runs one rank per GPU)"
+)
 @pytest.mark.parametrize("name", [c.name for c in collective_cases(2)])
 def test_collective_matches_oracle_on_nccl(nccl_reports, name):
     for rank, report in enumerate(nccl_reports):

@@ -37,8 +37,14 @@ def reference_orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 def reference(params: dict, grads: list[dict], lr: float = 0.02, beta: float = 0.95, wd: float = 0.0) -> dict:
     p = {k: v.clone() for k, v in params.items()}
     buf = {k: torch.zeros_like(v) for k, v in p.items() if v.ndim == 2}
-    adam = torch.optim.AdamW([p[k].requires_grad_() for k in p if p[k].ndim != 2], lr=3e-4, betas=(0.9, 0.95), eps=1e-10,
-                             weight_decay=0.0, foreach=True)
+    adam = torch.optim.AdamW(
+        [p[k].requires_grad_() for k in p if p[k].ndim != 2],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        eps=1e-10,
+        weight_decay=0.0,
+        foreach=True,
+    )
     for g in grads:
         for k in p:
             if p[k].ndim != 2:
@@ -56,7 +62,13 @@ def reference(params: dict, grads: list[dict], lr: float = 0.02, beta: float = 0
 
 def _params() -> dict[str, torch.Tensor]:
     # Newton-Schulz costs (min^2 * max): a 8192, c 12288, d 13824, e 2560
-    return {"a": torch.randn(32, 16), "b": torch.randn(16), "c": torch.randn(16, 48), "d": torch.randn(24, 24), "e": torch.randn(8, 40)}
+    return {
+        "a": torch.randn(32, 16),
+        "b": torch.randn(16),
+        "c": torch.randn(16, 48),
+        "d": torch.randn(24, 24),
+        "e": torch.randn(8, 40),
+    }
 
 
 def _grads(params: dict) -> list[dict]:
@@ -85,10 +97,10 @@ def test_newton_schulz_is_the_reference_iteration():
     g = torch.randn(40, 24)
     assert torch.equal(optim.newton_schulz(g), reference_orthogonalize(g))
     s = torch.linalg.svdvals(optim.newton_schulz(g).float())
-    assert s.min() > 0.5 and s.max() < 1.5   # the quintic's "roughly orthogonal" (reference's docstring)
+    assert s.min() > 0.5 and s.max() < 1.5  # the quintic's "roughly orthogonal" (reference's docstring)
 
 
-LAYOUTS = {   # how the params (and their gradients) are laid out on 4 ranks
+LAYOUTS = {  # how the params (and their gradients) are laid out on 4 ranks
     "rows": lambda params, mesh: vsf.sharding.ragged_plan(params, "fsdp", mesh=mesh),
     "shard": lambda params, mesh: {k: NamedSharding(mesh, P("fsdp")) for k in params},
     "replicated": lambda params, mesh: {k: NamedSharding(mesh, P()) for k in params},
@@ -122,7 +134,9 @@ def test_four_ranks_equal_one_device_and_each_matrix_has_one_owner(sim, layout):
     assert owners == OWNERS[layout]
     if layout == "rows":
         assert [shardings[k].spec.ragged.units for k in ("a", "e")] == [(32, 0, 0, 0), (0, 0, 0, 8)]
-    assert collections.Counter(seen) == {(r, p): STEPS for p, rs in owners.items() for r in rs}   # once per step, nowhere else
+    assert collections.Counter(seen) == {
+        (r, p): STEPS for p, rs in owners.items() for r in rs
+    }  # once per step, nowhere else
 
 
 def test_matrices_whole_on_a_rank_are_orthogonalised_there_without_moving(sim, monkeypatch):
@@ -155,7 +169,9 @@ def test_errors(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
     w = {"w": vsf.device_put(torch.randn(8, 8), NamedSharding(mesh, P("dp", "tp")))}
-    with pytest.raises(ValueError, match=r"laid out as P\('dp', 'tp'\) is split over \['dp', 'tp'\]; pass muon\(..., axis=...\)"):
+    with pytest.raises(
+        ValueError, match=r"laid out as P\('dp', 'tp'\) is split over \['dp', 'tp'\]; pass muon\(..., axis=...\)"
+    ):
         tx.update(w, tx.init(w), w)
 
 
@@ -166,7 +182,7 @@ def test_matrices_only_and_empty_trees():
     grads = _grads(params)
     matrices = {k: v for k, v in params.items() if v.ndim == 2}
     got = run(optim.muon(0.02), matrices, [{k: g[k] for k in matrices} for g in grads])
-    want = reference(params, grads)   # each matrix's update depends only on its own gradients
+    want = reference(params, grads)  # each matrix's update depends only on its own gradients
     for k in matrices:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
     for tx in (optim.adamw(1e-3), optim.lion(1e-3), optim.sgd(0.1, momentum=0.9)):

@@ -23,7 +23,14 @@ def _grads(params: dict[str, torch.Tensor], n: int = STEPS) -> list[dict[str, to
 
 
 def run_torch(
-    cls: type, kwargs: dict, params: dict, grads: list[dict], *, mask: dict | None = None, clip: float | None = None, impl: str = "foreach"
+    cls: type,
+    kwargs: dict,
+    params: dict,
+    grads: list[dict],
+    *,
+    mask: dict | None = None,
+    clip: float | None = None,
+    impl: str = "foreach",
 ) -> dict[str, torch.Tensor]:
     """Reference: a torch.optim optimizer over the same tensors; a mask is a param group with
     weight_decay=0; ``clip`` runs ``clip_grad_norm_`` before each step; ``impl`` is torch's
@@ -31,7 +38,10 @@ def run_torch(
     tp = {k: v.clone().requires_grad_() for k, v in params.items()}
     groups = [{"params": list(tp.values())}]
     if mask is not None:
-        groups = [{"params": [tp[k] for k in tp if mask[k]]}, {"params": [tp[k] for k in tp if not mask[k]], "weight_decay": 0.0}]
+        groups = [
+            {"params": [tp[k] for k in tp if mask[k]]},
+            {"params": [tp[k] for k in tp if not mask[k]], "weight_decay": 0.0},
+        ]
     opt = cls(groups, **{impl: True}, **kwargs)
     for g in grads:
         for k in tp:
@@ -62,8 +72,20 @@ TORCH_CASES = [
     ),
     ("adam", torch.optim.Adam, dict(lr=1e-2), lambda: optim.adam(1e-2), None),
     ("adam-wd", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adam(1e-2, weight_decay=0.1), None),
-    ("adam-wd-mask", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adam(1e-2, weight_decay=0.1, mask=MASK), MASK),
-    ("adamw-no-wd", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.0), lambda: optim.adamw(1e-2, weight_decay=0.0), None),
+    (
+        "adam-wd-mask",
+        torch.optim.Adam,
+        dict(lr=1e-2, weight_decay=0.1),
+        lambda: optim.adam(1e-2, weight_decay=0.1, mask=MASK),
+        MASK,
+    ),
+    (
+        "adamw-no-wd",
+        torch.optim.AdamW,
+        dict(lr=1e-2, weight_decay=0.0),
+        lambda: optim.adamw(1e-2, weight_decay=0.0),
+        None,
+    ),
     (
         "adamw",
         torch.optim.AdamW,
@@ -277,7 +299,10 @@ def test_update_traces_under_make_fx_on_fake_tensors():
 
     params = _params()
     grads = {k: torch.randn_like(v) for k, v in params.items()}
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine_decay(0.0, 1e-2, 2, 10), weight_decay=0.1, mask=MASK))
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.adamw(optim.warmup_cosine_decay(0.0, 1e-2, 2, 10), weight_decay=0.1, mask=MASK),
+    )
     state = tx.init(params)
 
     def step(params, grads, state):
@@ -309,7 +334,9 @@ def test_grads_tree_mismatch_names_first_differing_key_path():
     with pytest.raises(ValueError, match=r"a leaf at \['blocks'\]\[0\]\['z'\]"):
         optim.apply_updates(params, extra)
     wrong_shape = {"blocks": [{"w": torch.ones(2), "v": torch.ones(5)}], "head": torch.ones(3)}
-    with pytest.raises(ValueError, match=r"updates leaf \['blocks'\]\[0\]\['v'\] has shape \(5,\), but params have shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"updates leaf \['blocks'\]\[0\]\['v'\] has shape \(5,\), but params have shape \(2,\)"
+    ):
         optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9)).update(
             wrong_shape, optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1, momentum=0.9)).init(params), params
         )

@@ -95,7 +95,9 @@ def test_zero_over_a_minor_axis_reduce_scatters_gradients_under_jit(sim, clip):
     want_params, want_state, want_loss = step(params, tx.init(params), x, y)
     sim(8)
     mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
-    p = vsf.device_put(params, {"w1": vsf.NamedSharding(mesh, P("fsdp", "tp")), "w2": vsf.NamedSharding(mesh, P("tp", "fsdp"))})
+    p = vsf.device_put(
+        params, {"w1": vsf.NamedSharding(mesh, P("fsdp", "tp")), "w2": vsf.NamedSharding(mesh, P("tp", "fsdp"))}
+    )
     s = optim.init_sharded(tx, p, zero_axes=("dp",))
     assert vsf.typeof((s[1] if clip else s).mu["w1"]) == "f32[32@(fsdp,dp),128@tp]"
     b = vsf.device_put((x, y), vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
@@ -103,7 +105,9 @@ def test_zero_over_a_minor_axis_reduce_scatters_gradients_under_jit(sim, clip):
     cost = jstep.lower(p, s, *b).cost()
     plain = jstep.lower(p, optim.init_sharded(tx, p), *b).cost()
     assert cost.count("reduce_scatter", "dp") == 2 and cost.count("all_gather", "dp") == 2
-    assert all(c.shape == () for c in cost.collectives if c.kind == "all_reduce" and c.axis == "dp")  # the loss, the norm
+    assert all(
+        c.shape == () for c in cost.collectives if c.kind == "all_reduce" and c.axis == "dp"
+    )  # the loss, the norm
     assert cost.comm_bytes["dp"] <= plain.comm_bytes["dp"] + 16
     assert (cost.comm_bytes["fsdp"], cost.comm_bytes["tp"]) == (plain.comm_bytes["fsdp"], plain.comm_bytes["tp"])
     got_p, got_s, loss = jstep(p, s, *b)

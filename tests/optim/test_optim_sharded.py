@@ -15,6 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import vsf
 from vsf import P, optim
 from vsf.sharding import NamedSharding
+
 STEPS = 20
 
 
@@ -31,10 +32,14 @@ class Layout(NamedTuple):
 LAYOUTS = {
     "dp4": Layout(((4,), ("dp",)), {"w": P(), "b": P(), "e": P()}, "partial"),
     "dp2xtp2": Layout(((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "partial"),
-    "dp2xtp2-replicated-grads": Layout(((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "replicated"),
+    "dp2xtp2-replicated-grads": Layout(
+        ((2, 2), ("dp", "tp")), {"w": P(None, "tp"), "b": P(), "e": P("tp")}, "replicated"
+    ),
     # FSDP x TP: no unsharded dim left to take dp, so ZeRO goes minor on a sharded dim (P(("fsdp", "dp"), "tp"),
     # against the mesh order: _StridedShard)
-    "dp2xfsdp2xtp2": Layout(((2, 2, 2), ("dp", "fsdp", "tp")), {"w": P("fsdp", "tp"), "b": P("tp"), "e": P("fsdp", "tp")}, "partial"),
+    "dp2xfsdp2xtp2": Layout(
+        ((2, 2, 2), ("dp", "fsdp", "tp")), {"w": P("fsdp", "tp"), "b": P("tp"), "e": P("fsdp", "tp")}, "partial"
+    ),
 }
 
 
@@ -45,7 +50,9 @@ def _place_grads(g: dict, mesh: vsf.Mesh, layout: Layout, zero: optim.ZeroLayout
     return vsf.device_put(g, {k: NamedSharding(mesh, P(*layout.params[k], unreduced=unreduced)) for k in g})
 
 
-def run_sharded(tx, params, grads, layout: Layout, stage: int, *, zero_axes=("dp",)) -> tuple[dict, object, optim.ZeroLayout]:
+def run_sharded(
+    tx, params, grads, layout: Layout, stage: int, *, zero_axes=("dp",)
+) -> tuple[dict, object, optim.ZeroLayout]:
     mesh = vsf.make_mesh(*layout.mesh)
     placed = vsf.device_put(params, {k: NamedSharding(mesh, s) for k, s in layout.params.items()})
     zero = optim.zero_layout(tx, placed, zero_axes=zero_axes, stage=stage)
@@ -60,15 +67,26 @@ def run_sharded(tx, params, grads, layout: Layout, stage: int, *, zero_axes=("dp
 
 def _placements_match(tree_, shardings) -> bool:
     leaves = vsf.tree.leaves(tree_)
-    return all(isinstance(x, DTensor) and tuple(x.placements) == s.placements for x, s in zip(leaves, vsf.tree.leaves(shardings)))
+    return all(
+        isinstance(x, DTensor) and tuple(x.placements) == s.placements
+        for x, s in zip(leaves, vsf.tree.leaves(shardings))
+    )
 
 
 OPTIMIZERS = {
     "sgd-nesterov-wd": (
-        torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2), lambda: optim.sgd(0.1, 0.9, True, 1e-2), None
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        lambda: optim.sgd(0.1, 0.9, True, 1e-2),
+        None,
     ),
     "adam-wd": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adam(1e-2, weight_decay=0.1), None),
-    "adamw-mask": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), lambda: optim.adamw(1e-2, weight_decay=0.1, mask=MASK), MASK),
+    "adamw-mask": (
+        torch.optim.AdamW,
+        dict(lr=1e-2, weight_decay=0.1),
+        lambda: optim.adamw(1e-2, weight_decay=0.1, mask=MASK),
+        MASK,
+    ),
 }
 
 
@@ -88,7 +106,15 @@ def test_optimizers_zero2_match_torch(sim, opt):
 
 @pytest.mark.parametrize(
     "layout,stage",
-    [("dp4", 1), ("dp4", 3), ("dp2xtp2", 1), ("dp2xtp2", 3), ("dp2xtp2-replicated-grads", 2), ("dp2xfsdp2xtp2", 1), ("dp2xfsdp2xtp2", 3)],
+    [
+        ("dp4", 1),
+        ("dp4", 3),
+        ("dp2xtp2", 1),
+        ("dp2xtp2", 3),
+        ("dp2xtp2-replicated-grads", 2),
+        ("dp2xfsdp2xtp2", 1),
+        ("dp2xfsdp2xtp2", 3),
+    ],
 )
 def test_clip_adamw_zero_stages_match_torch(sim, layout, stage):
     sim(math.prod(LAYOUTS[layout].mesh[0]))
@@ -110,7 +136,9 @@ def test_uneven_zero_shards_match_torch(sim):
     grads = _grads(params, STEPS)
     tx = optim.adamw(1e-2, weight_decay=0.1)
     layout = Layout(((4,), ("dp",)), {"w": P(), "b": P()}, "partial")
-    with pytest.raises(ValueError, match=r"cannot shard b \(shape \(5,\), P\(\)\) over zero_axes \('dp',\).*uneven=True"):
+    with pytest.raises(
+        ValueError, match=r"cannot shard b \(shape \(5,\), P\(\)\) over zero_axes \('dp',\).*uneven=True"
+    ):
         run_sharded(tx, params, grads, layout, stage=1)
     mesh = vsf.make_mesh((4,), ("dp",))
     placed = vsf.device_put(params, NamedSharding(mesh, P()))
@@ -173,7 +201,11 @@ def test_clip_by_global_norm_on_sharded_grads_equals_unsharded(sim):
 
 MEMORY_LAYOUTS = {  # mesh, param specs, model-parallel degree M (ways each param is split before ZeRO)
     "dp4": (((4,), ("dp",)), {"w": P(), "b": P(), "e": P()}, 1),
-    "dp2xfsdp2xtp2": (((2, 2, 2), ("dp", "fsdp", "tp")), {"w": P("fsdp", "tp"), "b": P(("fsdp", "tp")), "e": P("tp", "fsdp")}, 4),
+    "dp2xfsdp2xtp2": (
+        ((2, 2, 2), ("dp", "fsdp", "tp")),
+        {"w": P("fsdp", "tp"), "b": P(("fsdp", "tp")), "e": P("tp", "fsdp")},
+        4,
+    ),
 }
 
 
@@ -211,18 +243,27 @@ def test_state_shardings_rule(sim):
     shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
     plain = optim.state_shardings(tx, meta, {k: shard(s) for k, s in specs.items()})
     assert plain[1].acc_grads == {k: shard(s) for k, s in specs.items()}
-    assert plain[1].inner_state.inner_state.mu["b"] == shard(P(None, "tp")) and plain[1].inner_state.inner_state.mu["s"] is None
+    assert (
+        plain[1].inner_state.inner_state.mu["b"] == shard(P(None, "tp"))
+        and plain[1].inner_state.inner_state.mu["s"] is None
+    )
     assert plain[1].mini_step == shard(P()) and plain[1].inner_state.inner_state.count == shard(P())
     with pytest.raises(ValueError, match=r"cannot shard s \(shape \(\), P\(\)\).*unsharded dims: none"):
         optim.zero_layout(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("dp",), uneven=True)
     del meta["s"], specs["s"]
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.multi_steps(optim.masked(optim.adam(), {"a": True, "b": True, "c": True}), 2))
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.multi_steps(optim.masked(optim.adam(), {"a": True, "b": True, "c": True}), 2),
+    )
     zero = optim.state_shardings(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("dp", "fsdp"))
     # first dim the param does not shard whose size divides by dp*fsdp = 4; axes it uses already are skipped
     want = {"a": shard(P(None, ("dp", "fsdp"))), "b": shard(P(("dp", "fsdp"), "tp")), "c": shard(P("dp", "fsdp"))}
     assert zero[1].inner_state.inner_state.mu == want == zero[1].acc_grads
     layout = optim.zero_layout(tx, meta, {k: shard(s) for k, s in specs.items()}, zero_axes=("fsdp",), stage=2)
-    assert layout.params["c"] == shard(P("dp")) and layout.grads["c"] == shard(P("dp", "fsdp")) == layout.state[1].acc_grads["c"]
+    assert (
+        layout.params["c"] == shard(P("dp"))
+        and layout.grads["c"] == shard(P("dp", "fsdp")) == layout.state[1].acc_grads["c"]
+    )
 
 
 def test_zero_axes_go_minor_on_a_sharded_dim_when_no_unsharded_dim_divides(sim):
@@ -246,7 +287,12 @@ def test_zero_axes_go_minor_on_a_sharded_dim_when_no_unsharded_dim_divides(sim):
         match=r"cannot shard o \(shape \(6, 3\), P\('fsdp'\)\) over zero_axes \('dp',\) \(dp=2, 2 ways\): .*"
         r"unsharded dims: dim 1 = 3; sharded dims: dim 0 = 6/2 over \('fsdp',\)",
     ):
-        optim.state_shardings(optim.adam(), {"o": torch.empty(6, 3, device="meta")}, {"o": NamedSharding(mesh, P("fsdp"))}, zero_axes=("dp",))
+        optim.state_shardings(
+            optim.adam(),
+            {"o": torch.empty(6, 3, device="meta")},
+            {"o": NamedSharding(mesh, P("fsdp"))},
+            zero_axes=("dp",),
+        )
 
 
 def test_zero_errors(sim):
@@ -254,7 +300,9 @@ def test_zero_errors(sim):
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
     tx = optim.adamw(1e-3)
     params = vsf.device_put({"w": torch.randn(4, 4)}, NamedSharding(mesh, P()))
-    with pytest.raises(ValueError, match=r"zero_axes names 'fsdp', which is not an axis of the mesh \{'dp': 2, 'tp': 2\}"):
+    with pytest.raises(
+        ValueError, match=r"zero_axes names 'fsdp', which is not an axis of the mesh \{'dp': 2, 'tp': 2\}"
+    ):
         optim.init_sharded(tx, params, zero_axes=("fsdp",))
     with pytest.raises(TypeError, match=r"init_sharded needs DTensor params .* v is a \w*Tensor"):
         optim.init_sharded(tx, {"w": params["w"], "v": torch.ones(4)}, zero_axes=("dp",))
@@ -267,9 +315,13 @@ def test_zero_errors(sim):
         optim.state_shardings(tx, params, zero_axes=("dp",), stage=4)
 
     odd = optim.GradientTransformation(lambda p: {"table": torch.zeros(3, 3)}, lambda u, s, p=None: (u, s))
-    with pytest.raises(ValueError, match=r"state leaf table \(shape \(3, 3\)\) is neither a scalar nor shaped like a param"):
+    with pytest.raises(
+        ValueError, match=r"state leaf table \(shape \(3, 3\)\) is neither a scalar nor shaped like a param"
+    ):
         optim.state_shardings(odd, params)
-    full_init = optim.GradientTransformation(lambda p: {k: torch.zeros(v.shape) for k, v in p.items()}, lambda u, s, p=None: (u, s))
+    full_init = optim.GradientTransformation(
+        lambda p: {k: torch.zeros(v.shape) for k, v in p.items()}, lambda u, s, p=None: (u, s)
+    )
     with pytest.raises(ValueError, match=r"init made state leaf w as a plain tensor, expected P\('dp'\)"):
         optim.init_sharded(full_init, params, zero_axes=("dp",))
 

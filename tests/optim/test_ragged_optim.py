@@ -45,7 +45,7 @@ def test_elementwise_and_reductions_match_unsharded(sim, calls):
     scalar = vsf.device_put(torch.tensor(0.5), NamedSharding(mesh, P()))
     z = eager.elementwise(lambda u, v, c, k: u * v + c * k, x, y, scalar, 2.0)
     total = eager.sum(x)
-    assert calls == {"all_reduce": 2}   # elementwise math is local; the sum: one psum over fsdp (rows), one over tp
+    assert calls == {"all_reduce": 2}  # elementwise math is local; the sum: one psum over fsdp (rows), one over tp
     assert sharding_of(z) == s and torch.allclose(vsf.device_get(z), a * b + 0.5 * 2.0)
     assert vsf.typeof(total) == "f32[]" and torch.allclose(vsf.device_get(total), a.sum())
     for dim, keepdim, typ in [(1, False, "f32[8@fsdp~(1,3)]"), (0, True, "f32[1,6@tp]"), ((0, 1), False, "f32[]")]:
@@ -64,12 +64,17 @@ def test_eager_errors(sim):
     mesh = vsf.make_mesh((2, 2), ("fsdp", "tp"))
     x = vsf.device_put(torch.randn(8, 6), NamedSharding(mesh, P(ragged("fsdp", (1, 3)))))
     y = vsf.device_put(torch.randn(8, 6), NamedSharding(mesh, P(ragged("fsdp", (3, 1)))))
-    with pytest.raises(ValueError, match=r"argument 1 has shape \(8, 6\) laid out as P\(RaggedShard\('fsdp', units=\(3, 1\).*device_put one"):
+    with pytest.raises(
+        ValueError,
+        match=r"argument 1 has shape \(8, 6\) laid out as P\(RaggedShard\('fsdp', units=\(3, 1\).*device_put one",
+    ):
         eager.elementwise(torch.add, x, y)
     with pytest.raises(ValueError, match=r"argument 1 is a plain tensor of shape \(8, 6\)"):
         eager.elementwise(torch.add, x, torch.ones(8, 6))
     w = vsf.device_put(torch.randn(2, 8, 5), NamedSharding(mesh, P(ragged("fsdp", (1, 1), dims=2))))
-    with pytest.raises(ValueError, match=r"flattens dims 0..1 into rows; a reduction must cover all of them or none, got dim=\(0,\)"):
+    with pytest.raises(
+        ValueError, match=r"flattens dims 0..1 into rows; a reduction must cover all of them or none, got dim=\(0,\)"
+    ):
         eager.sum(w, 0)
     with pytest.raises(ValueError, match="dim 3 is out of range for a tensor of rank 3"):
         eager.mean(w, 3)
@@ -80,7 +85,7 @@ def test_eager_errors(sim):
 
 # -- vsf.optim on ragged params ---------------------------------------------------------------------------
 
-SPECS = {   # w: (16, 8), b: (8,), e: (4, 8)
+SPECS = {  # w: (16, 8), b: (8,), e: (4, 8)
     "w": P(ragged("fsdp", (1, 2, 1, 0))),
     "b": P(ragged("fsdp", (0, 1, 0, 1))),
     "e": P(ragged("fsdp", (3, 0, 0, 1), dims=2, block=2)),
@@ -96,7 +101,11 @@ def test_clip_adamw_on_ragged_params_match_torch(sim, grads_as):
     layout = NamedSharding.tree(mesh, SPECS)
     placed = vsf.device_put(params, layout)
     state = tx.init(placed)
-    arrive = {"ragged": layout, "partial": NamedSharding(mesh, P(unreduced="fsdp")), "replicated": NamedSharding(mesh, P())}[grads_as]
+    arrive = {
+        "ragged": layout,
+        "partial": NamedSharding(mesh, P(unreduced="fsdp")),
+        "replicated": NamedSharding(mesh, P()),
+    }[grads_as]
     for g in grads:
         updates, state = tx.update(vsf.device_put(g, arrive), state, placed)
         placed = optim.apply_updates(placed, updates)
@@ -119,11 +128,13 @@ def test_global_norm_is_one_reduction_per_axis_and_state_bytes_are_exact(sim, ca
     grads = vsf.device_put(_grads(_params(), 1)[0], layout)
     with CommDebugMode() as cm:
         tx.update(grads, state, params)
-    assert {str(op).split(".")[-1]: k for op, k in cm.get_comm_counts().items()} == {"all_reduce": 2}   # dp and fsdp
-    assert calls == {}   # nothing gathered, nothing moved
+    assert {str(op).split(".")[-1]: k for op, k in cm.get_comm_counts().items()} == {"all_reduce": 2}  # dp and fsdp
+    assert calls == {}  # nothing gathered, nothing moved
     # elements of one moment by fsdp index: w rows 4 | 12 of 8; b 8 | 0; e rows 0 | 4 of 8 columns halved by dp
     per = {0: 4 * 8 + 8 + 0, 1: 12 * 8 + 0 + 4 * 4}
-    assert vsf.debug.memory_report(state) == {r: 2 * 4 * per[r % 2] + 4 for r in range(4)}   # mu, nu in f32; the int32 count
+    assert vsf.debug.memory_report(state) == {
+        r: 2 * 4 * per[r % 2] + 4 for r in range(4)
+    }  # mu, nu in f32; the int32 count
 
 
 # -- flat-buffer FSDP -------------------------------------------------------------------------------------
@@ -136,7 +147,7 @@ def test_ragged_plan_balances_bytes_in_whole_blocks(sim):
     mesh = vsf.make_mesh((4,), ("fsdp",))
     params = {k: torch.randn(shape, dtype=torch.float64 if k == "emb" else torch.float32) for k, shape in GROUP.items()}
     total = sum(p.numel() * p.element_size() for p in params.values())
-    for block, slack in [(None, 48 * 8), (8, 8 * 48 * 8)]:   # within one block (the largest) of the mean
+    for block, slack in [(None, 48 * 8), (8, 8 * 48 * 8)]:  # within one block (the largest) of the mean
         plan = vsf.sharding.ragged_plan(params, "fsdp", block=block, mesh=mesh)
         placed = vsf.device_put(params, plan)
         report = vsf.debug.memory_report(placed)
@@ -144,13 +155,15 @@ def test_ragged_plan_balances_bytes_in_whole_blocks(sim):
         assert max(report.values()) - total / 4 <= slack, (block, report)
         for k, s in plan.items():
             rows = s.spec.ragged.row_counts(params[k].shape)
-            assert all(r % (block or 1) == 0 for r in rows)   # whole blocks
+            assert all(r % (block or 1) == 0 for r in rows)  # whole blocks
     whole = vsf.sharding.ragged_plan(params, "fsdp", block="leaf", mesh=mesh)
     owners = {k: [i for i, u in enumerate(s.spec.ragged.units) if u] for k, s in whole.items()}
     # largest first onto the least loaded rank: w2 18432 B -> 0, emb 15360 -> 1, wq 12288 -> 2, b and norm (192) -> 3
     assert owners == {"w2": [0], "emb": [1], "wq": [2], "b": [3], "norm": [3]}
     with pytest.raises(ValueError, match=r"block=32 rows does not divide the 40 rows of params leaf emb"):
-        vsf.sharding.ragged_plan(params, "fsdp", block={"b": None, "norm": None, "emb": 32, "wq": 32, "w2": 32}, mesh=mesh)
+        vsf.sharding.ragged_plan(
+            params, "fsdp", block={"b": None, "norm": None, "emb": 32, "wq": 32, "w2": 32}, mesh=mesh
+        )
     with pytest.raises(ValueError, match=r"leaf x has shape \(\); a ragged split needs rows"):
         vsf.sharding.ragged_plan({"x": torch.tensor(1.0)}, "fsdp", mesh=mesh)
     with pytest.raises(ValueError, match="balances one of"):
@@ -162,7 +175,9 @@ def test_gather_group_is_one_collective_and_exact(sim, calls):
     mesh = vsf.make_mesh((2, 4), ("tp", "fsdp"))
     params = {k: torch.randn(shape, dtype=torch.float64 if k == "emb" else torch.float32) for k, shape in GROUP.items()}
     plan = vsf.sharding.ragged_plan(params, "fsdp", mesh=mesh)
-    plan = {k: NamedSharding(mesh, P(s.spec.ragged, "tp")) if len(GROUP[k]) == 2 else s for k, s in plan.items()}   # FSDP x TP
+    plan = {
+        k: NamedSharding(mesh, P(s.spec.ragged, "tp")) if len(GROUP[k]) == 2 else s for k, s in plan.items()
+    }  # FSDP x TP
     placed = vsf.device_put(params, plan)
     calls.clear()
     full = vsf.sharding.gather_group(placed)
@@ -170,8 +185,10 @@ def test_gather_group_is_one_collective_and_exact(sim, calls):
     for k in params:
         assert sharding_of(full[k]) == vsf.sharding.ragged.without_ragged(plan[k])
         assert full[k].dtype == params[k].dtype and torch.equal(vsf.device_get(full[k]), params[k])
-    grads = {k: vsf.device_put(torch.ones(shape), NamedSharding(mesh, P(*sharding_of(full[k]).spec, unreduced="fsdp")))
-             for k, shape in GROUP.items()}
+    grads = {
+        k: vsf.device_put(torch.ones(shape), NamedSharding(mesh, P(*sharding_of(full[k]).spec, unreduced="fsdp")))
+        for k, shape in GROUP.items()
+    }
     calls.clear()
     reduced = vsf.sharding.reduce_scatter_group(grads, placed)
     assert calls == {"exchange": 1}
@@ -190,7 +207,7 @@ def test_fsdp_step_with_one_gather_and_one_reduce_matches_torch(sim):
 
     def loss_fn(p: dict, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         y = torch.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T
-        return ((y - t) ** 2).sum() / 8   # the mean over the whole batch of 8: ranks' parts add up
+        return ((y - t) ** 2).sum() / 8  # the mean over the whole batch of 8: ranks' parts add up
 
     with _compat.local_mode_disabled():
         ref = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -206,7 +223,9 @@ def test_fsdp_step_with_one_gather_and_one_reduce_matches_torch(sim):
     for x, t in zip(xs, ts):
         full = {k: v.to_local().requires_grad_() for k, v in vsf.sharding.gather_group(placed).items()}
         mine = loss_fn(full, vsf.device_put(x, batch).to_local(), vsf.device_put(t, batch).to_local())
-        grads = vsf.sharding.reduce_scatter_group(dict(zip(full, torch.autograd.grad(mine, list(full.values())))), placed)
+        grads = vsf.sharding.reduce_scatter_group(
+            dict(zip(full, torch.autograd.grad(mine, list(full.values())))), placed
+        )
         updates, state = tx.update(grads, state, placed)
         placed = optim.apply_updates(placed, updates)
     got = vsf.device_get(placed)

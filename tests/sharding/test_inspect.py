@@ -50,7 +50,10 @@ def test_type_string_of_placements_no_spec_expresses(sim):
     mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
     placements = (Shard(0), Shard(0), StridedShard(0, split_factor=4))
     assert type_string((32, 16), torch.float32, mesh, placements) == "f32[32@<dp,fsdp,tp/sf4>,16]"
-    assert type_string((32, 16), torch.float32, mesh, (Partial(), Shard(0), StridedShard(0, split_factor=2))) == "f32[32@<fsdp,tp/sf2>,16]{U:dp}"
+    assert (
+        type_string((32, 16), torch.float32, mesh, (Partial(), Shard(0), StridedShard(0, split_factor=2)))
+        == "f32[32@<fsdp,tp/sf2>,16]{U:dp}"
+    )
 
 
 def test_shards_lists_every_simulated_rank_with_its_index_and_data(sim):
@@ -71,44 +74,73 @@ def test_shards_of_a_replicated_axis_and_of_a_plain_tensor(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
     got = vsf.debug.shards(vsf.device_put(torch.arange(4.0), vsf.NamedSharding(mesh, P("dp"))))
-    assert [(s.rank, s.data.tolist()) for s in got] == [(0, [0.0, 1.0]), (1, [0.0, 1.0]), (2, [2.0, 3.0]), (3, [2.0, 3.0])]
+    assert [(s.rank, s.data.tolist()) for s in got] == [
+        (0, [0.0, 1.0]),
+        (1, [0.0, 1.0]),
+        (2, [2.0, 3.0]),
+        (3, [2.0, 3.0]),
+    ]
     plain = vsf.debug.shards(torch.ones(2))
     assert [(s.rank, s.index) for s in plain] == [(r, (slice(0, 2),)) for r in range(4)]
 
 
 PICTURES = {
-    "1d uneven": ((4,), ("x",), (5,), P("x"), [
-        "f32[5@x] on {'x': 4}",
-        "  0:2   2:4   4:5 ",
-        "┌─────┬─────┬─────┐",
-        "│  0  │  1  │  2  │",
-        "└─────┴─────┴─────┘",
-        "empty shards (uneven split): ranks 3",
-    ]),
-    "1d replicated over dp": ((2, 2), ("dp", "tp"), (10,), P("tp"), [
-        "f32[10@tp] on {'dp': 2, 'tp': 2}",
-        "  0:5    5:10 ",
-        "┌──────┬──────┐",
-        "│ 0,2  │ 1,3  │",
-        "└──────┴──────┘",
-    ]),
-    "2d": ((2, 2), ("dp", "tp"), (6, 4), P("tp", "dp"), [
-        "f32[6@tp,4@dp] on {'dp': 2, 'tp': 2}",
-        "        0:2   2:4 ",
-        "      ┌─────┬─────┐",
-        "[0:3] │  0  │  2  │",
-        "      ├─────┼─────┤",
-        "[3:6] │  1  │  3  │",
-        "      └─────┴─────┘",
-    ]),
-    "2d unreduced": ((2, 2), ("dp", "tp"), (3, 4), P(None, "dp", unreduced="tp"), [
-        "f32[3,4@dp]{U:tp} on {'dp': 2, 'tp': 2}",
-        "        0:2   2:4 ",
-        "      ┌─────┬─────┐",
-        "[0:3] │ 0,1 │ 2,3 │",
-        "      └─────┴─────┘",
-        "each block is an unreduced partial sum over tp",
-    ]),
+    "1d uneven": (
+        (4,),
+        ("x",),
+        (5,),
+        P("x"),
+        [
+            "f32[5@x] on {'x': 4}",
+            "  0:2   2:4   4:5 ",
+            "┌─────┬─────┬─────┐",
+            "│  0  │  1  │  2  │",
+            "└─────┴─────┴─────┘",
+            "empty shards (uneven split): ranks 3",
+        ],
+    ),
+    "1d replicated over dp": (
+        (2, 2),
+        ("dp", "tp"),
+        (10,),
+        P("tp"),
+        [
+            "f32[10@tp] on {'dp': 2, 'tp': 2}",
+            "  0:5    5:10 ",
+            "┌──────┬──────┐",
+            "│ 0,2  │ 1,3  │",
+            "└──────┴──────┘",
+        ],
+    ),
+    "2d": (
+        (2, 2),
+        ("dp", "tp"),
+        (6, 4),
+        P("tp", "dp"),
+        [
+            "f32[6@tp,4@dp] on {'dp': 2, 'tp': 2}",
+            "        0:2   2:4 ",
+            "      ┌─────┬─────┐",
+            "[0:3] │  0  │  2  │",
+            "      ├─────┼─────┤",
+            "[3:6] │  1  │  3  │",
+            "      └─────┴─────┘",
+        ],
+    ),
+    "2d unreduced": (
+        (2, 2),
+        ("dp", "tp"),
+        (3, 4),
+        P(None, "dp", unreduced="tp"),
+        [
+            "f32[3,4@dp]{U:tp} on {'dp': 2, 'tp': 2}",
+            "        0:2   2:4 ",
+            "      ┌─────┬─────┐",
+            "[0:3] │ 0,1 │ 2,3 │",
+            "      └─────┴─────┘",
+            "each block is an unreduced partial sum over tp",
+        ],
+    ),
 }
 
 

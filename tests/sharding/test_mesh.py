@@ -92,7 +92,9 @@ def test_bad_meshes(args, kwargs, error, message):
 
 def test_unknown_axis_names_the_mesh_axes_and_sizes():
     mesh = vsf.Mesh((2, 4), ("dp", "tp"))
-    with pytest.raises(ValueError, match=r"P\('dp', 'ep'\) names mesh axis 'ep', which is not in the mesh \{'dp': 2, 'tp': 4\}"):
+    with pytest.raises(
+        ValueError, match=r"P\('dp', 'ep'\) names mesh axis 'ep', which is not in the mesh \{'dp': 2, 'tp': 4\}"
+    ):
         vsf.NamedSharding(mesh, P("dp", "ep"))
     with pytest.raises(ValueError, match=r"unknown mesh axis 'ep'; the mesh has axes \{'dp': 2, 'tp': 4\}"):
         mesh.axis_size("ep")
@@ -135,7 +137,9 @@ def test_simulate_start_stop_and_misuse():
     assert s.start() is s
     try:
         assert vsf.runtime.is_simulated() and vsf.runtime.world_size() == 4 and vsf.runtime.rank() == 0
-        with pytest.raises(RuntimeError, match=r"cannot start simulate\(2, compute=False\).*inside simulate\(4, compute=True\)"):
+        with pytest.raises(
+            RuntimeError, match=r"cannot start simulate\(2, compute=False\).*inside simulate\(4, compute=True\)"
+        ):
             vsf.simulate(2, compute=False).start()
         with pytest.raises(RuntimeError, match=r"simulate\(8, compute=True\) is not the running simulation"):
             vsf.simulate(8).stop()
@@ -232,7 +236,10 @@ def test_sub_mesh_of_size_one_axes_under_simulation(sim):
 
 def test_named_sharding_tree_errors_name_the_key_path():
     mesh = vsf.Mesh((2, 4), ("dp", "tp"))
-    with pytest.raises(ValueError, match=r"the spec at \['b'\]\[0\]: P\('ep'\) names mesh axis 'ep', which is not in the mesh \{'dp': 2, 'tp': 4\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"the spec at \['b'\]\[0\]: P\('ep'\) names mesh axis 'ep', which is not in the mesh \{'dp': 2, 'tp': 4\}",
+    ):
         vsf.NamedSharding.tree(mesh, {"w": P("dp"), "b": [P("ep")]})
     with pytest.raises(TypeError, match=r"the spec at \['w'\]\[0\] is 'dp', not a vsf.P"):
         vsf.NamedSharding.tree(mesh, {"w": ("dp",)})
@@ -272,7 +279,9 @@ def test_process_groups_are_freed_before_interpreter_exit(how):
     exit hook frees them (the sub-groups vsf's cached DeviceMeshes and DTensor's redistribution
     plans hold too) while Python runs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, how], capture_output=True, text=True, env=env, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, how], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     before, during, after, initialized, device_meshes = json.loads(out.stdout.splitlines()[-1])
     assert during > before  # the default group and the mesh's two sub-groups have threads
     assert after == before and not initialized and device_meshes == 0

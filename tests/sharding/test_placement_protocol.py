@@ -38,7 +38,7 @@ ROOT = pathlib.Path(vsf.__file__).parent
 STRIDED = _compat.StridedShard(1, split_factor=2)
 RAGGED = RaggedPlacement(vsf.ragged("fsdp", (1, 2, 1, 0)))
 BALANCED = BalancedPlacement(2)
-MERGED = BalancedPlacement(0, split_factor=2)   # a view merged the balanced dim into a larger one
+MERGED = BalancedPlacement(0, split_factor=2)  # a view merged the balanced dim into a larger one
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,11 @@ def test_a_balanced_split_is_its_contiguous_placement_over_the_balanced_view(p, 
 def test_contiguous_is_every_other_placement_itself_and_maps_over_a_layout():
     for p in (Replicate(), Partial(), Shard(1), STRIDED, RAGGED):
         assert contiguous(p) == p
-    assert as_contiguous((Replicate(), BALANCED, MERGED)) == (Replicate(), Shard(2), _compat.StridedShard(0, split_factor=2))
+    assert as_contiguous((Replicate(), BALANCED, MERGED)) == (
+        Replicate(),
+        Shard(2),
+        _compat.StridedShard(0, split_factor=2),
+    )
     assert as_contiguous(None) is None
 
 
@@ -128,13 +132,18 @@ def test_has_finds_a_kind_in_any_layout_and_skips_none():
 # -- the rule: one home per layout kind ------------------------------------------------------
 
 KINDS = {"StridedShard", "_StridedShard", "RaggedPlacement", "BalancedPlacement"}
-HOME = {"vsf/sharding/placement.py", "vsf/_compat.py"}   # _compat: DTensor's own split of a strided shard
-ENTRIES = {"RaggedShard", "BalancedShard"}   # spec entries: values of spec.py, moved by ragged.py, stored by the checkpoint
+HOME = {"vsf/sharding/placement.py", "vsf/_compat.py"}  # _compat: DTensor's own split of a strided shard
+ENTRIES = {
+    "RaggedShard",
+    "BalancedShard",
+}  # spec entries: values of spec.py, moved by ragged.py, stored by the checkpoint
 ENTRY_HOMES = {"vsf/sharding/spec.py", "vsf/sharding/ragged.py", "vsf/checkpoint/format.py"}
 
 
 def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
 
 
 def type_tests(source: str, kinds: set[str]) -> list[int]:
@@ -142,11 +151,18 @@ def type_tests(source: str, kinds: set[str]) -> list[int]:
     ``type(x) is K``, ``type(x) in (K, ...)``, ``K in (type(x), ...)``."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
             if _names(node.args[1]) & kinds:
                 lines.append(node.lineno)
         elif isinstance(node, ast.Compare):
-            calls_type = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "type" for n in ast.walk(node))
+            calls_type = any(
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "type" for n in ast.walk(node)
+            )
             if calls_type and _names(node) & kinds:
                 lines.append(node.lineno)
     return lines
@@ -157,22 +173,32 @@ def _sources() -> dict[str, str]:
 
 
 def test_no_module_but_the_protocol_tests_a_placement_against_the_kinds():
-    found = {path: lines for path, text in _sources().items() if path not in HOME and (lines := type_tests(text, KINDS))}
-    assert not found, f"type tests against {sorted(KINDS)} outside vsf/sharding/placement.py (ask its protocol instead): {found}"
+    found = {
+        path: lines for path, text in _sources().items() if path not in HOME and (lines := type_tests(text, KINDS))
+    }
+    assert not found, (
+        f"type tests against {sorted(KINDS)} outside vsf/sharding/placement.py (ask its protocol instead): {found}"
+    )
 
 
 def test_spec_entries_are_told_apart_only_where_they_live():
-    found = {path: lines for path, text in _sources().items() if path not in ENTRY_HOMES and (lines := type_tests(text, ENTRIES))}
+    found = {
+        path: lines
+        for path, text in _sources().items()
+        if path not in ENTRY_HOMES and (lines := type_tests(text, ENTRIES))
+    }
     assert not found, f"type tests against {sorted(ENTRIES)} outside {sorted(ENTRY_HOMES)}: {found}"
 
 
 def test_the_rule_catches_each_form_of_type_test():
-    source = "\n".join([
-        "a = isinstance(p, _compat.StridedShard)",
-        "b = isinstance(p, (Shard, RaggedPlacement))",
-        "c = type(p) is BalancedPlacement",
-        "d = type(p) in (Shard, _compat.StridedShard)",
-        "e = BalancedPlacement in (type(p), type(q))",
-        "f = isinstance(p, Shard) or kind_of(p) == 'strided'",
-    ])
+    source = "\n".join(
+        [
+            "a = isinstance(p, _compat.StridedShard)",
+            "b = isinstance(p, (Shard, RaggedPlacement))",
+            "c = type(p) is BalancedPlacement",
+            "d = type(p) in (Shard, _compat.StridedShard)",
+            "e = BalancedPlacement in (type(p), type(q))",
+            "f = isinstance(p, Shard) or kind_of(p) == 'strided'",
+        ]
+    )
     assert type_tests(source, KINDS) == [1, 2, 3, 4, 5]

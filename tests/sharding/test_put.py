@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 import vsf
 from vsf import P
 from layout_oracle import entry_axes, expected_shard
+
 MESHES = {
     "1d": ((4,), ("x",)),
     "2d": ((3, 2), ("tp", "dp")),
@@ -129,10 +130,14 @@ def test_device_put_holds_hand_sliced_shards_and_round_trips(case, bare_specs):
 
 def _two_specs(sizes, names):
     """One tensor placed one way, then re-placed another way (same shape)."""
+
     def second(first: Leaf):
-        return leaves(sizes, names).filter(lambda l: l.full.ndim == first.full.ndim).map(
-            lambda l: (first, l.entries, l.unreduced)
+        return (
+            leaves(sizes, names)
+            .filter(lambda l: l.full.ndim == first.full.ndim)
+            .map(lambda l: (first, l.entries, l.unreduced))
         )
+
     return leaves(sizes, names).flatmap(second)
 
 
@@ -247,7 +252,9 @@ def test_cannot_make_a_placed_value_unreduced(mesh):
 
 def test_trivial_specs_and_none_leave_non_tensors_alone(mesh):
     with vsf.use_mesh(mesh):
-        out = vsf.device_put({"n": 3, "s": "x", "t": torch.ones(2), "u": torch.ones(2)}, {"n": P(), "s": None, "t": P(), "u": None})
+        out = vsf.device_put(
+            {"n": 3, "s": "x", "t": torch.ones(2), "u": torch.ones(2)}, {"n": P(), "s": None, "t": P(), "u": None}
+        )
     assert out["n"] == 3 and out["s"] == "x"
     assert isinstance(out["t"], DTensor) and type(out["u"]) is not DTensor
 
@@ -267,7 +274,16 @@ def test_replicas_that_differ_are_an_error(mesh):
     from vsf import _compat
 
     with pytest.raises(ValueError, match="simulated ranks 0 and 2 hold different values"):
-        _compat.reconcile(_compat.make_local({0: torch.tensor([float("nan")]), 1: torch.tensor([float("nan")]), 2: torch.tensor([0.0]), 3: torch.tensor([0.0])}))
+        _compat.reconcile(
+            _compat.make_local(
+                {
+                    0: torch.tensor([float("nan")]),
+                    1: torch.tensor([float("nan")]),
+                    2: torch.tensor([0.0]),
+                    3: torch.tensor([0.0]),
+                }
+            )
+        )
 
 
 # -- on 4 real gloo processes ------------------------------------------------------------------
@@ -312,7 +328,11 @@ def test_sub_meshes_hold_this_rank(ranks):
 def test_every_local_shard_matches_hand_slicing(ranks):
     for rep in ranks:
         assert len(rep["leaves"]) == 18
-        bad = [(leaf["name"], leaf["spec"], leaf["local_shape"], leaf["expected_shape"]) for leaf in rep["leaves"] if not leaf["local_ok"]]
+        bad = [
+            (leaf["name"], leaf["spec"], leaf["local_shape"], leaf["expected_shape"])
+            for leaf in rep["leaves"]
+            if not leaf["local_ok"]
+        ]
         assert not bad, (rep["rank"], bad)
         assert all(leaf["shard_rank"] == rep["rank"] for leaf in rep["leaves"])
 

@@ -20,7 +20,9 @@ def ragged_dtensor(sim):
     r = ragged("fsdp", (3, 0))
     full = torch.arange(24.0).reshape(6, 4)
     with vsf.use_mesh(mesh):
-        dt = vsf.sharding.from_local(reshard(full, full.shape, Replicate(), r), vsf.NamedSharding(mesh, P(r)), full.shape)
+        dt = vsf.sharding.from_local(
+            reshard(full, full.shape, Replicate(), r), vsf.NamedSharding(mesh, P(r)), full.shape
+        )
     return dt, r, full, mesh
 
 
@@ -33,8 +35,16 @@ def test_dtensor_keeps_placement_shape_and_ragged_locals(ragged_dtensor):
         assert torch.equal(local, expected_piece(full, r, mesh.coordinate(rank)["fsdp"], 2))
 
 
-@pytest.mark.parametrize("op", [lambda t: t * 2, torch.relu, lambda t: t.sum(), lambda t: t.full_tensor(),
-                                lambda t: t.redistribute(t.device_mesh, [Replicate(), Replicate()])])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: t * 2,
+        torch.relu,
+        lambda t: t.sum(),
+        lambda t: t.full_tensor(),
+        lambda t: t.redistribute(t.device_mesh, [Replicate(), Replicate()]),
+    ],
+)
 def test_dtensor_ops_refuse_ragged_placements(ragged_dtensor, op):
     with pytest.raises(RuntimeError, match="not supported|Expected Shard"):
         op(ragged_dtensor[0])

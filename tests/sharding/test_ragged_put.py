@@ -42,14 +42,23 @@ def test_spec_entry_value_semantics():
     assert P(ragged("fsdp", (1, 1), dims=2), None).normalized() == P(ragged("fsdp", (1, 1), dims=2))
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: P(ragged("fsdp", (1, 1)), "fsdp"), r"mesh axis 'fsdp' is used twice in P\(RaggedShard.*by dim 0 and by dim 1"),
-    (lambda: P(None, ragged("fsdp", (1, 1))), "must be the first entry of a P, got .* at dim 1"),
-    (lambda: P(ragged("fsdp", (1, 1), dims=2), "tp"), r"flattens dims 0..1 into rows, so their other entries must be None; dim 1 is 'tp'"),
-    (lambda: P(ragged("fsdp", (1, 1)), unreduced="fsdp"), "'fsdp' in P.* both shards dim 0 and is unreduced"),
-    (lambda: ragged("fsdp", (1, -1)), r"units must be >= 0, got \(1, -1\) \(rank 1\)"),
-    (lambda: P((ragged("fsdp", (1, 1)),)), "must name mesh axes as strings"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (
+            lambda: P(ragged("fsdp", (1, 1)), "fsdp"),
+            r"mesh axis 'fsdp' is used twice in P\(RaggedShard.*by dim 0 and by dim 1",
+        ),
+        (lambda: P(None, ragged("fsdp", (1, 1))), "must be the first entry of a P, got .* at dim 1"),
+        (
+            lambda: P(ragged("fsdp", (1, 1), dims=2), "tp"),
+            r"flattens dims 0..1 into rows, so their other entries must be None; dim 1 is 'tp'",
+        ),
+        (lambda: P(ragged("fsdp", (1, 1)), unreduced="fsdp"), "'fsdp' in P.* both shards dim 0 and is unreduced"),
+        (lambda: ragged("fsdp", (1, -1)), r"units must be >= 0, got \(1, -1\) \(rank 1\)"),
+        (lambda: P((ragged("fsdp", (1, 1)),)), "must name mesh axes as strings"),
+    ],
+)
 def test_spec_errors(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
@@ -64,17 +73,19 @@ def test_named_sharding_layout_by_hand(sim):
     r = ragged("fsdp", (1, 3))
     s = NamedSharding(mesh, P(r, "tp"))
     assert s.ragged == r and s.placements == (RaggedPlacement(r), Shard(1))
-    assert s.devices_indices_map((8, 6)) == {   # rank = 2 fsdp + tp; rows 2 | 6
-        0: (slice(0, 2), slice(0, 3)), 1: (slice(0, 2), slice(3, 6)),
-        2: (slice(2, 8), slice(0, 3)), 3: (slice(2, 8), slice(3, 6)),
+    assert s.devices_indices_map((8, 6)) == {  # rank = 2 fsdp + tp; rows 2 | 6
+        0: (slice(0, 2), slice(0, 3)),
+        1: (slice(0, 2), slice(3, 6)),
+        2: (slice(2, 8), slice(0, 3)),
+        3: (slice(2, 8), slice(3, 6)),
     }
     assert [s.shard_shape((8, 6), k) for k in range(4)] == [(2, 3), (2, 3), (6, 3), (6, 3)]
     assert s.shard_shape((8, 6)) == (6, 3)
-    blocks = NamedSharding(mesh, P(ragged("fsdp", (3, 1), dims=2, block=4)))   # 2*8 = 16 rows, 4 blocks: 3 | 1
+    blocks = NamedSharding(mesh, P(ragged("fsdp", (3, 1), dims=2, block=4)))  # 2*8 = 16 rows, 4 blocks: 3 | 1
     assert blocks.index((2, 8, 5), 1) == (slice(0, 12), slice(0, 5))
     assert blocks.index((2, 8, 5), 2) == (slice(12, 16), slice(0, 5))
     assert blocks.index_view(torch.zeros(2, 8, 5)).shape == (16, 5)
-    one = vsf.Mesh((1, 4), ("fsdp", "tp"))   # a ragged split over a size-1 axis holds everything
+    one = vsf.Mesh((1, 4), ("fsdp", "tp"))  # a ragged split over a size-1 axis holds everything
     whole = NamedSharding(one, P(ragged("fsdp", (1,), dims=2)))
     assert whole.ragged is None and whole.index((2, 3), 0) == (slice(0, 2), slice(0, 3))
 
@@ -82,17 +93,28 @@ def test_named_sharding_layout_by_hand(sim):
 def test_bad_input_names_the_key_path(sim):
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("fsdp", "tp"))
-    with pytest.raises(ValueError, match=r"the spec at w: RaggedShard\('fsdp', units=\(1, 1, 1\).*has 3 units but mesh axis 'fsdp' has 2 ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"the spec at w: RaggedShard\('fsdp', units=\(1, 1, 1\).*has 3 units but mesh axis 'fsdp' has 2 ranks",
+    ):
         NamedSharding.tree(mesh, {"w": P(ragged("fsdp", (1, 1, 1)))})
     with vsf.use_mesh(mesh):
-        with pytest.raises(ValueError, match=r"device_put of \['a'\]\[0\] .*has 3 units but mesh axis 'fsdp' has 2 ranks"):
+        with pytest.raises(
+            ValueError, match=r"device_put of \['a'\]\[0\] .*has 3 units but mesh axis 'fsdp' has 2 ranks"
+        ):
             vsf.device_put({"a": [torch.ones(4, 2)]}, {"a": [P(ragged("fsdp", (1, 1, 1)))]})
-        with pytest.raises(ValueError, match=r"device_put of a\.w .*a block of 3 rows does not divide the 4 rows of dims 0..0"):
+        with pytest.raises(
+            ValueError, match=r"device_put of a\.w .*a block of 3 rows does not divide the 4 rows of dims 0..0"
+        ):
             vsf.device_put({"a": {"w": torch.ones(4, 2)}}, {"a": {"w": P(ragged("fsdp", (1, 1), block=3))}})
-        with pytest.raises(ValueError, match=r"device_put of b .*flattens 3 leading dims but the tensor has shape \(4, 2\)"):
+        with pytest.raises(
+            ValueError, match=r"device_put of b .*flattens 3 leading dims but the tensor has shape \(4, 2\)"
+        ):
             vsf.device_put({"b": torch.ones(4, 2)}, {"b": P(ragged("fsdp", (1, 1), dims=3))})
-        x = vsf.device_put(torch.ones(4, 3), P("fsdp"))   # 3 columns over tp=2: groups differ under simulation
-        with pytest.raises(ValueError, match="under vsf.simulate a ragged redistribution over 'fsdp' needs the other mesh axes"):
+        x = vsf.device_put(torch.ones(4, 3), P("fsdp"))  # 3 columns over tp=2: groups differ under simulation
+        with pytest.raises(
+            ValueError, match="under vsf.simulate a ragged redistribution over 'fsdp' needs the other mesh axes"
+        ):
             vsf.device_put(x, P(ragged("fsdp", (1, 1)), "tp"))
 
 
@@ -108,7 +130,10 @@ def test_typeof_shards_visualize_and_memory_by_hand(sim):
     assert sharding_of(x) == NamedSharding(mesh, P(ragged("fsdp", (1, 3)), "tp"))
     shards = vsf.debug.shards(x)
     assert [(s.rank, s.index) for s in shards] == [
-        (0, (slice(0, 2), slice(0, 3))), (1, (slice(0, 2), slice(3, 6))), (2, (slice(2, 8), slice(0, 3))), (3, (slice(2, 8), slice(3, 6)))
+        (0, (slice(0, 2), slice(0, 3))),
+        (1, (slice(0, 2), slice(3, 6))),
+        (2, (slice(2, 8), slice(0, 3))),
+        (3, (slice(2, 8), slice(3, 6))),
     ]
     assert all(torch.equal(s.data, full[s.index]) for s in shards)
     assert vsf.debug.memory_report(x) == {0: 2 * 3 * 4, 1: 2 * 3 * 4, 2: 6 * 3 * 4, 3: 6 * 3 * 4}
@@ -121,14 +146,21 @@ def test_typeof_shards_visualize_and_memory_by_hand(sim):
         "[2:8] │  2  │  3  │",
         "      └─────┴─────┘",
     ]
-    b = vsf.device_put(torch.zeros(2, 8, 5, dtype=torch.bfloat16), NamedSharding(mesh, P(ragged("fsdp", (3, 1), dims=2, block=4))))
+    b = vsf.device_put(
+        torch.zeros(2, 8, 5, dtype=torch.bfloat16), NamedSharding(mesh, P(ragged("fsdp", (3, 1), dims=2, block=4)))
+    )
     assert vsf.typeof(b) == "bf16[2*8@fsdp~(3,1)x4,5]"
     assert vsf.debug.memory_report(b) == {0: 12 * 5 * 2, 1: 12 * 5 * 2, 2: 4 * 5 * 2, 3: 4 * 5 * 2}
     flat = vsf.debug.visualize_sharding(vsf.device_put(full, NamedSharding(mesh, P(ragged("fsdp", (3, 1), dims=2)))))
-    assert flat.splitlines()[3:] == ["│  0,1  │  2,3  │", "└───────┴───────┘", "slices are of the 2 leading dims flattened into rows"]
+    assert flat.splitlines()[3:] == [
+        "│  0,1  │  2,3  │",
+        "└───────┴───────┘",
+        "slices are of the 2 leading dims flattened into rows",
+    ]
 
 
 # -- device_put / device_get: every redistribution, any rank, 1D/2D/5D meshes ----------------------------------
+
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_device_put_round_trips_are_exact(name):
@@ -148,7 +180,7 @@ def test_device_put_round_trips_are_exact(name):
             split = other is not None and later < ndim and data.draw(st.booleans())
             rest = [None] * (ndim - 1)
             shard = [None] * ndim
-            if split:   # the other axis splits a later dim evenly (simulation needs it)
+            if split:  # the other axis splits a later dim evenly (simulation needs it)
                 rest[later - 1] = shard[later] = other
                 shape[later] = mesh.axis_size(other) * data.draw(st.integers(1, 2))
                 d = d if d != later else 0
@@ -164,7 +196,9 @@ def test_device_put_round_trips_are_exact(name):
                 with _compat.local_mode_disabled():
                     for rank in mesh.devices:
                         want = expected_local(full, sizes, names, list(spec), rank)
-                        assert torch.equal(got[rank], want), f"{spec} on rank {rank}: {tuple(got[rank].shape)} vs {tuple(want.shape)}"
+                        assert torch.equal(got[rank], want), (
+                            f"{spec} on rank {rank}: {tuple(got[rank].shape)} vs {tuple(want.shape)}"
+                        )
                 assert torch.equal(vsf.device_get(x), full), spec
 
         run()
@@ -191,10 +225,10 @@ def test_partial_and_ragged_to_ragged_move_once(sim, monkeypatch):
     assert torch.equal(vsf.device_get(y), full) and torch.equal(vsf.device_get(z), full)
     with pytest.raises(ValueError, match="cannot make a reduced value unreduced"):
         vsf.device_put(x, NamedSharding(mesh, P(unreduced=("fsdp",))))
-    grads = vsf.device_put(full, NamedSharding(mesh, P(ragged("fsdp", (1, 2)), unreduced=("dp",))))   # HSDP-style
+    grads = vsf.device_put(full, NamedSharding(mesh, P(ragged("fsdp", (1, 2)), unreduced=("dp",))))  # HSDP-style
     calls.clear()
     w = vsf.device_put(grads, r1)
-    assert calls == {"all_reduce": 1}   # a psum over dp; the ragged rows stay where they are
+    assert calls == {"all_reduce": 1}  # a psum over dp; the ragged rows stay where they are
     assert torch.equal(vsf.device_get(w), full)
 
 
@@ -210,8 +244,13 @@ def test_accessors_save_as_is_and_reload_as_shard(sim):
     assert (spec.ragged.axis, spec.ragged.units, spec.ragged.dims, spec.ragged.block) == ("fsdp", (2, 0, 1, 1), 2, 2)
     assert [p.ragged for p in x.placements if isinstance(p, RaggedPlacement)] == [spec.ragged]
     assert tuple(x.shape) == (3, 8, 2)
-    saved = {piece.rank: (piece.index, piece.data.clone()) for piece in vsf.debug.shards(x)}   # as a checkpoint would
-    assert {k: i[0] for k, (i, _) in saved.items()} == {0: slice(0, 12), 1: slice(12, 12), 2: slice(12, 18), 3: slice(18, 24)}
+    saved = {piece.rank: (piece.index, piece.data.clone()) for piece in vsf.debug.shards(x)}  # as a checkpoint would
+    assert {k: i[0] for k, (i, _) in saved.items()} == {
+        0: slice(0, 12),
+        1: slice(12, 12),
+        2: slice(12, 18),
+        3: slice(18, 24),
+    }
     with _compat.local_mode_disabled():
         rebuilt = torch.zeros(24, 2)
         for index, data in saved.values():

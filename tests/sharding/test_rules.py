@@ -19,13 +19,16 @@ PARAMS = {
 
 
 def test_first_matching_rule_wins_on_the_whole_key_path():
-    specs = match(PARAMS, [
-        (r".*attn\.qkv\.weight", P("tp", "fsdp")),
-        (r".*\.weight", P("fsdp")),
-        (r".*fc2\.weight", P(None, "tp")),  # never reached: the rule above matches first
-        (r"bias", P("tp")),  # whole-path match: does not match blocks.0.mlp.fc2.bias
-        (r".*", P()),
-    ])
+    specs = match(
+        PARAMS,
+        [
+            (r".*attn\.qkv\.weight", P("tp", "fsdp")),
+            (r".*\.weight", P("fsdp")),
+            (r".*fc2\.weight", P(None, "tp")),  # never reached: the rule above matches first
+            (r"bias", P("tp")),  # whole-path match: does not match blocks.0.mlp.fc2.bias
+            (r".*", P()),
+        ],
+    )
     assert specs == {
         "embed.weight": P("fsdp"),
         "blocks.0.attn.qkv.weight": P("tp", "fsdp"),
@@ -49,7 +52,9 @@ def test_unmatched_leaves_are_listed():
 
 
 def test_bad_rules():
-    with pytest.raises(ValueError, match=r"rule spec P\('dp', 'tp'\) matched blocks.0.mlp.fc2.bias, which has rank 1 \(shape \(16,\)\)"):
+    with pytest.raises(
+        ValueError, match=r"rule spec P\('dp', 'tp'\) matched blocks.0.mlp.fc2.bias, which has rank 1 \(shape \(16,\)\)"
+    ):
         match(PARAMS, [(r".*bias", P("dp", "tp")), (r".*", P())])
     with pytest.raises(ValueError, match=r"rule 0 has an invalid regex '\(\['"):
         match(PARAMS, [(r"([", P())])
@@ -92,7 +97,9 @@ def test_fallback_rules_multi_axis_and_none():
 
 
 def test_logical_name_used_twice_is_an_error():
-    with pytest.raises(ValueError, match=r"logical axes \('embed', 'embed'\) name \['embed'\] for more than one dimension"):
+    with pytest.raises(
+        ValueError, match=r"logical axes \('embed', 'embed'\) name \['embed'\] for more than one dimension"
+    ):
         logical_to_mesh(("embed", "embed"), [("embed", "tp")])
     with pytest.raises(TypeError, match="logical rule 0 must be a"):
         logical_to_mesh(("embed",), ["embed"])

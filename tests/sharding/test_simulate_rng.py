@@ -98,7 +98,9 @@ def test_shuffling_data_loader_with_a_generator_gives_one_process_batches(sim):
     data = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(10, 2))
 
     def batches():
-        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(SEED))
+        loader = torch.utils.data.DataLoader(
+            data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(SEED)
+        )
         return [b for (b,) in loader]
 
     want = batches()
@@ -126,7 +128,9 @@ def test_batch_drawn_with_a_generator_trains_with_the_one_device_losses(sim):
 
     def batch():
         g = torch.Generator().manual_seed(SEED)
-        return torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g), torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g)
+        return torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g), torch.randint(
+            0, cfg.vocab, (4, cfg.seq), generator=g
+        )
 
     def step(p, idx, tgt):
         loss, grads = vsf.value_and_grad(lambda q: vsf.tree.apply(model, q, idx, tgt))(p)

@@ -80,7 +80,10 @@ def test_without_leaves_exactly_the_other_axes_in_order(spec, axes):
         (lambda: P("dp", "dp"), r"mesh axis 'dp' is used twice in P\('dp', 'dp'\): by dim 0 and by dim 1"),
         (lambda: P(("dp", "tp"), "tp"), r"'tp' is used twice in P\(\('dp', 'tp'\), 'tp'\): by dim 0 and by dim 1"),
         (lambda: P(("tp", "tp")), r"'tp' is used twice in P\(\('tp', 'tp'\)\): by dim 0 and by dim 0"),
-        (lambda: P("tp", unreduced=("tp",)), r"'tp' in P\('tp', unreduced=\('tp',\)\) both shards dim 0 and is unreduced"),
+        (
+            lambda: P("tp", unreduced=("tp",)),
+            r"'tp' in P\('tp', unreduced=\('tp',\)\) both shards dim 0 and is unreduced",
+        ),
     ],
 )
 def test_axis_used_twice_is_a_value_error_naming_spec_and_dims(make, message):
@@ -91,7 +94,10 @@ def test_axis_used_twice_is_a_value_error_naming_spec_and_dims(make, message):
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: P(1), r"P entry for dim 0 must be None, an axis name, a tuple of axis names, vsf\.balanced\(axis\) or P.UNCONSTRAINED, got 1 \(int\)"),
+        (
+            lambda: P(1),
+            r"P entry for dim 0 must be None, an axis name, a tuple of axis names, vsf\.balanced\(axis\) or P.UNCONSTRAINED, got 1 \(int\)",
+        ),
         (lambda: P(None, ("dp", 2)), r"P entry for dim 1 must name mesh axes as strings, got \('dp', 2\)"),
         (lambda: P(unreduced=("tp", 3)), r"unreduced must name mesh axes as strings, got \('tp', 3\)"),
     ],

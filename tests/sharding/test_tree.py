@@ -40,7 +40,9 @@ def test_leaves_flatten_unflatten_structure():
     leaves, spec = tree.flatten(NESTED)
     assert leaves == [4, 5, 1, 2, 3] and spec.num_leaves == 5
     assert tree.unflatten(spec, [10, 20, 30, 40, 50]) == {
-        "opt": [Pair(30, None), State(40, 50)], "b": None, "a": (10, [20])
+        "opt": [Pair(30, None), State(40, 50)],
+        "b": None,
+        "a": (10, [20]),
     }
     assert tree.structure(NESTED) == spec
     assert tree.structure(NESTED) != tree.structure({**NESTED, "b": 0})  # None is a node, 0 a leaf
@@ -48,9 +50,7 @@ def test_leaves_flatten_unflatten_structure():
 
 
 def test_map_keeps_structure_and_none_and_zips_several_trees():
-    assert tree.map(lambda x: x * 10, NESTED) == {
-        "opt": [Pair(10, None), State(20, 30)], "b": None, "a": (40, [50])
-    }
+    assert tree.map(lambda x: x * 10, NESTED) == {"opt": [Pair(10, None), State(20, 30)], "b": None, "a": (40, [50])}
     assert tree.map(lambda x, y: x + y, {"a": 1, "b": [2]}, {"a": 10, "b": [20]}) == {"a": 11, "b": [22]}
     with pytest.raises(ValueError):
         tree.map(lambda x, y: x, {"a": 1}, {"b": 1})
@@ -68,7 +68,11 @@ def test_map_with_path_and_keystr_both_styles():
     # Every step a name: the dotted style of module parameter names.
     module_style = {"blocks.0.attn.weight": 1, "embed": {"weight": 2}, "s": State(3, 4), "h": Hyper(5, 0.1)}
     assert [tree.keystr(p) for p, _ in tree.leaves_with_path(module_style)] == [
-        "blocks.0.attn.weight", "embed.weight", "h.w", "s.mu", "s.count"
+        "blocks.0.attn.weight",
+        "embed.weight",
+        "h.w",
+        "s.mu",
+        "s.count",
     ]
     assert [tree.keystr(p) for p, _ in tree.leaves_with_path({1: "x", "k": [7]})] == ["[1]", "['k'][0]"]
     assert tree.keystr(()) == "<root>"

@@ -53,7 +53,7 @@ def test_argnums_has_aux_and_non_float_leaves():
 def test_unused_leaf_gets_zeros_and_second_derivative():
     g = vsf.grad(lambda p: (p["a"] ** 3).sum())({"a": torch.tensor([2.0]), "b": torch.ones(2)})
     torch.testing.assert_close(g["b"], torch.zeros(2))
-    second = vsf.grad(lambda x: vsf.grad(lambda y: (y ** 3).sum())(x).sum())(torch.tensor([2.0, 3.0]))
+    second = vsf.grad(lambda x: vsf.grad(lambda y: (y**3).sum())(x).sum())(torch.tensor([2.0, 3.0]))
     torch.testing.assert_close(second, 6 * torch.tensor([2.0, 3.0]))
 
 

@@ -25,7 +25,7 @@ from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
 BATCH, STEPS = 8, 2
 TX = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
 MEGATRON = [(r".*(qkv|fc1)\.weight", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
-TP_SPLIT = re.compile(r".*(qkv|fc1|proj|fc2)\.weight")   # the leaves MEGATRON splits over tp
+TP_SPLIT = re.compile(r".*(qkv|fc1|proj|fc2)\.weight")  # the leaves MEGATRON splits over tp
 
 
 def _model(layers: int) -> tuple[GPT, dict[str, torch.Tensor]]:
@@ -33,7 +33,9 @@ def _model(layers: int) -> tuple[GPT, dict[str, torch.Tensor]]:
     return model, vsf.tree.from_module(model)
 
 
-def _one_device(model: GPT, params: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _one_device(
+    model: GPT, params: dict[str, torch.Tensor]
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     p, s, losses, first = params, TX.init(params), [], None
     for i in range(STEPS):
         idx, tgt = batch_at(i, BATCH, model.cfg)
@@ -54,15 +56,21 @@ CASES = [  # (pp, dp, tp, schedule, microbatches): each simulated step runs ever
     pytest.param(2, 2, 2, "1f1b", 4, marks=SWEEP),
     pytest.param(2, 2, 1, "interleaved", 4, marks=SWEEP),
     (4, 1, 1, "1f1b", 4),
-    (2, 1, 1, "interleaved", 4),   # 2 stages on each pp rank: 4 stages of one block
-    pytest.param(2, 1, 1, "zb", 4, marks=SWEEP),  # the interleaved zero-bubble schedule: each backward's weight part deferred
+    (2, 1, 1, "interleaved", 4),  # 2 stages on each pp rank: 4 stages of one block
+    pytest.param(
+        2, 1, 1, "zb", 4, marks=SWEEP
+    ),  # the interleaved zero-bubble schedule: each backward's weight part deferred
     (2, 2, 1, "zb", 2),
-    (2, 1, 1, "zbv", 4),           # V-shaped: stages 0 and 3 on pp rank 0, 1 and 2 on rank 1
-    (2, 2, 1, "dualpipev", 4),     # DualPipe-V: full backwards and I/W pairs, overlapped F and B
+    (2, 1, 1, "zbv", 4),  # V-shaped: stages 0 and 3 on pp rank 0, 1 and 2 on rank 1
+    (2, 2, 1, "dualpipev", 4),  # DualPipe-V: full backwards and I/W pairs, overlapped F and B
 ]
 
 
-@pytest.mark.parametrize("pp,dp,tp,schedule,m", CASES, ids=[f"pp{v[0]}-dp{v[1]}-tp{v[2]}-{v[3]}-m{v[4]}" for v in (getattr(c, "values", c) for c in CASES)])
+@pytest.mark.parametrize(
+    "pp,dp,tp,schedule,m",
+    CASES,
+    ids=[f"pp{v[0]}-dp{v[1]}-tp{v[2]}-{v[3]}-m{v[4]}" for v in (getattr(c, "values", c) for c in CASES)],
+)
 def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     stages = pp * (2 if schedule in sched.INTERLEAVED else 1)
     model, params = _model(layers=stages)
@@ -70,10 +78,14 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
     sim(pp * dp * tp)
     mesh = vsf.make_mesh((pp, dp, tp), ("pp", "dp", "tp"))
-    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, batch=P("dp"), tied=("wte.weight",))
+    pipe = vsf.pipeline.Pipeline(
+        fns, loss_fn, prefixes, mesh=mesh, microbatches=m, schedule=schedule, batch=P("dp"), tied=("wte.weight",)
+    )
     p, layout = pipe.place(params, vsf.sharding.match(params, MEGATRON))
     s = TX.init(p)
-    lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout)   # plans every stage; the steps reuse the plans
+    lowered = pipe.lower(
+        p, *batch_at(0, BATCH, model.cfg), layout=layout
+    )  # plans every stage; the steps reuse the plans
 
     def train_step(params, opt_state, idx, targets):
         loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
@@ -87,30 +99,45 @@ def test_pipelined_training_equals_one_device(sim, pp, dp, tp, schedule, m):
         if i == 0:
             first = vsf.device_get(grads)
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
-    for k in want:   # gradients of the first step (tied wte: both stages' parts summed), params after the last
+    for k in want:  # gradients of the first step (tied wte: both stages' parts summed), params after the last
         torch.testing.assert_close(first[k], want_grads[k], rtol=1e-5, atol=1e-7, msg=lambda e, k=k: f"grad {k}: {e}")
         # AdamW's step normalises each element's gradient: where a gradient is ~0 its rounding
         # decides the step, so params are compared to 3% of the learning rate (1e-3); a wrong
         # gradient moves its elements by the whole learning rate (zb-m2 and dualpipev-m4 each
         # had one element of blocks.1.attn.qkv.weight 1.1e-5 and 1.5e-5 away, first-step
         # gradients within 1e-7)
-        torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=3e-5, msg=lambda e, k=k: f"param {k}: {e}")
+        torch.testing.assert_close(
+            vsf.device_get(p[k]), want[k], rtol=1e-5, atol=3e-5, msg=lambda e, k=k: f"param {k}: {e}"
+        )
     # each stage's params and Adam moments live on its pp coordinate's ranks only
-    ranks = lambda k: tuple(range(pipe.rank_of(layout.split.owner[k]) * dp * tp, (pipe.rank_of(layout.split.owner[k]) + 1) * dp * tp))  # noqa: E731
+    ranks = lambda k: tuple(
+        range(pipe.rank_of(layout.split.owner[k]) * dp * tp, (pipe.rank_of(layout.split.owner[k]) + 1) * dp * tp)
+    )  # noqa: E731
     for k, v in p.items():
         assert vsf.sharding.named.sharding_of(v).mesh.devices == ranks(k), k
-    moments = [(k, name, leaf) for name, leaf in ((vsf.tree.keystr(path), leaf) for path, leaf in vsf.tree.leaves_with_path(s)) for k in params if name.endswith(f"[{k!r}]")]
-    assert len(moments) == 2 * len(params)   # Adam's mu and nu
+    moments = [
+        (k, name, leaf)
+        for name, leaf in ((vsf.tree.keystr(path), leaf) for path, leaf in vsf.tree.leaves_with_path(s))
+        for k in params
+        if name.endswith(f"[{k!r}]")
+    ]
+    assert len(moments) == 2 * len(params)  # Adam's mu and nu
     for k, name, leaf in moments:
         assert vsf.sharding.named.sharding_of(leaf).mesh.devices == ranks(k), name
     # the runner played each rank's actions in torch's schedule order (stage s on pp rank
     # pipe.rank_of(s); test_stage_order_is_torchs compares that order with torch's)
-    assert [[a for a in pipe.order if pipe.rank_of(a[0]) == rank] for rank in range(pp)] == sched.rank_actions(schedule, pp, stages, m)
-    assert all(not pending for pending in pipe._deferred.values())   # (zero bubble: every weight part ran, in its "W" or "B" action)
+    assert [[a for a in pipe.order if pipe.rank_of(a[0]) == rank] for rank in range(pp)] == sched.rank_actions(
+        schedule, pp, stages, m
+    )
+    assert all(
+        not pending for pending in pipe._deferred.values()
+    )  # (zero bubble: every weight part ran, in its "W" or "B" action)
     _check_lowered(lowered, pipe, model.cfg, vsf.debug.memory_report(p), stages, dp, schedule, m)
     for c in lowered.cost().stages:
-        assert c.comm_bytes["dp"] == _ddp_bytes(params, layout.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1), c.stage
-        if tp == 1:   # one bucket (with tp, the tied head's gradient is unreduced over tp as well: its own)
+        assert c.comm_bytes["dp"] == _ddp_bytes(
+            params, layout.split.names[c.stage], dp, tp, m, last=c.stage == stages - 1
+        ), c.stage
+        if tp == 1:  # one bucket (with tp, the tied head's gradient is unreduced over tp as well: its own)
             assert c.reduce.count("all_reduce", "dp") == (dp > 1), c.stage
 
 
@@ -128,9 +155,9 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
     """pipe.lower's sends and memory against hand-computed bytes (shape x dtype x microbatches).
     (``pp``: the number of stages, two per pp rank under the interleaved schedule)"""
     ranks = pp // 2 if schedule in sched.INTERLEAVED else pp
-    assert all(prog.plan_count == 1 for prog in pipe._programs.values())   # the plans shown are the plans that ran
+    assert all(prog.plan_count == 1 for prog in pipe._programs.values())  # the plans shown are the plans that ran
     assert all(prog.plan_count == 1 for prog in pipe._reducers.values())
-    act = (BATCH // m // dp, cfg.seq, cfg.dim)   # a microbatch's rows over dp, replicated over tp
+    act = (BATCH // m // dp, cfg.seq, cfg.dim)  # a microbatch's rows over dp, replicated over tp
     per_mb, wte = BATCH // m // dp * cfg.seq * cfg.dim * 4, cfg.vocab * cfg.dim * 4
     # stage s on rank s % ranks, or in a V (stages s and 2 ranks - 1 - s on rank s): nothing is
     # sent between a rank's own stages (the V's turn, and its tied first and last stages)
@@ -141,8 +168,8 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
         tied
         + [("activation", s, s + 1, act, per_mb, m) for s in apart]
         + [("activation gradient", s + 1, s, act, per_mb, m) for s in reversed(apart)]
-        + [("gradient of tied " + w[0][len("tied "):], w[2], w[1], *w[3:]) for w in tied]
-        + [("loss", pp - 1, r, (), 4, 1) for r in range(ranks) if r != rank(pp - 1)]   # broadcast to the other pp ranks
+        + [("gradient of tied " + w[0][len("tied ") :], w[2], w[1], *w[3:]) for w in tied]
+        + [("loss", pp - 1, r, (), 4, 1) for r in range(ranks) if r != rank(pp - 1)]  # broadcast to the other pp ranks
     )
     assert [(x.what, x.src, x.dst, x.shape, x.bytes, x.count) for x in lowered.sends] == want
     cost = lowered.cost()
@@ -162,7 +189,7 @@ def _check_lowered(lowered, pipe, cfg, held, pp, dp, schedule, m):
     assert f"pipeline of {pp} stages over pp" in text and f"{schedule}, {m} microbatches a step" in text
     shown = f"{per_mb} B" if per_mb < 1024 else f"{per_mb / 1024:.1f} KiB"
     assert re.search(rf"activation +stage 0 -> 1 +f32\[{','.join(map(str, act))}\] +{shown} x {m} = ", text)
-    assert text.count("differentiated by torch autograd") == pp + 1   # each stage's programs, and the loss's
+    assert text.count("differentiated by torch autograd") == pp + 1  # each stage's programs, and the loss's
 
 
 def test_dp_gradients_are_reduced_once_a_step_whatever_the_microbatches(sim):
@@ -174,13 +201,19 @@ def test_dp_gradients_are_reduced_once_a_step_whatever_the_microbatches(sim):
     mesh = vsf.make_mesh((2, 2), ("pp", "dp"))
     dp_bytes = {}
     for m in (2, 4):
-        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("dp"), tied=("wte.weight",))
+        pipe = vsf.pipeline.Pipeline(
+            fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("dp"), tied=("wte.weight",)
+        )
         p, layout = pipe.place(params)
         lowered = pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout)
         dp_bytes[m] = [c.comm_bytes["dp"] for c in lowered.cost().stages]
         assert dp_bytes[m] == [_ddp_bytes(params, layout.split.names[s], 2, 1, m, last=s == 1) for s in range(2)]
         assert re.search(r"gradients reduced once a step: dp 1\d\.\d KiB", lowered.as_text())
-    assert dp_bytes[2][0] == dp_bytes[4][0] == sum(v.numel() * 4 for k, v in params.items() if k.startswith(tuple(prefixes[0])))
+    assert (
+        dp_bytes[2][0]
+        == dp_bytes[4][0]
+        == sum(v.numel() * 4 for k, v in params.items() if k.startswith(tuple(prefixes[0])))
+    )
 
 
 def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_step(sim):
@@ -200,20 +233,31 @@ def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_st
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("pp", "fsdp"))
     for m, reshard in ((2, False), (4, True), (4, False)):
-        pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=m, batch=P("fsdp"), tied=("wte.weight",), reshard_after_forward=reshard)
+        pipe = vsf.pipeline.Pipeline(
+            fns,
+            loss_fn,
+            prefixes,
+            mesh=mesh,
+            microbatches=m,
+            batch=P("fsdp"),
+            tied=("wte.weight",),
+            reshard_after_forward=reshard,
+        )
         p, layout = pipe.place(params, specs)
         for c in pipe.lower(p, *batch_at(0, BATCH, model.cfg), layout=layout).cost().stages:
             names = layout.split.names[c.stage]
             gathered = sum(params[k].numel() * 4 // 2 for k in names if specs[k] == P("fsdp"))
             once = sum(params[k].numel() * 4 // 2 if specs[k] == P("fsdp") else params[k].numel() * 4 for k in names)
             assert c.reduce.comm_bytes["fsdp"] == once, (m, c.stage)
-            loss = 2 * 4 if c.stage == 1 else 0   # the loss's sum and token count (two f32), all-reduced a microbatch
+            loss = 2 * 4 if c.stage == 1 else 0  # the loss's sum and token count (two f32), all-reduced a microbatch
             if reshard:
                 assert c.gather is None and c.gathered_bytes == 0 and c.program.comm_bytes["fsdp"] > 0
             else:
                 assert c.gather.comm_bytes["fsdp"] == gathered and c.gathered_bytes == gathered, (m, c.stage)
                 assert c.program.comm_bytes["fsdp"] == 0, (m, c.stage)
-            assert c.comm_bytes["fsdp"] == (0 if reshard else gathered) + m * (c.program.comm_bytes["fsdp"] + loss) + once, (m, c.stage)
+            assert (
+                c.comm_bytes["fsdp"] == (0 if reshard else gathered) + m * (c.program.comm_bytes["fsdp"] + loss) + once
+            ), (m, c.stage)
         if m == 4:
             _trains_like_one_device(pipe, p, layout, specs, model.cfg, want_losses, want_grads, want)
 
@@ -227,7 +271,9 @@ def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, mo
     want_losses, want_grads, want = _one_device(model, params)
     fns, loss_fn, prefixes = pipeline_stages(model, 4)
     sim(2)
-    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((2,), ("pp",)), microbatches=4, schedule="zb", tied=("wte.weight",))
+    pipe = vsf.pipeline.Pipeline(
+        fns, loss_fn, prefixes, mesh=vsf.make_mesh((2,), ("pp",)), microbatches=4, schedule="zb", tied=("wte.weight",)
+    )
     p, layout = pipe.place(params)
     real, calls, pending_then = torch.autograd.backward, [], []
 
@@ -242,7 +288,7 @@ def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, mo
         patch.setattr(torch.autograd, "backward", failing)
         with pytest.raises(RuntimeError, match="the backward failed"):
             pipe.value_and_grad(p, *batch_at(0, BATCH, model.cfg), layout=layout)
-    assert pending_then == [1]   # the weight part its "W" action never ran
+    assert pending_then == [1]  # the weight part its "W" action never ran
     _trains_like_one_device(pipe, p, layout, {k: P() for k in params}, model.cfg, want_losses, want_grads, want)
 
 
@@ -255,7 +301,15 @@ def test_an_inductor_pipeline_runs_eagerly_under_simulation_after_one_warning_a_
     want_losses, want_grads, want = _one_device(model, params)
     fns, loss_fn, prefixes = pipeline_stages(model, 2)
     sim(2)
-    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((2,), ("pp",)), microbatches=2, tied=("wte.weight",), backend="inductor")
+    pipe = vsf.pipeline.Pipeline(
+        fns,
+        loss_fn,
+        prefixes,
+        mesh=vsf.make_mesh((2,), ("pp",)),
+        microbatches=2,
+        tied=("wte.weight",),
+        backend="inductor",
+    )
     p, layout = pipe.place(params)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -280,7 +334,9 @@ def _trains_like_one_device(pipe, p, layout, specs, cfg, want_losses, want_grads
     for k in want:
         assert vsf.sharding.named.sharding_of(p[k]).spec == specs[k], k
         torch.testing.assert_close(first[k], want_grads[k], rtol=1e-5, atol=1e-7, msg=lambda e, k=k: f"grad {k}: {e}")
-        torch.testing.assert_close(vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}")
+        torch.testing.assert_close(
+            vsf.device_get(p[k]), want[k], rtol=1e-5, atol=1e-5, msg=lambda e, k=k: f"param {k}: {e}"
+        )
 
 
 @pytest.mark.parametrize("schedule,cls", [("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)])
@@ -306,17 +362,30 @@ def test_stage_order_is_torchs(schedule, cls, p, m):
     assert in_flight == ([m] * p if schedule == "gpipe" else [min(m, p - s) for s in range(p)])
 
 
-@pytest.mark.parametrize("schedule,p,want", [
-    ("1f1b", 4, [0, 1, 2, 3]),
-    ("interleaved", 2, [0, 1, 0, 1]), ("zb", 3, [0, 1, 2, 0, 1, 2]),   # Megatron's loop: stage s on rank s % p
-    ("zbv", 2, [0, 1, 1, 0]), ("dualpipev", 4, [0, 1, 2, 3, 3, 2, 1, 0]),   # a V: stages s and 2p - 1 - s on rank s
-])
+@pytest.mark.parametrize(
+    "schedule,p,want",
+    [
+        ("1f1b", 4, [0, 1, 2, 3]),
+        ("interleaved", 2, [0, 1, 0, 1]),
+        ("zb", 3, [0, 1, 2, 0, 1, 2]),  # Megatron's loop: stage s on rank s % p
+        ("zbv", 2, [0, 1, 1, 0]),
+        ("dualpipev", 4, [0, 1, 2, 3, 3, 2, 1, 0]),  # a V: stages s and 2p - 1 - s on rank s
+    ],
+)
 def test_each_stage_runs_on_its_schedules_rank(sim, schedule, p, want):
     stages = len(want)
     model, params = _model(layers=stages)
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
     sim(p)
-    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=vsf.make_mesh((p,), ("pp",)), microbatches=max(4, stages), schedule=schedule, tied=("wte.weight",))
+    pipe = vsf.pipeline.Pipeline(
+        fns,
+        loss_fn,
+        prefixes,
+        mesh=vsf.make_mesh((p,), ("pp",)),
+        microbatches=max(4, stages),
+        schedule=schedule,
+        tied=("wte.weight",),
+    )
     assert [pipe.rank_of(s) for s in range(stages)] == want
     assert [pipe.meshes[s].devices for s in range(stages)] == [(r,) for r in want]
     # torch's order runs each stage's forwards and backwards (or input and weight parts) on its rank
@@ -329,7 +398,9 @@ def test_each_stage_runs_on_its_schedules_rank(sim, schedule, p, want):
 def test_bubble_is_the_theory(schedule, v, p, m):
     # forward and backward of equal cost: each rank idles (p - 1) / (v m + p - 1) of the step
     # (Megatron's interleaved schedule: v stages per rank divide the bubble by about v)
-    assert sched.bubble(sched.rank_actions(schedule, p, v * p, m), 1.0, 1.0) == pytest.approx([(p - 1) / (v * m + p - 1)] * p)
+    assert sched.bubble(sched.rank_actions(schedule, p, v * p, m), 1.0, 1.0) == pytest.approx(
+        [(p - 1) / (v * m + p - 1)] * p
+    )
 
 
 @pytest.mark.parametrize("v", [2, 3])
@@ -368,20 +439,36 @@ def test_bad_splits_are_errors_naming_the_key_path(sim):
         pipe().place(params, {k: P("pp") if k == "blocks.0.fc1.weight" else P() for k in params})
     with pytest.raises(ValueError, match=r"backend must be one of \('eager', 'inductor'\) \(vsf.jit's\), got 'xla'"):
         pipe(backend="xla")
-    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zb-h2'; expected one of \['1f1b', 'dualpipev', 'gpipe', 'interleaved', 'zb', 'zbv'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown pipeline schedule 'zb-h2'; expected one of \['1f1b', 'dualpipev', 'gpipe', 'interleaved', 'zb', 'zbv'\]",
+    ):
         pipe(schedule="zb-h2")
-    with pytest.raises(ValueError, match=r"the zbv schedule runs two stages on each of the 2 pp ranks \(stages s and 3 - s on rank s\): give 4 stages; got 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"the zbv schedule runs two stages on each of the 2 pp ranks \(stages s and 3 - s on rank s\): give 4 stages; got 2",
+    ):
         pipe(schedule="zbv")
-    with pytest.raises(ValueError, match=r"ScheduleDualPipeV needs at least as many microbatches as stages \(4\); got 2"):
-        vsf.pipeline.Pipeline(fns4, loss4, prefixes4, mesh=mesh, microbatches=2, schedule="dualpipev", tied=("wte.weight",))
+    with pytest.raises(
+        ValueError, match=r"ScheduleDualPipeV needs at least as many microbatches as stages \(4\); got 2"
+    ):
+        vsf.pipeline.Pipeline(
+            fns4, loss4, prefixes4, mesh=mesh, microbatches=2, schedule="dualpipev", tied=("wte.weight",)
+        )
     with pytest.raises(ValueError, match=r"the zb schedule runs 2 or more stages on each of the 2 pp ranks"):
         pipe(schedule="zb")
-    with pytest.raises(ValueError, match=r"interleaved schedule runs 2 or more stages on each of the 2 pp ranks: give a multiple of 2 stages, at least 4; got 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"interleaved schedule runs 2 or more stages on each of the 2 pp ranks: give a multiple of 2 stages, at least 4; got 2",
+    ):
         pipe(schedule="interleaved")
     good = pipe()
     p, layout = good.place(params)
     idx, tgt = batch_at(0, 6, model.cfg)
     with pytest.raises(ValueError, match=r"inputs\[0\] has 6 rows .*4 microbatches must divide"):
         good.value_and_grad(p, idx, tgt, layout=layout)
-    with pytest.raises(TypeError, match=r"layout must be the Layout this pipeline's place\(params, specs\) returned with the params; got NoneType"):
+    with pytest.raises(
+        TypeError,
+        match=r"layout must be the Layout this pipeline's place\(params, specs\) returned with the params; got NoneType",
+    ):
         good.value_and_grad(p, idx, tgt, layout=None)

@@ -18,13 +18,26 @@ pytestmark = pytest.mark.multiprocess
 
 BATCH, M, SEQ, DIM, VOCAB = 8, 4, 8, 16, 16
 BLOCK = ["attn.proj.weight", "attn.qkv.weight", "fc1.weight", "fc2.weight", "ln1.weight", "ln2.weight"]
-NUMEL = {"attn.proj.weight": DIM * DIM, "attn.qkv.weight": 3 * DIM * DIM, "fc1.weight": 4 * DIM * DIM, "fc2.weight": 4 * DIM * DIM,
-         "ln1.weight": DIM, "ln2.weight": DIM, "wpe.weight": SEQ * DIM, "wte.weight": VOCAB * DIM, "lnf.weight": DIM}
+NUMEL = {
+    "attn.proj.weight": DIM * DIM,
+    "attn.qkv.weight": 3 * DIM * DIM,
+    "fc1.weight": 4 * DIM * DIM,
+    "fc2.weight": 4 * DIM * DIM,
+    "ln1.weight": DIM,
+    "ln2.weight": DIM,
+    "wpe.weight": SEQ * DIM,
+    "wte.weight": VOCAB * DIM,
+    "lnf.weight": DIM,
+}
 
 
 def held(stage, pp):
     """The leaves stage ``stage`` of a ``pp``-block GPT holds (the tied wte once, on stage 0)."""
-    mine = [f"blocks.{stage}.{k}" for k in BLOCK] + (["wpe.weight", "wte.weight"] if stage == 0 else []) + (["lnf.weight"] if stage == pp - 1 else [])
+    mine = (
+        [f"blocks.{stage}.{k}" for k in BLOCK]
+        + (["wpe.weight", "wte.weight"] if stage == 0 else [])
+        + (["lnf.weight"] if stage == pp - 1 else [])
+    )
     return sorted(mine)
 
 
@@ -46,14 +59,18 @@ def sends(n, dp, ranks, cp=1, run=""):
         + [["activation", s, s + 1, act, b, M] for s in apart]
         + [["activation gradient", s + 1, s, act, b, M] for s in reversed(apart)]
         + [["gradient of tied wte.weight", n - 1, 0, wte, w, 1]] * tied
-        + [["loss", n - 1, r, [], 4, 1] for r in range(ranks) if r != rank_of(run, n - 1, ranks)]   # broadcast to the other pp ranks
+        + [
+            ["loss", n - 1, r, [], 4, 1] for r in range(ranks) if r != rank_of(run, n - 1, ranks)
+        ]  # broadcast to the other pp ranks
     )
 
 
 def grad_bytes(stage, pp, dp):
     """A step's bytes over dp from one rank of stage ``stage`` for its gradients, the lent wte's on
     the last stage too, all-reduced once (ring: 2(n-1)/n of them, DDP's bytes; hand-computed)."""
-    grads = sum(NUMEL[k.split(".", 2)[-1] if k.startswith("blocks.") else k] for k in held(stage, pp)) + (VOCAB * DIM if stage == pp - 1 else 0)
+    grads = sum(NUMEL[k.split(".", 2)[-1] if k.startswith("blocks.") else k] for k in held(stage, pp)) + (
+        VOCAB * DIM if stage == pp - 1 else 0
+    )
     return 2 * (dp - 1) / dp * grads * 4
 
 
@@ -65,9 +82,17 @@ def dp_bytes(stage, pp, dp):
 
 
 # run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
-RUNS = {"gpipe": (2, 2, None), "1f1b": (2, 2, None), "interleaved": (2, 4, 2), "zb": (2, 4, 2), "zbv": (2, 4, 2), "dualpipev": (2, 4, 2),
-        "pp4-gpipe": (4, 4, 4), "pp4-1f1b": (4, 4, 4)}
-CP_RUN, FSDP_RUN = "pp2-cp2", "pp2-fsdp2"   # on 4 processes too, each checked by its own test
+RUNS = {
+    "gpipe": (2, 2, None),
+    "1f1b": (2, 2, None),
+    "interleaved": (2, 4, 2),
+    "zb": (2, 4, 2),
+    "zbv": (2, 4, 2),
+    "dualpipev": (2, 4, 2),
+    "pp4-gpipe": (4, 4, 4),
+    "pp4-1f1b": (4, 4, 4),
+}
+CP_RUN, FSDP_RUN = "pp2-cp2", "pp2-fsdp2"  # on 4 processes too, each checked by its own test
 
 
 @pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
@@ -84,7 +109,7 @@ def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
     assert all(sorted(set(r) - {CP_RUN, FSDP_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
-        dp = 2 * world_dp // pp if n == pp else 1   # (two stages a rank: on 2 processes, pp alone)
+        dp = 2 * world_dp // pp if n == pp else 1  # (two stages a rank: on 2 processes, pp alone)
         for rank, r in enumerate(ranks):
             got, where = r[name], (name, rank)
             assert got["losses"] == pytest.approx(got["want_losses"], rel=1e-5, abs=0), where
@@ -98,7 +123,9 @@ def _check(world_dp, ranks):
             assert got["held"] == sorted(k for s in mine for k in held(s, n)), where
             assert got["mu_held"] == got["held"], where
             last = rank_of(name, n - 1, pp)
-            assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range(last * dp, (last + 1) * dp))), where
+            assert got["ranks_of_lnf"] == (None if n - 1 not in mine else list(range(last * dp, (last + 1) * dp))), (
+                where
+            )
             # pipe.lower on the processes: the sends of a step, this rank's stages' bytes, the plans that ran
             assert got["sends"] == sends(n, dp, pp, run=name), where
             assert got["stages"] == mine, where
@@ -106,7 +133,9 @@ def _check(world_dp, ranks):
             assert got["dp_bytes"] == [dp_bytes(s, n, dp) for s in mine], where
             assert got["reducer_plans"] == [1] * len(mine), where
             assert got["param_bytes"] == got["memory"] > 0, where
-            assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), where   # each stage's (and the loss's) plan, made once
+            assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), (
+                where
+            )  # each stage's (and the loss's) plan, made once
 
 
 def _pp2_run(world, run):

@@ -26,7 +26,11 @@ from vsf.errors import TraceError
 PHILOX_KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -62,7 +66,13 @@ def test_keys_split_fold_in():
 
 # -- every layout gives the unsharded bits ---------------------------------------------------------
 
-MESHES = [((8,), ("a",)), ((2, 4), ("a", "b")), ((4, 2), ("b", "a")), ((2, 2, 2), ("a", "b", "c")), ((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp"))]
+MESHES = [
+    ((8,), ("a",)),
+    ((2, 4), ("a", "b")),
+    ((4, 2), ("b", "a")),
+    ((2, 2, 2), ("a", "b", "c")),
+    ((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp")),
+]
 
 SAMPLERS = {
     "normal": lambda k, shape, **kw: vsf.random.normal(k, shape, **kw),
@@ -89,7 +99,15 @@ def layouts(draw):
             entries[dim].append(axis)
     entries = [None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries]
     ragged = draw(st.integers(0, 3)) == 0 and bool(free)
-    return sizes, names, shape, entries, ragged, draw(st.sampled_from(sorted(SAMPLERS))), draw(st.integers(0, 2**64 - 1))
+    return (
+        sizes,
+        names,
+        shape,
+        entries,
+        ragged,
+        draw(st.sampled_from(sorted(SAMPLERS))),
+        draw(st.integers(0, 2**64 - 1)),
+    )
 
 
 def _ragged_units(draw_seed: int, n: int, rows: int) -> tuple[int, ...]:
@@ -111,8 +129,14 @@ def test_sampler_layout_invariant(case):
                 axis = next(a for a, n in zip(names, sizes) if n > 1)
                 dims = 1 + seed % len(shape)
                 rows = math.prod(shape[:dims])
-                later = [None if e is None or axis in (e if isinstance(e, tuple) else (e,)) else e for e in entries[dims:]]
-                spec = P(vsf.ragged(axis, _ragged_units(seed, mesh.axis_size(axis), rows), dims=dims), *([None] * (dims - 1)), *later)
+                later = [
+                    None if e is None or axis in (e if isinstance(e, tuple) else (e,)) else e for e in entries[dims:]
+                ]
+                spec = P(
+                    vsf.ragged(axis, _ragged_units(seed, mesh.axis_size(axis), rows), dims=dims),
+                    *([None] * (dims - 1)),
+                    *later,
+                )
             else:
                 spec = P(*entries)
             s = vsf.NamedSharding(mesh, spec)
@@ -125,7 +149,12 @@ def test_sampler_layout_invariant(case):
             assert torch.equal(shard.data, s.index_view(full)[shard.index]), (spec, shard.rank)
 
 
-@given(st.sampled_from(MESHES[:4]), st.lists(st.integers(1, 9), min_size=1, max_size=3), st.sampled_from(sorted(SAMPLERS)), st.integers(0, 2**32))
+@given(
+    st.sampled_from(MESHES[:4]),
+    st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    st.sampled_from(sorted(SAMPLERS)),
+    st.integers(0, 2**32),
+)
 @settings(max_examples=12)
 def test_sampler_inside_jit_equals_eager(mesh_case, shape, name, seed):
     """The traced path (elementwise over arange) equals the eager fill, on the planner's layout."""
@@ -146,7 +175,9 @@ def test_sampler_sharding_inside_jit():
     with vsf.simulate(4):
         mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
         s = vsf.NamedSharding(mesh, P("tp", "dp"))
-        out = vsf.jit(lambda k: vsf.random.normal(k, (5, 6), sharding=s))(vsf.device_put(key, vsf.NamedSharding(mesh, P())))
+        out = vsf.jit(lambda k: vsf.random.normal(k, (5, 6), sharding=s))(
+            vsf.device_put(key, vsf.NamedSharding(mesh, P()))
+        )
         assert vsf.sharding.sharding_of(out) == s
         assert torch.equal(vsf.device_get(out), vsf.random.normal(key, (5, 6)))
 
@@ -186,7 +217,13 @@ def _check_fill_boxes():
     key = (12345, 2**32 - 7)
     cases = [(samplers.normal_transform(torch.float32), 1, torch.float32), (samplers._bits63, 2, torch.int64)]
     for transform, width, dtype in cases:
-        for shape, box in [((5, 13), ((0, 5), (0, 13))), ((5, 13), ((1, 4), (3, 11))), ((7, 2), ((2, 7), (1, 2))), ((2, 3, 9), ((0, 2), (1, 3), (2, 9))), ((11, 31), ((0, 11), (0, 31)))]:
+        for shape, box in [
+            ((5, 13), ((0, 5), (0, 13))),
+            ((5, 13), ((1, 4), (3, 11))),
+            ((7, 2), ((2, 7), (1, 2))),
+            ((2, 3, 9), ((0, 2), (1, 3), (2, 9))),
+            ((11, 31), ((0, 11), (0, 31))),
+        ]:
             row, col = bits.grid(shape)
             ref = bits.at(key, row, col, shape[-1], width, transform).reshape(shape)
             got = bits.fill(key, shape, box, width, transform, dtype, torch.device("cpu"))
@@ -347,10 +384,21 @@ def _train(params, x, y, keys, step):
 
 LAYOUTS = {
     "dp": (((4,), ("dp",)), {"fc1.weight": P(), "fc1.bias": P(), "fc2.weight": P(), "fc2.bias": P()}, P("dp")),
-    "fsdp": (((4,), ("fsdp",)), {"fc1.weight": P("fsdp"), "fc1.bias": P("fsdp"), "fc2.weight": P("fsdp"), "fc2.bias": P("fsdp")}, P("fsdp")),
-    "tp": (((4,), ("tp",)), {"fc1.weight": P("tp"), "fc1.bias": P("tp"), "fc2.weight": P(None, "tp"), "fc2.bias": P()}, P()),
-    "5d": (((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp")),
-           {"fc1.weight": P("tp", "fsdp"), "fc1.bias": P("tp"), "fc2.weight": P("fsdp", "tp"), "fc2.bias": P()}, P(("dp", "fsdp"))),
+    "fsdp": (
+        ((4,), ("fsdp",)),
+        {"fc1.weight": P("fsdp"), "fc1.bias": P("fsdp"), "fc2.weight": P("fsdp"), "fc2.bias": P("fsdp")},
+        P("fsdp"),
+    ),
+    "tp": (
+        ((4,), ("tp",)),
+        {"fc1.weight": P("tp"), "fc1.bias": P("tp"), "fc2.weight": P(None, "tp"), "fc2.bias": P()},
+        P(),
+    ),
+    "5d": (
+        ((1, 2, 2, 1, 2), ("pp", "dp", "fsdp", "cp", "tp")),
+        {"fc1.weight": P("tp", "fsdp"), "fc1.bias": P("tp"), "fc2.weight": P("fsdp", "tp"), "fc2.bias": P()},
+        P(("dp", "fsdp")),
+    ),
 }
 
 
@@ -380,7 +428,9 @@ def test_dropout_training_matches_one_device(layout):
         jitted = vsf.jit(step)
         out_params, losses = _train(sharded, xb, yb, keys_r, jitted)
         assert jitted.plan_count == 1
-        torch.testing.assert_close(torch.stack([vsf.device_get(l) for l in losses]), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.stack([vsf.device_get(l) for l in losses]), torch.stack(ref_losses), rtol=1e-5, atol=1e-6
+        )
         for name, p in vsf.device_get(out_params).items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(ref_losses[0], ref_losses[1])  # the masks change with the step key
@@ -395,21 +445,35 @@ def test_init_sharded_equals_unsharded():
     cfg = GPTConfig(vocab=31, seq=7, dim=10, heads=2, layers=2)  # uneven dims
     with torch.device("meta"):
         shapes = vsf.tree.from_module(GPT(cfg))
-    inits = {k: vsf.nn.initializers.zeros if k.endswith("bias") else vsf.nn.initializers.ones if ".ln" in k or k.startswith("lnf")
-             else vsf.nn.initializers.xavier_uniform() if v.ndim == 2 and "wte" not in k else vsf.nn.initializers.normal(0.02)
-             for k, v in shapes.items()}
+    inits = {
+        k: vsf.nn.initializers.zeros
+        if k.endswith("bias")
+        else vsf.nn.initializers.ones
+        if ".ln" in k or k.startswith("lnf")
+        else vsf.nn.initializers.xavier_uniform()
+        if v.ndim == 2 and "wte" not in k
+        else vsf.nn.initializers.normal(0.02)
+        for k, v in shapes.items()
+    }
     key = vsf.random.key(5)
     full = vsf.random.init_sharded(inits, key, shapes)
     assert all(not isinstance(v, torch.distributed.tensor.DTensor) for v in full.values())
     with vsf.simulate(8):
         mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
-        specs = vsf.sharding.match(shapes, [(r".*(qkv|proj|fc1|fc2|wte|wpe)\.weight", P("fsdp", "tp")), (r".*", P(("dp", "tp")))])
+        specs = vsf.sharding.match(
+            shapes, [(r".*(qkv|proj|fc1|fc2|wte|wpe)\.weight", P("fsdp", "tp")), (r".*", P(("dp", "tp")))]
+        )
         params = vsf.random.init_sharded(inits, key, shapes, vsf.NamedSharding.tree(mesh, specs))
         for name, p in params.items():
-            assert vsf.sharding.sharding_of(p).spec == specs[name].normalized() or vsf.sharding.sharding_of(p).is_fully_replicated
+            assert (
+                vsf.sharding.sharding_of(p).spec == specs[name].normalized()
+                or vsf.sharding.sharding_of(p).is_fully_replicated
+            )
             assert torch.equal(vsf.device_get(p), full[name]), name
     # a leaf's values do not depend on the other leaves
-    alone = vsf.random.init_sharded(inits["blocks.0.fc1.weight"], key, {"blocks.0.fc1.weight": shapes["blocks.0.fc1.weight"]})
+    alone = vsf.random.init_sharded(
+        inits["blocks.0.fc1.weight"], key, {"blocks.0.fc1.weight": shapes["blocks.0.fc1.weight"]}
+    )
     assert torch.equal(alone["blocks.0.fc1.weight"], full["blocks.0.fc1.weight"])
 
 
@@ -434,9 +498,13 @@ def test_init_sharded_planning_only_allocates_local_shards():
     d, layers = 2048, 20
     shapes = {"embed": vsf.ShapeDtypeStruct((32000, d), torch.float32)}
     for i in range(layers):
-        shapes |= {f"{i}.qkv": vsf.ShapeDtypeStruct((3 * d, d), torch.float32), f"{i}.proj": vsf.ShapeDtypeStruct((d, d), torch.float32),
-                   f"{i}.fc1": vsf.ShapeDtypeStruct((4 * d, d), torch.float32), f"{i}.fc2": vsf.ShapeDtypeStruct((d, 4 * d), torch.float32),
-                   f"{i}.ln": vsf.ShapeDtypeStruct((d,), torch.float32)}
+        shapes |= {
+            f"{i}.qkv": vsf.ShapeDtypeStruct((3 * d, d), torch.float32),
+            f"{i}.proj": vsf.ShapeDtypeStruct((d, d), torch.float32),
+            f"{i}.fc1": vsf.ShapeDtypeStruct((4 * d, d), torch.float32),
+            f"{i}.fc2": vsf.ShapeDtypeStruct((d, 4 * d), torch.float32),
+            f"{i}.ln": vsf.ShapeDtypeStruct((d,), torch.float32),
+        }
     total = sum(math.prod(s.shape) for s in shapes.values())
     assert total > 1e9
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -465,7 +533,9 @@ def test_cuda_bits_equal_cpu():
         cuda = SAMPLERS[name](key.cuda(), shape)
         assert cuda.is_cuda and torch.equal(cuda.cpu(), cpu), name
     # normal uses torch.erfinv, whose CUDA and CPU kernels may differ in the last bit
-    torch.testing.assert_close(vsf.random.normal(key.cuda(), shape).cpu(), vsf.random.normal(key, shape), rtol=2e-7, atol=0)
+    torch.testing.assert_close(
+        vsf.random.normal(key.cuda(), shape).cpu(), vsf.random.normal(key, shape), rtol=2e-7, atol=0
+    )
 
 
 def test_compiled_philox_gives_the_same_bits(monkeypatch):
@@ -487,8 +557,11 @@ def test_jitted_dropout_mask_is_computed_on_shards():
         mesh = vsf.make_mesh((4,), ("dp",))
         x = vsf.device_put(torch.zeros(64, 32), vsf.NamedSharding(mesh, P("dp")))
         lowered = vsf.jit(lambda x, k: vsf.nn.dropout(k, x, 0.1)).lower(x, vsf.random.key(0))
-        full = [(n, p.outs[0]) for n, p in lowered.plan.nodes.items()
-                if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape) == (64, 32)]
+        full = [
+            (n, p.outs[0])
+            for n, p in lowered.plan.nodes.items()
+            if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape) == (64, 32)
+        ]
         assert len(full) > 50 and all(out == (Shard(0),) for _, out in full)
         assert lowered.cost().comm_bytes == {} or not any(lowered.cost().comm_bytes.values())
 
@@ -507,8 +580,17 @@ def test_hf_gpt2_with_dropout_through_jit_matches_one_device():
     """A model no one here wrote: GPT-2 (transformers, tiny random config) with every dropout at
     0.1, its F.dropout calls keyed, one DP step through vsf.jit against the same step on one device."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.1,
-                                  embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        attn_implementation="eager",
+    )
     model = transformers.GPT2LMHeadModel(cfg).train()
     params = {k: v.detach().clone() for k, v in vsf.tree.from_module(model).items()}
     idx = torch.randint(0, 64, (4, 8))
@@ -516,13 +598,19 @@ def test_hf_gpt2_with_dropout_through_jit_matches_one_device():
 
     def step(params, idx, key):
         with vsf.random.keyed(key):
-            return vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, input_ids=idx, labels=idx, use_cache=False).loss)(params)
+            return vsf.value_and_grad(
+                lambda p: vsf.tree.apply(model, p, input_ids=idx, labels=idx, use_cache=False).loss
+            )(params)
 
     ref_loss, ref_grads = step(params, idx, key)
     assert not torch.equal(ref_loss, step(params, idx, vsf.random.key(2))[0])  # the masks matter
     with vsf.simulate(2):
         mesh = vsf.make_mesh((2,), ("dp",))
-        loss, grads = vsf.jit(step)(vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(idx, vsf.NamedSharding(mesh, P("dp"))), key)
+        loss, grads = vsf.jit(step)(
+            vsf.device_put(params, vsf.NamedSharding(mesh, P())),
+            vsf.device_put(idx, vsf.NamedSharding(mesh, P("dp"))),
+            key,
+        )
         torch.testing.assert_close(vsf.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
         for name, g in vsf.device_get(grads).items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)

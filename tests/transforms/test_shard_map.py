@@ -49,14 +49,14 @@ def test_inputs_are_laid_out_as_in_specs_and_results_assembled_as_out_specs(sim)
 
     def f(x, scale):
         seen.append((tuple(x.shape), tuple(scale.shape)))
-        return vsf.ops.all_gather(x * scale, "fsdp", dim=1)   # (rows of dp, all columns)
+        return vsf.ops.all_gather(x * scale, "fsdp", dim=1)  # (rows of dp, all columns)
 
     x, scale = torch.arange(48.0).reshape(4, 12), torch.tensor(3.0)
     sim(8)
     mesh = vsf.make_mesh((2, 4), ("dp", "fsdp"))
     with vsf.use_mesh(mesh):
         y = vsf.shard_map(f, in_specs=(P("dp", "fsdp"), P()), out_specs=P("dp"))(x, scale)
-    assert seen == [((2, 3), ())]   # one call, on every rank's local shard at once
+    assert seen == [((2, 3), ())]  # one call, on every rank's local shard at once
     assert vsf.typeof(y) == "f32[4@dp,12]"
     torch.testing.assert_close(vsf.device_get(y), x * 3)
 
@@ -69,8 +69,13 @@ def test_bad_calls_are_refused_saying_where(sim):
     with pytest.raises(ValueError, match=r"in_specs is not a prefix"):
         vsf.shard_map(lambda x, y: x, mesh=mesh, in_specs=(P(),), out_specs=P())(torch.ones(2), torch.ones(2))
     with pytest.raises(TypeError, match=r"the result is a DTensor"):
-        vsf.shard_map(lambda x: vsf.device_put(x, vsf.NamedSharding(mesh, P())), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))
+        vsf.shard_map(
+            lambda x: vsf.device_put(x, vsf.NamedSharding(mesh, P())), mesh=mesh, in_specs=P(), out_specs=P()
+        )(torch.ones(2))
     with pytest.raises(ValueError, match="shard_map needs a mesh"):
         vsf.shard_map(lambda x: x, in_specs=P(), out_specs=P())(torch.ones(2))
-    with pytest.raises(ValueError, match=r"psum over unknown mesh axis 'pp' inside shard_map\(<lambda>\): the mesh has axes \('dp', 'tp'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"psum over unknown mesh axis 'pp' inside shard_map\(<lambda>\): the mesh has axes \('dp', 'tp'\)",
+    ):
         vsf.shard_map(lambda x: vsf.ops.psum(x, "pp"), mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2))

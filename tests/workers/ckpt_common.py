@@ -79,19 +79,27 @@ def build(mesh: vsf.Mesh | None, layout: str, make: Any) -> dict[str, Any]:
     """The test tree, each tensor leaf made by ``make(path, shape, dtype, sharding)``."""
     return {
         "params": _params("params", mesh, layout, make),
-        "opt": Adam(_params("opt.mu", mesh, layout, make), _params("opt.nu", mesh, layout, make), make("opt.count", (), torch.int32, None)),
+        "opt": Adam(
+            _params("opt.mu", mesh, layout, make),
+            _params("opt.nu", mesh, layout, make),
+            make("opt.count", (), torch.int32, None),
+        ),
         "meta": Meta(0.125, "run-1", make("meta.mask", (4,), torch.bool, None)),
         "step": 100,
         "flags": [True, None, "x", 2.5],
     }
 
 
-def real(path: str, shape: tuple[int, ...], dtype: torch.dtype, sharding: vsf.NamedSharding | None, step: int = 0) -> torch.Tensor:
+def real(
+    path: str, shape: tuple[int, ...], dtype: torch.dtype, sharding: vsf.NamedSharding | None, step: int = 0
+) -> torch.Tensor:
     value = full(path, shape, dtype, step)
     return vsf.device_put(value, sharding) if sharding is not None else value
 
 
-def abstract(path: str, shape: tuple[int, ...], dtype: torch.dtype, sharding: vsf.NamedSharding | None) -> vsf.ShapeDtypeStruct:
+def abstract(
+    path: str, shape: tuple[int, ...], dtype: torch.dtype, sharding: vsf.NamedSharding | None
+) -> vsf.ShapeDtypeStruct:
     return vsf.ShapeDtypeStruct(shape, dtype, sharding)
 
 
@@ -111,7 +119,8 @@ def mismatches(loaded: Any, expected: Any | None = None) -> list[str]:
     for (path, a), (_, b) in zip(got, want):
         same = (
             type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-            if isinstance(b, torch.Tensor) else type(a) is type(b) and a == b
+            if isinstance(b, torch.Tensor)
+            else type(a) is type(b) and a == b
         )
         if not same:
             bad.append(vsf.tree.keystr(path))
@@ -121,7 +130,9 @@ def mismatches(loaded: Any, expected: Any | None = None) -> list[str]:
 def layouts(tree: Any) -> dict[str, str | None]:
     """Key path -> repr of the sharding of each tensor or ShapeDtypeStruct leaf ("None" when plain)."""
     return {
-        vsf.tree.keystr(p): repr(vsf.ShapeDtypeStruct.like(x).sharding) if isinstance(x, (torch.Tensor, vsf.ShapeDtypeStruct)) else None
+        vsf.tree.keystr(p): repr(vsf.ShapeDtypeStruct.like(x).sharding)
+        if isinstance(x, (torch.Tensor, vsf.ShapeDtypeStruct))
+        else None
         for p, x in vsf.tree.leaves_with_path(tree)
     }
 

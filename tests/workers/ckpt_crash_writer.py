@@ -99,11 +99,22 @@ def check() -> dict:
 
 def _equal(a, b) -> bool:
     return vsf.tree.structure(a) == vsf.tree.structure(b) and all(
-        torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y for x, y in zip(vsf.tree.leaves(a), vsf.tree.leaves(b))
+        torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y
+        for x, y in zip(vsf.tree.leaves(a), vsf.tree.leaves(b))
     )
 
 
-PLANS = ["bytes:1", f"bytes:{N * 3}", "before_rename", "random", "after_prune:3", "before_prune", "after_prune:1", "random", "random"]
+PLANS = [
+    "bytes:1",
+    f"bytes:{N * 3}",
+    "before_rename",
+    "random",
+    "after_prune:3",
+    "before_prune",
+    "after_prune:1",
+    "random",
+    "random",
+]
 rng = random.Random(seed)
 mngr.save(0, tree(0))
 rounds = []
@@ -117,5 +128,13 @@ for plan in PLANS:
         time.sleep(delay)
         os.kill(child, signal.SIGKILL)
     _, status = os.waitpid(child, 0)
-    rounds.append({"plan": plan, "start": start, "delay": delay, "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, **check()})
+    rounds.append(
+        {
+            "plan": plan,
+            "start": start,
+            "delay": delay,
+            "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
+            **check(),
+        }
+    )
 (out / "result.json").write_text(json.dumps(rounds, indent=1))

@@ -24,7 +24,11 @@ result = {}
 
 def adam_init(params):
     """An optax-style init: zeros like the params, and a step count."""
-    return Adam(vsf.tree.map(torch.zeros_like, params), vsf.tree.map(torch.zeros_like, params), torch.zeros([], dtype=torch.int32))
+    return Adam(
+        vsf.tree.map(torch.zeros_like, params),
+        vsf.tree.map(torch.zeros_like, params),
+        torch.zeros([], dtype=torch.int32),
+    )
 
 
 def step_tree(step):
@@ -63,7 +67,9 @@ live = build(mesh, "B", lambda path, shape, dtype, s: torch.zeros_like(real(path
 loaded = vsf.checkpoint.load(out / "a", live)
 result["live_mismatches"] = mismatches(loaded)
 result["live_layout_as_target"] = layouts(loaded) == layouts(live)
-result["live_untouched"] = all(not x.any() for x in vsf.tree.leaves(vsf.device_get(live)) if isinstance(x, torch.Tensor))
+result["live_untouched"] = all(
+    not x.any() for x in vsf.tree.leaves(vsf.device_get(live)) if isinstance(x, torch.Tensor)
+)
 
 # 4. Without a target, a checkpoint from another mesh size is refused, naming both.
 result["no_target_error"] = error_of(lambda: vsf.checkpoint.load(out / "a"))

@@ -33,9 +33,19 @@ ref_x = x.clone().requires_grad_(True)
 for _ in range(2):  # two steps, gradients accumulated
     (fn(ref, ref_x) ** 2).sum().backward()
 
-megatron = {"attn.qkv.weight": P("tp"), "attn.qkv.bias": P("tp"), "attn.proj.weight": P(None, "tp"), "fc1.weight": P("tp"), "fc1.bias": P("tp"), "fc2.weight": P(None, "tp")}
+megatron = {
+    "attn.qkv.weight": P("tp"),
+    "attn.qkv.bias": P("tp"),
+    "attn.proj.weight": P(None, "tp"),
+    "fc1.weight": P("tp"),
+    "fc1.bias": P("tp"),
+    "fc2.weight": P(None, "tp"),
+}
 mesh = vsf.make_mesh((2,), ("tp",))
-p = vsf.tree.map(lambda t: t.requires_grad_(True), vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: megatron.get(k, P()) for k in params})))
+p = vsf.tree.map(
+    lambda t: t.requires_grad_(True),
+    vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: megatron.get(k, P()) for k in params})),
+)
 xs = x.clone().requires_grad_(True)  # a plain activation
 g = vsf.jit(fn)
 for _ in range(2):
@@ -70,9 +80,13 @@ class Stage(torch.nn.Module):
         return jitted(mine, h).to_local()  # the engine sends plain tensors between stages
 
 
-schedule = Schedule1F1B(PipelineStage(Stage(), rank, 2, torch.device("cpu")), 4, loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean())
+schedule = Schedule1F1B(
+    PipelineStage(Stage(), rank, 2, torch.device("cpu")), 4, loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean()
+)
 schedule.step(x) if rank == 0 else schedule.step(target=y)
-report["pipeline_max_grad_err"] = max((vsf.device_get(mine[k].grad) - ref[rank][k].grad).abs().max().item() for k in mine)
+report["pipeline_max_grad_err"] = max(
+    (vsf.device_get(mine[k].grad) - ref[rank][k].grad).abs().max().item() for k in mine
+)
 report["pipeline_max_scale"] = max(ref[rank][k].grad.abs().max().item() for k in mine)
 report["pipeline_plan_count"] = jitted.plan_count
 (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -35,7 +35,15 @@ for skewed in (False, True, False):
     want_loss, want = vsf.value_and_grad(lambda q: loss_of(dense)({**q, "index": p["index"]}))({k: p[k] for k in keys})
     q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, P("ep")) if k.startswith("w") else tokens) for k in keys}
     loss, grads = step(q, vsf.device_put(p["index"], tokens))
-    errors.append({"loss": abs(vsf.device_get(loss).item() - want_loss.item()) / want_loss.abs().item(),
-                   **{k: ((vsf.device_get(grads[k]) - want[k]).abs().max() / want[k].abs().max()).item() for k in keys}})
-report = {"errors": errors, "plan_count": step.plan_count, "traced_program": step._cache[next(iter(step._cache))]._runner.local is not None}
+    errors.append(
+        {
+            "loss": abs(vsf.device_get(loss).item() - want_loss.item()) / want_loss.abs().item(),
+            **{k: ((vsf.device_get(grads[k]) - want[k]).abs().max() / want[k].abs().max()).item() for k in keys},
+        }
+    )
+report = {
+    "errors": errors,
+    "plan_count": step.plan_count,
+    "traced_program": step._cache[next(iter(step._cache))]._runner.local is not None,
+}
 (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -28,7 +28,12 @@ from vsf import P, optim  # noqa: E402
 out, case = Path(sys.argv[1]), sys.argv[2]
 device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-MEGATRON = [(r".*(qkv|fc1)\.weight", P("tp")), (r".*fc1\.bias", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+MEGATRON = [
+    (r".*(qkv|fc1)\.weight", P("tp")),
+    (r".*fc1\.bias", P("tp")),
+    (r".*(proj|fc2)\.weight", P(None, "tp")),
+    (r".*", P()),
+]
 
 
 def runners(jitted):
@@ -66,7 +71,11 @@ def gpt_case(tx):
 
 def train(case):
     """Three steps of ``case`` against three unsharded steps in this process."""
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-3, weight_decay=0.1)) if case == "fsdp_adamw" else optim.sgd(0.1)
+    tx = (
+        optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-3, weight_decay=0.1))
+        if case == "fsdp_adamw"
+        else optim.sgd(0.1)
+    )
     params, batch, train_step = gpt_case(tx)
     want, state, want_losses = params, tx.init(params), []
     for _ in range(3):
@@ -114,9 +123,17 @@ def autograd():
         opt.step()
         opt.zero_grad()
     mesh = vsf.make_mesh((world,), ("tp",), device_type=device)
-    region = vsf.shard_map(lambda x, a, b: vsf.ops.psum(torch.relu(x @ a) @ b, "tp"), mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp")), out_specs=P())
+    region = vsf.shard_map(
+        lambda x, a, b: vsf.ops.psum(torch.relu(x @ a) @ b, "tp"),
+        mesh=mesh,
+        in_specs=(P(), P(None, "tp"), P("tp")),
+        out_specs=P(),
+    )
     block = vsf.jit(region, backend="inductor")
-    w = [t.requires_grad_() for t in vsf.device_put((w1, w2), (vsf.NamedSharding(mesh, P(None, "tp")), vsf.NamedSharding(mesh, P("tp"))))]
+    w = [
+        t.requires_grad_()
+        for t in vsf.device_put((w1, w2), (vsf.NamedSharding(mesh, P(None, "tp")), vsf.NamedSharding(mesh, P("tp"))))
+    ]
     xs = vsf.device_put(x, vsf.NamedSharding(mesh, P()))
     opt = torch.optim.SGD(w, lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
@@ -125,7 +142,10 @@ def autograd():
             block(xs, *w).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    return {**report_of(block, caught), "max_param_err": max((vsf.device_get(a).cpu() - b.detach()).abs().max().item() for a, b in zip(w, want))}
+    return {
+        **report_of(block, caught),
+        "max_param_err": max((vsf.device_get(a).cpu() - b.detach()).abs().max().item() for a, b in zip(w, want)),
+    }
 
 
 def fallback():

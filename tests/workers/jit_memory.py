@@ -22,14 +22,18 @@ from vsf.jit.cost import local_bytes  # noqa: E402
 from vsf.jit.graph import placeholders_of  # noqa: E402
 from vsf.jit.remat import recomputed  # noqa: E402
 
-CFG = GPTConfig(vocab=512, seq=128, dim=128, heads=4, layers=2, fused_qkv=False, qkv_bias=False)  # (a key bias gets an exactly-zero gradient: Adam steps it by noise)
+CFG = GPTConfig(
+    vocab=512, seq=128, dim=128, heads=4, layers=2, fused_qkv=False, qkv_bias=False
+)  # (a key bias gets an exactly-zero gradient: Adam steps it by noise)
 LR, STEPS = 1e-3, 3
 
 
 def model(remat: bool) -> GPT:
     torch.manual_seed(0)
     m = GPT(CFG)
-    with torch.no_grad():  # GPT-2's init: torch's N(0, 1) embedding makes most loss gradients subnormal, which Adam amplifies
+    with (
+        torch.no_grad()
+    ):  # GPT-2's init: torch's N(0, 1) embedding makes most loss gradients subnormal, which Adam amplifies
         for p in m.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
@@ -49,7 +53,9 @@ def run(remat: bool) -> dict:
     mesh = vsf.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))
     m = model(remat)
     params = vsf.tree.from_module(m)
-    params = vsf.device_put(params, {k: vsf.NamedSharding(mesh, P("dp") if v.shape[0] % mesh.size == 0 else P()) for k, v in params.items()})
+    params = vsf.device_put(
+        params, {k: vsf.NamedSharding(mesh, P("dp") if v.shape[0] % mesh.size == 0 else P()) for k, v in params.items()}
+    )
     tx = optim.adamw(LR)
     state = optim.init_sharded(tx, params)
     idx, tgt = vsf.device_put(batch(), vsf.NamedSharding(mesh, P("dp")))
@@ -72,8 +78,12 @@ def run(remat: bool) -> dict:
     one()
     one()  # (the first call traces the program; the second runs it as every later call does)
     measured = peak_heap_bytes(one)
-    return {"estimated": lowered.cost().peak_bytes - inputs, "measured": measured, "recomputed": len(recomputed(plan.graph)),
-            "unlike_one_device": unlike(vsf.device_get(held["p"]), oracle(STEPS))}
+    return {
+        "estimated": lowered.cost().peak_bytes - inputs,
+        "measured": measured,
+        "recomputed": len(recomputed(plan.graph)),
+        "unlike_one_device": unlike(vsf.device_get(held["p"]), oracle(STEPS)),
+    }
 
 
 def oracle(steps: int) -> dict[str, torch.Tensor]:

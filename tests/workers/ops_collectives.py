@@ -65,13 +65,15 @@ def measure_bytes(rank: int) -> list[dict]:
             y = vsf.ops.all_gather_v(x, "x", sizes, mesh=line)
             wire = written_bytes() - before
             full = torch.cat([torch.full((s, ROW), float(i)) for i, s in enumerate(sizes)])
-            out.append({
-                "sizes": sizes,
-                "payload": payload_bytes(sizes, me, ROW * 4),
-                "handed": recorder.sent - handed_before,
-                "wire": wire,
-                "correct": torch.equal(y, full),
-            })
+            out.append(
+                {
+                    "sizes": sizes,
+                    "payload": payload_bytes(sizes, me, ROW * 4),
+                    "handed": recorder.sent - handed_before,
+                    "wire": wire,
+                    "correct": torch.equal(y, full),
+                }
+            )
     finally:
         _compat.functional_collectives.all_to_all_single = recorder._call
     return out
@@ -87,7 +89,9 @@ def check_shard_map(device: str) -> dict[str, bool]:
     want.pow(2).sum().backward()
     mesh = vsf.make_mesh((2, 2), ("a", "b"), device_type=device)
     specs = (vsf.P("a"), vsf.P(None, "b"), vsf.P("b"))
-    mlp = vsf.shard_map(lambda x, w1, w2: vsf.ops.psum(torch.relu(x @ w1) @ w2, "b"), mesh=mesh, in_specs=specs, out_specs=vsf.P("a"))
+    mlp = vsf.shard_map(
+        lambda x, w1, w2: vsf.ops.psum(torch.relu(x @ w1) @ w2, "b"), mesh=mesh, in_specs=specs, out_specs=vsf.P("a")
+    )
     placed = vsf.device_put((x, w1, w2), tuple(vsf.NamedSharding(mesh, s) for s in specs))
     y = mlp(*placed)
     grads = vsf.grad(lambda p: mlp(*p).pow(2).sum())(placed)
@@ -99,7 +103,11 @@ def check_shard_map(device: str) -> dict[str, bool]:
 
 def main(out_dir: str, device: str) -> None:
     rank = int(os.environ["RANK"])
-    report = {"cases": check_cases(rank, device), "shard_map": check_shard_map(device), "bytes": measure_bytes(rank) if device == "cpu" else []}
+    report = {
+        "cases": check_cases(rank, device),
+        "shard_map": check_shard_map(device),
+        "bytes": measure_bytes(rank) if device == "cpu" else [],
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 

@@ -57,30 +57,69 @@ def collective_cases(b: int) -> list[Case]:
         def oracle(xs: Tensors) -> Tensors:
             got = {d: xs[s] for s, d in perm}
             return [got[j] if j in got else torch.zeros_like(xs[j]) for j in range(len(xs))]
+
         return oracle
 
     cycle = [(i, (i + 1) % b) for i in range(b)]
     partial = [(0, b - 1)]
     return [
         Case("psum_b", ("b",), lambda i: (3, 2), lambda x: vsf.ops.psum(x, "b"), lambda xs: [sum(xs)] * len(xs)),
-        Case("psum_ab", ("a", "b"), lambda i: (3, 2), lambda x: vsf.ops.psum(x, ("a", "b")), lambda xs: [sum(xs)] * len(xs)),
-        Case("all_gather_b_dim1", ("b",), lambda i: (2, 3), lambda x: vsf.ops.all_gather(x, "b", 1),
-             lambda xs: [torch.cat(xs, 1)] * len(xs)),
-        Case("all_gather_b_untiled", ("b",), lambda i: (2, 3), lambda x: vsf.ops.all_gather(x, "b", 0, tiled=False),
-             lambda xs: [torch.stack(xs)] * len(xs)),
-        Case("all_gather_ba", ("b", "a"), lambda i: (2, 3), lambda x: vsf.ops.all_gather(x, ("b", "a")),
-             lambda xs: [torch.cat(xs)] * len(xs)),
-        Case("psum_scatter_b_dim1", ("b",), lambda i: (4, 2 * b), lambda x: vsf.ops.psum_scatter(x, "b", 1),
-             lambda xs: _chunks(sum(xs), len(xs), 1)),
-        Case("psum_scatter_ab", ("a", "b"), lambda i: (2 * ab, 3), lambda x: vsf.ops.psum_scatter(x, ("a", "b")),
-             lambda xs: _chunks(sum(xs), len(xs), 0)),
-        Case("psum_scatter_untiled", ("b",), lambda i: (b, 2), lambda x: vsf.ops.psum_scatter(x, "b", 0, tiled=False),
-             lambda xs: list(sum(xs).unbind(0))),
+        Case(
+            "psum_ab",
+            ("a", "b"),
+            lambda i: (3, 2),
+            lambda x: vsf.ops.psum(x, ("a", "b")),
+            lambda xs: [sum(xs)] * len(xs),
+        ),
+        Case(
+            "all_gather_b_dim1",
+            ("b",),
+            lambda i: (2, 3),
+            lambda x: vsf.ops.all_gather(x, "b", 1),
+            lambda xs: [torch.cat(xs, 1)] * len(xs),
+        ),
+        Case(
+            "all_gather_b_untiled",
+            ("b",),
+            lambda i: (2, 3),
+            lambda x: vsf.ops.all_gather(x, "b", 0, tiled=False),
+            lambda xs: [torch.stack(xs)] * len(xs),
+        ),
+        Case(
+            "all_gather_ba",
+            ("b", "a"),
+            lambda i: (2, 3),
+            lambda x: vsf.ops.all_gather(x, ("b", "a")),
+            lambda xs: [torch.cat(xs)] * len(xs),
+        ),
+        Case(
+            "psum_scatter_b_dim1",
+            ("b",),
+            lambda i: (4, 2 * b),
+            lambda x: vsf.ops.psum_scatter(x, "b", 1),
+            lambda xs: _chunks(sum(xs), len(xs), 1),
+        ),
+        Case(
+            "psum_scatter_ab",
+            ("a", "b"),
+            lambda i: (2 * ab, 3),
+            lambda x: vsf.ops.psum_scatter(x, ("a", "b")),
+            lambda xs: _chunks(sum(xs), len(xs), 0),
+        ),
+        Case(
+            "psum_scatter_untiled",
+            ("b",),
+            lambda i: (b, 2),
+            lambda x: vsf.ops.psum_scatter(x, "b", 0, tiled=False),
+            lambda xs: list(sum(xs).unbind(0)),
+        ),
         Case("all_to_all_0_1", ("b",), lambda i: (2 * b, 3), lambda x: vsf.ops.all_to_all(x, "b", 0, 1), a2a(0, 1)),
         Case("all_to_all_2_0", ("b",), lambda i: (3, 2, b), lambda x: vsf.ops.all_to_all(x, "b", 2, 0), a2a(2, 0)),
         Case("all_to_all_1_1", ("b",), lambda i: (3, b, 2), lambda x: vsf.ops.all_to_all(x, "b", 1, 1), a2a(1, 1)),
         Case("ppermute_cycle", ("b",), lambda i: (2, 2), lambda x: vsf.ops.ppermute(x, "b", cycle), permuted(cycle)),
-        Case("ppermute_partial", ("b",), lambda i: (2, 2), lambda x: vsf.ops.ppermute(x, "b", partial), permuted(partial)),
+        Case(
+            "ppermute_partial", ("b",), lambda i: (2, 2), lambda x: vsf.ops.ppermute(x, "b", partial), permuted(partial)
+        ),
         all_gather_v_case(sizes, 0),
         all_gather_v_case(sizes, 1),
         reduce_scatter_v_case(sizes, 0),
@@ -91,20 +130,36 @@ def collective_cases(b: int) -> list[Case]:
 
 def all_gather_v_case(sizes: Sequence[int], dim: int) -> Case:
     """Member ``i`` holds ``sizes[i]`` slices along ``dim`` of a ``(2, *, 3)`` tensor."""
-    return Case(f"all_gather_v_dim{dim}_{sizes}", ("b",), lambda i: (2, 3)[:dim] + (sizes[i],) + (2, 3)[dim:],
-                lambda x: vsf.ops.all_gather_v(x, "b", sizes, dim), lambda xs: [torch.cat(xs, dim)] * len(xs), ragged=True)
+    return Case(
+        f"all_gather_v_dim{dim}_{sizes}",
+        ("b",),
+        lambda i: (2, 3)[:dim] + (sizes[i],) + (2, 3)[dim:],
+        lambda x: vsf.ops.all_gather_v(x, "b", sizes, dim),
+        lambda xs: [torch.cat(xs, dim)] * len(xs),
+        ragged=True,
+    )
 
 
 def reduce_scatter_v_case(sizes: Sequence[int], dim: int) -> Case:
-    return Case(f"reduce_scatter_v_dim{dim}_{sizes}", ("b",), lambda i: (2, 3)[:dim] + (sum(sizes),) + (2, 3)[dim:],
-                lambda x: vsf.ops.reduce_scatter_v(x, "b", sizes, dim),
-                lambda xs: list(torch.split(sum(xs), list(sizes), dim)), ragged=True)
+    return Case(
+        f"reduce_scatter_v_dim{dim}_{sizes}",
+        ("b",),
+        lambda i: (2, 3)[:dim] + (sum(sizes),) + (2, 3)[dim:],
+        lambda x: vsf.ops.reduce_scatter_v(x, "b", sizes, dim),
+        lambda xs: list(torch.split(sum(xs), list(sizes), dim)),
+        ragged=True,
+    )
 
 
 def all_to_all_v_case(counts: Sequence[Sequence[int]]) -> Case:
-    return Case(f"all_to_all_v_{counts}", ("b",), lambda i: (sum(counts[i]), 2), lambda x: vsf.ops.all_to_all_v(x, "b", counts),
-                lambda xs: [torch.cat([torch.split(x, list(counts[i]))[j] for i, x in enumerate(xs)]) for j in range(len(xs))],
-                ragged=True)
+    return Case(
+        f"all_to_all_v_{counts}",
+        ("b",),
+        lambda i: (sum(counts[i]), 2),
+        lambda x: vsf.ops.all_to_all_v(x, "b", counts),
+        lambda xs: [torch.cat([torch.split(x, list(counts[i]))[j] for i, x in enumerate(xs)]) for j in range(len(xs))],
+        ragged=True,
+    )
 
 
 def groups(mesh: vsf.Mesh, axes: tuple[str, ...]) -> list[list[int]]:
@@ -124,7 +179,9 @@ def member_index(mesh: vsf.Mesh, axes: tuple[str, ...], rank: int) -> int:
     return index
 
 
-def inputs_and_weights(case: Case, mesh: vsf.Mesh, seed: int) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def inputs_and_weights(
+    case: Case, mesh: vsf.Mesh, seed: int
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Every rank's input, and every rank's weights for the objective (same on every process)."""
     gen = torch.Generator().manual_seed(seed)
     xs = {r: torch.randn(case.shape(member_index(mesh, case.axes, r)), generator=gen) for r in mesh.devices}
@@ -139,7 +196,9 @@ def expected(case: Case, mesh: vsf.Mesh, xs: dict[int, torch.Tensor]) -> dict[in
     return out
 
 
-def expected_grads(case: Case, mesh: vsf.Mesh, xs: dict[int, torch.Tensor], ws: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def expected_grads(
+    case: Case, mesh: vsf.Mesh, xs: dict[int, torch.Tensor], ws: dict[int, torch.Tensor]
+) -> dict[int, torch.Tensor]:
     """d/dx_r of sum_r (w_r * y_r).sum(), by torch.autograd over the oracle."""
     leaves = {r: x.clone().requires_grad_() for r, x in xs.items()}
     ys = expected(case, mesh, leaves)
@@ -173,7 +232,7 @@ def per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
 
 def check_simulated(case: Case, mesh: vsf.Mesh) -> None:
     """``case.run`` under simulation equals the oracle on every rank, in value and gradient."""
-    with _compat.local_mode_disabled():   # the oracle runs on plain tensors
+    with _compat.local_mode_disabled():  # the oracle runs on plain tensors
         xs, ws = inputs_and_weights(case, mesh, seed=0)
         want, want_grads = expected(case, mesh, xs), expected_grads(case, mesh, xs, ws)
     x = as_local(xs).requires_grad_()
@@ -183,7 +242,9 @@ def check_simulated(case: Case, mesh: vsf.Mesh) -> None:
     grads = per_rank(x.grad)
     for r in mesh.devices:
         torch.testing.assert_close(got[r], want[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: value on rank {r}")
-        torch.testing.assert_close(grads[r], want_grads[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: gradient on rank {r}")
+        torch.testing.assert_close(
+            grads[r], want_grads[r], atol=1e-5, rtol=1e-5, msg=f"{case.name}: gradient on rank {r}"
+        )
 
 
 # -- RaggedShard ------------------------------------------------------------------------------------------
@@ -215,7 +276,9 @@ def expected_piece(full: torch.Tensor, layout, index: int, n: int) -> torch.Tens
     return full
 
 
-def expected_local(full: torch.Tensor, sizes: Sequence[int], names: Sequence[str], entries: Sequence[object], rank: int) -> torch.Tensor:
+def expected_local(
+    full: torch.Tensor, sizes: Sequence[int], names: Sequence[str], entries: Sequence[object], rank: int
+) -> torch.Tensor:
     """``rank``'s local tensor under a spec whose first entry may be a RaggedShard: its rows of
     the flattened leading dims, then the later dims cut by ``torch.chunk`` (layout_oracle)."""
     first = entries[0] if entries else None
@@ -226,14 +289,16 @@ def expected_local(full: torch.Tensor, sizes: Sequence[int], names: Sequence[str
     return expected_shard(rows, sizes, names, [None, *entries[first.dims :]], rank)
 
 
-def ragged_case(draw_int: Callable[[int, int], int], n: int, axis: str) -> tuple[tuple[int, ...], RaggedShard, RaggedShard, int]:
+def ragged_case(
+    draw_int: Callable[[int, int], int], n: int, axis: str
+) -> tuple[tuple[int, ...], RaggedShard, RaggedShard, int]:
     """A shape, two ragged layouts of it over ``axis`` (any dims, block, units with zeros) and a
     Shard dim; ``draw_int(lo, hi)`` draws an int in ``[lo, hi]`` (hypothesis or ``random``)."""
     ndim = draw_int(1, 4)
 
     def layout() -> RaggedShard:
         units = [draw_int(0, 3) for _ in range(n)]
-        units[draw_int(0, n - 1)] += 1   # never all zero
+        units[draw_int(0, n - 1)] += 1  # never all zero
         return ragged(axis, units, dims=draw_int(1, ndim), block=draw_int(1, 2))
 
     r1, r2 = layout(), layout()
@@ -261,7 +326,7 @@ def reshard_case(shape: tuple[int, ...], src, dst, axis: str, n: int) -> Case:
             fulls = [torch.cat(xs, src.dim)] * n
         else:
             fulls = [torch.cat(xs).reshape(shape)] * n
-        if isinstance(dst, Partial):   # vsf's choice: each rank keeps its own rows, zeros elsewhere
+        if isinstance(dst, Partial):  # vsf's choice: each rank keeps its own rows, zeros elsewhere
             return [zero_filled(fulls[j], src, j) for j in range(n)]
         return [expected_piece(fulls[j], dst, j, n) for j in range(n)]
 

@@ -56,10 +56,19 @@ def run_mesh(mesh: vsf.Mesh, rank: int, seed: int) -> tuple[int, list[str]]:
                 if not all_close(got, expected_piece(summed, layout, me, n)):
                     failures.append(f"case {case} {shape}: {step} {layout}")
             if case < GRADIENT_CASES:
-                steps = [(Replicate(), r1), (r1, Shard(d)), (Shard(d), r2), (r2, Replicate()), (Partial(), r1), (r1, Partial())]
+                steps = [
+                    (Replicate(), r1),
+                    (r1, Shard(d)),
+                    (Shard(d), r2),
+                    (r2, Replicate()),
+                    (Partial(), r1),
+                    (r1, Partial()),
+                ]
                 for src, dst in steps:
                     ok = check_on_rank(reshard_case(shape, src, dst, "fsdp", n), mesh, rank)
-                    failures += [f"case {case} {shape}: {what} of {src} -> {dst}" for what, good in ok.items() if not good]
+                    failures += [
+                        f"case {case} {shape}: {what} of {src} -> {dst}" for what, good in ok.items() if not good
+                    ]
     return CASES, failures
 
 
@@ -99,8 +108,13 @@ def run_muon(mesh: vsf.Mesh) -> dict:
     """Muon on params packed by ragged_plan vs the same steps on plain tensors here; the
     (rank, leaf) of each Newton-Schulz run; gather_group's exactness and collective count."""
     gen = torch.Generator().manual_seed(7)
-    params = {"a": torch.randn(32, 16, generator=gen), "b": torch.randn(16, generator=gen), "c": torch.randn(16, 48, generator=gen),
-              "d": torch.randn(24, 24, generator=gen), "e": torch.randn(8, 40, generator=gen)}
+    params = {
+        "a": torch.randn(32, 16, generator=gen),
+        "b": torch.randn(16, generator=gen),
+        "c": torch.randn(16, 48, generator=gen),
+        "d": torch.randn(24, 24, generator=gen),
+        "e": torch.randn(8, 40, generator=gen),
+    }
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(MUON_STEPS)]
     plan = vsf.sharding.ragged_plan(params, "fsdp", mesh=mesh)
     seen: list[list] = []

@@ -26,13 +26,17 @@ def main(out_dir: str) -> None:
     params = {"w": torch.randn(8, 6), "b": torch.randn(5), "e": torch.randn(4, 4)}
     grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(STEPS)]
     mesh = vsf.make_mesh((int(os.environ["WORLD_SIZE"]),), ("dp",))
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False, "e": True}))
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False, "e": True})
+    )
     placed = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
     tx = optim.sharded(tx, zero_axes=("dp",), stage=2, uneven=True)
     state = tx.init(placed)
     share = 1.0 / dist.get_world_size()
     for g in grads:  # each rank's partial sum is an equal share of the full gradient
-        partial = {k: DTensor.from_local(v * share, mesh.device_mesh, [Partial()], run_check=False) for k, v in g.items()}
+        partial = {
+            k: DTensor.from_local(v * share, mesh.device_mesh, [Partial()], run_check=False) for k, v in g.items()
+        }
         updates, state = tx.update(partial, state, placed)
         placed = optim.apply_updates(placed, updates)
     out = {

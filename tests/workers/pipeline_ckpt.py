@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]   # this checkout's vsf, and the example model
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # this checkout's vsf, and the example model
 import vsf  # noqa: E402
 from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
 from vsf import P, optim  # noqa: E402
@@ -29,7 +29,9 @@ specs = {k: P("dp") for k in params}
 tx = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
 mesh = vsf.make_mesh((2, 2), ("pp", "dp"))
 fns, loss_fn, prefixes = pipeline_stages(model, 2)
-pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",))
+pipe = vsf.pipeline.Pipeline(
+    fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule="1f1b", batch=P("dp"), tied=("wte.weight",)
+)
 
 
 layout = pipe.layout(params, specs)
@@ -99,7 +101,10 @@ back = vsf.checkpoint.load(out / "flat", vsf.eval_shape(init_pp))
 got = flat(back)
 result["flat_to_pp2"] = mismatches(got, {k: ref[k] + 1 for k in mine})
 result["flat_to_pp2_held"] = sorted(got)
-result["flat_to_pp2_none_where"] = sorted(vsf.tree.keystr(k) for k, v in vsf.tree.flatten_with_path(back, is_leaf=lambda x: x is None)[0] if v is None)
+result["flat_to_pp2_none_where"] = sorted(
+    vsf.tree.keystr(k) for k, v in vsf.tree.flatten_with_path(back, is_leaf=lambda x: x is None)[0] if v is None
+)
+
 
 # resume: one more step from the loaded pp=2 checkpoint is the live run's next step
 def step(state):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]   # this checkout's vsf, and the example model
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # this checkout's vsf, and the example model
 import vsf  # noqa: E402
 from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
 from vsf import P, optim  # noqa: E402
@@ -58,8 +58,18 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     want, want_losses = one_device(model, params)
     mesh = vsf.make_mesh((pp, dp), ("pp", axis))
     fns, loss_fn, prefixes = pipeline_stages(model, stages)
-    pipe = vsf.pipeline.Pipeline(fns, loss_fn, prefixes, mesh=mesh, microbatches=4, schedule=schedule, batch=spec, activations=spec, tied=("wte.weight",),
-                                  backend=backend)
+    pipe = vsf.pipeline.Pipeline(
+        fns,
+        loss_fn,
+        prefixes,
+        mesh=mesh,
+        microbatches=4,
+        schedule=schedule,
+        batch=spec,
+        activations=spec,
+        tied=("wte.weight",),
+        backend=backend,
+    )
     specs = {k: P("fsdp") if axis == "fsdp" and v.shape[0] % dp == 0 else P() for k, v in params.items()}
     p, layout = pipe.place(params, specs)
     s = tx.init(p)
@@ -82,7 +92,9 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
         "losses": losses,
         "held": sorted(got),
         "max_param_err": max((got[k] - want[k]).abs().max().item() for k in got),
-        "ranks_of_lnf": list(vsf.sharding.named.sharding_of(p["lnf.weight"]).mesh.devices) if p["lnf.weight"] is not None else None,
+        "ranks_of_lnf": list(vsf.sharding.named.sharding_of(p["lnf.weight"]).mesh.devices)
+        if p["lnf.weight"] is not None
+        else None,
         "mu_held": sorted(k for k, v in s[1].mu.items() if v is not None),
         "plans": [prog.plan_count for prog in pipe._programs.values()],
         "sends": [[x.what, x.src, x.dst, list(x.shape), x.bytes, x.count] for x in lowered.sends],
@@ -94,19 +106,34 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
         "fsdp_gather_bytes": [c.gather.comm_bytes.get("fsdp", 0) if c.gather else 0 for c in lowered.cost().stages],
         "fsdp_program_bytes": [c.program.comm_bytes.get("fsdp", 0) for c in lowered.cost().stages],
         "gather_plans": [g.plan_count for g in pipe._gathers.values()],
-        "split_param_bytes": [sum(params[k].numel() * 4 for k in layout.split.names[c.stage] if specs[k] != P()) for c in lowered.cost().stages],
-        "whole_param_bytes": [sum(params[k].numel() * 4 for k in layout.split.names[c.stage] if specs[k] == P()) for c in lowered.cost().stages],
+        "split_param_bytes": [
+            sum(params[k].numel() * 4 for k in layout.split.names[c.stage] if specs[k] != P())
+            for c in lowered.cost().stages
+        ],
+        "whole_param_bytes": [
+            sum(params[k].numel() * 4 for k in layout.split.names[c.stage] if specs[k] == P())
+            for c in lowered.cost().stages
+        ],
         "reducer_plans": [r.plan_count for r in pipe._reducers.values()],
         "param_bytes": sum(c.param_bytes for c in lowered.cost().stages),
         "memory": vsf.debug.memory_report(p).get(rank, 0),
-        "compiled_by_inductor": [r.compiled_by_inductor for j in (*pipe._programs.values(), *pipe._reducers.values()) for r in runners(j) if r.local is not None],
+        "compiled_by_inductor": [
+            r.compiled_by_inductor
+            for j in (*pipe._programs.values(), *pipe._reducers.values())
+            for r in runners(j)
+            if r.local is not None
+        ],
         "warnings": [str(w.message) for w in caught if "vsf.jit" in str(w.message)],
     }
 
 
-report = {schedule: pipelined(2, dp, schedule) for schedule in (("1f1b",) if backend == "inductor" else ("gpipe", "1f1b"))}
-if world == 2 and backend == "eager":   # two stages on each rank
-    report.update({schedule: pipelined(2, 1, schedule, stages=4) for schedule in ("interleaved", "zb", "zbv", "dualpipev")})
+report = {
+    schedule: pipelined(2, dp, schedule) for schedule in (("1f1b",) if backend == "inductor" else ("gpipe", "1f1b"))
+}
+if world == 2 and backend == "eager":  # two stages on each rank
+    report.update(
+        {schedule: pipelined(2, 1, schedule, stages=4) for schedule in ("interleaved", "zb", "zbv", "dualpipev")}
+    )
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
     report["pp2-cp2"] = pipelined(2, 2, "1f1b", axis="cp")

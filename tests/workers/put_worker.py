@@ -97,20 +97,24 @@ def main() -> None:
     cases.update({f"random_{i}": random_case(rng) for i in range(12)})
     fulls = {k: make_full(shape, dtype) for k, (shape, _, _, dtype) in cases.items()}
     names = sorted(cases)
-    values = {"fixed": {k: fulls[k] for k in FIXED}, "rand": [fulls[k] for k in names if k.startswith("random")],
-              "moments": Moments(fulls["random_0"], None)}
+    values = {
+        "fixed": {k: fulls[k] for k in FIXED},
+        "rand": [fulls[k] for k in names if k.startswith("random")],
+        "moments": Moments(fulls["random_0"], None),
+    }
     spec_of = {k: P(*entries, unreduced=unreduced) for k, (_, entries, unreduced, _) in cases.items()}
-    shardings = vsf.NamedSharding.tree(mesh, {
-        "fixed": {k: spec_of[k] for k in FIXED},
-        "rand": [spec_of[k] for k in names if k.startswith("random")],
-        "moments": Moments(spec_of["random_0"], None),
-    })
+    shardings = vsf.NamedSharding.tree(
+        mesh,
+        {
+            "fixed": {k: spec_of[k] for k in FIXED},
+            "rand": [spec_of[k] for k in names if k.startswith("random")],
+            "moments": Moments(spec_of["random_0"], None),
+        },
+    )
     placed = vsf.device_put(values, shardings)
     leaves = vsf.tree.leaves(placed["fixed"]) + vsf.tree.leaves(placed["rand"])
     flat_names = sorted(FIXED) + [k for k in names if k.startswith("random")]  # dict leaves: sorted keys
-    report["leaves"] = [
-        check_leaf(k, x, fulls[k], cases[k][1], cases[k][2], rank) for k, x in zip(flat_names, leaves)
-    ]
+    report["leaves"] = [check_leaf(k, x, fulls[k], cases[k][1], cases[k][2], rank) for k, x in zip(flat_names, leaves)]
     back = vsf.device_get(placed)
     report["round_trip"] = {
         k: bool(torch.equal(b, fulls[k]) and b.dtype == fulls[k].dtype)

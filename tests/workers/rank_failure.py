@@ -27,7 +27,9 @@ rank = int(os.environ["RANK"])
 mesh = vsf.make_mesh((2,), ("dp",))
 later = dist.new_group([0, 1])
 w = vsf.device_put(torch.zeros(16, 16), vsf.NamedSharding(mesh, P()))
-x = vsf.make_array_from_process_local_data(vsf.NamedSharding(mesh, P("dp")), torch.randn(32, 16, generator=torch.Generator().manual_seed(rank)))
+x = vsf.make_array_from_process_local_data(
+    vsf.NamedSharding(mesh, P("dp")), torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))
+)
 step = vsf.jit(lambda w, x: w - 0.01 * vsf.grad(lambda w: ((x @ w) ** 2).mean())(w))
 try:
     for i in range(100_000):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]   # this checkout's vsf, and the zoo
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]  # this checkout's vsf, and the zoo
 import test_libraries  # noqa: E402
 import vsf  # noqa: E402
 import zoo  # noqa: E402

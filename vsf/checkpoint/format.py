@@ -139,7 +139,12 @@ def _sharding_json(s: NamedSharding | None) -> dict[str, Any] | None:
         return None
     m = s.mesh
     return {
-        "mesh": {"axis_sizes": list(m.axis_sizes), "axis_names": list(m.axis_names), "devices": list(m.devices), "device_type": m.device_type},
+        "mesh": {
+            "axis_sizes": list(m.axis_sizes),
+            "axis_names": list(m.axis_names),
+            "devices": list(m.devices),
+            "device_type": m.device_type,
+        },
         "spec": [_entry_json(e) for e in s.spec],
         "unreduced": list(s.spec.unreduced),
     }
@@ -191,12 +196,11 @@ def decode_marker(data: bytes, where: Path) -> dict[str, FileRecord]:
     body = _json(data, where)
     contents = body.get("contents") if isinstance(body, dict) else None
     if not isinstance(contents, dict) or body.get("crc32") != zlib.crc32(_canonical(contents)):
-        raise CorruptCheckpointError(f"{where}: the commit marker is damaged (its checksum does not match its contents)")
+        raise CorruptCheckpointError(
+            f"{where}: the commit marker is damaged (its checksum does not match its contents)"
+        )
     _check_version(contents, where)
-    return {
-        name: FileRecord(r["size"], tuple(tuple(b) for b in r["blocks"]))
-        for name, r in contents["files"].items()
-    }
+    return {name: FileRecord(r["size"], tuple(tuple(b) for b in r["blocks"])) for name, r in contents["files"].items()}
 
 
 def _canonical(obj: Any) -> bytes:
@@ -254,9 +258,13 @@ def read_verified(directory: Path, name: str, record: FileRecord) -> bytes:
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where} is missing from the checkpoint") from None
     if len(data) != record.size:
-        raise CorruptCheckpointError(f"{where} has {len(data)} bytes, but {record.size} were written: it is truncated or altered")
+        raise CorruptCheckpointError(
+            f"{where} has {len(data)} bytes, but {record.size} were written: it is truncated or altered"
+        )
     buffer = bytearray(data)
     for offset, length, expected in record.blocks:
         if checksums(memoryview(buffer)[offset : offset + length]) != [expected]:
-            raise CorruptCheckpointError(f"{where}: bytes {offset}..{offset + length} fail their checksum: the file is damaged")
+            raise CorruptCheckpointError(
+                f"{where}: bytes {offset}..{offset + length} fail their checksum: the file is damaged"
+            )
     return data

@@ -93,7 +93,9 @@ def load_hf(path: str | Path, target: Any = None) -> Any:
     """
     path = Path(path)
     where = weight_map(path)
-    pairs, treedef = tree.flatten_with_path(dict.fromkeys(where) if target is None else target, is_leaf=lambda x: x is None)
+    pairs, treedef = tree.flatten_with_path(
+        dict.fromkeys(where) if target is None else target, is_leaf=lambda x: x is None
+    )
     with contextlib.ExitStack() as stack:
         opened: dict[str, Any] = {}
 
@@ -108,7 +110,9 @@ def load_hf(path: str | Path, target: Any = None) -> Any:
             if leaf is None and target is not None:
                 leaves.append(None)
             elif name not in where:
-                raise ValueError(f"the target has a leaf at {name} that the checkpoint {path} lacks{_similar(name, where)}")
+                raise ValueError(
+                    f"the target has a leaf at {name} that the checkpoint {path} lacks{_similar(name, where)}"
+                )
             else:
                 leaves.append(_whole(stored(name)) if target is None else _read(name, stored(name), leaf, path))
     return tree.unflatten(treedef, leaves)
@@ -121,13 +125,21 @@ def _whole(stored: Any) -> torch.Tensor:
 def _read(name: str, stored: Any, leaf: Any, path: Path) -> torch.Tensor:
     """One target leaf from its stored tensor: this process's slices, laid out as the leaf says."""
     if not isinstance(leaf, (torch.Tensor, ShapeDtypeStruct)):
-        raise TypeError(f"{name}: a Hugging Face checkpoint holds tensors only, but the target has a {type(leaf).__name__} ({leaf!r})")
+        raise TypeError(
+            f"{name}: a Hugging Face checkpoint holds tensors only, but the target has a {type(leaf).__name__} ({leaf!r})"
+        )
     want = ShapeDtypeStruct.like(leaf)
     shape = tuple(stored.get_shape())
     if shape != want.shape:
-        raise ValueError(f"{name}: the checkpoint {path} holds shape {shape} ({stored.get_dtype()}), but the target asks for {want.shape}")
+        raise ValueError(
+            f"{name}: the checkpoint {path} holds shape {shape} ({stored.get_dtype()}), but the target asks for {want.shape}"
+        )
     if want.sharding is None:
-        device = leaf.device if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) and not leaf.is_meta else torch.device("cpu")
+        device = (
+            leaf.device
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) and not leaf.is_meta
+            else torch.device("cpu")
+        )
         return _whole(stored).to(device=device, dtype=want.dtype)
     return make_array_from_callback(shape, want.sharding, lambda index: stored[index], dtype=want.dtype)
 
@@ -139,9 +151,11 @@ def _similar(name: str, where: dict[str, str]) -> str:
 
 @contextlib.contextmanager
 def _safe_open(file: Path) -> Iterator[Any]:
-    from safetensors import safe_open   # the HF path's own dependency (pyproject's "hf" extra)
+    from safetensors import safe_open  # the HF path's own dependency (pyproject's "hf" extra)
 
-    with safe_open(str(file), framework="pt", backend="pread") as f:   # (a memory map would count the pages read as resident, and hand out views to copy)
+    with safe_open(
+        str(file), framework="pt", backend="pread"
+    ) as f:  # (a memory map would count the pages read as resident, and hand out views to copy)
         yield f
 
 
@@ -164,23 +178,31 @@ def save_hf(path: str | Path, tree_: Any, *, config: Any = None, max_shard_bytes
     """
     final = Path(path)
     if final.exists():
-        raise FileExistsError(f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)")
+        raise FileExistsError(
+            f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)"
+        )
     pairs, _ = tree.flatten_with_path(tree_)
     names = [tree.keystr(p) for p, _ in pairs]
     for name, (_, leaf) in zip(names, pairs):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"save_hf writes tensors only, but {name} is a {type(leaf).__name__} ({leaf!r})")
     if len(set(names)) != len(names):
-        raise ValueError(f"save_hf needs one name per tensor, but {sorted({n for n in names if names.count(n) > 1})} name several")
+        raise ValueError(
+            f"save_hf needs one name per tensor, but {sorted({n for n in names if names.count(n) > 1})} name several"
+        )
     files = _files([leaf for _, leaf in pairs], max_shard_bytes)
     group = group_mod.current()
     if group.rank == 0:
         commit.remove_stale(final)
     staging = commit.staging_path(final, group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None))
     staging.mkdir(parents=True, exist_ok=True)
-    file_names = [SINGLE] if len(files) == 1 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    file_names = (
+        [SINGLE]
+        if len(files) == 1
+        else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    )
     for k, members in enumerate(files):
-        whole = device_get({names[i]: pairs[i][1] for i in members})   # collective: every rank, in order
+        whole = device_get({names[i]: pairs[i][1] for i in members})  # collective: every rank, in order
         if group.rank == k % group.size:
             _write(staging / file_names[k], whole)
         del whole
@@ -190,12 +212,14 @@ def save_hf(path: str | Path, tree_: Any, *, config: Any = None, max_shard_bytes
             if len(files) > 1:
                 total = sum(leaf.numel() * leaf.element_size() for _, leaf in pairs)
                 mapping = {names[i]: file_names[k] for k, members in enumerate(files) for i in members}
-                (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": mapping}, indent=2) + "\n")
+                (staging / INDEX).write_text(
+                    json.dumps({"metadata": {"total_size": total}, "weight_map": mapping}, indent=2) + "\n"
+                )
             if config is not None:
                 config.save_pretrained(staging)
         except Exception as e:  # noqa: BLE001  (told to every rank below)
             failure = e
-    group.all_gather(None)   # every file is written
+    group.all_gather(None)  # every file is written
     if group.rank == 0 and failure is None:
         commit.move_into_place(staging, final)
     message = group.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
@@ -224,7 +248,7 @@ def _write(file: Path, tensors: dict[str, torch.Tensor]) -> None:
 
     seen: set[int] = set()
     out = {}
-    for name, t in tensors.items():   # two names of one tensor (tied weights) get a copy each
+    for name, t in tensors.items():  # two names of one tensor (tied weights) get a copy each
         t = t.detach().contiguous().cpu()
         out[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t
         seen.add(t.untyped_storage().data_ptr())

@@ -138,17 +138,30 @@ def resolve_target(ckpt: Checkpoint, target: Any) -> tuple[Any, list[LeafRecord]
     target's meshes (when they agree on one), else on this process's default device.
     """
     if target is None:
-        treedef, here, structs, devices = _saved_treedef(ckpt), ckpt.leaves, [_as_saved(r) for r in _check_meshes(ckpt.leaves)], None
+        treedef, here, structs, devices = (
+            _saved_treedef(ckpt),
+            ckpt.leaves,
+            [_as_saved(r) for r in _check_meshes(ckpt.leaves)],
+            None,
+        )
     else:
         pairs, _ = tree.flatten_with_path(target, is_leaf=_is_none)
         here, leaves_ = _match(ckpt, [(tree.keystr(p), leaf) for p, leaf in pairs])
         treedef = tree.structure(target)
         structs = [_want(r, leaf) for r, leaf in zip(here, leaves_)]
-        devices = [leaf.device if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) else None for leaf in leaves_]
+        devices = [
+            leaf.device if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) else None
+            for leaf in leaves_
+        ]
     default = _plain_device([s for s in structs if s is not None])
-    return treedef, here, [
-        None if s is None else Want(s, d if d is not None else default) for s, d in zip(structs, devices or [None] * len(structs))
-    ]
+    return (
+        treedef,
+        here,
+        [
+            None if s is None else Want(s, d if d is not None else default)
+            for s, d in zip(structs, devices or [None] * len(structs))
+        ],
+    )
 
 
 def _match(ckpt: Checkpoint, slots: list[tuple[str, Any]]) -> tuple[list[LeafRecord], list[Any]]:
@@ -195,7 +208,10 @@ def _check_meshes(records: list[LeafRecord]) -> list[LeafRecord]:
     wrong = sorted((m for m in meshes if m.size != world), key=repr)
     if wrong:
         here = current_mesh()
-        saved = "; ".join(f"{_mesh_text(m)} ({m.size} ranks) for {_some([r.path for r in records if r.sharding and r.sharding.mesh == m])}" for m in wrong)
+        saved = "; ".join(
+            f"{_mesh_text(m)} ({m.size} ranks) for {_some([r.path for r in records if r.sharding and r.sharding.mesh == m])}"
+            for m in wrong
+        )
         raise ValueError(
             f"the checkpoint's leaves were saved on {saved}, but this run has {world} rank(s)"
             f"{f' (current mesh {_mesh_text(here)})' if here else ''}. Without a target, leaves come back as saved, "
@@ -219,7 +235,9 @@ def _as_saved(r: LeafRecord) -> ShapeDtypeStruct | None:
     s = r.sharding
     if s is not None and s.mesh.device_type != runtime.default_device_type():
         m = s.mesh
-        s = NamedSharding(Mesh(m.axis_sizes, m.axis_names, device_type=runtime.default_device_type(), devices=m.devices), s.spec)
+        s = NamedSharding(
+            Mesh(m.axis_sizes, m.axis_names, device_type=runtime.default_device_type(), devices=m.devices), s.spec
+        )
     return ShapeDtypeStruct(r.shape, r.dtype, s)
 
 
@@ -232,7 +250,8 @@ def _check_paths(saved: list[str], wanted: list[str], ckpt: Checkpoint) -> None:
     else:
         i = min(len(saved), len(wanted))
     first = (
-        f"the checkpoint has a leaf at {saved[i]} that the target lacks" if i < len(saved) and saved[i] not in wanted
+        f"the checkpoint has a leaf at {saved[i]} that the target lacks"
+        if i < len(saved) and saved[i] not in wanted
         else f"the target has a leaf at {wanted[i]} that the checkpoint lacks"
     )
     raise ValueError(
@@ -245,17 +264,23 @@ def _want(r: LeafRecord, leaf: Any) -> ShapeDtypeStruct | None:
     is_tensor = isinstance(leaf, (torch.Tensor, ShapeDtypeStruct))
     if r.kind != "tensor":
         if is_tensor:
-            raise ValueError(f"{r.path}: the checkpoint holds a {r.kind} there, but the target asks for a tensor {ShapeDtypeStruct.like(leaf)!r}")
+            raise ValueError(
+                f"{r.path}: the checkpoint holds a {r.kind} there, but the target asks for a tensor {ShapeDtypeStruct.like(leaf)!r}"
+            )
         return None
     if not is_tensor:
-        raise ValueError(f"{r.path}: the checkpoint holds a tensor there, but the target has a {type(leaf).__name__} ({leaf!r})")
+        raise ValueError(
+            f"{r.path}: the checkpoint holds a tensor there, but the target has a {type(leaf).__name__} ({leaf!r})"
+        )
     want = ShapeDtypeStruct.like(leaf)
     if want.shape != r.shape or want.dtype != r.dtype:
         raise ValueError(
             f"{r.path}: the checkpoint holds {r.dtype} of shape {r.shape}, but the target asks for {want.dtype} of shape {want.shape}"
         )
     if want.sharding is not None and want.sharding.spec.unreduced:
-        raise ValueError(f"{r.path}: the target sharding {want.sharding.spec!r} is unreduced; a loaded value is reduced")
+        raise ValueError(
+            f"{r.path}: the target sharding {want.sharding.spec!r} is unreduced; a loaded value is reduced"
+        )
     return want
 
 

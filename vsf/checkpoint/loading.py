@@ -69,14 +69,18 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
     return leaves.rebuild(treedef, here, wants, state)
 
 
-def _resolve_everywhere(group: group_mod.Group, ckpt: Checkpoint, target: Any) -> tuple[Any, list[LeafRecord], list[leaves.Want | None]]:
+def _resolve_everywhere(
+    group: group_mod.Group, ckpt: Checkpoint, target: Any
+) -> tuple[Any, list[LeafRecord], list[leaves.Want | None]]:
     """:func:`leaves.resolve_target` on every rank: a wrong target on any rank raises on all of them
     (naming the rank), and a saved leaf that no rank asks for is an error."""
     try:
         resolved, problem = leaves.resolve_target(ckpt, target), None
     except ValueError as e:
         resolved, problem = None, e
-    reports = group.all_gather((None if problem is None else str(problem), [] if resolved is None else [r.key for r in resolved[1]]))
+    reports = group.all_gather(
+        (None if problem is None else str(problem), [] if resolved is None else [r.key for r in resolved[1]])
+    )
     if problem is not None:
         raise problem
     for rank, (message, _) in enumerate(reports):

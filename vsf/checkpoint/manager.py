@@ -30,7 +30,12 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, directory: str | Path, *, max_to_keep: int | None = None, save_interval_steps: int = 1, progress: bool | None = None
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        progress: bool | None = None,
     ) -> None:
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
@@ -64,7 +69,9 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not (force or self.should_save(step)):
             return False
-        start_save(self.step_path(step), tree, blocking=blocking, progress=self.progress, on_commit=lambda: self._prune(step))
+        start_save(
+            self.step_path(step), tree, blocking=blocking, progress=self.progress, on_commit=lambda: self._prune(step)
+        )
         return True
 
     def wait(self) -> None:

@@ -40,7 +40,11 @@ def materialize_buffers(module: torch.nn.Module, device: str | torch.device = "c
         device(type='cpu')
     """
     device = torch.device(device)
-    hf_models = {name: m for name, m in module.named_modules() if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")}
+    hf_models = {
+        name: m
+        for name, m in module.named_modules()
+        if callable(getattr(m, "_init_weights", None)) and hasattr(m, "config")
+    }
     for name, sub in module.named_modules():
         meta = [b for b, t in sub.named_buffers(recurse=False) if t.is_meta]
         if not meta:
@@ -54,7 +58,9 @@ def materialize_buffers(module: torch.nn.Module, device: str | torch.device = "c
         values = next((v for _, init in inits if (v := _recomputed(sub, meta, init, device)) is not None), None)
         if values is None:
             where = f"{name}." if name else ""
-            tried = f" ({', '.join(t for t, _ in inits)} left {'them' if len(meta) > 1 else 'it'} unset)" if inits else ""
+            tried = (
+                f" ({', '.join(t for t, _ in inits)} left {'them' if len(meta) > 1 else 'it'} unset)" if inits else ""
+            )
             raise ValueError(
                 f"cannot recompute the meta buffer{'s' if len(meta) > 1 else ''} {', '.join(where + b for b in meta)} of "
                 f"{type(sub).__name__}{tried}: give {type(sub).__name__} a reset_parameters() that computes its buffers "
@@ -65,7 +71,9 @@ def materialize_buffers(module: torch.nn.Module, device: str | torch.device = "c
     return module
 
 
-def _recomputed(sub: torch.nn.Module, names: list[str], init: Callable[[torch.nn.Module], None], device: torch.device) -> dict[str, torch.Tensor] | None:
+def _recomputed(
+    sub: torch.nn.Module, names: list[str], init: Callable[[torch.nn.Module], None], device: torch.device
+) -> dict[str, torch.Tensor] | None:
     """The buffers ``names`` of a real copy of ``sub`` after ``init``, or None unless ``init``
     sets every element (the same values from buffers filled with 0 and with 1)."""
     runs = []

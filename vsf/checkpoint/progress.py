@@ -23,7 +23,9 @@ class Progress:
         >>> meter.add(1 << 30); meter.close()
     """
 
-    def __init__(self, label: str, *, enabled: bool | None = None, stream: TextIO | None = None, interval: float = 0.5) -> None:
+    def __init__(
+        self, label: str, *, enabled: bool | None = None, stream: TextIO | None = None, interval: float = 0.5
+    ) -> None:
         self._stream = stream or sys.stderr
         self._enabled = self._stream.isatty() if enabled is None else enabled
         self._label = label

@@ -62,7 +62,11 @@ def boxes(sharding: NamedSharding, shape: Sequence[int], rank: int) -> list[Box]
     if 0 in tail_sizes:
         return []
     return [
-        Box((*offsets, *tail_offsets), (*sizes, *tail_sizes), (start - rows.start, start - rows.start + math.prod(sizes)))
+        Box(
+            (*offsets, *tail_offsets),
+            (*sizes, *tail_sizes),
+            (start - rows.start, start - rows.start + math.prod(sizes)),
+        )
         for start, offsets, sizes in _row_boxes(rows.start, rows.stop, shape[:dims])
     ]
 
@@ -181,7 +185,9 @@ class LoadPlanner(DefaultLoadPlanner):
             item
             for key, leaf in self._ragged.items()
             for item in create_read_items_for_chunk_list(
-                key, self.metadata.state_dict_metadata[key], [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in leaf.boxes]
+                key,
+                self.metadata.state_dict_metadata[key],
+                [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in leaf.boxes],
             )
         ]
         return dataclasses.replace(plan, items=[*plan.items, *reads])

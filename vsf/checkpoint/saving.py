@@ -112,7 +112,9 @@ def start_save(
     group = group_mod.current()
     wait_pending(group)
     if final.exists():
-        raise FileExistsError(f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)")
+        raise FileExistsError(
+            f"{final} already exists; vsf.checkpoint never overwrites (delete it or choose another path)"
+        )
     slots, mine, state = leaves.flatten(tree)
     treedef, records = leaves.merge(slots, group.all_gather((pickle.dumps(slots), mine)))
     if not blocking and not runtime.is_simulated():  # (simulated leaves are gathered copies already)
@@ -160,7 +162,9 @@ def _write(
         raise RuntimeError(f"committing {final} failed on rank 0: {message}")
 
 
-def _commit(final: Path, staging: Path, treedef: Any, records: list[LeafRecord], per_rank: list[dict[str, FileRecord]]) -> None:
+def _commit(
+    final: Path, staging: Path, treedef: Any, records: list[LeafRecord], per_rank: list[dict[str, FileRecord]]
+) -> None:
     files: dict[str, FileRecord] = {}
     for rank_files in per_rank:
         files.update(rank_files)

@@ -48,7 +48,9 @@ EDGE = 4096  # bytes at the end of a large write that get a block of their own
 # warns on every first save and load that it assumes so. (pytest resets warning filters after
 # collection, so pyproject.toml repeats this one for the tests.)
 warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", module=r"torch\.distributed\.checkpoint"
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    module=r"torch\.distributed\.checkpoint",
 )
 
 
@@ -167,7 +169,9 @@ class ChecksumWriter(FileSystemWriter):
 class _VerifiedStream(io.RawIOBase):
     """Read access to a checkpoint file that checks every block a read touches before returning."""
 
-    def __init__(self, raw: Any, path: Path, record: FileRecord, meter: Progress, leaves_in: Callable[[str, int, int], list[str]]) -> None:
+    def __init__(
+        self, raw: Any, path: Path, record: FileRecord, meter: Progress, leaves_in: Callable[[str, int, int], list[str]]
+    ) -> None:
         super().__init__()
         self._raw = raw
         self._path = path
@@ -238,7 +242,9 @@ class _Checks:
     whose first failure is raised, when the ``with`` block ends."""
 
     def __init__(self, parallel: bool) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vsf-checkpoint-verify") if parallel else None
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vsf-checkpoint-verify") if parallel else None
+        )
         self._pending: list[concurrent.futures.Future] = []
 
     def run(self, fn: Callable[..., None], *args: Any) -> None:
@@ -264,12 +270,16 @@ def _read_exactly(f: Any, pos: int, out: memoryview, path: Path) -> None:
     while n < len(out):
         k = f.readinto(out[n:])
         if not k:
-            raise CorruptCheckpointError(f"{path} ended at byte {pos + n} while it was being read: it was truncated meanwhile")
+            raise CorruptCheckpointError(
+                f"{path} ended at byte {pos + n} while it was being read: it was truncated meanwhile"
+            )
         n += k
 
 
 class _VerifyingFileSystem(FileSystem):
-    def __init__(self, files: dict[str, FileRecord], meter: Progress, leaves_in: Callable[[str, int, int], list[str]]) -> None:
+    def __init__(
+        self, files: dict[str, FileRecord], meter: Progress, leaves_in: Callable[[str, int, int], list[str]]
+    ) -> None:
         super().__init__()
         self._files = files
         self._meter = meter
@@ -282,7 +292,9 @@ class _VerifyingFileSystem(FileSystem):
         if record is None:
             raise CorruptCheckpointError(f"{path} is read by DCP but not listed in the commit marker")
         if not path.is_file():
-            raise CorruptCheckpointError(f"{path} is missing from the checkpoint{_holding(self._leaves_in(path.name, 0, record.size))}")
+            raise CorruptCheckpointError(
+                f"{path} is missing from the checkpoint{_holding(self._leaves_in(path.name, 0, record.size))}"
+            )
         with super().create_stream(path, mode) as raw:
             size = os.fstat(raw.fileno()).st_size
             if size != record.size:
@@ -299,7 +311,9 @@ class VerifyingReader(FileSystemReader):
     ``key_to_path`` maps DCP keys to the leaf key paths named in errors.
     """
 
-    def __init__(self, path: str | os.PathLike, files: dict[str, FileRecord], meter: Progress, key_to_path: dict[str, str]) -> None:
+    def __init__(
+        self, path: str | os.PathLike, files: dict[str, FileRecord], meter: Progress, key_to_path: dict[str, str]
+    ) -> None:
         super().__init__(path)
         self._key_to_path = key_to_path
         self.fs = _VerifyingFileSystem(files, meter, self._leaves_in)

@@ -52,10 +52,19 @@ log = logging.getLogger("vsf.jit")
 
 
 def jit(
-    fun: Callable[..., Any] | None = None, *, in_shardings: Any = None, out_shardings: Any = None,
-    static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-    reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: int | Sequence[int] = (),
-    unsharded_grad_axes: Sequence[str] = (), deferred_grad_argnums: int | Sequence[int] = (), on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
+    fun: Callable[..., Any] | None = None,
+    *,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    reshard_after_forward: bool | None = None,
+    memory_budget: int | None = None,
+    unreduced_grad_argnums: int | Sequence[int] = (),
+    unsharded_grad_axes: Sequence[str] = (),
+    deferred_grad_argnums: int | Sequence[int] = (),
+    on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
     backend: str = "eager",
     reduce_dtype: torch.dtype | None = None,
 ) -> Any:
@@ -119,9 +128,21 @@ def jit(
     options = {k: v for k, v in locals().items() if k != "fun"}
     if fun is None:
         return lambda f: jit(f, **options)
-    return Jitted(fun, in_shardings, out_shardings, _tuple(static_argnums), _tuple(static_argnames), _tuple(donate_argnums), reshard_after_forward=reshard_after_forward, memory_budget=memory_budget,
-                  unreduced_grad_argnums=_tuple(unreduced_grad_argnums), unsharded_grad_axes=tuple(unsharded_grad_axes), deferred=(_tuple(deferred_grad_argnums), on_deferred_grads), backend=backend,
-                  reduce_dtype=reduce_dtype)
+    return Jitted(
+        fun,
+        in_shardings,
+        out_shardings,
+        _tuple(static_argnums),
+        _tuple(static_argnames),
+        _tuple(donate_argnums),
+        reshard_after_forward=reshard_after_forward,
+        memory_budget=memory_budget,
+        unreduced_grad_argnums=_tuple(unreduced_grad_argnums),
+        unsharded_grad_axes=tuple(unsharded_grad_axes),
+        deferred=(_tuple(deferred_grad_argnums), on_deferred_grads),
+        backend=backend,
+        reduce_dtype=reduce_dtype,
+    )
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -131,8 +152,23 @@ def _tuple(x: Any) -> tuple[Any, ...]:
 class Jitted:
     """A jitted function: call it, or ``lower`` it to read its plan."""
 
-    def __init__(self, fun: Callable[..., Any], in_shardings: Any, out_shardings: Any, static_argnums: tuple[int, ...], static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...], *, reshard_after_forward: bool | None = None, memory_budget: int | None = None, unreduced_grad_argnums: tuple[int, ...] = (), unsharded_grad_axes: tuple[str, ...] = (),
-                 deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None), backend: str = "eager", reduce_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        in_shardings: Any,
+        out_shardings: Any,
+        static_argnums: tuple[int, ...],
+        static_argnames: tuple[str, ...],
+        donate_argnums: tuple[int, ...],
+        *,
+        reshard_after_forward: bool | None = None,
+        memory_budget: int | None = None,
+        unreduced_grad_argnums: tuple[int, ...] = (),
+        unsharded_grad_axes: tuple[str, ...] = (),
+        deferred: tuple[tuple[int, ...], Callable[[Callable[[], None]], None] | None] = ((), None),
+        backend: str = "eager",
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.in_shardings = in_shardings
@@ -144,10 +180,14 @@ class Jitted:
         self.unreduced_grad_argnums, self.unsharded_grad_axes = unreduced_grad_argnums, unsharded_grad_axes
         self.deferred_grad_argnums, self.on_deferred_grads = deferred
         if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-            raise ValueError(f"reduce_dtype must be a floating-point torch.dtype (torch.float32, say), got {reduce_dtype!r}")
+            raise ValueError(
+                f"reduce_dtype must be a floating-point torch.dtype (torch.float32, say), got {reduce_dtype!r}"
+            )
         self.reduce_dtype = reduce_dtype
         if self.deferred_grad_argnums and self.on_deferred_grads is None:
-            raise ValueError(f"deferred_grad_argnums={self.deferred_grad_argnums} needs on_deferred_grads: the function that gets each call's deferred gradients to run")
+            raise ValueError(
+                f"deferred_grad_argnums={self.deferred_grad_argnums} needs on_deferred_grads: the function that gets each call's deferred gradients to run"
+            )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
@@ -158,7 +198,9 @@ class Jitted:
         self._last_key: tuple[Any, ...] | None = None
         self.replans: list[str] = []
         self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
-        self._arguments = Arguments(self._name, tuple(param_names(fun)), static_argnums, static_argnames, in_shardings, backend)
+        self._arguments = Arguments(
+            self._name, tuple(param_names(fun)), static_argnums, static_argnames, in_shardings, backend
+        )
 
     @property
     def plan_count(self) -> int:
@@ -210,33 +252,72 @@ class Jitted:
         mesh = call.mesh
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
-            traced = trace(self.fun, avals, call.rebuild, mesh.device_type, unplanned_ops, never_planned_decompositions(), allow_unkeyed_random=call.options.allow_unkeyed_random,
-                           shardings=[sharding_of(x) for x in call.inputs], names=leaf_names(call.dyn), options=call.options)
+            traced = trace(
+                self.fun,
+                avals,
+                call.rebuild,
+                mesh.device_type,
+                unplanned_ops,
+                never_planned_decompositions(),
+                allow_unkeyed_random=call.options.allow_unkeyed_random,
+                shardings=[sharding_of(x) for x in call.inputs],
+                names=leaf_names(call.dyn),
+                options=call.options,
+            )
         out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
-        if call.grad is not None and out_metas and not steps:  # (a traced step runs its own backward: not differentiated)
-            joint = plan_joint(self.fun, call.mesh, call.inputs, call.leaves, call.rebuild, call.grad, traced, out_targets, call.options, call.leaves_of(self.unreduced_grad_argnums), self.unsharded_grad_axes, self.reduce_dtype,
-                               leaf_names(call.dyn))
+        if (
+            call.grad is not None and out_metas and not steps
+        ):  # (a traced step runs its own backward: not differentiated)
+            joint = plan_joint(
+                self.fun,
+                call.mesh,
+                call.inputs,
+                call.leaves,
+                call.rebuild,
+                call.grad,
+                traced,
+                out_targets,
+                call.options,
+                call.leaves_of(self.unreduced_grad_argnums),
+                self.unsharded_grad_axes,
+                self.reduce_dtype,
+                leaf_names(call.dyn),
+            )
             compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
         if compiled is None:
             plan_of = functools.partial(
-                propagate, mesh=mesh, in_placements=[tuple(x.placements) for x in call.inputs], out_shardings=out_targets, options=call.options,
-                reshard_after_forward=self.reshard_after_forward, memory_budget=self.memory_budget,
-                reduce_dtype=self.reduce_dtype, donated=call.leaves_of(self.donate_argnums),
+                propagate,
+                mesh=mesh,
+                in_placements=[tuple(x.placements) for x in call.inputs],
+                out_shardings=out_targets,
+                options=call.options,
+                reshard_after_forward=self.reshard_after_forward,
+                memory_budget=self.memory_budget,
+                reduce_dtype=self.reduce_dtype,
+                donated=call.leaves_of(self.donate_argnums),
             )
-            compiled = Compiled(self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names)
+            compiled = Compiled(
+                self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names
+            )
         self._cache[call.key] = compiled
         return compiled
 
-    def _out_targets(self, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh) -> tuple[list[str], list[NamedSharding | None]]:
+    def _out_targets(
+        self, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh
+    ) -> tuple[list[str], list[NamedSharding | None]]:
         skeleton = tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
         pairs = [(p, x) for p, x in tree.leaves_with_path(skeleton)]
         tensor_paths = [p for (p, _), c in zip(pairs, traced.out_consts) if c is None]
         names = [tree.keystr(p) for p in tensor_paths]
         if self.out_shardings is not None:
             full = tree.broadcast_prefix(self.out_shardings, skeleton, is_leaf=is_sharding_leaf, what="out_shardings")
-            targets = [resolve(s, tree.keystr(p)) if s is not None else None for s, c, (p, _) in zip(full, traced.out_consts, pairs) if c is None]
+            targets = [
+                resolve(s, tree.keystr(p)) if s is not None else None
+                for s, c, (p, _) in zip(full, traced.out_consts, pairs)
+                if c is None
+            ]
             for s, m, name in zip(targets, out_metas, names):
                 if s is not None:
                     s.check(tuple(m.shape), f"output {name}")
@@ -244,7 +325,9 @@ class Jitted:
         return names, _carried(skeleton, traced, call, out_metas, mesh)
 
 
-def _carried(skeleton: Any, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh) -> list[NamedSharding | None]:
+def _carried(
+    skeleton: Any, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh
+) -> list[NamedSharding | None]:
     """Default output shardings: a top-level result shaped exactly like an argument keeps its shardings."""
     parts = list(skeleton) if isinstance(skeleton, (tuple, list)) else [skeleton]
     consts = iter(traced.out_consts)
@@ -254,10 +337,18 @@ def _carried(skeleton: Any, traced: Traced, call: Call, out_metas: list[torch.Te
     for part in parts:
         leaves = tree.leaves(part)
         is_tensor = [next(consts) is None for _ in leaves]
-        avals = [(tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t]
+        avals = [
+            (tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t
+        ]
         match = next(
-            (j for j, (struct, arg_avals) in enumerate(call.arg_trees)
-             if j not in used and all(is_tensor) and struct == tree.structure(part) and [a[:2] for a in arg_avals] == avals),
+            (
+                j
+                for j, (struct, arg_avals) in enumerate(call.arg_trees)
+                if j not in used
+                and all(is_tensor)
+                and struct == tree.structure(part)
+                and [a[:2] for a in arg_avals] == avals
+            ),
             None,
         )
         if match is None:
@@ -274,7 +365,9 @@ def _carried(skeleton: Any, traced: Traced, call: Call, out_metas: list[torch.Te
 class Compiled:
     """A planned program for one argument signature; call it like the jitted function."""
 
-    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, input_names: list[str], output_names: list[str]) -> None:
+    def __init__(
+        self, owner: Jitted, plan: Plan, traced: Traced, input_names: list[str], output_names: list[str]
+    ) -> None:
         self.owner = owner
         self.plan = plan
         self.traced = traced
@@ -287,7 +380,9 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self.owner._prepare(args, kwargs)
         if call.key not in self.owner._cache or self.owner._cache[call.key] is not self:
-            raise ValueError(f"these arguments do not match the signature this program of {self.owner._name} was compiled for")
+            raise ValueError(
+                f"these arguments do not match the signature this program of {self.owner._name} was compiled for"
+            )
         result = self._run(call, config.check_plan)
         donate(args, self.owner.donate_argnums, self.owner._name)
         return result
@@ -320,15 +415,30 @@ class DifferentiableCompiled(Compiled):
         self.grad_shardings = tree.unflatten(call.key[0], grad_shardings(joint, call.leaves))
         self.grad_names = [f"grad of {call.names[i]}" for i in joint.with_grad]
         deferred = call.leaves_of(owner.deferred_grad_argnums)
-        self._program = program(owner._name, joint, call.leaves, self._out_specs, _out_metas(traced), deferred, owner.on_deferred_grads, call.names if deferred else ())
-        plans = (joint.parts.forward, joint.parts.backward) + ((self._program.split.inputs, self._program.split.weights) if self._program.split else ())
+        self._program = program(
+            owner._name,
+            joint,
+            call.leaves,
+            self._out_specs,
+            _out_metas(traced),
+            deferred,
+            owner.on_deferred_grads,
+            call.names if deferred else (),
+        )
+        plans = (joint.parts.forward, joint.parts.backward) + (
+            (self._program.split.inputs, self._program.split.weights) if self._program.split else ()
+        )
         names = ("forward", "backward", "input backward", "weight backward")
-        self._runners = tuple(Runner(p, owner.backend, f"the {what} program of {owner._name}") for p, what in zip(plans, names))
+        self._runners = tuple(
+            Runner(p, owner.backend, f"the {what} program of {owner._name}") for p, what in zip(plans, names)
+        )
         self._program.run = lambda k, xs, check: self._runners[k](xs, check)
 
     def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
-        return self._result(attach(self._program, [x for x in call.leaves if isinstance(x, torch.Tensor)], locals_in, check))
+        return self._result(
+            attach(self._program, [x for x in call.leaves if isinstance(x, torch.Tensor)], locals_in, check)
+        )
 
     def _text(self) -> str:
         text = differentiable_text(self.parts, self.owner._name, self.input_names, self.output_names, self.grad_names)
@@ -371,4 +481,3 @@ class Lowered:
     def compile(self) -> Compiled:
         """The runnable program (call it with the same arguments)."""
         return self._compiled
-

@@ -85,7 +85,9 @@ def sequence_rule(op: Any, tensors: Sequence[tuple[str, Sequence[int]]]) -> list
     return outs + [Replicate() if name in _KEYS_VALUES else _split(name, shape, 2, rank) for name, shape in tensors]
 
 
-def _equal_head_splits(given: dict[str, Any], layouts: list[tuple[torch.Size, tuple[Placement, ...]]], mesh_shape: tuple[int, ...]) -> bool:
+def _equal_head_splits(
+    given: dict[str, Any], layouts: list[tuple[torch.Size, tuple[Placement, ...]]], mesh_shape: tuple[int, ...]
+) -> bool:
     """With grouped-query heads, does every tensor's heads dim split into equal parts?"""
     if given["query"][1] == given["key"][1]:
         return True

@@ -46,7 +46,11 @@ SMALL_BYTES = 64 * 2**10
 
 
 def form_buckets(
-    mesh: Mesh, gm: torch.fx.GraphModule, moves: Sequence[Redistribution], users: dict[int, list[torch.fx.Node]], bucket_bytes: int
+    mesh: Mesh,
+    gm: torch.fx.GraphModule,
+    moves: Sequence[Redistribution],
+    users: dict[int, list[torch.fx.Node]],
+    bucket_bytes: int,
 ) -> tuple[tuple[Bucket, ...], tuple[Any, ...]]:
     """Group single-axis collectives of one kind (same axis and dtype, evenly sharded values;
     see :func:`bucket_kind`) that do not depend on each other, so each group runs as one
@@ -208,7 +212,9 @@ def _topological(deps: dict[int, set[int]], after: dict[int, list[int]], key: di
     return order if len(order) == len(deps) else None
 
 
-def _levels(order: list[int], deps: dict[int, set[int]], after: dict[int, list[int]], reductions: set[int]) -> dict[int, int]:
+def _levels(
+    order: list[int], deps: dict[int, set[int]], after: dict[int, list[int]], reductions: set[int]
+) -> dict[int, int]:
     """Each step's level: the number (in ``order``) of the last reduction it waits for, so that
     what uses a reduction's result runs after what does not; a step that waits for no later
     reduction than its users (a gather, a constant, the optimizer's reads of its state) takes
@@ -226,7 +232,9 @@ def _levels(order: list[int], deps: dict[int, set[int]], after: dict[int, list[i
     return level
 
 
-def _light(nodes: list[torch.fx.Node], items: dict[int, Any], deps: dict[int, set[int]], reductions: set[int]) -> set[int]:
+def _light(
+    nodes: list[torch.fx.Node], items: dict[int, Any], deps: dict[int, set[int]], reductions: set[int]
+) -> set[int]:
     """The reductions whose values ops compute from the graph's inputs alone, producing at most
     :data:`SMALL_BYTES` in all (a mean's token count), with those ops: they start first."""
     cone: dict[int, set[int] | None] = {}
@@ -247,7 +255,11 @@ def _light(nodes: list[torch.fx.Node], items: dict[int, Any], deps: dict[int, se
 
 def _produced(node: torch.fx.Node) -> int:
     """The bytes ``node``'s tensor results take (its traced global values)."""
-    return sum(t.numel() * t.element_size() for t in _compat.torch_tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for t in _compat.torch_tree_leaves(node.meta.get("val"))
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
@@ -257,7 +269,9 @@ def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
     )
 
 
-def _bucket(mesh: Mesh, kind: str, members: list[Redistribution], mesh_dims: tuple[int, ...], before: torch.fx.Node) -> Bucket:
+def _bucket(
+    mesh: Mesh, kind: str, members: list[Redistribution], mesh_dims: tuple[int, ...], before: torch.fx.Node
+) -> Bucket:
     dtype = meta_of(members[0].value).dtype
     numel = sum(_buffer_bytes(mesh, r, kind) for r in members) // dtype.itemsize
     collectives = tuple(

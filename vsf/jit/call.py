@@ -97,7 +97,9 @@ class Arguments:
     in_shardings: Any
     backend: str
 
-    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
+    def _split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
         if not self.static_argnums and not self.static_argnames:
             return args, kwargs, ()
         statics = []
@@ -114,7 +116,9 @@ class Arguments:
             try:
                 hash(s[2])
             except TypeError:
-                raise TypeError(f"static argument {s[1]!r} of {self.name} must be hashable, got {type(s[2]).__name__}") from None
+                raise TypeError(
+                    f"static argument {s[1]!r} of {self.name} must be hashable, got {type(s[2]).__name__}"
+                ) from None
         static_pos = {s[1] for s in statics if s[0] == "arg"}
         dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
@@ -133,7 +137,14 @@ class Arguments:
         for i, (leaf, target) in enumerate(zip(leaves, targets)):
             x = self._as_dtensor(leaf, target, mesh, lambda i=i: name(i))
             inputs.append(x)
-            key_leaves.append((tuple(x.shape), x.dtype, tuple(x.placements), "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__))
+            key_leaves.append(
+                (
+                    tuple(x.shape),
+                    x.dtype,
+                    tuple(x.placements),
+                    "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__,
+                )
+            )
         static_pos = {s[1] for s in statics if s[0] == "arg"}
         positions = [i for i in range(len(args)) if i not in static_pos]
 
@@ -148,12 +159,22 @@ class Arguments:
                     kw[where] = value
             return tuple(full), kw
 
-        return Call(mesh, (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), config.plan_options(), self.backend), inputs, dyn, rebuild, positions, leaves)
+        return Call(
+            mesh,
+            (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), config.plan_options(), self.backend),
+            inputs,
+            dyn,
+            rebuild,
+            positions,
+            leaves,
+        )
 
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
             return [None] * n
-        prefix = self.in_shardings if not is_sharding_leaf(self.in_shardings) else tuple(self.in_shardings for _ in dyn_args)
+        prefix = (
+            self.in_shardings if not is_sharding_leaf(self.in_shardings) else tuple(self.in_shardings for _ in dyn_args)
+        )
         per_arg = tree.broadcast_prefix(prefix, dyn_args, is_leaf=is_sharding_leaf, what="in_shardings")
         return per_arg + [None] * (n - len(per_arg))
 
@@ -175,7 +196,9 @@ class Arguments:
                 raise ValueError(f"{name(i)} is on {mesh!r}, but the current mesh (vsf.use_mesh) is {here!r}")
             return mesh
         if here is None:
-            raise ValueError(f"{self.name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)")
+            raise ValueError(
+                f"{self.name} has no sharded input and no current mesh: pass DTensors, in_shardings, or call it under vsf.use_mesh(mesh)"
+            )
         return here
 
     def _as_dtensor(self, leaf: Any, target: Any, mesh: Mesh, name_of: Callable[[], str]) -> DTensor:
@@ -185,15 +208,25 @@ class Arguments:
         if isinstance(leaf, (bool, int, float)):
             leaf = torch.tensor(leaf, dtype=torch.float32 if isinstance(leaf, float) else None)
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"argument {name} of {self.name} is a {type(leaf).__name__}; only tensors and Python numbers can be traced (mark the argument static)")
+            raise TypeError(
+                f"argument {name} of {self.name} is a {type(leaf).__name__}; only tensors and Python numbers can be traced (mark the argument static)"
+            )
         want = resolve(target, name) if target is not None else None
         if isinstance(leaf, DTensor):
             have = sharding_of(leaf)
             if want == have:
                 return leaf
             if config.strict:
-                raise ValueError(f"{name} arrives as {have.spec!r} but in_shardings asks for {want.spec!r} (vsf.config.strict is set)")
-            log.warning("%s: input %s arrives as %r but in_shardings asks for %r; resharding it", self.name, name, have.spec, want.spec)
+                raise ValueError(
+                    f"{name} arrives as {have.spec!r} but in_shardings asks for {want.spec!r} (vsf.config.strict is set)"
+                )
+            log.warning(
+                "%s: input %s arrives as %r but in_shardings asks for %r; resharding it",
+                self.name,
+                name,
+                have.spec,
+                want.spec,
+            )
             return device_put(leaf, want)
         return device_put(leaf, want or NamedSharding(mesh, PartitionSpec()))
 

@@ -76,11 +76,15 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
         >>> full = assemble(mesh, (Shard(0),), meta, x.to_local())
     """
     try:
-        layout = from_placements(mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements), meta.ndim)
+        layout = from_placements(
+            mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements), meta.ndim
+        )
     except ValueError:
         return _gathered(mesh, placements, meta, local)
     if layout.balanced:  # assembled in the balanced view, whose blocks are the ranks' shards; then put in order
-        view = assemble(mesh, as_contiguous(placements), layout.index_view(torch.empty_like(meta, device="meta")), local)
+        view = assemble(
+            mesh, as_contiguous(placements), layout.index_view(torch.empty_like(meta, device="meta")), local
+        )
         return _in_order(mesh, placements, view)
     partial = [(axis, p) for axis, p in zip(mesh.device_axes, placements) if isinstance(p, Partial)]
     held = {a for d in range(meta.ndim) for a in layout.spec.entry_axes(d)} | {a for a, _ in partial}
@@ -94,7 +98,10 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
             full = copies.setdefault(key, torch.zeros(shape, dtype=meta.dtype, device=shards[r].device))
             block = layout.index_view(full)[layout.index(shape, r)]
             if tuple(block.shape) != tuple(shards[r].shape):
-                raise _Differs(f"rank {r} holds a shard of shape {tuple(shards[r].shape)}, the placements give {tuple(block.shape)}", float("inf"))
+                raise _Differs(
+                    f"rank {r} holds a shard of shape {tuple(shards[r].shape)}, the placements give {tuple(block.shape)}",
+                    float("inf"),
+                )
             if all(coord[a] == 0 for a in mesh.axis_names if a not in held):
                 block.copy_(shards[r])
             else:
@@ -108,7 +115,13 @@ def _gathered(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: tor
     """The full value as DTensor's redistribution to ``Replicate`` gathers it (first rank's copy);
     balanced splits gathered as their view's contiguous shards, then put in order."""
     full = _compat.redistribute_local(
-        local, mesh.device_mesh, as_contiguous(tuple(placements)), (Replicate(),) * len(placements), shape=meta.shape, stride=meta.stride(), dtype=meta.dtype
+        local,
+        mesh.device_mesh,
+        as_contiguous(tuple(placements)),
+        (Replicate(),) * len(placements),
+        shape=meta.shape,
+        stride=meta.stride(),
+        dtype=meta.dtype,
     )
     return _in_order(mesh, placements, _compat.local_shards(full, runtime.rank())[mesh.devices[0]].detach().clone())
 
@@ -119,7 +132,11 @@ def _in_order(mesh: Mesh, placements: Placements, view: torch.Tensor) -> torch.T
     block the earlier mesh dims' shards leave: the dim holds that many groups per such block."""
     for k, p in enumerate(placements):
         if kind_of(p) == "balanced":
-            blocks = math.prod(mesh.axis_size(a) for j, (a, q) in enumerate(zip(mesh.device_axes, placements)) if j < k and is_shard(q) and split_dim(q) == p.dim)
+            blocks = math.prod(
+                mesh.axis_size(a)
+                for j, (a, q) in enumerate(zip(mesh.device_axes, placements))
+                if j < k and is_shard(q) and split_dim(q) == p.dim
+            )
             order = balanced_order(view.shape[p.dim], mesh.axis_size(mesh.device_axes[k]), blocks * p.groups)
             view = view.index_select(p.dim, torch.argsort(order))
     return view
@@ -147,7 +164,10 @@ def _compare(got: torch.Tensor, want: torch.Tensor, what: str, than: str) -> Non
     """Raise :class:`_Differs` unless ``got`` (``what``) equals ``want`` (``than``) within the
     checking tolerance (exactly for integers and booleans; NaN where ``want`` has NaN)."""
     if got.shape != want.shape or got.dtype != want.dtype:
-        raise _Differs(f"{what} is {type_string(tuple(got.shape), got.dtype, None)}, {than} {type_string(tuple(want.shape), want.dtype, None)}", float("inf"))
+        raise _Differs(
+            f"{what} is {type_string(tuple(got.shape), got.dtype, None)}, {than} {type_string(tuple(want.shape), want.dtype, None)}",
+            float("inf"),
+        )
     if not (got.is_floating_point() or got.is_complex()):
         wrong = got != want
         if wrong.any():
@@ -158,7 +178,10 @@ def _compare(got: torch.Tensor, want: torch.Tensor, what: str, than: str) -> Non
     close = torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
     if not close.all():
         err = (got.double() - want.double()).abs().nan_to_num(float("inf"))
-        raise _Differs(f"{what} differs from {than} in {int((~close).sum())} of {got.numel()} elements (rtol={rtol:g}, atol={atol:g})", float(err[~close].max()))
+        raise _Differs(
+            f"{what} differs from {than} in {int((~close).sum())} of {got.numel()} elements (rtol={rtol:g}, atol={atol:g})",
+            float(err[~close].max()),
+        )
 
 
 def _nodes_in(args: Any) -> list[torch.fx.Node]:
@@ -169,17 +192,25 @@ def _nodes_in(args: Any) -> list[torch.fx.Node]:
 
 
 aten = torch.ops.aten
-_UNINITIALISED = frozenset({
-    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.empty_permuted.default,
-    aten.new_empty.default, aten.new_empty_strided.default,
-})
+_UNINITIALISED = frozenset(
+    {
+        aten.empty.memory_format,
+        aten.empty_like.default,
+        aten.empty_strided.default,
+        aten.empty_permuted.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+    }
+)
 
 
 def _unchecked(node: torch.fx.Node) -> bool:
     """Is ``node``'s value not the unsharded op's to compare: random numbers, memory left
     uninitialised, or a value leaving a manual region (its body has no unsharded op; its
     assembled results are what later ops are checked against)?"""
-    return node.target in _UNINITIALISED or node.target in REGION_OPS or draws_random(node.target, node.args, node.kwargs)
+    return (
+        node.target in _UNINITIALISED or node.target in REGION_OPS or draws_random(node.target, node.args, node.kwargs)
+    )
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:
@@ -208,7 +239,9 @@ class Checker:
 
     def __init__(self, plan: Plan, inputs: Sequence[torch.Tensor]) -> None:
         if not runtime.is_simulated() or not runtime.computes_values():
-            raise RuntimeError("vsf.config.check_plan / f.check need every rank's shard: run under vsf.simulate(n) with real numbers (compute=True)")
+            raise RuntimeError(
+                "vsf.config.check_plan / f.check need every rank's shard: run under vsf.simulate(n) with real numbers (compute=True)"
+            )
         self.plan = plan
         self.full: dict[Value, torch.Tensor] = {}
         self.last_use = _last_uses(plan)
@@ -222,7 +255,7 @@ class Checker:
             return  # a region's body value: each rank's own, no global value to assemble
         step = self.plan.nodes[node]
         if node.target in _UNINITIALISED:  # zeroed (uninitialised memory may hold anything): replicas then agree, and
-            for o in outs:                 # what the program reads of it before writing it is read alike by the unsharded graph
+            for o in outs:  # what the program reads of it before writing it is read alike by the unsharded graph
                 if isinstance(o, torch.Tensor):
                     o.zero_()
         want = None if _unchecked(node) else self._reference(node)
@@ -244,9 +277,16 @@ class Checker:
         for k, (a, placements, o) in enumerate(zip(_nodes_in(output.args), self.plan.outputs, outs)):
             v = value_of(a)
             try:
-                _compare(assemble(self.plan.mesh, placements, meta_of(v), o), self.full[v], f"result {k} (node {v[0].name})", "the unsharded graph's")
+                _compare(
+                    assemble(self.plan.mesh, placements, meta_of(v), o),
+                    self.full[v],
+                    f"result {k} (node {v[0].name})",
+                    "the unsharded graph's",
+                )
             except _Differs as e:
-                raise self._error(output, e, [self._typeof(v, self.plan.placement(v))], [self._typeof(v, placements)]) from None
+                raise self._error(
+                    output, e, [self._typeof(v, self.plan.placement(v))], [self._typeof(v, placements)]
+                ) from None
 
     def _assembled(self, v: Value, placements: Placements, local: torch.Tensor, node: torch.fx.Node) -> torch.Tensor:
         try:
@@ -271,7 +311,9 @@ class Checker:
             _compare(got, want, what, "the unsharded op's")
         except _Differs as e:
             step = self.plan.nodes[node]
-            raise self._error(node, e, self._ins(node), [self._typeof((node, i), p) for i, p in enumerate(step.outs) if p is not None]) from None
+            raise self._error(
+                node, e, self._ins(node), [self._typeof((node, i), p) for i, p in enumerate(step.outs) if p is not None]
+            ) from None
 
     def _ins(self, node: torch.fx.Node) -> list[str]:
         """Each tensor input as the planned program holds it -> as the op uses it."""
@@ -293,10 +335,10 @@ class Checker:
         line = source_line(node)
         op = "output" if node.op == "output" else str(node.target)
         where = f" at {line}" if line else ""
-        message = (
-            f"vsf.jit checking mode: {op} (node {node.name}){where}: {e.what}, max error {e.max_error:.3g}\n  inputs (held -> used): {', '.join(ins) or '-'}\n  outputs: {', '.join(outs) or '-'}"
+        message = f"vsf.jit checking mode: {op} (node {node.name}){where}: {e.what}, max error {e.max_error:.3g}\n  inputs (held -> used): {', '.join(ins) or '-'}\n  outputs: {', '.join(outs) or '-'}"
+        return PlanCheckError(
+            message, op=op, node=node.name, line=line, inputs=ins, outputs=outs, max_error=e.max_error
         )
-        return PlanCheckError(message, op=op, node=node.name, line=line, inputs=ins, outputs=outs, max_error=e.max_error)
 
 
 def run_checked(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

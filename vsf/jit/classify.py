@@ -44,8 +44,20 @@ from vsf.ops import region
 from vsf.sharding import constraint
 
 __all__ = [
-    "ATTENTION_OPS", "BATCH_NORM_OPS", "DISPATCHER_SPECIAL", "RAGGED_REDUCTIONS", "SHAPE_ARGUMENT_OPS", "UNTRUSTED_STRATEGIES", "VALUE_BLIND_OPS",
-    "VARIANCE_DECOMPOSITIONS", "OpClass", "classify", "constant_nodes", "draws_random", "never_planned_decompositions", "unplanned_ops",
+    "ATTENTION_OPS",
+    "BATCH_NORM_OPS",
+    "DISPATCHER_SPECIAL",
+    "RAGGED_REDUCTIONS",
+    "SHAPE_ARGUMENT_OPS",
+    "UNTRUSTED_STRATEGIES",
+    "VALUE_BLIND_OPS",
+    "VARIANCE_DECOMPOSITIONS",
+    "OpClass",
+    "classify",
+    "constant_nodes",
+    "draws_random",
+    "never_planned_decompositions",
+    "unplanned_ops",
 ]
 
 aten = torch.ops.aten
@@ -55,9 +67,14 @@ aten = torch.ops.aten
 # will do (a partial sum has the full shape everywhere), and the result is replicated or sharded
 # like the input. DTensor asks for a reduced input; a loss's backward then waits for the loss to be
 # all-reduced, which the planner can instead defer (and bucket with the gradients).
-VALUE_BLIND_OPS = frozenset({
-    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
-})
+VALUE_BLIND_OPS = frozenset(
+    {
+        aten.ones_like.default,
+        aten.zeros_like.default,
+        aten.empty_like.default,
+        aten.full_like.default,
+    }
+)
 
 
 # Reductions that run on a rank's own rows as they are (a sum or a norm of rows is a partial result
@@ -89,10 +106,15 @@ UNTRUSTED_STRATEGIES = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d
 # training its statistics and its backward's are reductions over the batch, which DTensor's
 # strategies gather whole on every rank; decomposed, they are sums and variances (below) that split
 # over the batch's shards, and only per-channel partial sums are reduced (SyncBatchNorm's bytes).
-BATCH_NORM_OPS = frozenset({
-    aten.native_batch_norm.default, aten.native_batch_norm_backward.default, aten._native_batch_norm_legit.default,
-    aten._native_batch_norm_legit.no_stats, aten._native_batch_norm_legit_functional.default,
-})
+BATCH_NORM_OPS = frozenset(
+    {
+        aten.native_batch_norm.default,
+        aten.native_batch_norm_backward.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit.no_stats,
+        aten._native_batch_norm_legit_functional.default,
+    }
+)
 
 
 def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> Any:
@@ -112,7 +134,9 @@ def _var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepd
 # strategy gathers the input whole, and PyTorch's decomposition lands on ``prims.var``.
 VARIANCE_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.var_mean.correction: _var_mean,
-    aten.var.correction: lambda x, dim=None, *, correction=None, keepdim=False: _var_mean(x, dim, correction=correction, keepdim=keepdim)[0],
+    aten.var.correction: lambda x, dim=None, *, correction=None, keepdim=False: _var_mean(
+        x, dim, correction=correction, keepdim=keepdim
+    )[0],
 }
 
 
@@ -127,7 +151,7 @@ for _op in ATTENTION_OPS:
         attention.register(_op)
 
 
-OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]   # see the module docs
+OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]  # see the module docs
 
 
 def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -185,8 +209,12 @@ def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
     for node in graph.nodes:
         if node.op == "get_attr":
             found.add(node)
-        elif (node.op == "call_function" and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
-              and node.target is not region.AXIS_INDEX_OP and all(a in found for a in node.all_input_nodes)):
+        elif (
+            node.op == "call_function"
+            and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+            and node.target is not region.AXIS_INDEX_OP
+            and all(a in found for a in node.all_input_nodes)
+        ):
             found.add(node)
     return frozenset(found)
 
@@ -204,9 +232,16 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
     """
     constants = constant_nodes(gm.graph)
     return {
-        node.target for node in op_nodes(gm)
-        if node.target in UNTRUSTED_STRATEGIES or node.target in BATCH_NORM_OPS or node.target in VARIANCE_DECOMPOSITIONS
-        or (_compat.op_schema(node.target) is not None and classify(node, constants).kind == "none" and not _adopt_inplace_strategy(node.target))
+        node.target
+        for node in op_nodes(gm)
+        if node.target in UNTRUSTED_STRATEGIES
+        or node.target in BATCH_NORM_OPS
+        or node.target in VARIANCE_DECOMPOSITIONS
+        or (
+            _compat.op_schema(node.target) is not None
+            and classify(node, constants).kind == "none"
+            and not _adopt_inplace_strategy(node.target)
+        )
     }
 
 

@@ -22,8 +22,31 @@ from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit import context_parallel, manual
 from vsf.jit.cost import is_sum, transition_kind
-from vsf.jit.graph import Value, meta_of, output_node, outputs_meta, placeholders_of, signature, tensor_args, user_line, value_of
-from vsf.jit.plan import NodePlan, Placements, R, Redistribution, as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, one_d, split_dim, to_placements
+from vsf.jit.graph import (
+    Value,
+    meta_of,
+    output_node,
+    outputs_meta,
+    placeholders_of,
+    signature,
+    tensor_args,
+    user_line,
+    value_of,
+)
+from vsf.jit.plan import (
+    NodePlan,
+    Placements,
+    R,
+    Redistribution,
+    as_contiguous,
+    balanced_of,
+    has_balanced,
+    has_ragged,
+    is_shard,
+    one_d,
+    split_dim,
+    to_placements,
+)
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import Problem
 from vsf.jit.strategies import decide, dtensor_decision, row_wise, runnable
@@ -43,7 +66,10 @@ def _kept_unreduced(axes: Sequence[str], arrived: Placements, want: Placements, 
 
 
 def check_with_dtensor(
-    problem: Problem, axes: list[str], in_placements: Sequence[Placements], out_shardings: Sequence[NamedSharding | None],
+    problem: Problem,
+    axes: list[str],
+    in_placements: Sequence[Placements],
+    out_shardings: Sequence[NamedSharding | None],
     unreduced: Sequence[Sequence[str]],
 ) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
     """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
@@ -69,7 +95,9 @@ def check_with_dtensor(
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
         if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
-            raise PlanError(f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}")
+            raise PlanError(
+                f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}"
+            )
         if src != dst:
             users.setdefault((v, dst), []).append(before)
             if (v, dst) not in moves:
@@ -100,9 +128,21 @@ def check_with_dtensor(
             pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
         elif op.kind == "strategy" and not fallback:
             arrived = [actual[v] for v in ins]
-            preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [nest(t, w) for t, w in zip(outputs_meta(node), want_out)]
+            preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [
+                nest(t, w) for t, w in zip(outputs_meta(node), want_out)
+            ]
             # (decided once per op signature and layouts: a model's repeated blocks ask the same)
-            key = (node.target, signature(node.args), signature(node.kwargs), tuple((tuple(t.shape), t.dtype) for t in outputs_meta(node) if t is not None), op, tuple(arrived), tuple(want_in), tuple(want_out), tuple(preferred))
+            key = (
+                node.target,
+                signature(node.args),
+                signature(node.kwargs),
+                tuple((tuple(t.shape), t.dtype) for t in outputs_meta(node) if t is not None),
+                op,
+                tuple(arrived),
+                tuple(want_in),
+                tuple(want_out),
+                tuple(preferred),
+            )
             if key not in decided:
                 decide_op = _balanced_decision if has_balanced([*arrived, *want_in, *want_out]) else _strategy_decision
                 decided[key] = decide_op(node, mesh, op, arrived, want_in, want_out, preferred, asked)
@@ -111,7 +151,13 @@ def check_with_dtensor(
             _local_over_manual(node, mesh, want_in, want_out)
         for v, dst in zip(ins, want_in):
             move(v, dst, node)
-        inside = manual.collectives(node, mesh, want_in) if op.kind == "manual" else context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
+        inside = (
+            manual.collectives(node, mesh, want_in)
+            if op.kind == "manual"
+            else context_parallel.collectives(mesh, node, want_in)
+            if context_parallel.splits_sequence(node, want_in)
+            else ()
+        )
         plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
         for i, out in enumerate(want_out):
             if out is not None:
@@ -120,15 +166,25 @@ def check_with_dtensor(
     outs = [value_of(a) for a in _compat.torch_tree_leaves(out_node.args)]
     final = []
     for v, s, ok in zip(outs, out_shardings, unreduced):
-        dst = _kept_unreduced(dm_axes, actual[v], to_placements(s), ok) if s is not None else _expressible(mesh, meta_of(v), actual[v])
+        dst = (
+            _kept_unreduced(dm_axes, actual[v], to_placements(s), ok)
+            if s is not None
+            else _expressible(mesh, meta_of(v), actual[v])
+        )
         move(v, dst, out_node)
         final.append(dst)
     return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final
 
 
 def _strategy_decision(
-    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
-    preferred: list[Placements | None], asked: dict[Any, Any],
+    node: torch.fx.Node,
+    mesh: Mesh,
+    op: Any,
+    arrived: list[Placements],
+    ins: list[Placements],
+    outs: list[Placements | None],
+    preferred: list[Placements | None],
+    asked: dict[Any, Any],
 ) -> tuple[list[Placements], list[Placements | None], bool]:
     """How an op with a DTensor strategy runs, given the per-axis choices ``ins``/``outs`` and the
     layouts its inputs arrive with: directly on the local shards where its rule allows (strided
@@ -153,8 +209,14 @@ def _strategy_decision(
 
 
 def _balanced_decision(
-    node: torch.fx.Node, mesh: Mesh, op: Any, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None],
-    preferred: list[Placements | None], asked: dict[Any, Any],
+    node: torch.fx.Node,
+    mesh: Mesh,
+    op: Any,
+    arrived: list[Placements],
+    ins: list[Placements],
+    outs: list[Placements | None],
+    preferred: list[Placements | None],
+    asked: dict[Any, Any],
 ) -> tuple[list[Placements], list[Placements | None], bool]:
     """:func:`_strategy_decision` for an op some of whose operands arrive or are wanted split
     balanced: decided on the contiguous shards of the balanced view (the same local shards,
@@ -163,8 +225,14 @@ def _balanced_decision(
     operand holds the same ones: :func:`vsf.jit.strategies._balanced_variants`)."""
     dims = {k for p in [*ins, *outs] if p is not None for k, q in enumerate(p) if kind_of(q) == "balanced"}
     got_in, got_out, direct = _strategy_decision(
-        node, mesh, op, [as_contiguous(p) for p in arrived], [as_contiguous(p) for p in ins], [as_contiguous(p) for p in outs],
-        [as_contiguous(p) for p in preferred], asked,
+        node,
+        mesh,
+        op,
+        [as_contiguous(p) for p in arrived],
+        [as_contiguous(p) for p in ins],
+        [as_contiguous(p) for p in outs],
+        [as_contiguous(p) for p in preferred],
+        asked,
     )
     metas = [meta_of(v) for v in tensor_args(node)] + list(outputs_meta(node))
 
@@ -176,7 +244,9 @@ def _balanced_decision(
             if is_shard(p[k]):
                 b = balanced_of(p[k])
                 if t.shape[b.dim] % (2 * b.groups * mesh.axis_size(mesh.device_axes[k])):
-                    raise PlanError(f"{node.target} would split dim {b.dim} of {tuple(t.shape)} balanced over {mesh.device_axes[k]!r}, which does not cut it into equal chunks{user_line(node)}")
+                    raise PlanError(
+                        f"{node.target} would split dim {b.dim} of {tuple(t.shape)} balanced over {mesh.device_axes[k]!r}, which does not cut it into equal chunks{user_line(node)}"
+                    )
                 out[k] = b
         return tuple(out)
 
@@ -184,17 +254,24 @@ def _balanced_decision(
     return placed[: len(got_in)], placed[len(got_in) :], direct
 
 
-def _local_over_manual(node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> None:
+def _local_over_manual(
+    node: torch.fx.Node, mesh: Mesh, ins: Sequence[Placements], outs: Sequence[Placements | None]
+) -> None:
     """A region's body op runs on each rank's values as they are over the region's manual axes:
     DTensor's decision on the full mesh must move nothing there."""
     r = manual.region_of(node)
     for k, a in enumerate(mesh.device_axes):
         if a in r.manual and any(p is not None and p[k] != R for p in [*ins, *outs]):
-            raise PlanError(f"{node.target} in shard_map({r.name}) would need {list(ins)} -> {list(outs)}, which moves values over its manual axis {a!r}{user_line(node)}")
+            raise PlanError(
+                f"{node.target} in shard_map({r.name}) would need {list(ins)} -> {list(outs)}, which moves values over its manual axis {a!r}{user_line(node)}"
+            )
 
 
 def _keep_strided(
-    actual: list[Placements], ins: list[Placements], outs: list[Placements | None], preferred: Sequence[Placements | None]
+    actual: list[Placements],
+    ins: list[Placements],
+    outs: list[Placements | None],
+    preferred: Sequence[Placements | None],
 ) -> tuple[list[Placements], list[Placements | None]]:
     """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
     shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
@@ -209,16 +286,25 @@ def _keep_strided(
     a factor of ``b / dp``); where such an input arrives without a split of that dim, the op runs
     replicated on that mesh dim (the split the per-axis solver counted on was not made)."""
     unmet = {
-        k for a, want in zip(actual, ins) for k, w in enumerate(want)
+        k
+        for a, want in zip(actual, ins)
+        for k, w in enumerate(want)
         if kind_of(w) == "strided" and not (is_shard(a[k]) and split_dim(a[k]) == w.dim)
     }
     flat = lambda p: [R if k in unmet else one_d(q) for k, q in enumerate(p)]  # noqa: E731
     ins, outs = [flat(p) for p in ins], [None if p is None else flat(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
-            a[k].split_factor for a, want in zip(actual, ins)
-            if kind_of(a[k]) == "strided" and isinstance(want[k], Shard) and want[k].dim == a[k].dim
-            and all(one_d(w) == one_d(b) for j, (b, w) in enumerate(zip(a, want)) if j != k and is_shard(b) and split_dim(b) == a[k].dim)
+            a[k].split_factor
+            for a, want in zip(actual, ins)
+            if kind_of(a[k]) == "strided"
+            and isinstance(want[k], Shard)
+            and want[k].dim == a[k].dim
+            and all(
+                one_d(w) == one_d(b)
+                for j, (b, w) in enumerate(zip(a, want))
+                if j != k and is_shard(b) and split_dim(b) == a[k].dim
+            )
         } | {p[k].split_factor for p in preferred if p is not None and kind_of(p[k]) == "strided"}
         if len(factors) != 1:
             continue
@@ -249,7 +335,9 @@ def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placeme
     return out
 
 
-def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements]) -> dict[tuple[int, ...], list[Placements]]:
+def _input_nestings(
+    gm: torch.fx.GraphModule, in_placements: Sequence[Placements]
+) -> dict[tuple[int, ...], list[Placements]]:
     """The strided layouts of the graph's inputs, by shape: a ZeRO state leaf ``P(("fsdp", "dp"))``
     nests ``dp`` inside ``fsdp``, against mesh order."""
     found: dict[tuple[int, ...], list[Placements]] = {}
@@ -260,7 +348,9 @@ def _input_nestings(gm: torch.fx.GraphModule, in_placements: Sequence[Placements
     return found
 
 
-def _nested(nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, placements: Placements) -> Placements | None:
+def _nested(
+    nestings: dict[tuple[int, ...], list[Placements]], t: torch.Tensor, placements: Placements
+) -> Placements | None:
     """The strided layout of an input of ``t``'s shape whose mesh dims split the same tensor dims
     as ``placements`` do (in mesh order), if there is one: values shaped like a ZeRO state leaf
     (its gradient, its update) are split as the state is, so they reach it without regathering.

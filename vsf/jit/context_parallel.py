@@ -122,7 +122,11 @@ def splits_sequence(node: torch.fx.Node, ins: Sequence[Placements]) -> bool:
     """Does vsf run ``node`` with its inputs laid out as ``ins`` (:func:`run`)? It does for an
     attention node whose queries' sequence they split, causal or with its keys' sequence split too
     (DTensor runs full attention on query shards with whole keys as it is)."""
-    return is_attention(node) and bool(_split_of(node, ins, "query")) and (_causal(node) or bool(_split_of(node, ins, "key")))
+    return (
+        is_attention(node)
+        and bool(_split_of(node, ins, "query"))
+        and (_causal(node) or bool(_split_of(node, ins, "key")))
+    )
 
 
 def runs(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
@@ -190,12 +194,17 @@ def run(mesh: Mesh, node: torch.fx.Node, args: tuple, kwargs: dict[str, Any], in
     # a real process knows its rank while it plans its blocks and skips those it does not see;
     # simulated ranks run the same ops together, so they compute every block and drop the unseen
     me: int | torch.Tensor = (
-        index(runtime.rank()) if group.kind != "simulated"
-        else backend.per_rank(torch.zeros((), dtype=torch.int64), group, lambda _, __, rank: torch.tensor(index(rank)), with_rank=True)
+        index(runtime.rank())
+        if group.kind != "simulated"
+        else backend.per_rank(
+            torch.zeros((), dtype=torch.int64), group, lambda _, __, rank: torch.tensor(index(rank)), with_rank=True
+        )
     )
     layout = _Layout(n, 2 if balanced else 1, _causal(node))
     ring = _ring_axis(mesh, node, ins)
-    blocks = _Ring(mesh, ring, given["key"], given["value"]) if ring else _Gathered(given["key"], given["value"], me, layout)
+    blocks = (
+        _Ring(mesh, ring, given["key"], given["value"]) if ring else _Gathered(given["key"], given["value"], me, layout)
+    )
     if node.target is _FORWARD:
         return _forward(given, layout, me, blocks)
     return _backward(given, layout, me, blocks)
@@ -234,7 +243,11 @@ class _Layout:
         if self.chunks == 1:
             return [_Piece(whole, whole, False, me >= s)]
         first, second = slice(0, 1), slice(1, 2)
-        return [_Piece(second, first, False, True), _Piece(first, first, False, me >= s), _Piece(second, second, False, me < s)]
+        return [
+            _Piece(second, first, False, True),
+            _Piece(first, first, False, me >= s),
+            _Piece(second, second, False, me < s),
+        ]
 
     def key_positions(self, j: torch.Tensor | int, block: int) -> torch.Tensor:
         """The sequence positions of rank ``j``'s key block (``block`` of them), in its order."""
@@ -313,7 +326,9 @@ def _visible(seen: bool | torch.Tensor) -> bool:
     return isinstance(seen, torch.Tensor) or seen
 
 
-def _forward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blocks: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blocks: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and log-sum-exp of the rank's queries: each query chunk's pieces merged by the
     log-sum-exp rule (a piece not seen weighs nothing)."""
     q, scale, m = given["query"], given.get("scale"), layout.chunks
@@ -323,7 +338,9 @@ def _forward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blo
         for piece in layout.pieces(s, me):
             if not _visible(piece.seen):
                 continue
-            out, lse = _FORWARD(_cut(q, piece.qs, m), _cut(k, piece.ks, m), _cut(v, piece.ks, m), 0.0, piece.causal, scale=scale)
+            out, lse = _FORWARD(
+                _cut(q, piece.qs, m), _cut(k, piece.ks, m), _cut(v, piece.ks, m), 0.0, piece.causal, scale=scale
+            )
             if isinstance(piece.seen, torch.Tensor):
                 lse = lse.masked_fill(~piece.seen, float("-inf"))
             width = out.shape[2] // (piece.qs.stop - piece.qs.start)
@@ -338,7 +355,9 @@ def _forward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blo
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
-def _backward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blocks: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, blocks: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The query gradient and the key and value gradients (this rank's share of whole ones, or
     its own blocks' on a ring): each seen piece's, from the kernel's backward with the merged
     output and log-sum-exp."""
@@ -354,8 +373,15 @@ def _backward(given: dict[str, Any], layout: _Layout, me: int | torch.Tensor, bl
                 continue
             qs, ks = piece.qs, piece.ks
             gq, gk, gv = _BACKWARD(
-                _cut(grad, qs, m), _cut(q, qs, m), _cut(k, ks, m), _cut(v, ks, m), _cut(out, qs, m), _cut(lse.unsqueeze(-1), qs, m).squeeze(-1),
-                0.0, piece.causal, scale=scale,
+                _cut(grad, qs, m),
+                _cut(q, qs, m),
+                _cut(k, ks, m),
+                _cut(v, ks, m),
+                _cut(out, qs, m),
+                _cut(lse.unsqueeze(-1), qs, m).squeeze(-1),
+                0.0,
+                piece.causal,
+                scale=scale,
             )
             if isinstance(piece.seen, torch.Tensor):
                 # (where, not a product: an unseen piece's terms may overflow)

@@ -44,8 +44,20 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.placement import kind_of
 
 __all__ = [
-    "COLLECTIVE_LATENCY_BYTES", "Codes", "INF", "NOT_PARTIAL", "REPLICATED_OR_SUM", "is_sum", "local_bytes", "local_flops", "local_shape", "op_flops",
-    "splits_work", "transition_bytes", "transition_kind", "unsplit_bytes",
+    "COLLECTIVE_LATENCY_BYTES",
+    "Codes",
+    "INF",
+    "NOT_PARTIAL",
+    "REPLICATED_OR_SUM",
+    "is_sum",
+    "local_bytes",
+    "local_flops",
+    "local_shape",
+    "op_flops",
+    "splits_work",
+    "transition_bytes",
+    "transition_kind",
+    "unsplit_bytes",
 ]
 
 
@@ -197,7 +209,13 @@ def op_flops(node: torch.fx.Node) -> int:
     if formula is None:
         return 0
     meta = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
-    return int(formula(*_compat.torch_tree_map(meta, node.args), out_val=node.meta.get("val"), **_compat.torch_tree_map(meta, node.kwargs)))
+    return int(
+        formula(
+            *_compat.torch_tree_map(meta, node.args),
+            out_val=node.meta.get("val"),
+            **_compat.torch_tree_map(meta, node.kwargs),
+        )
+    )
 
 
 def splits_work(placements: Sequence[Any]) -> bool:

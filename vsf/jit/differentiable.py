@@ -70,10 +70,14 @@ def grad_mask(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
     """
     if not torch.is_grad_enabled():
         return None
-    wanted = [isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex()) for x in leaves]
+    wanted = [
+        isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex()) for x in leaves
+    ]
     if not any(wanted) or any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x in leaves):
         return None
-    return tuple((tuple(x.placements) if isinstance(x, DTensor) else "T") if w else None for x, w in zip(leaves, wanted))
+    return tuple(
+        (tuple(x.placements) if isinstance(x, DTensor) else "T") if w else None for x, w in zip(leaves, wanted)
+    )
 
 
 def plan_joint(
@@ -108,16 +112,36 @@ def plan_joint(
     targets = _output_shardings(mesh, traced, in_placements, out_metas, out_targets, options)
     avals = [(tuple(x.shape), x.dtype) for x in inputs]
     mask = [g is not None for g in grad]
-    joint = trace_joint(fun, avals, rebuild, mask, [(tuple(m.shape), m.dtype) for m in out_metas], mesh.device_type, unplanned_ops, never_planned_decompositions(),
-                        allow_unkeyed_random=options.allow_unkeyed_random, shardings=[sharding_of(x) for x in inputs], names=names, options=options)
+    joint = trace_joint(
+        fun,
+        avals,
+        rebuild,
+        mask,
+        [(tuple(m.shape), m.dtype) for m in out_metas],
+        mesh.device_type,
+        unplanned_ops,
+        never_planned_decompositions(),
+        allow_unkeyed_random=options.allow_unkeyed_random,
+        shardings=[sharding_of(x) for x in inputs],
+        names=names,
+        options=options,
+    )
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)
     grad_targets = [_grad_target(mesh, leaves[i], unsharded if i in unreduced else ()) for i in with_grad]
-    may_stay = [_replicated_axes(mesh, leaves[i]) + _split_axes(mesh, leaves[i], unsharded) if i in unreduced else () for i in with_grad]
+    may_stay = [
+        _replicated_axes(mesh, leaves[i]) + _split_axes(mesh, leaves[i], unsharded) if i in unreduced else ()
+        for i in with_grad
+    ]
     plan = propagate(
-        joint.traced.graph, mesh, in_placements + [to_placements(t) for t in targets], targets + grad_targets,
-        options, unreduced=[()] * len(targets) + may_stay, reduce_dtype=reduce_dtype,
+        joint.traced.graph,
+        mesh,
+        in_placements + [to_placements(t) for t in targets],
+        targets + grad_targets,
+        options,
+        unreduced=[()] * len(targets) + may_stay,
+        reduce_dtype=reduce_dtype,
     )
     parts = partition(plan, len(avals), len(out_metas), [j for j, d in enumerate(joint.differentiable) if d])
     return JointPlan(plan, parts, joint, with_grad)
@@ -131,7 +155,9 @@ def _grad_target(mesh: Mesh, leaf: Any, unsharded: Sequence[str]) -> NamedShardi
     split = _split_axes(mesh, leaf, unsharded)
     if not split:
         return sharding_of(leaf)
-    return from_placements(mesh, tuple(Replicate() if a in split else p for a, p in zip(mesh.device_axes, leaf.placements)), leaf.ndim)
+    return from_placements(
+        mesh, tuple(Replicate() if a in split else p for a, p in zip(mesh.device_axes, leaf.placements)), leaf.ndim
+    )
 
 
 def _split_axes(mesh: Mesh, leaf: Any, axes: Sequence[str]) -> tuple[str, ...]:
@@ -157,18 +183,30 @@ def grad_shardings(jp: JointPlan, leaves: Sequence[Any]) -> list[NamedSharding |
         >>> grad_shardings(jp, [w, x, 2.0])   # w replicated, x split over dp, w in ``unreduced``
         [NamedSharding(mesh, P(unreduced=('dp',))), NamedSharding(mesh, P('dp')), None]
     """
-    grads = dict(zip(jp.with_grad, jp.plan.outputs[jp.joint.n_outputs:]))
-    return [from_placements(jp.plan.mesh, grads[i], x.ndim) if i in grads and isinstance(x, DTensor) else None for i, x in enumerate(leaves)]
+    grads = dict(zip(jp.with_grad, jp.plan.outputs[jp.joint.n_outputs :]))
+    return [
+        from_placements(jp.plan.mesh, grads[i], x.ndim) if i in grads and isinstance(x, DTensor) else None
+        for i, x in enumerate(leaves)
+    ]
 
 
 def _output_shardings(
-    mesh: Mesh, traced: Traced, in_placements: list[Placements], out_metas: list[torch.Tensor], out_targets: Sequence[NamedSharding | None], options: PlanOptions
+    mesh: Mesh,
+    traced: Traced,
+    in_placements: list[Placements],
+    out_metas: list[torch.Tensor],
+    out_targets: Sequence[NamedSharding | None],
+    options: PlanOptions,
 ) -> list[NamedSharding]:
-    fixed = [t if t is not None or m.ndim else NamedSharding(mesh, PartitionSpec()) for t, m in zip(out_targets, out_metas)]
+    fixed = [
+        t if t is not None or m.ndim else NamedSharding(mesh, PartitionSpec()) for t, m in zip(out_targets, out_metas)
+    ]
     if all(t is not None for t in fixed):
         return fixed
     alone = propagate(traced.graph, mesh, in_placements, fixed, options)
-    return [t if t is not None else from_placements(mesh, pl, m.ndim) for t, pl, m in zip(fixed, alone.outputs, out_metas)]
+    return [
+        t if t is not None else from_placements(mesh, pl, m.ndim) for t, pl, m in zip(fixed, alone.outputs, out_metas)
+    ]
 
 
 @dataclasses.dataclass
@@ -195,8 +233,16 @@ class Program:
     run: Run | None = None
 
 
-def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[Any], out_metas: Sequence[torch.Tensor],
-            deferred: Sequence[int] = (), sink: Callable[[Callable[[], None]], None] | None = None, names: Sequence[str] = ()) -> Program:
+def program(
+    name: str,
+    jp: JointPlan,
+    leaves: Sequence[Any],
+    out_layouts: list[Any],
+    out_metas: Sequence[torch.Tensor],
+    deferred: Sequence[int] = (),
+    sink: Callable[[Callable[[], None]], None] | None = None,
+    names: Sequence[str] = (),
+) -> Program:
     """The :class:`Program` of a call of ``name`` planned as ``jp`` (``out_layouts``: its outputs'
     DTensor layouts), the gradients of the leaves ``deferred`` (indices into ``leaves``, whose
     ``names`` its errors give) left to ``sink`` (see ``vsf.jit``'s ``deferred_grad_argnums``);
@@ -210,15 +256,27 @@ def program(name: str, jp: JointPlan, leaves: Sequence[Any], out_layouts: list[A
     }
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     later = [k for k, i in enumerate(jp.with_grad) if i in deferred]
-    split = split_backward(jp.parts.backward, [k for k in range(len(jp.with_grad)) if k not in later]) if later else None
+    split = (
+        split_backward(jp.parts.backward, [k for k in range(len(jp.with_grad)) if k not in later]) if later else None
+    )
     return Program(
-        name, jp.parts, out_layouts, [(tuple(m.shape), m.dtype) for m in out_metas],
-        jp.joint.differentiable, tuple(i in layouts for i in tensors), [layouts.get(i) for i in tensors],
-        split, tuple(tensors.index(jp.with_grad[k]) for k in later), tuple(names[jp.with_grad[k]] for k in later) if names else (), sink,
+        name,
+        jp.parts,
+        out_layouts,
+        [(tuple(m.shape), m.dtype) for m in out_metas],
+        jp.joint.differentiable,
+        tuple(i in layouts for i in tensors),
+        [layouts.get(i) for i in tensors],
+        split,
+        tuple(tensors.index(jp.with_grad[k]) for k in later),
+        tuple(names[jp.with_grad[k]] for k in later) if names else (),
+        sink,
     )
 
 
-def attach(program: Program, leaves: Sequence[torch.Tensor], locals_in: list[torch.Tensor], check: bool) -> list[DTensor]:
+def attach(
+    program: Program, leaves: Sequence[torch.Tensor], locals_in: list[torch.Tensor], check: bool
+) -> list[DTensor]:
     """Run ``program``'s forward on ``locals_in`` and return its outputs attached to autograd's
     graph through ``leaves`` (the call's tensor leaves, as the caller passed them)."""
     return list(_Jitted.apply(program, locals_in, check, *leaves))
@@ -226,7 +284,9 @@ def attach(program: Program, leaves: Sequence[torch.Tensor], locals_in: list[tor
 
 class _Jitted(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, program: Program, locals_in: list[torch.Tensor], check: bool, *leaves: torch.Tensor) -> tuple[DTensor, ...]:
+    def forward(
+        ctx: Any, program: Program, locals_in: list[torch.Tensor], check: bool, *leaves: torch.Tensor
+    ) -> tuple[DTensor, ...]:
         ctx.set_materialize_grads(False)
         n = len(program.out_layouts)
         result = program.run(0, locals_in, check)
@@ -234,8 +294,10 @@ class _Jitted(torch.autograd.Function):
         ctx.deferred = [leaves[t] for t in program.deferred]
         for name, leaf in zip(program.deferred_names, ctx.deferred):
             if not leaf.is_leaf:
-                raise ValueError(f"{program.name}: {name} has its gradient deferred (deferred_grad_argnums), so it must be an autograd leaf "
-                                 f"(a param, whose .grad gets it), but it was computed by torch ops (grad_fn {type(leaf.grad_fn).__name__})")
+                raise ValueError(
+                    f"{program.name}: {name} has its gradient deferred (deferred_grad_argnums), so it must be an autograd leaf "
+                    f"(a param, whose .grad gets it), but it was computed by torch ops (grad_fn {type(leaf.grad_fn).__name__})"
+                )
         ctx.save_for_backward(*result[n:])
         outs = tuple(_compat.dtensor_from_local(t, layout) for t, layout in zip(result[:n], program.out_layouts))
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, program.differentiable) if not d))
@@ -253,7 +315,7 @@ class _Jitted(torch.autograd.Function):
         plan = program.parts.backward
         saved = list(ctx.saved_tensors)
         live = program.parts.live
-        wanted = plan.inputs[len(saved):]
+        wanted = plan.inputs[len(saved) :]
         tangents = [_as_planned(cotangents[j], plan.mesh, wanted[k], program.out_avals[j]) for k, j in enumerate(live)]
         if program.split is None:
             grads = iter(program.run(1, saved + tangents, ctx.check))
@@ -266,14 +328,16 @@ class _Jitted(torch.autograd.Function):
         return tuple(out)
 
 
-def _deferring(program: Program, inputs: list[torch.Tensor], leaves: list[torch.Tensor], check: bool) -> list[torch.Tensor | None]:
+def _deferring(
+    program: Program, inputs: list[torch.Tensor], leaves: list[torch.Tensor], check: bool
+) -> list[torch.Tensor | None]:
     """The backward's gradients with the deferred ones ``None``: its split's first part run now,
     and ``program.sink`` handed the second part, which adds the others into ``leaves``' ``.grad``
     (holding ``inputs`` and the first part's stash until it runs)."""
     split = program.split
     head = program.run(2, inputs, check)
     now = dict(zip(split.first, head[: len(split.first)]))
-    stash = head[len(split.first):]
+    stash = head[len(split.first) :]
     layouts = [program.grad_layouts[t] for t in program.deferred]
 
     def weights() -> None:
@@ -286,7 +350,9 @@ def _deferring(program: Program, inputs: list[torch.Tensor], leaves: list[torch.
     return [now.get(k) for k in range(len(split.first) + len(split.rest))]
 
 
-def _as_planned(g: torch.Tensor | None, mesh: Any, want: Placements, aval: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
+def _as_planned(
+    g: torch.Tensor | None, mesh: Any, want: Placements, aval: tuple[tuple[int, ...], torch.dtype]
+) -> torch.Tensor:
     """A cotangent as the local shard of the layout the backward program takes it in (``want``):
     redistributed once if it arrives otherwise, zeros if it does not arrive."""
     if isinstance(g, DTensor) and tuple(g.placements) == tuple(want):

@@ -42,9 +42,13 @@ class Donated(torch.Tensor):
         return f"{name} (as args[{i}]{tree.keystr(tree.leaves_with_path(arg)[k][0], brackets=True)})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         where = next(a.where for a in _compat.torch_tree_leaves((args, kwargs)) if isinstance(a, Donated))
-        raise RuntimeError(f"this value was donated to {where}, which released its memory; use the value that call returned")
+        raise RuntimeError(
+            f"this value was donated to {where}, which released its memory; use the value that call returned"
+        )
 
 
 def donate(args: tuple[Any, ...], argnums: Sequence[int], name: str) -> None:
@@ -61,10 +65,14 @@ def check_not_donated(leaf: DTensor, name: Callable[[], str]) -> None:
     """Refuse an argument (named ``name()``, computed only for the error) that an earlier call took as donated."""
     local = _compat.dtensor_local(leaf)
     if isinstance(local, Donated):
-        raise RuntimeError(f"{name()} was donated to {local.where}, which released its memory; pass the value that call returned")
+        raise RuntimeError(
+            f"{name()} was donated to {local.where}, which released its memory; pass the value that call returned"
+        )
 
 
-def reuse_donated(gm: torch.fx.GraphModule, local_inputs: Sequence[torch.Tensor], donated: Sequence[int]) -> torch.fx.GraphModule:
+def reuse_donated(
+    gm: torch.fx.GraphModule, local_inputs: Sequence[torch.Tensor], donated: Sequence[int]
+) -> torch.fx.GraphModule:
     """Let the lowered program ``gm`` overwrite its inputs at positions ``donated``: it updates them
     in place where an op's result takes exactly their place (a donated optimizer state's ``lerp``,
     a donated param's ``sub``). An input passed twice is never overwritten."""
@@ -97,7 +105,9 @@ def _reuse(gm: torch.fx.GraphModule, owned: set[torch.fx.Node]) -> None:
             owned.update(_take_returns(gm, node, results, writes))
 
 
-def _take_returns(gm: torch.fx.GraphModule, node: torch.fx.Node, results: dict[int, torch.fx.Node], writes: list[tuple[int, int]]) -> list[torch.fx.Node]:
+def _take_returns(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, results: dict[int, torch.fx.Node], writes: list[tuple[int, int]]
+) -> list[torch.fx.Node]:
     """Rewire the uses of ``node``'s results, now that it calls an in-place twin that returns
     fewer values: a result it no longer returns is the argument it overwrote, a lone result the
     node itself. Returns the nodes now standing for the overwritten values."""
@@ -123,7 +133,14 @@ def _results(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return {use.args[1]: use for use in node.users if use.target is operator.getitem}
 
 
-def _overwritable(node: torch.fx.Node, i: int, result: torch.fx.Node | None, owned: set[torch.fx.Node], outputs: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> bool:
+def _overwritable(
+    node: torch.fx.Node,
+    i: int,
+    result: torch.fx.Node | None,
+    owned: set[torch.fx.Node],
+    outputs: set[torch.fx.Node],
+    order: dict[torch.fx.Node, int],
+) -> bool:
     """May ``node``'s argument ``i`` take the place of ``result``, the value computed from it?"""
     x = node.args[i] if i < len(node.args) else None
     if not isinstance(x, torch.fx.Node) or result is None or x in outputs:
@@ -136,7 +153,26 @@ def _overwritable(node: torch.fx.Node, i: int, result: torch.fx.Node | None, own
     return a.shape == out.shape and a.dtype == out.dtype and a.stride() == out.stride()
 
 
-_VIEWS = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select", "split", "unsqueeze", "squeeze", "alias", "detach", "as_strided", "reshape", "unbind", "diagonal", "narrow")
+_VIEWS = (
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "split",
+    "unsqueeze",
+    "squeeze",
+    "alias",
+    "detach",
+    "as_strided",
+    "reshape",
+    "unbind",
+    "diagonal",
+    "narrow",
+)
 
 
 def allocates(node: torch.fx.Node) -> bool:
@@ -189,7 +225,9 @@ def _aliases(ret: Any, first: Any) -> bool:
     """Does a schema return alias the first argument (``Tensor(a)``; a list of views of it,
     ``Tensor(a)[]``, for a first argument marked ``Tensor(a -> *)``)?"""
     info = ret.alias_info
-    return info is not None and (info.before_set == first.before_set or (not info.before_set and "*" in first.after_set))
+    return info is not None and (
+        info.before_set == first.before_set or (not info.before_set and "*" in first.after_set)
+    )
 
 
 def _reads_only(use: torch.fx.Node, x: torch.fx.Node) -> bool:
@@ -221,7 +259,11 @@ def _inplace_variant(op: Any) -> tuple[Any, list[tuple[int, int]]] | None:
         return None
     twin = _compat.op_schema(target)
     returns = [r.alias_info.before_set if r.alias_info is not None else None for r in twin.returns]
-    written = [(i, a.alias_info.before_set) for i, a in enumerate(twin.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    written = [
+        (i, a.alias_info.before_set)
+        for i, a in enumerate(twin.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
     unreturned = iter(range(len(twin.returns), len(schema.returns)))
     writes = [(i, returns.index(alias) if alias in returns else next(unreturned, None)) for i, alias in written]
     return (target, writes) if writes and all(j is not None for _, j in writes) else None

@@ -56,6 +56,7 @@ def output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
     """The graph's ``output`` node (its arguments are the values the graph returns)."""
     return next(n for n in gm.graph.nodes if n.op == "output")
 
+
 def value_of(arg: torch.fx.Node) -> Value:
     """The (producer, output index) a graph argument refers to (``getitem`` nodes resolved)."""
     if arg.op == "call_function" and arg.target is GETITEM:
@@ -129,7 +130,9 @@ def user_line(node: torch.fx.Node) -> str:
     return f" at {line}" if line else ""
 
 
-LIBRARY_DIRS = tuple(d + os.sep for d in (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))))  # torch's, vsf's
+LIBRARY_DIRS = tuple(
+    d + os.sep for d in (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+)  # torch's, vsf's
 
 
 def is_library_file(filename: str) -> bool:
@@ -159,6 +162,7 @@ def source_line(node: torch.fx.Node) -> str:
 
 _FRAME = re.compile(r'File "(.*)", line \d+')  # a frame's header in a formatted stack trace
 
+
 def signature(x: Any) -> Any:
     """A hashable summary of op arguments (tensors by shape and dtype), to cache per-op questions."""
     if isinstance(x, torch.fx.Node):
@@ -168,4 +172,10 @@ def signature(x: Any) -> Any:
         return tuple(signature(a) for a in x)
     if isinstance(x, dict):
         return tuple(sorted((k, signature(v)) for k, v in x.items()))
-    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)) else repr(x)
+    return (
+        x
+        if isinstance(
+            x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+        )
+        else repr(x)
+    )

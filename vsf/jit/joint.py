@@ -83,12 +83,26 @@ def trace_joint(
         diff = [o.requires_grad and _floating(o) for o in outs]
         wrt = [w for w, m in zip(watched, mask) if m]
         used = [(o, c) for o, c, d in zip(outs, cotangents, diff) if d]
-        grads = torch.autograd.grad([o for o, _ in used], wrt, [c for _, c in used], allow_unused=True) if used else [None] * len(wrt)
+        grads = (
+            torch.autograd.grad([o for o, _ in used], wrt, [c for _, c in used], allow_unused=True)
+            if used
+            else [None] * len(wrt)
+        )
         info["diff"], info["has_grad"] = tuple(diff), tuple(g is not None for g in grads)
         return outs + [g for g in grads if g is not None]
 
-    traced = trace(joint, [*avals, *out_avals], lambda ts: ((ts,), {}), device, unplanned, decompositions, allow_unkeyed_random=allow_unkeyed_random,
-                   shardings=shardings, names=names, options=options)
+    traced = trace(
+        joint,
+        [*avals, *out_avals],
+        lambda ts: ((ts,), {}),
+        device,
+        unplanned,
+        decompositions,
+        allow_unkeyed_random=allow_unkeyed_random,
+        shardings=shardings,
+        names=names,
+        options=options,
+    )
     return Joint(traced, info["tree"], info["consts"], n, len(out_avals), info["diff"], info["has_grad"])
 
 
@@ -120,7 +134,9 @@ class _GradCalls(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.seen: list[bool] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if func in _ASKS_GRAD and not self.seen:
             self.seen.append(True)
         return func(*args, **(kwargs or {}))

@@ -44,7 +44,9 @@ def _replicated(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.fx.Node, list[Any]], None] | None = None) -> list[torch.Tensor]:
+def execute(
+    plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.fx.Node, list[Any]], None] | None = None
+) -> list[torch.Tensor]:
     """Run ``plan`` on local shards laid out as ``plan.inputs``; return local shards laid out as ``plan.outputs``.
 
     ``check`` (checking mode, :class:`vsf.jit.check.Checker`) is called after each op with the op's
@@ -96,7 +98,9 @@ def execute(plan: Plan, inputs: Sequence[torch.Tensor], check: Callable[[torch.f
         elif step.op.kind == "manual":
             out = manual.run(node, args)
         elif step.op.kind == "constant":
-            out = _compat.torch_tree_map(lambda t: _replicated(t) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs))
+            out = _compat.torch_tree_map(
+                lambda t: _replicated(t) if isinstance(t, torch.Tensor) else t, node.target(*args, **kwargs)
+            )
         elif split_queries:
             out = context_parallel.run(plan.mesh, node, args, kwargs, step.ins)
         elif as_dtensor:
@@ -138,7 +142,12 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
     once more; its in-place twin would not, but ``CommDebugMode`` does not count it.)"""
     wire = plan.reduced_in(b)
     if wire is not None:  # reduced in the plan's reduce_dtype, each result cast back to its own
-        return [o.to(p.dtype) for p, o in zip(pieces, _run_bucket(dataclasses.replace(plan, reduce_dtype=None), b, [p.to(wire) for p in pieces]))]
+        return [
+            o.to(p.dtype)
+            for p, o in zip(
+                pieces, _run_bucket(dataclasses.replace(plan, reduce_dtype=None), b, [p.to(wire) for p in pieces])
+            )
+        ]
     dm, mesh = plan.mesh.device_mesh, plan.mesh
     nd = len(b.members[0].src)
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]
@@ -149,18 +158,24 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
     if b.kind == "all_reduce":
         flat = torch.cat([p.reshape(-1) for p in pieces])
         src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(nd))
-        out = _compat.redistribute_local(flat, dm, src, replicated, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
+        out = _compat.redistribute_local(
+            flat, dm, src, replicated, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype
+        )
         return [o.view(p.shape) for p, o in zip(pieces, out.split([p.numel() for p in pieces]))]
     (k,) = b.mesh_dims
     n = sizes[k]
     if b.kind == "all_gather":
         flat = torch.cat([p.reshape(-1) for p in pieces])
         src = tuple(Shard(0) if j == k else Replicate() for j in range(nd))
-        out = _compat.redistribute_local(flat, dm, src, replicated, shape=(n * flat.numel(),), stride=(1,), dtype=flat.dtype)
+        out = _compat.redistribute_local(
+            flat, dm, src, replicated, shape=(n * flat.numel(),), stride=(1,), dtype=flat.dtype
+        )
         rows = out.view(n, -1).split([p.numel() for p in pieces], dim=1)
         # (reshape keeps a view where it can: a member of one element a rank is a strided view of
         # the buffer, which kernels such as CPU layer-norm backward read as a contiguous block)
-        return [_unstack(row.reshape(n, *p.shape), r.src[k].dim).contiguous() for r, p, row in zip(b.members, pieces, rows)]
+        return [
+            _unstack(row.reshape(n, *p.shape), r.src[k].dim).contiguous() for r, p, row in zip(b.members, pieces, rows)
+        ]
     chunks = [_stack(p, r.dst[k].dim, n).reshape(n, -1) for r, p in zip(b.members, pieces)]
     flat = torch.cat(chunks, dim=1).reshape(-1)
     src = tuple(Partial() if j == k else Replicate() for j in range(nd))
@@ -199,8 +214,14 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     ``vsf.simulate``, whose sizes differ by rank, are left as they are.)"""
     if local.ndim != traced.ndim or not all(type(n) is int for n in (*local.shape, *local.stride())):
         return local
-    broadcast = [d for d in range(traced.ndim) if traced.shape[d] > 1 and traced.stride(d) == 0 and local.shape[d] > 1 and local.stride(d) != 0]
-    base = local[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(local.ndim))] if broadcast else local
+    broadcast = [
+        d
+        for d in range(traced.ndim)
+        if traced.shape[d] > 1 and traced.stride(d) == 0 and local.shape[d] > 1 and local.stride(d) != 0
+    ]
+    base = (
+        local[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(local.ndim))] if broadcast else local
+    )
     order = _dim_order(traced)
     shape = [1 if traced.stride(d) == 0 else s for d, s in enumerate(traced.shape)]
     if _dense_in(traced.stride(), shape, order):

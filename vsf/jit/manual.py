@@ -28,7 +28,18 @@ from vsf.jit.graph import meta_of, op_nodes, outputs_meta, tensor_args, user_lin
 from vsf.jit.plan import R, Collective, Placements, one_d
 from vsf.jit.strategies import Strategy
 from vsf.ops.collectives import rebound
-from vsf.ops.region import AXIS_INDEX_OP, BOUNDARY_OPS, COLLECTIVE_OPS, EXCHANGE_OP, REGION_OPS, Region, call, copies, lookup, summed_over
+from vsf.ops.region import (
+    AXIS_INDEX_OP,
+    BOUNDARY_OPS,
+    COLLECTIVE_OPS,
+    EXCHANGE_OP,
+    REGION_OPS,
+    Region,
+    call,
+    copies,
+    lookup,
+    summed_over,
+)
 from vsf.sharding.mesh import Mesh
 
 __all__ = ["auto_strategies", "collectives", "fixed_on", "inside", "mark", "placements", "region_of", "run"]
@@ -96,7 +107,9 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
             continue
         if len(keys) > 1:
             names = " and ".join(sorted(f"shard_map({lookup(k).name})" for k in keys))
-            raise PlanError(f"{node.target} computes with values of {names} at once{user_line(node)}: pass values between regions as their results and arguments")
+            raise PlanError(
+                f"{node.target} computes with values of {names} at once{user_line(node)}: pass values between regions as their results and arguments"
+            )
         key = keys.pop()
         outer = [p for p, _ in tensor_args(node) if _TAG not in p.meta and p not in constants]
         if outer and node.target not in _ENTER:
@@ -130,7 +143,7 @@ def _varies(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -
 def _check_replicated(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -> None:
     """A region's result (``manual_out`` node) may vary only over the manual axes its spec splits."""
     r, i = lookup(node.args[1]), node.args[2]
-    (p, _), = tensor_args(node)
+    ((p, _),) = tensor_args(node)
     extra = sorted(varying.get(p, frozenset()) - set(r.outs[i].spec.axes))
     if extra and r.check_vma:
         raise PlanError(
@@ -148,7 +161,9 @@ def _manual_dim(node: torch.fx.Node, mesh: Mesh, axis: str) -> tuple[Region, int
         return None
     r = lookup(key)
     if r.mesh != mesh:
-        raise PlanError(f"shard_map({r.name}) runs on {r.mesh!r}, but the jitted step is planned over {mesh!r}{user_line(node)}: give the region the step's mesh")
+        raise PlanError(
+            f"shard_map({r.name}) runs on {r.mesh!r}, but the jitted step is planned over {mesh!r}{user_line(node)}: give the region the step's mesh"
+        )
     return (r, list(mesh.device_axes).index(axis)) if axis in r.manual else None
 
 
@@ -179,7 +194,9 @@ def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
     return Strategy((R,), (spec if kind == "manual_out" else one_d(summed_over(s, r.manual)[k]),))
 
 
-def placements(node: torch.fx.Node, mesh: Mesh, ins: list[Placements], outs: list[Placements | None]) -> tuple[list[Placements], list[Placements | None]]:
+def placements(
+    node: torch.fx.Node, mesh: Mesh, ins: list[Placements], outs: list[Placements | None]
+) -> tuple[list[Placements], list[Placements | None]]:
     """A region op's placements on the full mesh: the per-axis choices (``ins``, ``outs``), with a
     boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry).
 
@@ -225,7 +242,11 @@ def auto_strategies(node: torch.fx.Node, n: int) -> list[Strategy]:
         moves, partials = {d for d in range(len(s.spec)) if s.num_shards(d) > 1}, True
     x, y = meta_of(tensor_args(node)[0]), outputs_meta(node)[0]
     out = [Strategy((R, *counts), (R,))] + ([Strategy((Partial(), *counts), (Partial(),))] if partials else [])
-    return out + [Strategy((Shard(d), *counts), (Shard(d),)) for d in range(x.ndim) if d not in moves and x.shape[d] >= n and y.shape[d] >= n]
+    return out + [
+        Strategy((Shard(d), *counts), (Shard(d),))
+        for d in range(x.ndim)
+        if d not in moves and x.shape[d] >= n and y.shape[d] >= n
+    ]
 
 
 def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple[Collective, ...]:

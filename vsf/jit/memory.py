@@ -50,7 +50,9 @@ def peak_bytes(plan: Plan) -> int:
             step_of[item] = i
     end = len(plan.order)
     placeholders = placeholders_of(gm)
-    placed = {(ph, 0): pl for ph, pl in zip(placeholders, plan.inputs)} | {(n, i): pl for n, st in plan.nodes.items() for i, pl in enumerate(st.outs)}
+    placed = {(ph, 0): pl for ph, pl in zip(placeholders, plan.inputs)} | {
+        (n, i): pl for n, st in plan.nodes.items() for i, pl in enumerate(st.outs)
+    }
     # buffers (an input's, an op's result's or a redistribution's, by key): when each is made, its
     # last read, its bytes; and the buffer each value lives in
     born: dict[object, int] = {}
@@ -91,9 +93,15 @@ def peak_bytes(plan: Plan) -> int:
                 buffer_of[(node, i)] = reads[0]
             else:
                 buffer_of[(node, i)] = (node, i)
-                born[(node, i)], last[(node, i)], size[(node, i)] = at, at, local_bytes(plan.mesh, meta_of((node, i)), pl)
+                born[(node, i)], last[(node, i)], size[(node, i)] = (
+                    at,
+                    at,
+                    local_bytes(plan.mesh, meta_of((node, i)), pl),
+                )
     out = output_node(gm)
-    free = collections.Counter(_signature(plan, (ph, 0), plan.inputs[k]) for k, ph in enumerate(placeholders) if k in plan.donated)
+    free = collections.Counter(
+        _signature(plan, (ph, 0), plan.inputs[k]) for k, ph in enumerate(placeholders) if k in plan.donated
+    )
     for a, dst in zip(_compat.torch_tree_leaves(out.args), plan.outputs):
         key = read(value_of(a), dst, out, end)
         if key not in inputs and free[sig := _signature(plan, value_of(a), dst)] > 0:

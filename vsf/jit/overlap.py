@@ -34,8 +34,20 @@ __all__ = ["wait_late"]
 aten = torch.ops.aten
 
 # ops that only reshape a value: they move down with the wait whose result they view
-_RESHAPES = frozenset({operator.getitem, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.split.Tensor,
-                       aten.split_with_sizes.default, aten.t.default, aten.transpose.int, aten.permute.default, aten.alias.default})
+_RESHAPES = frozenset(
+    {
+        operator.getitem,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.alias.default,
+    }
+)
 
 
 def _is_wait(node: torch.fx.Node) -> bool:
@@ -81,11 +93,18 @@ def wait_late(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     nodes = list(gm.graph.nodes)
     moving = set()
     for n in nodes:
-        if _is_wait(n) or (n.op == "call_function" and n.target in _RESHAPES and n.all_input_nodes and all(a in moving for a in n.all_input_nodes)):
+        if _is_wait(n) or (
+            n.op == "call_function"
+            and n.target in _RESHAPES
+            and n.all_input_nodes
+            and all(a in moving for a in n.all_input_nodes)
+        ):
             moving.add(n)
     buffers = _buffers(nodes)
     position = {m: i for i, m in enumerate(nodes)}
-    writes = [(m, frozenset().union(*(buffers[w] for w in _written(m)))) for m in nodes if _written(m) or m.op == "output"]
+    writes = [
+        (m, frozenset().union(*(buffers[w] for w in _written(m)))) for m in nodes if _written(m) or m.op == "output"
+    ]
     next_of: dict[str, torch.fx.Node] = {}
     issued_next: dict[torch.fx.Node, torch.fx.Node] = {}  # a collective -> the next one of its op
     for n in reversed(nodes):

@@ -85,8 +85,12 @@ def partition(plan: Plan, n_primals: int, n_outputs: int, live: Sequence[int]) -
         chosen.setdefault((v, pl), (a, Saved(v, pl, local_bytes(mesh, meta_of(v), pl))))
     saved = tuple(s for _, s in chosen.values())
     forward = _program(
-        plan, (), primals, fwd_outs + [a for a, _ in chosen.values()],
-        list(plan.outputs[:n_outputs]) + [s.placements for s in saved], forward_side,
+        plan,
+        (),
+        primals,
+        fwd_outs + [a for a, _ in chosen.values()],
+        list(plan.outputs[:n_outputs]) + [s.placements for s in saved],
+        forward_side,
     )
     tangents = [cotangents[j] for j in live]
     backward = _program(plan, saved, tangents, grads, list(plan.outputs[n_outputs:]), backward_side)
@@ -124,24 +128,48 @@ def split_backward(backward: Plan, first: Sequence[int]) -> SplitBackward:
     outs = list(_compat.torch_tree_leaves(output_node(gm).args))
     rest = tuple(j for j in range(len(outs)) if j not in first)
     firsts = _closure([outs[j] for j in first], lambda n: True)
-    firsts |= {n for n in gm.graph.nodes if n.op == "call_function" and n.target is GETITEM and n.args[0] in firsts}   # (each output of what it computed)
+    firsts |= {
+        n for n in gm.graph.nodes if n.op == "call_function" and n.target is GETITEM and n.args[0] in firsts
+    }  # (each output of what it computed)
     later = lambda n: n not in firsts  # noqa: E731
     seconds = _closure([outs[j] for j in rest], later)
-    reads = [(a, v) for node in gm.graph.nodes if node in seconds and node in backward.nodes for a, v, _ in _tensor_uses(backward, node) if a in firsts]
+    reads = [
+        (a, v)
+        for node in gm.graph.nodes
+        if node in seconds and node in backward.nodes
+        for a, v, _ in _tensor_uses(backward, node)
+        if a in firsts
+    ]
     reads += [(outs[j], value_of(outs[j])) for j in rest if outs[j] in firsts]
     chosen = {v: a for a, v in reads}
-    stash = tuple(Saved(v, backward.placement(v), local_bytes(backward.mesh, meta_of(v), backward.placement(v))) for v in chosen)
+    stash = tuple(
+        Saved(v, backward.placement(v), local_bytes(backward.mesh, meta_of(v), backward.placement(v))) for v in chosen
+    )
     out_pl = backward.outputs
-    head = _program(backward, (), inputs, [outs[j] for j in first] + list(chosen.values()), [out_pl[j] for j in first] + [x.placements for x in stash], lambda n: n in firsts)
+    head = _program(
+        backward,
+        (),
+        inputs,
+        [outs[j] for j in first] + list(chosen.values()),
+        [out_pl[j] for j in first] + [x.placements for x in stash],
+        lambda n: n in firsts,
+    )
     tail = _program(backward, stash, inputs, [outs[j] for j in rest], [out_pl[j] for j in rest], later)
     return SplitBackward(head, tail, stash, tuple(first), rest)
 
 
-def _reads(plan: Plan, grads: Sequence[torch.fx.Node], n_outputs: int, backward_side: Callable[[torch.fx.Node], bool]) -> list[tuple[torch.fx.Node, Value, Placements]]:
+def _reads(
+    plan: Plan, grads: Sequence[torch.fx.Node], n_outputs: int, backward_side: Callable[[torch.fx.Node], bool]
+) -> list[tuple[torch.fx.Node, Value, Placements]]:
     """Every read of a forward value by the backward program (the nodes ``backward_side`` accepts
     that the gradients need): (argument node, value, placement read in)."""
     bwd_nodes = _closure([a for a in grads if backward_side(a)], backward_side)
-    reads = [(a, v, pl) for node in plan.graph.graph.nodes if node in bwd_nodes and node in plan.nodes for a, v, pl in _tensor_uses(plan, node)]
+    reads = [
+        (a, v, pl)
+        for node in plan.graph.graph.nodes
+        if node in bwd_nodes and node in plan.nodes
+        for a, v, pl in _tensor_uses(plan, node)
+    ]
     reads += [(a, value_of(a), pl) for a, pl in zip(grads, plan.outputs[n_outputs:])]
     return [r for r in reads if not backward_side(r[0])]
 
@@ -162,10 +190,17 @@ def _recomputed_views(plan: Plan, reads: Sequence[tuple[torch.fx.Node, Value, Pl
 
 
 def _is_view(plan: Plan, n: torch.fx.Node) -> bool:
-    return n in plan.nodes and getattr(n.target, "is_view", False) and is_tensor_node(n) and len(_tensor_uses(plan, n)) == 1
+    return (
+        n in plan.nodes
+        and getattr(n.target, "is_view", False)
+        and is_tensor_node(n)
+        and len(_tensor_uses(plan, n)) == 1
+    )
 
 
-def _dependence(gm: torch.fx.GraphModule, tangents: set[torch.fx.Node], primals: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+def _dependence(
+    gm: torch.fx.GraphModule, tangents: set[torch.fx.Node], primals: set[torch.fx.Node]
+) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
     """The nodes that depend on a cotangent, and those that depend on a primal."""
     on_t, on_p = set(tangents), set(primals)
     for n in gm.graph.nodes:
@@ -193,13 +228,25 @@ def _closure(roots: Sequence[torch.fx.Node], inside: Callable[[torch.fx.Node], b
 
 def _tensor_uses(plan: Plan, node: torch.fx.Node) -> list[tuple[torch.fx.Node, Value, Placements]]:
     """``node``'s tensor arguments in order: the argument node, its value, the placement the plan reads it in."""
-    args = [a for a in _compat.torch_tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node) and is_tensor_node(a)]
+    args = [
+        a
+        for a in _compat.torch_tree_leaves((node.args, node.kwargs))
+        if isinstance(a, torch.fx.Node) and is_tensor_node(a)
+    ]
     return [(a, value_of(a), pl) for a, pl in zip(args, plan.nodes[node].ins)]
 
 
-def _moves_made(plan: Plan, nodes: Sequence[torch.fx.Node], outputs: Sequence[torch.fx.Node]) -> set[tuple[Value, Placements]]:
+def _moves_made(
+    plan: Plan, nodes: Sequence[torch.fx.Node], outputs: Sequence[torch.fx.Node]
+) -> set[tuple[Value, Placements]]:
     """The (value, placement) pairs the forward program redistributes to anyway (for its ops and outputs)."""
-    made = {(v, pl) for node in nodes if node in plan.nodes for _, v, pl in _tensor_uses(plan, node) if plan.placement(v) != pl}
+    made = {
+        (v, pl)
+        for node in nodes
+        if node in plan.nodes
+        for _, v, pl in _tensor_uses(plan, node)
+        if plan.placement(v) != pl
+    }
     made.update((value_of(a), pl) for a, pl in zip(outputs, plan.outputs) if plan.placement(value_of(a)) != pl)
     return made
 
@@ -258,11 +305,17 @@ def _program(
     ins = tuple(s.placements for s in saved) + tuple(plan.placement((ph, 0)) for ph in inputs)
     draft = Plan(plan.mesh, sub, nodes, ins, tuple(out_placements), (), (), (), plan.options)
     moves, users = _redistributions(draft)
-    buckets, order = form_buckets(plan.mesh, sub, moves, {id(r): users[(r.value, r.dst)] for r in moves}, plan.options.bucket_bytes)
-    return dataclasses.replace(draft, redistributions=moves, buckets=buckets, order=order, reduce_dtype=plan.reduce_dtype)
+    buckets, order = form_buckets(
+        plan.mesh, sub, moves, {id(r): users[(r.value, r.dst)] for r in moves}, plan.options.bucket_bytes
+    )
+    return dataclasses.replace(
+        draft, redistributions=moves, buckets=buckets, order=order, reduce_dtype=plan.reduce_dtype
+    )
 
 
-def _redistributions(plan: Plan) -> tuple[tuple[Redistribution, ...], dict[tuple[Value, Placements], list[torch.fx.Node]]]:
+def _redistributions(
+    plan: Plan,
+) -> tuple[tuple[Redistribution, ...], dict[tuple[Value, Placements], list[torch.fx.Node]]]:
     """Every redistribution ``plan``'s ops and outputs read their inputs through, once per (value,
     placement), and the nodes that read each (a program cut from a joint plan makes its own)."""
     moves: dict[tuple[Value, Placements], Redistribution] = {}

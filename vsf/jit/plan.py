@@ -26,7 +26,16 @@ from vsf.jit.graph import Value, placeholders_of
 from vsf.ops.recording import CollectiveKind
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
-from vsf.sharding.placement import as_contiguous, balanced_of, has_balanced, has_ragged, is_shard, kind_of, one_d, split_dim
+from vsf.sharding.placement import (
+    as_contiguous,
+    balanced_of,
+    has_balanced,
+    has_ragged,
+    is_shard,
+    kind_of,
+    one_d,
+    split_dim,
+)
 
 __all__ = [
     "Bucket",
@@ -55,7 +64,9 @@ Placements = tuple[Placement, ...]
 R, PARTIAL = Replicate(), Partial()
 
 
-MoveKind = CollectiveKind | Literal["slice", "partition"]   # a collective, or a local step of a redistribution (a shard or a partial share kept)
+MoveKind = (
+    CollectiveKind | Literal["slice", "partition"]
+)  # a collective, or a local step of a redistribution (a shard or a partial share kept)
 BucketKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
 
 
@@ -133,7 +144,9 @@ class Plan:
     buckets: tuple[Bucket, ...]
     order: tuple[Any, ...]  # graph nodes and buckets, in the order the program runs them
     options: PlanOptions  # the switches it was planned with (vsf.config.plan_options)
-    reduce_dtype: torch.dtype | None = None  # floating values are reduced in this dtype (FSDP2's reduce_dtype); None: in their own
+    reduce_dtype: torch.dtype | None = (
+        None  # floating values are reduced in this dtype (FSDP2's reduce_dtype); None: in their own
+    )
     notes: tuple[str, ...] = ()  # what the planner chose and why (memory_budget's decisions), for the plan text
     donated: frozenset[int] = frozenset()  # the inputs (by position) the caller donated: outputs may take their buffers
 
@@ -142,7 +155,12 @@ class Plan:
         in the dtype it runs in (:meth:`wire`)."""
         bucketed = {id(r) for b in self.buckets for r in b.members}
         out = [c for r in self.redistributions if id(r) not in bucketed for c in self.wire(r)]
-        inside = [c for node in self.order if isinstance(node, torch.fx.Node) and node in self.nodes for c in self.nodes[node].collectives]
+        inside = [
+            c
+            for node in self.order
+            if isinstance(node, torch.fx.Node) and node in self.nodes
+            for c in self.nodes[node].collectives
+        ]
         return out + [c for b in self.buckets for c in self.wire(b)] + inside
 
     def reduced_in(self, r: Redistribution | Bucket) -> torch.dtype | None:
@@ -150,7 +168,13 @@ class Plan:
         floating value of another dtype (its value is cast for the move, and back after it)."""
         dtype = r.collectives[0].dtype if r.collectives else None
         reduces = any(c.kind in ("all_reduce", "reduce_scatter") for c in r.collectives)
-        if self.reduce_dtype is None or not reduces or dtype is None or not dtype.is_floating_point or dtype == self.reduce_dtype:
+        if (
+            self.reduce_dtype is None
+            or not reduces
+            or dtype is None
+            or not dtype.is_floating_point
+            or dtype == self.reduce_dtype
+        ):
             return None
         return self.reduce_dtype
 

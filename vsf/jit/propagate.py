@@ -95,29 +95,43 @@ def propagate(
     constants = constant_nodes(gm.graph)
     manual.mark(gm, constants)
     problem = Problem(
-        mesh=mesh, gm=gm, ops=ops,
+        mesh=mesh,
+        gm=gm,
+        ops=ops,
         inputs={n: tensor_args(n) for n in ops},
         strategies=Strategies(options, {n: classify(n, constants) for n in ops}, manual.auto_strategies),
-        seeds={}, out_req={}, pinned={}, solved={}, bytes_per_flop=options.compute_bytes_per_flop,
+        seeds={},
+        out_req={},
+        pinned={},
+        solved={},
+        bytes_per_flop=options.compute_bytes_per_flop,
     )
     problem.index()
     for ph, pl in zip(placeholders, in_placements):
         for p in pl:
             if kind_of(p) == "ragged" and p.ragged.dims != 1:
-                raise PlanError(f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})")
+                raise PlanError(
+                    f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})"
+                )
     dm_axes = list(mesh.device_axes)
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
         problem.balanced[axis] = any(kind_of(pl[k]) == "balanced" for pl in in_placements)
         problem.ragged[axis] = sorted(
-            {(pl[k], ph.meta["val"].shape[0]) for ph, pl in zip(placeholders, in_placements) if kind_of(pl[k]) == "ragged"},
+            {
+                (pl[k], ph.meta["val"].shape[0])
+                for ph, pl in zip(placeholders, in_placements)
+                if kind_of(pl[k]) == "ragged"
+            },
             key=repr,
         )
         problem.out_req[axis] = [
             (v, _out_requirement(s, k, axis in ok)) for v, s, ok in zip(outputs, out_shardings, unreduced)
         ]
-        problem.pinned[axis] = {n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"}
+        problem.pinned[axis] = {
+            n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"
+        }
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
         codes = {axis: Codes(mesh.axis_size(axis), options.collective_latency_bytes) for axis in axes}
@@ -128,12 +142,16 @@ def propagate(
                 solver.solve()
                 problem.solved[axis] = solver
         plans, moved, final = check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
-    plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated)
+    plan = _scheduled(
+        mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated
+    )
     notes: tuple[str, ...] = ()
     if reshard_after_forward is None and memory_budget is not None and (kept := peak_bytes(plan)) > memory_budget:
         plan = _scheduled(mesh, gm, plans, in_placements, final, moved, options, regather=True, donated=donated)
-        notes = (f"memory_budget {memory_budget:,} B: params gathered again for their backward uses (reshard after forward; "
-                 f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",)
+        notes = (
+            f"memory_budget {memory_budget:,} B: params gathered again for their backward uses (reshard after forward; "
+            f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",
+        )
     return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
 
 
@@ -156,15 +174,34 @@ def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
 
 
 def _scheduled(
-    mesh: Mesh, gm: torch.fx.GraphModule, plans: dict[torch.fx.Node, NodePlan], in_placements: Sequence[Placements],
-    final: list[Placements], moves: list[Redistribution], options: PlanOptions, *, regather: bool, donated: Sequence[int] = (),
+    mesh: Mesh,
+    gm: torch.fx.GraphModule,
+    plans: dict[torch.fx.Node, NodePlan],
+    in_placements: Sequence[Placements],
+    final: list[Placements],
+    moves: list[Redistribution],
+    options: PlanOptions,
+    *,
+    regather: bool,
+    donated: Sequence[int] = (),
 ) -> Plan:
     """The plan: with each gathered input gathered again for its later uses if ``regather``, the
     collectives bucketed and the program's order."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     moved = tuple(r for m in moves for r in (_regathered(index, m) if regather else (m,)))
     buckets, order = form_buckets(mesh, gm, moved, {id(r): list(r.users) for r in moved}, options.bucket_bytes)
-    return Plan(mesh, gm, plans, tuple(tuple(p) for p in in_placements), tuple(final), moved, buckets, order, options, donated=frozenset(donated))
+    return Plan(
+        mesh,
+        gm,
+        plans,
+        tuple(tuple(p) for p in in_placements),
+        tuple(final),
+        moved,
+        buckets,
+        order,
+        options,
+        donated=frozenset(donated),
+    )
 
 
 def _regathered(index: dict[torch.fx.Node, int], r: Redistribution) -> tuple[Redistribution, ...]:
@@ -178,7 +215,9 @@ def _regathered(index: dict[torch.fx.Node, int], r: Redistribution) -> tuple[Red
     if len(users) < 2 or not any(c.kind == "all_gather" for c in r.collectives) or not _input_view(r.value[0]):
         return (r,)
     cut = max(range(1, len(users)), key=lambda i: index[users[i]] - index[users[i - 1]])
-    return dataclasses.replace(r, before=users[0], users=tuple(users[:cut])), dataclasses.replace(r, before=users[cut], users=tuple(users[cut:]))
+    return dataclasses.replace(r, before=users[0], users=tuple(users[:cut])), dataclasses.replace(
+        r, before=users[cut], users=tuple(users[cut:])
+    )
 
 
 def _input_view(node: torch.fx.Node) -> bool:

@@ -27,10 +27,28 @@ from vsf.sharding import ragged
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import from_placements
 from vsf.sharding.placement import (
-    as_contiguous, balanced_order, has_balanced, has_ragged, has_strided, is_shard, kind_of, layout_of, on_dim, one_d, split_dim,
+    as_contiguous,
+    balanced_order,
+    has_balanced,
+    has_ragged,
+    has_strided,
+    is_shard,
+    kind_of,
+    layout_of,
+    on_dim,
+    one_d,
+    split_dim,
 )
 
-__all__ = ["Regather", "collectives_of", "local_step", "minor_step", "move_local", "strided_regather", "transition_path"]
+__all__ = [
+    "Regather",
+    "collectives_of",
+    "local_step",
+    "minor_step",
+    "move_local",
+    "strided_regather",
+    "transition_path",
+]
 
 
 _STEP_ORDER = {"slice": 0, "partition": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4, "all_gather": 5}
@@ -49,10 +67,14 @@ def minor_step(mesh: Mesh, src: Placements, dst: Placements) -> tuple[int, int] 
     if not strided or any(kind_of(p) not in ("replicate", "partial", "strided") for p in (src[k], dst[k])):
         return None
     d = strided[0].dim
-    if any(p.dim != d for p in strided) or any(isinstance(p, Partial) and p.reduce_op != "sum" for p in (src[k], dst[k])):
+    if any(p.dim != d for p in strided) or any(
+        isinstance(p, Partial) and p.reduce_op != "sum" for p in (src[k], dst[k])
+    ):
         return None
     inner = [j for j in range(k + 1, len(src)) if is_shard(src[j]) and split_dim(src[j]) == d]
-    if any(kind_of(src[j]) != "shard" for j in inner):  # a strided split inside: not the one 1D split of the local shard
+    if any(
+        kind_of(src[j]) != "shard" for j in inner
+    ):  # a strided split inside: not the one 1D split of the local shard
         return None
     later = math.prod(mesh.axis_size(mesh.device_axes[j]) for j in inner)
     earlier = any(is_shard(src[j]) and split_dim(src[j]) == d for j in range(k))
@@ -77,7 +99,12 @@ def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst
     sizes = tuple(mesh.axis_size(a) for a in mesh.device_axes)
     for k, (a, b) in enumerate(zip(src, dst)):
         whole, split = (src, dst) if isinstance(a, (Replicate, Partial)) else (dst, src)
-        if a == b or not isinstance(whole[k], (Replicate, Partial)) or isinstance(dst[k], Partial) or not is_shard(split[k]):
+        if (
+            a == b
+            or not isinstance(whole[k], (Replicate, Partial))
+            or isinstance(dst[k], Partial)
+            or not is_shard(split[k])
+        ):
             continue
         if isinstance(whole[k], Partial) and whole[k].reduce_op != "sum":
             return None
@@ -99,8 +126,16 @@ def _pieces_of(size: int, whole: Placements, split: Placements, k: int, sizes: t
     ``whole``?"""
     with _compat.local_mode_disabled():  # plain indices, whether or not ranks are simulated
         index = torch.arange(size)
-        coords = itertools.product(*(range(n) if is_shard(p) or is_shard(q) else (0,) for n, p, q in zip(sizes, whole, split)))
-        return all(torch.equal(torch.tensor_split(_compat.shard_of(index, whole, sizes, c), sizes[k])[c[k]], _compat.shard_of(index, split, sizes, c)) for c in coords)
+        coords = itertools.product(
+            *(range(n) if is_shard(p) or is_shard(q) else (0,) for n, p, q in zip(sizes, whole, split))
+        )
+        return all(
+            torch.equal(
+                torch.tensor_split(_compat.shard_of(index, whole, sizes, c), sizes[k])[c[k]],
+                _compat.shard_of(index, split, sizes, c),
+            )
+            for c in coords
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,14 +164,19 @@ def strided_regather(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: P
     src, dst = tuple(src), tuple(dst)
     if not has_strided([src, dst]) or has_ragged([src, dst]) or has_balanced([src, dst]) or src == dst:
         return None
-    if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)) or any(isinstance(a, Partial) and a.reduce_op != "sum" and a != b for a, b in zip(src, dst)):
+    if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)) or any(
+        isinstance(a, Partial) and a.reduce_op != "sum" and a != b for a, b in zip(src, dst)
+    ):
         return None
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]
     reduces = tuple(k for k, (a, b) in enumerate(zip(src, dst)) if isinstance(a, Partial) and a != b)
     gathers, slices = [], []
     for d in range(len(shape)):
         mine = lambda p: p if is_shard(p) and split_dim(p) == d else None  # noqa: E731
-        before, after = _lengths(shape[d], sizes, [mine(p) for p in src]), _lengths(shape[d], sizes, [mine(p) for p in dst])
+        before, after = (
+            _lengths(shape[d], sizes, [mine(p) for p in src]),
+            _lengths(shape[d], sizes, [mine(p) for p in dst]),
+        )
         if before is None or after is None:
             return None
         first = next((k for k, (a, b) in enumerate(zip(src, dst)) if mine(a) != mine(b)), None)
@@ -164,11 +204,21 @@ def _regather_collectives(mesh: Mesh, t: torch.Tensor, src: Placements, r: Regat
     """The all-reduces and all-gathers of ``r`` (its slices send nothing), with the bytes each rank sends."""
     shape = list(local_shape(mesh, t, src))
     out = []
-    for kind, k, d, length in [("all_reduce", k, None, None) for k in r.reduces] + [("all_gather", k, d, n) for k, d, _, n in r.gathers]:
+    for kind, k, d, length in [("all_reduce", k, None, None) for k in r.reduces] + [
+        ("all_gather", k, d, n) for k, d, _, n in r.gathers
+    ]:
         if d is not None:
             shape[d] = length
         n = mesh.axis_size(mesh.device_axes[k])
-        out.append(Collective(kind, mesh.device_axes[k], tuple(shape), t.dtype, int(round(transition_bytes(kind, n, math.prod(shape) * t.element_size())))))
+        out.append(
+            Collective(
+                kind,
+                mesh.device_axes[k],
+                tuple(shape),
+                t.dtype,
+                int(round(transition_bytes(kind, n, math.prod(shape) * t.element_size()))),
+            )
+        )
     return out
 
 
@@ -183,7 +233,9 @@ def _run_regather(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placeme
         return tuple(p if j == k else Replicate() for j in range(len(src)))
 
     def move(x: torch.Tensor, k: int, a: Any, b: Any) -> torch.Tensor:
-        return _compat.redistribute_local(x, dm, lone(k, a), lone(k, b), shape=tuple(shape), stride=_contiguous(shape), dtype=t.dtype)
+        return _compat.redistribute_local(
+            x, dm, lone(k, a), lone(k, b), shape=tuple(shape), stride=_contiguous(shape), dtype=t.dtype
+        )
 
     def swap(x: torch.Tensor, d: int, a: int, b: int) -> torch.Tensor:  # [a, b, m] -> [b, a, m] along d
         return x.unflatten(d, (a, b, -1)).transpose(d, d + 1).flatten(d, d + 2)
@@ -227,7 +279,10 @@ def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placem
             mid = tuple(dst[k] if k in first else p for k, p in enumerate(src))
             return [mid, *transition_path(mesh, mid, dst)]
         return [tuple(dst)]
-    dims = sorted((k for k, (a, b) in enumerate(zip(src, dst)) if a != b), key=lambda k: (_STEP_ORDER.get(transition_kind(src[k], dst[k]), 9), k))
+    dims = sorted(
+        (k for k, (a, b) in enumerate(zip(src, dst)) if a != b),
+        key=lambda k: (_STEP_ORDER.get(transition_kind(src[k], dst[k]), 9), k),
+    )
     path, current = [], list(src)
     for k in dims:
         current[k] = dst[k]
@@ -288,7 +343,9 @@ def move_local(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements
         level[k] = Replicate()
         shape = local_shape(mesh, t, tuple(level))
         lone = lambda p: tuple(one_d(p) if j == k else Replicate() for j in range(len(src)))  # noqa: E731
-        return _compat.redistribute_local(local, dm, lone(src[k]), lone(dst[k]), shape=shape, stride=_contiguous(shape), dtype=t.dtype)
+        return _compat.redistribute_local(
+            local, dm, lone(src[k]), lone(dst[k]), shape=shape, stride=_contiguous(shape), dtype=t.dtype
+        )
     regather = strided_regather(mesh, tuple(t.shape), src, dst)
     if regather is not None:
         return _run_regather(mesh, t, local, src, regather)
@@ -317,11 +374,14 @@ def _check_balanced(mesh: Mesh, placements: Placements) -> None:
     for k, p in enumerate(placements):
         if kind_of(p) == "balanced":
             others = [
-                mesh.device_axes[j] for j, q in enumerate(placements)
+                mesh.device_axes[j]
+                for j, q in enumerate(placements)
                 if j != k and is_shard(q) and split_dim(q) == p.dim and (j > k or kind_of(q) != "shard")
             ]
             if others:
-                raise PlanError(f"dim {p.dim} is split balanced over {mesh.device_axes[k]!r} and over {others} too ({placements}): vsf has no such layout")
+                raise PlanError(
+                    f"dim {p.dim} is split balanced over {mesh.device_axes[k]!r} and over {others} too ({placements}): vsf has no such layout"
+                )
 
 
 def _move_balanced(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
@@ -330,7 +390,9 @@ def _move_balanced(mesh: Mesh, t: torch.Tensor, local: torch.Tensor, src: Placem
     the dim and puts its chunks back in order, entering one puts them in the ranks' order (a
     replicated or partial value holds the whole dim) and keeps this rank's block."""
     dm = mesh.device_mesh
-    move = lambda x, a, b: _compat.redistribute_local(x, dm, as_contiguous(a), as_contiguous(b), shape=t.shape, stride=t.stride(), dtype=t.dtype)  # noqa: E731
+    move = lambda x, a, b: _compat.redistribute_local(
+        x, dm, as_contiguous(a), as_contiguous(b), shape=t.shape, stride=t.stride(), dtype=t.dtype
+    )  # noqa: E731
     current = tuple(src)
     for k, (a, b) in enumerate(zip(src, dst)):
         if a == b:

@@ -118,7 +118,9 @@ def without_recompute(gm: torch.fx.GraphModule, keep: frozenset[int] = frozenset
     return out
 
 
-def within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.GraphModule, memory_budget: int | None) -> Plan:
+def within_budget(
+    plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.GraphModule, memory_budget: int | None
+) -> Plan:
     """``gm``'s plan (``plan_of``), where ``memory_budget`` decides, block by block, the recompute
     the step asked for (``vsf.remat``, activation checkpointing): the plan recomputes the first
     ``m`` blocks of the forward (whose values live longest) for the least ``m`` whose estimated
@@ -138,7 +140,9 @@ def within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.
     again = recomputed(gm)
     if memory_budget is None or not again:
         return plan
-    runs = max(recompute_blocks(gm).values(), default=0)  # blocks, numbered in the backward's order: the forward's first is the last
+    runs = max(
+        recompute_blocks(gm).values(), default=0
+    )  # blocks, numbered in the backward's order: the forward's first is the last
     blocks = max(runs, 1)  # (a recompute that no block's matmul starts counts as one block)
     plans = {blocks: plan}
 
@@ -160,8 +164,10 @@ def within_budget(plan_of: Callable[[torch.fx.GraphModule], Plan], gm: torch.fx.
     none, every, peak = peak_bytes(recomputing(0)), peak_bytes(plan), peak_bytes(chosen)
     which = "no block" if hi == 0 else "every block" if hi == blocks else f"blocks 0-{hi - 1}" if hi > 1 else "block 0"
     fit = "fits" if peak <= memory_budget else "does NOT fit the budget"
-    note = (f"memory_budget {memory_budget:,} B: recomputes {which} of {blocks} in the backward, {len(recomputed(chosen.graph))} ops "
-            f"(estimated peak ~{peak:,} B, {fit}; ~{every:,} B with every block, ~{none:,} B with none; {len(plans)} plans weighed)")
+    note = (
+        f"memory_budget {memory_budget:,} B: recomputes {which} of {blocks} in the backward, {len(recomputed(chosen.graph))} ops "
+        f"(estimated peak ~{peak:,} B, {fit}; ~{every:,} B with every block, ~{none:,} B with none; {len(plans)} plans weighed)"
+    )
     return dataclasses.replace(chosen, notes=chosen.notes + (note,))
 
 

@@ -44,6 +44,15 @@ def replan_reason(old: tuple[Any, ...] | None, new: tuple[Any, ...], names: list
         return f"inputs differentiated by torch autograd changed: {wrt(old[4])} -> {wrt(new[4])}"
     for name, a, b in zip(names, old[1], new[1]):
         if a != b:
-            changed = [w for w, x, y in (("shape", a[0], b[0]), ("dtype", a[1], b[1]), ("sharding", a[2], b[2]), ("kind", a[3], b[3])) if x != y]
+            changed = [
+                w
+                for w, x, y in (
+                    ("shape", a[0], b[0]),
+                    ("dtype", a[1], b[1]),
+                    ("sharding", a[2], b[2]),
+                    ("kind", a[3], b[3]),
+                )
+                if x != y
+            ]
             return f"{name}: {' and '.join(changed)} changed, {type_string(a[0], a[1], old[3], a[2])} -> {type_string(b[0], b[1], new[3], b[2])}"
     return "cache miss"

@@ -71,7 +71,9 @@ class Replayed:
             return self._record(inputs, flat, ranks)
         with _compat.dispatch_modes_off():
             out = iter(self.program(flat))
-            return [_compat.make_local({r: next(out) for r in ranks}) if local else next(out) for local in self._outputs]
+            return [
+                _compat.make_local({r: next(out) for r in ranks}) if local else next(out) for local in self._outputs
+            ]
 
     def _record(self, inputs: Sequence[torch.Tensor], flat: list[torch.Tensor], ranks: list[int]) -> list[torch.Tensor]:
         recorder = _Recorder(flat)
@@ -110,7 +112,9 @@ def _signature_of(flat: list[torch.Tensor]) -> _Signature:
     out = []
     for i, t in enumerate(flat):
         ptr = t.untyped_storage().data_ptr()
-        out.append((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, storages.setdefault(ptr, i) if ptr else i))
+        out.append(
+            (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, storages.setdefault(ptr, i) if ptr else i)
+        )
     return tuple(out)
 
 
@@ -127,7 +131,18 @@ def _is_metadata(func: Any) -> bool:
     return name.startswith("sym_") or name in _LAYOUT_QUERIES
 
 
-_LAYOUT_QUERIES = frozenset({"dim", "size", "stride", "storage_offset", "numel", "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense"})
+_LAYOUT_QUERIES = frozenset(
+    {
+        "dim",
+        "size",
+        "stride",
+        "storage_offset",
+        "numel",
+        "is_contiguous",
+        "is_strides_like_format",
+        "is_non_overlapping_and_dense",
+    }
+)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -148,7 +163,9 @@ class Program:
 
     n_inputs: int
     constants: dict[int, torch.Tensor]
-    ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any, tuple[int, ...]]]  # (func, args, kwargs, result slots, slots to empty)
+    ops: list[
+        tuple[Any, tuple[Any, ...], dict[str, Any], Any, tuple[int, ...]]
+    ]  # (func, args, kwargs, result slots, slots to empty)
     outputs: list[int]
     size: int
 
@@ -195,7 +212,9 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         self._constants: dict[int, tuple[torch.Tensor, _Slot]] = {}
         self._ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
         self._size = len(inputs)
-        for i, t in reversed(list(enumerate(inputs))):  # (an input given twice is read from its first slot: the signature checks it)
+        for i, t in reversed(
+            list(enumerate(inputs))
+        ):  # (an input given twice is read from its first slot: the signature checks it)
             self._slots[id(t)] = (weakref.ref(t), _Slot(i))
         self._n_inputs = len(inputs)
 
@@ -215,7 +234,9 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
             self._constants[id(t)] = (t, self._new())
         return self._constants[id(t)][1]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         tensors = list(_tensors(args, kwargs))
         if any(isinstance(t, DTensor) or _compat.is_local_tensor(t) for t in tensors):
@@ -225,7 +246,9 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
             self.why_not = self._write(func, args, kwargs, tensors, out)
         return out
 
-    def _write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor], out: Any) -> str | None:
+    def _write(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor], out: Any
+    ) -> str | None:
         """Write ``func``'s call into the program if it computes from the inputs; why not, if a
         replay would not reproduce it."""
         if draws_random(func, args, kwargs):

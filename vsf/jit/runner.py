@@ -52,13 +52,20 @@ class Runner:
         self.replayed = Replayed(lambda xs: execute(plan, xs))  # the simulated program, once recorded
         self._warned = False
 
-    def __call__(self, locals_in: list[torch.Tensor], check: bool, donated: Callable[[], list[int]] = list) -> list[torch.Tensor]:
+    def __call__(
+        self, locals_in: list[torch.Tensor], check: bool, donated: Callable[[], list[int]] = list
+    ) -> list[torch.Tensor]:
         mode = config.jit_mode
         if mode == "auto":
             mode = "replay" if _compat.active_local_mode() is not None else "trace"
         if check or mode != "trace":
-            self._eager_instead("checking mode runs the plan op by op" if check else
-                                "simulated ranks run as LocalTensors, which Inductor does not compile" if mode == "replay" else f"vsf.config.jit_mode is {mode!r}")
+            self._eager_instead(
+                "checking mode runs the plan op by op"
+                if check
+                else "simulated ranks run as LocalTensors, which Inductor does not compile"
+                if mode == "replay"
+                else f"vsf.config.jit_mode is {mode!r}"
+            )
         if check:
             return run_checked(self.plan, locals_in)
         if mode == "replay":
@@ -82,7 +89,10 @@ class Runner:
         try:
             return _compat.inductor_compile(gm, locals_in)
         except Exception as e:  # noqa: BLE001 (any failure to compile: said, and the program runs as traced)
-            warnings.warn(f"vsf.jit(backend='inductor'): Inductor could not compile {self.name} ({_reason(e)}); it runs as backend='eager', the traced fx program", stacklevel=4)
+            warnings.warn(
+                f"vsf.jit(backend='inductor'): Inductor could not compile {self.name} ({_reason(e)}); it runs as backend='eager', the traced fx program",
+                stacklevel=4,
+            )
             return gm.forward
 
     def _eager_instead(self, why: str) -> None:

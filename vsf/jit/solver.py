@@ -26,7 +26,16 @@ import torch.fx
 from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
-from vsf.jit.cost import INF, NOT_PARTIAL, REPLICATED_OR_SUM, Codes, op_flops, splits_work, transition_bytes, unsplit_bytes
+from vsf.jit.cost import (
+    INF,
+    NOT_PARTIAL,
+    REPLICATED_OR_SUM,
+    Codes,
+    op_flops,
+    splits_work,
+    transition_bytes,
+    unsplit_bytes,
+)
 from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
 from vsf.jit.plan import R, is_shard, split_dim
 from vsf.jit.strategies import Strategies, Strategy
@@ -40,7 +49,10 @@ _TIE = 1e-9
 
 
 def _encode(codes: "Codes", strategies: list[Strategy]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    return [(tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs)) for st in strategies]
+    return [
+        (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs))
+        for st in strategies
+    ]
 
 
 class AxisSolver:
@@ -48,7 +60,13 @@ class AxisSolver:
 
     reuse = True  # decide once per op context (:meth:`_context`); False costs every op anew (tests compare)
 
-    def __init__(self, problem: "Problem", axis: str, codes: "Codes", encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
+    def __init__(
+        self,
+        problem: "Problem",
+        axis: str,
+        codes: "Codes",
+        encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]],
+    ) -> None:
         self.p = problem
         self.axis = axis
         self.n = problem.mesh.axis_size(axis)
@@ -78,7 +96,9 @@ class AxisSolver:
             if pinned is not None:
                 allowed = [st for st in allowed if st.outs[0] in pinned]
                 if not allowed:
-                    raise PlanError(f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{user_line(node)}")
+                    raise PlanError(
+                        f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{user_line(node)}"
+                    )
                 self.strategies.append(_encode(codes, allowed))
                 continue
             if id(allowed) not in encoded:  # ops with one signature share one list: encode it once
@@ -176,7 +196,9 @@ class AxisSolver:
     def _value_costs(self, v: int) -> tuple[float, float]:
         """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups)."""
         row = self.codes.factor[self.label[v]]
-        return self._value_cost(v, self.label[v], self.need[v]), sum(self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0)
+        return self._value_cost(v, self.label[v], self.need[v]), sum(
+            self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0
+        )
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
         """Does this strategy shard an input on this axis when no input already arrives sharded
@@ -261,8 +283,15 @@ class AxisSolver:
         label, need, fb, hints, reorder, final = self.label, self.need, self.fb, self.hints, self.reorder, self.final
         ins, outs = self.ins[k], self.outs[k]
         return (
-            id(self.strategies[k]), greedy, -1 if greedy else self.choice[k], self.work[k], tuple(ins.index(v) for v in ins),
-            tuple((label[v], fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None, tuple(need[v].items())) for v in ins),
+            id(self.strategies[k]),
+            greedy,
+            -1 if greedy else self.choice[k],
+            self.work[k],
+            tuple(ins.index(v) for v in ins),
+            tuple(
+                (label[v], fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None, tuple(need[v].items()))
+                for v in ins
+            ),
             tuple(None if v < 0 else (fb[v], final.get(v), tuple(need[v].items())) for v in outs),
         )
 
@@ -304,8 +333,12 @@ class AxisSolver:
         best_cost, best = min(costs)
         if best_cost == INF:
             node = self.p.ops[k]
-            raise PlanError(f"{node.target} cannot be placed on axis {self.axis!r}{user_line(node)}: every strategy needs an impossible redistribution")
-        if not greedy and (best == self.choice[k] or best_cost >= costs[[j for _, j in costs].index(self.choice[k])][0] - 1e-9):
+            raise PlanError(
+                f"{node.target} cannot be placed on axis {self.axis!r}{user_line(node)}: every strategy needs an impossible redistribution"
+            )
+        if not greedy and (
+            best == self.choice[k] or best_cost >= costs[[j for _, j in costs].index(self.choice[k])][0] - 1e-9
+        ):
             return False
         self._apply(k, best)
         return True
@@ -323,7 +356,9 @@ class AxisSolver:
             k = work.pop()
             queued.discard(k)
             if self._pick(k, greedy=False):
-                for other in [producers.get(v) for v in self.ins[k]] + [c for v in self.outs[k] if v >= 0 for c in consumers.get(v, ())]:
+                for other in [producers.get(v) for v in self.ins[k]] + [
+                    c for v in self.outs[k] if v >= 0 for c in consumers.get(v, ())
+                ]:
                     if other is not None and other not in queued:
                         queued.add(other)
                         work.append(other)
@@ -356,8 +391,12 @@ class AxisSolver:
             p = self.p.producer_of.get(v)
             if p is not None:
                 i = self.outs[p].index(v)
-                tries += [[(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]]
-            tries += [[(c, j)] for c, takes in self._takers(v, req) for j in takes] + [m for m in [self._joint(v, req, {})] if m]
+                tries += [
+                    [(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]
+                ]
+            tries += [[(c, j)] for c, takes in self._takers(v, req) for j in takes] + [
+                m for m in [self._joint(v, req, {})] if m
+            ]
             for start in tries:
                 if all(self._keeps_split(k, j) for k, j in start) and self._cascade(start, max_ops):
                     improved = True
@@ -371,7 +410,16 @@ class AxisSolver:
         for c in self.p.consumers_of.get(v, ()):
             here = [i for i, u in enumerate(self.ins[c]) if u == v]
             if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
-                out.append((c, [j for j, (ins, _) in enumerate(self.strategies[c]) if all(ins[i] == self.label[v] for i in here) and self._keeps_split(c, j)]))
+                out.append(
+                    (
+                        c,
+                        [
+                            j
+                            for j, (ins, _) in enumerate(self.strategies[c])
+                            if all(ins[i] == self.label[v] for i in here) and self._keeps_split(c, j)
+                        ],
+                    )
+                )
         return out
 
     def _joint(self, v: int, req: int, changed: dict[int, int]) -> list[tuple[int, int]]:
@@ -391,7 +439,9 @@ class AxisSolver:
         not another op."""
         if self.view[k]:
             return True
-        split = lambda st: any(c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1]))  # noqa: E731
+        split = lambda st: any(
+            c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1])
+        )  # noqa: E731
         return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
 
     def _cascade(self, start: list[tuple[int, int]], max_ops: int) -> bool:
@@ -435,13 +485,19 @@ class AxisSolver:
                 change(c, best)
                 continue
             if joint:
-                reads = zip(self.ins[c], self.strategies[c][self.choice[c]][0])  # a value c reads redistributed, as others do?
-                for op, st in next((m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), []):
+                reads = zip(
+                    self.ins[c], self.strategies[c][self.choice[c]][0]
+                )  # a value c reads redistributed, as others do?
+                for op, st in next(
+                    (m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), []
+                ):
                     change(op, st)
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
         now = [self._value_costs(v) for v in before]
         cost_was, bytes_was = (sum(c[i] for c in before.values()) for i in (0, 1))
-        if sum(c for c, _ in now) + work < cost_was - 1e-6 and (not joint or sum(b for _, b in now) + work < bytes_was - 1e-6):
+        if sum(c for c, _ in now) + work < cost_was - 1e-6 and (
+            not joint or sum(b for _, b in now) + work < bytes_was - 1e-6
+        ):
             return True
         for op in reversed(list(old)):
             self._apply(op, old[op])
@@ -456,13 +512,21 @@ class AxisSolver:
         partial = self.codes.is_partial
         options = self.strategies[k]
         if id(options) not in self.summing:
-            self.summing[id(options)] = [j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)]
+            self.summing[id(options)] = [
+                j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)
+            ]
         for j in self.summing[id(options)]:
             ins = options[j][0]
             if j == self.choice[k]:
                 continue
             moves: dict[int, int] = {}
-            if all(not partial(req) or self.label[v] == req or self._make_partial(v, req, moves, 3) for v, req in zip(self.ins[k], ins)) and moves:
+            if (
+                all(
+                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves, 3)
+                    for v, req in zip(self.ins[k], ins)
+                )
+                and moves
+            ):
                 moves[k] = j
                 self._try(moves)
 
@@ -479,16 +543,23 @@ class AxisSolver:
             return False
         j = options[0][1]
         moves[p] = j
-        return all(not self.codes.is_partial(r) or self.label[u] == r or self._make_partial(u, r, moves, depth - 1) for u, r in zip(self.ins[p], self.strategies[p][j][0]))
+        return all(
+            not self.codes.is_partial(r) or self.label[u] == r or self._make_partial(u, r, moves, depth - 1)
+            for u, r in zip(self.ins[p], self.strategies[p][j][0])
+        )
 
     def _try(self, moves: dict[int, int]) -> bool:
         """Apply ``moves`` (op -> strategy) if the values they touch and the ops' work then cost less, else undo them."""
         touched = {v for k in moves for v in (*self.ins[k], *self.outs[k]) if v >= 0}
-        before = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) + sum(self._op_work(k, self.choice[k]) for k in moves)
+        before = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) + sum(
+            self._op_work(k, self.choice[k]) for k in moves
+        )
         old = {k: self.choice[k] for k in moves}
         for k in sorted(moves):
             self._apply(k, moves[k])
-        after = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) + sum(self._op_work(k, j) for k, j in moves.items())
+        after = sum(self._value_cost(v, self.label[v], self.need[v]) for v in touched) + sum(
+            self._op_work(k, j) for k, j in moves.items()
+        )
         if after < before - 1e-6:
             return True
         for k in sorted(old, reverse=True):
@@ -519,7 +590,9 @@ class Problem:
     balanced: dict[str, bool] = dataclasses.field(default_factory=dict)  # axes some input is split balanced over
     fixed: dict[str, dict[torch.fx.Node, Strategy]] = dataclasses.field(default_factory=dict)
     bytes_per_flop: float = 0.0  # what a FLOP an op runs beyond its share costs (vsf.config.compute_bytes_per_flop)
-    flops: list[int] = dataclasses.field(default_factory=list)  # per op, its FLOPs on global shapes (vsf.jit.cost.op_flops)
+    flops: list[int] = dataclasses.field(
+        default_factory=list
+    )  # per op, its FLOPs on global shapes (vsf.jit.cost.op_flops)
     values: list[Value] = dataclasses.field(default_factory=list)
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)

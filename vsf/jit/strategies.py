@@ -35,7 +35,17 @@ from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tens
 from vsf.jit.cost import local_shape
 from vsf.jit.plan import PARTIAL, Placements, R, splits_evenly
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.placement import RaggedPlacement, balanced_of, has_ragged, has_strided, is_shard, kind_of, on_dim, one_d, split_dim
+from vsf.sharding.placement import (
+    RaggedPlacement,
+    balanced_of,
+    has_ragged,
+    has_strided,
+    is_shard,
+    kind_of,
+    on_dim,
+    one_d,
+    split_dim,
+)
 
 __all__ = ["Strategies", "Strategy", "decide", "dtensor_decision", "register_elementwise", "row_wise", "runnable"]
 
@@ -71,8 +81,12 @@ class Strategies:
     :class:`~vsf.jit.classify.OpClass`, in graph order; ``options`` the plan's switches (the
     replicated fallback, context parallelism's mode)."""
 
-    def __init__(self, options: PlanOptions, classes: dict[torch.fx.Node, OpClass],
-                 own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None) -> None:
+    def __init__(
+        self,
+        options: PlanOptions,
+        classes: dict[torch.fx.Node, OpClass],
+        own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None,
+    ) -> None:
         self.options = options
         self.fallback = options.allow_replicated_fallback
         self.classes = classes
@@ -83,7 +97,9 @@ class Strategies:
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
 
-    def of(self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False) -> tuple[list[Strategy], bool]:
+    def of(
+        self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False
+    ) -> tuple[list[Strategy], bool]:
         """``(strategies, is_fallback)`` for ``node`` on an axis of ``n`` ranks; ``ragged`` lists the
         ragged splits ``(placement, rows)`` values on this axis have (they join per-row rules);
         ``balanced``: some value on this axis is split balanced (its variants join the shard rules)."""
@@ -133,7 +149,9 @@ class Strategies:
             self.given[key] = tuple(tuple(o) for o in outs)
         return self.given[key]
 
-    def _compute(self, node: torch.fx.Node, op: OpClass, n: int, arrivals: tuple[tuple[Placement, ...], ...]) -> tuple[list[Strategy], bool]:
+    def _compute(
+        self, node: torch.fx.Node, op: OpClass, n: int, arrivals: tuple[tuple[Placement, ...], ...]
+    ) -> tuple[list[Strategy], bool]:
         ins = tensor_args(node)
         outs = outputs_meta(node)
         if op.kind == "constant":
@@ -147,7 +165,13 @@ class Strategies:
             inputs = [*_candidates(meta_of(ins[0]), n), Partial("avg"), Partial("max"), Partial("min")]
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
         strided = tuple(tuple(p for p in ps if kind_of(p) == "strided") for ps in arrivals)
-        found = _single_dim(node, n, strided) if op.rules == "single" else _by_each_input(node, n, strided) if op.rules else None
+        found = (
+            _single_dim(node, n, strided)
+            if op.rules == "single"
+            else _by_each_input(node, n, strided)
+            if op.rules
+            else None
+        )
         if found:
             return _valid(found + _context_parallel(node, self.options), node, n, arrivals), False
         if self.fallback:
@@ -159,7 +183,9 @@ class Strategies:
         )
 
 
-def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Sequence[tuple[RaggedPlacement, int]]) -> list[Strategy]:
+def _ragged_variants(
+    node: torch.fx.Node, strategies: list[Strategy], ragged: Sequence[tuple[RaggedPlacement, int]]
+) -> list[Strategy]:
     """Per-row rules (every shard on dim 0 of a tensor with that many rows) run on a ragged split
     of those rows too: an elementwise op keeps ragged rows ragged, a sum over the rows of ragged
     operands is a partial sum."""
@@ -169,7 +195,9 @@ def _ragged_variants(node: torch.fx.Node, strategies: list[Strategy], ragged: Se
         for st in strategies:
             placed = [*st.ins, *st.outs]
             shards = [(t, p) for t, p in zip(metas, placed) if t is not None and p is not None and is_shard(p)]
-            if not any(is_shard(p) for p in st.ins) or not all(isinstance(p, Shard) and p.dim == 0 and t.shape[0] == rows for t, p in shards):
+            if not any(is_shard(p) for p in st.ins) or not all(
+                isinstance(p, Shard) and p.dim == 0 and t.shape[0] == rows for t, p in shards
+            ):
                 continue
             if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in st.outs if p is not None):
                 continue  # an average of per-rank averages is wrong when ranks hold different row counts
@@ -202,14 +230,20 @@ def _balanced_variants(node: torch.fx.Node, strategies: list[Strategy], n: int) 
         placed = [*st.ins, *st.outs]
         shards = [(t, p) for t, p in zip(metas, placed) if p is not None and is_shard(p)]
         plain = all(kind_of(p) in ("shard", "strided") for _, p in shards)
-        if not shards or not plain or any(t is None or t.shape[p.dim] % (2 * n * balanced_of(p).groups) for t, p in shards):
+        if (
+            not shards
+            or not plain
+            or any(t is None or t.shape[p.dim] % (2 * n * balanced_of(p).groups) for t, p in shards)
+        ):
             continue
         swap = lambda p: balanced_of(p) if p is not None and is_shard(p) else p  # noqa: E731
         out.append(Strategy(tuple(swap(p) for p in st.ins), tuple(swap(p) for p in st.outs)))
     return out
 
 
-def _strided_variants(node: torch.fx.Node, strategies: list[Strategy], arrivals: tuple[tuple[Placement, ...], ...], n: int) -> list[Strategy]:
+def _strided_variants(
+    node: torch.fx.Node, strategies: list[Strategy], arrivals: tuple[tuple[Placement, ...], ...], n: int
+) -> list[Strategy]:
     """Each row rule (every shard a plain ``Shard(d)`` of one dim ``d``, each of the same size)
     with every shard a strided shard of ``d`` that an input may arrive with instead. The argument
     of :func:`_balanced_variants`: a rule that computes each contiguous block of rows on its own
@@ -224,11 +258,22 @@ def _strided_variants(node: torch.fx.Node, strategies: list[Strategy], arrivals:
     out = []
     for st in strategies:
         shards = [(t, p) for t, p in zip(metas, [*st.ins, *st.outs]) if t is not None and p is not None and is_shard(p)]
-        if not shards or any(kind_of(p) != "shard" for _, p in shards) or len({(p.dim, t.shape[p.dim]) for t, p in shards}) != 1:
+        if (
+            not shards
+            or any(kind_of(p) != "shard" for _, p in shards)
+            or len({(p.dim, t.shape[p.dim]) for t, p in shards}) != 1
+        ):
             continue
         d = shards[0][1].dim
-        local = [None if t is None else tuple(k // n if p is not None and is_shard(p) and i == d else k for i, k in enumerate(t.shape)) for t, p in zip(metas, [*st.ins, *st.outs])]
-        if not any(g.dim == d for g in strided) or not _local_shapes_hold(node, local[: len(st.ins)], local[len(st.ins) :]):
+        local = [
+            None
+            if t is None
+            else tuple(k // n if p is not None and is_shard(p) and i == d else k for i, k in enumerate(t.shape))
+            for t, p in zip(metas, [*st.ins, *st.outs])
+        ]
+        if not any(g.dim == d for g in strided) or not _local_shapes_hold(
+            node, local[: len(st.ins)], local[len(st.ins) :]
+        ):
             continue
         for g in strided:
             if g.dim == d:
@@ -238,7 +283,12 @@ def _strided_variants(node: torch.fx.Node, strategies: list[Strategy], arrivals:
 
 
 def row_wise(
-    node: torch.fx.Node, mesh: Mesh, arrived: list[Placements], ins: list[Placements], outs: list[Placements | None], asked: dict[Any, Any],
+    node: torch.fx.Node,
+    mesh: Mesh,
+    arrived: list[Placements],
+    ins: list[Placements],
+    outs: list[Placements | None],
+    asked: dict[Any, Any],
 ) -> tuple[list[Placements], list[Placements | None]] | None:
     """The full-mesh placements ``node`` runs with on local shards, row for row, where the per-axis
     choices ``ins``/``outs`` took a :func:`_strided_variants` rule; ``None`` where they did not, or
@@ -249,7 +299,11 @@ def row_wise(
     one dim of one size, DTensor runs the same layout with plain shards in place of the strided
     ones as a row rule, and the op's arguments hold on local shards (run on meta tensors of the
     local shapes, it gives the outputs' local shapes: an ``expand`` to a global size does not)."""
-    if not has_strided(ins) or not _blind_to_offsets(node) or any(isinstance(q, Partial) for p in [*arrived, *ins] for q in p):
+    if (
+        not has_strided(ins)
+        or not _blind_to_offsets(node)
+        or any(isinstance(q, Partial) for p in [*arrived, *ins] for q in p)
+    ):
         return None
     metas = [meta_of(v) for v in tensor_args(node)]
     dims = {(split_dim(q), t.shape[split_dim(q)]) for t, p in zip(metas, ins) for q in p if is_shard(q)}
@@ -264,21 +318,33 @@ def row_wise(
         common.append(came.pop() if came else next((p[k] for p in ins if is_shard(p[k])), R))
     placed = lambda p: None if p is None else tuple(common[k] if is_shard(q) else q for k, q in enumerate(p))  # noqa: E731
     got_in, got_out = [placed(p) for p in ins], [placed(o) for o in outs]
-    if any(isinstance(q, Partial) for o in got_out if o is not None for q in o) or not all(splits_evenly(mesh, t, p) for t, p in zip(metas, got_in)):
+    if any(isinstance(q, Partial) for o in got_out if o is not None for q in o) or not all(
+        splits_evenly(mesh, t, p) for t, p in zip(metas, got_in)
+    ):
         return None
     plain = lambda p: None if p is None else tuple(one_d(q) for q in p)  # noqa: E731
     want = [plain(p) for p in got_in]
-    if dtensor_decision(node, mesh.device_mesh, want, asked) != (want, [plain(o) for o in got_out]) or not runnable(mesh, node, got_in, got_out):
+    if dtensor_decision(node, mesh.device_mesh, want, asked) != (want, [plain(o) for o in got_out]) or not runnable(
+        mesh, node, got_in, got_out
+    ):
         return None
     shapes = lambda ts, ps: [None if t is None or p is None else local_shape(mesh, t, p) for t, p in zip(ts, ps)]  # noqa: E731
-    return (got_in, got_out) if _local_shapes_hold(node, shapes(metas, got_in), shapes(outputs_meta(node), got_out)) else None
+    return (
+        (got_in, got_out)
+        if _local_shapes_hold(node, shapes(metas, got_in), shapes(outputs_meta(node), got_out))
+        else None
+    )
 
 
-def _local_shapes_hold(node: torch.fx.Node, ins: Sequence[tuple[int, ...]], outs: Sequence[tuple[int, ...] | None]) -> bool:
+def _local_shapes_hold(
+    node: torch.fx.Node, ins: Sequence[tuple[int, ...]], outs: Sequence[tuple[int, ...] | None]
+) -> bool:
     """Does ``node`` run on meta tensors of its inputs' local shapes ``ins`` give its outputs'
     local shapes ``outs`` (``None``: an output not checked)? An argument naming a global size
     (``expand``'s) makes it raise or give the global shape."""
-    shards = iter([torch.empty(shape, dtype=meta_of(v).dtype, device="meta") for v, shape in zip(tensor_args(node), ins)])
+    shards = iter(
+        [torch.empty(shape, dtype=meta_of(v).dtype, device="meta") for v, shape in zip(tensor_args(node), ins)]
+    )
     local = lambda a: next(shards) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
     with _compat.local_mode_disabled():
         args = _compat.torch_tree_map(local, node.args)
@@ -288,13 +354,17 @@ def _local_shapes_hold(node: torch.fx.Node, ins: Sequence[tuple[int, ...]], outs
         except Exception:  # noqa: BLE001 - the op refuses the local shapes: it does not run on them
             return False
     got = out if isinstance(out, (tuple, list)) else [out]
-    return len(got) == len(outs) and all(want is None or (isinstance(o, torch.Tensor) and tuple(o.shape) == want) for o, want in zip(got, outs))
+    return len(got) == len(outs) and all(
+        want is None or (isinstance(o, torch.Tensor) and tuple(o.shape) == want) for o, want in zip(got, outs)
+    )
 
 
 def _context_parallel(node: torch.fx.Node, options: PlanOptions) -> list[Strategy]:
     """vsf's own splits of an attention node over its queries' sequence (:mod:`vsf.jit.context_parallel`)."""
     n_out = len(outputs_meta(node))
-    return [Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node, options)]
+    return [
+        Strategy(tuple(rule[n_out:]), tuple(rule[:n_out])) for rule in context_parallel.sequence_rules(node, options)
+    ]
 
 
 def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
@@ -302,7 +372,9 @@ def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...
     outs = outputs_meta(node)
     out = outs[0] if isinstance(node.meta.get("val"), torch.Tensor) else outs
     shards = list(dict.fromkeys(p for ps in strided for p in ps))
-    rules = _compat.single_dim_strategies(node.target, _compat.torch_tree_map(fake, node.args), _compat.torch_tree_map(fake, node.kwargs), out, shards)
+    rules = _compat.single_dim_strategies(
+        node.target, _compat.torch_tree_map(fake, node.args), _compat.torch_tree_map(fake, node.kwargs), out, shards
+    )
     if rules is None:
         return None
     n_out = len(outs)
@@ -344,7 +416,9 @@ def _by_each_input(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, 
     return list(found)
 
 
-def _valid(strategies: list[Strategy], node: torch.fx.Node, n: int, arrivals: tuple[tuple[Placement, ...], ...]) -> list[Strategy]:
+def _valid(
+    strategies: list[Strategy], node: torch.fx.Node, n: int, arrivals: tuple[tuple[Placement, ...], ...]
+) -> list[Strategy]:
     """The strategies whose shards have a row per rank and whose partial integer inputs may arrive
     partial (a count summed over split rows): a replicated value becomes partial by keeping a share
     of it on each rank (``v / n``), which an integer (embedding's indices, which DTensor's rule
@@ -428,7 +502,9 @@ def _views_locally(mesh: Mesh, src: torch.Tensor, src_p: Placements, dst: torch.
 
 
 @functools.cache
-def _groups_view_locally(src: tuple[int, ...], src_p: Placements, dst: tuple[int, ...], dst_p: Placements, sizes: tuple[int, ...]) -> bool:
+def _groups_view_locally(
+    src: tuple[int, ...], src_p: Placements, dst: tuple[int, ...], dst_p: Placements, sizes: tuple[int, ...]
+) -> bool:
     for src_dims, dst_dims in _view_groups(src, dst):
         src_g, dst_g = _in_group(src_p, src_dims), _in_group(dst_p, dst_dims)
         mesh_dims = [k for k, (a, b) in enumerate(zip(src_g, dst_g)) if is_shard(a) or is_shard(b)]
@@ -452,7 +528,10 @@ def _view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[
     bounds = sorted(set(starts(src)) & set(starts(dst)))
     group = lambda shape: [bisect.bisect_right(bounds, s) - 1 for s in starts(shape)]  # noqa: E731
     of_src, of_dst = group(src), group(dst)
-    return [([d for d, g in enumerate(of_src) if g == k], [d for d, g in enumerate(of_dst) if g == k]) for k in range(len(bounds))]
+    return [
+        ([d for d, g in enumerate(of_src) if g == k], [d for d, g in enumerate(of_dst) if g == k])
+        for k in range(len(bounds))
+    ]
 
 
 def _in_group(placements: Placements, dims: list[int]) -> Placements:
@@ -481,7 +560,9 @@ def _has_empty_shard(mesh: Mesh, t: torch.Tensor, placements: Placements) -> boo
     return False
 
 
-def decide(node: torch.fx.Node, mesh: Mesh, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]]:
+def decide(
+    node: torch.fx.Node, mesh: Mesh, want_in: list[Placements], asked: dict[Any, Any]
+) -> tuple[list[Placements], list[Placements | None]]:
     """What DTensor does for ``node`` when its inputs arrive as ``want_in``; where DTensor refuses
     those inputs (its strategy raises) or answers with a layout it cannot run (:func:`runnable`),
     what it does with them replicated over the last mesh dim, then the last two, and so on: the
@@ -492,17 +573,23 @@ def decide(node: torch.fx.Node, mesh: Mesh, want_in: list[Placements], asked: di
         decision = dtensor_decision(node, mesh.device_mesh, attempt, asked)
         if decision is not None and runnable(mesh, node, *decision):
             return decision
-    raise PlanError(f"DTensor has no strategy that runs {node.target} on this mesh, not even replicated{user_line(node)}")
+    raise PlanError(
+        f"DTensor has no strategy that runs {node.target} on this mesh, not even replicated{user_line(node)}"
+    )
 
 
-def dtensor_decision(node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]) -> tuple[list[Placements], list[Placements | None]] | None:
+def dtensor_decision(
+    node: torch.fx.Node, dm: Any, want_in: list[Placements], asked: dict[Any, Any]
+) -> tuple[list[Placements], list[Placements | None]] | None:
     """What DTensor does for ``node`` when its inputs arrive as ``want_in``, ``None`` if it refuses
     them (asked once per op signature and input placements in ``asked``: a model's repeated layers
     ask the same questions)."""
     key = (node.target, signature(node.args), signature(node.kwargs), tuple(want_in))
     if key not in asked:
         it = iter(want_in)
-        placed = lambda a: _compat.Placed(a.meta["val"], next(it)) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
+        placed = lambda a: (
+            _compat.Placed(a.meta["val"], next(it)) if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a
+        )  # noqa: E731
         args = _compat.torch_tree_map(placed, node.args)
         try:
             asked[key] = _compat.dtensor_decision(node.target, args, _compat.torch_tree_map(placed, node.kwargs), dm)

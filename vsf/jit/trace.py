@@ -37,7 +37,6 @@ __all__ = ["StepInput", "Traced", "draws_random", "rewrite_while_tracing", "step
 aten = torch.ops.aten
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """A traced step: ``graph`` maps the flat tensor inputs to the flat tensor outputs.
@@ -73,7 +72,12 @@ class _Inputs:
 
 _TRACING: list[_Inputs] = []  # the steps whose code is running under trace now, innermost last
 _REWRITES: list[Callable[[PlanOptions], contextlib.AbstractContextManager[Any]]] = []
-_SAME_VALUE = {aten.detach.default, aten.alias.default, aten._to_copy.default, aten.clone.default}  # an input's value, another tensor
+_SAME_VALUE = {
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.clone.default,
+}  # an input's value, another tensor
 
 
 def rewrite_while_tracing(context: Callable[[PlanOptions], contextlib.AbstractContextManager[Any]]) -> None:
@@ -162,7 +166,9 @@ def trace(
         return tensors
 
     with _compat.local_mode_disabled(), tracing_step():
-        return _trace(fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random)
+        return _trace(
+            fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
+        )
 
 
 def _trace(
@@ -180,7 +186,9 @@ def _trace(
     _compat.register_stack_anchor(fun)
     try:
         with _compat.checkpointing_as_eager(), _compat.kept_frames_only():
-            joint = make_fx(flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True)(*fakes)
+            joint = make_fx(
+                flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True
+            )(*fakes)
     except Exception as e:
         if not _compat.is_data_dependent_error(e):
             raise
@@ -209,8 +217,12 @@ def _trace(
     return Traced(gm, out_info["tree"], out_info["consts"])
 
 
-def decompose(gm: torch.fx.GraphModule, fakes: Sequence[torch.Tensor], unplanned: Callable[[torch.fx.GraphModule], set[Any]],
-              known: Mapping[Any, Callable[..., Any]] | None = None) -> torch.fx.GraphModule:
+def decompose(
+    gm: torch.fx.GraphModule,
+    fakes: Sequence[torch.Tensor],
+    unplanned: Callable[[torch.fx.GraphModule], set[Any]],
+    known: Mapping[Any, Callable[..., Any]] | None = None,
+) -> torch.fx.GraphModule:
     """Replace every op of ``gm`` that ``unplanned`` names by PyTorch's own decomposition of it
     (``torch._decomp``), then do the same for the pieces, until each op is planned or has no
     decomposition (the planner names what is left, with the user's line: node metadata, the
@@ -242,7 +254,11 @@ def _drop_names(gm: torch.fx.GraphModule) -> None:
 def _needs_rewrite(node: torch.fx.Node) -> bool:
     """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor) in a second pass."""
     schema = _compat.op_schema(node.target)
-    return node.op == "call_function" and schema is not None and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
+    return (
+        node.op == "call_function"
+        and schema is not None
+        and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
+    )
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
@@ -277,7 +293,11 @@ def _reject_simulated_constants(fun: Callable[..., Any]) -> None:
     argument (one value per simulated rank, run rank by rank outside the traced graph): refuse it,
     naming the module parameter or buffer the function closes over, where one is found."""
     found = _simulated_module_tensors(fun)
-    what = f"the module tensor{'s' if len(found) > 1 else ''} {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "a tensor"
+    what = (
+        f"the module tensor{'s' if len(found) > 1 else ''} {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
+        if found
+        else "a tensor"
+    )
     raise TraceError(
         f"{_fun_name(fun)} reads {what} built inside `vsf.simulate` from outside its arguments: such a tensor holds one "
         "value per simulated rank and cannot be a constant of a traced step. Build the model outside `vsf.simulate`, "
@@ -296,8 +316,10 @@ def _simulated_module_tensors(fun: Callable[..., Any]) -> list[str]:
         named |= {name: fun.__globals__[name] for name in code.co_names if name in fun.__globals__}
     return [
         f"{name}.{key}"
-        for name, module in named.items() if isinstance(module, torch.nn.Module)
-        for key, t in (*module.named_parameters(), *module.named_buffers()) if _compat.is_local_tensor(t)
+        for name, module in named.items()
+        if isinstance(module, torch.nn.Module)
+        for key, t in (*module.named_parameters(), *module.named_buffers())
+        if _compat.is_local_tensor(t)
     ]
 
 
@@ -309,7 +331,12 @@ def _cell_value(cell: Any) -> Any:
         return None
 
 
-_NO_DRAW = {"dropout_p": 0.0, "dropout": 0.0, "p": 0.0, "train": False}  # argument values that make a seeded op deterministic
+_NO_DRAW = {
+    "dropout_p": 0.0,
+    "dropout": 0.0,
+    "p": 0.0,
+    "train": False,
+}  # argument values that make a seeded op deterministic
 
 
 def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -318,7 +345,9 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
     schema = _compat.op_schema(op)
-    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}  # SDPA called without dropout_p
+    defaults = {
+        a.name: a.default_value for a in schema.arguments if a.has_default_value()
+    }  # SDPA called without dropout_p
     bound = defaults | dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
     return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
 
@@ -354,7 +383,9 @@ def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:
     def per_tensor(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
         n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
         pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
-        return [elementwise(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+        return [
+            elementwise(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)
+        ]
 
     return per_tensor
 
@@ -381,7 +412,9 @@ _MANUAL_FOREACH = {
     aten._foreach_maximum.ScalarList: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
     aten._foreach_minimum.Scalar: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
     aten._foreach_minimum.ScalarList: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
-    aten._foreach_norm.Scalar: _per_element(lambda s, o=2, dtype=None: aten.linalg_vector_norm.default(s, o, dtype=dtype), 1),
+    aten._foreach_norm.Scalar: _per_element(
+        lambda s, o=2, dtype=None: aten.linalg_vector_norm.default(s, o, dtype=dtype), 1
+    ),
 }
 
 

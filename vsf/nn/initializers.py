@@ -32,8 +32,22 @@ from vsf.random.samplers import Sharding
 from vsf.sharding.named import resolve
 
 __all__ = [
-    "constant", "glorot_normal", "glorot_uniform", "he_normal", "he_uniform", "kaiming_normal", "kaiming_uniform",
-    "lecun_normal", "normal", "ones", "truncated_normal", "uniform", "variance_scaling", "xavier_normal", "xavier_uniform", "zeros",
+    "constant",
+    "glorot_normal",
+    "glorot_uniform",
+    "he_normal",
+    "he_uniform",
+    "kaiming_normal",
+    "kaiming_uniform",
+    "lecun_normal",
+    "normal",
+    "ones",
+    "truncated_normal",
+    "uniform",
+    "variance_scaling",
+    "xavier_normal",
+    "xavier_uniform",
+    "zeros",
 ]
 
 Initializer = Callable[..., torch.Tensor]
@@ -47,7 +61,9 @@ def constant(value: float) -> Initializer:
         >>> ln_bias = vsf.nn.initializers.constant(0.0)(key, (768,))
     """
 
-    def init(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+    def init(
+        key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None
+    ) -> torch.Tensor:
         dtype = dtype or torch.get_default_dtype()
         shape = tuple(shape)
         if sharding is None:
@@ -56,7 +72,9 @@ def constant(value: float) -> Initializer:
         s.check(shape)
         if _compat.fake_mode_active():
             return torch.full(shape, value, dtype=dtype)
-        return samplers.build(shape, dtype, s, lambda r, device: torch.full(s.shard_shape(shape, r), value, dtype=dtype, device=device))
+        return samplers.build(
+            shape, dtype, s, lambda r, device: torch.full(s.shard_shape(shape, r), value, dtype=dtype, device=device)
+        )
 
     return init
 
@@ -68,10 +86,12 @@ ones = constant(1.0)
 def normal(stddev: float = 1e-2) -> Initializer:
     """``stddev * N(0, 1)`` (JAX's ``normal``). Example::
 
-        >>> w = vsf.nn.initializers.normal(0.02)(key, (768, 768))
+    >>> w = vsf.nn.initializers.normal(0.02)(key, (768, 768))
     """
 
-    def init(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+    def init(
+        key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None
+    ) -> torch.Tensor:
         dtype = samplers.float_dtype(dtype, "vsf.nn.initializers.normal")
         return _draw(key, shape, dtype, sharding, samplers.normal_transform(dtype), stddev)
 
@@ -85,7 +105,9 @@ def truncated_normal(stddev: float = 1e-2, lower: float = -2.0, upper: float = 2
         >>> w = vsf.nn.initializers.truncated_normal(0.02)(key, (768, 768))
     """
 
-    def init(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+    def init(
+        key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None
+    ) -> torch.Tensor:
         dtype = samplers.float_dtype(dtype, "vsf.nn.initializers.truncated_normal")
         return _draw(key, shape, dtype, sharding, samplers.truncated_normal_transform(dtype, lower, upper), stddev)
 
@@ -95,24 +117,32 @@ def truncated_normal(stddev: float = 1e-2, lower: float = -2.0, upper: float = 2
 def uniform(scale: float = 1e-2) -> Initializer:
     """Uniform on ``[0, scale)`` (JAX's ``uniform``). Example::
 
-        >>> w = vsf.nn.initializers.uniform(0.1)(key, (16, 16))
+    >>> w = vsf.nn.initializers.uniform(0.1)(key, (16, 16))
     """
 
-    def init(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+    def init(
+        key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None
+    ) -> torch.Tensor:
         return samplers.uniform(key, shape, dtype, 0.0, scale, sharding=sharding)
 
     return init
 
 
-def _draw(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, sharding: Sharding, transform: Transform, factor: float) -> torch.Tensor:
+def _draw(
+    key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, sharding: Sharding, transform: Transform, factor: float
+) -> torch.Tensor:
     """``factor`` times a sample, scaled per element (any layout, ragged ones too)."""
     where = "vsf.nn.initializers"
-    return samplers.sample(key, shape, samplers.width(dtype), samplers.scaled(transform, factor, dtype), dtype, sharding, where)
+    return samplers.sample(
+        key, shape, samplers.width(dtype), samplers.scaled(transform, factor, dtype), dtype, sharding, where
+    )
 
 
 def _fans(shape: Sequence[int]) -> tuple[int, int]:
     if len(shape) < 2:
-        raise ValueError(f"fan-based initialisers need a weight of rank >= 2 (torch's (out, in, *kernel)), got shape {tuple(shape)}")
+        raise ValueError(
+            f"fan-based initialisers need a weight of rank >= 2 (torch's (out, in, *kernel)), got shape {tuple(shape)}"
+        )
     receptive = math.prod(shape[2:])
     return shape[1] * receptive, shape[0] * receptive
 
@@ -129,9 +159,13 @@ def variance_scaling(scale: float, mode: str, distribution: str) -> Initializer:
     if mode not in ("fan_in", "fan_out", "fan_avg"):
         raise ValueError(f"variance_scaling mode must be 'fan_in', 'fan_out' or 'fan_avg', got {mode!r}")
     if distribution not in ("truncated_normal", "normal", "uniform"):
-        raise ValueError(f"variance_scaling distribution must be 'truncated_normal', 'normal' or 'uniform', got {distribution!r}")
+        raise ValueError(
+            f"variance_scaling distribution must be 'truncated_normal', 'normal' or 'uniform', got {distribution!r}"
+        )
 
-    def init(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+    def init(
+        key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype | None = None, *, sharding: Sharding = None
+    ) -> torch.Tensor:
         fan_in, fan_out = _fans(tuple(shape))
         n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[mode]
         variance = scale / max(n, 1)

@@ -89,32 +89,54 @@ def expert_parallel(
     """
     tokens = tuple(token_axes) if token_axes is not None else (axis,)
     if axis not in tokens:
-        raise ValueError(f"expert_parallel: token_axes {tokens!r} must include the expert axis {axis!r} (each rank of it routes its own tokens)")
+        raise ValueError(
+            f"expert_parallel: token_axes {tokens!r} must include the expert axis {axis!r} (each rank of it routes its own tokens)"
+        )
     m = mesh if mesh is not None else current_mesh()
     if m is None:
         raise ValueError("expert_parallel needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
     n = m.axis_size(axis)
     for i, w in enumerate(weights):
         if w.shape[0] % n:
-            raise ValueError(f"expert_parallel: weights[{i}] has {w.shape[0]} experts (dim 0), which {axis!r} of size {n} does not divide")
+            raise ValueError(
+                f"expert_parallel: weights[{i}] has {w.shape[0]} experts (dim 0), which {axis!r} of size {n} does not divide"
+            )
     split = P(tokens)
 
-    def expert_dispatch(x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
+    def expert_dispatch(
+        x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor
+    ) -> torch.Tensor:
         return _routed(experts, x, index, gates, local, axis, n, capacity)
 
-    region = shard_map(expert_dispatch, mesh=m, in_specs=(split, split, split, *(P(axis) for _ in weights)), out_specs=split, axis_names=tokens)
+    region = shard_map(
+        expert_dispatch,
+        mesh=m,
+        in_specs=(split, split, split, *(P(axis) for _ in weights)),
+        out_specs=split,
+        axis_names=tokens,
+    )
     return region(x, top_k_index, top_k_weights, *weights)
 
 
-def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor,
-            local: tuple[torch.Tensor, ...], axis: str, n: int, capacity: int | None) -> torch.Tensor:
+def _routed(
+    experts: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    index: torch.Tensor,
+    gates: torch.Tensor,
+    local: tuple[torch.Tensor, ...],
+    axis: str,
+    n: int,
+    capacity: int | None,
+) -> torch.Tensor:
     """One rank's part: dispatch its token copies, run its experts, combine (see the module docs)."""
     t, k = index.shape
     per_rank = local[0].shape[0]
     rows = t * k
     capacity = n * rows if capacity is None else capacity
     if capacity < rows:
-        raise ValueError(f"expert_parallel: capacity {capacity} is less than the {rows} token copies of a rank ({t} tokens x top-{k}), which the ranks receive on average")
+        raise ValueError(
+            f"expert_parallel: capacity {capacity} is less than the {rows} token copies of a rank ({t} tokens x top-{k}), which the ranks receive on average"
+        )
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
     sent = x[order // k]
@@ -124,8 +146,14 @@ def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.
     got = ops.all_to_all_counted(sent, by_rank, axis, capacity)
     # the received rows are grouped by source, then by expert: which local expert each one is for
     here = table.index_select(1, ops.axis_index(axis).reshape(1)).reshape(n * per_rank)
-    ends = torch.cumsum(here, 0).clamp(max=capacity)  # row r is in segment #(ends <= r): searchsorted, as a scatter and a cumsum
-    segment = torch.zeros(capacity + 1, dtype=ends.dtype, device=ends.device).scatter_add(0, ends, torch.ones_like(ends)).cumsum(0)[:capacity]
+    ends = torch.cumsum(here, 0).clamp(
+        max=capacity
+    )  # row r is in segment #(ends <= r): searchsorted, as a scatter and a cumsum
+    segment = (
+        torch.zeros(capacity + 1, dtype=ends.dtype, device=ends.device)
+        .scatter_add(0, ends, torch.ones_like(ends))
+        .cumsum(0)[:capacity]
+    )
     expert = torch.where(segment < n * per_rank, segment % per_rank, per_rank)
     regroup = torch.argsort(expert, stable=True)
     offsets = torch.cumsum(here.view(n, per_rank).sum(0), 0).to(torch.int32)
@@ -136,7 +164,9 @@ def _routed(experts: Callable[..., torch.Tensor], x: torch.Tensor, index: torch.
     return (back.view(t, k, -1) * gates[..., None]).sum(1).to(x.dtype)
 
 
-def use_expert_parallel(model: torch.nn.Module, *, axis: str, token_axes: Sequence[str] | None = None, mesh: Mesh | None = None) -> None:
+def use_expert_parallel(
+    model: torch.nn.Module, *, axis: str, token_axes: Sequence[str] | None = None, mesh: Mesh | None = None
+) -> None:
     """Run the routed experts of the ``transformers`` model ``model`` through :func:`expert_parallel`
     over ``axis`` (the tokens split over ``token_axes``, default ``(axis,)``, on ``mesh``, default the
     current one): vsf's experts implementation is registered with transformers
@@ -156,27 +186,42 @@ def use_expert_parallel(model: torch.nn.Module, *, axis: str, token_axes: Sequen
     if m is None:
         raise ValueError("use_expert_parallel needs a mesh: pass mesh=... or call it inside `with vsf.use_mesh(mesh):`")
     settings = (m, axis, tuple(token_axes) if token_axes is not None else None)
-    found = [module for module in model.modules() if hasattr(module, "is_concatenated") and hasattr(module, "down_proj")]
+    found = [
+        module for module in model.modules() if hasattr(module, "is_concatenated") and hasattr(module, "down_proj")
+    ]
     if not found:
-        raise ValueError(f"use_expert_parallel: {type(model).__name__} has no transformers experts module (one built with @use_experts_implementation)")
+        raise ValueError(
+            f"use_expert_parallel: {type(model).__name__} has no transformers experts module (one built with @use_experts_implementation)"
+        )
     for module in found:
         module.vsf_expert_parallel = settings
     ALL_EXPERTS_FUNCTIONS[_IMPLEMENTATION] = _transformers_experts
     model.set_experts_implementation(_IMPLEMENTATION)
 
 
-def _transformers_experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def _transformers_experts(
+    module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers' experts forward (its signature) through :func:`expert_parallel`, with
     :func:`use_expert_parallel`'s settings."""
     return _dispatched(module, hidden_states, top_k_index, top_k_weights, *module.vsf_expert_parallel)
 
 
-def _dispatched(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                mesh: Mesh, axis: str, token_axes: Sequence[str] | None) -> torch.Tensor:
+def _dispatched(
+    module: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    mesh: Mesh,
+    axis: str,
+    token_axes: Sequence[str] | None,
+) -> torch.Tensor:
     """The transformers experts ``module`` run through :func:`expert_parallel` over ``axis``."""
     name = type(module).__name__
     if module.has_bias or module.has_post_expert_norm:
-        raise ValueError(f"expert parallelism: {name} has expert biases or a post-expert norm, which vsf's dispatch does not run")
+        raise ValueError(
+            f"expert parallelism: {name} has expert biases or a post-expert norm, which vsf's dispatch does not run"
+        )
     up = module.gate_up_proj if module.has_gate else module.up_proj
 
     def grouped(rows: torch.Tensor, offsets: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -186,7 +231,16 @@ def _dispatched(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Ten
         h = linear(rows, w_up)
         return linear(module._apply_gate(h) if module.has_gate else module.act_fn(h), w_down)
 
-    return expert_parallel(grouped, hidden_states, top_k_index, top_k_weights, (up, module.down_proj), axis=axis, token_axes=token_axes, mesh=mesh)
+    return expert_parallel(
+        grouped,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        (up, module.down_proj),
+        axis=axis,
+        token_axes=token_axes,
+        mesh=mesh,
+    )
 
 
 @contextlib.contextmanager
@@ -207,7 +261,9 @@ def dispatching_transformers_experts(options: PlanOptions) -> Iterator[None]:
     """
     integration = sys.modules.get("transformers.integrations.moe")
     interface = integration.ALL_EXPERTS_FUNCTIONS if integration is not None else None
-    if interface is None or not options.dispatch_experts or "get_interface" in vars(interface):  # (already in force: a trace inside a trace)
+    if (
+        interface is None or not options.dispatch_experts or "get_interface" in vars(interface)
+    ):  # (already in force: a trace inside a trace)
         yield
         return
     resolve = interface.get_interface
@@ -223,16 +279,20 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
     if forward is _transformers_experts:
         return forward
 
-    def experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def experts(
+        module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         split = _expert_split(module)
         if split is None:
             return forward(module, hidden_states, top_k_index, top_k_weights)
         mesh, axis, tokens = split
         ranks = math.prod(mesh.axis_size(a) for a in tokens)
         if hidden_states.shape[0] % ranks:
-            raise PlanError(f"{type(module).__name__}: its experts split over {axis!r} take {hidden_states.shape[0]} tokens, which the {ranks} ranks of the "
-                            f"token axes {tokens!r} (every axis its weights do not split elsewhere) do not divide: vsf dispatches each rank's share. "
-                            "Give it a divisible number of tokens, or set vsf.config.dispatch_experts = False to gather the experts instead")
+            raise PlanError(
+                f"{type(module).__name__}: its experts split over {axis!r} take {hidden_states.shape[0]} tokens, which the {ranks} ranks of the "
+                f"token axes {tokens!r} (every axis its weights do not split elsewhere) do not divide: vsf dispatches each rank's share. "
+                "Give it a divisible number of tokens, or set vsf.config.dispatch_experts = False to gather the experts instead"
+            )
         return _dispatched(module, hidden_states, top_k_index, top_k_weights, mesh, axis, tokens)
 
     return experts
@@ -246,15 +306,21 @@ def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
     on_experts = {k: _expert_axes(f) for k, f in found.items()}
     if not any(on_experts.values()):
         return None
-    said = "; ".join(f"{f.name} is {f.sharding.spec!r}" if f is not None else f"{k} is not a step input" for k, f in found.items())
+    said = "; ".join(
+        f"{f.name} is {f.sharding.spec!r}" if f is not None else f"{k} is not a step input" for k, f in found.items()
+    )
     axes = set(on_experts.values())
     if len(axes) > 1:
-        raise PlanError(f"{type(module).__name__}: its weights split the expert dim (dim 0) differently ({said}): vsf dispatches tokens to experts "
-                        "split alike over one mesh axis. Lay both out alike (e.g. P('ep')), or split neither on dim 0 (or set vsf.config.dispatch_experts = False) to gather them")
+        raise PlanError(
+            f"{type(module).__name__}: its weights split the expert dim (dim 0) differently ({said}): vsf dispatches tokens to experts "
+            "split alike over one mesh axis. Lay both out alike (e.g. P('ep')), or split neither on dim 0 (or set vsf.config.dispatch_experts = False) to gather them"
+        )
     (split,) = axes
     if len(split) > 1:
-        raise PlanError(f"{type(module).__name__}: its weights split the expert dim (dim 0) over {split!r} ({said}): vsf dispatches tokens over "
-                        f"one mesh axis. Split dim 0 over one axis and another dim over the rest (efsdp: P({split[0]!r}, {split[1]!r}))")
+        raise PlanError(
+            f"{type(module).__name__}: its weights split the expert dim (dim 0) over {split!r} ({said}): vsf dispatches tokens over "
+            f"one mesh axis. Split dim 0 over one axis and another dim over the rest (efsdp: P({split[0]!r}, {split[1]!r}))"
+        )
     shardings = [f.sharding for f in found.values() if f is not None]
     elsewhere = {a for s in shardings for d in range(1, len(s.spec)) for a in s.spec.entry_axes(d)}
     mesh = shardings[0].mesh

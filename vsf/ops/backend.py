@@ -34,7 +34,18 @@ import torch.distributed as dist
 from vsf import _compat, runtime
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["AxisGroup", "all_gather", "all_reduce", "all_to_all", "axis_group", "exchange", "exchange_counted", "local_ranks", "per_rank", "reduce_scatter"]
+__all__ = [
+    "AxisGroup",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "axis_group",
+    "exchange",
+    "exchange_counted",
+    "local_ranks",
+    "per_rank",
+    "reduce_scatter",
+]
 
 Counts = tuple[tuple[int, ...], ...]
 
@@ -112,7 +123,9 @@ def all_gather(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, g: AxisGroup, dim: int) -> torch.Tensor:
     """Member ``i`` gets the ``i``-th of ``size`` equal pieces (along ``dim``) of the sum of ``x``."""
     if x.shape[dim] % g.size:
-        raise ValueError(f"reduce-scatter over {g.axis!r} (size {g.size}) needs dim {dim} divisible by {g.size}, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"reduce-scatter over {g.axis!r} (size {g.size}) needs dim {dim} divisible by {g.size}, got shape {tuple(x.shape)}"
+        )
     return _wait(_compat.functional_collectives.reduce_scatter_single(x.contiguous(), "sum", dim, g.group))
 
 
@@ -120,7 +133,9 @@ def all_to_all(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Even all-to-all over dim 0: the ``j``-th of ``size`` row blocks goes to member ``j``;
     the received blocks are stacked in source order."""
     if x.shape[0] % g.size:
-        raise ValueError(f"all-to-all over {g.axis!r} (size {g.size}) needs dim 0 divisible by {g.size}, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"all-to-all over {g.axis!r} (size {g.size}) needs dim 0 divisible by {g.size}, got shape {tuple(x.shape)}"
+        )
     return _wait(_compat.functional_collectives.all_to_all_single(x.contiguous(), None, None, g.group))
 
 
@@ -131,13 +146,16 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 # -- ragged steps: per-rank functions and the exchange ------------------------------------------
 
 
-def per_rank(x: torch.Tensor, g: AxisGroup, fn: Callable[..., torch.Tensor], *, with_rank: bool = False) -> torch.Tensor:
+def per_rank(
+    x: torch.Tensor, g: AxisGroup, fn: Callable[..., torch.Tensor], *, with_rank: bool = False
+) -> torch.Tensor:
     """Apply ``fn(local, index)`` on each rank, ``index`` being the rank's position on the axis
     (``fn(local, index, rank)`` with ``with_rank``, ``rank`` the global rank).
 
     Use it for local steps whose sizes depend on the rank (slicing one's own piece, padding it).
     Under simulation every simulated rank runs ``fn`` on its own value.
     """
+
     def call(v: torch.Tensor, r: int) -> torch.Tensor:
         return fn(v, g.index(r), r) if with_rank else fn(v, g.index(r))
 
@@ -176,7 +194,9 @@ def exchange_counted(x: torch.Tensor, counts: torch.Tensor, g: AxisGroup, rows: 
     """
     n = g.size
     if counts.shape != (n, n):
-        raise ValueError(f"exchange over {g.axis!r} needs a {n}x{n} matrix of row counts, got shape {tuple(counts.shape)}")
+        raise ValueError(
+            f"exchange over {g.axis!r} needs a {n}x{n} matrix of row counts, got shape {tuple(counts.shape)}"
+        )
     if g.kind == "simulated":
         xs, cs = _values(x, g.mesh), _values(counts, g.mesh)
         with _compat.local_mode_disabled():
@@ -204,7 +224,9 @@ def _exchange_counted(x: torch.Tensor, counts: torch.Tensor, group: str, axis: s
     pg = _compat.process_group_named(group)
     matrix, me = counts.tolist(), dist.get_rank(pg)
     recv = x.new_empty((sum(row[me] for row in matrix), *x.shape[1:]))
-    dist.all_to_all_single(recv, x[: sum(matrix[me])].contiguous(), [row[me] for row in matrix], list(matrix[me]), group=pg)
+    dist.all_to_all_single(
+        recv, x[: sum(matrix[me])].contiguous(), [row[me] for row in matrix], list(matrix[me]), group=pg
+    )
     return _padded(recv, rows, axis, me)
 
 
@@ -215,7 +237,9 @@ def _(x: torch.Tensor, counts: torch.Tensor, group: str, axis: str, rows: int) -
 
 def _padded(t: torch.Tensor, rows: int, axis: str, me: int) -> torch.Tensor:
     if t.shape[0] > rows:
-        raise ValueError(f"member {me} of axis {axis!r} receives {t.shape[0]} rows, more than the {rows} its buffer holds")
+        raise ValueError(
+            f"member {me} of axis {axis!r} receives {t.shape[0]} rows, more than the {rows} its buffer holds"
+        )
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
 
 
@@ -237,7 +261,9 @@ def _simulated_exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.
 
 def _check_rows(x: torch.Tensor, rows: int, g: AxisGroup, me: int) -> None:
     if x.ndim == 0 or x.shape[0] != rows:
-        raise ValueError(f"member {me} of axis {g.axis!r} must send {rows} rows (dim 0), but its tensor has shape {tuple(x.shape)}")
+        raise ValueError(
+            f"member {me} of axis {g.axis!r} must send {rows} rows (dim 0), but its tensor has shape {tuple(x.shape)}"
+        )
 
 
 def _values(x: torch.Tensor, mesh: Mesh) -> dict[int, torch.Tensor]:

@@ -116,7 +116,9 @@ def _run(x: torch.Tensor, op: Any, key: int | None) -> torch.Tensor:
     if key is not None:
         return region.collective(x, region.Call(op, key))
     if traces_step():
-        raise ValueError(f"an {op.abstract(x)[1].kind} over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region")
+        raise ValueError(
+            f"an {op.abstract(x)[1].kind} over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region"
+        )
     return op(x)
 
 
@@ -192,7 +194,9 @@ class _PsumScatter(Linear):
 
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         if x.shape[self.dim] % self.g.size:
-            raise ValueError(f"psum_scatter over {self.g.axis!r} (size {self.g.size}) needs dim {self.dim} divisible by {self.g.size}, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"psum_scatter over {self.g.axis!r} (size {self.g.size}) needs dim {self.dim} divisible by {self.g.size}, got shape {tuple(x.shape)}"
+            )
         shape = list(x.shape)
         shape[self.dim] //= self.g.size
         return sent("reduce_scatter", self.g, x, tuple(shape))
@@ -225,7 +229,9 @@ class _AllToAll(Linear):
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         n = self.g.size
         if x.shape[self.split_dim] % n:
-            raise ValueError(f"all_to_all over {self.g.axis!r} (size {n}) splits dim {self.split_dim} of shape {tuple(x.shape)}, which is not divisible by {n}")
+            raise ValueError(
+                f"all_to_all over {self.g.axis!r} (size {n}) splits dim {self.split_dim} of shape {tuple(x.shape)}, which is not divisible by {n}"
+            )
         shape = list(x.shape)
         shape[self.split_dim] //= n
         shape[self.concat_dim] *= n
@@ -414,7 +420,9 @@ def axis_size(axis: AxisName, *, mesh: Mesh | None = None) -> int:
     return n
 
 
-def all_gather(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True, *, mesh: Mesh | None = None) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in axis order (``tiled=False``: stacked on a
     new dim ``dim``).
 
@@ -431,7 +439,9 @@ def all_gather(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True
     return x
 
 
-def psum_scatter(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True, *, mesh: Mesh | None = None) -> torch.Tensor:
+def psum_scatter(
+    x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = True, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Sum ``x`` over ``axis`` and keep this rank's equal piece of ``dim`` (``tiled=False``: ``dim``
     has the axis size and is removed).
 
@@ -446,7 +456,9 @@ def psum_scatter(x: torch.Tensor, axis: AxisName, dim: int = 0, tiled: bool = Tr
     return x if tiled else x.squeeze(dim)
 
 
-def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *, mesh: Mesh | None = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Split ``split_dim`` into equal pieces, send piece ``j`` to rank ``j`` of ``axis``, and
     concatenate the received pieces along ``concat_dim`` in source order (JAX's ``tiled=True``).
 
@@ -471,7 +483,9 @@ def ppermute(x: torch.Tensor, axis: str, perm: Sequence[tuple[int, int]], *, mes
     pairs = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     if any(not 0 <= i < n for i in srcs + dsts) or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(f"ppermute over {axis!r} (size {n}) needs (src, dst) pairs of ranks in [0, {n}) with distinct sources and destinations, got {pairs!r}")
+        raise ValueError(
+            f"ppermute over {axis!r} (size {n}) needs (src, dst) pairs of ranks in [0, {n}) with distinct sources and destinations, got {pairs!r}"
+        )
     g = one_group(axis, mesh, "ppermute")
     if g is None:
         return x if pairs else torch.zeros_like(x)

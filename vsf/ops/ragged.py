@@ -121,8 +121,18 @@ class _AllToAllV(Linear):
 
     def abstract(self, x: torch.Tensor) -> tuple[torch.Tensor, Sent]:
         """The result's shape and what the rank that sends the most sends (rows to other ranks)."""
-        _one_shape(tuple(sum(row) for row in self.counts), "all_to_all_v", self.g.axis, "its operand (the send matrix's row sums)")
-        _one_shape(tuple(sum(col) for col in zip(*self.counts)), "all_to_all_v", self.g.axis, "its result (the send matrix's column sums)")
+        _one_shape(
+            tuple(sum(row) for row in self.counts),
+            "all_to_all_v",
+            self.g.axis,
+            "its operand (the send matrix's row sums)",
+        )
+        _one_shape(
+            tuple(sum(col) for col in zip(*self.counts)),
+            "all_to_all_v",
+            self.g.axis,
+            "its result (the send matrix's column sums)",
+        )
         _traced_rows(x, self.dim, sum(self.counts[0]), "all_to_all_v")
         shape = list(x.shape)
         shape[self.dim] = sum(row[0] for row in self.counts)
@@ -158,7 +168,9 @@ class _AllToAllCounted:
         analytic volume); which rank sends more depends on the counts, known when it runs."""
         _traced_rows(x, 0, self.rows_in, "all_to_all_counted")
         row_bytes = x.numel() // max(x.shape[0], 1) * x.element_size()
-        return sent("all_to_all_v", self.g, x, (self.rows_out, *x.shape[1:]), min(self.rows_in, self.rows_out) * row_bytes)
+        return sent(
+            "all_to_all_v", self.g, x, (self.rows_out, *x.shape[1:]), min(self.rows_in, self.rows_out) * row_bytes
+        )
 
     def transpose(self) -> "_AllToAllCounted":
         return _AllToAllCounted(self.g, self.rows_out, self.rows_in, not self.transposed)
@@ -172,12 +184,14 @@ class _Counted(torch.autograd.Function):
         if key is not None:
             return region.exchange(x, counts, region.Call(op, key))
         if traces_step():
-            raise ValueError(f"an all_to_all_counted over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region")
+            raise ValueError(
+                f"an all_to_all_counted over {op.g.axis!r} inside vsf.jit: the named-axis collectives of vsf.ops run only inside a vsf.shard_map region"
+            )
         return op(x, counts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        counts, = ctx.saved_tensors
+        (counts,) = ctx.saved_tensors
         return _Counted.apply(grad, counts, ctx.op.transpose(), ctx.key), None, None, None
 
 
@@ -201,7 +215,9 @@ def _rows(x: torch.Tensor, g: AxisGroup, expected: Any, op: str) -> torch.Tensor
 
     def check(t: torch.Tensor, me: int) -> torch.Tensor:
         if t.ndim == 0 or t.shape[0] != expected(me):
-            raise ValueError(f"{op} over {g.axis!r}: member {me} should hold {expected(me)} rows along the collective's dim, got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{op} over {g.axis!r}: member {me} should hold {expected(me)} rows along the collective's dim, got shape {tuple(t.shape)}"
+            )
         return t
 
     return backend.per_rank(x, g, check)
@@ -222,11 +238,15 @@ def _starts(sizes: Sequence[int]) -> list[int]:
 def _sizes(sizes: Sequence[int], n: int, axis: str, op: str) -> tuple[int, ...]:
     out = tuple(int(s) for s in sizes)
     if len(out) != n or any(s < 0 for s in out):
-        raise ValueError(f"{op} over {axis!r} (size {n}) needs {n} non-negative sizes, one per rank, got {tuple(sizes)!r}")
+        raise ValueError(
+            f"{op} over {axis!r} (size {n}) needs {n} non-negative sizes, one per rank, got {tuple(sizes)!r}"
+        )
     return out
 
 
-def all_gather_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+def all_gather_v(
+    x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Ragged all-gather: rank ``i`` of ``axis`` holds ``sizes[i]`` slices along ``dim`` (0
     allowed); every rank gets all of them concatenated in rank order.
 
@@ -239,10 +259,16 @@ def all_gather_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0,
     """
     g = one_group(axis, mesh, "all_gather_v")
     sizes = _sizes(sizes, axis_size_of(axis, mesh, "all_gather_v"), axis, "all_gather_v")
-    return _identity_rows(x, dim, sizes[0], axis, "all_gather_v") if g is None else apply_linear(x, _AllGatherV(g, sizes, dim % x.ndim))
+    return (
+        _identity_rows(x, dim, sizes[0], axis, "all_gather_v")
+        if g is None
+        else apply_linear(x, _AllGatherV(g, sizes, dim % x.ndim))
+    )
 
 
-def reduce_scatter_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+def reduce_scatter_v(
+    x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int = 0, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Ragged reduce-scatter: every rank holds ``sum(sizes)`` slices along ``dim``; rank ``i`` of
     ``axis`` gets the sum over ranks of the ``i``-th run of ``sizes[i]`` slices.
 
@@ -252,10 +278,16 @@ def reduce_scatter_v(x: torch.Tensor, axis: str, sizes: Sequence[int], dim: int 
     """
     g = one_group(axis, mesh, "reduce_scatter_v")
     sizes = _sizes(sizes, axis_size_of(axis, mesh, "reduce_scatter_v"), axis, "reduce_scatter_v")
-    return _identity_rows(x, dim, sizes[0], axis, "reduce_scatter_v") if g is None else apply_linear(x, _ReduceScatterV(g, sizes, dim % x.ndim))
+    return (
+        _identity_rows(x, dim, sizes[0], axis, "reduce_scatter_v")
+        if g is None
+        else apply_linear(x, _ReduceScatterV(g, sizes, dim % x.ndim))
+    )
 
 
-def all_to_all_v(x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]], dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
+def all_to_all_v(
+    x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]], dim: int = 0, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Ragged all-to-all along ``dim``: ``send_sizes[i][j]`` slices go from rank ``i`` to rank ``j``.
 
     ``send_sizes`` is the whole matrix, the same on every rank (a rank receives column ``me``).
@@ -270,12 +302,20 @@ def all_to_all_v(x: torch.Tensor, axis: str, send_sizes: Sequence[Sequence[int]]
     n = axis_size_of(axis, mesh, "all_to_all_v") if isinstance(axis, str) else 0
     counts = tuple(_sizes(row, n, axis, "all_to_all_v") for row in send_sizes)
     if len(counts) != n:
-        raise ValueError(f"all_to_all_v over {axis!r} (size {n}) needs an {n}x{n} send_sizes matrix, got {len(counts)} rows")
+        raise ValueError(
+            f"all_to_all_v over {axis!r} (size {n}) needs an {n}x{n} send_sizes matrix, got {len(counts)} rows"
+        )
     g = one_group(axis, mesh, "all_to_all_v")
-    return _identity_rows(x, dim, counts[0][0], axis, "all_to_all_v") if g is None else apply_linear(x, _AllToAllV(g, counts, dim % x.ndim))
+    return (
+        _identity_rows(x, dim, counts[0][0], axis, "all_to_all_v")
+        if g is None
+        else apply_linear(x, _AllToAllV(g, counts, dim % x.ndim))
+    )
 
 
-def all_to_all_counted(x: torch.Tensor, counts: torch.Tensor, axis: str, rows: int, *, mesh: Mesh | None = None) -> torch.Tensor:
+def all_to_all_counted(
+    x: torch.Tensor, counts: torch.Tensor, axis: str, rows: int, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Ragged all-to-all along dim 0 whose send matrix is a tensor: ``counts[i][j]`` rows go from
     rank ``i`` of ``axis`` to rank ``j`` (``counts``: an ``[n, n]`` integer tensor, the same on every
     rank of the axis, e.g. ``all_gather`` of each rank's own row; it may differ from step to step).
@@ -294,7 +334,9 @@ def all_to_all_counted(x: torch.Tensor, counts: torch.Tensor, axis: str, rows: i
     """
     n = axis_size_of(axis, mesh, "all_to_all_counted")
     if counts.shape != (n, n) or counts.dtype.is_floating_point:
-        raise ValueError(f"all_to_all_counted over {axis!r} (size {n}) needs an {n}x{n} integer counts tensor, got {counts.dtype} of shape {tuple(counts.shape)}")
+        raise ValueError(
+            f"all_to_all_counted over {axis!r} (size {n}) needs an {n}x{n} integer counts tensor, got {counts.dtype} of shape {tuple(counts.shape)}"
+        )
     g = one_group(axis, mesh, "all_to_all_counted")
     if g is None:
         return _padded_rows(x, rows)
@@ -309,5 +351,7 @@ def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _identity_rows(x: torch.Tensor, dim: int, rows: int, axis: str, op: str) -> torch.Tensor:
     if x.shape[dim] != rows:
-        raise ValueError(f"{op} over size-1 axis {axis!r}: dim {dim} of shape {tuple(x.shape)} should have {rows} slices")
+        raise ValueError(
+            f"{op} over size-1 axis {axis!r}: dim {dim} of shape {tuple(x.shape)} should have {rows} slices"
+        )
     return x

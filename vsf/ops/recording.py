@@ -24,10 +24,21 @@ import torch
 from vsf.ops.backend import AxisGroup
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["CollectiveKind", "Sent", "check_axis", "current_region", "manual_axes", "sent", "tracing_step", "traces_step"]
+__all__ = [
+    "CollectiveKind",
+    "Sent",
+    "check_axis",
+    "current_region",
+    "manual_axes",
+    "sent",
+    "tracing_step",
+    "traces_step",
+]
 
 
-CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "ppermute"]   # what a collective does
+CollectiveKind = Literal[
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "ppermute"
+]  # what a collective does
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,9 @@ class Sent:
     bytes: int
 
 
-MANUAL: list[tuple[str, frozenset[str], int | None]] = []  # (region name, its manual axes, its key when traced), innermost last
+MANUAL: list[
+    tuple[str, frozenset[str], int | None]
+] = []  # (region name, its manual axes, its key when traced), innermost last
 
 
 @contextlib.contextmanager
@@ -107,11 +120,15 @@ def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
     return int(round(full * {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "ppermute": 1}.get(kind, (n - 1) / n)))
 
 
-def sent(kind: CollectiveKind, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None) -> tuple[torch.Tensor, Sent]:
+def sent(
+    kind: CollectiveKind, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None
+) -> tuple[torch.Tensor, Sent]:
     """An empty result of ``out_shape`` (a traced collective's fake result) and the record of
     what ``kind`` over ``g`` sends for ``x`` (``nbytes``, or the ring model's figure)."""
     shape = out_shape if kind == "all_gather" else tuple(x.shape)
-    return x.new_empty(out_shape), Sent(kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x) if nbytes is None else nbytes)
+    return x.new_empty(out_shape), Sent(
+        kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x) if nbytes is None else nbytes
+    )
 
 
 def check_axis(m: Mesh, axis: str, op: str) -> None:

@@ -51,8 +51,23 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
 
 __all__ = [
-    "AXIS_INDEX_OP", "BOUNDARY_OPS", "COLLECTIVE_OP", "COLLECTIVE_OPS", "EXCHANGE_OP", "REGION_OPS", "Call", "Region",
-    "axis_index", "boundary", "call", "collective", "copies", "exchange", "lookup", "register", "summed_over",
+    "AXIS_INDEX_OP",
+    "BOUNDARY_OPS",
+    "COLLECTIVE_OP",
+    "COLLECTIVE_OPS",
+    "EXCHANGE_OP",
+    "REGION_OPS",
+    "Call",
+    "Region",
+    "axis_index",
+    "boundary",
+    "call",
+    "collective",
+    "copies",
+    "exchange",
+    "lookup",
+    "register",
+    "summed_over",
 ]
 
 
@@ -152,7 +167,9 @@ def _shape(kind: str, region: Region, i: int, shape: Sequence[int]) -> list[int]
 def _define_boundary(kind: str) -> Any:
     @torch.library.custom_op(f"vsf::{kind}", mutates_args=())
     def op(x: torch.Tensor, key: int, i: int) -> torch.Tensor:
-        raise RuntimeError(f"{kind} of shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into")
+        raise RuntimeError(
+            f"{kind} of shard_map region {lookup(key).name} runs only inside the program vsf.jit lowers it into"
+        )
 
     @op.register_fake
     def _(x: torch.Tensor, key: int, i: int) -> torch.Tensor:
@@ -161,7 +178,9 @@ def _define_boundary(kind: str) -> Any:
     return getattr(torch.ops.vsf, kind).default
 
 
-BOUNDARY_OPS = {kind: _define_boundary(kind) for kind in ("manual_in", "manual_in_grad", "manual_out", "manual_out_grad")}
+BOUNDARY_OPS = {
+    kind: _define_boundary(kind) for kind in ("manual_in", "manual_in_grad", "manual_out", "manual_out_grad")
+}
 
 
 @torch.library.custom_op("vsf::manual_collective", mutates_args=())
@@ -196,7 +215,9 @@ def _(key: int) -> torch.Tensor:
 
 COLLECTIVE_OP = torch.ops.vsf.manual_collective.default
 EXCHANGE_OP = torch.ops.vsf.manual_exchange.default
-COLLECTIVE_OPS = frozenset({COLLECTIVE_OP, EXCHANGE_OP})  # the region ops that communicate (their operand first, their Call last)
+COLLECTIVE_OPS = frozenset(
+    {COLLECTIVE_OP, EXCHANGE_OP}
+)  # the region ops that communicate (their operand first, their Call last)
 AXIS_INDEX_OP = torch.ops.vsf.manual_axis_index.default
 REGION_OPS = frozenset({*BOUNDARY_OPS.values(), *COLLECTIVE_OPS, AXIS_INDEX_OP})  # every op a traced region leaves
 

@@ -38,12 +38,22 @@ torch.library.define("vsf::adam_step_", f"(Tensor grad, Tensor(a!) mu, Tensor(b!
 
 @torch.library.impl("vsf::adam_step_", "CompositeExplicitAutograd")
 def _adam_step_inplace(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
-    b1: float, b2: float, eps: float,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    param: torch.Tensor | None,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
 ) -> torch.Tensor:
     # The kernel walks every tensor as one flat array: all must share one memory order.
     if not (mu.is_contiguous() and nu.is_contiguous()):
-        raise ValueError(f"vsf::adam_step_ updates contiguous moments only, got strides {mu.stride()} and {nu.stride()}")
+        raise ValueError(
+            f"vsf::adam_step_ updates contiguous moments only, got strides {mu.stride()} and {nu.stride()}"
+        )
     if param is None:
         update = torch.zeros_like(mu)
     else:
@@ -54,8 +64,16 @@ def _adam_step_inplace(
 
 @torch.library.impl("vsf::adam_step", "CompositeExplicitAutograd")
 def _adam_step(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
-    b1: float, b2: float, eps: float,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    param: torch.Tensor | None,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, v = mu.clone(memory_format=torch.contiguous_format), nu.clone(memory_format=torch.contiguous_format)
     return torch.ops.vsf.adam_step_(grad, m, v, param, count, lr, decay, b1, b2, eps), m, v
@@ -63,16 +81,32 @@ def _adam_step(
 
 @torch.library.register_fake("vsf::adam_step")
 def _adam_step_fake(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
-    b1: float, b2: float, eps: float,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    param: torch.Tensor | None,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(torch.empty_like(mu, memory_format=torch.contiguous_format) for _ in range(3))  # type: ignore[return-value]
 
 
 @torch.library.register_fake("vsf::adam_step_")
 def _adam_step_inplace_fake(
-    grad: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, param: torch.Tensor | None, count: torch.Tensor, lr: torch.Tensor, decay: torch.Tensor,
-    b1: float, b2: float, eps: float,
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    param: torch.Tensor | None,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
 ) -> torch.Tensor:
     return torch.empty_like(mu, memory_format=torch.contiguous_format)
 
@@ -81,8 +115,16 @@ register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)
 
 
 def adam_step(
-    grads: list[torch.Tensor], mus: list[torch.Tensor], nus: list[torch.Tensor], params: list[torch.Tensor | None],
-    count: torch.Tensor, lr: float | torch.Tensor, decay: float | torch.Tensor, b1: float, b2: float, eps: float,
+    grads: list[torch.Tensor],
+    mus: list[torch.Tensor],
+    nus: list[torch.Tensor],
+    params: list[torch.Tensor | None],
+    count: torch.Tensor,
+    lr: float | torch.Tensor,
+    decay: float | torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """``(updates, new mus, new nus)`` of one Adam step per leaf:
     ``decay * param - lr * m_hat / (sqrt(v_hat) + eps)`` (``lr=-1`` and no params give Adam's
@@ -98,6 +140,11 @@ def adam_step(
     device = mus[0].device
     count = count.to(device=device, dtype=torch.float32)
     lr = _compat.fused_adam_lr(lr, device)
-    decay = decay.to(dtype=torch.float64) if isinstance(decay, torch.Tensor) else torch.full((), decay, dtype=torch.float64)
-    out = [torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, b1, b2, eps) for g, m, v, p in zip(grads, mus, nus, params)]
+    decay = (
+        decay.to(dtype=torch.float64) if isinstance(decay, torch.Tensor) else torch.full((), decay, dtype=torch.float64)
+    )
+    out = [
+        torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, b1, b2, eps)
+        for g, m, v, p in zip(grads, mus, nus, params)
+    ]
     return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]

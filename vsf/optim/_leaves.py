@@ -85,23 +85,33 @@ def leaves_like(ref: Flat, x: Any, what: str, ref_what: str) -> list[Any]:
         for (path, leaf), want in zip(pairs, ref.leaves):
             shape, want_shape = tuple(getattr(leaf, "shape", ())), tuple(getattr(want, "shape", ()))
             if shape != want_shape:
-                raise ValueError(f"{what} leaf {tree.keystr(path)} has shape {shape}, but {ref_what} have shape {want_shape} there")
+                raise ValueError(
+                    f"{what} leaf {tree.keystr(path)} has shape {shape}, but {ref_what} have shape {want_shape} there"
+                )
         return [leaf for _, leaf in pairs]
     got = [p for p, _ in pairs]
     for want_path, got_path in itertools.zip_longest(ref.paths, got):
         if want_path == got_path:
             continue
         if want_path is None or want_path in set(got):
-            raise ValueError(f"{what} do not match {ref_what}: {what} have a leaf at {tree.keystr(got_path)}, which {ref_what} do not have")
-        raise ValueError(f"{what} do not match {ref_what}: {what} have no leaf at {tree.keystr(want_path)}, which {ref_what} have")
-    raise ValueError(f"{what} do not match {ref_what}: same key paths, different containers ({treedef} vs {ref.treedef})")
+            raise ValueError(
+                f"{what} do not match {ref_what}: {what} have a leaf at {tree.keystr(got_path)}, which {ref_what} do not have"
+            )
+        raise ValueError(
+            f"{what} do not match {ref_what}: {what} have no leaf at {tree.keystr(want_path)}, which {ref_what} have"
+        )
+    raise ValueError(
+        f"{what} do not match {ref_what}: same key paths, different containers ({treedef} vs {ref.treedef})"
+    )
 
 
 def check_floating(leaves: Sequence[Any], paths: Sequence[tree.KeyPath], what: str) -> None:
     """``TypeError`` naming the first leaf that is not a floating-point tensor."""
     for leaf, path in zip(leaves, paths):
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{what} leaf {tree.keystr(path)} is a {type(leaf).__name__}; vsf.optim transforms need tensors")
+            raise TypeError(
+                f"{what} leaf {tree.keystr(path)} is a {type(leaf).__name__}; vsf.optim transforms need tensors"
+            )
         if leaf.dtype not in FLOATING:
             raise TypeError(
                 f"{what} leaf {tree.keystr(path)} has dtype {leaf.dtype}; vsf.optim transforms handle "
@@ -130,7 +140,9 @@ def wrap(t: torch.Tensor, like: Any) -> torch.Tensor:
         return t
     if t.dtype == like.dtype:
         return _compat.dtensor_like(t, like)
-    return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def zeros_like(x: Any) -> Any:
@@ -148,7 +160,9 @@ def redistribute(x: DTensor, placements: Sequence[Any]) -> DTensor:
         return x.redistribute(x.device_mesh, placements)
 
 
-def settle(xs: Sequence[torch.Tensor], layout: Sequence[torch.Tensor], paths: Sequence[tree.KeyPath], what: str) -> list[torch.Tensor]:
+def settle(
+    xs: Sequence[torch.Tensor], layout: Sequence[torch.Tensor], paths: Sequence[tree.KeyPath], what: str
+) -> list[torch.Tensor]:
     """Each leaf of ``xs`` redistributed to the layout of the matching ``layout`` leaf.
 
     A DTensor is redistributed once (``Partial`` -> ``Shard`` is a reduce-scatter, ``Replicate``

@@ -96,9 +96,13 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple[State, ...]:
         return tuple(t.init(params) for t in txs)
 
-    def update(updates: Updates, state: tuple[State, ...], params: Params | None = None) -> tuple[Updates, tuple[State, ...]]:
+    def update(
+        updates: Updates, state: tuple[State, ...], params: Params | None = None
+    ) -> tuple[Updates, tuple[State, ...]]:
         if not isinstance(state, tuple) or len(state) != len(txs):
-            raise ValueError(f"chain of {len(txs)} transforms needs a tuple of {len(txs)} states, got {type(state).__name__}")
+            raise ValueError(
+                f"chain of {len(txs)} transforms needs a tuple of {len(txs)} states, got {type(state).__name__}"
+            )
         new_state = []
         for t, s in zip(txs, state):
             updates, s = t.update(updates, s, params)
@@ -177,7 +181,9 @@ def multi_steps(inner: GradientTransformation, every_k: int) -> GradientTransfor
         count = _leaves.zero_count(ref.leaves)
         return MultiStepsState(count, count, inner.init(params), _leaves.zeros_like(params))
 
-    def update(updates: Updates, state: MultiStepsState, params: Params | None = None) -> tuple[Updates, MultiStepsState]:
+    def update(
+        updates: Updates, state: MultiStepsState, params: Params | None = None
+    ) -> tuple[Updates, MultiStepsState]:
         acc = _leaves.flat(state.acc_grads)
         gs = _leaves.leaves_like(acc, updates, "updates", "the accumulated gradients")
         _leaves.check_floating(gs, acc.paths, "updates")

@@ -45,8 +45,13 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Hook = Callable[[int, str], None]
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: Sequence[float] = NS_COEFFICIENTS,
-                  dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor,
+    steps: int = 5,
+    coefficients: Sequence[float] = NS_COEFFICIENTS,
+    dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+) -> torch.Tensor:
     """The Newton-Schulz orthogonalisation of the matrix ``g`` (Muon's ``zeropower``), in ``dtype``.
 
     Example::
@@ -101,7 +106,9 @@ def scale_by_muon(
         _check_matrices(ref)
         return ScaleByMuonState(_leaves.zeros_like(params))
 
-    def update(updates: Updates, state: ScaleByMuonState, params: Params | None = None) -> tuple[Updates, ScaleByMuonState]:
+    def update(
+        updates: Updates, state: ScaleByMuonState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByMuonState]:
         step = _prepare(updates, state.momentum, "the Muon state", None)
         _check_matrices(step.ref)
 
@@ -116,7 +123,10 @@ def scale_by_muon(
             return (o * max(1.0, g.shape[0] / g.shape[1]) ** 0.5).to(g.dtype)
 
         owners = _owners(us, axis)
-        out = [_on_owner(u, owner, orthogonal, on_orthogonalize, tree.keystr(path)) for u, owner, path in zip(us, owners, step.ref.paths)]
+        out = [
+            _on_owner(u, owner, orthogonal, on_orthogonalize, tree.keystr(path))
+            for u, owner, path in zip(us, owners, step.ref.paths)
+        ]
         return step.ref.unflatten(out), ScaleByMuonState(step.ref.unflatten(ms))
 
     return GradientTransformation(init, update)
@@ -125,7 +135,9 @@ def scale_by_muon(
 def _check_matrices(ref: _leaves.Flat) -> None:
     for path, leaf in zip(ref.paths, ref.leaves):
         if leaf.ndim != 2:
-            raise ValueError(f"Muon orthogonalises matrices, but leaf {tree.keystr(path)} has shape {tuple(leaf.shape)}; mask it out (muon's mask)")
+            raise ValueError(
+                f"Muon orthogonalises matrices, but leaf {tree.keystr(path)} has shape {tuple(leaf.shape)}; mask it out (muon's mask)"
+            )
 
 
 class _Owner(NamedTuple):
@@ -176,11 +188,15 @@ def _owner_axis(u: torch.Tensor, axis: str | None) -> str | None:
         return axis if s.mesh.axis_size(axis) > 1 else None
     split = [a for d in range(u.ndim) for a in s.spec.entry_axes(d) if s.mesh.axis_size(a) > 1]
     if len(split) > 1:
-        raise ValueError(f"a Muon update laid out as {s.spec!r} is split over {split}; pass muon(..., axis=...) to pick the owners' axis")
+        raise ValueError(
+            f"a Muon update laid out as {s.spec!r} is split over {split}; pass muon(..., axis=...) to pick the owners' axis"
+        )
     return split[0] if split else None
 
 
-def _on_owner(u: torch.Tensor, owner: _Owner | None, fn: Callable[[torch.Tensor], torch.Tensor], hook: Hook | None, path: str) -> torch.Tensor:
+def _on_owner(
+    u: torch.Tensor, owner: _Owner | None, fn: Callable[[torch.Tensor], torch.Tensor], hook: Hook | None, path: str
+) -> torch.Tensor:
     """``fn(u)`` computed on ``owner`` (moved there and back), or where ``u`` is without one."""
     if owner is None:
         for r in backend.local_ranks():
@@ -190,7 +206,7 @@ def _on_owner(u: torch.Tensor, owner: _Owner | None, fn: Callable[[torch.Tensor]
     s = sharding_of(u)
     units = tuple(int(j == owner.index) for j in range(s.mesh.axis_size(owner.axis)))
     held = NamedSharding(s.mesh, PartitionSpec(ragged(owner.axis, units)))
-    whole = device_put(u, held)   # the owner's units are all of the matrix: it gets all of it (no-op if it has)
+    whole = device_put(u, held)  # the owner's units are all of the matrix: it gets all of it (no-op if it has)
 
     def run(t: torch.Tensor, me: int, rank: int) -> torch.Tensor:
         if me != owner.index:
@@ -245,7 +261,9 @@ def muon(
         >>> tx = vsf.optim.muon(0.02, weight_decay=0.01, mask=lambda p: {k: "embed" not in k and v.ndim == 2 for k, v in p.items()})
     """
     select = mask if mask is not None else _matrices
-    parts = [scale_by_muon(momentum, nesterov, ns_steps, ns_dtype=ns_dtype, axis=axis, on_orthogonalize=on_orthogonalize)]
+    parts = [
+        scale_by_muon(momentum, nesterov, ns_steps, ns_dtype=ns_dtype, axis=axis, on_orthogonalize=on_orthogonalize)
+    ]
     if weight_decay:
         parts.append(add_decayed_weights(weight_decay))
     parts.append(scale_by_learning_rate(learning_rate))

@@ -25,7 +25,9 @@ Schedule = Callable[[int | torch.Tensor], torch.Tensor]
 
 
 def _steps(count: int | torch.Tensor) -> torch.Tensor:
-    return count.to(torch.float64) if isinstance(count, torch.Tensor) else torch.tensor(float(count), dtype=torch.float64)
+    return (
+        count.to(torch.float64) if isinstance(count, torch.Tensor) else torch.tensor(float(count), dtype=torch.float64)
+    )
 
 
 def constant(value: float) -> Schedule:
@@ -81,7 +83,12 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0, expone
 
 
 def warmup_cosine_decay(
-    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0, exponent: float = 1.0
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
 ) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine decay
     to ``end_value``; ``decay_steps`` counts the warmup too (optax's ``warmup_cosine_decay_schedule``).
@@ -93,7 +100,9 @@ def warmup_cosine_decay(
         (1.0, 0.5)
     """
     if not 0 <= warmup_steps < decay_steps:
-        raise ValueError(f"warmup_cosine_decay needs 0 <= warmup_steps < decay_steps, got {warmup_steps} and {decay_steps}")
+        raise ValueError(
+            f"warmup_cosine_decay needs 0 <= warmup_steps < decay_steps, got {warmup_steps} and {decay_steps}"
+        )
     alpha = 0.0 if peak_value == 0 else end_value / peak_value
     warmup = linear(init_value, peak_value, warmup_steps)
     decay = cosine_decay(peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent)

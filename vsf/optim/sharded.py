@@ -150,7 +150,9 @@ def init_sharded(
     expected = tree.leaves(layout.state)
     pairs = tree.leaves_with_path(state)
     for (path, leaf), want in zip(pairs, expected):
-        if isinstance(leaf, torch.Tensor) and not (isinstance(leaf, DTensor) and tuple(leaf.placements) == want.placements):
+        if isinstance(leaf, torch.Tensor) and not (
+            isinstance(leaf, DTensor) and tuple(leaf.placements) == want.placements
+        ):
             got = sharding_of(leaf)
             raise ValueError(
                 f"init made state leaf {tree.keystr(path)} as {'a plain tensor' if got is None else repr(got.spec)}, "
@@ -160,7 +162,9 @@ def init_sharded(
     return state
 
 
-def sharded(tx: GradientTransformation, *, zero_axes: Sequence[str] = (), stage: int = 1, uneven: bool = False) -> GradientTransformation:
+def sharded(
+    tx: GradientTransformation, *, zero_axes: Sequence[str] = (), stage: int = 1, uneven: bool = False
+) -> GradientTransformation:
     """``tx`` with its state laid out by :func:`state_shardings` and each gradient reduced
     straight into that layout.
 
@@ -232,18 +236,25 @@ def _plan(params: Params, param_shardings: Any, zero_axes: Sequence[str], uneven
         stages = held_only_by_its_ranks(s.mesh) and held_only_by_its_ranks(mesh) and s.mesh.shape == mesh.shape
         if s.mesh != mesh and not stages:
             first = tree.keystr(ref.paths[0])
-            raise ValueError(f"params live on more than one mesh: {first} on {mesh!r}, {tree.keystr(path)} on {s.mesh!r}")
+            raise ValueError(
+                f"params live on more than one mesh: {first} on {mesh!r}, {tree.keystr(path)} on {s.mesh!r}"
+            )
     axes = tuple(zero_axes) if not isinstance(zero_axes, str) else (zero_axes,)
     for a in axes:
         if a not in mesh.axis_names:
             raise ValueError(f"zero_axes names {a!r}, which is not an axis of the mesh {mesh.shape}")
     if len(set(axes)) != len(axes):
         raise ValueError(f"zero_axes must be distinct, got {axes!r}")
-    zero = [_zero(s, tuple(leaf.shape), axes, uneven, tree.keystr(path)) for path, leaf, s in zip(ref.paths, ref.leaves, shardings)]
+    zero = [
+        _zero(s, tuple(leaf.shape), axes, uneven, tree.keystr(path))
+        for path, leaf, s in zip(ref.paths, ref.leaves, shardings)
+    ]
     return _Plan(ref, shardings, zero, mesh)
 
 
-def _zero(s: NamedSharding, shape: tuple[int, ...], zero_axes: tuple[str, ...], uneven: bool, where: str) -> NamedSharding:
+def _zero(
+    s: NamedSharding, shape: tuple[int, ...], zero_axes: tuple[str, ...], uneven: bool, where: str
+) -> NamedSharding:
     """``s`` split further over the ``zero_axes`` it does not use yet (see the module docs)."""
     if s.spec.unreduced:
         raise ValueError(f"{where} is laid out as {s.spec!r}: a parameter cannot be an unreduced partial sum")
@@ -252,7 +263,7 @@ def _zero(s: NamedSharding, shape: tuple[int, ...], zero_axes: tuple[str, ...], 
         return s
     n = math.prod(s.mesh.axis_size(a) for a in axes)
     entries = list(s.spec) + [None] * (len(shape) - len(s.spec))
-    lead = s.spec.ragged.dims if s.spec.ragged is not None else 0   # dims a ragged entry flattens into rows
+    lead = s.spec.ragged.dims if s.spec.ragged is not None else 0  # dims a ragged entry flattens into rows
     free = [d for d in range(lead, len(shape)) if entries[d] is None]
     sharded = [d for d in range(lead, len(shape)) if entries[d] is not None]
     dim = next((d for d in free if shape[d] % n == 0), None)
@@ -264,7 +275,9 @@ def _zero(s: NamedSharding, shape: tuple[int, ...], zero_axes: tuple[str, ...], 
     if dim is None:
         sizes = ", ".join(f"{a}={s.mesh.axis_size(a)}" for a in axes)
         dims = ", ".join(f"dim {d} = {shape[d]}" for d in free) or "none"
-        local = ", ".join(f"dim {d} = {shape[d]}/{s.num_shards(d)} over {s.spec.entry_axes(d)}" for d in sharded) or "none"
+        local = (
+            ", ".join(f"dim {d} = {shape[d]}/{s.num_shards(d)} over {s.spec.entry_axes(d)}" for d in sharded) or "none"
+        )
         hint = " (uneven=True splits the first unsharded dim unevenly)" if free else ""
         raise ValueError(
             f"cannot shard {where} (shape {shape}, {s.spec!r}) over zero_axes {axes} ({sizes}, {n} ways): "

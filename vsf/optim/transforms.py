@@ -163,11 +163,15 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def init(params: Params) -> ScaleByScheduleState:
         return ScaleByScheduleState(_leaves.zero_count(tree.leaves(params)))
 
-    def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None) -> tuple[Updates, ScaleByScheduleState]:
+    def update(
+        updates: Updates, state: ScaleByScheduleState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByScheduleState]:
         step = _prepare_stateless(updates, None)
         done, _, count = _leaves.bump(state.count)
         factor = step_size_fn(done)
-        (out,) = _leaves.leafwise(lambda u: (torch._foreach_mul(u, _leaves.opmath(factor, u[0])),), [step.updates], step.updates)
+        (out,) = _leaves.leafwise(
+            lambda u: (torch._foreach_mul(u, _leaves.opmath(factor, u[0])),), [step.updates], step.updates
+        )
         return step.ref.unflatten(out), ScaleByScheduleState(count)
 
     return GradientTransformation(init, update)
@@ -198,7 +202,9 @@ def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransf
     def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         step = _prepare_stateless(updates, params, need_params="add_decayed_weights")
         keep = _decay_mask(weight_decay, mask, params, len(step.updates))
-        (out,) = _leaves.leafwise(lambda u, p, k: (_plus_decay(u, p, k, weight_decay),), [step.updates, step.params, keep], step.updates)
+        (out,) = _leaves.leafwise(
+            lambda u, p, k: (_plus_decay(u, p, k, weight_decay),), [step.updates, step.params, keep], step.updates
+        )
         return step.ref.unflatten(out), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
@@ -222,7 +228,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         step = _prepare_stateless(updates, params)
         norm = _leaves.global_norm(step.updates)
         factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        (out,) = _leaves.leafwise(lambda u: (torch._foreach_mul(u, _leaves.opmath(factor, u[0])),), [step.updates], step.updates)
+        (out,) = _leaves.leafwise(
+            lambda u: (torch._foreach_mul(u, _leaves.opmath(factor, u[0])),), [step.updates], step.updates
+        )
         return step.ref.unflatten(out), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
@@ -319,7 +327,9 @@ def _adam(
         count = _leaves.zero_count(tree.leaves(params))
         return ScaleByAdamState(count, _zeros_like(params), _zeros_like(params))
 
-    def update(updates: Updates, state: ScaleByAdamState, params: Params | None = None) -> tuple[Updates, ScaleByAdamState]:
+    def update(
+        updates: Updates, state: ScaleByAdamState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByAdamState]:
         needs = "adam/adamw with weight_decay" if weight_decay else ""
         step = _prepare(updates, state.mu, "the Adam state", params if weight_decay else None, need_params=needs)
         keep = _decay_mask(weight_decay, mask, params, len(step.updates))
@@ -328,13 +338,22 @@ def _adam(
 
         def kernel(g: Tensors, m: Tensors, v: Tensors, p: list[Any], k: list[bool]) -> tuple[Tensors, Tensors, Tensors]:
             if not decoupled:
-                return _fused.adam_step(_plus_decay(g, p, k, weight_decay), m, v, [None] * len(g), n, lr, 0.0, b1, b2, eps)
+                return _fused.adam_step(
+                    _plus_decay(g, p, k, weight_decay), m, v, [None] * len(g), n, lr, 0.0, b1, b2, eps
+                )
             # torch multiplies the param by (1 - lr * wd) rounded to the compute dtype: the update
             # starts from that same factor, minus one (exact), times the param.
             decay = _leaves.opmath(1 - lr * weight_decay, m[0]) - 1
-            return _fused.adam_step(g, m, v, [x if decays else None for x, decays in zip(p, k)], n, lr, decay, b1, b2, eps)
+            return _fused.adam_step(
+                g, m, v, [x if decays else None for x, decays in zip(p, k)], n, lr, decay, b1, b2, eps
+            )
 
-        u, mu, nu = _leaves.leafwise(kernel, [step.updates, step.ref.leaves, tree.leaves(state.nu), step.params, keep], step.ref.leaves, outputs=3)
+        u, mu, nu = _leaves.leafwise(
+            kernel,
+            [step.updates, step.ref.leaves, tree.leaves(state.nu), step.params, keep],
+            step.ref.leaves,
+            outputs=3,
+        )
         return step.ref.unflatten(u), ScaleByAdamState(count, step.ref.unflatten(mu), step.ref.unflatten(nu))
 
     return GradientTransformation(init, update)
@@ -417,7 +436,9 @@ def lion(
     def init(params: Params) -> ScaleByLionState:
         return ScaleByLionState(_leaves.zero_count(tree.leaves(params)), _zeros_like(params))
 
-    def update(updates: Updates, state: ScaleByLionState, params: Params | None = None) -> tuple[Updates, ScaleByLionState]:
+    def update(
+        updates: Updates, state: ScaleByLionState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByLionState]:
         needs = "lion with weight_decay" if weight_decay else ""
         step = _prepare(updates, state.mu, "the Lion state", params if weight_decay else None, need_params=needs)
         keep = _decay_mask(weight_decay, mask, params, len(step.updates))

@@ -10,8 +10,33 @@ Example::
 
 from vsf.pipeline.api import Pipeline
 from vsf.pipeline.lower import PipelineCost, PipelineLowered, Send, StageCost
-from vsf.pipeline.schedule import DEFERRED, INTERLEAVED, SCHEDULES, V_SHAPED, bubble, rank_actions, stage_actions, stage_rank
+from vsf.pipeline.schedule import (
+    DEFERRED,
+    INTERLEAVED,
+    SCHEDULES,
+    V_SHAPED,
+    bubble,
+    rank_actions,
+    stage_actions,
+    stage_rank,
+)
 from vsf.pipeline.split import Layout, Split, assign
 
-__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Layout", "Pipeline", "PipelineCost", "PipelineLowered", "Send", "Split", "StageCost", "assign", "bubble",
-           "rank_actions", "stage_actions", "stage_rank"]
+__all__ = [
+    "DEFERRED",
+    "INTERLEAVED",
+    "SCHEDULES",
+    "V_SHAPED",
+    "Layout",
+    "Pipeline",
+    "PipelineCost",
+    "PipelineLowered",
+    "Send",
+    "Split",
+    "StageCost",
+    "assign",
+    "bubble",
+    "rank_actions",
+    "stage_actions",
+    "stage_rank",
+]

@@ -89,6 +89,7 @@ from vsf.sharding.spec import PartitionSpec
 
 __all__ = ["Pipeline"]
 
+
 class Pipeline:
     """A model split into pipeline stages over ``mesh``'s ``axis`` (see the module docstring)."""
 
@@ -109,7 +110,9 @@ class Pipeline:
         backend: str = "eager",
     ) -> None:
         if len(stages) != len(params):
-            raise ValueError(f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage")
+            raise ValueError(
+                f"{len(stages)} stage functions but {len(params)} lists of stage params; give one list of key-path prefixes per stage"
+            )
         if axis not in mesh.axis_names:
             raise ValueError(f"the pipeline axis {axis!r} is not an axis of the mesh {mesh.shape}")
         if backend not in BACKENDS:
@@ -119,8 +122,15 @@ class Pipeline:
         self.schedule = sched.check_schedule(schedule)
         self.stages_per_rank = sched.check_stages(self.schedule, len(stages), mesh.axis_size(axis), microbatches, axis)
         if axis in PartitionSpec(*batch).axes:
-            raise ValueError(f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch")
-        self.stages, self.loss_fn, self.prefixes, self.tied = list(stages), loss_fn, [list(p) for p in params], tuple(tied)
+            raise ValueError(
+                f"the batch spec {batch!r} splits over the pipeline axis {axis!r}; stages split the model, not the batch"
+            )
+        self.stages, self.loss_fn, self.prefixes, self.tied = (
+            list(stages),
+            loss_fn,
+            [list(p) for p in params],
+            tuple(tied),
+        )
         self.mesh, self.axis, self.microbatches = mesh, axis, microbatches
         self.batch, self.reshard_after_forward, self.backend = batch, reshard_after_forward, backend
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
@@ -129,8 +139,10 @@ class Pipeline:
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
         self._reducers: dict[tuple[Layout, int], Any] = {}
         self._gathers: dict[tuple[Layout, int], Any] = {}
-        self._deferred: dict[int, list[Callable[[], None]]] = {}   # stage -> its backwards' weight parts not yet run (a zero-bubble schedule)
-        self._bounds: dict[tuple[Any, ...], Bounds] = {}   # lower.boundaries's cache
+        self._deferred: dict[
+            int, list[Callable[[], None]]
+        ] = {}  # stage -> its backwards' weight parts not yet run (a zero-bubble schedule)
+        self._bounds: dict[tuple[Any, ...], Bounds] = {}  # lower.boundaries's cache
 
     @property
     def num_stages(self) -> int:
@@ -156,7 +168,9 @@ class Pipeline:
 
     # -- params ---------------------------------------------------------------------------------
 
-    def place(self, params: dict[str, torch.Tensor], specs: Any = None) -> tuple[dict[str, torch.Tensor | None], Layout]:
+    def place(
+        self, params: dict[str, torch.Tensor], specs: Any = None
+    ) -> tuple[dict[str, torch.Tensor | None], Layout]:
         """Lay out ``params`` (every leaf, on every rank) on their stages: leaf ``k`` on the mesh of
         the stage that owns it, by ``specs`` (a pytree prefix of ``params`` of ``P`` over the other
         axes; default replicated). Leaves of stages this process does not compute are ``None``.
@@ -170,7 +184,10 @@ class Pipeline:
         layout = self.layout(params, specs)
         mine = set(self.local_stages())
         names, leaves = leaf_names(params), tree.leaves(params)
-        out = [device_put(v, layout.where(k, owner)[0]) if (owner := layout.split.owner[k]) in mine else None for k, v in zip(names, leaves)]
+        out = [
+            device_put(v, layout.where(k, owner)[0]) if (owner := layout.split.owner[k]) in mine else None
+            for k, v in zip(names, leaves)
+        ]
         return tree.unflatten(tree.structure(params), out), layout
 
     def layout(self, params: Any, specs: Any = None) -> Layout:
@@ -186,11 +203,23 @@ class Pipeline:
         """
         split = assign(params, self.prefixes, self.tied)
         names, leaves = leaf_names(params), tree.leaves(params)
-        specs = tree.broadcast_prefix(specs if specs is not None else PartitionSpec(), params, is_leaf=lambda x: isinstance(x, PartitionSpec), what="specs")
+        specs = tree.broadcast_prefix(
+            specs if specs is not None else PartitionSpec(),
+            params,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+            what="specs",
+        )
         for k, spec in zip(names, specs):
             if self.axis in PartitionSpec(*spec).axes:
-                raise ValueError(f"param {k!r} has the spec {spec!r}, which splits over the pipeline axis {self.axis!r}; a stage's params live on its own pp coordinate")
-        return Layout(split, {k: ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in zip(names, leaves)}, dict(zip(names, specs)), tuple(self.meshes))
+                raise ValueError(
+                    f"param {k!r} has the spec {spec!r}, which splits over the pipeline axis {self.axis!r}; a stage's params live on its own pp coordinate"
+                )
+        return Layout(
+            split,
+            {k: ShapeDtypeStruct(tuple(v.shape), v.dtype) for k, v in zip(names, leaves)},
+            dict(zip(names, specs)),
+            tuple(self.meshes),
+        )
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -211,18 +240,38 @@ class Pipeline:
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         targets = targets if isinstance(targets, tuple) else (targets,)
         if len(targets) != 1 and not self._in_one_process():
-            raise ValueError(f"torch's pipeline schedules pass one target to the loss; got {len(targets)} targets (stack them into one tensor)")
+            raise ValueError(
+                f"torch's pipeline schedules pass one target to the loss; got {len(targets)} targets (stack them into one tensor)"
+            )
         names, leaves = leaf_names(params), tree.leaves(params)
         values = dict(zip(names, leaves))
         first, last = 0, self.num_stages - 1
-        xs = [self._microbatches(x, first, f"inputs[{i}]") for i, x in enumerate(inputs)] if first in self.local_stages() else []
-        ts = [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)] if last in self.local_stages() else []
+        xs = (
+            [self._microbatches(x, first, f"inputs[{i}]") for i, x in enumerate(inputs)]
+            if first in self.local_stages()
+            else []
+        )
+        ts = (
+            [self._microbatches(t, last, f"targets[{i}]") for i, t in enumerate(targets)]
+            if last in self.local_stages()
+            else []
+        )
         mods = self._modules(layout, values, inputs, targets)
         try:
             if self._in_one_process():
                 loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts, self._deferred)
             else:
-                loss_parts = runners.run_torch(mods, xs, ts, self.mesh, self.axis, self.schedule, self.num_stages, self.microbatches, self._deferred)
+                loss_parts = runners.run_torch(
+                    mods,
+                    xs,
+                    ts,
+                    self.mesh,
+                    self.axis,
+                    self.schedule,
+                    self.num_stages,
+                    self.microbatches,
+                    self._deferred,
+                )
         finally:  # a step that raised midway leaves weight parts that belong to it alone (and hold its activations)
             for parts in self._deferred.values():
                 parts.clear()
@@ -249,8 +298,14 @@ class Pipeline:
         return lower_step(self, layout, params, inputs, targets)
 
     def _check_layout(self, layout: Any) -> None:
-        if not isinstance(layout, Layout) or layout.meshes != tuple(self.meshes) or layout.split.num_stages != self.num_stages:
-            raise TypeError(f"layout must be the Layout this pipeline's place(params, specs) returned with the params; got {type(layout).__name__}")
+        if (
+            not isinstance(layout, Layout)
+            or layout.meshes != tuple(self.meshes)
+            or layout.split.num_stages != self.num_stages
+        ):
+            raise TypeError(
+                f"layout must be the Layout this pipeline's place(params, specs) returned with the params; got {type(layout).__name__}"
+            )
 
     def _microbatches(self, x: torch.Tensor, stage: int, what: str) -> list[torch.Tensor]:
         """``x`` laid out by ``batch`` on ``stage``'s mesh, as ``microbatches`` local pieces."""
@@ -264,10 +319,14 @@ class Pipeline:
             local = device_put(x, s).to_local()
         m = self.microbatches
         if x.shape[0] % m or local.shape[0] % m:
-            raise ValueError(f"{what} has {x.shape[0]} rows ({local.shape[0]} on each rank of {s.spec!r}); {m} microbatches must divide both")
+            raise ValueError(
+                f"{what} has {x.shape[0]} rows ({local.shape[0]} on each rank of {s.spec!r}); {m} microbatches must divide both"
+            )
         return list(torch.tensor_split(local, m))
 
-    def _modules(self, layout: Layout, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> dict[int, StageModule]:
+    def _modules(
+        self, layout: Layout, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]
+    ) -> dict[int, StageModule]:
         bounds = boundaries(self, layout, inputs)
         lent = self._lend(layout, values)
         mods = {}
@@ -291,7 +350,10 @@ class Pipeline:
     def _target_ins(self, targets: tuple[Any, ...]) -> list[Boundary]:
         """Each target's layout and global microbatch shape on the last stage."""
         last = self.meshes[self.num_stages - 1]
-        return [(NamedSharding(last, first_entries(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:])) for t in targets]
+        return [
+            (NamedSharding(last, first_entries(self.batch, t.ndim)), (t.shape[0] // self.microbatches, *t.shape[1:]))
+            for t in targets
+        ]
 
     def _program(self, s: int, out: NamedSharding) -> Any:
         """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
@@ -299,7 +361,14 @@ class Pipeline:
         key = (s, out)
         if key not in self._programs:
             sink = self._deferred.setdefault(s, []).append if self.schedule in sched.DEFERRED else None
-            self._programs[key] = stage_program(self.stages[s], out, unreduced_grad_argnums=(0,), unsharded_grad_axes=PartitionSpec(*self.batch).axes, on_deferred_grads=sink, backend=self.backend)
+            self._programs[key] = stage_program(
+                self.stages[s],
+                out,
+                unreduced_grad_argnums=(0,),
+                unsharded_grad_axes=PartitionSpec(*self.batch).axes,
+                on_deferred_grads=sink,
+                backend=self.backend,
+            )
         return self._programs[key]
 
     def _reducer(self, layout: Layout, s: int) -> Any:
@@ -308,7 +377,9 @@ class Pipeline:
         axes a param is replicated on, and whole over the batch's axes it is split on: DDP's one
         all-reduce a step and FSDP's one reduce-scatter, not one a microbatch)."""
         if (layout, s) not in self._reducers:
-            self._reducers[(layout, s)] = mean_reducer(self.microbatches, {k: layout.where(k, s)[0] for k in layout.split.names[s]}, self.backend)
+            self._reducers[(layout, s)] = mean_reducer(
+                self.microbatches, {k: layout.where(k, s)[0] for k in layout.split.names[s]}, self.backend
+            )
         return self._reducers[(layout, s)]
 
     def _gathered(self, layout: Layout, s: int) -> list[str]:
@@ -328,7 +399,9 @@ class Pipeline:
         first microbatch (FSDP2 under torch's pipeline schedules gathers once and keeps them
         gathered through the step: ``reshard_after_backward(False)``)."""
         if (layout, s) not in self._gathers:
-            self._gathers[(layout, s)] = gather_program({k: self._held(layout, k, s) for k in self._gathered(layout, s)}, self.backend)
+            self._gathers[(layout, s)] = gather_program(
+                {k: self._held(layout, k, s) for k in self._gathered(layout, s)}, self.backend
+            )
         return self._gathers[(layout, s)]
 
     def _loss_program(self, last: int) -> Any:
@@ -343,7 +416,9 @@ class Pipeline:
             return lent[k].detach()
         v = values[k]
         if not isinstance(v, DTensor):
-            raise TypeError(f"param {k!r} is a {type(v).__name__}, not a DTensor on stage {stage}'s mesh: lay the params out with pipe.place(params, specs)")
+            raise TypeError(
+                f"param {k!r} is a {type(v).__name__}, not a DTensor on stage {stage}'s mesh: lay the params out with pipe.place(params, specs)"
+            )
         return v.detach()
 
     def _lend(self, layout: Layout, values: dict[str, Any]) -> dict[tuple[str, int], DTensor]:
@@ -355,7 +430,7 @@ class Pipeline:
         for k in self.tied:
             owner = layout.split.owner[k]
             for b in layout.split.users[k][1:]:
-                if owner in mine and b in mine:   # (one process, or both stages on this rank)
+                if owner in mine and b in mine:  # (one process, or both stages on this rank)
                     out[(k, b)] = as_global(values[k].to_local(), layout.where(k, b))
                 elif owner in mine:
                     dist.send(values[k].to_local().contiguous(), dst=self._peer(b))
@@ -389,7 +464,9 @@ class Pipeline:
             owner = layout.split.owner[k]
             for b in layout.split.users[k][1:]:
                 if (k, b) in lent and owner in mods:
-                    grads[k] = grads[k] + as_global(lent[(k, b)].to_local(), (sharding_of(grads[k]), tuple(grads[k].shape)))
+                    grads[k] = grads[k] + as_global(
+                        lent[(k, b)].to_local(), (sharding_of(grads[k]), tuple(grads[k].shape))
+                    )
                 elif (k, b) in lent:
                     dist.send(lent[(k, b)].to_local().contiguous(), dst=self._peer(owner))
                 elif owner in mods:
@@ -407,4 +484,3 @@ class Pipeline:
         value = (sum(parts[1:], parts[0]) / len(parts)).detach() if last in self.local_stages() else torch.zeros(())
         dist.broadcast(value, src=self._peer(last), group=self.mesh.device_mesh.get_group(self.axis))
         return as_global(value, (here, ()))
-

@@ -42,9 +42,22 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["PipelineCost", "PipelineLowered", "Send", "StageCost", "boundaries", "first_entries", "in_flight", "lower_step", "saved_bytes", "sends"]
+__all__ = [
+    "PipelineCost",
+    "PipelineLowered",
+    "Send",
+    "StageCost",
+    "boundaries",
+    "first_entries",
+    "in_flight",
+    "lower_step",
+    "saved_bytes",
+    "sends",
+]
 
-Bounds = list[tuple[list[Boundary], Boundary, torch.dtype]]   # per stage: its inputs', its output's layout and shape, its output's dtype
+Bounds = list[
+    tuple[list[Boundary], Boundary, torch.dtype]
+]  # per stage: its inputs', its output's layout and shape, its output's dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +125,10 @@ class StageCost:
         """Bytes each rank sends a step per mesh axis: the programs' collectives once per
         microbatch, the gradients' reduction once, and the sends over ``pp``."""
         out = {a: b * self.microbatches for a, b in self.program.comm_bytes.items()}
-        for a, b in (self.loss.comm_bytes.items() if self.loss else ()):
+        for a, b in self.loss.comm_bytes.items() if self.loss else ():
             out[a] = out.get(a, 0) + b * self.microbatches
         for once in (self.reduce, self.gather):
-            for a, b in (once.comm_bytes.items() if once else ()):
+            for a, b in once.comm_bytes.items() if once else ():
                 out[a] = out.get(a, 0) + b
         out["pp"] = out.get("pp", 0) + sum(s.step_bytes for s in self.sends)
         return out
@@ -131,7 +144,13 @@ class StageCost:
         they read included), the loss program's, the other microbatches in flight, the borrowed
         params and the shards of the gathered ones."""
         loss = self.loss.peak_bytes if self.loss else 0
-        return self.program.peak_bytes + loss + (self.in_flight - 1) * self.held_bytes + self.borrowed_bytes + self.gathered_bytes
+        return (
+            self.program.peak_bytes
+            + loss
+            + (self.in_flight - 1) * self.held_bytes
+            + self.borrowed_bytes
+            + self.gathered_bytes
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +182,20 @@ class PipelineLowered:
     (the ``Lowered`` of stage ``s``'s gradients reduced once a step), ``sends``, :meth:`cost` and
     :meth:`as_text`."""
 
-    def __init__(self, mesh: Mesh, axis: str, schedule: ScheduleName, microbatches: int, prefixes: Sequence[Sequence[str]],
-                 stages: dict[int, Lowered], loss: Lowered | None, reducers: dict[int, Lowered], gathers: dict[int, Lowered],
-                 costs: Sequence[StageCost], sends: Sequence[Send]) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        axis: str,
+        schedule: ScheduleName,
+        microbatches: int,
+        prefixes: Sequence[Sequence[str]],
+        stages: dict[int, Lowered],
+        loss: Lowered | None,
+        reducers: dict[int, Lowered],
+        gathers: dict[int, Lowered],
+        costs: Sequence[StageCost],
+        sends: Sequence[Send],
+    ) -> None:
         self.mesh, self.axis, self.schedule, self.microbatches = mesh, axis, schedule, microbatches
         self.prefixes = [list(p) for p in prefixes]
         self.stages, self.loss, self.reducers, self.gathers, self.sends = stages, loss, reducers, gathers, tuple(sends)
@@ -180,31 +210,49 @@ class PipelineLowered:
         with its shape and bytes, then each stage's forward and backward plan."""
         m, p = self.microbatches, len(self.prefixes)
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
-        lines = [f"pipeline of {p} stages over {self.axis} on mesh {mesh} ({self.mesh.size} ranks): {self.schedule}, {m} microbatches a step",
-                 "stages (bytes per rank):"]
-        per_axis = lambda comm: ", ".join(f"{a} {fmt_bytes(b)}" for a, b in comm.items() if a != self.axis and self.mesh.axis_size(a) > 1)  # noqa: E731
+        lines = [
+            f"pipeline of {p} stages over {self.axis} on mesh {mesh} ({self.mesh.size} ranks): {self.schedule}, {m} microbatches a step",
+            "stages (bytes per rank):",
+        ]
+        per_axis = lambda comm: ", ".join(
+            f"{a} {fmt_bytes(b)}" for a, b in comm.items() if a != self.axis and self.mesh.axis_size(a) > 1
+        )  # noqa: E731
         for c in self._costs:
             pp = c.comm_bytes["pp"]
             others = per_axis(c.comm_bytes)
             lines += [
                 f"  stage {c.stage}: ranks {list(c.ranks)}, {', '.join(self.prefixes[c.stage])}",
-                f"    params {fmt_bytes(c.param_bytes)}" + (f" (+ {fmt_bytes(c.borrowed_bytes)} of tied params lent each step)" if c.borrowed_bytes else "")
+                f"    params {fmt_bytes(c.param_bytes)}"
+                + (f" (+ {fmt_bytes(c.borrowed_bytes)} of tied params lent each step)" if c.borrowed_bytes else "")
                 + f"; a microbatch held {fmt_bytes(c.held_bytes)} from its forward to its backward, at most {c.in_flight} in flight ({fmt_bytes(c.activation_bytes)});"
                 f" peak ~{fmt_bytes(c.peak_bytes)}",
-                f"    sends a step: {self.axis} {fmt_bytes(pp)}" + (f", {others} ({m} x one microbatch's collectives, and the gradients reduced once a step: {per_axis(c.reduce.comm_bytes)})" if others else ""),
+                f"    sends a step: {self.axis} {fmt_bytes(pp)}"
+                + (
+                    f", {others} ({m} x one microbatch's collectives, and the gradients reduced once a step: {per_axis(c.reduce.comm_bytes)})"
+                    if others
+                    else ""
+                ),
             ]
             if c.gathered_bytes:
-                lines.append(f"    params gathered once a step: {per_axis(c.gather.comm_bytes)} (their {fmt_bytes(c.gathered_bytes)} of shards held beside them)")
+                lines.append(
+                    f"    params gathered once a step: {per_axis(c.gather.comm_bytes)} (their {fmt_bytes(c.gathered_bytes)} of shards held beside them)"
+                )
         lines.append(f"sends over {self.axis} (each rank to the rank at its other coordinates in the other stage):")
         width = max((len(s.what) for s in self.sends), default=0)
         for send in self.sends:
             shape = type_string(send.shape, send.dtype, None)
-            lines.append(f"  {send.what:<{width}}  stage {send.src} -> {send.dst}  {shape:<16} {fmt_bytes(send.bytes):>9} x {send.count} = {fmt_bytes(send.step_bytes)} a step")
+            lines.append(
+                f"  {send.what:<{width}}  stage {send.src} -> {send.dst}  {shape:<16} {fmt_bytes(send.bytes):>9} x {send.count} = {fmt_bytes(send.step_bytes)} a step"
+            )
         for s, lowered in sorted(self.stages.items()):
             lines += ["", f"== stage {s}: one microbatch (run {m} times a step) ==", lowered.as_text()]
             if s in self.gathers:
                 lines += ["", f"== stage {s}: its params gathered once a step ==", self.gathers[s].as_text()]
-            lines += ["", f"== stage {s}: its gradients summed over the microbatches, reduced once a step ==", self.reducers[s].as_text()]
+            lines += [
+                "",
+                f"== stage {s}: its gradients summed over the microbatches, reduced once a step ==",
+                self.reducers[s].as_text(),
+            ]
         if self.loss is not None:
             lines += ["", f"== the loss on stage {p - 1}: one microbatch ==", self.loss.as_text()]
         return "\n".join(lines)
@@ -230,7 +278,6 @@ def in_flight(actions: Sequence[tuple[str, int]]) -> int:
     return most
 
 
-
 def first_entries(spec: PartitionSpec, n: int) -> PartitionSpec:
     """``spec``'s first ``n`` entries (a batch spec applied to a value of rank ``n``)."""
     return PartitionSpec(*tuple(spec)[:n])
@@ -253,7 +300,9 @@ def lower_step(pipe: Any, layout: Layout, params: Any, inputs: Any, targets: Any
     split, shapes = layout.split, layout.shapes
     bounds = boundaries(pipe, layout, inputs)
     step_sends = sends(pipe, layout, bounds)
-    actions = [[(kind, mb) for acts in pipe.actions() for st, kind, mb in acts if st == s] for s in range(pipe.num_stages)]
+    actions = [
+        [(kind, mb) for acts in pipe.actions() for st, kind, mb in acts if st == s] for s in range(pipe.num_stages)
+    ]
     last = pipe.num_stages - 1
     stages, reducers, gathers, costs, loss = {}, {}, {}, [], None
     with torch.enable_grad():
@@ -264,26 +313,56 @@ def lower_step(pipe: Any, layout: Layout, params: Any, inputs: Any, targets: Any
             lent = {k: stand_in(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)}
             gathered = pipe._gathered(layout, s)
             if gathered:
-                gathers[s] = pipe._gather(layout, s).lower({k: pipe._value(layout, k, s, values, lent) for k in gathered})
-            weights = {k: stand_in((pipe._held(layout, k, s), shapes[k].shape), shapes[k].dtype, grad=True) for k in names}
+                gathers[s] = pipe._gather(layout, s).lower(
+                    {k: pipe._value(layout, k, s, values, lent) for k in gathered}
+                )
+            weights = {
+                k: stand_in((pipe._held(layout, k, s), shapes[k].shape), shapes[k].dtype, grad=True) for k in names
+            }
             xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
             stages[s] = pipe._program(s, out[0]).lower(weights, *xs)
-            grads = stages[s].grad_shardings[0][0]   # as the backward leaves them: unreduced over dp
+            grads = stages[s].grad_shardings[0][0]  # as the backward leaves them: unreduced over dp
             summed = {k: stand_in((grads[k] or layout.where(k, s)[0], shapes[k].shape), shapes[k].dtype) for k in names}
             reducers[s] = pipe._reducer(layout, s).lower(summed)
-            held = shard_bytes(out, dtype) + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes)) + saved_bytes(stages[s], len(names))
+            held = (
+                shard_bytes(out, dtype)
+                + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes))
+                + saved_bytes(stages[s], len(names))
+            )
             if s == last:
                 ts = [stand_in(where, t.dtype) for where, t in zip(pipe._target_ins(targets), targets)]
                 loss = pipe._loss_program(last).lower(stand_in(out, dtype, grad=True), *ts)
                 held += saved_bytes(loss, 0)
-            costs.append(StageCost(
-                s, pipe.meshes[s].devices, stages[s].cost(), loss.cost() if s == last else None, reducers[s].cost(), gathers[s].cost() if s in gathers else None, pipe.microbatches,
-                sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in split.owned(s)),
-                sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in gathered),
-                sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)),
-                held, in_flight(actions[s]), tuple(x for x in step_sends if x.src == s),
-            ))
-    return PipelineLowered(pipe.mesh, pipe.axis, pipe.schedule, pipe.microbatches, pipe.prefixes, stages, loss, reducers, gathers, costs, step_sends)
+            costs.append(
+                StageCost(
+                    s,
+                    pipe.meshes[s].devices,
+                    stages[s].cost(),
+                    loss.cost() if s == last else None,
+                    reducers[s].cost(),
+                    gathers[s].cost() if s in gathers else None,
+                    pipe.microbatches,
+                    sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in split.owned(s)),
+                    sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in gathered),
+                    sum(shard_bytes(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)),
+                    held,
+                    in_flight(actions[s]),
+                    tuple(x for x in step_sends if x.src == s),
+                )
+            )
+    return PipelineLowered(
+        pipe.mesh,
+        pipe.axis,
+        pipe.schedule,
+        pipe.microbatches,
+        pipe.prefixes,
+        stages,
+        loss,
+        reducers,
+        gathers,
+        costs,
+        step_sends,
+    )
 
 
 def sends(pipe: Any, layout: Layout, bounds: Bounds) -> list[Send]:
@@ -300,10 +379,15 @@ def sends(pipe: Any, layout: Layout, bounds: Bounds) -> list[Send]:
     m, last, p = pipe.microbatches, pipe.num_stages - 1, pipe.mesh.axis_size(pipe.axis)
     split, shapes = layout.split, layout.shapes
     out = []
-    tied = [(k, split.owner[k], b) for k in pipe.tied for b in split.users[k][1:] if pipe.rank_of(split.owner[k]) != pipe.rank_of(b)]   # (not between a rank's own stages)
+    tied = [
+        (k, split.owner[k], b)
+        for k in pipe.tied
+        for b in split.users[k][1:]
+        if pipe.rank_of(split.owner[k]) != pipe.rank_of(b)
+    ]  # (not between a rank's own stages)
     shard = lambda k, b: layout.where(k, b)[0].shard_shape(shapes[k].shape)  # noqa: E731
     out += [send(f"tied {k}", owner, b, shard(k, b), shapes[k].dtype, 1) for k, owner, b in tied]
-    apart = [s for s in range(last) if pipe.rank_of(s) != pipe.rank_of(s + 1)]   # (a V's turn stays on its rank)
+    apart = [s for s in range(last) if pipe.rank_of(s) != pipe.rank_of(s + 1)]  # (a V's turn stays on its rank)
     for s in apart:
         (where, shape), dtype = bounds[s][1], bounds[s][2]
         out.append(send("activation", s, s + 1, where.shard_shape(shape), dtype, m))
@@ -311,7 +395,9 @@ def sends(pipe: Any, layout: Layout, bounds: Bounds) -> list[Send]:
         (where, shape), dtype = bounds[s][1], bounds[s][2]
         out.append(send("activation gradient", s + 1, s, where.shard_shape(shape), dtype, m))
     out += [send(f"gradient of tied {k}", b, owner, shard(k, b), shapes[k].dtype, 1) for k, owner, b in tied]
-    out += [send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != pipe.rank_of(last)]   # (to each other pp rank, its first stage)
+    out += [
+        send("loss", last, r, (), bounds[last][2], 1) for r in range(p) if r != pipe.rank_of(last)
+    ]  # (to each other pp rank, its first stage)
     return out
 
 

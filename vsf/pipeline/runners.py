@@ -21,8 +21,13 @@ from vsf.sharding.mesh import Mesh
 __all__ = ["loss_local", "run_in_order", "run_torch"]
 
 
-def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], xs: list[list[torch.Tensor]],
-                 ts: list[list[torch.Tensor]], deferred: dict[int, list[Callable[[], None]]]) -> tuple[list[torch.Tensor], list[sched.Step]]:
+def run_in_order(
+    actions: list[list[sched.Step]],
+    mods: dict[int, StageModule],
+    xs: list[list[torch.Tensor]],
+    ts: list[list[torch.Tensor]],
+    deferred: dict[int, list[Callable[[], None]]],
+) -> tuple[list[torch.Tensor], list[sched.Step]]:
     """The schedule ``actions`` (each pp rank's, see :func:`~vsf.pipeline.schedule.rank_actions`)
     played in this process, every stage in ``mods``: the losses and the order the steps ran in.
     ``deferred[s]``: where stage ``s``'s program leaves its backwards' weight parts (a zero-bubble
@@ -61,15 +66,24 @@ def run_in_order(actions: list[list[sched.Step]], mods: dict[int, StageModule], 
             grads_in[(s - 1, mb)] = x[0].grad
         if kind == "I":
             weights[(s, mb)] = deferred[s].pop(0)
-        elif deferred.get(s):   # a full backward under a zero-bubble schedule: its weight part now
+        elif deferred.get(s):  # a full backward under a zero-bubble schedule: its weight part now
             deferred[s].pop(0)()
 
     order = sched.run_in_order(actions, run)
     return [losses[mb] for mb in sorted(losses)], order
 
 
-def run_torch(mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: list[list[torch.Tensor]],
-              mesh: Mesh, axis: str, schedule: sched.ScheduleName, num_stages: int, microbatches: int, deferred: dict[int, list[Callable[[], None]]]) -> list[torch.Tensor]:
+def run_torch(
+    mods: dict[int, StageModule],
+    xs: list[list[torch.Tensor]],
+    ts: list[list[torch.Tensor]],
+    mesh: Mesh,
+    axis: str,
+    schedule: sched.ScheduleName,
+    num_stages: int,
+    microbatches: int,
+    deferred: dict[int, list[Callable[[], None]]],
+) -> list[torch.Tensor]:
     """This process's stages ``mods`` of torch's ``schedule`` over ``mesh``'s ``axis`` groups,
     talking to the other ranks over ``axis``: the losses (on the last stage's ranks). Under a
     zero-bubble schedule each stage's ``dw_builder`` (torch's hook for a weight backward of one's
@@ -84,18 +98,39 @@ def run_torch(mods: dict[int, StageModule], xs: list[list[torch.Tensor]], ts: li
     last = num_stages - 1
     # static metadata (no shape inference round): each microbatch's local shards; a stage's
     # received activation needs a gradient (torch reads that off the example)
-    device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device())
+    device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.cuda.current_device())
+    )
     group = mesh.device_mesh.get_group(axis)
     stages = []
     for s, mod in sorted(mods.items()):
-        example_in = tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins) if s > 0 else tuple(p[0] for p in xs)
+        example_in = (
+            tuple(torch.empty(sh.shard_shape(shape), device=device, requires_grad=True) for sh, shape in mod.ins)
+            if s > 0
+            else tuple(p[0] for p in xs)
+        )
         example_out = torch.empty(mod.out.shard_shape(mod.out_shape), device=device, requires_grad=True)
         weight_part = (lambda s=s: deferred[s].pop(0)) if schedule in sched.DEFERRED else None
-        stages.append(PipelineStage(mod, s, num_stages, device, input_args=example_in, output_args=example_out, group=group, dw_builder=weight_part))
+        stages.append(
+            PipelineStage(
+                mod,
+                s,
+                num_stages,
+                device,
+                input_args=example_in,
+                output_args=example_out,
+                group=group,
+                dw_builder=weight_part,
+            )
+        )
     # every rank passes the loss (torch runs backward only where the schedule has one); only
     # the last stage calls it
     loss_fn = lambda y, t: loss_local(mods[last], y, [t])  # noqa: E731
-    runner = sched.SCHEDULES[schedule](stages if len(stages) > 1 else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    runner = sched.SCHEDULES[schedule](
+        stages if len(stages) > 1 else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False
+    )
     losses: list[torch.Tensor] = []
     whole = lambda pieces: torch.cat(pieces)  # noqa: E731 (torch splits them again, the same way)
     inputs = [whole(p) for p in xs] if 0 in mods else []

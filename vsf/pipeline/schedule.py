@@ -31,8 +31,21 @@ from typing import Literal, get_args
 
 from vsf import _compat
 
-__all__ = ["DEFERRED", "INTERLEAVED", "SCHEDULES", "V_SHAPED", "Action", "ScheduleName", "Step", "bubble", "check_stages", "rank_actions", "run_in_order", "stage_actions", "stage_rank"]
-
+__all__ = [
+    "DEFERRED",
+    "INTERLEAVED",
+    "SCHEDULES",
+    "V_SHAPED",
+    "Action",
+    "ScheduleName",
+    "Step",
+    "bubble",
+    "check_stages",
+    "rank_actions",
+    "run_in_order",
+    "stage_actions",
+    "stage_rank",
+]
 
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"]
@@ -42,8 +55,19 @@ class _Schedules(Mapping):
     """``{name: torch.distributed.pipelining schedule class}``, importing torch's pipelining (and
     with it torch._dynamo, about 0.6 s of every process's start) only when a class is looked up."""
 
-    _CLASSES = dict(zip(get_args(ScheduleName), ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
-                                                 "ScheduleZBVZeroBubble", "ScheduleDualPipeV")))
+    _CLASSES = dict(
+        zip(
+            get_args(ScheduleName),
+            (
+                "ScheduleGPipe",
+                "Schedule1F1B",
+                "ScheduleInterleaved1F1B",
+                "ScheduleInterleavedZeroBubble",
+                "ScheduleZBVZeroBubble",
+                "ScheduleDualPipeV",
+            ),
+        )
+    )
 
     def __getitem__(self, name: str) -> type:
         return getattr(importlib.import_module("torch.distributed.pipelining"), self._CLASSES[name])
@@ -59,11 +83,13 @@ class _Schedules(Mapping):
 
 
 SCHEDULES = _Schedules()
-Action = tuple[str, int]   # ("F" | "B", microbatch)
-Step = tuple[int, str, int]   # (stage, "F" | "B" | "I" | "W", microbatch): a forward, a backward, or its input and weight parts
-INTERLEAVED = ("interleaved", "zb", "zbv", "dualpipev")   # the schedules running several stages on a rank
-V_SHAPED = ("zbv", "dualpipev")   # two stages a rank, stage s and 2p - 1 - s on rank s
-DEFERRED = ("zb", "zbv", "dualpipev")   # the schedules running a backward's weight part apart ("I", then "W")
+Action = tuple[str, int]  # ("F" | "B", microbatch)
+Step = tuple[
+    int, str, int
+]  # (stage, "F" | "B" | "I" | "W", microbatch): a forward, a backward, or its input and weight parts
+INTERLEAVED = ("interleaved", "zb", "zbv", "dualpipev")  # the schedules running several stages on a rank
+V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, stage s and 2p - 1 - s on rank s
+DEFERRED = ("zb", "zbv", "dualpipev")  # the schedules running a backward's weight part apart ("I", then "W")
 
 
 def stage_rank(schedule: ScheduleName, stage: int, ranks: int) -> int:
@@ -92,17 +118,27 @@ def check_stages(schedule: ScheduleName, stages: int, ranks: int, microbatches: 
     schedule needs)."""
     if schedule not in INTERLEAVED:
         if stages != ranks:
-            raise ValueError(f"the mesh's {axis} axis has size {ranks} but the pipeline has {stages} stages; they must be equal ({schedule} runs one stage per {axis} rank)")
+            raise ValueError(
+                f"the mesh's {axis} axis has size {ranks} but the pipeline has {stages} stages; they must be equal ({schedule} runs one stage per {axis} rank)"
+            )
         return 1
     if schedule in V_SHAPED and stages != 2 * ranks:
-        raise ValueError(f"the {schedule} schedule runs two stages on each of the {ranks} {axis} ranks (stages s and {2 * ranks - 1} - s on rank s): give {2 * ranks} stages; got {stages}")
+        raise ValueError(
+            f"the {schedule} schedule runs two stages on each of the {ranks} {axis} ranks (stages s and {2 * ranks - 1} - s on rank s): give {2 * ranks} stages; got {stages}"
+        )
     if schedule == "dualpipev" and microbatches < stages:
-        raise ValueError(f"torch's ScheduleDualPipeV needs at least as many microbatches as stages ({stages}); got {microbatches}")
+        raise ValueError(
+            f"torch's ScheduleDualPipeV needs at least as many microbatches as stages ({stages}); got {microbatches}"
+        )
     if stages % ranks or stages < 2 * ranks:
-        raise ValueError(f"the {schedule} schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}")
+        raise ValueError(
+            f"the {schedule} schedule runs 2 or more stages on each of the {ranks} {axis} ranks: give a multiple of {ranks} stages, at least {2 * ranks}; got {stages}"
+        )
     rounds = max(1, microbatches // ranks)
     if schedule not in V_SHAPED and microbatches % rounds:
-        raise ValueError(f"torch's {SCHEDULES._CLASSES[schedule]} needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}")
+        raise ValueError(
+            f"torch's {SCHEDULES._CLASSES[schedule]} needs the microbatches to be a multiple of its rounds (max(1, m // p) = {rounds}); got {microbatches}"
+        )
     return stages // ranks
 
 
@@ -115,9 +151,13 @@ def rank_actions(schedule: ScheduleName, ranks: int, stages: int, microbatches: 
     its two actions, in its order)."""
     schedule = check_schedule(schedule)
     if schedule in INTERLEAVED:
-        return _compat.interleaved_order(SCHEDULES[schedule], check_stages(schedule, stages, ranks, microbatches), ranks, microbatches)
+        return _compat.interleaved_order(
+            SCHEDULES[schedule], check_stages(schedule, stages, ranks, microbatches), ranks, microbatches
+        )
     check_stages(schedule, stages, ranks, microbatches)
-    return [[(s, kind, mb) for kind, mb in acts] for s, acts in enumerate(stage_actions(schedule, stages, microbatches))]
+    return [
+        [(s, kind, mb) for kind, mb in acts] for s, acts in enumerate(stage_actions(schedule, stages, microbatches))
+    ]
 
 
 def stage_actions(schedule: ScheduleName, stages: int, microbatches: int) -> list[list[Action]]:
@@ -192,7 +232,12 @@ def _done_as(step: Step) -> Step:
     return (s, "B" if kind == "I" else kind, mb)
 
 
-def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.0, durations: Mapping[Step, float] | None = None) -> list[float]:
+def bubble(
+    actions: list[list[Step]],
+    forward: float = 1.0,
+    backward: float = 2.0,
+    durations: Mapping[Step, float] | None = None,
+) -> list[float]:
     """Each rank's idle fraction of the step when a forward takes ``forward`` and a backward
     ``backward`` time units (its input and weight parts half of it each; on every stage; or each
     action its own ``durations[action]``, e.g. measured ones) and an action starts as soon as its
@@ -210,7 +255,9 @@ def bubble(actions: list[list[Step]], forward: float = 1.0, backward: float = 2.
     end: dict[Step, float] = {}
     free = [0.0] * len(actions)
     pending = [list(a) for a in actions]
-    cost = lambda step: durations[step] if durations is not None else {"F": forward, "B": backward}.get(step[1], backward / 2)  # noqa: E731
+    cost = lambda step: (
+        durations[step] if durations is not None else {"F": forward, "B": backward}.get(step[1], backward / 2)
+    )  # noqa: E731
     while any(pending):
         progressed = False
         for r, acts in enumerate(pending):

@@ -64,10 +64,14 @@ def assign(params: Any, stages: Sequence[Sequence[str]], tied: Sequence[str] = (
     stage uses.
     """
     if len(stages) < 1 or isinstance(stages, str) or any(isinstance(s, str) for s in stages):
-        raise TypeError("stages must be a list with one list of key-path prefixes per stage, e.g. [['wte.', 'blocks.0.'], ['blocks.1.', 'lnf.']]")
+        raise TypeError(
+            "stages must be a list with one list of key-path prefixes per stage, e.g. [['wte.', 'blocks.0.'], ['blocks.1.', 'lnf.']]"
+        )
     names = leaf_names(params)
     if len(set(names)) != len(names):
-        raise ValueError("params have leaves whose dotted key paths coincide; pipeline stages select leaves by those names")
+        raise ValueError(
+            "params have leaves whose dotted key paths coincide; pipeline stages select leaves by those names"
+        )
     unknown_tied = [t for t in tied if t not in names]
     if unknown_tied:
         raise ValueError(f"tied names {unknown_tied[0]!r}, which is not a leaf of params (leaves: {names[:4]}...)")
@@ -83,10 +87,14 @@ def assign(params: Any, stages: Sequence[Sequence[str]], tied: Sequence[str] = (
         if not us:
             raise ValueError(f"param {k!r} is in no pipeline stage: add a prefix of it to one stage's list")
         if len(us) > 1 and k not in tied:
-            raise ValueError(f"param {k!r} is in stages {list(us)}; a param lives on one stage (pass tied=({k!r},) to share it Megatron's way)")
+            raise ValueError(
+                f"param {k!r} is in stages {list(us)}; a param lives on one stage (pass tied=({k!r},) to share it Megatron's way)"
+            )
     for k in tied:
         if len(users[k]) < 2:
-            raise ValueError(f"tied param {k!r} is used by stage {list(users[k])} only; a tied param must be named by two or more stages")
+            raise ValueError(
+                f"tied param {k!r} is used by stage {list(users[k])} only; a tied param must be named by two or more stages"
+            )
     return Split(tuple(per_stage), {k: us[0] for k, us in users.items()}, users)
 
 

@@ -27,9 +27,19 @@ from vsf.jit import jit
 from vsf.sharding.named import NamedSharding
 from vsf.sharding.put import device_put
 
-__all__ = ["Boundary", "StageModule", "as_global", "gather_program", "local_of", "mean_reducer", "shard_bytes", "stage_program", "stand_in"]
+__all__ = [
+    "Boundary",
+    "StageModule",
+    "as_global",
+    "gather_program",
+    "local_of",
+    "mean_reducer",
+    "shard_bytes",
+    "stage_program",
+    "stand_in",
+]
 
-Boundary = tuple[NamedSharding, tuple[int, ...]]   # a value's layout and global shape (one microbatch)
+Boundary = tuple[NamedSharding, tuple[int, ...]]  # a value's layout and global shape (one microbatch)
 
 
 def as_global(local: torch.Tensor, where: Boundary) -> DTensor:
@@ -37,7 +47,9 @@ def as_global(local: torch.Tensor, where: Boundary) -> DTensor:
     ``local`` (differentiable: the gradient comes back as ``local``'s)."""
     sharding, shape = where
     stride = tuple(torch.empty(shape, device="meta").stride())
-    return DTensor.from_local(local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(
+        local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=shape, stride=stride
+    )
 
 
 def stand_in(where: Boundary, dtype: torch.dtype, grad: bool = False) -> DTensor:
@@ -73,8 +85,14 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
     return x.to_local(grad_placements=sharding.placements)
 
 
-def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_argnums: Sequence[int] = (), unsharded_grad_axes: Sequence[str] = (),
-                  on_deferred_grads: Callable[[Callable[[], None]], None] | None = None, backend: str = "eager") -> Any:
+def stage_program(
+    fn: Callable[..., Any],
+    out: NamedSharding,
+    unreduced_grad_argnums: Sequence[int] = (),
+    unsharded_grad_axes: Sequence[str] = (),
+    on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
+    backend: str = "eager",
+) -> Any:
     """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
     backward, and reused while shapes and layouts stay); the gradients of the arguments
     ``unreduced_grad_argnums`` (a stage's params) come back unreduced over the axes they are
@@ -84,8 +102,15 @@ def stage_program(fn: Callable[..., Any], out: NamedSharding, unreduced_grad_arg
     and hands it the function that computes those params' gradients later. ``backend``: ``vsf.jit``'s
     (``"inductor"`` compiles the forward and backward programs)."""
     deferred = tuple(unreduced_grad_argnums) if on_deferred_grads is not None else ()
-    return jit(fn, out_shardings=out, unreduced_grad_argnums=unreduced_grad_argnums, unsharded_grad_axes=unsharded_grad_axes,
-               deferred_grad_argnums=deferred, on_deferred_grads=on_deferred_grads, backend=backend)
+    return jit(
+        fn,
+        out_shardings=out,
+        unreduced_grad_argnums=unreduced_grad_argnums,
+        unsharded_grad_axes=unsharded_grad_axes,
+        deferred_grad_argnums=deferred,
+        on_deferred_grads=on_deferred_grads,
+        backend=backend,
+    )
 
 
 def mean_reducer(microbatches: int, shardings: dict[str, NamedSharding], backend: str = "eager") -> Any:
@@ -139,7 +164,15 @@ class StageModule(torch.nn.Module):
         >>> y_local = mod(x_local)
     """
 
-    def __init__(self, program: Any, names: Sequence[str], weights: Sequence[torch.Tensor], ins: Sequence[Boundary], out: Boundary, index: int) -> None:
+    def __init__(
+        self,
+        program: Any,
+        names: Sequence[str],
+        weights: Sequence[torch.Tensor],
+        ins: Sequence[Boundary],
+        out: Boundary,
+        index: int,
+    ) -> None:
         super().__init__()
         self.names = tuple(names)
         self.weights = torch.nn.ParameterList([torch.nn.Parameter(w) for w in weights])
@@ -152,6 +185,7 @@ class StageModule(torch.nn.Module):
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
         y = self.program(self.params(), *[as_global(x, where) for x, where in zip(xs, self.ins)])
         if torch.is_grad_enabled() and y.grad_fn is None and any(w.requires_grad for w in self.weights):
-            raise RuntimeError(f"pipeline stage {self.index}: its vsf.jit program returned a result without an autograd graph, so no gradient could reach the stage's params")
+            raise RuntimeError(
+                f"pipeline stage {self.index}: its vsf.jit program returned a result without an autograd graph, so no gradient could reach the stage's params"
+            )
         return local_of(y, self.out)
-

@@ -24,4 +24,16 @@ from vsf.random.keyed import keyed
 from vsf.random.keys import fold_in, key, split
 from vsf.random.samplers import bernoulli, normal, permutation, randint, truncated_normal, uniform
 
-__all__ = ["bernoulli", "fold_in", "init_sharded", "key", "keyed", "normal", "permutation", "randint", "split", "truncated_normal", "uniform"]
+__all__ = [
+    "bernoulli",
+    "fold_in",
+    "init_sharded",
+    "key",
+    "keyed",
+    "normal",
+    "permutation",
+    "randint",
+    "split",
+    "truncated_normal",
+    "uniform",
+]

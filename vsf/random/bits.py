@@ -42,12 +42,18 @@ from vsf.random.philox import MASK, Scratch, Word, philox4x32
 __all__ = ["CHUNK", "Transform", "at", "fill", "grid"]
 
 CHUNK = 1 << 16  # counters per chunk of an eager fill (its words and temporaries stay in cache)
-SERIAL = 1 << 15  # torch runs an elementwise op on fewer elements than this on the calling thread alone (at::internal::GRAIN_SIZE)
+SERIAL = (
+    1 << 15
+)  # torch runs an elementwise op on fewer elements than this on the calling thread alone (at::internal::GRAIN_SIZE)
 
-Transform = Callable[[Sequence[torch.Tensor]], torch.Tensor]  # an element's words -> its value (it may overwrite the words: each call gets its own)
+Transform = Callable[
+    [Sequence[torch.Tensor]], torch.Tensor
+]  # an element's words -> its value (it may overwrite the words: each call gets its own)
 
 
-def _words(k0: Word, k1: Word, counter: torch.Tensor, narrow: bool = False, out: Scratch | None = None) -> tuple[Word, Word, Word, Word]:
+def _words(
+    k0: Word, k1: Word, counter: torch.Tensor, narrow: bool = False, out: Scratch | None = None
+) -> tuple[Word, Word, Word, Word]:
     """Philox's four words at each ``counter``; ``narrow``: every counter is below ``2**32``, so
     the counter's high word is the Python int 0 (the same bits, fewer ops)."""
     words = (counter, 0, 0, 0) if narrow else (counter & MASK, counter >> 32, 0, 0)
@@ -73,12 +79,17 @@ def _compiled() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
     return torch.compile(_interleave, dynamic=False)
 
 
-def _chunk_words(key: tuple[int, int], width: int, narrow: bool, most: int, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+def _chunk_words(
+    key: tuple[int, int], width: int, narrow: bool, most: int, device: torch.device
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function from a chunk of (at most ``most <= CHUNK``) counters to their words, as
     :func:`_interleave` lays them out, in one buffer kept for every chunk: one compiled kernel,
     or eager Philox on :class:`Scratch` buffers kept too, so that a chunk allocates nothing."""
     if config.compile_random:
-        kernel, k = _compiled(), torch.tensor(key, dtype=torch.int64, device=device)  # tensors, so a new key does not recompile
+        kernel, k = (
+            _compiled(),
+            torch.tensor(key, dtype=torch.int64, device=device),
+        )  # tensors, so a new key does not recompile
         words = torch.empty((width, CHUNK, 4 // width), dtype=torch.int64, device=device)
         padded = torch.zeros(CHUNK, dtype=torch.int64, device=device)
         warm: list[bool] = []
@@ -100,13 +111,27 @@ def _chunk_words(key: tuple[int, int], width: int, narrow: bool, most: int, devi
     def eager(counters: torch.Tensor) -> torch.Tensor:
         n = counters.numel()
         out = words[:, :n]
-        _words(key[0], key[1], counters, narrow, Scratch([out[i % width, :, i // width] for i in range(4)], [b[:n] for b in buffers]))
+        _words(
+            key[0],
+            key[1],
+            counters,
+            narrow,
+            Scratch([out[i % width, :, i // width] for i in range(4)], [b[:n] for b in buffers]),
+        )
         return out
 
     return eager
 
 
-def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, int]], width: int, transform: Transform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def fill(
+    key: tuple[int, int],
+    shape: Sequence[int],
+    box: Sequence[tuple[int, int]],
+    width: int,
+    transform: Transform,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """The values of the elements of ``box`` (a ``(start, stop)`` per dim of ``shape``, rank >= 1)."""
     lanes = 4 // width
     per_row = -(-shape[-1] // lanes)
@@ -119,7 +144,10 @@ def fill(key: tuple[int, int], shape: Sequence[int], box: Sequence[tuple[int, in
 
     def work(take: Iterator[tuple[slice, slice]]) -> None:
         words_of = _chunk_words(key, width, narrow, most, device)
-        counters, steps = torch.empty(most, dtype=torch.int64, device=device), torch.empty(min(most, stop - first), dtype=torch.int64, device=device)
+        counters, steps = (
+            torch.empty(most, dtype=torch.int64, device=device),
+            torch.empty(min(most, stop - first), dtype=torch.int64, device=device),
+        )
         for rows, cols in take:
             chunk = counters[: (rows.stop - rows.start) * (cols.stop - cols.start)]
             step = torch.arange(cols.start, cols.stop, out=steps[: cols.stop - cols.start])
@@ -160,7 +188,14 @@ def _row_index(outer: Sequence[int], box: Sequence[tuple[int, int]], device: tor
     return index
 
 
-def at(key: torch.Tensor | tuple[int, int], row: torch.Tensor | int, col: torch.Tensor, d: int, width: int, transform: Transform) -> torch.Tensor:
+def at(
+    key: torch.Tensor | tuple[int, int],
+    row: torch.Tensor | int,
+    col: torch.Tensor,
+    d: int,
+    width: int,
+    transform: Transform,
+) -> torch.Tensor:
     """The values of the elements at row-major row ``row`` and last-dim index ``col`` (broadcast
     together) of a sample whose last dim is ``d``."""
     lanes = 4 // width
@@ -179,4 +214,6 @@ def at(key: torch.Tensor | tuple[int, int], row: torch.Tensor | int, col: torch.
 
 def grid(shape: Sequence[int], device: torch.device | None = None) -> tuple[torch.Tensor | int, torch.Tensor]:
     """``(row, col)`` of every element of ``shape`` (rank >= 1), broadcasting to ``shape``."""
-    return (_row_index(shape[:-1], [(0, n) for n in shape[:-1]], device) if len(shape) > 1 else 0), torch.arange(shape[-1], device=device)
+    return (_row_index(shape[:-1], [(0, n) for n in shape[:-1]], device) if len(shape) > 1 else 0), torch.arange(
+        shape[-1], device=device
+    )

@@ -29,7 +29,16 @@ def keep_mask(key: torch.Tensor, x: torch.Tensor, rate: float) -> torch.Tensor:
         >>> keep = keep_mask(key, x, 0.1)
     """
     k = key if isinstance(x, DTensor) else key.to(x.device)
-    return samplers.sample(k, tuple(x.shape), 1, samplers.bernoulli_transform(1.0 - rate), torch.bool, sharding_of(x), "vsf.nn.dropout", like=x)
+    return samplers.sample(
+        k,
+        tuple(x.shape),
+        1,
+        samplers.bernoulli_transform(1.0 - rate),
+        torch.bool,
+        sharding_of(x),
+        "vsf.nn.dropout",
+        like=x,
+    )
 
 
 def dropout(key: torch.Tensor, x: torch.Tensor, rate: float, deterministic: bool = False) -> torch.Tensor:

@@ -70,7 +70,11 @@ def init_sharded(init: Init | Any, key: torch.Tensor, shapes: Any, shardings: An
     check_key(key, "vsf.random.init_sharded")
     pairs, treedef = tree.flatten_with_path(shapes)
     inits = tree.broadcast_prefix(init, shapes, is_leaf=callable, what="init")
-    targets = [None] * len(pairs) if shardings is None else tree.broadcast_prefix(shardings, shapes, is_leaf=is_sharding_leaf, what="shardings")
+    targets = (
+        [None] * len(pairs)
+        if shardings is None
+        else tree.broadcast_prefix(shardings, shapes, is_leaf=is_sharding_leaf, what="shardings")
+    )
     out = []
     for (path, leaf), fn, target in zip(pairs, inits, targets):
         where = f"vsf.random.init_sharded at {tree.keystr(path)}"

@@ -67,7 +67,9 @@ class keyed:  # noqa: N801  (a context, like torch.no_grad)
             mode.__enter__()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         modes, self._modes = self._modes, []
         for mode in reversed(modes):
             mode.__exit__(exc_type, exc, tb)
@@ -82,14 +84,23 @@ class _DropoutMode(TorchFunctionMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.dropout or func is torch.dropout:
             return _dropout(self.owner, *args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _dropout(owner: keyed, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, train: bool | None = None) -> torch.Tensor:
+def _dropout(
+    owner: keyed,
+    input: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    train: bool | None = None,
+) -> torch.Tensor:
     if train is not None:
         training = train
     if not training or p == 0:
@@ -108,7 +119,9 @@ def _mode_class() -> type:
             super().__init__()
             self.owner = owner
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
             kwargs = kwargs or {}
             if not draws_random(func, args, kwargs):
                 return func(*args, **kwargs)
@@ -138,7 +151,9 @@ def _on(k: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _uniform_like(owner: keyed, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     k = owner.next_key()
-    return samplers.uniform(_on(k, x), tuple(x.shape), dtype or (x.dtype if x.dtype.is_floating_point else torch.float32), **_like(x))
+    return samplers.uniform(
+        _on(k, x), tuple(x.shape), dtype or (x.dtype if x.dtype.is_floating_point else torch.float32), **_like(x)
+    )
 
 
 def _native_dropout(owner: keyed, x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +163,9 @@ def _native_dropout(owner: keyed, x: torch.Tensor, p: float, train: bool | None)
     return x * keep * (1.0 / (1.0 - p)), keep
 
 
-def _bernoulli(owner: keyed, x: torch.Tensor, p: float | torch.Tensor | None = None, generator: Any = None) -> torch.Tensor:
+def _bernoulli(
+    owner: keyed, x: torch.Tensor, p: float | torch.Tensor | None = None, generator: Any = None
+) -> torch.Tensor:
     return (_uniform_like(owner, x, torch.float32) < (x if p is None else p)).to(x.dtype)
 
 
@@ -172,7 +189,15 @@ def _normal(owner: keyed, t: torch.Tensor, mean: float = 0.0, std: float = 1.0) 
 def _factory(draw: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A factory op ``op(size, dtype=, device=, ...)``: the draw on the key's device, then moved."""
 
-    def op(owner: keyed, *args: Any, dtype: torch.dtype | None = None, device: Any = None, layout: Any = None, pin_memory: Any = None, generator: Any = None) -> torch.Tensor:
+    def op(
+        owner: keyed,
+        *args: Any,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+        layout: Any = None,
+        pin_memory: Any = None,
+        generator: Any = None,
+    ) -> torch.Tensor:
         out = draw(owner.next_key(), *args, dtype=dtype)
         return out if device is None else out.to(device)
 
@@ -184,7 +209,9 @@ def _randint(k: torch.Tensor, *args: Any, dtype: torch.dtype | None) -> torch.Te
     return samplers.randint(k, tuple(size), low, high, dtype or torch.int64)
 
 
-def _randint_like(owner: keyed, x: torch.Tensor, *args: Any, dtype: torch.dtype | None = None, **_: Any) -> torch.Tensor:
+def _randint_like(
+    owner: keyed, x: torch.Tensor, *args: Any, dtype: torch.dtype | None = None, **_: Any
+) -> torch.Tensor:
     low, high = (0, *args) if len(args) == 1 else args
     return samplers.randint(_on(owner.next_key(), x), tuple(x.shape), low, high, dtype or x.dtype, **_like(x))
 

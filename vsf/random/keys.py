@@ -43,8 +43,14 @@ def key(seed: int) -> torch.Tensor:
 def check_key(k: torch.Tensor, where: str) -> None:
     """Raise ``TypeError`` unless ``k`` is a key (an int64 tensor of shape ``(2,)``); ``where`` names the caller."""
     if not isinstance(k, torch.Tensor) or k.dtype != torch.int64 or tuple(k.shape) != (2,):
-        found = f"a {k.dtype} tensor of shape {tuple(k.shape)}" if isinstance(k, torch.Tensor) else f"{type(k).__name__} {k!r}"
-        raise TypeError(f"{where} needs a key (an int64 tensor of shape (2,), from vsf.random.key/split/fold_in), got {found}")
+        found = (
+            f"a {k.dtype} tensor of shape {tuple(k.shape)}"
+            if isinstance(k, torch.Tensor)
+            else f"{type(k).__name__} {k!r}"
+        )
+        raise TypeError(
+            f"{where} needs a key (an int64 tensor of shape (2,), from vsf.random.key/split/fold_in), got {found}"
+        )
 
 
 def _derive(k: torch.Tensor, c0: torch.Tensor | int, c1: torch.Tensor | int, domain: int) -> torch.Tensor:
@@ -77,7 +83,9 @@ def fold_in(k: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     check_key(k, "vsf.random.fold_in")
     if isinstance(data, torch.Tensor):
         if data.dtype.is_floating_point or data.dtype.is_complex or data.ndim:
-            raise TypeError(f"vsf.random.fold_in data must be an int or an integer 0-d tensor, got a {data.dtype} tensor of shape {tuple(data.shape)}")
+            raise TypeError(
+                f"vsf.random.fold_in data must be an int or an integer 0-d tensor, got a {data.dtype} tensor of shape {tuple(data.shape)}"
+            )
         d = data.to(torch.int64)
         return _derive(k, d & MASK, (d >> 32) & MASK, _FOLD)
     if isinstance(data, bool) or not isinstance(data, int):

@@ -29,7 +29,9 @@ _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # the round multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # the Weyl key increments (golden ratio, sqrt(3) - 1)
 
 
-def philox4x32(key: tuple[Word, Word], counter: tuple[Word, Word, Word, Word], rounds: int = ROUNDS, out: Scratch | None = None) -> tuple[Word, Word, Word, Word]:
+def philox4x32(
+    key: tuple[Word, Word], counter: tuple[Word, Word, Word, Word], rounds: int = ROUNDS, out: Scratch | None = None
+) -> tuple[Word, Word, Word, Word]:
     """The four output words of Philox-4x32 for a 2-word ``key`` and a 4-word ``counter``.
 
     Words broadcast like tensor arithmetic; a Python int stands for a word that is the same for
@@ -96,7 +98,9 @@ def _mix(p: Word, x: Word, k: Word, out: Scratch | None) -> Word:
     """``((p >> 32) ^ x ^ k) & MASK``. The terms that are Python ints xor together first, so the
     mix costs a tensor op per tensor term (plus the mask); with ``out`` every op writes into one
     of its buffers (``p >> 32``'s, xored and masked there, or a fresh one of them)."""
-    hi = torch.bitwise_right_shift(p, 32, out=out.take()) if out is not None and isinstance(p, torch.Tensor) else p >> 32
+    hi = (
+        torch.bitwise_right_shift(p, 32, out=out.take()) if out is not None and isinstance(p, torch.Tensor) else p >> 32
+    )
     const, tensors = 0, []
     for term in (hi, x, k):
         if isinstance(term, int):
@@ -111,7 +115,11 @@ def _mix(p: Word, x: Word, k: Word, out: Scratch | None) -> Word:
             first = first ^ term
         return first & MASK
     if first is not hi:  # no buffer of out's holds a term yet: the first op writes into one
-        first = torch.bitwise_xor(first, rest.pop(0), out=out.take()) if rest else torch.bitwise_and(first, MASK, out=out.take())
+        first = (
+            torch.bitwise_xor(first, rest.pop(0), out=out.take())
+            if rest
+            else torch.bitwise_and(first, MASK, out=out.take())
+        )
     for term in rest:
         first.bitwise_xor_(term)
     return first.bitwise_and_(MASK)

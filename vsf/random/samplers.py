@@ -48,15 +48,37 @@ from vsf.sharding.put import device_put, from_local, local_device
 from vsf.sharding.spec import PartitionSpec
 
 __all__ = [
-    "bernoulli", "bernoulli_transform", "build", "float_dtype", "normal", "normal_transform", "permutation", "randint", "sample", "scaled", "truncated_normal",
-    "truncated_normal_transform", "uniform", "uniform_transform", "width",
+    "bernoulli",
+    "bernoulli_transform",
+    "build",
+    "float_dtype",
+    "normal",
+    "normal_transform",
+    "permutation",
+    "randint",
+    "sample",
+    "scaled",
+    "truncated_normal",
+    "truncated_normal_transform",
+    "uniform",
+    "uniform_transform",
+    "width",
 ]
 
 Sharding = NamedSharding | PartitionSpec | None
 _SQRT2 = math.sqrt(2.0)
 
 
-def sample(key: torch.Tensor, shape: Sequence[int], width: int, transform: bits.Transform, dtype: torch.dtype, sharding: Sharding, where: str, like: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    key: torch.Tensor,
+    shape: Sequence[int],
+    width: int,
+    transform: bits.Transform,
+    dtype: torch.dtype,
+    sharding: Sharding,
+    where: str,
+    like: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``transform`` of each element's ``width`` Philox words over ``shape``, laid out as ``sharding``
     (the one entry point of every sampler). Inside a trace, ``like`` (a tensor of ``shape``, e.g.
     the input of a dropout) lends its layout to the sample's ops, so that each rank computes its
@@ -67,7 +89,9 @@ def sample(key: torch.Tensor, shape: Sequence[int], width: int, transform: bits.
     if s is not None:
         s.check(shape, where)
         if s.spec.unreduced:
-            raise ValueError(f"{where}: a sample cannot be unreduced over {s.spec.unreduced} (its sharding is {s.spec!r})")
+            raise ValueError(
+                f"{where}: a sample cannot be unreduced over {s.spec.unreduced} (its sharding is {s.spec!r})"
+            )
     if _compat.fake_mode_active():
         return _traced(key, shape, width, transform, s, like)
     words = key_words(key, where)
@@ -85,7 +109,14 @@ def _shape(shape: Sequence[int], where: str) -> tuple[int, ...]:
     return out
 
 
-def _traced(key: torch.Tensor, shape: tuple[int, ...], width: int, transform: bits.Transform, s: NamedSharding | None, like: torch.Tensor | None) -> torch.Tensor:
+def _traced(
+    key: torch.Tensor,
+    shape: tuple[int, ...],
+    width: int,
+    transform: bits.Transform,
+    s: NamedSharding | None,
+    like: torch.Tensor | None,
+) -> torch.Tensor:
     """The sample as elementwise ops over ``arange`` s. The counters start from a zero tensor laid
     out as ``s`` (or shaped like ``like``), so the planner computes every later op on shards
     instead of whole on every rank and slicing at the end."""
@@ -100,11 +131,21 @@ def _traced(key: torch.Tensor, shape: tuple[int, ...], width: int, transform: bi
     return out if s is None else constrain(out, s)
 
 
-def _box(words: tuple[int, int], shape: tuple[int, ...], box: Sequence[tuple[int, int]] | None, width: int, transform: bits.Transform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _box(
+    words: tuple[int, int],
+    shape: tuple[int, ...],
+    box: Sequence[tuple[int, int]] | None,
+    width: int,
+    transform: bits.Transform,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     flat = shape or (1,)
     box = tuple(box) if box is not None else tuple((0, n) for n in flat)
     with _compat.local_mode_disabled():
-        return bits.fill(words, flat, box, width, transform, dtype, device).reshape([b - a for a, b in box] if shape else [])
+        return bits.fill(words, flat, box, width, transform, dtype, device).reshape(
+            [b - a for a, b in box] if shape else []
+        )
 
 
 def _replicated(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +155,9 @@ def _replicated(t: torch.Tensor) -> torch.Tensor:
     return _compat.make_local({r: t if i == 0 else t.clone() for i, r in enumerate(backend.local_ranks())})
 
 
-def build(shape: Sequence[int], dtype: torch.dtype, s: NamedSharding, piece: Callable[[int, torch.device], torch.Tensor]) -> torch.Tensor:
+def build(
+    shape: Sequence[int], dtype: torch.dtype, s: NamedSharding, piece: Callable[[int, torch.device], torch.Tensor]
+) -> torch.Tensor:
     """A DTensor of global ``shape`` laid out as ``s`` whose local shard on rank ``r`` is
     ``piece(r, device)`` (every simulated rank under :func:`vsf.simulate`, else this rank)."""
     shape = tuple(shape)
@@ -129,11 +172,27 @@ def build(shape: Sequence[int], dtype: torch.dtype, s: NamedSharding, piece: Cal
     return from_local(_compat.make_local(pieces) if mode is not None else pieces[runtime.rank()], s, shape)
 
 
-def _sharded(words: tuple[int, int], shape: tuple[int, ...], s: NamedSharding, width: int, transform: bits.Transform, dtype: torch.dtype) -> torch.Tensor:
+def _sharded(
+    words: tuple[int, int],
+    shape: tuple[int, ...],
+    s: NamedSharding,
+    width: int,
+    transform: bits.Transform,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     return build(shape, dtype, s, lambda r, device: _shard(words, shape, s, r, width, transform, dtype, device))
 
 
-def _shard(words: tuple[int, int], shape: tuple[int, ...], s: NamedSharding, rank: int, width: int, transform: bits.Transform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _shard(
+    words: tuple[int, int],
+    shape: tuple[int, ...],
+    s: NamedSharding,
+    rank: int,
+    width: int,
+    transform: bits.Transform,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """Rank ``rank``'s shard: a box of the global index space, or for a ragged entry over every
     dim, a range of flat indices (:meth:`NamedSharding.index_view` rows)."""
     index = s.index(shape, rank)
@@ -170,8 +229,14 @@ def _symmetric(w: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     step is exact (``k`` and ``k * 2**(1 - bits)`` are ``dtype`` values, and so is the sum), so
     every device gives the same bits; the sum is in floating point, cheaper than on int64."""
     bits = 53 if dtype == torch.float64 else 24
-    k = w[0].bitwise_left_shift_(20).bitwise_or_(w[1].bitwise_right_shift_(12)) if dtype == torch.float64 else w[0].bitwise_right_shift_(8)
-    return k.to(dtype).mul_(2.0 ** (1 - bits)).add_(2.0**-bits - 1)  # in place on the words and the fresh cast: one temporary
+    k = (
+        w[0].bitwise_left_shift_(20).bitwise_or_(w[1].bitwise_right_shift_(12))
+        if dtype == torch.float64
+        else w[0].bitwise_right_shift_(8)
+    )
+    return (
+        k.to(dtype).mul_(2.0 ** (1 - bits)).add_(2.0**-bits - 1)
+    )  # in place on the words and the fresh cast: one temporary
 
 
 def _compute(dtype: torch.dtype) -> torch.dtype:
@@ -242,7 +307,15 @@ def width(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float64 else 1
 
 
-def uniform(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | None = None, minval: float = 0.0, maxval: float = 1.0, *, sharding: Sharding = None) -> torch.Tensor:
+def uniform(
+    key: torch.Tensor,
+    shape: Sequence[int] = (),
+    dtype: torch.dtype | None = None,
+    minval: float = 0.0,
+    maxval: float = 1.0,
+    *,
+    sharding: Sharding = None,
+) -> torch.Tensor:
     """Uniform samples on ``[minval, maxval)`` (JAX's ``jax.random.uniform``).
 
     Example::
@@ -254,7 +327,9 @@ def uniform(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | N
     return sample(key, shape, width(dtype), transform, dtype, sharding, "vsf.random.uniform")
 
 
-def normal(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+def normal(
+    key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | None = None, *, sharding: Sharding = None
+) -> torch.Tensor:
     """Standard normal samples (JAX's ``jax.random.normal``): ``sqrt(2) * erfinv(u)``, ``u`` uniform on ``(-1, 1)``.
 
     Example::
@@ -266,7 +341,15 @@ def normal(key: torch.Tensor, shape: Sequence[int] = (), dtype: torch.dtype | No
     return sample(key, shape, width(dtype), transform, dtype, sharding, "vsf.random.normal")
 
 
-def truncated_normal(key: torch.Tensor, lower: float, upper: float, shape: Sequence[int] = (), dtype: torch.dtype | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+def truncated_normal(
+    key: torch.Tensor,
+    lower: float,
+    upper: float,
+    shape: Sequence[int] = (),
+    dtype: torch.dtype | None = None,
+    *,
+    sharding: Sharding = None,
+) -> torch.Tensor:
     """Standard normal samples conditioned on ``[lower, upper]`` (JAX's ``jax.random.truncated_normal``):
     the inverse CDF of a uniform between the CDF's values at the bounds.
 
@@ -279,7 +362,9 @@ def truncated_normal(key: torch.Tensor, lower: float, upper: float, shape: Seque
     return sample(key, shape, width(dtype), transform, dtype, sharding, "vsf.random.truncated_normal")
 
 
-def bernoulli(key: torch.Tensor, p: float | torch.Tensor = 0.5, shape: Sequence[int] | None = None, *, sharding: Sharding = None) -> torch.Tensor:
+def bernoulli(
+    key: torch.Tensor, p: float | torch.Tensor = 0.5, shape: Sequence[int] | None = None, *, sharding: Sharding = None
+) -> torch.Tensor:
     """``True`` with probability ``p`` (JAX's ``jax.random.bernoulli``): ``uniform(key, shape) < p``.
 
     ``shape`` defaults to ``p``'s shape (``()`` for a float). Example::
@@ -298,7 +383,15 @@ def bernoulli_transform(p: float) -> bits.Transform:
     return lambda w: _unit(w, torch.float32) < p
 
 
-def randint(key: torch.Tensor, shape: Sequence[int], minval: int, maxval: int, dtype: torch.dtype = torch.int64, *, sharding: Sharding = None) -> torch.Tensor:
+def randint(
+    key: torch.Tensor,
+    shape: Sequence[int],
+    minval: int,
+    maxval: int,
+    dtype: torch.dtype = torch.int64,
+    *,
+    sharding: Sharding = None,
+) -> torch.Tensor:
     """Integers uniform on ``[minval, maxval)`` (JAX's ``jax.random.randint``; torch's default ``int64``):
     63 random bits modulo the span (bias below ``span / 2**63``).
 
@@ -310,7 +403,9 @@ def randint(key: torch.Tensor, shape: Sequence[int], minval: int, maxval: int, d
         raise TypeError(f"vsf.random.randint samples an integer dtype, got {dtype}")
     span = int(maxval) - int(minval)
     if span <= 0 or span > 2**63:
-        raise ValueError(f"vsf.random.randint needs minval < maxval with a span of at most 2**63, got minval={minval}, maxval={maxval}")
+        raise ValueError(
+            f"vsf.random.randint needs minval < maxval with a span of at most 2**63, got minval={minval}, maxval={maxval}"
+        )
 
     def transform(w: Sequence[torch.Tensor]) -> torch.Tensor:
         return (_bits63(w) % span + minval).to(dtype)
@@ -322,7 +417,9 @@ def _bits63(w: Sequence[torch.Tensor]) -> torch.Tensor:
     return ((w[0] & 0x7FFFFFFF) << 32) | w[1]
 
 
-def permutation(key: torch.Tensor, x: int | torch.Tensor, axis: int = 0, independent: bool = False, *, sharding: Sharding = None) -> torch.Tensor:
+def permutation(
+    key: torch.Tensor, x: int | torch.Tensor, axis: int = 0, independent: bool = False, *, sharding: Sharding = None
+) -> torch.Tensor:
     """A random permutation of ``range(x)``, or of ``x``'s entries along ``axis`` (JAX's
     ``jax.random.permutation``; ``independent=True`` permutes each slice along ``axis`` on its own).
 

@@ -42,7 +42,13 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
 
 _sharding_constraint.register_autograd(_backward, setup_context=_save_sharding)
 
-_NAMES = {"Mesh": Mesh, "NamedSharding": NamedSharding, "P": P, "PartitionSpec": PartitionSpec, "UNCONSTRAINED": UNCONSTRAINED}
+_NAMES = {
+    "Mesh": Mesh,
+    "NamedSharding": NamedSharding,
+    "P": P,
+    "PartitionSpec": PartitionSpec,
+    "UNCONSTRAINED": UNCONSTRAINED,
+}
 
 
 def constrain(x: torch.Tensor, sharding: NamedSharding) -> torch.Tensor:

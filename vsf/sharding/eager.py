@@ -62,7 +62,9 @@ def elementwise(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         raise TypeError("elementwise needs at least one DTensor argument of rank > 0 to take the layout from")
     layout = sharding_of(like)
     if layout.spec.unreduced:
-        raise ValueError(f"elementwise on an unreduced value ({layout.spec!r}) is not elementwise on its sum; reduce it first")
+        raise ValueError(
+            f"elementwise on an unreduced value ({layout.spec!r}) is not elementwise on its sum; reduce it first"
+        )
     for i, a in enumerate(args):
         _check_operand(i, a, like, layout)
     out = fn(*[_compat.dtensor_local(a) if isinstance(a, DTensor) else a for a in args])
@@ -74,14 +76,18 @@ def _check_operand(i: int, a: Any, like: DTensor, layout: NamedSharding) -> None
         s = sharding_of(a)
         if a.ndim == 0:
             if not s.is_fully_replicated or s.mesh != layout.mesh:
-                raise ValueError(f"elementwise argument {i} is a 0-d DTensor laid out as {s.spec!r}; a scalar must be replicated on {layout.mesh!r}")
+                raise ValueError(
+                    f"elementwise argument {i} is a 0-d DTensor laid out as {s.spec!r}; a scalar must be replicated on {layout.mesh!r}"
+                )
         elif tuple(a.shape) != tuple(like.shape) or s != layout:
             raise ValueError(
                 f"elementwise argument {i} has shape {tuple(a.shape)} laid out as {s.spec!r}, but the first tensor has shape "
                 f"{tuple(like.shape)} laid out as {layout.spec!r}; device_put one to the other's layout first"
             )
     elif isinstance(a, torch.Tensor) and a.ndim > 0:
-        raise ValueError(f"elementwise argument {i} is a plain tensor of shape {tuple(a.shape)}; only 0-d plain tensors are taken as scalars")
+        raise ValueError(
+            f"elementwise argument {i} is a plain tensor of shape {tuple(a.shape)}; only 0-d plain tensors are taken as scalars"
+        )
 
 
 def sum(x: torch.Tensor, dim: Dims = None, keepdim: bool = False) -> torch.Tensor:  # noqa: A001
@@ -148,7 +154,7 @@ def _reduce(x: torch.Tensor, dim: Dims, keepdim: bool, average: bool) -> torch.T
         )
     local_dims = sorted({0 if d < lead else d - lead + 1 for d in dims} if r is not None else set(dims))
     local = _compat.dtensor_local(x).sum(local_dims, keepdim=keepdim)
-    if rows_reduced and keepdim and lead > 1:   # the rows dim stood for `lead` dims of size 1 now
+    if rows_reduced and keepdim and lead > 1:  # the rows dim stood for `lead` dims of size 1 now
         local = local.reshape(*[1] * (lead - 1), *local.shape)
     local = _psum(local, _sharding_axes(s, dims), s.mesh)
     if average:
@@ -157,7 +163,11 @@ def _reduce(x: torch.Tensor, dim: Dims, keepdim: bool, average: bool) -> torch.T
     if rows_reduced:
         entries[0] = None
     kept = entries if keepdim else [e for d, e in enumerate(entries) if d not in dims]
-    out_shape = tuple(1 if d in dims else n for d, n in enumerate(shape)) if keepdim else tuple(n for d, n in enumerate(shape) if d not in dims)
+    out_shape = (
+        tuple(1 if d in dims else n for d, n in enumerate(shape))
+        if keepdim
+        else tuple(n for d, n in enumerate(shape) if d not in dims)
+    )
     out = NamedSharding(s.mesh, PartitionSpec(*kept, unreduced=s.spec.unreduced).normalized())
     return from_local(local, out, out_shape)
 
@@ -167,7 +177,7 @@ def _all(dim: Dims, ndim: int) -> list[int]:
     if dim is None:
         return list(range(ndim))
     dims = [dim] if isinstance(dim, int) else list(dim)
-    bound = max(ndim, 1)   # a 0-d tensor takes dim 0 or -1, as torch does
+    bound = max(ndim, 1)  # a 0-d tensor takes dim 0 or -1, as torch does
     if any(not -bound <= d < bound for d in dims):
         raise ValueError(f"dim {dim!r} is out of range for a tensor of rank {ndim}")
     return sorted({d % bound for d in dims}) if ndim else []

@@ -34,10 +34,20 @@ from vsf import _compat, ops, runtime
 from vsf.ops import backend
 from vsf.sharding.mesh import Mesh
 
-__all__ = ["MAX_DIMS", "WIDTH", "check_same", "describe", "dtype_of", "fingerprint", "gather", "ranks_here", "values_by_rank"]
+__all__ = [
+    "MAX_DIMS",
+    "WIDTH",
+    "check_same",
+    "describe",
+    "dtype_of",
+    "fingerprint",
+    "gather",
+    "ranks_here",
+    "values_by_rank",
+]
 
-MAX_DIMS = 8      # dims a row spells out (a longer shape still counts in its CRC)
-_HEAD = 4 + MAX_DIMS   # crc, ndim, dtype, dims..., numel
+MAX_DIMS = 8  # dims a row spells out (a longer shape still counts in its CRC)
+_HEAD = 4 + MAX_DIMS  # crc, ndim, dtype, dims..., numel
 _SAMPLES = 8
 WIDTH = _HEAD + 3 + _SAMPLES
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -55,9 +65,14 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     shape = tuple(t.shape)
     dims = list(shape[:MAX_DIMS]) + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
-    head = torch.tensor([zlib.crc32(repr((shape, str(t.dtype))).encode()), len(shape), _DTYPES.index(t.dtype), *dims, t.numel()], dtype=torch.int64)
+    head = torch.tensor(
+        [zlib.crc32(repr((shape, str(t.dtype))).encode()), len(shape), _DTYPES.index(t.dtype), *dims, t.numel()],
+        dtype=torch.int64,
+    )
     flat = t.contiguous().reshape(-1)
-    bits = flat.view(_BITS.get(flat.element_size(), torch.uint8)) if flat.numel() else flat.new_zeros(1, dtype=torch.int64)
+    bits = (
+        flat.view(_BITS.get(flat.element_size(), torch.uint8)) if flat.numel() else flat.new_zeros(1, dtype=torch.int64)
+    )
     n = bits.numel()
     picks = torch.tensor([i * (n - 1) // (_SAMPLES - 1) for i in range(_SAMPLES)], device=bits.device)
     sums = [bits.sum(dtype=torch.int64), bits[::2].sum(dtype=torch.int64), bits[::7].sum(dtype=torch.int64)]
@@ -129,7 +144,13 @@ def check_same(leaves: Sequence[tuple[str, torch.Tensor, Mesh]], what: str = "de
     by_mesh: dict[Mesh, list[tuple[str, torch.Tensor]]] = {}
     simulated = runtime.is_simulated()
     for path, t, mesh in leaves:
-        if mesh.size > 1 and not _compat.is_fake(t) and (_compat.is_local_tensor(t) if simulated else runtime.world_size() > 1 and runtime.rank() in mesh.devices):
+        if (
+            mesh.size > 1
+            and not _compat.is_fake(t)
+            and (
+                _compat.is_local_tensor(t) if simulated else runtime.world_size() > 1 and runtime.rank() in mesh.devices
+            )
+        ):
             by_mesh.setdefault(mesh, []).append((path, t))
     for mesh, items in by_mesh.items():
         ranks = ranks_here(mesh)
@@ -148,7 +169,8 @@ def _different(what: str, path: str, rows: dict[int, torch.Tensor], i: int, firs
     r = differ[0]
     mine, theirs = rows[r][i], rows[first][i]
     how = (
-        f"rank {r} passes {describe(mine)} and rank {first} {describe(theirs)}" if not torch.equal(mine[:_HEAD], theirs[:_HEAD])
+        f"rank {r} passes {describe(mine)} and rank {first} {describe(theirs)}"
+        if not torch.equal(mine[:_HEAD], theirs[:_HEAD])
         else f"rank {r}'s value differs from rank {first}'s (both {describe(mine)})"
     )
     more = f" (and {len(differ) - 1} more rank{'s' if len(differ) > 2 else ''})" if len(differ) > 1 else ""

@@ -17,10 +17,20 @@ from vsf.sharding.spec import RaggedShard
 __all__ = ["AddressableShard", "shards", "type_string", "typeof", "visualize_sharding"]
 
 _DTYPE = {
-    torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-    torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
-    torch.float8_e4m3fn: "f8e4m3fn", torch.float8_e5m2: "f8e5m2",
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+    torch.float8_e4m3fn: "f8e4m3fn",
+    torch.float8_e5m2: "f8e5m2",
 }
 
 
@@ -49,7 +59,9 @@ def typeof(x: torch.Tensor) -> str:
     return type_string(tuple(x.shape), x.dtype, mesh_of(x.device_mesh), x.placements)
 
 
-def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, placements: Sequence[Placement] = ()) -> str:
+def type_string(
+    shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, placements: Sequence[Placement] = ()
+) -> str:
     """``typeof``'s text for a tensor of ``shape`` and ``dtype`` laid out on ``mesh`` as DTensor
     ``placements`` (``mesh=None``: unsharded). Partial sums show as ``{U:axis}`` (JAX's unreduced),
     other pending reductions by their op, e.g. ``{avg:dp}``. Placements no ``P`` expresses (nested
@@ -66,7 +78,10 @@ def type_string(shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh | None, p
     try:
         s = from_placements(mesh, plain, len(shape))
     except ValueError:  # a layout no P expresses (a step of a redistribution): DTensor's own terms
-        return f"{name}[{','.join(_placements_string(n, d, mesh, plain) for d, n in enumerate(shape))}]" + _pending_string(pending)
+        return (
+            f"{name}[{','.join(_placements_string(n, d, mesh, plain) for d, n in enumerate(shape))}]"
+            + _pending_string(pending)
+        )
     r = s.ragged
     dims = [] if r is None else [_ragged_string(shape, r)]
     for dim in range(0 if r is None else r.dims, len(shape)):
@@ -85,7 +100,7 @@ def _placements_string(n: int, dim: int, mesh: Mesh, placements: Sequence[Placem
     """Dim ``dim`` (of size ``n``) as DTensor splits it, axis by axis in mesh order, each strided
     split with its split factor: ``128@<dp,fsdp,tp/sf16>``."""
     axes = []
-    p: Any   # a placement, read as its kind says
+    p: Any  # a placement, read as its kind says
     for axis, p in zip(mesh.device_axes, placements):
         k = kind_of(p)
         if k == "strided" and p.dim == dim:
@@ -145,7 +160,7 @@ def visualize_sharding(x: torch.Tensor) -> str:
         raise ValueError(f"visualize_sharding draws 1D or 2D tensors, got {x.ndim}D (shape {tuple(x.shape)})")
     s = sharding_of(x)
     layout = s.devices_indices_map(tuple(x.shape)) if s else {sh.rank: sh.index for sh in shards(x)}
-    ndim = len(next(iter(layout.values())))   # a ragged layout's index covers its flattened rows
+    ndim = len(next(iter(layout.values())))  # a ragged layout's index covers its flattened rows
     blocks: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
     empty = []
     for rank, idx in sorted(layout.items()):

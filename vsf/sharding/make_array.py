@@ -87,8 +87,12 @@ def make_array_from_callback(
             dtypes.setdefault(fetched[key].dtype, index)
             if len(dtypes) > 1:
                 (a, ia), (b, ib) = dtypes.items()
-                raise TypeError(f"make_array_from_callback: data_callback returned {a} for index {_show(ia)} and {b} for index {_show(ib)}; pass dtype= to cast")
-        return _compat.local_shards(fetched[key], rank)[rank]   # a per-rank value (made inside a simulation): this rank's
+                raise TypeError(
+                    f"make_array_from_callback: data_callback returned {a} for index {_show(ia)} and {b} for index {_show(ib)}; pass dtype= to cast"
+                )
+        return _compat.local_shards(fetched[key], rank)[
+            rank
+        ]  # a per-rank value (made inside a simulation): this rank's
 
     device, pieces, handed = local_device(s.mesh.device_type), {}, set()
     simulated, ranks = _compat.active_local_mode() is not None, backend.local_ranks()
@@ -96,11 +100,13 @@ def make_array_from_callback(
         for r in ranks:
             if not simulated and r not in s.mesh.devices:
                 if dtype is None:
-                    raise ValueError(f"make_array_from_callback: rank {r} holds no shard on {s.mesh!r}, so the dtype cannot come from the callback; pass dtype=")
+                    raise ValueError(
+                        f"make_array_from_callback: rank {r} holds no shard on {s.mesh!r}, so the dtype cannot come from the callback; pass dtype="
+                    )
                 pieces[r] = torch.empty((0,) * len(shape), dtype=dtype, device=device)
                 continue
             piece = _owned(_shard(s, shape, r, lambda index, r=r: call(index, r)), device)
-            pieces[r] = piece.clone() if id(piece) in handed else piece   # simulated ranks never share memory
+            pieces[r] = piece.clone() if id(piece) in handed else piece  # simulated ranks never share memory
             handed.add(id(piece))
     return assemble(pieces, s, shape)
 
@@ -136,23 +142,35 @@ def make_array_from_process_local_data(sharding: Any, local_data: Any, global_sh
     shardings = tree.broadcast_prefix(sharding, local_data, is_leaf=is_sharding_leaf, what="sharding")
     shapes = tree.broadcast_prefix(global_shape, local_data, is_leaf=_is_shape, what="global_shape")
     leaves = [(tree.keystr(p), _as_tensor(x, tree.keystr(p)), s, g) for (p, x), s, g in zip(pairs, shardings, shapes)]
-    if runtime.is_simulated() or runtime.world_size() == 1:   # one process holds every rank
+    if runtime.is_simulated() or runtime.world_size() == 1:  # one process holds every rank
         for path, x, _, g in leaves:
             if g is not None and tuple(g) != tuple(x.shape):
                 raise ValueError(
                     f"{_LOCAL} of {path}: this one process holds every rank, so its local data is the whole value; "
                     f"global_shape must be None or its shape {tuple(x.shape)}, got {tuple(g)}"
                 )
-        return place(tree.unflatten(treedef, [x for _, x, _, _ in leaves]), tree.unflatten(treedef, [s for _, _, s, _ in leaves]), _LOCAL)
+        return place(
+            tree.unflatten(treedef, [x for _, x, _, _ in leaves]),
+            tree.unflatten(treedef, [s for _, _, s, _ in leaves]),
+            _LOCAL,
+        )
     cuts = [_cut_here(path, x, resolve(s, path), g) for path, x, s, g in leaves]
     if config.check_across_processes:
         _check_everywhere(cuts)
     for c in cuts:
         if c.problem is not None:
             raise ValueError(_problem_text(c.path, runtime.rank(), c.local, c.shape, c.problem))
-    return tree.unflatten(treedef, [
-        assemble({runtime.rank(): _owned(c.piece, local_device(c.sharding.mesh.device_type), copy=True)}, c.sharding, c.shape) for c in cuts
-    ])
+    return tree.unflatten(
+        treedef,
+        [
+            assemble(
+                {runtime.rank(): _owned(c.piece, local_device(c.sharding.mesh.device_type), copy=True)},
+                c.sharding,
+                c.shape,
+            )
+            for c in cuts
+        ],
+    )
 
 
 def process_slice(sharding: Any, shape: Sequence[int]) -> Index:
@@ -182,12 +200,15 @@ def process_slice(sharding: Any, shape: Sequence[int]) -> Index:
 def _shard(s: NamedSharding, shape: tuple[int, ...], rank: int, call: Callable[[Index], torch.Tensor]) -> torch.Tensor:
     """``rank``'s local tensor, fetched by ``call`` one box of the global value at a time."""
     index = s.index(shape, rank)
-    if s.ragged is not None:   # rows of the flattened leading dims: the boxes they cover
+    if s.ragged is not None:  # rows of the flattened leading dims: the boxes they cover
         lead = s.ragged.dims
         parts = [call(box + index[1:]) for box in _row_boxes(index[0].start, index[0].stop, shape[:lead])]
         rows = [p.reshape(-1, *p.shape[lead:]) for p in parts]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
-    runs = [list(_balanced_runs(s, shape, rank, d)) if d in s.balanced else [(sl.start, sl.stop)] for d, sl in enumerate(index)]
+    runs = [
+        list(_balanced_runs(s, shape, rank, d)) if d in s.balanced else [(sl.start, sl.stop)]
+        for d, sl in enumerate(index)
+    ]
     return _product(runs, call, ())
 
 
@@ -215,13 +236,15 @@ def _row_boxes(lo: int, hi: int, lead: tuple[int, ...]) -> list[Index]:
     """
     rest = tuple(slice(0, n) for n in lead[1:])
     if lo >= hi:
-        return [(slice(0, 0),) + rest]   # an empty box keeps the later dims
+        return [(slice(0, 0),) + rest]  # an empty box keeps the later dims
     if len(lead) == 1:
         return [(slice(lo, hi),)]
     inner = math.prod(lead[1:])
     first, last = lo // inner, (hi - 1) // inner
     if first == last:
-        return [(slice(first, first + 1),) + box for box in _row_boxes(lo - first * inner, hi - first * inner, lead[1:])]
+        return [
+            (slice(first, first + 1),) + box for box in _row_boxes(lo - first * inner, hi - first * inner, lead[1:])
+        ]
     boxes = []
     if lo % inner:
         boxes += [(slice(first, first + 1),) + box for box in _row_boxes(lo % inner, inner, lead[1:])]
@@ -238,11 +261,17 @@ def _checked(value: Any, index: Index, rank: int, shape: tuple[int, ...], dtype:
     """What the callback returned for ``index``, as a tensor of the index's shape (a foreign array copied)."""
     t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value).clone()
     if isinstance(t, DTensor):
-        raise TypeError(f"make_array_from_callback: data_callback returned a DTensor for index {_show(index)}; return the block as a plain tensor")
+        raise TypeError(
+            f"make_array_from_callback: data_callback returned a DTensor for index {_show(index)}; return the block as a plain tensor"
+        )
     want = tuple(sl.stop - sl.start for sl in index)
     if tuple(t.shape) != want:
         dims = [d for d, (a, b) in enumerate(zip(t.shape, want)) if a != b] if t.ndim == len(want) else []
-        why = f"dim {dims[0]} has {t.shape[dims[0]]} elements where the index has {want[dims[0]]}" if dims else f"{t.ndim} dims where the index has {len(want)}"
+        why = (
+            f"dim {dims[0]} has {t.shape[dims[0]]} elements where the index has {want[dims[0]]}"
+            if dims
+            else f"{t.ndim} dims where the index has {len(want)}"
+        )
         raise ValueError(
             f"make_array_from_callback: data_callback returned shape {tuple(t.shape)} for index {_show(index)} "
             f"(of rank {rank}'s shard of the global shape {shape}), which has shape {want}: {why}"
@@ -253,7 +282,12 @@ def _checked(value: Any, index: Index, rank: int, shape: tuple[int, ...], dtype:
 def _owned(t: torch.Tensor, device: torch.device, copy: bool = False) -> torch.Tensor:
     """``t`` on ``device`` in memory of its own: as it is when it already owns exactly its memory
     (and ``copy`` is not asked), else a contiguous copy."""
-    mine = t.device == device and t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+    mine = (
+        t.device == device
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.nbytes
+    )
     return t if mine and not copy else t.to(device=device, copy=True, memory_format=torch.contiguous_format)
 
 
@@ -264,26 +298,36 @@ def _shape(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _is_shape(x: Any) -> bool:
-    return x is None or isinstance(x, (tuple, list, torch.Size)) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in x)
+    return (
+        x is None
+        or isinstance(x, (tuple, list, torch.Size))
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in x)
+    )
 
 
 def _as_tensor(x: Any, path: str) -> torch.Tensor:
     if isinstance(x, DTensor):
-        raise TypeError(f"{_LOCAL} of {path}: the local data is a DTensor already (a global value); pass this process's plain tensor")
+        raise TypeError(
+            f"{_LOCAL} of {path}: the local data is a DTensor already (a global value); pass this process's plain tensor"
+        )
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
 
 
 def _refuse_unreduced(s: NamedSharding, what: str) -> None:
     summed = [a for a in s.spec.unreduced if s.mesh.axis_size(a) > 1]
     if summed:
-        raise ValueError(f"{what}: {s.spec!r} is unreduced over {tuple(summed)}; a value made from data is reduced (drop unreduced=)")
+        raise ValueError(
+            f"{what}: {s.spec!r} is unreduced over {tuple(summed)}; a value made from data is reduced (drop unreduced=)"
+        )
 
 
 def _refuse_uncut(s: NamedSharding, what: str) -> None:
     """A process's slice is one box only where no dim is split ragged or balanced."""
     _refuse_unreduced(s, what)
     if s.ragged is not None or s.balanced:
-        raise ValueError(f"{what}: {s.spec!r} splits rows ragged or a dim balanced, so a process's part is not one slice; use vsf.make_array_from_callback")
+        raise ValueError(
+            f"{what}: {s.spec!r} splits rows ragged or a dim balanced, so a process's part is not one slice; use vsf.make_array_from_callback"
+        )
 
 
 def _show(index: Index) -> str:
@@ -293,7 +337,7 @@ def _show(index: Index) -> str:
 # -- make_array_from_process_local_data on several processes -----------------------------------------
 
 
-_FINE, _NDIM = -2, -1   # a row's problem dim when there is none, and when the number of dims is wrong
+_FINE, _NDIM = -2, -1  # a row's problem dim when there is none, and when the number of dims is wrong
 
 
 class _Cut:
@@ -322,7 +366,9 @@ class _Cut:
 def _cut_here(path: str, local: torch.Tensor, s: NamedSharding, shape: Any) -> _Cut:
     _refuse_uncut(s, f"{_LOCAL} of {path}")
     if runtime.rank() not in s.mesh.devices:
-        raise ValueError(f"{_LOCAL} of {path}: rank {runtime.rank()} is not in {s.mesh!r}; only the mesh's processes pass data for it")
+        raise ValueError(
+            f"{_LOCAL} of {path}: rank {runtime.rank()} is not in {s.mesh!r}; only the mesh's processes pass data for it"
+        )
     shape = tuple(n * s.num_shards(d) for d, n in enumerate(local.shape)) if shape is None else _shape(shape)
     s.check(shape, path)
     return _Cut(path, local, s, shape)
@@ -339,13 +385,21 @@ def _shape_of(cols: torch.Tensor) -> tuple[int, ...] | str:
     return dims if ndim <= fingerprint.MAX_DIMS else f"({', '.join(map(str, dims))}, ...)"
 
 
-_S = 3 + fingerprint.MAX_DIMS + 2   # where the global shape's columns start; the piece's fingerprint follows them
+_S = 3 + fingerprint.MAX_DIMS + 2  # where the global shape's columns start; the piece's fingerprint follows them
 
 
 def _row(c: _Cut) -> torch.Tensor:
     """``[problem dim, expected, found, *local shape, *global shape, *fingerprint of the piece]``."""
     problem = list(c.problem) if c.problem is not None else [_FINE, 0, 0]
-    return torch.tensor([*problem, *_shape_cols(tuple(c.local.shape)), *_shape_cols(c.shape), *fingerprint.fingerprint(c.piece).tolist()], dtype=torch.int64)
+    return torch.tensor(
+        [
+            *problem,
+            *_shape_cols(tuple(c.local.shape)),
+            *_shape_cols(c.shape),
+            *fingerprint.fingerprint(c.piece).tolist(),
+        ],
+        dtype=torch.int64,
+    )
 
 
 def _check_everywhere(cuts: list[_Cut]) -> None:

@@ -188,7 +188,7 @@ class Mesh:
         here = self.coordinate(runtime.rank()) if runtime.rank() in self._devices else dict.fromkeys(self._names, 0)
         names = tuple(n for n in self._names if n != axis)
         coord = {**here, axis: index}
-        if not names:   # a mesh of the one axis: one rank, kept under the axis's name
+        if not names:  # a mesh of the one axis: one rank, kept under the axis's name
             sub = Mesh((1,), (axis,), device_type=self._device_type, devices=(self._devices[self._flat_index(coord)],))
             names = (axis,)
         else:
@@ -212,7 +212,9 @@ class Mesh:
         grid = torch.tensor(self._devices, dtype=torch.int).reshape(self._sizes).roll(-index, self.axis_index(axis))
         big = tuple(n for n in self.device_axes if n in names and n != axis and self.axis_size(n) > 1)
         if not big:
-            return _compat.one_rank_device_mesh(self._device_type, runtime.world_size(), names[0], rank_map=grid.flatten())
+            return _compat.one_rank_device_mesh(
+                self._device_type, runtime.world_size(), names[0], rank_map=grid.flatten()
+            )
         axes = self.device_axes
         with _compat.local_mode_disabled():
             root = DeviceMesh(self._device_type, grid.reshape([self.axis_size(a) for a in axes]), mesh_dim_names=axes)

@@ -44,7 +44,16 @@ from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.placement import BalancedPlacement, RaggedPlacement, balanced_order, kind_of, split_dim
 from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, PartitionSpec, RaggedShard
 
-__all__ = ["BalancedPlacement", "NamedSharding", "RaggedPlacement", "balanced_order", "chunk", "from_placements", "resolve", "sharding_of"]
+__all__ = [
+    "BalancedPlacement",
+    "NamedSharding",
+    "RaggedPlacement",
+    "balanced_order",
+    "chunk",
+    "from_placements",
+    "resolve",
+    "sharding_of",
+]
 
 Index = tuple[slice, ...]
 
@@ -81,7 +90,9 @@ class NamedSharding:
                 raise ValueError(f"{spec!r} names mesh axis {axis!r}, which is not in the mesh {mesh.shape}")
         if spec.ragged is not None and len(spec.ragged.units) != mesh.axis_size(spec.ragged.axis):
             r = spec.ragged
-            raise ValueError(f"{r!r} has {len(r.units)} units but mesh axis {r.axis!r} has {mesh.axis_size(r.axis)} ranks")
+            raise ValueError(
+                f"{r!r} has {len(r.units)} units but mesh axis {r.axis!r} has {mesh.axis_size(r.axis)} ranks"
+            )
         if spec.ragged is not None and spec.balanced:
             raise ValueError(f"{spec!r} holds a ragged and a balanced entry; vsf takes one or the other")
         object.__setattr__(self, "_mesh", mesh)
@@ -130,7 +141,9 @@ class NamedSharding:
 
             >>> shardings = vsf.NamedSharding.tree(mesh, {"w": P("tp"), "b": P()})
         """
-        return tree.map_with_path(lambda path, p: cls._at(mesh, path, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return tree.map_with_path(
+            lambda path, p: cls._at(mesh, path, p), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
 
     @classmethod
     def _at(cls, mesh: Mesh, path: KeyPath, p: Any) -> "NamedSharding":
@@ -157,7 +170,9 @@ class NamedSharding:
         if self._spec.ragged is not None:
             self._spec.ragged.check(shape, self._mesh.axis_size(self._spec.ragged.axis), where)
         for dim, b in self.balanced.items():
-            b.check(shape[dim], self._mesh.axis_size(b.axis), f"{where + ' ' if where else ''}dim {dim} (shape {shape})")
+            b.check(
+                shape[dim], self._mesh.axis_size(b.axis), f"{where + ' ' if where else ''}dim {dim} (shape {shape})"
+            )
         for dim, entry in enumerate(self._spec):
             if entry is UNCONSTRAINED:
                 raise ValueError(
@@ -169,7 +184,11 @@ class NamedSharding:
                 axes = self._spec.entry_axes(dim)
                 order = self._mesh.device_axes
                 in_order = tuple(a for a in order if a in axes)
-                note = "" if list(order) == [a for a in self._mesh.axis_names if a in order] else " (a sub-mesh keeps its parent's axis order)"
+                note = (
+                    ""
+                    if list(order) == [a for a in self._mesh.axis_names if a in order]
+                    else " (a sub-mesh keeps its parent's axis order)"
+                )
                 raise ValueError(
                     f"{self._spec!r}{at}: dim {dim} of size {shape[dim]} is split {self.num_shards(dim)} ways over "
                     f"{axes} ({_sizes(self._mesh, axes)}), against the mesh's axis order {order}{note}; "
@@ -328,17 +347,21 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
     split: dict[int, list[str]] = {}  # dim -> the axes that split it, in mesh order
     balanced: dict[int, BalancedShard] = {}
     ragged_entry: RaggedShard | None = None
-    p: Any   # a placement, read as its kind says
+    p: Any  # a placement, read as its kind says
     for axis, p in zip(dm_axes, placements):
         k = kind_of(p)
         if k == "ragged":
             ragged_entry = p.ragged
         elif k == "balanced":
             if p.split_factor is not None:
-                raise ValueError(f"{p} over {axis!r} splits groups of dim {p.dim} (a merged view's), which no vsf spec names")
+                raise ValueError(
+                    f"{p} over {axis!r} splits groups of dim {p.dim} (a merged view's), which no vsf spec names"
+                )
             if p.dim in split or p.dim in balanced:
                 other = split.get(p.dim) or balanced[p.dim]
-                raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced over {axis!r} and over {other}: vsf has no such layout")
+                raise ValueError(
+                    f"placements {tuple(placements)} split dim {p.dim} balanced over {axis!r} and over {other}: vsf has no such layout"
+                )
             balanced[p.dim] = BalancedShard(axis)
         elif k == "partial":
             if p.reduce_op != "sum":
@@ -346,7 +369,9 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
             unreduced.append(axis)
         elif k in ("shard", "strided"):
             if p.dim in balanced:
-                raise ValueError(f"placements {tuple(placements)} split dim {p.dim} balanced and over {axis!r}: vsf has no such layout")
+                raise ValueError(
+                    f"placements {tuple(placements)} split dim {p.dim} balanced and over {axis!r}: vsf has no such layout"
+                )
             split.setdefault(p.dim, []).append(axis)
     entries: list[Any] = [None] * ndim
     for dim, b in balanced.items():
@@ -358,7 +383,9 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
     return NamedSharding(mesh, PartitionSpec(*entries, unreduced=unreduced).normalized())
 
 
-def _entry_order(mesh: Mesh, dim: int, axes: list[str], placements: Sequence[Placement], dm_axes: Sequence[str]) -> tuple[str, ...]:
+def _entry_order(
+    mesh: Mesh, dim: int, axes: list[str], placements: Sequence[Placement], dm_axes: Sequence[str]
+) -> tuple[str, ...]:
     """Recover the major->minor order of ``dim``'s axes from (possibly strided) placements."""
     want = [placements[dm_axes.index(a)] for a in axes]
     for order in itertools.permutations(axes):

@@ -70,16 +70,19 @@ def ragged_plan(params: Any, axis: str, *, block: Any = None, balance: str = "by
     blocks = tree.broadcast_prefix(block, params, is_leaf=_is_block, what="block")
     items = [_item(path, leaf, b, balance) for (path, leaf), b in zip(pairs, blocks)]
     counts = _assign(items, n)
-    return tree.unflatten(treedef, [
-        NamedSharding(mesh, PartitionSpec(ragged.ragged(axis, c, block=it.rows_per_block)))
-        for it, c in zip(items, counts)
-    ])
+    return tree.unflatten(
+        treedef,
+        [
+            NamedSharding(mesh, PartitionSpec(ragged.ragged(axis, c, block=it.rows_per_block)))
+            for it, c in zip(items, counts)
+        ],
+    )
 
 
 class _Item(NamedTuple):
     rows_per_block: int
-    blocks: int   # 1 for a whole leaf
-    weight: int   # bytes or elements of one block
+    blocks: int  # 1 for a whole leaf
+    weight: int  # bytes or elements of one block
     whole: bool
 
 
@@ -92,14 +95,18 @@ def _item(path: tree.KeyPath, leaf: Any, block: Any, balance: str) -> _Item:
     if not isinstance(leaf, torch.Tensor):
         raise TypeError(f"ragged_plan: params leaf {where} is a {type(leaf).__name__}, not a tensor")
     if leaf.ndim == 0 or leaf.shape[0] == 0:
-        raise ValueError(f"ragged_plan: params leaf {where} has shape {tuple(leaf.shape)}; a ragged split needs rows (dim 0 > 0)")
+        raise ValueError(
+            f"ragged_plan: params leaf {where} has shape {tuple(leaf.shape)}; a ragged split needs rows (dim 0 > 0)"
+        )
     rows = leaf.shape[0]
     per_row = math.prod(leaf.shape[1:]) * (leaf.element_size() if balance == "bytes" else 1)
     if block == "leaf":
         return _Item(1, 1, rows * per_row, True)
     b = 1 if block is None else block
     if b < 1 or rows % b:
-        raise ValueError(f"ragged_plan: block={b} rows does not divide the {rows} rows of params leaf {where} (shape {tuple(leaf.shape)})")
+        raise ValueError(
+            f"ragged_plan: block={b} rows does not divide the {rows} rows of params leaf {where} (shape {tuple(leaf.shape)})"
+        )
     return _Item(b, rows // b, b * per_row, False)
 
 
@@ -108,12 +115,12 @@ def _assign(items: Sequence[_Item], n: int) -> list[tuple[int, ...]]:
     loads = [0] * n
     counts: list[list[int]] = [[0] * n for _ in items]
     whole = sorted((i for i, it in enumerate(items) if it.whole), key=lambda i: -items[i].weight)
-    for i in whole:   # largest first onto the least loaded rank (LPT)
+    for i in whole:  # largest first onto the least loaded rank (LPT)
         r = min(range(n), key=lambda j: (loads[j], j))
         counts[i][r] = 1
         loads[r] += items[i].weight
     level = _level(loads, sum(it.weight * it.blocks for it in items if not it.whole))
-    bounds, room = [], 0.0   # cumulative room of ranks 0..j-1 up to the level (the last rank takes the rest)
+    bounds, room = [], 0.0  # cumulative room of ranks 0..j-1 up to the level (the last rank takes the rest)
     for j in range(n - 1):
         room += max(0.0, level - loads[j])
         bounds.append(room)
@@ -149,8 +156,8 @@ class _Group(NamedTuple):
     mesh: Mesh
     axis: str
     shardings: list[NamedSharding]
-    shapes: list[tuple[int, ...]]   # each leaf's group shape (cut by the other axes)
-    counts: list[tuple[int, ...]]   # elements of each leaf on each rank of the axis
+    shapes: list[tuple[int, ...]]  # each leaf's group shape (cut by the other axes)
+    counts: list[tuple[int, ...]]  # elements of each leaf on each rank of the axis
 
     def sizes(self, scale: Sequence[int]) -> tuple[int, ...]:
         """Length of each rank's part of the flat buffer, leaf ``i`` taking ``scale[i]`` slots per element."""
@@ -167,7 +174,9 @@ def _group(xs: Sequence[Any], paths: Sequence[tree.KeyPath], what: str) -> _Grou
         s = sharding_of(x) if isinstance(x, torch.Tensor) else None
         if s is None or s.ragged is None:
             got = "not a DTensor" if s is None else f"laid out as {s.spec!r}"
-            raise ValueError(f"{what}: leaf {tree.keystr(path)} is {got}; every leaf must be ragged (vsf.device_put it with a ragged_plan)")
+            raise ValueError(
+                f"{what}: leaf {tree.keystr(path)} is {got}; every leaf must be ragged (vsf.device_put it with a ragged_plan)"
+            )
         first = shardings[0] if shardings else s
         if s.mesh != first.mesh or s.ragged.axis != first.ragged.axis:
             raise ValueError(
@@ -237,8 +246,10 @@ def reduce_scatter_group(grads: Any, like: Any) -> Any:
     gs = tree.leaves(grads)
     if len(gs) != len(xs):
         raise ValueError(f"reduce_scatter_group: grads have {len(gs)} leaves, like has {len(xs)}")
-    rows = [_contribution(grad, path, s, g.axis).reshape(math.prod(shape[: s.ragged.dims]), -1)
-            for grad, path, s, shape in zip(gs, paths, g.shardings, g.shapes)]
+    rows = [
+        _contribution(grad, path, s, g.axis).reshape(math.prod(shape[: s.ragged.dims]), -1)
+        for grad, path, s, shape in zip(gs, paths, g.shardings, g.shapes)
+    ]
     dtype = functools.reduce(torch.promote_types, [r.dtype for r in rows])
     n, one = g.mesh.axis_size(g.axis), [1] * len(xs)
     ranges = [[s.ragged.row_range(shape, j) for s, shape in zip(g.shardings, g.shapes)] for j in range(n)]
@@ -257,8 +268,12 @@ def _contribution(grad: Any, path: tree.KeyPath, s: NamedSharding, axis: str) ->
     if isinstance(grad, DTensor):
         want = NamedSharding(s.mesh, PartitionSpec(*ragged.without_ragged(s).spec, unreduced=(*s.spec.unreduced, axis)))
         if sharding_of(grad) != want:
-            raise ValueError(f"reduce_scatter_group: grads leaf {tree.keystr(path)} is laid out as {sharding_of(grad).spec!r}, expected {want.spec!r}")
+            raise ValueError(
+                f"reduce_scatter_group: grads leaf {tree.keystr(path)} is laid out as {sharding_of(grad).spec!r}, expected {want.spec!r}"
+            )
         return grad.to_local()
     if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"reduce_scatter_group: grads leaf {tree.keystr(path)} is a {type(grad).__name__}, not a tensor")
+        raise TypeError(
+            f"reduce_scatter_group: grads leaf {tree.keystr(path)} is a {type(grad).__name__}, not a tensor"
+        )
     return grad

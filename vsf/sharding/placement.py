@@ -82,7 +82,7 @@ class RaggedPlacement(Placement):
     """
 
     def __init__(self, ragged: RaggedShard) -> None:
-        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
+        super().__init__()  # the C++ base must be initialised, or DTensor's checks crash
         self._ragged = ragged
 
     @property
@@ -118,7 +118,7 @@ class BalancedPlacement(Placement):
     """
 
     def __init__(self, dim: int, *, split_factor: int | None = None) -> None:
-        super().__init__()   # the C++ base must be initialised, or DTensor's checks crash
+        super().__init__()  # the C++ base must be initialised, or DTensor's checks crash
         self._dim, self._split_factor = int(dim), None if split_factor is None else int(split_factor)
 
     @property
@@ -138,7 +138,10 @@ class BalancedPlacement(Placement):
         return self._split_factor or 1
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BalancedPlacement) and (other._dim, other._split_factor) == (self._dim, self._split_factor)
+        return isinstance(other, BalancedPlacement) and (other._dim, other._split_factor) == (
+            self._dim,
+            self._split_factor,
+        )
 
     def __hash__(self) -> int:
         return hash(("BalancedPlacement", self._dim, self._split_factor))
@@ -267,7 +270,9 @@ def on_dim(p: Any, dim: int) -> Placement:
         return _compat.StridedShard(dim, split_factor=p.split_factor)
     if k == "balanced":
         return BalancedPlacement(dim, split_factor=p.split_factor)
-    raise ValueError(f"on_dim moves a plain, strided or balanced shard to another dim (here {dim}); {p!r} is a {k} placement")
+    raise ValueError(
+        f"on_dim moves a plain, strided or balanced shard to another dim (here {dim}); {p!r} is a {k} placement"
+    )
 
 
 def contiguous(p: Any) -> Placement:

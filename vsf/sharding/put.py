@@ -81,10 +81,14 @@ def place(x: Any, shardings: Any, what: str) -> Any:
     per_leaf = tree.broadcast_prefix(shardings, x, is_leaf=is_sharding_leaf, what="shardings")
     out = [_put_at(path, leaf, s, what) for (path, leaf), s in zip(pairs, per_leaf)]
     if config.check_across_processes:
-        fingerprint.check_same([
-            (tree.keystr(path), leaf, resolve(s).mesh) for (path, leaf), s in zip(pairs, per_leaf)
-            if s is not None and isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)
-        ], what)
+        fingerprint.check_same(
+            [
+                (tree.keystr(path), leaf, resolve(s).mesh)
+                for (path, leaf), s in zip(pairs, per_leaf)
+                if s is not None and isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)
+            ],
+            what,
+        )
     return tree.unflatten(treedef, out)
 
 
@@ -110,7 +114,9 @@ def _put(leaf: Any, s: NamedSharding | PartitionSpec | None) -> Any:
     s = resolve(s)
     if not isinstance(leaf, torch.Tensor):
         if s.spec.normalized() != PartitionSpec():
-            raise TypeError(f"a {type(leaf).__name__} leaf is not a tensor, so it cannot take {s.spec!r}; give it P() or None")
+            raise TypeError(
+                f"a {type(leaf).__name__} leaf is not a tensor, so it cannot take {s.spec!r}; give it P() or None"
+            )
         return leaf
     s.check(leaf.shape)
     if isinstance(leaf, DTensor):
@@ -145,19 +151,23 @@ def _reshard_ragged(x: DTensor, src: NamedSharding, dst: NamedSharding) -> DTens
     if src == dst:
         return x
     summed = tuple(a for a in src.spec.unreduced if a not in dst.spec.unreduced and src.mesh.axis_size(a) > 1)
-    if summed and src.ragged is not None:   # reduce first, on the local shards: a psum is layout-blind
-        reduced = NamedSharding(src.mesh, PartitionSpec(*src.spec, unreduced=tuple(a for a in src.spec.unreduced if a not in summed)))
-        return _reshard_ragged(from_local(ops.psum(x.to_local(), summed, mesh=src.mesh), reduced, x.shape), reduced, dst)
+    if summed and src.ragged is not None:  # reduce first, on the local shards: a psum is layout-blind
+        reduced = NamedSharding(
+            src.mesh, PartitionSpec(*src.spec, unreduced=tuple(a for a in src.spec.unreduced if a not in summed))
+        )
+        return _reshard_ragged(
+            from_local(ops.psum(x.to_local(), summed, mesh=src.mesh), reduced, x.shape), reduced, dst
+        )
     axis = _direct_axis(src, dst)
     if axis is not None:
         group = ragged.group_shape(src, axis, tuple(x.shape))
         local = ragged.reshard(x.to_local(), group, _layout(src, axis), _layout(dst, axis), mesh=src.mesh)
         return from_local(local, dst, x.shape)
-    if src.ragged is not None:   # gather over the ragged axis, then DTensor moves the others
+    if src.ragged is not None:  # gather over the ragged axis, then DTensor moves the others
         x, src = _reshard_ragged(x, src, ragged.without_ragged(src)), ragged.without_ragged(src)
     if dst.ragged is None:
         return _reshard(x, dst)
-    mid = ragged.without_ragged(dst)   # DTensor moves the others, then each rank keeps its rows
+    mid = ragged.without_ragged(dst)  # DTensor moves the others, then each rank keeps its rows
     return _reshard_ragged(_reshard(x, mid), mid, dst)
 
 
@@ -176,7 +186,7 @@ def _direct_axis(src: NamedSharding, dst: NamedSharding) -> str | None:
         if kind_of(p) == "strided":
             return None
         if isinstance(p, Shard) and any(b != a for s in (src, dst) for b in s.spec.entry_axes(p.dim)):
-            return None   # another axis splits that dim too: the split is nested, not one axis's
+            return None  # another axis splits that dim too: the split is nested, not one axis's
     return a
 
 
@@ -201,7 +211,9 @@ def from_local(local: torch.Tensor, sharding: NamedSharding, shape: Sequence[int
     """
     shape = tuple(int(n) for n in shape)
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(
+        local, sharding.mesh.device_mesh, sharding.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
 def local_device(device_type: str) -> torch.device:
@@ -260,7 +272,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         return _unbalance(t, sharding_of(t))
     if isinstance(t, DTensor):
         layout = _layout_of(t)
-        if layout.ragged is not None:   # gathered over the ragged axis by vsf, not DTensor
+        if layout.ragged is not None:  # gathered over the ragged axis by vsf, not DTensor
             s = sharding_of(t)
             return _full(_reshard_ragged(t, s, ragged.without_ragged(s)))
         if _simulated_empty_shards(t):
@@ -286,7 +298,9 @@ def _unbalance(t: DTensor, s: NamedSharding) -> torch.Tensor:
 
 def _layout_of(t: DTensor) -> NamedSharding:
     """Which rank holds which block of ``t`` (pending reductions of any kind left aside)."""
-    return from_placements(mesh_of(t.device_mesh), [Replicate() if isinstance(p, Partial) else p for p in t.placements], t.ndim)
+    return from_placements(
+        mesh_of(t.device_mesh), [Replicate() if isinstance(p, Partial) else p for p in t.placements], t.ndim
+    )
 
 
 def _simulated_empty_shards(t: DTensor, *targets: NamedSharding) -> bool:

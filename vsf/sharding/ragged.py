@@ -42,7 +42,16 @@ from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.named import NamedSharding, RaggedPlacement, chunk
 from vsf.sharding.spec import PartitionSpec, RaggedShard, ragged
 
-__all__ = ["Layout", "RaggedPlacement", "RaggedShard", "group_shape", "local_shape", "ragged", "reshard", "without_ragged"]
+__all__ = [
+    "Layout",
+    "RaggedPlacement",
+    "RaggedShard",
+    "group_shape",
+    "local_shape",
+    "ragged",
+    "reshard",
+    "without_ragged",
+]
 
 
 # -- redistribution over one axis --------------------------------------------------------------------
@@ -62,7 +71,10 @@ def group_shape(s: NamedSharding, axis: str, shape: Sequence[int]) -> tuple[int,
         (8, 3)
     """
     shape = tuple(shape)
-    entries = [None if isinstance(e, RaggedShard) else tuple(a for a in s.spec.entry_axes(d) if a != axis) or None for d, e in enumerate(s.spec)]
+    entries = [
+        None if isinstance(e, RaggedShard) else tuple(a for a in s.spec.entry_axes(d) if a != axis) or None
+        for d, e in enumerate(s.spec)
+    ]
     others = NamedSharding(s.mesh, PartitionSpec(*entries))
     shapes = {others.shard_shape(shape, r) for r in backend.local_ranks()}
     if len(shapes) > 1:
@@ -95,7 +107,9 @@ def local_shape(layout: Layout, shape: Sequence[int], index: int, n: int) -> tup
     return shape
 
 
-def reshard(local: torch.Tensor, shape: Sequence[int], src: Layout, dst: Layout, *, mesh: Mesh | None = None) -> torch.Tensor:
+def reshard(
+    local: torch.Tensor, shape: Sequence[int], src: Layout, dst: Layout, *, mesh: Mesh | None = None
+) -> torch.Tensor:
     """Move a value from layout ``src`` to ``dst`` over one mesh axis, on local tensors.
 
     ``shape`` is the logical shape over that axis (the global shape, or the shard of it that
@@ -142,7 +156,9 @@ class _Reshard(ops.Linear):
     def __call__(self, local: torch.Tensor) -> torch.Tensor:
         g, shape, src, dst = self.g, self.shape, self.src, self.dst
         if isinstance(dst, RaggedShard) and isinstance(src, Replicate):
-            return backend.per_rank(local, g, lambda t, me: _rows(t, dst.dims)[slice(*dst.row_range(shape, me))].clone())
+            return backend.per_rank(
+                local, g, lambda t, me: _rows(t, dst.dims)[slice(*dst.row_range(shape, me))].clone()
+            )
         if isinstance(src, RaggedShard) and isinstance(dst, Replicate):
             return ops.all_gather_v(local, g.axis, src.row_counts(shape), mesh=g.mesh).reshape(shape)
         if isinstance(dst, RaggedShard) and isinstance(src, Partial):
@@ -171,7 +187,9 @@ def _adjoint(layout: Layout) -> Layout:
 def _ragged_axis(src: Layout, dst: Layout) -> str:
     axes = {p.axis for p in (src, dst) if isinstance(p, RaggedShard)}
     if not axes:
-        raise ValueError(f"reshard moves to or from a RaggedShard, got {src!r} -> {dst!r}; use DTensor.redistribute for the others")
+        raise ValueError(
+            f"reshard moves to or from a RaggedShard, got {src!r} -> {dst!r}; use DTensor.redistribute for the others"
+        )
     if len(axes) > 1:
         raise ValueError(f"reshard runs over one mesh axis, but {src!r} and {dst!r} name {sorted(axes)}")
     return axes.pop()
@@ -199,7 +217,9 @@ def _zero_filled(t: torch.Tensor, shape: tuple[int, ...], r: RaggedShard, me: in
     return full.reshape(shape)
 
 
-def _exchange_rows(local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst: Layout, g: backend.AxisGroup) -> torch.Tensor:
+def _exchange_rows(
+    local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst: Layout, g: backend.AxisGroup
+) -> torch.Tensor:
     """One all-to-all that sends every rank exactly the elements ``dst`` gives it and it lacks.
 
     A ``Shard`` of a dim the ragged layout keeps whole is a split of columns
@@ -223,7 +243,7 @@ def _exchange_columns(
     starts = [sum(rows[:j]) for j in range(n)]
     bounds = [chunk(0, shape[d], n, j) for j in range(n)]
 
-    def trail(j: int) -> tuple[int, ...]:   # a row's shape on the rank holding columns ``j``
+    def trail(j: int) -> tuple[int, ...]:  # a row's shape on the rank holding columns ``j``
         return (*shape[r.dims : d], bounds[j][1] - bounds[j][0], *shape[d + 1 :])
 
     def block(rows_of: int, cols_of: int) -> int:
@@ -232,15 +252,17 @@ def _exchange_columns(
     def received(t: torch.Tensor, me: int, shape_from: Any) -> list[torch.Tensor]:
         return [piece.reshape(shape_from(i)) for i, piece in enumerate(t.split([counts[i][me] for i in range(n)]))]
 
-    if to_shard:   # i holds rows[i] x all columns; j wants all rows x columns j
+    if to_shard:  # i holds rows[i] x all columns; j wants all rows x columns j
         counts = tuple(tuple(block(i, j) for j in range(n)) for i in range(n))
 
         def pack(t: torch.Tensor, me: int) -> torch.Tensor:
             return torch.cat([t.narrow(col, lo, hi - lo).reshape(-1) for lo, hi in bounds])
 
         def unpack(t: torch.Tensor, me: int) -> torch.Tensor:
-            return torch.cat(received(t, me, lambda i: (rows[i], *trail(me)))).reshape(local_shape(Shard(d), shape, me, n))
-    else:          # i holds all rows x columns i; j wants rows[j] x all columns
+            return torch.cat(received(t, me, lambda i: (rows[i], *trail(me)))).reshape(
+                local_shape(Shard(d), shape, me, n)
+            )
+    else:  # i holds all rows x columns i; j wants rows[j] x all columns
         counts = tuple(tuple(block(j, i) for j in range(n)) for i in range(n))
 
         def pack(t: torch.Tensor, me: int) -> torch.Tensor:
@@ -286,7 +308,9 @@ def _overlaps(a: list[Run], b: list[Run]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _exchange_runs(local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst: Layout, g: backend.AxisGroup) -> torch.Tensor:
+def _exchange_runs(
+    local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst: Layout, g: backend.AxisGroup
+) -> torch.Tensor:
     """Layouts that hold whole rows of the leading dims (RaggedShard, Shard of a leading dim):
     rank ``i`` sends rank ``j`` the runs of rows ``i`` holds and ``j`` wants, and ``j`` puts the
     runs it receives in its local order."""
@@ -307,11 +331,13 @@ def _exchange_runs(local: torch.Tensor, shape: tuple[int, ...], src: Layout, dst
 
     def unpack(t: torch.Tensor, me: int) -> torch.Tensor:
         at, placed = 0, []
-        for i in range(n):   # blocks arrive in source order, each block's runs in global order
+        for i in range(n):  # blocks arrive in source order, each block's runs in global order
             for length, _, dst_at in overlaps[i][me]:
                 placed.append((dst_at, t[at : at + length]))
                 at += length
-        return rows_in_order(t, [piece for _, piece in sorted(placed, key=lambda p: p[0])]).reshape(local_shape(dst, shape, me, n))
+        return rows_in_order(t, [piece for _, piece in sorted(placed, key=lambda p: p[0])]).reshape(
+            local_shape(dst, shape, me, n)
+        )
 
     packed = backend.per_rank(local, g, pack)
     return backend.per_rank(ops.all_to_all_v(packed, g.axis, counts, mesh=g.mesh), g, unpack)

@@ -46,14 +46,20 @@ def match(values: Any, rules: Sequence[Rule]) -> Any:
             continue
         ndim = getattr(leaf, "ndim", 0)
         if len(spec) > ndim:
-            raise ValueError(f"rule spec {spec!r} matched {name}, which has rank {ndim} (shape {tuple(getattr(leaf, 'shape', ()))})")
+            raise ValueError(
+                f"rule spec {spec!r} matched {name}, which has rank {ndim} (shape {tuple(getattr(leaf, 'shape', ()))})"
+            )
         out.append(spec)
     if unmatched:
-        raise ValueError(f"no rule matches {len(unmatched)} leaves: {unmatched}; add a rule (e.g. (r'.*', P())) for them")
+        raise ValueError(
+            f"no rule matches {len(unmatched)} leaves: {unmatched}; add a rule (e.g. (r'.*', P())) for them"
+        )
     return tree.unflatten(treedef, out)
 
 
-def logical_to_mesh(logical_axes: Sequence[str | None], rules: Sequence[tuple[str, str | tuple[str, ...] | None]]) -> PartitionSpec:
+def logical_to_mesh(
+    logical_axes: Sequence[str | None], rules: Sequence[tuple[str, str | tuple[str, ...] | None]]
+) -> PartitionSpec:
     """Map logical dimension names to a spec, with flax's ``logical_to_mesh_axes`` meaning.
 
     ``rules`` are ``(logical name, mesh axes)`` pairs in order of precedence. Each rule, in

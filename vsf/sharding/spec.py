@@ -57,6 +57,7 @@ class _Unconstrained:
 
 UNCONSTRAINED = _Unconstrained()
 
+
 class RaggedShard:
     """Rows of the leading ``dims`` dims split over mesh axis ``axis`` in proportion to ``units``.
 
@@ -88,12 +89,16 @@ class RaggedShard:
         if not isinstance(axis, str) or not axis:
             raise TypeError(f"RaggedShard needs a mesh axis name, got {axis!r}")
         if isinstance(units, (str, bytes)) or not isinstance(units, Sequence) or not all(_is_int(u) for u in units):
-            raise TypeError(f"RaggedShard({axis!r}) units must be a sequence of ints, one per rank of the axis, got {units!r}")
+            raise TypeError(
+                f"RaggedShard({axis!r}) units must be a sequence of ints, one per rank of the axis, got {units!r}"
+            )
         units = tuple(int(u) for u in units)
         if not units:
             raise ValueError(f"RaggedShard({axis!r}) needs one unit count per rank of the axis, got none")
         if any(u < 0 for u in units):
-            raise ValueError(f"RaggedShard({axis!r}) units must be >= 0, got {units} (rank {next(i for i, u in enumerate(units) if u < 0)})")
+            raise ValueError(
+                f"RaggedShard({axis!r}) units must be >= 0, got {units} (rank {next(i for i, u in enumerate(units) if u < 0)})"
+            )
         if not any(units):
             raise ValueError(f"RaggedShard({axis!r}) units are all zero {units}: some rank must hold the data")
         for name, value in (("dims", dims), ("block", block)):
@@ -133,7 +138,9 @@ class RaggedShard:
         at = f" for {where}" if where else ""
         shape = tuple(shape)
         if axis_size is not None and len(self._units) != axis_size:
-            raise ValueError(f"{self!r}{at} has {len(self._units)} units but mesh axis {self._axis!r} has {axis_size} ranks")
+            raise ValueError(
+                f"{self!r}{at} has {len(self._units)} units but mesh axis {self._axis!r} has {axis_size} ranks"
+            )
         if len(shape) < self._dims:
             raise ValueError(f"{self!r}{at} flattens {self._dims} leading dims but the tensor has shape {shape}")
         rows = math.prod(shape[: self._dims])
@@ -305,7 +312,9 @@ def _normalize_entry(entry: Any, dim: int) -> Entry:
         return entry
     if isinstance(entry, RaggedShard):
         if dim != 0:
-            raise ValueError(f"a RaggedShard entry splits the leading dims and must be the first entry of a P, got {entry!r} at dim {dim}")
+            raise ValueError(
+                f"a RaggedShard entry splits the leading dims and must be the first entry of a P, got {entry!r} at dim {dim}"
+            )
         return entry
     if isinstance(entry, (tuple, list)):
         if not all(isinstance(a, str) for a in entry):
@@ -344,11 +353,15 @@ class PartitionSpec:
         for i, e in enumerate(normalized):
             for a in _entry_axes(e):
                 if a in seen:
-                    raise ValueError(f"mesh axis {a!r} is used twice in P{_fmt(normalized, reduced_axes)}: by {seen[a]} and by dim {i}")
+                    raise ValueError(
+                        f"mesh axis {a!r} is used twice in P{_fmt(normalized, reduced_axes)}: by {seen[a]} and by dim {i}"
+                    )
                 seen[a] = f"dim {i}"
         for a in reduced_axes:
             if a in seen:
-                raise ValueError(f"mesh axis {a!r} in P{_fmt(normalized, reduced_axes)} both shards {seen[a]} and is unreduced")
+                raise ValueError(
+                    f"mesh axis {a!r} in P{_fmt(normalized, reduced_axes)} both shards {seen[a]} and is unreduced"
+                )
         object.__setattr__(self, "_entries", normalized)
         object.__setattr__(self, "_unreduced", reduced_axes)
 
@@ -419,7 +432,9 @@ class PartitionSpec:
             rest = tuple(a for a in _entry_axes(entry) if a not in drop) if isinstance(entry, tuple) else ()
             return rest or None
 
-        return PartitionSpec(*(kept(e) for e in self._entries), unreduced=tuple(a for a in self._unreduced if a not in drop))
+        return PartitionSpec(
+            *(kept(e) for e in self._entries), unreduced=tuple(a for a in self._unreduced if a not in drop)
+        )
 
     def normalized(self) -> "PartitionSpec":
         """The same spec without trailing ``None`` entries."""
@@ -429,7 +444,10 @@ class PartitionSpec:
         return PartitionSpec(*entries, unreduced=self._unreduced)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PartitionSpec) and (self._entries, self._unreduced) == (other._entries, other._unreduced)
+        return isinstance(other, PartitionSpec) and (self._entries, self._unreduced) == (
+            other._entries,
+            other._unreduced,
+        )
 
     def __hash__(self) -> int:
         return hash((self._entries, self._unreduced))

@@ -4,6 +4,9 @@ of the long way round.
 * DTensor's decision for an op with per-mesh-dim rules, asked on the mesh dims some input is not
   replicated on (:func:`vsf._compat.dtensor_decision`), against the question asked of the whole
   mesh (DTensor expanding its rules over every mesh dim): equal on every layout tried.
+* A step's optimizer tail functionalized alone (:mod:`vsf.jit.functionalize`) against the whole
+  graph traced again: the same graph and plan; and in-place writes that reach another value
+  through a view, which make it trace the whole graph, give eager's numbers.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ def test_decision_on_split_dims_is_the_whole_mesh_decision(op, shapes, choices):
     assert fast_ones > 5  # the shortcut was taken, not only the long way
 
 
-def _gpt_plan(layers: int, shape: tuple[int, ...]):
-    """The plan of an SGD step of a ``layers``-layer GPT (separate qkv/proj/fc1/fc2 linears, tp on
-    the weights Megatron's way, batch over dp x fsdp) on a planning-only 5D mesh of ``shape``."""
+def _gpt_plan(layers: int, shape: tuple[int, ...], optimizer: bool = False):
+    """The plan of an SGD step (``optimizer``: vsf's AdamW, in foreach and in-place ops) of a
+    ``layers``-layer GPT (separate qkv/proj/fc1/fc2 linears, tp on the weights Megatron's way,
+    batch over dp x fsdp) on a planning-only 5D mesh of ``shape``."""
     from toy_models import GPT, GPTConfig
 
     import vsf
@@ -87,7 +91,16 @@ def _gpt_plan(layers: int, shape: tuple[int, ...]):
         loss, g = vsf.value_and_grad(loss_fn)(p, idx, tgt)
         return vsf.tree.map(lambda a, b: a - 0.01 * b, p, g), loss
 
-    return vsf.jit(step).lower(p, idx, idx)
+    if not optimizer:
+        return vsf.jit(step).lower(p, idx, idx)
+    tx = vsf.optim.adamw(1e-3, weight_decay=0.1)
+
+    def adamw_step(p, s, idx, tgt):
+        loss, g = vsf.value_and_grad(loss_fn)(p, idx, tgt)
+        u, s = tx.update(g, s, p)
+        return vsf.optim.apply_updates(p, u), s, loss
+
+    return vsf.jit(adamw_step).lower(p, tx.init(p), idx, idx)
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
@@ -133,3 +146,84 @@ def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):
     traces = lambda gm: [(n.name, n.meta.get("stack_trace")) for n in gm.graph.nodes]  # noqa: E731
     assert traces(fast) == traces(full)
     assert sum("toy_models.py" in source_line(n) for n in fast.graph.nodes) > 50
+
+
+def _same_plans(a, b) -> None:
+    """Two lowered steps have the same graph (ops in order) and plan: every op's placements, every
+    redistribution (of the value at the same place in the graph), the bytes and collectives."""
+    ga, gb = a.plan.graph.graph, b.plan.graph.graph
+    assert [(n.op, n.target) for n in ga.nodes] == [(n.op, n.target) for n in gb.nodes]
+    assert [(p.ins, p.outs) for p in a.plan.nodes.values()] == [(p.ins, p.outs) for p in b.plan.nodes.values()]
+    at = lambda g, v: list(g.nodes).index(v[0])  # noqa: E731
+    assert [(at(ga, r.value), r.src, r.dst) for r in a.plan.redistributions] == [
+        (at(gb, r.value), r.src, r.dst) for r in b.plan.redistributions
+    ]
+    assert a.cost().comm_bytes == b.cost().comm_bytes
+    assert a.cost().collectives == b.cost().collectives
+
+
+def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, monkeypatch):
+    """vsf's AdamW writes in place and in foreach ops; only its update (the ops from the first
+    such one on) is traced again, not the forward and backward before it, and the step's graph
+    and plan are those of the whole graph traced again."""
+    from vsf.jit import functionalize
+
+    sim(8, compute=False)
+    alone = []
+    check = functionalize._tail_writes_its_own
+    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: alone.append(check(*a)) or alone[-1])
+    tail = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
+    assert alone == [True]
+    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: False)
+    whole = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
+    assert not any(n.target in functionalize._FOREACH_DECOMPOSITIONS for n in tail.plan.graph.graph.nodes)
+    _same_plans(tail, whole)
+
+
+def _fresh(a):  # writes to its own value, read by nothing made before the write: the tail alone
+    y = a * 2
+    s = y.sum()
+    y.add_(1)
+    return y * 3, s
+
+
+def _written_view(a):  # writes through a view made before the write: the whole graph
+    y = a * 2
+    v = y.view(2, -1)
+    s = y.sum()
+    v.mul_(3)
+    return y + 1, s
+
+
+def _read_view(a):  # a view made before the write sees it: the whole graph
+    y = a * 2
+    c = y[1:]
+    s = c.sum()
+    y.add_(1)
+    return c * 2, s
+
+
+def _foreach(a):
+    ys = torch._foreach_mul([a, a + 1], 2.0)
+    torch._foreach_add_(ys, 1.0)
+    return ys
+
+
+@pytest.mark.parametrize("fn, alone", [(_fresh, True), (_written_view, False), (_read_view, False), (_foreach, True)])
+def test_in_place_writes_give_eager_numbers(sim, monkeypatch, fn, alone):
+    """A step that writes in place to a value it made, functionalized from the write on where the
+    write reaches no other value, and as a whole where it does, gives eager torch's numbers."""
+    import vsf
+    from vsf import P
+    from vsf.jit import functionalize
+
+    sim(2)
+    took = []
+    check = functionalize._tail_writes_its_own
+    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: took.append(check(*a)) or took[-1])
+    x = torch.arange(8.0).reshape(4, 2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    got = vsf.jit(fn)(vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+    for g, want in zip(got, fn(x.clone()), strict=True):
+        torch.testing.assert_close(vsf.device_get(g), want)
+    assert took == [alone]

@@ -3,7 +3,8 @@
 The graph's inputs are the tensor leaves of the arguments in their *global* shapes; a step that
 calls :func:`vsf.grad` inside becomes one joint forward+backward graph, because the backward
 ops run (and are recorded) while the step is traced. In-place ops are functionalized away, and
-``_foreach_*`` ops are split into one op per tensor so every node has one tensor per operand.
+``_foreach_*`` ops are split into one op per tensor so every node has one tensor per operand
+(:mod:`vsf.jit.functionalize`: the ops from the first such one on are traced again).
 
 While the step's code runs, :func:`step_input` says which of the step's inputs a traced tensor
 is and how that input is laid out, and the rewrites an upper layer registered
@@ -27,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from vsf import _compat, tree
 from vsf.config import PlanOptions
 from vsf.errors import TraceError
+from vsf.jit.functionalize import functionalized
 from vsf.jit.graph import is_library_file, placeholders_of, source_line
 from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
@@ -198,15 +200,7 @@ def _trace(
             "bool(tensor)) cannot be traced. Use torch.where, or pass the value as a static argument."
         ) from None
     _reject_module_weights(joint, fun)
-    if not any(_needs_rewrite(n) for n in joint.graph.nodes):
-        gm = joint
-    else:
-        with fx_traceback.preserve_node_meta():
-            gm = make_fx(
-                torch.func.functionalize(torch.fx.Interpreter(joint).run, remove="mutations"),
-                decomposition_table=decompositions | _FOREACH_DECOMPOSITIONS,
-                tracing_mode="fake",
-            )(*fakes)
+    gm = functionalized(joint, decompositions)
     _drop_names(gm)
     gm = decompose(gm, fakes, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
@@ -249,16 +243,6 @@ def _drop_names(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=NAME_OP):
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
-
-
-def _needs_rewrite(node: torch.fx.Node) -> bool:
-    """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor) in a second pass."""
-    schema = _compat.op_schema(node.target)
-    return (
-        node.op == "call_function"
-        and schema is not None
-        and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
-    )
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
@@ -378,61 +362,6 @@ def _user_frame(exc: BaseException) -> str:
     f = user[-1]
     return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
 
-
-def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:
-    def per_tensor(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
-        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
-        return [
-            elementwise(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)
-        ]
-
-    return per_tensor
-
-
-def _per_element(fn: Callable[..., torch.Tensor], lists: int) -> Callable[..., list[torch.Tensor]]:
-    """``fn(*tensors_i, *extra_i)`` per element of the first ``lists`` list arguments (a later
-    list argument, e.g. ``scalars``, is indexed per element too)."""
-
-    def per_tensor(*args: Any) -> list[torch.Tensor]:
-        n = len(args[0])
-        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
-        return [fn(*(pick(a, i) for a in args)) for i in range(n)]
-
-    return per_tensor
-
-
-# Foreach ops whose per-tensor op has a different signature (DTensor's resolver does not map them).
-_MANUAL_FOREACH = {
-    aten._foreach_addcmul.Scalar: _per_element(lambda s, a, b, v=1: aten.addcmul.default(s, a, b, value=v), 3),
-    aten._foreach_addcmul.ScalarList: _per_element(lambda s, a, b, v: aten.addcmul.default(s, a, b, value=v), 3),
-    aten._foreach_addcdiv.Scalar: _per_element(lambda s, a, b, v=1: aten.addcdiv.default(s, a, b, value=v), 3),
-    aten._foreach_addcdiv.ScalarList: _per_element(lambda s, a, b, v: aten.addcdiv.default(s, a, b, value=v), 3),
-    aten._foreach_maximum.Scalar: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
-    aten._foreach_maximum.ScalarList: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
-    aten._foreach_minimum.Scalar: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
-    aten._foreach_minimum.ScalarList: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
-    aten._foreach_norm.Scalar: _per_element(
-        lambda s, o=2, dtype=None: aten.linalg_vector_norm.default(s, o, dtype=dtype), 1
-    ),
-}
-
-
-def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
-    table = dict(_MANUAL_FOREACH)
-    for name in dir(aten):
-        if not name.startswith("_foreach_") or name.endswith("_"):
-            continue
-        packet = getattr(aten, name)
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            elementwise = _compat.foreach_elementwise_op(op)
-            if elementwise is not None:
-                table[op] = _split_foreach(elementwise)
-    return table
-
-
-_FOREACH_DECOMPOSITIONS = _foreach_decompositions()
 
 # Fake-tensor metas narrower than their kernels: grouped_mm's meta asks for bf16, while the CPU
 # kernel runs fp32 (Mixtral's experts). Traced through PyTorch's meta on bf16 stand-ins.

@@ -1,0 +1,217 @@
+"""Functionalizing a traced step: its in-place ops made out-of-place and its ``_foreach_*`` ops split
+into one op per tensor, so that every node of the plan's graph has one tensor per operand and no op
+writes to another op's value.
+
+This takes a second trace (``torch.func.functionalize`` over the graph run op by op), but only of
+the graph's *tail*: the ops before the first in-place or foreach op are pure and stay as they are
+(in a training step, the whole forward and backward: such ops come from the optimizer's update),
+and the tail is traced again with the values it reads from the head as its inputs. A value of the
+head that the tail writes to in place needs no copy back (every later reader is in the tail, and
+reads the written value there), as long as the write reaches no other value: where it could (the
+written value is a graph input or a view, or the tail reads a view of it made in the head), the
+whole graph is traced again, which follows the write through the views (and keeps the write to a
+graph input, which :func:`vsf.jit.trace.trace` refuses). Either way the graph is the one a
+functionalizing trace of the whole graph gives (a test compares the plans).
+
+Example::
+
+    >>> gm = functionalized(joint, decompositions={})
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from vsf import _compat
+from vsf.jit.graph import is_tensor_node
+
+__all__ = ["functionalized"]
+
+aten = torch.ops.aten
+
+
+def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callable[..., Any]]) -> torch.fx.GraphModule:
+    """``gm`` with its in-place ops functionalized and its ``_foreach_*`` ops split per tensor (``gm``
+    itself, changed in place, where it has such ops; ``decompositions`` apply to the ops traced
+    again), re-tracing only the tail from the first such op where that gives the same graph.
+
+    Example::
+
+        >>> gm = functionalized(joint, never_planned_decompositions())
+        >>> any(n.target is torch.ops.aten._foreach_add.List for n in gm.graph.nodes)
+        False
+    """
+    nodes = list(gm.graph.nodes)
+    first = next((i for i, n in enumerate(nodes) if _needs_rewrite(n)), None)
+    if first is None:
+        return gm
+    start = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
+    cut = first if _tail_writes_its_own(nodes, first) else start
+    head, tail = nodes[:cut], nodes[cut:]
+    tail_set = set(tail)
+    inputs = [n for n in head if n.op != "get_attr" and any(u in tail_set for u in n.users)]
+    interpreter = torch.fx.Interpreter(gm)
+
+    def run_tail(*values: torch.Tensor) -> Any:
+        env = {n: interpreter.fetch_attr(n.target) if n.op == "get_attr" else None for n in head}
+        return interpreter.run(initial_env=env | dict(zip(inputs, values)))
+
+    with fx_traceback.preserve_node_meta():
+        traced = make_fx(
+            torch.func.functionalize(run_tail, remove="mutations"),
+            decomposition_table=dict(decompositions) | _FOREACH_DECOMPOSITIONS,
+            tracing_mode="fake",
+        )(*[n.meta["val"] for n in inputs])
+    places = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
+    for node in traced.graph.find_nodes(op="call_function", target=aten.copy_.default):
+        if node.args[0] in places and places[node.args[0]].op != "placeholder" and not node.users:
+            traced.graph.erase_node(node)  # (the write to a head value that no later op reads: _tail_writes_its_own)
+    for node in traced.graph.find_nodes(op="get_attr"):
+        name = _fresh_attribute(gm, node.target)
+        setattr(gm, name, getattr(traced, node.target))
+        node.target = name
+    for node in reversed(tail):
+        gm.graph.erase_node(node)
+    gm.graph.output(gm.graph.graph_copy(traced.graph, dict(places)))
+    gm.recompile()
+    return gm
+
+
+def _tail_writes_its_own(nodes: list[torch.fx.Node], first: int) -> bool:
+    """May the tail from ``nodes[first]`` be functionalized alone: does it read only tensors from
+    the head, and is every head value it writes in place an op's own result (not a graph input or
+    a view) that the tail reads through no view made in the head?"""
+    head = set(nodes[:first])
+    inputs = [n for n in nodes[:first] if n.op != "get_attr" and any(u not in head for u in n.users)]
+    if not all(is_tensor_node(n) for n in inputs):
+        return False
+    written = {root for node in nodes[first:] for arg in _written_args(node) for root in _roots(arg, head)}
+    return all(
+        w.op == "call_function" and not _aliases(w) and not any(w in _roots(n, head) for n in inputs if n is not w)
+        for w in written
+    )
+
+
+def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes an op writes to in place (its arguments marked ``Tensor(a!)``, lists of them included)."""
+    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return []
+    bound = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    out: list[torch.fx.Node] = []
+    for a in schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write and a.name in bound:
+            x = bound[a.name]
+            out.extend(x if isinstance(x, (list, tuple)) else [x])
+    return [x for x in out if isinstance(x, torch.fx.Node)]
+
+
+def _roots(node: torch.fx.Node, head: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The head values ``node`` is, or may be a view of through ops outside ``head`` (``node``'s own
+    inputs, followed while each may alias them: :func:`_aliases`)."""
+    out, stack, seen = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in head:
+            out.add(n)
+            if _aliases(n):
+                stack.extend(n.all_input_nodes)
+        elif _aliases(n):
+            stack.extend(n.all_input_nodes)
+    return out
+
+
+def _aliases(node: torch.fx.Node) -> bool:
+    """May ``node``'s result share storage with one of its inputs (a view, a ``getitem`` of a
+    ``split``, an in-place op's result; any op without a schema, to be safe)?"""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], torch.fx.Node) and _aliases(node.args[0])
+    schema = _compat.op_schema(node.target)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _fresh_attribute(gm: torch.fx.GraphModule, name: str) -> str:
+    """``name``, or ``name_1``, ``name_2``, ...: the first that ``gm`` has no attribute of."""
+    fresh, i = name, 0
+    while hasattr(gm, fresh):
+        i += 1
+        fresh = f"{name}_{i}"
+    return fresh
+
+
+def _needs_rewrite(node: torch.fx.Node) -> bool:
+    """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor)."""
+    schema = _compat.op_schema(node.target)
+    return (
+        node.op == "call_function"
+        and schema is not None
+        and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
+    )
+
+
+def _split_foreach(elementwise: Any) -> Callable[..., list[torch.Tensor]]:
+    def per_tensor(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        n = next(len(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)))
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+        return [
+            elementwise(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)
+        ]
+
+    return per_tensor
+
+
+def _per_element(fn: Callable[..., torch.Tensor], lists: int) -> Callable[..., list[torch.Tensor]]:
+    """``fn(*tensors_i, *extra_i)`` per element of the first ``lists`` list arguments (a later
+    list argument, e.g. ``scalars``, is indexed per element too)."""
+
+    def per_tensor(*args: Any) -> list[torch.Tensor]:
+        n = len(args[0])
+        pick = lambda a, i: a[i] if isinstance(a, (list, tuple)) else a  # noqa: E731
+        return [fn(*(pick(a, i) for a in args)) for i in range(n)]
+
+    return per_tensor
+
+
+# Foreach ops whose per-tensor op has a different signature (DTensor's resolver does not map them).
+_MANUAL_FOREACH = {
+    aten._foreach_addcmul.Scalar: _per_element(lambda s, a, b, v=1: aten.addcmul.default(s, a, b, value=v), 3),
+    aten._foreach_addcmul.ScalarList: _per_element(lambda s, a, b, v: aten.addcmul.default(s, a, b, value=v), 3),
+    aten._foreach_addcdiv.Scalar: _per_element(lambda s, a, b, v=1: aten.addcdiv.default(s, a, b, value=v), 3),
+    aten._foreach_addcdiv.ScalarList: _per_element(lambda s, a, b, v: aten.addcdiv.default(s, a, b, value=v), 3),
+    aten._foreach_maximum.Scalar: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
+    aten._foreach_maximum.ScalarList: _per_element(lambda s, v: aten.clamp_min.default(s, v), 1),
+    aten._foreach_minimum.Scalar: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
+    aten._foreach_minimum.ScalarList: _per_element(lambda s, v: aten.clamp_max.default(s, v), 1),
+    aten._foreach_norm.Scalar: _per_element(
+        lambda s, o=2, dtype=None: aten.linalg_vector_norm.default(s, o, dtype=dtype), 1
+    ),
+}
+
+
+def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
+    table = dict(_MANUAL_FOREACH)
+    for name in dir(aten):
+        if not name.startswith("_foreach_") or name.endswith("_"):
+            continue
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            elementwise = _compat.foreach_elementwise_op(op)
+            if elementwise is not None:
+                table[op] = _split_foreach(elementwise)
+    return table
+
+
+_FOREACH_DECOMPOSITIONS = _foreach_decompositions()

@@ -329,6 +329,28 @@ def test_kept_frames_only_records_the_stack_traces_fx_records():
     assert "x.cos() * 2" in cos.meta["stack_trace"] and "Block()(x.sin())" in cos.meta["stack_trace"]
 
 
+def test_lazy_graph_modules_compile_when_used():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    compiled = []
+    real = torch.fx.GraphModule.recompile
+
+    def f(x):
+        return x.sin() * 2
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.fx.GraphModule, "recompile", lambda self: compiled.append(1) or real(self))
+        with _compat.lazy_graph_modules():
+            gm = make_fx(f)(torch.ones(3))
+        assert compiled == []  # made, not compiled
+        x = torch.arange(3.0)
+        torch.testing.assert_close(gm(x), f(x))  # compiled on its first call, and right
+        assert len(compiled) == 1 and "sin" in gm.code
+        gm.graph.eliminate_dead_code()
+        gm.recompile()  # (outside the context: a lazy module stays lazy)
+        assert len(compiled) == 1
+
+
 def test_torch_pytree_and_op_schemas():
     tree = {"a": [1, (2, 3)], "b": torch.fx.immutable_collections.immutable_list([4])}
     assert _compat.torch_tree_leaves(tree) == [1, 2, 3, 4]

@@ -68,6 +68,7 @@ from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor,
 )
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, has_proxy_slot, make_fx
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
@@ -132,6 +133,7 @@ __all__ = [
     "register_single_dim_rules",
     "register_stack_anchor",
     "kept_frames_only",
+    "lazy_graph_modules",
     "registered_rules",
     "run_on_rank",
     "shape_argument_ops",
@@ -386,6 +388,16 @@ def torch_tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
 def fake_mode() -> FakeTensorMode:
     """A fake tensor mode (shapes and dtypes, no memory) that also accepts real inputs."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def lazy_graph_modules() -> Iterator[None]:
+    """Inside, the graph modules ``make_fx`` makes generate and compile their Python code when first
+    called or read (``gm.code``, ``gm(...)``), not when made or recompiled: a planner that only
+    reads a graph's nodes does not pay for compiling it (about a tenth of a traced step's time,
+    more for a deep one's long generated function)."""
+    with _use_lazy_graph_module(True):
+        yield
 
 
 def trace_fake(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:

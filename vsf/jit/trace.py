@@ -167,7 +167,7 @@ def trace(
             _reject_simulated_constants(fun)
         return tensors
 
-    with _compat.local_mode_disabled(), tracing_step():
+    with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
         return _trace(
             fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
         )

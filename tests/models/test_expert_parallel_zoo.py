@@ -138,17 +138,31 @@ def _squared_error(y, target):
     return ((y - target) ** 2).mean()
 
 
-def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim):
-    """Two MoE blocks in two stages over pp, 1F1B, two microbatches, their experts ``P("ep")`` and
-    the batch over ep: the losses and the params after 3 AdamW steps are torch's on one device.
-    The experts stay split (no gather program, no expert weight or gradient over ep): each stage's
-    program dispatches its microbatch's tokens (a rank's 4 tokens x top-2 x 16 floats) and combines
-    them, the combine's transpose in the backward and, on stage 1 (whose input needs a gradient),
-    the dispatch's; the gradients reduced once a step over ep are the router's alone."""
+# (mesh shape, axes, the batch's spec, the experts' spec, the routers' spec): the experts over ep
+# alone, or further split over fsdp (torchtitan's efsdp), the routers then fsdp-split too
+PIPELINED = {
+    "pp_ep": ((2, 2), ("pp", "ep"), P("ep"), P("ep"), P()),
+    "pp_fsdp_ep": ((2, 2, 2), ("pp", "fsdp", "ep"), P(("fsdp", "ep")), P("ep", "fsdp"), P("fsdp")),
+}
+
+
+@pytest.mark.parametrize("layout_name", ["pp_ep", pytest.param("pp_fsdp_ep", marks=pytest.mark.sweep)])
+def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim, layout_name):
+    """Two MoE blocks in two stages over pp, 1F1B, two microbatches, their experts split over ep (and
+    fsdp) and the batch over the same axes: the losses and the params after 3 AdamW steps are
+    torch's on one device. The experts stay split over ep (gathered once a step over fsdp alone;
+    no expert weight or gradient over ep): each stage's program dispatches its microbatch's tokens
+    (a rank's one sequence of 4 tokens x top-2 x 16 floats) and combines them, the combine's
+    transpose in the backward and, on stage 1 (whose input needs a gradient), the dispatch's; the
+    gradients reduced once a step over ep are the router's alone."""
+    shape, axes, batch, experts, router = PIPELINED[layout_name]
+    ranks = math.prod(shape) // 2  # a stage's
     blocks = _moe_blocks()
     params = vsf.tree.from_module(blocks)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 4, 16, generator=g), torch.randn(4, 4, 16, generator=g)) for _ in range(3)]
+    batches = [
+        (torch.randn(2 * ranks, 4, 16, generator=g), torch.randn(2 * ranks, 4, 16, generator=g)) for _ in range(3)
+    ]
     model = copy.deepcopy(blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=zoo.LR, betas=zoo.BETAS, eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
     want_losses = []
@@ -164,12 +178,12 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
     def stage(s):
         return lambda p, x: x + vsf.tree.apply(blocks[s], {k[2:]: v for k, v in p.items() if k.startswith(f"{s}.")}, x)
 
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("pp", "ep"))
+    sim(2 * ranks)
+    mesh = vsf.make_mesh(shape, axes)
     pipe = vsf.pipeline.Pipeline(
-        [stage(0), stage(1)], _squared_error, [["0."], ["1."]], mesh=mesh, microbatches=2, batch=P("ep")
+        [stage(0), stage(1)], _squared_error, [["0."], ["1."]], mesh=mesh, microbatches=2, batch=batch
     )
-    p, layout = pipe.place(params, {k: P("ep") if ".experts." in k else P() for k in params})
+    p, layout = pipe.place(params, {k: experts if ".experts." in k else router for k in params})
     lowered = pipe.lower(p, *batches[0], layout=layout)
     tx = zoo.adamw()
     s, losses = tx.init(p), []
@@ -178,17 +192,18 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         updates, s = tx.update(grads, s, p)
         p = optim.apply_updates(p, updates)
         losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle("moe blocks pp x ep", losses, vsf.device_get(p), (want_losses, want))
+    zoo.assert_like_oracle(f"moe blocks {layout_name}", losses, vsf.device_get(p), (want_losses, want))
 
-    assert not lowered.gathers and "params gathered once a step" not in lowered.as_text()
-    rows = 4 * TOP_K * 16 * 4  # a rank's microbatch: one sequence of 4 tokens, top-2, 16 floats
+    assert not [c for g in lowered.gathers.values() for c in g.cost().collectives if c.axis == "ep"]
+    rows = 4 * TOP_K * 16 * 4
     for stage_index, exchanges in ((0, 3), (1, 4)):
         over_ep = [c for c in lowered.stages[stage_index].cost().collectives if c.axis == "ep"]
         assert (
             sorted((c.kind, c.bytes) for c in over_ep) == [("all_gather", 4 * 8)] + [("all_to_all_v", rows)] * exchanges
         )
         reduced = [(c.kind, c.shape) for c in lowered.reducers[stage_index].cost().collectives if c.axis == "ep"]
-        assert reduced == [("all_reduce", (4, 16))]  # the router's gate
+        gate = layout.where(f"{stage_index}.gate.weight", stage_index)[0].shard_shape((4, 16))
+        assert reduced == [("all_reduce", gate)]
     assert "all_to_all_v over ep (inside shard_map(expert_dispatch))" in lowered.as_text()
 
 
@@ -198,8 +213,8 @@ def test_pipelined_mixtral_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_de
     microbatches, the experts ``P("ep")`` and the microbatches split over ep: the losses and the
     params after 3 AdamW steps are one device's. The experts stay split (the pipeline gathers no
     param once a step), and each stage's program exchanges its microbatch's tokens over ep: the
-    dispatch and combine forward, the combine's transpose backward, and on stage 1 (whose input
-    needs a gradient) the dispatch's; no expert weight goes over ep."""
+    dispatch and combine forward, their transposes backward (the MoE layer's input needs a
+    gradient on both stages: stage 0's comes from the embedding); no expert weight goes over ep."""
     family = zoo.moe("mixtral", EXPERTS)
     want = zoo.torch_run(family)
     model, batches = zoo.built(family)
@@ -215,11 +230,26 @@ def test_pipelined_mixtral_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_de
     assert not lowered.gathers
     rows = zoo.BATCH // 4 * zoo.SEQ * TOP_K * zoo.HIDDEN * 4  # a rank's microbatch
     shard = EXPERTS // 2 * (2 * zoo.FFN * zoo.HIDDEN + zoo.HIDDEN * zoo.FFN) * 4
-    for s, exchanges in ((0, 3), (1, 4)):
+    for s in (0, 1):
         over_ep = [c for c in lowered.stages[s].cost().collectives if c.axis == "ep"]
-        assert [c.bytes for c in over_ep if c.kind == "all_to_all_v"] == [rows] * exchanges
+        assert [c.bytes for c in over_ep if c.kind == "all_to_all_v"] == [rows] * 4
         assert sum(c.bytes for c in over_ep if c.kind == "all_gather" and c.dtype.is_floating_point) < shard
         assert not [c for c in lowered.reducers[s].cost().collectives if c.axis == "ep" and c.bytes >= shard]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.world("pipeline_hf.py", "mixtral", nproc=4)
+def test_pipelined_mixtral_on_real_pp_x_ep_processes_dispatches_like_torch_on_one_device(world):
+    """Mixtral in two stages on 4 real gloo processes (pp=2 x ep=2, torch's Schedule1F1B, 2
+    microbatches; tests/workers/pipeline_hf.py): each process trains its stage with the one-device
+    losses and params; its stage's program exchanges its microbatch's tokens over its ep group (a
+    rank's one sequence of 16 tokens x top-2 x 32 floats: the dispatch and combine and their
+    transposes), and no stage gathers params."""
+    rows = zoo.BATCH // 2 // 2 * zoo.SEQ * TOP_K * zoo.HIDDEN * 4
+    for rank, r in enumerate(world("pipeline_hf.py", "mixtral", nproc=4)):
+        torch.testing.assert_close(r["losses"], r["want_losses"], rtol=1e-4, atol=0)
+        assert r["not_close"] == [], (rank, r["max_param_err"])
+        assert r["gathers"] == [] and r["exchanges"] == [rows] * 4, (rank, r)
 
 
 TOKENS = 32

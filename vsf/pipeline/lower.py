@@ -448,7 +448,8 @@ def split_params(
     those axes: an expert-parallel dispatch's experts over ep, which the pipeline leaves split
     there instead of gathering them once a step (``Traced.split_inputs`` of the stage function
     traced with its params in their own layout, its inputs ``ins`` of ``dtypes``). No trace, and
-    none, where no param is split over the batch's axes, or with ``reshard_after_forward``.
+    none, where no param is split over the batch's axes, with ``reshard_after_forward``, or for a
+    stage this process does not compute.
 
     Example::
 
@@ -457,7 +458,11 @@ def split_params(
     """
     names = layout.split.names[s]
     batch = set(PartitionSpec(*pipe.batch).axes)
-    if pipe.reshard_after_forward or not any(batch & set(layout.specs[k].axes) for k in names):
+    if (
+        pipe.reshard_after_forward
+        or s not in pipe.local_stages()
+        or not any(batch & set(layout.specs[k].axes) for k in names)
+    ):
         return {}
     weights = {k: stand_in(layout.where(k, s), layout.shapes[k].dtype) for k in names}
     traced = pipe._program(s, out).trace(weights, *(stand_in(where, d) for where, d in zip(ins, dtypes)))

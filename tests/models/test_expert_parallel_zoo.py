@@ -146,6 +146,36 @@ PIPELINED = {
 }
 
 
+def _moe_pipeline(sim, layout_name):
+    """The two MoE blocks, their params, 3 batches (inputs, targets) of one sequence of 4 tokens
+    per rank and microbatch, and on ``PIPELINED[layout_name]``'s simulated mesh their pipeline
+    (a stage a block, its residual connection included, 1F1B, two microbatches) with the params it
+    placed and their layout."""
+    shape, axes, batch, experts, router = PIPELINED[layout_name]
+    ranks = math.prod(shape) // 2  # a stage's
+    blocks = _moe_blocks()
+    params = vsf.tree.from_module(blocks)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(2 * ranks, 4, 16, generator=g), torch.randn(2 * ranks, 4, 16, generator=g)) for _ in range(3)
+    ]
+
+    def stage(s):
+        return lambda p, x: x + vsf.tree.apply(blocks[s], {k[2:]: v for k, v in p.items() if k.startswith(f"{s}.")}, x)
+
+    sim(2 * ranks)
+    mesh = vsf.make_mesh(shape, axes)
+    pipe = vsf.pipeline.Pipeline(
+        [stage(0), stage(1)], _squared_error, [["0."], ["1."]], mesh=mesh, microbatches=2, batch=batch
+    )
+    return (
+        blocks,
+        params,
+        batches,
+        (pipe, *pipe.place(params, {k: experts if ".experts." in k else router for k in params})),
+    )
+
+
 @pytest.mark.parametrize("layout_name", ["pp_ep", pytest.param("pp_fsdp_ep", marks=pytest.mark.sweep)])
 def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim, layout_name):
     """Two MoE blocks in two stages over pp, 1F1B, two microbatches, their experts split over ep (and
@@ -155,14 +185,7 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
     (a rank's one sequence of 4 tokens x top-2 x 16 floats) and combines them, the combine's
     transpose in the backward and, on stage 1 (whose input needs a gradient), the dispatch's; the
     gradients reduced once a step over ep are the router's alone."""
-    shape, axes, batch, experts, router = PIPELINED[layout_name]
-    ranks = math.prod(shape) // 2  # a stage's
-    blocks = _moe_blocks()
-    params = vsf.tree.from_module(blocks)
-    g = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randn(2 * ranks, 4, 16, generator=g), torch.randn(2 * ranks, 4, 16, generator=g)) for _ in range(3)
-    ]
+    blocks, params, batches, (pipe, p, layout) = _moe_pipeline(sim, layout_name)
     model = copy.deepcopy(blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=zoo.LR, betas=zoo.BETAS, eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
     want_losses = []
@@ -174,16 +197,6 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         opt.step()
         want_losses.append(loss.detach())
     want = {k: v.detach() for k, v in model.named_parameters()}
-
-    def stage(s):
-        return lambda p, x: x + vsf.tree.apply(blocks[s], {k[2:]: v for k, v in p.items() if k.startswith(f"{s}.")}, x)
-
-    sim(2 * ranks)
-    mesh = vsf.make_mesh(shape, axes)
-    pipe = vsf.pipeline.Pipeline(
-        [stage(0), stage(1)], _squared_error, [["0."], ["1."]], mesh=mesh, microbatches=2, batch=batch
-    )
-    p, layout = pipe.place(params, {k: experts if ".experts." in k else router for k in params})
     lowered = pipe.lower(p, *batches[0], layout=layout)
     tx = zoo.adamw()
     s, losses = tx.init(p), []
@@ -205,6 +218,20 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         gate = layout.where(f"{stage_index}.gate.weight", stage_index)[0].shard_shape((4, 16))
         assert reduced == [("all_reduce", gate)]
     assert "all_to_all_v over ep (inside shard_map(expert_dispatch))" in lowered.as_text()
+
+
+def test_pipelined_with_dispatch_experts_off_gathers_the_experts_once_a_step(sim, monkeypatch):
+    """``vsf.config.dispatch_experts = False``: the pipeline gathers each stage's experts over ep once
+    a step, as params split over the batch's axes (each rank sends its 2 experts' 16x16 and 16x8
+    floats, one bucket), and its programs exchange no token."""
+    monkeypatch.setattr(vsf.config, "dispatch_experts", False)
+    _, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep")
+    lowered = pipe.lower(p, *batches[0], layout=layout)
+    for s in (0, 1):
+        assert [c.bytes for c in lowered.gathers[s].cost().collectives if c.axis == "ep"] == [
+            2 * (16 * 16 + 16 * 8) * 4
+        ]
+        assert not [c for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
 
 
 @pytest.mark.sweep

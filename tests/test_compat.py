@@ -70,17 +70,22 @@ def test_fake_process_group_and_one_rank_meshes():
         assert (one.size(), one.mesh_dim_names, one.mesh.tolist()) == (1, ("x",), [2])
         each = _compat.one_rank_device_mesh("cpu", 4, "y", rank_map=torch.tensor([3, 2, 1, 0]))
         assert (each.size(), each.mesh_dim_names) == (1, ("y",))
-        assert [_compat.position_in_copy(each, r) for r in range(4)] == [(0,)] * 4
+        assert [_compat.copy_holding(each, r).tolist() for r in range(4)] == [
+            [0],
+            [1],
+            [2],
+            [3],
+        ]  # each rank its own copy
     finally:
         dist.destroy_process_group()
 
 
-def test_position_in_copy_of_a_sliced_mesh(sim):
+def test_copy_holding_each_rank_of_a_sliced_mesh(sim):
     sim(4)
     tp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["tp"]  # copies {0, 1} and {2, 3}
-    assert [_compat.position_in_copy(tp, r) for r in range(4)] == [(0,), (1,), (0,), (1,)]
+    assert [_compat.copy_holding(tp, r).tolist() for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     dp = vsf.make_mesh((2, 2), ("dp", "tp")).device_mesh["dp"]  # copies {0, 2} and {1, 3}
-    assert [_compat.position_in_copy(dp, r) for r in range(4)] == [(0,), (0,), (1,), (1,)]
+    assert [_compat.copy_holding(dp, r).tolist() for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
 def test_quiet_redistribute_silences_dtensors_logger_and_restores_it():

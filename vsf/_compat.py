@@ -84,6 +84,7 @@ __all__ = [
     "below_local_mode",
     "checkpointing_as_eager",
     "clear_sharding_caches",
+    "copy_holding",
     "decomposition",
     "dispatch_mode_base",
     "dispatch_modes_off",
@@ -119,7 +120,6 @@ __all__ = [
     "other_dispatch_modes",
     "overload_name",
     "pipeline_order",
-    "position_in_copy",
     "process_group_named",
     "quiet_redistribute",
     "reconcile",
@@ -199,16 +199,16 @@ def one_rank_device_mesh(
     )
 
 
-def position_in_copy(dm: DeviceMesh, rank: int) -> tuple[int, ...] | None:
-    """``rank``'s coordinate in its own copy of ``dm``, or ``None`` if no copy holds it.
+def copy_holding(dm: DeviceMesh, rank: int) -> torch.Tensor | None:
+    """The global ranks of the copy of ``dm`` that holds ``rank``, shaped as ``dm`` (``None`` if no copy holds it).
 
     A DeviceMesh sliced from a bigger one (``root["tp"]``) exists once per group of ranks; each
-    rank sees the copy it belongs to. Simulated ranks all live in one process, so vsf needs the
-    position of every rank in its own copy, which only the slice's private layout records.
+    rank sees the copy it belongs to. Simulated ranks all live in one process, so vsf needs every
+    rank's own copy (its position there, its groups), which only the slice's private layout records.
     """
     copies = dm._layout.remap_to_tensor(dm._rank_map)  # (number of copies, *dm.shape)
-    hits = (copies == rank).nonzero()
-    return tuple(hits[0, 1:].tolist()) if len(hits) else None
+    hits = (copies == rank).flatten(1).any(1).nonzero()
+    return copies[int(hits[0, 0])] if len(hits) else None
 
 
 def local_tensor_mode(

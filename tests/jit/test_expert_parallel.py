@@ -98,10 +98,16 @@ def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     # bytes over ep: the dispatch and the combine forward, their transposes backward, each every
     # token copy of the rank's share once (tokens / 4 ranks x top-k x hidden x 4 bytes); and the
     # per-expert counts gathered over ep (one int64 per expert, from the other rank)
-    cost = step.lower(q, vsf.device_put(p["index"], tokens)).cost()
-    over_ep = [c for c in cost.collectives if c.axis == "ep"]
+    lowered = step.lower(q, vsf.device_put(p["index"], tokens))
+    over_ep = [c for c in lowered.cost().collectives if c.axis == "ep"]
     exchanges = [c for c in over_ep if c.kind == "all_to_all_v"]
     assert [c.bytes for c in exchanges] == [TOKENS // 4 * K * HIDDEN * 4] * 4
+    # which rank sends more depends on the routing: the combine and the dispatch's transpose send at
+    # most a receive buffer (every token copy of the rank's ep group: 2 ranks' 8 tokens x top-2),
+    # which the plan text gives beside the average
+    most = 2 * TOKENS // 4 * K * HIDDEN * 4
+    assert sorted(c.most or 0 for c in exchanges) == [0, 0, most, most]
+    assert lowered.as_text().count(f"(the average rank's; one rank at most {most // 1024}.0 KiB)") == 2
     assert sorted((c.kind, c.bytes) for c in over_ep if c.kind != "all_to_all_v") == [
         ("all_gather", EXPERTS * 8),
         ("all_reduce", 4),

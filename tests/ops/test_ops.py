@@ -138,9 +138,20 @@ def test_groups_helper_matches_mesh_layout(mesh):
     assert groups(mesh, ("a",)) == [[0, 3], [1, 4], [2, 5]]
 
 
-def test_simulation_needs_the_whole_mesh(mesh):
-    with pytest.raises(ValueError, match="needs a mesh over all 6 ranks"):
-        vsf.ops.psum(as_local({r: torch.ones(2) for r in mesh.devices}), "b", mesh=mesh["b"])
+def test_under_simulation_a_sub_mesh_sums_in_each_ranks_own_copy(mesh):
+    """``mesh["b"]`` holds rank 0's group; every other simulated rank computes in its own copy (a
+    pipeline stage's collectives run so): the sums of the groups {0, 1, 2} and {3, 4, 5}."""
+    y = vsf.ops.psum(as_local({r: torch.full((2,), float(r)) for r in mesh.devices}), "b", mesh=mesh["b"])
+    assert {r: v.tolist() for r, v in per_rank(y).items()} == {
+        r: [3.0, 3.0] if r < 3 else [12.0, 12.0] for r in range(6)
+    }
+
+
+def test_simulation_needs_a_mesh_every_rank_has_a_copy_of(mesh):
+    with pytest.raises(ValueError, match="needs a mesh whose copies hold all 6 ranks"):
+        vsf.ops.psum(
+            as_local({r: torch.ones(2) for r in mesh.devices}), "b", mesh=vsf.Mesh((3,), ("b",), devices=(0, 1, 2))
+        )
 
 
 # -- on 4 real gloo processes ------------------------------------------------------------------

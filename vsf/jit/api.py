@@ -96,9 +96,11 @@ def jit(
       unreduced (``Partial``) on the axes they are replicated on, where the plan holds them so (a
       weight's, the batch over ``dp``): ``.grad`` sums calls' linearly, the caller reduces once (DDP's ``no_sync``).
     * ``unsharded_grad_axes``: mesh axes on which those arguments' gradients also come back whole and
-      unreduced where their values are split there (a param over ``fsdp``): ``.grad`` sums calls'
-      whole-sized gradients and the caller reduce-scatters once (FSDP2's
-      ``set_requires_gradient_sync(False)``), at the memory of a gradient unsplit over those axes.
+      unreduced where their values are split there and the plan gathers them (a param over ``fsdp``):
+      ``.grad`` sums calls' whole-sized gradients and the caller reduce-scatters once (FSDP2's
+      ``set_requires_gradient_sync(False)``), at the memory of a gradient unsplit over those axes. A
+      gradient the plan computes split there (an expert's, whose tokens were sent to it) comes back
+      split, as its value is.
     * ``deferred_grad_argnums`` / ``on_deferred_grads``: the backward computes every gradient but
       those of these arguments' leaves (a pipeline stage's params) and hands ``on_deferred_grads`` a
       function that computes them later and adds them into the leaves' ``.grad``: the backward
@@ -242,21 +244,22 @@ class Jitted:
         call = self._prepare(args, kwargs)
         return Lowered(self._cache.get(call.key) or self._compile(call))
 
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+        """Trace for these arguments without planning (JAX's ``jit(f).trace``): the graph on global shapes, and
+        the inputs computed on as they arrive (an expert dispatch's), e.g. ``step.trace(p, x).split_inputs == {1: ('ep',)}``."""
+        return self._traced(self._prepare(args, kwargs))[0]
+
     # -- planning -------------------------------------------------------------------------
 
-    def _compile(self, call: Call) -> "Compiled":
-        reason = replan_reason(self._last_key, call.key, call.names)
-        self.replans.append(reason)
-        log.info("planning %s: %s", self._name, reason)
-        self._last_key = call.key
-        mesh = call.mesh
+    def _traced(self, call: Call) -> tuple[Traced, list[Any]]:
+        """The call's trace, and the backwards its code ran (a step that differentiates itself)."""
         avals = [(tuple(x.shape), x.dtype) for x in call.inputs]
         with runs_backward() if call.grad is not None else contextlib.nullcontext([]) as steps:
             traced = trace(
                 self.fun,
                 avals,
                 call.rebuild,
-                mesh.device_type,
+                call.mesh.device_type,
                 unplanned_ops,
                 never_planned_decompositions(),
                 allow_unkeyed_random=call.options.allow_unkeyed_random,
@@ -264,6 +267,15 @@ class Jitted:
                 names=leaf_names(call.dyn),
                 options=call.options,
             )
+        return traced, steps
+
+    def _compile(self, call: Call) -> "Compiled":
+        reason = replan_reason(self._last_key, call.key, call.names)
+        self.replans.append(reason)
+        log.info("planning %s: %s", self._name, reason)
+        self._last_key = call.key
+        mesh = call.mesh
+        traced, steps = self._traced(call)
         out_metas = _out_metas(traced)
         out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None

@@ -60,9 +60,8 @@ __all__ = ["check_with_dtensor"]
 
 
 def _kept_unreduced(axes: Sequence[str], arrived: Placements, want: Placements, unreduced: Sequence[str]) -> Placements:
-    """An output's placements: ``want``, but an unreduced sum as it arrives on each axis of
-    ``unreduced`` where ``want`` replicates it."""
-    return tuple(a if axis in unreduced and w == R and is_sum(a) else w for axis, a, w in zip(axes, arrived, want))
+    """An output's placements: ``want``, but an unreduced sum as it arrives on each axis of ``unreduced``."""
+    return tuple(a if axis in unreduced and is_sum(a) else w for axis, a, w in zip(axes, arrived, want))
 
 
 def check_with_dtensor(

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +49,7 @@ __all__ = [
     "Codes",
     "INF",
     "NOT_PARTIAL",
-    "REPLICATED_OR_SUM",
+    "OrSum",
     "is_sum",
     "local_bytes",
     "local_flops",
@@ -79,7 +80,15 @@ _COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "al
 
 
 NOT_PARTIAL = object()  # requirement of a graph output with no out_sharding: anything but Partial
-REPLICATED_OR_SUM = object()  # requirement of a graph output that may stay an unreduced sum, else replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class OrSum:
+    """Requirement of a graph output that may stay an unreduced sum where it is one, else is ``placement``
+    (a gradient the caller accumulates: unreduced where the plan holds it so, else replicated or,
+    on an axis its param is split over, split alike)."""
+
+    placement: Any
 
 
 def is_sum(p: Any) -> bool:
@@ -145,16 +154,16 @@ class Codes:
     def _fixed(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:
             return self._fixed(a, R) if isinstance(a, Partial) else 0.0
-        if b is REPLICATED_OR_SUM:
-            return 0.0 if is_sum(a) else self._fixed(a, R)
+        if isinstance(b, OrSum):
+            return 0.0 if is_sum(a) else self._fixed(a, b.placement)
         return self.latency if transition_kind(a, b) in _COLLECTIVE_KINDS else 0.0
 
     def _factor(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:
             return self._factor(a, R) if isinstance(a, Partial) else 0.0
-        if b is REPLICATED_OR_SUM:
-            return 0.0 if is_sum(a) else self._factor(a, R)
-        if a is NOT_PARTIAL or a is REPLICATED_OR_SUM:
+        if isinstance(b, OrSum):
+            return 0.0 if is_sum(a) else self._factor(a, b.placement)
+        if a is NOT_PARTIAL or isinstance(a, OrSum):
             return INF
         kind = transition_kind(a, b)
         return 0.0 if kind is None else INF if kind == "invalid" else transition_bytes(kind, self.n, 1.0)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from vsf import _compat
 from vsf.config import PlanOptions
@@ -104,8 +104,10 @@ def plan_joint(
     planned to arrive in it: ``out_shardings`` or a carried argument's, a scalar replicated, any other
     as the forward alone is planned. Each gradient is planned to end in its input's sharding
     (a plain tensor's: replicated), or for a DTensor leaf in ``unreduced`` (indices into
-    ``leaves``) an unreduced sum on the axes that sharding replicates, and whole and unreduced on
-    the ``unsharded`` axes it splits, where the plan holds it so. ``reduce_dtype``: as ``vsf.jit``'s; ``names``: the inputs' names (``args[0]['w']``), for
+    ``leaves``) an unreduced sum where the plan holds it so, on the axes that sharding replicates
+    and on the ``unsharded`` axes it splits (a param the plan gathers there: its gradient whole and
+    unreduced; one the plan computes with split there, an expert's whose tokens came to it, keeps
+    its split gradient). ``reduce_dtype``: as ``vsf.jit``'s; ``names``: the inputs' names (``args[0]['w']``), for
     messages."""
     in_placements = [tuple(x.placements) for x in inputs]
     out_metas = [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
@@ -129,7 +131,7 @@ def plan_joint(
     if not any(joint.differentiable):
         return None
     with_grad = tuple(i for i, h in zip((i for i, m in enumerate(mask) if m), joint.has_grad) if h)
-    grad_targets = [_grad_target(mesh, leaves[i], unsharded if i in unreduced else ()) for i in with_grad]
+    grad_targets = [_grad_target(mesh, leaves[i]) for i in with_grad]
     may_stay = [
         _replicated_axes(mesh, leaves[i]) + _split_axes(mesh, leaves[i], unsharded) if i in unreduced else ()
         for i in with_grad
@@ -147,17 +149,9 @@ def plan_joint(
     return JointPlan(plan, parts, joint, with_grad)
 
 
-def _grad_target(mesh: Mesh, leaf: Any, unsharded: Sequence[str]) -> NamedSharding:
-    """The sharding a leaf's gradient is planned to end in: the leaf's (a plain tensor's:
-    replicated), whole on the ``unsharded`` axes it splits."""
-    if not isinstance(leaf, DTensor):
-        return NamedSharding(mesh, PartitionSpec())
-    split = _split_axes(mesh, leaf, unsharded)
-    if not split:
-        return sharding_of(leaf)
-    return from_placements(
-        mesh, tuple(Replicate() if a in split else p for a, p in zip(mesh.device_axes, leaf.placements)), leaf.ndim
-    )
+def _grad_target(mesh: Mesh, leaf: Any) -> NamedSharding:
+    """The sharding a leaf's gradient is planned to end in: the leaf's (a plain tensor's: replicated)."""
+    return sharding_of(leaf) if isinstance(leaf, DTensor) else NamedSharding(mesh, PartitionSpec())
 
 
 def _split_axes(mesh: Mesh, leaf: Any, axes: Sequence[str]) -> tuple[str, ...]:

@@ -262,7 +262,7 @@ def collectives(node: torch.fx.Node, mesh: Mesh, ins: list[Placements]) -> tuple
         return ()
     x = meta_of(tensor_args(node)[0])
     s = call(node.args[-1]).op.abstract(torch.empty(local_shape(mesh, x, ins[0]), dtype=x.dtype, device="meta"))[1]
-    return (Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes),)
+    return (Collective(s.kind, s.axis, s.shape, s.dtype, s.bytes, s.most),)
 
 
 def run(node: torch.fx.Node, args: tuple) -> torch.Tensor:

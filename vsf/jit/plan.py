@@ -73,13 +73,16 @@ BucketKind = Literal["all_reduce", "all_gather", "reduce_scatter"]
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective the program runs: its kind, mesh axis, the local shape it reduces or gathers
-    into (per rank), and the bytes each rank sends."""
+    into (per rank), and the bytes each rank sends (the average rank's where ranks send what the
+    step computes: a counted exchange's routing, whose ``most`` one rank may send is given where
+    it is more)."""
 
     kind: MoveKind
     axis: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     bytes: int
+    most: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

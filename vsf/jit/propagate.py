@@ -46,7 +46,7 @@ from vsf.jit.buckets import form_buckets
 from vsf.jit.combine import check_with_dtensor
 from vsf.jit.classify import classify, constant_nodes
 from vsf.jit import manual
-from vsf.jit.cost import NOT_PARTIAL, REPLICATED_OR_SUM, Codes
+from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
@@ -157,12 +157,11 @@ def propagate(
 
 def _out_requirement(s: NamedSharding | None, k: int, may_stay_unreduced: bool) -> Any:
     """What a graph output required as ``s`` (``None``: anything but a partial) must be on mesh
-    dim ``k``: ``s``'s placement there, or an unreduced sum as well where ``s`` replicates it and
-    ``may_stay_unreduced``."""
+    dim ``k``: ``s``'s placement there, or an unreduced sum as well where ``may_stay_unreduced``."""
     if s is None:
         return NOT_PARTIAL
     p = one_d(to_placements(s)[k])
-    return REPLICATED_OR_SUM if may_stay_unreduced and p == R else p
+    return OrSum(p) if may_stay_unreduced else p
 
 
 def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:

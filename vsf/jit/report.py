@@ -200,6 +200,7 @@ def plan_text(plan: Plan, name: str, input_names: Sequence[str], output_names: S
         region = f"shard_map({r.name})" if step.collectives and (r := region_of(node)) is not None else "the region"
         lines.extend(
             f"    {c.kind} over {c.axis} (inside {region}): {list(c.shape)} {fmt_bytes(c.bytes)} sent"
+            + (f" (the average rank's; one rank at most {fmt_bytes(c.most)})" if c.most is not None else "")
             for c in step.collectives
         )
     output = output_node(gm)

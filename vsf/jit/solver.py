@@ -29,8 +29,8 @@ from vsf.errors import PlanError
 from vsf.jit.cost import (
     INF,
     NOT_PARTIAL,
-    REPLICATED_OR_SUM,
     Codes,
+    OrSum,
     op_flops,
     splits_work,
     transition_bytes,
@@ -81,7 +81,7 @@ class AxisSolver:
         for v, req in problem.out_req[axis]:
             c = codes.code(req)
             self.need[vid[v]][c] = self.need[vid[v]].get(c, 0) + 1
-            if req is not NOT_PARTIAL and req is not REPLICATED_OR_SUM:
+            if req is not NOT_PARTIAL and not isinstance(req, OrSum):
                 self.final[vid[v]] = c
         self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
         self.outs = [tuple(vid.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in problem.ops]

@@ -34,7 +34,7 @@ from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
 from vsf.sharding.named import NamedSharding
 
-__all__ = ["StepInput", "Traced", "draws_random", "rewrite_while_tracing", "step_input", "trace"]
+__all__ = ["StepInput", "Traced", "computes_on_shards", "draws_random", "rewrite_while_tracing", "step_input", "trace"]
 
 aten = torch.ops.aten
 
@@ -44,12 +44,15 @@ class Traced:
     """A traced step: ``graph`` maps the flat tensor inputs to the flat tensor outputs.
 
     ``out_tree`` is the structure of everything the function returned; ``out_consts`` holds the
-    non-tensor leaves of the result (``None`` where a tensor output goes).
+    non-tensor leaves of the result (``None`` where a tensor output goes). ``split_inputs``: the
+    inputs (by position) that a rewrite computes on split, with the mesh axes it computes them
+    split over (:func:`computes_on_shards`).
     """
 
     graph: torch.fx.GraphModule
     out_tree: tree.PyTreeSpec
     out_consts: tuple[Any, ...]
+    split_inputs: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +67,14 @@ class StepInput:
 @dataclasses.dataclass(frozen=True)
 class _Inputs:
     """The inputs of a step being traced: the trace's handle, each input's sharding (``None``: not
-    known, e.g. a cotangent of a joint trace) and its name."""
+    known, e.g. a cotangent of a joint trace) and its name, the plan's switches, and the inputs
+    the step computes on split (:func:`computes_on_shards`)."""
 
     tracer: Any
     shardings: Sequence[NamedSharding | None]
     names: Callable[[int], str]
     options: PlanOptions
+    split: dict[int, tuple[str, ...]]  # what computes_on_shards said, by input position
 
 
 _TRACING: list[_Inputs] = []  # the steps whose code is running under trace now, innermost last
@@ -106,17 +111,41 @@ def step_input(t: torch.Tensor) -> StepInput | None:
         >>> found.name, found.sharding.spec
         ("args[0]['model.layers.0.mlp.experts.down_proj']", P('ep'))
     """
-    if not _TRACING:
+    i = _input_index(t)
+    if i is None:
         return None
     step = _TRACING[-1]
-    node = _compat.traced_node(t, step.tracer)
+    sharding = step.shardings[i] if i < len(step.shardings) else None
+    return StepInput(step.names(i), sharding) if sharding is not None else None
+
+
+def computes_on_shards(t: torch.Tensor, axes: Sequence[str]) -> None:
+    """While a step's code runs under :func:`trace`: say that the step computes on the shards over
+    mesh ``axes`` of the step input ``t`` is (as :func:`step_input` finds it), in the layout it
+    arrives with (a rewrite that consumes it so: an expert-parallel dispatch's experts, split over
+    the expert axis). The trace lists it (:attr:`Traced.split_inputs`), so that a caller which
+    could gather it over those axes first (a pipeline's params gathered once a step) does not.
+
+    Example::
+
+        >>> computes_on_shards(module.down_proj, ("ep",))
+    """
+    i = _input_index(t)
+    if i is not None:
+        _TRACING[-1].split[i] = tuple(axes)
+
+
+def _input_index(t: torch.Tensor) -> int | None:
+    """The position of the step input that the traced tensor ``t`` is (itself, or its value through
+    ``detach``, a dtype cast or a copy); ``None`` outside a trace or for a computed value."""
+    if not _TRACING:
+        return None
+    node = _compat.traced_node(t, _TRACING[-1].tracer)
     while node is not None and node.op == "call_function" and node.target in _SAME_VALUE:
         node = node.args[0]
     if node is None or node.op != "placeholder":
         return None
-    i = list(node.graph.find_nodes(op="placeholder")).index(node)
-    sharding = step.shardings[i] if i < len(step.shardings) else None
-    return StepInput(step.names(i), sharding) if sharding is not None else None
+    return list(node.graph.find_nodes(op="placeholder")).index(node)
 
 
 @contextlib.contextmanager
@@ -154,10 +183,12 @@ def trace(
     ``shardings`` / ``names``: the leading inputs' layouts and names, for :func:`step_input`;
     ``options``: the plan's switches (default: the defaults), for the rewrites (:func:`rewrite_while_tracing`)."""
     out_info: dict[str, Any] = {}
+    split: dict[int, tuple[str, ...]] = {}
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
         args, kwargs = rebuild(list(tensors))
-        with _running(_Inputs(_compat.tracer(), shardings, names, options if options is not None else PlanOptions())):
+        inputs = _Inputs(_compat.tracer(), shardings, names, options if options is not None else PlanOptions(), split)
+        with _running(inputs):
             out = fun(*args, **kwargs)
         leaves, treedef = tree.flatten(out)
         out_info["tree"] = treedef
@@ -168,9 +199,10 @@ def trace(
         return tensors
 
     with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
-        return _trace(
+        traced = _trace(
             fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
         )
+    return dataclasses.replace(traced, split_inputs=dict(split))
 
 
 def _trace(

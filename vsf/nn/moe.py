@@ -46,7 +46,7 @@ from vsf import ops
 from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.func import shard_map
-from vsf.jit.trace import StepInput, rewrite_while_tracing, step_input
+from vsf.jit.trace import StepInput, computes_on_shards, rewrite_while_tracing, step_input
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.spec import P
 
@@ -102,6 +102,8 @@ def expert_parallel(
                 f"expert_parallel: weights[{i}] has {w.shape[0]} experts (dim 0), which {axis!r} of size {n} does not divide"
             )
     split = P(tokens)
+    for w in weights:  # (inside vsf.jit: never gathered over the axis, by a pipeline either)
+        computes_on_shards(w, (axis,))
 
     def expert_dispatch(
         x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *local: torch.Tensor

@@ -64,15 +64,15 @@ class AxisGroup(NamedTuple):
         return self.mesh.coordinate(rank)[self.axis]
 
     def members(self, rank: int) -> tuple[int, ...]:
-        """Global ranks of ``rank``'s axis group, in axis order."""
-        coord = self.mesh.coordinate(rank)
+        """Global ranks of ``rank``'s axis group, in axis order (in its own copy of a sub-mesh: ``Mesh.copy_devices``)."""
+        coord, devices = self.mesh.coordinate(rank), self.mesh.copy_devices(rank)
         out = []
         for i in range(self.size):
             coord[self.axis] = i
             flat = 0
             for name, size in self.mesh.shape.items():
                 flat = flat * size + coord[name]
-            out.append(self.mesh.devices[flat])
+            out.append(devices[flat])
         return tuple(out)
 
     @property
@@ -89,11 +89,14 @@ def axis_group(mesh: Mesh, axis: str) -> AxisGroup:
         raise ValueError(f"mesh axis {axis!r} has size 1 and no communicator; collectives over it are identities")
     group = mesh.device_mesh.get_group(axis)
     if _compat.active_local_mode() is not None:
-        if mesh.size != runtime.world_size():
+        try:
+            for r in local_ranks():
+                mesh.copy_devices(r)
+        except ValueError:
             raise ValueError(
-                f"under simulation a collective needs a mesh over all {runtime.world_size()} ranks (every rank's "
-                f"value lives in this process), got {mesh!r}; pass the whole mesh and name the axis"
-            )
+                f"under simulation a collective needs a mesh whose copies hold all {runtime.world_size()} ranks (every "
+                f"rank's value lives in this process: the whole mesh, or a sub-mesh of it), got {mesh!r}; pass the whole mesh and name the axis"
+            ) from None
         kind = "simulated"
     else:
         kind = "nccl" if "nccl" in str(dist.get_backend(group)) and mesh.device_type == "cuda" else "gloo"
@@ -161,7 +164,7 @@ def per_rank(
 
     if g.kind != "simulated":
         return call(x, runtime.rank())
-    values = _values(x, g.mesh)
+    values = _values(x)
     with _compat.local_mode_disabled():
         return _compat.make_local({r: call(v, r) for r, v in values.items()})
 
@@ -198,7 +201,7 @@ def exchange_counted(x: torch.Tensor, counts: torch.Tensor, g: AxisGroup, rows: 
             f"exchange over {g.axis!r} needs a {n}x{n} matrix of row counts, got shape {tuple(counts.shape)}"
         )
     if g.kind == "simulated":
-        xs, cs = _values(x, g.mesh), _values(counts, g.mesh)
+        xs, cs = _values(x), _values(counts)
         with _compat.local_mode_disabled():
             out = {}
             for r in xs:
@@ -244,7 +247,7 @@ def _padded(t: torch.Tensor, rows: int, axis: str, me: int) -> torch.Tensor:
 
 
 def _simulated_exchange(x: torch.Tensor, g: AxisGroup, counts: Counts) -> torch.Tensor:
-    values = _values(x, g.mesh)
+    values = _values(x)
     with _compat.local_mode_disabled():
         for r, v in values.items():
             _check_rows(v, sum(counts[g.index(r)]), g, g.index(r))
@@ -266,7 +269,9 @@ def _check_rows(x: torch.Tensor, rows: int, g: AxisGroup, me: int) -> None:
         )
 
 
-def _values(x: torch.Tensor, mesh: Mesh) -> dict[int, torch.Tensor]:
-    """Every simulated rank's value of ``x`` (a plain tensor is the same value on every rank)."""
-    shards = _compat.local_shards(x, mesh.devices[0])
-    return {r: shards.get(r, x) for r in mesh.devices} if _compat.is_local_tensor(x) else dict.fromkeys(mesh.devices, x)
+def _values(x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every simulated rank's value of ``x`` (a plain tensor is the same value on every rank); a
+    sub-mesh's ranks and those of its copies alike (``Mesh.copy_devices``)."""
+    ranks = local_ranks()
+    shards = _compat.local_shards(x, ranks[0])
+    return {r: shards.get(r, x) for r in ranks} if _compat.is_local_tensor(x) else dict.fromkeys(ranks, x)

@@ -165,12 +165,14 @@ class _AllToAllCounted:
         """The result's shape and the most the average rank sends: the rows of the smaller of its
         operand and its result (the ranks together send as many rows as they receive), all
         leaving the rank. A dispatch and its combine so count each token copy once (their
-        analytic volume); which rank sends more depends on the counts, known when it runs."""
+        analytic volume); which rank sends more depends on the counts, known when it runs: at
+        most its operand's rows (a combine's: its receive buffer, full when every token copy of
+        the axis is routed to its experts), the record's ``most`` where that is more."""
         _traced_rows(x, 0, self.rows_in, "all_to_all_counted")
         row_bytes = x.numel() // max(x.shape[0], 1) * x.element_size()
-        return sent(
-            "all_to_all_v", self.g, x, (self.rows_out, *x.shape[1:]), min(self.rows_in, self.rows_out) * row_bytes
-        )
+        average = min(self.rows_in, self.rows_out) * row_bytes
+        most = self.rows_in * row_bytes
+        return sent("all_to_all_v", self.g, x, (self.rows_out, *x.shape[1:]), average, most if most > average else None)
 
     def transpose(self) -> "_AllToAllCounted":
         return _AllToAllCounted(self.g, self.rows_out, self.rows_in, not self.transposed)

@@ -44,13 +44,16 @@ CollectiveKind = Literal[
 @dataclass(frozen=True)
 class Sent:
     """One collective a manual region runs, as its plan lists it: kind, mesh axis, the local shape
-    it moves (the gathered shape for an all-gather), and the bytes each rank sends."""
+    it moves (the gathered shape for an all-gather), and the bytes each rank sends; ``most``: the
+    most one rank may send, where that depends on values the step computes (a counted exchange's
+    routing) and exceeds ``bytes``, the average rank's."""
 
     kind: CollectiveKind
     axis: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     bytes: int
+    most: int | None = None
 
 
 MANUAL: list[
@@ -121,13 +124,18 @@ def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:
 
 
 def sent(
-    kind: CollectiveKind, g: AxisGroup, x: torch.Tensor, out_shape: tuple[int, ...], nbytes: int | None = None
+    kind: CollectiveKind,
+    g: AxisGroup,
+    x: torch.Tensor,
+    out_shape: tuple[int, ...],
+    nbytes: int | None = None,
+    most: int | None = None,
 ) -> tuple[torch.Tensor, Sent]:
     """An empty result of ``out_shape`` (a traced collective's fake result) and the record of
-    what ``kind`` over ``g`` sends for ``x`` (``nbytes``, or the ring model's figure)."""
+    what ``kind`` over ``g`` sends for ``x`` (``nbytes``, or the ring model's figure; ``most``: see :class:`Sent`)."""
     shape = out_shape if kind == "all_gather" else tuple(x.shape)
     return x.new_empty(out_shape), Sent(
-        kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x) if nbytes is None else nbytes
+        kind, g.axis, shape, x.dtype, _ring_bytes(kind, g.size, x) if nbytes is None else nbytes, most
     )
 
 

@@ -25,6 +25,9 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   ``reshard_after_backward`` off until the last microbatch): one all-gather and one reduce-scatter
   a step, for the memory of the stage's gathered params. ``reshard_after_forward=True`` gathers them
   in each microbatch's programs instead (``m`` times the all-gathers, a microbatch's memory).
+  Params the stage's program computes on split over a batch axis stay split there: a MoE layer's
+  experts ``P("ep")`` with the batch over ep, to which each microbatch's tokens are sent (expert
+  parallelism; :func:`vsf.pipeline.lower.split_params` finds them by tracing the stage once).
 * ``schedule`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"``, ``"zbv"`` or
   ``"dualpipev"``: torch's ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per ``pp`` rank) /
   ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` (``v >= 2`` stages per rank: give
@@ -79,7 +82,7 @@ from vsf.abstract import ShapeDtypeStruct
 from vsf.jit.runner import BACKENDS
 from vsf.pipeline import runners
 from vsf.pipeline import schedule as sched
-from vsf.pipeline.lower import Bounds, PipelineLowered, boundaries, first_entries, lower_step
+from vsf.pipeline.lower import Bounds, PipelineLowered, Split, boundaries, first_entries, lower_step
 from vsf.pipeline.split import Layout, assign, leaf_names
 from vsf.pipeline.stage import Boundary, StageModule, as_global, gather_program, mean_reducer, stage_program
 from vsf.sharding.mesh import Mesh
@@ -334,10 +337,10 @@ class Pipeline:
             names = layout.split.names[s]
             mine = {n: v for (n, b), v in lent.items() if b == s}
             held = {k: self._value(layout, k, s, values, mine) for k in names}
-            gathered = self._gathered(layout, s)
+            gathered = self._gathered(layout, s, bounds[s][3])
             if gathered:
                 with torch.no_grad():
-                    held.update(self._gather(layout, s)({k: held[k] for k in gathered}))
+                    held.update(self._gather(layout, s, bounds[s][3])({k: held[k] for k in gathered}))
             weights = [held[k].detach().requires_grad_(True) for k in names]
             mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
         last = self.num_stages - 1
@@ -382,25 +385,28 @@ class Pipeline:
             )
         return self._reducers[(layout, s)]
 
-    def _gathered(self, layout: Layout, s: int) -> list[str]:
+    def _gathered(self, layout: Layout, s: int, split: Split) -> list[str]:
         """Stage ``s``'s params that are gathered once a step (see :meth:`_held`)."""
-        return [k for k in layout.split.names[s] if self._held(layout, k, s) != layout.where(k, s)[0]]
+        return [k for k in layout.split.names[s] if self._held(layout, k, s, split) != layout.where(k, s)[0]]
 
-    def _held(self, layout: Layout, k: str, stage: int) -> NamedSharding:
+    def _held(self, layout: Layout, k: str, stage: int, split: Split) -> NamedSharding:
         """The layout of leaf ``k`` that stage ``stage``'s programs read: its own, or, unless
-        ``reshard_after_forward``, gathered over the batch's axes (fsdp) for the whole step."""
+        ``reshard_after_forward``, gathered over the batch's axes (fsdp) for the whole step, but
+        for the axes ``split[k]`` the stage's program computes on it split over (an expert-parallel
+        dispatch's experts over ep: :func:`vsf.pipeline.lower.boundaries`)."""
         sharding = layout.where(k, stage)[0]
         if self.reshard_after_forward:
             return sharding
-        return NamedSharding(sharding.mesh, layout.specs[k].without(PartitionSpec(*self.batch).axes))
+        gathered = [a for a in PartitionSpec(*self.batch).axes if a not in split.get(k, ())]
+        return NamedSharding(sharding.mesh, layout.specs[k].without(gathered))
 
-    def _gather(self, layout: Layout, s: int) -> Any:
+    def _gather(self, layout: Layout, s: int, split: Split) -> Any:
         """Stage ``s``'s program gathering its :meth:`_gathered` params once a step, before its
         first microbatch (FSDP2 under torch's pipeline schedules gathers once and keeps them
         gathered through the step: ``reshard_after_backward(False)``)."""
         if (layout, s) not in self._gathers:
             self._gathers[(layout, s)] = gather_program(
-                {k: self._held(layout, k, s) for k in self._gathered(layout, s)}, self.backend
+                {k: self._held(layout, k, s, split) for k in self._gathered(layout, s, split)}, self.backend
             )
         return self._gathers[(layout, s)]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,11 +53,15 @@ __all__ = [
     "lower_step",
     "saved_bytes",
     "sends",
+    "split_params",
 ]
 
+Split = Mapping[
+    str, tuple[str, ...]
+]  # a stage's params its program computes on split over the batch's axes, and those axes
 Bounds = list[
-    tuple[list[Boundary], Boundary, torch.dtype]
-]  # per stage: its inputs', its output's layout and shape, its output's dtype
+    tuple[list[Boundary], Boundary, torch.dtype, Split]
+]  # per stage: its inputs', its output's layout and shape, its output's dtype, its params computed on split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,17 +311,18 @@ def lower_step(pipe: Any, layout: Layout, params: Any, inputs: Any, targets: Any
     stages, reducers, gathers, costs, loss = {}, {}, {}, [], None
     with torch.enable_grad():
         for s in pipe.local_stages():
-            ins, out, dtype = bounds[s]
+            ins, out, dtype, split_params = bounds[s]
             dtypes = [x.dtype for x in inputs] if s == 0 else [bounds[s - 1][2]]
             names = split.names[s]
             lent = {k: stand_in(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)}
-            gathered = pipe._gathered(layout, s)
+            gathered = pipe._gathered(layout, s, split_params)
             if gathered:
-                gathers[s] = pipe._gather(layout, s).lower(
+                gathers[s] = pipe._gather(layout, s, split_params).lower(
                     {k: pipe._value(layout, k, s, values, lent) for k in gathered}
                 )
             weights = {
-                k: stand_in((pipe._held(layout, k, s), shapes[k].shape), shapes[k].dtype, grad=True) for k in names
+                k: stand_in((pipe._held(layout, k, s, split_params), shapes[k].shape), shapes[k].dtype, grad=True)
+                for k in names
             }
             xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
             stages[s] = pipe._program(s, out[0]).lower(weights, *xs)
@@ -403,12 +408,13 @@ def sends(pipe: Any, layout: Layout, bounds: Bounds) -> list[Send]:
 
 def boundaries(pipe: Any, layout: Layout, inputs: tuple[torch.Tensor, ...]) -> Bounds:
     """Each stage's input and output layouts and global microbatch shapes, and its output's
-    dtype, from ``pipe``'s stage functions run on shapes (``vsf.eval_shape``); cached on ``pipe``
+    dtype, from ``pipe``'s stage functions run on shapes (``vsf.eval_shape``), and its params its
+    program computes on split over the batch's axes (:func:`split_params`); cached on ``pipe``
     per layout and input signature.
 
     Example::
 
-        >>> ins, (out, shape), dtype = boundaries(pipe, layout, (idx,))[0]
+        >>> ins, (out, shape), dtype, split = boundaries(pipe, layout, (idx,))[0]
     """
     key = (layout, tuple((tuple(x.shape), x.dtype) for x in inputs))
     if key not in pipe._bounds:
@@ -428,6 +434,37 @@ def _trace_boundaries(pipe: Any, layout: Layout, inputs: tuple[torch.Tensor, ...
         p = {k: layout.shapes[k] for k in layout.split.names[s]}
         y = eval_shape(fn, p, *current)
         act = NamedSharding(mesh, first_entries(pipe.activations, len(y.shape)))
-        out.append((ins, (act, tuple(y.shape)), y.dtype))
+        out.append(
+            (ins, (act, tuple(y.shape)), y.dtype, split_params(pipe, layout, s, ins, [c.dtype for c in current], act))
+        )
         current = [y]
     return out
+
+
+def split_params(
+    pipe: Any, layout: Layout, s: int, ins: Sequence[Boundary], dtypes: Sequence[torch.dtype], out: NamedSharding
+) -> Split:
+    """Stage ``s``'s params that its program computes on split over some of the batch's axes, with
+    those axes: an expert-parallel dispatch's experts over ep, which the pipeline leaves split
+    there instead of gathering them once a step (``Traced.split_inputs`` of the stage function
+    traced with its params in their own layout, its inputs ``ins`` of ``dtypes``). No trace, and
+    none, where no param is split over the batch's axes, with ``reshard_after_forward``, or for a
+    stage this process does not compute.
+
+    Example::
+
+        >>> split_params(pipe, layout, 0, ins, [torch.int64], act)
+        {'model.layers.0.mlp.experts.gate_up_proj': ('ep',), 'model.layers.0.mlp.experts.down_proj': ('ep',)}
+    """
+    names = layout.split.names[s]
+    batch = set(PartitionSpec(*pipe.batch).axes)
+    if (
+        pipe.reshard_after_forward
+        or s not in pipe.local_stages()
+        or not any(batch & set(layout.specs[k].axes) for k in names)
+    ):
+        return {}
+    weights = {k: stand_in(layout.where(k, s), layout.shapes[k].dtype) for k in names}
+    traced = pipe._program(s, out).trace(weights, *(stand_in(where, d) for where, d in zip(ins, dtypes)))
+    order = leaf_names(weights)
+    return {order[i]: axes for i, axes in traced.split_inputs.items() if i < len(order)}

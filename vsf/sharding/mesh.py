@@ -121,24 +121,38 @@ class Mesh:
             raise ValueError(f"unknown mesh axis {name!r}; the mesh has axes {self.shape}") from None
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """Position of global ``rank`` on each axis.
+        """Position of global ``rank`` on each axis (in its own copy: :meth:`copy_devices`)."""
+        return self._position(self.copy_devices(rank).index(rank))
 
-        A sub-mesh ``mesh[names]`` exists once per group of ranks (each rank gets the copy that
-        holds it), so a rank of another copy gets its position in its own copy. That matters
-        under :class:`vsf.simulate`, where one process holds every rank.
+    def copy_devices(self, rank: int) -> tuple[int, ...]:
+        """The global ranks of the copy of this mesh that holds ``rank``, row-major over the axes.
+
+        A sub-mesh (``mesh[names]``, ``mesh.at(axis, i)``) exists once per group of ranks (each
+        rank gets the copy that holds it), so a rank of another copy computes in its own: its
+        position and its groups there. That matters under :class:`vsf.simulate`, where one process
+        holds every rank. A rank no copy holds is a ``ValueError``.
+
+        Example::
+
+            >>> mesh = vsf.make_mesh((2, 2), ("pp", "ep"))            # under vsf.simulate(4)
+            >>> mesh.at("pp", 1).devices, mesh.at("pp", 1).copy_devices(0)
+            ((2, 3), (0, 1))
         """
         if rank in self._devices:
-            flat = self._devices.index(rank)
-            coords = {}
-            for name, size in zip(reversed(self._names), reversed(self._sizes)):
-                flat, coords[name] = divmod(flat, size)
-            return {n: coords[n] for n in self._names}
+            return self._devices
         dm = _DEVICE_MESHES.get(self)
-        position = None if dm is None else _compat.position_in_copy(dm, rank)
-        if position is None:
+        grid = None if dm is None else _compat.copy_holding(dm, rank)
+        if grid is None:
             raise ValueError(f"rank {rank} is not in {self!r}")
-        coords = dict(zip(dm.mesh_dim_names, position))
-        return {n: coords.get(n, 0) for n in self._names}
+        at = (self._position(flat) for flat in range(self.size))
+        return tuple(int(grid[tuple(coords.get(n, 0) for n in dm.mesh_dim_names)]) for coords in at)
+
+    def _position(self, flat: int) -> dict[str, int]:
+        """The coordinates of the ``flat``-th position, row-major over the axes."""
+        coords = {}
+        for name, size in zip(reversed(self._names), reversed(self._sizes)):
+            flat, coords[name] = divmod(flat, size)
+        return {n: coords[n] for n in self._names}
 
     @property
     def device_axes(self) -> tuple[str, ...]:

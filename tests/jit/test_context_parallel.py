@@ -250,30 +250,28 @@ def test_a_cross_entropy_over_tokens_on_cp_picks_each_ranks_rows_where_they_are(
     assert over_cp and all(c == ("all_reduce", ()) for c in over_cp), over_cp
 
 
-@pytest.fixture(scope="module")
-def ranks(world):
-    return world("jit_context_parallel.py")
-
-
-@pytest.mark.world("jit_context_parallel.py")
 @pytest.mark.multiprocess
-def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(ranks):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("balanced", marks=pytest.mark.world("jit_context_parallel.py", "balanced")),
+        pytest.param(
+            "contiguous", marks=[pytest.mark.world("jit_context_parallel.py", "contiguous"), pytest.mark.sweep]
+        ),
+    ],
+)
+def test_the_toy_gpt_on_cp4_real_processes_trains_like_one_device(world, layout):
     """Each process's blocks follow its own rank: 3 SGD steps on 4 gloo processes equal one device,
-    keys and values gathered or passed around a ring, the tokens split contiguous or balanced
-    (each process then runs only the causal blocks it sees)."""
-    for r in ranks:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
-        assert r["max_param_err"] < 1e-5
-        assert r["query_placements"] == [str((Shard(2),))] * 2
-        torch.testing.assert_close(torch.tensor(r["ring_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0)
-        assert r["ring_max_param_err"] < 1e-5
-        assert r["ring_key_placements"] == [str((Shard(2),))] * 2
-        for mode, arg in (("balanced", "query"), ("balanced_ring", "key")):
+    keys and values gathered or passed around a ring, the tokens split balanced (each process then
+    runs only the causal blocks it sees) or contiguous (the sweep: simulation covers its plans)."""
+    placement = str((BalancedPlacement(2),) if layout == "balanced" else (Shard(2),))
+    for r in world("jit_context_parallel.py", layout):
+        for mode, arg in (("", "query"), ("ring_", "key")):
             torch.testing.assert_close(
-                torch.tensor(r[f"{mode}_losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0
+                torch.tensor(r[f"{mode}losses"]), torch.tensor(r["want_losses"]), rtol=1e-5, atol=0
             )
-            assert r[f"{mode}_max_param_err"] < 1e-5
-            assert r[f"{mode}_{arg}_placements"] == [str((BalancedPlacement(2),))] * 2
+            assert r[f"{mode}max_param_err"] < 1e-5
+            assert r[f"{mode}{arg}_placements"] == [placement] * 2
 
 
 # -- ring attention (vsf.config.context_parallel = "ring") ------------------------------------------

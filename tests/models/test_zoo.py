@@ -63,8 +63,9 @@ def _oracle(name: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
 )
 def test_trains_like_torch_on_one_device(sim, name, layout):
     want = _oracle(name)
-    # each family's default layout takes its first step in checking mode: no op may differ from one device's
-    losses, params, step = zoo.jit_train(_families()[name], layout, sim, check=DEFAULT.get(name) == layout)
+    # each layout's core family takes its first step in checking mode: no op may differ from one
+    # device's (the other families are held to the oracle's numbers; checking adds ~40% to a step)
+    losses, params, step = zoo.jit_train(_families()[name], layout, sim, check=name in CORE and DEFAULT[name] == layout)
     assert step.plan_count == 1
     zoo.assert_like_oracle(f"{name} {layout}", losses, params, want)
 

@@ -2,7 +2,8 @@
 gloo processes (tier 3), and on one GPU with NCCL (tier 4, ``cuda``), a GPT step equals the same step unsharded; under ``vsf.simulate`` and in
 checking mode the program runs eagerly after one warning; a program Inductor cannot compile runs
 as traced after a warning naming the reason. Inductor compiles are slow on CPU (about a minute of
-CPU each for the tiny GPT, less from PyTorch's cache): the two GPT steps by default; the
+CPU each for the tiny GPT, less from PyTorch's cache): the FSDP AdamW GPT step (gathers,
+reduce-scatters and the donated in-place update, compiled) by default; the Megatron step, the
 differentiated block, the zoo's models and the pipeline's stages under ``sweep``."""
 
 import warnings
@@ -52,6 +53,7 @@ def test_a_program_inductor_cannot_compile_runs_eagerly_with_the_reason(inductor
         assert "more lines" not in message
 
 
+@pytest.mark.sweep
 @pytest.mark.world("jit_inductor.py", "tp_sgd", nproc=2)
 @pytest.mark.multiprocess
 def test_compiled_megatron_sgd_step_equals_one_device(inductor):

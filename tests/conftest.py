@@ -41,6 +41,26 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "vsf"))
 
 
+# tests that start processes, train third-party models or run notebooks: their files take minutes
+LONG_MARKS = {"world", "multiprocess", "models", "notebooks"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files by how many of their tests carry one of ``LONG_MARKS``, most first, then by how many
+    tests they hold: a pytest-xdist worker takes the next file whenever it runs out (``--dist
+    loadfile``, the queue in this order), so the files that take minutes start early and the
+    workers finish together instead of one running a long file alone at the end."""
+    files: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def order(path: Path) -> tuple[int, int]:
+        tests = files[path]
+        return -sum(any(m.name in LONG_MARKS for m in t.iter_markers()) for t in tests), -len(tests)
+
+    items[:] = [item for path in sorted(files, key=order) for item in files[path]]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: a worker per core, at most 8 (each imports torch, jax and transformers)."""

@@ -81,10 +81,11 @@ def dp_bytes(stage, pp, dp):
     return grad_bytes(stage, pp, dp) + (M * 2 * (dp - 1) / dp * 2 * 4 if stage == pp - 1 else 0)
 
 
-# run -> (pp, stages, world): the interleaved run on 2 processes only, pp=4 on 4 only
+# run -> (pp, stages, world): two stages a rank on 2 processes, one stage a rank on 4 (pp=2 with dp=2,
+# whose sends and figures cover pp=2's alone)
 RUNS = {
-    "gpipe": (2, 2, None),
-    "1f1b": (2, 2, None),
+    "gpipe": (2, 2, 4),
+    "1f1b": (2, 2, 4),
     "interleaved": (2, 4, 2),
     "zb": (2, 4, 2),
     "zbv": (2, 4, 2),
@@ -106,7 +107,7 @@ def test_pipelined_gpt_on_4_processes_equals_one_device(world):
 
 
 def _check(world_dp, ranks):
-    runs = {k: v[:2] for k, v in RUNS.items() if v[2] in (None, 2 * world_dp)}
+    runs = {k: v[:2] for k, v in RUNS.items() if v[2] == 2 * world_dp}
     assert all(sorted(set(r) - {CP_RUN, FSDP_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
         dp = 2 * world_dp // pp if n == pp else 1  # (two stages a rank: on 2 processes, pp alone)

@@ -2,9 +2,10 @@
 ScheduleGPipe and Schedule1F1B over the pp groups, 4 microbatches), against the same steps run on
 one device in each process. argv: out_dir, dp size (world = 2 * dp), and optionally ``inductor``:
 then only 1F1B runs, every program of the step compiled by Inductor (``Pipeline(backend=...)``),
-and each rank also reports which of its programs Inductor compiled and vsf.jit's warnings. On 2 processes the same
-launch also runs torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (a 4-block GPT,
-two one-block stages per rank),
+and each rank also reports which of its programs Inductor compiled and vsf.jit's warnings. Eager,
+GPipe and 1F1B over pp=2 run on 4 processes (pp=2 x dp=2); on 2 processes the launch runs torch's
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ZBV and DualPipeV (a 4-block GPT, two
+one-block stages per rank),
 on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B, pp=2 x cp=2 with
 1F1B (each sequence split over cp inside the stages and in the activations sent between them), and
 pp=2 x fsdp=2 with 1F1B (params split over fsdp where their first dim divides, the batch over fsdp).
@@ -127,9 +128,10 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     }
 
 
-report = {
-    schedule: pipelined(2, dp, schedule) for schedule in (("1f1b",) if backend == "inductor" else ("gpipe", "1f1b"))
-}
+# pp=2 with one stage a rank: under Inductor (1F1B) on 2 processes; eager on 4 (with dp, whose sends
+# and stage figures are a superset of the 2-process runs')
+one_stage_a_rank = ("1f1b",) if backend == "inductor" else ("gpipe", "1f1b") if world == 4 else ()
+report = {schedule: pipelined(2, dp, schedule) for schedule in one_stage_a_rank}
 if world == 2 and backend == "eager":  # two stages on each rank
     report.update(
         {schedule: pipelined(2, 1, schedule, stages=4) for schedule in ("interleaved", "zb", "zbv", "dualpipev")}

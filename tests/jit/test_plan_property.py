@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
@@ -442,8 +442,14 @@ def _dtensor(mesh: vsf.Mesh, full: torch.Tensor, placements, rng: np.random.Gene
     """``full`` as a DTensor laid out as ``placements``."""
     try:
         spec = from_placements(mesh, placements, full.ndim).spec
-    except ValueError:  # a layout no spec names (a strided shard the plan passes through): DTensor cuts it
-        return vsf.device_put(full, vsf.NamedSharding(mesh, P())).redistribute(mesh.device_mesh, placements)
+    except ValueError:  # a layout no spec names (a strided shard the plan passes through): DTensor cuts it,
+        # and a partial sum over k ranks holds 1/k of each element on each (exact: k is a power of 2)
+        whole = [Replicate() if isinstance(p, Partial) else p for p in placements]
+        cut = vsf.device_put(full, vsf.NamedSharding(mesh, P())).redistribute(mesh.device_mesh, whole)
+        k = math.prod(mesh.device_mesh.size(d) for d, p in enumerate(placements) if isinstance(p, Partial))
+        return DTensor.from_local(
+            cut.to_local() / k, mesh.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+        )
     return _put(mesh, full, spec, rng)
 
 
@@ -645,6 +651,14 @@ PINNED = {
         (2, 2),
         lambda rng: merged_bmm_case(rng, 2, 2, 1, 1, 1),
         [P("tp"), P(None, "dp")],
+        None,
+    ),
+    # the merged dim of a partial sum split on tp: the plan runs bmm on a (partial, strided) input that
+    # no spec names (the test's DTensor for it cannot come from a redistribution to a partial sum)
+    "bmm of a partial sum's merged heads": (
+        (2, 2),
+        lambda rng: merged_bmm_case(rng, 2, 2, 1, 1, 1),
+        [P("tp"), P(None, "tp", unreduced="dp")],
         None,
     ),
     # a replicated value may become partial by keeping a share on each rank, but integer indices

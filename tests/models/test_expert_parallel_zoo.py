@@ -264,6 +264,7 @@ def test_pipelined_mixtral_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_de
         assert not [c for c in lowered.reducers[s].cost().collectives if c.axis == "ep" and c.bytes >= shard]
 
 
+@pytest.mark.sweep
 @pytest.mark.multiprocess
 @pytest.mark.world("pipeline_hf.py", "mixtral", nproc=4)
 def test_pipelined_mixtral_on_real_pp_x_ep_processes_dispatches_like_torch_on_one_device(world):
@@ -271,7 +272,10 @@ def test_pipelined_mixtral_on_real_pp_x_ep_processes_dispatches_like_torch_on_on
     microbatches; tests/workers/pipeline_hf.py): each process trains its stage with the one-device
     losses and params; its stage's program exchanges its microbatch's tokens over its ep group (a
     rank's one sequence of 16 tokens x top-2 x 32 floats: the dispatch and combine and their
-    transposes), and no stage gathers params."""
+    transposes), and no stage gathers params. In the sweep (about 30 s of a quiet 2-core run): the
+    default suite keeps the same plan and numbers on simulated ranks (above), the exchanges on real
+    gloo processes (tests/jit/test_expert_parallel.py) and collectives over a stage's sub-mesh on real
+    processes (pp=2 x dp=2, tests/transforms/test_pipeline_multiproc.py)."""
     rows = zoo.BATCH // 2 // 2 * zoo.SEQ * TOP_K * zoo.HIDDEN * 4
     for rank, r in enumerate(world("pipeline_hf.py", "mixtral", nproc=4)):
         torch.testing.assert_close(r["losses"], r["want_losses"], rtol=1e-4, atol=0)

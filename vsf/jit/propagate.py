@@ -50,7 +50,7 @@ from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
-from vsf.jit.solver import AxisSolver, Problem
+from vsf.jit.solver import AxisSolver, AxisTables, Problem
 from vsf.jit.strategies import Strategies
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
@@ -134,11 +134,14 @@ def propagate(
         }
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
-        codes = {axis: Codes(mesh.axis_size(axis), options.collective_latency_bytes) for axis in axes}
-        encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
+        tables: dict[str, AxisTables] = {}
         for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:
-                solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
+                if axis not in tables:
+                    tables[axis] = AxisTables.build(
+                        problem, axis, Codes(mesh.axis_size(axis), options.collective_latency_bytes)
+                    )
+                solver = AxisSolver(problem, axis, tables[axis])
                 solver.solve()
                 problem.solved[axis] = solver
         plans, moved, final = check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)

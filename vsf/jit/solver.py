@@ -65,7 +65,7 @@ class AxisSolver:
         self.axis = axis
         self.n = problem.mesh.axis_size(axis)
         self.codes = tables.codes
-        self.fb = [self._full_bytes(v) for v in problem.values]
+        self.fb = self._full_bytes()
         self.label = list(tables.label)
         self.need = [dict(d) for d in tables.need]
         self.final = tables.final
@@ -77,6 +77,7 @@ class AxisSolver:
         self.costed: dict[tuple[Any, ...], tuple[float, ...]] = {}  # every strategy's cost by context (_costs)
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
         self.reorder = self._reorders()
+        self.fixed_context = self._fixed_contexts()
 
     def _reorders(self) -> dict[int, dict[int, float]]:
         """For values that a later mesh axis already shards on some dim: what sharding that dim on
@@ -112,13 +113,15 @@ class AxisSolver:
         """The unsplit-work cost of op ``k`` under strategy ``j``."""
         return self.work[k] if self.work[k] and not self.splitting[k][j] else 0.0
 
-    def _full_bytes(self, v: Value) -> float:
-        t = meta_of(v)
-        size = float(t.numel() * t.element_size())
+    def _full_bytes(self) -> list[float]:
+        """Per value, its bytes on what the axes solved so far leave of it (split by each other
+        axis that shards it)."""
+        sizes = list(self.p.value_bytes)
         for other, solver in self.p.solved.items():
-            if other != self.axis and solver.codes.is_shard(solver.label[self.p.value_ids[v]]):
-                size /= solver.n
-        return size
+            if other != self.axis:
+                shard, n = solver.codes.shard, solver.n
+                sizes = [size / n if shard[c] else size for size, c in zip(sizes, solver.label)]
+        return sizes
 
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
         if not need:  # (most values, while the greedy pass has not reached their readers)
@@ -207,26 +210,39 @@ class AxisSolver:
                 self.label[v] = lab
 
     def _context(self, k: int, greedy: bool) -> tuple[Any, ...]:
-        """Everything :meth:`_evaluate` reads to cost op ``k``'s strategies: its strategy list, its
-        work, its current choice (repair passes), and per input and output the placement, bytes,
-        hints, reorder costs and wanted placements (in their order: the sums run in it). Ops of a
-        model's repeated blocks meet the same context, block after block, so :meth:`_pick` decides
-        once per context (:attr:`reuse`) what it would decide for each (the same arithmetic on the
-        same numbers)."""
-        label, need, fb, hints, reorder, final = self.label, self.need, self.fb, self.hints, self.reorder, self.final
-        ins, outs = self.ins[k], self.outs[k]
+        """Everything :meth:`_evaluate` reads to cost op ``k``'s strategies: what no choice changes
+        (:meth:`_fixed_contexts`), its current choice (repair passes), and per input its placement
+        and per input and output the placements wanted of it (in their order: the sums run in it).
+        Ops of a model's repeated blocks meet the same context, block after block, so :meth:`_pick`
+        decides once per context (:attr:`reuse`) what it would decide for each (the same arithmetic
+        on the same numbers)."""
+        label, need = self.label, self.need
         return (
-            id(self.strategies[k]),
+            self.fixed_context[k],
             greedy,
             -1 if greedy else self.choice[k],
-            self.work[k],
-            tuple(ins.index(v) for v in ins),
-            tuple(
-                (label[v], fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None, tuple(need[v].items()))
-                for v in ins
-            ),
-            tuple(None if v < 0 else (fb[v], final.get(v), tuple(need[v].items())) for v in outs),
+            tuple([(label[v], tuple(need[v].items())) for v in self.ins[k]]),
+            tuple([None if v < 0 else tuple(need[v].items()) for v in self.outs[k]]),
         )
+
+    def _fixed_contexts(self) -> list[int]:
+        """Per op, a number for the part of its :meth:`_context` that no choice on this axis
+        changes (equal numbers: equal parts): its strategy list, its work, which of its inputs are
+        one value, and per input its bytes, hints and reorder costs, per output its bytes and
+        required placement."""
+        fb, hints, reorder, final = self.fb, self.hints, self.reorder, self.final
+        numbers: dict[tuple[Any, ...], int] = {}
+        out = []
+        for k, (ins, outs) in enumerate(zip(self.ins, self.outs)):
+            part = (
+                id(self.strategies[k]),
+                self.work[k],
+                tuple(ins.index(v) for v in ins),
+                tuple((fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in ins),
+                tuple(None if v < 0 else (fb[v], final.get(v)) for v in outs),
+            )
+            out.append(numbers.setdefault(part, len(numbers)))
+        return out
 
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
@@ -470,9 +486,12 @@ class AxisSolver:
         if p is None or depth == 0 or p in moves:
             return False
         i = self.outs[p].index(v)
+        giving = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
+        if not giving:
+            return False
         costs = self._costs(p)
-        options = sorted((costs[j], j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req)
-        if not options or options[0][0] == INF:
+        options = sorted((costs[j], j) for j in giving)
+        if options[0][0] == INF:
             return False
         j = options[0][1]
         moves[p] = j
@@ -629,6 +648,7 @@ class Problem:
     op_ins: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per op, its tensor inputs' value ids
     op_outs: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per op, its outputs' (-1: none)
     views: list[bool] = dataclasses.field(default_factory=list)  # per op, is it a view (vsf.jit.graph.is_view)
+    value_bytes: list[float] = dataclasses.field(default_factory=list)  # per value, its bytes on global shapes
 
     def index(self) -> None:
         """Number the values, record which op produces and which ops consume each (and each op's
@@ -647,6 +667,7 @@ class Problem:
             tuple(self.value_ids.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in self.ops
         ]
         self.views = [is_view(node) for node in self.ops]
+        self.value_bytes = [float(t.numel() * t.element_size()) for t in map(meta_of, self.values)]
         self.flops = [op_flops(node) for node in self.ops]
 
     def _add(self, v: Value) -> int:

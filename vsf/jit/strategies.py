@@ -31,7 +31,7 @@ from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.jit import context_parallel
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
-from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
+from vsf.jit.graph import Value, is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.cost import local_shape
 from vsf.jit.plan import PARTIAL, Placements, R, splits_evenly
 from vsf.sharding.mesh import Mesh
@@ -96,6 +96,8 @@ class Strategies:
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
+        self.inputs: dict[torch.fx.Node, list[Value]] = {}
+        self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
 
     def of(
         self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False
@@ -107,7 +109,9 @@ class Strategies:
         if mine in self.by_node:  # (asked per op by every axis's solver, every sweep)
             return self.by_node[mine]
         arrivals = self.arrivals(node, n)
-        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), balanced, arrivals)
+        if node not in self.signatures:
+            self.signatures[node] = (node.target, signature(node.args), signature(node.kwargs))
+        key = (*self.signatures[node], n, tuple(ragged), balanced, arrivals)
         if key not in self.cache:
             op = self.classes[node]
             found, fallback = self._compute(node, op, n, arrivals)
@@ -128,13 +132,19 @@ class Strategies:
         a split; a sum over split rows)."""
         unknown, stack = set(), [node]
         while stack:
-            for p, _ in tensor_args(stack.pop()):
+            for p, _ in self._inputs(stack.pop()):
                 if p in self.classes and (p, n) not in self.arriving and p not in unknown:
                     unknown.add(p)
                     stack.append(p)
         for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
             self.arriving[(p, n)] = self._given(self.of(p, n)[0], len(outputs_meta(p)))
-        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in tensor_args(node))
+        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
+
+    def _inputs(self, node: torch.fx.Node) -> list[Value]:
+        """:func:`~vsf.jit.graph.tensor_args` of ``node``, found once."""
+        if node not in self.inputs:
+            self.inputs[node] = tensor_args(node)
+        return self.inputs[node]
 
     def _given(self, strategies: list[Strategy], n_out: int) -> tuple[tuple[Placement, ...], ...]:
         """Per output, the strided shards and partial sums some of ``strategies`` give it (once per

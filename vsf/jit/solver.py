@@ -70,7 +70,8 @@ class AxisSolver:
         self.need = [dict(d) for d in tables.need]
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
-        self.strategies, self.splitting, self.summing = tables.strategies, tables.splitting, tables.summing
+        self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
+        self.summing, self.gives = tables.summing, tables.gives
         self.hints = tables.hints
         self.choice = [-1] * len(problem.ops)
         self.picked: dict[tuple[Any, ...], int | None] = {}  # decisions by context (_context)
@@ -386,12 +387,8 @@ class AxisSolver:
         elementwise ops around them, which a cascade would otherwise make whole on every rank
         along with the values it moves. A cascade may make a view whole (it computes nothing),
         not another op."""
-        if self.view[k]:
-            return True
-        split = lambda st: any(
-            c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1])
-        )  # noqa: E731
-        return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
+        divided = self.divided[k]
+        return self.view[k] or divided[j] or not divided[self.choice[k]]
 
     def _cascade(self, start: list[tuple[int, int]], max_ops: int) -> bool:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
@@ -486,14 +483,15 @@ class AxisSolver:
         if p is None or depth == 0 or p in moves:
             return False
         i = self.outs[p].index(v)
-        giving = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
-        if not giving:
+        key = (id(self.strategies[p]), i, req)
+        if key not in self.gives:
+            self.gives[key] = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
+        if not self.gives[key]:
             return False
         costs = self._costs(p)
-        options = sorted((costs[j], j) for j in giving)
-        if options[0][0] == INF:
+        best_cost, j = min((costs[j], j) for j in self.gives[key])
+        if best_cost == INF:
             return False
-        j = options[0][1]
         moves[p] = j
         return all(
             not self.codes.is_partial(r) or self.label[u] == r or self._make_partial(u, r, moves, depth - 1)
@@ -532,9 +530,10 @@ class AxisTables:
     """What the solvers of one axis read that no sweep changes, built once per axis
     (:meth:`build`) and shared by its solvers: the placement codes; the seeds' labels; the
     outputs' requirements (``need``; ``final`` where one is a placement); per op its strategies
-    encoded (ops of one signature share one list), which of them split its work and the hints
-    (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``,
-    filled as the solvers ask)."""
+    encoded (ops of one signature share one list), which of them split its work (``splitting``),
+    which leave an operand split, a shard or a partial sum (``divided``), and the hints
+    (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
+    per list, output and placement those giving it (``gives``), filled as the solvers ask."""
 
     codes: Codes
     label: list[int]
@@ -542,8 +541,10 @@ class AxisTables:
     final: dict[int, int]
     strategies: list[Encoded]
     splitting: list[tuple[bool, ...]]
+    divided: list[tuple[bool, ...]]
     hints: list[frozenset[int]]
     summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
@@ -560,14 +561,19 @@ class AxisTables:
             if req is not NOT_PARTIAL and not isinstance(req, OrSum):
                 final[vid[v]] = c
         strategies = _strategy_lists(problem, axis, codes)
-        by_list: dict[int, tuple[bool, ...]] = {}
+        by_list: dict[int, tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
         for options in strategies:
             if id(options) not in by_list:
-                by_list[id(options)] = tuple(
-                    splits_work([codes.placements[c] for c in (*ins, *outs) if c >= 0]) for ins, outs in options
+                by_list[id(options)] = (
+                    tuple(splits_work([codes.placements[c] for c in (*ins, *outs) if c >= 0]) for ins, outs in options),
+                    tuple(
+                        any(c >= 0 and (codes.is_shard(c) or codes.is_partial(c)) for c in (*ins, *outs))
+                        for ins, outs in options
+                    ),
                 )
-        splitting = [by_list[id(options)] for options in strategies]
-        return cls(codes, label, need, final, strategies, splitting, _hints(problem, codes, need, strategies))
+        splitting = [by_list[id(options)][0] for options in strategies]
+        divided = [by_list[id(options)][1] for options in strategies]
+        return cls(codes, label, need, final, strategies, splitting, divided, _hints(problem, codes, need, strategies))
 
 
 def _strategy_lists(problem: "Problem", axis: str, codes: Codes) -> list[Encoded]:

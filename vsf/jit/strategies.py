@@ -98,6 +98,7 @@ class Strategies:
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
         self.inputs: dict[torch.fx.Node, list[Value]] = {}
         self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
+        self.single: dict[Any, list[Strategy] | None] = {}  # DTensor's per-mesh-dim rules by signature (any size)
 
     def of(
         self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False
@@ -109,9 +110,7 @@ class Strategies:
         if mine in self.by_node:  # (asked per op by every axis's solver, every sweep)
             return self.by_node[mine]
         arrivals = self.arrivals(node, n)
-        if node not in self.signatures:
-            self.signatures[node] = (node.target, signature(node.args), signature(node.kwargs))
-        key = (*self.signatures[node], n, tuple(ragged), balanced, arrivals)
+        key = (*self._signature(node), n, tuple(ragged), balanced, arrivals)
         if key not in self.cache:
             op = self.classes[node]
             found, fallback = self._compute(node, op, n, arrivals)
@@ -139,6 +138,20 @@ class Strategies:
         for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
             self.arriving[(p, n)] = self._given(self.of(p, n)[0], len(outputs_meta(p)))
         return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
+
+    def _signature(self, node: torch.fx.Node) -> tuple[Any, ...]:
+        """``node``'s target and its arguments' :func:`~vsf.jit.graph.signature`, found once."""
+        if node not in self.signatures:
+            self.signatures[node] = (node.target, signature(node.args), signature(node.kwargs))
+        return self.signatures[node]
+
+    def _single_dim(self, node: torch.fx.Node, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
+        """:func:`_single_dim` of ``node``, asked once per signature and strided arrivals: DTensor's
+        per-mesh-dim rules do not depend on the axis's size (the sizes' checks are :func:`_valid`'s)."""
+        key = (*self._signature(node), strided)
+        if key not in self.single:
+            self.single[key] = _single_dim(node, strided)
+        return self.single[key]
 
     def _inputs(self, node: torch.fx.Node) -> list[Value]:
         """:func:`~vsf.jit.graph.tensor_args` of ``node``, found once."""
@@ -176,7 +189,7 @@ class Strategies:
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
         strided = tuple(tuple(p for p in ps if kind_of(p) == "strided") for ps in arrivals)
         found = (
-            _single_dim(node, n, strided)
+            self._single_dim(node, strided)
             if op.rules == "single"
             else _by_each_input(node, n, strided)
             if op.rules
@@ -377,7 +390,7 @@ def _context_parallel(node: torch.fx.Node, options: PlanOptions) -> list[Strateg
     ]
 
 
-def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
+def _single_dim(node: torch.fx.Node, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
     fake = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
     outs = outputs_meta(node)
     out = outs[0] if isinstance(node.meta.get("val"), torch.Tensor) else outs

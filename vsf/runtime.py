@@ -21,11 +21,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -51,6 +52,27 @@ def on_stop(fn: Callable[[], None]) -> None:
         >>> vsf.runtime.on_stop(forget_meshes)
     """
     _ON_STOP.append(fn)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """This process's cyclic garbage collector off for the block (as it was before, after). A
+    step's trace and plan keep hundreds of thousands of objects alive (fx nodes, fake tensors,
+    strategies), which every full collection walks again to free little: about a tenth of a
+    24-layer GPT's planning time. The block's cyclic garbage is freed at the next collection.
+
+    Example::
+
+        >>> with vsf.runtime.collector_paused():
+        ...     compiled = plan(call)
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class simulate:  # noqa: N801  (used like a function: ``with vsf.simulate(8):``)

@@ -227,3 +227,38 @@ def test_in_place_writes_give_eager_numbers(sim, monkeypatch, fn, alone):
     for g, want in zip(got, fn(x.clone()), strict=True):
         torch.testing.assert_close(vsf.device_get(g), want)
     assert took == [alone]
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(sim):
+    """A call is traced and planned with Python's cyclic collector off (``vsf.runtime.collector_paused``),
+    and the collector is as it was afterwards: on, off, or after a trace that raised."""
+    import gc
+
+    import vsf
+    from vsf import P
+
+    sim(2, compute=False)
+    seen = []
+
+    def step(a):
+        seen.append(gc.isenabled())
+        return a * 2
+
+    def broken(a):
+        seen.append(gc.isenabled())
+        raise RuntimeError("step failed")
+
+    x = vsf.device_put(torch.ones(4, 2), vsf.NamedSharding(vsf.make_mesh((2,), ("dp",)), P("dp")))
+    assert gc.isenabled()
+    vsf.jit(step).lower(x)
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="step failed"):
+        vsf.jit(broken).lower(x)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        vsf.jit(lambda a: step(a) + 1).lower(x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False, False, False]

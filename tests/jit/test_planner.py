@@ -22,7 +22,7 @@ from vsf._compat import StridedShard
 from vsf.config import PlanOptions
 from vsf.jit.buckets import bucket_kind, form_buckets
 from vsf.jit.classify import OpClass, classify
-from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_shape, transition_bytes
+from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_shape, transition_bytes, transition_kind
 from vsf.jit.graph import output_node, value_of
 from vsf.jit.plan import Collective, Redistribution
 from vsf.jit.propagate import propagate
@@ -87,6 +87,24 @@ def test_a_constraint_is_classified_by_its_op():
 # -- DTensor's strategies --------------------------------------------------------------------
 
 
+def test_per_mesh_dim_rules_are_asked_once_per_signature_and_each_axis_size_keeps_its_own():
+    """DTensor's per-mesh-dim rules of an op do not depend on the axis's size, so they are asked
+    once per signature for every size (``Strategies.single``); what a size allows is still each
+    size's own (a dim of 4 rows splits over 2 and 4 ranks, not 8), and an op of another shape asks
+    again and gets its own: the same strategies as asked with nothing shared."""
+    gm = _graph(lambda x, w, y, v: (x @ w, y @ v), (4, 16), (16, 8), (8, 16), (16, 8))
+    small, large = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+    classes = {small: classify(small), large: classify(large)}
+    shared = Strategies(PlanOptions(), classes)
+    rows = Strategy((Shard(0), R), (Shard(0),))
+    for n in (2, 4, 8):
+        for node in (small, large):
+            assert shared.of(node, n) == Strategies(PlanOptions(), classes).of(node, n)
+        assert (rows in shared.of(small, n)[0]) == (n <= 4)
+        assert rows in shared.of(large, n)[0]
+    assert len(shared.single) == 2
+
+
 def test_matmul_offers_the_megatron_strategies_on_one_axis():
     gm = _graph(lambda x, w: x @ w, (4, 6), (6, 8))
     mm = _node(gm, aten.mm.default)
@@ -132,6 +150,26 @@ def test_the_cost_table_charges_a_latency_per_collective_and_forbids_impossible_
         codes.factor[r][p] == codes.factor[r][s0] and codes.fixed[r][p] == 0.0
     )  # a replicated value's share: local, a token
     assert codes.factor[s0][p] == float("inf")  # a shard never becomes partial by moving
+
+
+def test_the_cost_table_is_the_same_whatever_order_placements_are_coded_in():
+    """Each placement a solver meets adds its row and column to the table; every entry is the
+    transition's ring bytes per byte (and a start-up per collective), whatever the order."""
+    placements = [R, Shard(0), P, Shard(1), Partial("max"), StridedShard(0, split_factor=2)]
+    tables = [Codes(4), Codes(4)]
+    for q in placements:
+        tables[0].code(q)
+    for q in reversed(placements):
+        tables[1].code(q)
+    for a, b in itertools.product(placements, repeat=2):
+        kind = transition_kind(a, b)
+        want = 0.0 if kind is None else float("inf") if kind == "invalid" else transition_bytes(kind, 4, 1.0)
+        start_up = (
+            COLLECTIVE_LATENCY_BYTES if kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") else 0.0
+        )
+        for codes in tables:
+            assert codes.factor[codes.code(a)][codes.code(b)] == want, (a, b)
+            assert codes.fixed[codes.code(a)][codes.code(b)] == start_up, (a, b)
 
 
 def test_local_shapes_follow_ceil_division(sim):

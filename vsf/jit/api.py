@@ -28,7 +28,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import DTensor
 
-from vsf import _compat, config, tree
+from vsf import _compat, config, runtime, tree
 from vsf.jit.call import Arguments, Call, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
@@ -269,6 +269,7 @@ class Jitted:
             )
         return traced, steps
 
+    @runtime.collector_paused()
     def _compile(self, call: Call) -> "Compiled":
         reason = replan_reason(self._last_key, call.key, call.names)
         self.replans.append(reason)

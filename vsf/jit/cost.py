@@ -139,17 +139,23 @@ class Codes:
         self.placements: list[Any] = []
         self.factor: list[list[float]] = []
         self.fixed: list[list[float]] = []
+        self.shard: list[bool] = []
+        self.partial: list[bool] = []
         self.code(R)
 
     def code(self, p: Any) -> int:
-        if p not in self.of:
-            self.of[p] = len(self.placements)
+        c = self.of.get(p)
+        if c is None:  # a new placement: a column for it in each row, and its own row
+            c = self.of[p] = len(self.placements)
             self.placements.append(p)
-            self.factor = [[self._factor(a, b) for b in self.placements] for a in self.placements]
-            self.fixed = [[self._fixed(a, b) for b in self.placements] for a in self.placements]
-            self.shard = [is_shard(q) for q in self.placements]
-            self.partial = [isinstance(q, Partial) for q in self.placements]
-        return self.of[p]
+            for a, factor, fixed in zip(self.placements, self.factor, self.fixed):
+                factor.append(self._factor(a, p))
+                fixed.append(self._fixed(a, p))
+            self.factor.append([self._factor(p, b) for b in self.placements])
+            self.fixed.append([self._fixed(p, b) for b in self.placements])
+            self.shard.append(is_shard(p))
+            self.partial.append(isinstance(p, Partial))
+        return c
 
     def _fixed(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:

@@ -50,7 +50,7 @@ from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
-from vsf.jit.solver import AxisSolver, Problem
+from vsf.jit.solver import AxisSolver, AxisTables, Problem
 from vsf.jit.strategies import Strategies
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
@@ -114,6 +114,7 @@ def propagate(
                     f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})"
                 )
     dm_axes = list(mesh.device_axes)
+    out_placements = [None if s is None else to_placements(s) for s in out_shardings]
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
@@ -127,18 +128,21 @@ def propagate(
             key=repr,
         )
         problem.out_req[axis] = [
-            (v, _out_requirement(s, k, axis in ok)) for v, s, ok in zip(outputs, out_shardings, unreduced)
+            (v, _out_requirement(pl, k, axis in ok)) for v, pl, ok in zip(outputs, out_placements, unreduced)
         ]
         problem.pinned[axis] = {
             n: _pinned(n, mesh, axis) for n in ops if problem.strategies.classes[n].kind == "constraint"
         }
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
-        codes = {axis: Codes(mesh.axis_size(axis), options.collective_latency_bytes) for axis in axes}
-        encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
+        tables: dict[str, AxisTables] = {}
         for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:
-                solver = AxisSolver(problem, axis, codes[axis], encoded[axis])
+                if axis not in tables:
+                    tables[axis] = AxisTables.build(
+                        problem, axis, Codes(mesh.axis_size(axis), options.collective_latency_bytes)
+                    )
+                solver = AxisSolver(problem, axis, tables[axis])
                 solver.solve()
                 problem.solved[axis] = solver
         plans, moved, final = check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
@@ -155,12 +159,12 @@ def propagate(
     return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
 
 
-def _out_requirement(s: NamedSharding | None, k: int, may_stay_unreduced: bool) -> Any:
-    """What a graph output required as ``s`` (``None``: anything but a partial) must be on mesh
-    dim ``k``: ``s``'s placement there, or an unreduced sum as well where ``may_stay_unreduced``."""
-    if s is None:
+def _out_requirement(placements: Placements | None, k: int, may_stay_unreduced: bool) -> Any:
+    """What a graph output required as ``placements`` (``None``: anything but a partial) must be
+    on mesh dim ``k``: its placement there, or an unreduced sum as well where ``may_stay_unreduced``."""
+    if placements is None:
         return NOT_PARTIAL
-    p = one_d(to_placements(s)[k])
+    p = one_d(placements[k])
     return OrSum(p) if may_stay_unreduced else p
 
 

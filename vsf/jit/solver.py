@@ -11,7 +11,7 @@ redistributions it implies) and its incremental cost bookkeeping, so they are on
 
 Example::
 
-    >>> solver = AxisSolver(problem, "tp", Codes(2), {})
+    >>> solver = AxisSolver(problem, "tp", AxisTables.build(problem, "tp", Codes(2)))
     >>> solver.solve(); solver.placement_of(0)
 """
 
@@ -42,13 +42,13 @@ from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
-__all__ = ["AxisSolver", "Problem"]
+__all__ = ["AxisSolver", "AxisTables", "Problem"]
 
 
 _TIE = 1e-9
 
 
-def _encode(codes: "Codes", strategies: list[Strategy]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
     return [
         (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs))
         for st in strategies
@@ -60,79 +60,25 @@ class AxisSolver:
 
     reuse = True  # decide once per op context (:meth:`_context`); False costs every op anew (tests compare)
 
-    def __init__(
-        self,
-        problem: "Problem",
-        axis: str,
-        codes: "Codes",
-        encoded: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]],
-    ) -> None:
+    def __init__(self, problem: "Problem", axis: str, tables: "AxisTables") -> None:
         self.p = problem
         self.axis = axis
         self.n = problem.mesh.axis_size(axis)
-        self.codes = codes
-        vid = problem.value_ids
-        self.fb = [self._full_bytes(v) for v in problem.values]
-        self.label = [codes.code(R)] * len(problem.values)
-        self.need: list[dict[int, int]] = [{} for _ in problem.values]
-        for v, pl in problem.seeds[axis].items():
-            self.label[vid[v]] = codes.code(pl)
-        self.final: dict[int, int] = {}  # graph outputs with a required placement
-        for v, req in problem.out_req[axis]:
-            c = codes.code(req)
-            self.need[vid[v]][c] = self.need[vid[v]].get(c, 0) + 1
-            if req is not NOT_PARTIAL and not isinstance(req, OrSum):
-                self.final[vid[v]] = c
-        self.ins = [tuple(vid[v] for v in problem.inputs[node]) for node in problem.ops]
-        self.outs = [tuple(vid.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in problem.ops]
-        self.strategies: list[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
-        for node in problem.ops:
-            fixed = problem.fixed.get(axis, {}).get(node)
-            if fixed is not None:  # a manual region: its specs are its only strategy
-                self.strategies.append(_encode(codes, [fixed]))
-                continue
-            allowed = problem.strategies.of(node, self.n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
-            pinned = problem.pinned[axis].get(node)
-            if pinned is not None:
-                allowed = [st for st in allowed if st.outs[0] in pinned]
-                if not allowed:
-                    raise PlanError(
-                        f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{user_line(node)}"
-                    )
-                self.strategies.append(_encode(codes, allowed))
-                continue
-            if id(allowed) not in encoded:  # ops with one signature share one list: encode it once
-                encoded[id(allowed)] = _encode(codes, allowed)
-            self.strategies.append(encoded[id(allowed)])
+        self.codes = tables.codes
+        self.fb = self._full_bytes()
+        self.label = list(tables.label)
+        self.need = [dict(d) for d in tables.need]
+        self.final = tables.final
+        self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
+        self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
+        self.summing, self.gives = tables.summing, tables.gives
+        self.hints = tables.hints
         self.choice = [-1] * len(problem.ops)
         self.picked: dict[tuple[Any, ...], int | None] = {}  # decisions by context (_context)
         self.costed: dict[tuple[Any, ...], tuple[float, ...]] = {}  # every strategy's cost by context (_costs)
-        self.summing: dict[int, list[int]] = {}  # per strategy list, the strategies giving a partial result
-        self.view = [is_view(node) for node in problem.ops]
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
-        self.unsplit = self._unsplit_strategies()
         self.reorder = self._reorders()
-        self.hints = self._hints()
-
-    def _hints(self) -> list[frozenset[int]]:
-        """Shardings each value will be wanted in later, propagated backwards (as GSPMD does) from
-        the outputs' required shardings through ops that keep a sharding as it is (elementwise
-        ones: the same placement in and out). The greedy pass may shard a value into one of its
-        hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
-        optimizer will want sharded, before a norm of it decides for a full reduction."""
-        hints: list[set[int]] = [set() for _ in self.p.values]
-        for v, need in enumerate(self.need):
-            hints[v].update(c for c in need if self.codes.is_shard(c))
-        for k in range(len(self.p.ops) - 1, -1, -1):
-            wanted = [hints[v] if v >= 0 else set() for v in self.outs[k]]
-            if not any(wanted):
-                continue
-            for ins, outs in self.strategies[k]:
-                if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
-                    for v, req in zip(self.ins[k], ins):
-                        if self.codes.is_shard(req) and req in outs:
-                            hints[v].add(req)
-        return [frozenset(h) for h in hints]
+        self.fixed_context = self._fixed_contexts()
 
     def _reorders(self) -> dict[int, dict[int, float]]:
         """For values that a later mesh axis already shards on some dim: what sharding that dim on
@@ -160,32 +106,23 @@ class AxisSolver:
                 flops /= solver.n
         return unsplit_bytes(flops, self.n, self.p.bytes_per_flop)
 
-    def _unsplit_strategies(self) -> list[tuple[bool, ...]]:
-        """Per op that does work (:attr:`work`), which of its strategies run it unsplit here."""
-        by_list: dict[int, tuple[bool, ...]] = {}
-        out = []
-        for k, options in enumerate(self.strategies):
-            if self.work[k] and id(options) not in by_list:
-                by_list[id(options)] = tuple(not self.splits(k, j) for j in range(len(options)))
-            out.append(by_list.get(id(options), ()) if self.work[k] else ())
-        return out
-
     def splits(self, k: int, j: int) -> bool:
         """Does strategy ``j`` of op ``k`` split its work over this axis (:func:`~vsf.jit.cost.splits_work`)?"""
-        ins, outs = self.strategies[k][j]
-        return splits_work([self.codes.placements[c] for c in (*ins, *outs) if c >= 0])
+        return self.splitting[k][j]
 
     def _op_work(self, k: int, j: int) -> float:
         """The unsplit-work cost of op ``k`` under strategy ``j``."""
-        return self.work[k] if self.work[k] and self.unsplit[k][j] else 0.0
+        return self.work[k] if self.work[k] and not self.splitting[k][j] else 0.0
 
-    def _full_bytes(self, v: Value) -> float:
-        t = meta_of(v)
-        size = float(t.numel() * t.element_size())
+    def _full_bytes(self) -> list[float]:
+        """Per value, its bytes on what the axes solved so far leave of it (split by each other
+        axis that shards it)."""
+        sizes = list(self.p.value_bytes)
         for other, solver in self.p.solved.items():
-            if other != self.axis and solver.codes.is_shard(solver.label[self.p.value_ids[v]]):
-                size /= solver.n
-        return size
+            if other != self.axis:
+                shard, n = solver.codes.shard, solver.n
+                sizes = [size / n if shard[c] else size for size, c in zip(sizes, solver.label)]
+        return sizes
 
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
         if not need:  # (most values, while the greedy pass has not reached their readers)
@@ -274,26 +211,39 @@ class AxisSolver:
                 self.label[v] = lab
 
     def _context(self, k: int, greedy: bool) -> tuple[Any, ...]:
-        """Everything :meth:`_evaluate` reads to cost op ``k``'s strategies: its strategy list, its
-        work, its current choice (repair passes), and per input and output the placement, bytes,
-        hints, reorder costs and wanted placements (in their order: the sums run in it). Ops of a
-        model's repeated blocks meet the same context, block after block, so :meth:`_pick` decides
-        once per context (:attr:`reuse`) what it would decide for each (the same arithmetic on the
-        same numbers)."""
-        label, need, fb, hints, reorder, final = self.label, self.need, self.fb, self.hints, self.reorder, self.final
-        ins, outs = self.ins[k], self.outs[k]
+        """Everything :meth:`_evaluate` reads to cost op ``k``'s strategies: what no choice changes
+        (:meth:`_fixed_contexts`), its current choice (repair passes), and per input its placement
+        and per input and output the placements wanted of it (in their order: the sums run in it).
+        Ops of a model's repeated blocks meet the same context, block after block, so :meth:`_pick`
+        decides once per context (:attr:`reuse`) what it would decide for each (the same arithmetic
+        on the same numbers)."""
+        label, need = self.label, self.need
         return (
-            id(self.strategies[k]),
+            self.fixed_context[k],
             greedy,
             -1 if greedy else self.choice[k],
-            self.work[k],
-            tuple(ins.index(v) for v in ins),
-            tuple(
-                (label[v], fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None, tuple(need[v].items()))
-                for v in ins
-            ),
-            tuple(None if v < 0 else (fb[v], final.get(v), tuple(need[v].items())) for v in outs),
+            tuple([(label[v], tuple(need[v].items())) for v in self.ins[k]]),
+            tuple([None if v < 0 else tuple(need[v].items()) for v in self.outs[k]]),
         )
+
+    def _fixed_contexts(self) -> list[int]:
+        """Per op, a number for the part of its :meth:`_context` that no choice on this axis
+        changes (equal numbers: equal parts): its strategy list, its work, which of its inputs are
+        one value, and per input its bytes, hints and reorder costs, per output its bytes and
+        required placement."""
+        fb, hints, reorder, final = self.fb, self.hints, self.reorder, self.final
+        numbers: dict[tuple[Any, ...], int] = {}
+        out = []
+        for k, (ins, outs) in enumerate(zip(self.ins, self.outs)):
+            part = (
+                id(self.strategies[k]),
+                self.work[k],
+                tuple(ins.index(v) for v in ins),
+                tuple((fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in ins),
+                tuple(None if v < 0 else (fb[v], final.get(v)) for v in outs),
+            )
+            out.append(numbers.setdefault(part, len(numbers)))
+        return out
 
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
@@ -437,12 +387,8 @@ class AxisSolver:
         elementwise ops around them, which a cascade would otherwise make whole on every rank
         along with the values it moves. A cascade may make a view whole (it computes nothing),
         not another op."""
-        if self.view[k]:
-            return True
-        split = lambda st: any(
-            c >= 0 and (self.codes.is_shard(c) or self.codes.is_partial(c)) for c in (*st[0], *st[1])
-        )  # noqa: E731
-        return split(self.strategies[k][j]) or not split(self.strategies[k][self.choice[k]])
+        divided = self.divided[k]
+        return self.view[k] or divided[j] or not divided[self.choice[k]]
 
     def _cascade(self, start: list[tuple[int, int]], max_ops: int) -> bool:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
@@ -537,11 +483,15 @@ class AxisSolver:
         if p is None or depth == 0 or p in moves:
             return False
         i = self.outs[p].index(v)
-        costs = self._costs(p)
-        options = sorted((costs[j], j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req)
-        if not options or options[0][0] == INF:
+        key = (id(self.strategies[p]), i, req)
+        if key not in self.gives:
+            self.gives[key] = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
+        if not self.gives[key]:
             return False
-        j = options[0][1]
+        costs = self._costs(p)
+        best_cost, j = min((costs[j], j) for j in self.gives[key])
+        if best_cost == INF:
+            return False
         moves[p] = j
         return all(
             not self.codes.is_partial(r) or self.label[u] == r or self._make_partial(u, r, moves, depth - 1)
@@ -572,6 +522,110 @@ class AxisSolver:
         return [pl[c] for c in ins], [None if c < 0 else pl[c] for c in outs]
 
 
+Encoded = list[tuple[tuple[int, ...], tuple[int, ...]]]  # strategies as (input codes, output codes; -1: none)
+
+
+@dataclasses.dataclass
+class AxisTables:
+    """What the solvers of one axis read that no sweep changes, built once per axis
+    (:meth:`build`) and shared by its solvers: the placement codes; the seeds' labels; the
+    outputs' requirements (``need``; ``final`` where one is a placement); per op its strategies
+    encoded (ops of one signature share one list), which of them split its work (``splitting``),
+    which leave an operand split, a shard or a partial sum (``divided``), and the hints
+    (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
+    per list, output and placement those giving it (``gives``), filled as the solvers ask."""
+
+    codes: Codes
+    label: list[int]
+    need: list[dict[int, int]]
+    final: dict[int, int]
+    strategies: list[Encoded]
+    splitting: list[tuple[bool, ...]]
+    divided: list[tuple[bool, ...]]
+    hints: list[frozenset[int]]
+    summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
+        """The tables of ``axis``, its placements coded in ``codes``."""
+        vid = problem.value_ids
+        label = [codes.code(R)] * len(problem.values)
+        need: list[dict[int, int]] = [{} for _ in problem.values]
+        for v, pl in problem.seeds[axis].items():
+            label[vid[v]] = codes.code(pl)
+        final: dict[int, int] = {}
+        for v, req in problem.out_req[axis]:
+            c = codes.code(req)
+            need[vid[v]][c] = need[vid[v]].get(c, 0) + 1
+            if req is not NOT_PARTIAL and not isinstance(req, OrSum):
+                final[vid[v]] = c
+        strategies = _strategy_lists(problem, axis, codes)
+        by_list: dict[int, tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
+        for options in strategies:
+            if id(options) not in by_list:
+                by_list[id(options)] = (
+                    tuple(splits_work([codes.placements[c] for c in (*ins, *outs) if c >= 0]) for ins, outs in options),
+                    tuple(
+                        any(c >= 0 and (codes.is_shard(c) or codes.is_partial(c)) for c in (*ins, *outs))
+                        for ins, outs in options
+                    ),
+                )
+        splitting = [by_list[id(options)][0] for options in strategies]
+        divided = [by_list[id(options)][1] for options in strategies]
+        return cls(codes, label, need, final, strategies, splitting, divided, _hints(problem, codes, need, strategies))
+
+
+def _strategy_lists(problem: "Problem", axis: str, codes: Codes) -> list[Encoded]:
+    """Per op, its strategies on ``axis`` encoded: a manual region's fixed one, those giving a
+    constrained sharding, or DTensor's (:meth:`Strategies.of`, encoded once per list)."""
+    n = problem.mesh.axis_size(axis)
+    encoded: dict[int, Encoded] = {}
+    out = []
+    for node in problem.ops:
+        fixed = problem.fixed.get(axis, {}).get(node)
+        if fixed is not None:  # a manual region: its specs are its only strategy
+            out.append(_encode(codes, [fixed]))
+            continue
+        allowed = problem.strategies.of(node, n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
+        pinned = problem.pinned[axis].get(node)
+        if pinned is not None:
+            allowed = [st for st in allowed if st.outs[0] in pinned]
+            if not allowed:
+                raise PlanError(
+                    f"no strategy of {node.target} can give the constrained sharding on axis {axis!r}{user_line(node)}"
+                )
+            out.append(_encode(codes, allowed))
+            continue
+        if id(allowed) not in encoded:  # ops with one signature share one list: encode it once
+            encoded[id(allowed)] = _encode(codes, allowed)
+        out.append(encoded[id(allowed)])
+    return out
+
+
+def _hints(
+    problem: "Problem", codes: Codes, need: list[dict[int, int]], strategies: list[Encoded]
+) -> list[frozenset[int]]:
+    """Shardings each value will be wanted in later, propagated backwards (as GSPMD does) from
+    the outputs' required shardings (``need``) through ops that keep a sharding as it is
+    (elementwise ones: the same placement in and out). The greedy pass may shard a value into one
+    of its hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
+    optimizer will want sharded, before a norm of it decides for a full reduction."""
+    hints: list[set[int]] = [set() for _ in problem.values]
+    for v, wants in enumerate(need):
+        hints[v].update(c for c in wants if codes.is_shard(c))
+    for k in range(len(problem.ops) - 1, -1, -1):
+        wanted = [hints[v] if v >= 0 else set() for v in problem.op_outs[k]]
+        if not any(wanted):
+            continue
+        for ins, outs in strategies[k]:
+            if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
+                for v, req in zip(problem.op_ins[k], ins):
+                    if codes.is_shard(req) and req in outs:
+                        hints[v].add(req)
+    return [frozenset(h) for h in hints]
+
+
 @dataclasses.dataclass
 class Problem:
     """What every axis solver shares: the graph's ops and values, the seeds from the inputs, the
@@ -597,9 +651,14 @@ class Problem:
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
     consumers_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    op_ins: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per op, its tensor inputs' value ids
+    op_outs: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per op, its outputs' (-1: none)
+    views: list[bool] = dataclasses.field(default_factory=list)  # per op, is it a view (vsf.jit.graph.is_view)
+    value_bytes: list[float] = dataclasses.field(default_factory=list)  # per value, its bytes on global shapes
 
     def index(self) -> None:
-        """Number the values, record which op produces and which ops consume each, and count each op's FLOPs."""
+        """Number the values, record which op produces and which ops consume each (and each op's
+        inputs and outputs by number), and count each op's FLOPs."""
         for ph in placeholders_of(self.gm):
             self._add((ph, 0))
         for k, node in enumerate(self.ops):
@@ -609,6 +668,12 @@ class Problem:
         for k, node in enumerate(self.ops):
             for v in self.inputs[node]:
                 self.consumers_of.setdefault(self.value_ids[v], []).append(k)
+        self.op_ins = [tuple(self.value_ids[v] for v in self.inputs[node]) for node in self.ops]
+        self.op_outs = [
+            tuple(self.value_ids.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in self.ops
+        ]
+        self.views = [is_view(node) for node in self.ops]
+        self.value_bytes = [float(t.numel() * t.element_size()) for t in map(meta_of, self.values)]
         self.flops = [op_flops(node) for node in self.ops]
 
     def _add(self, v: Value) -> int:

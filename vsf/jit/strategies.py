@@ -31,7 +31,7 @@ from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.jit import context_parallel
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
-from vsf.jit.graph import is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
+from vsf.jit.graph import Value, is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.cost import local_shape
 from vsf.jit.plan import PARTIAL, Placements, R, splits_evenly
 from vsf.sharding.mesh import Mesh
@@ -96,6 +96,9 @@ class Strategies:
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
+        self.inputs: dict[torch.fx.Node, list[Value]] = {}
+        self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
+        self.single: dict[Any, list[Strategy] | None] = {}  # DTensor's per-mesh-dim rules by signature (any size)
 
     def of(
         self, node: torch.fx.Node, n: int, ragged: Sequence[tuple[RaggedPlacement, int]] = (), balanced: bool = False
@@ -107,7 +110,7 @@ class Strategies:
         if mine in self.by_node:  # (asked per op by every axis's solver, every sweep)
             return self.by_node[mine]
         arrivals = self.arrivals(node, n)
-        key = (node.target, signature(node.args), signature(node.kwargs), n, tuple(ragged), balanced, arrivals)
+        key = (*self._signature(node), n, tuple(ragged), balanced, arrivals)
         if key not in self.cache:
             op = self.classes[node]
             found, fallback = self._compute(node, op, n, arrivals)
@@ -128,13 +131,33 @@ class Strategies:
         a split; a sum over split rows)."""
         unknown, stack = set(), [node]
         while stack:
-            for p, _ in tensor_args(stack.pop()):
+            for p, _ in self._inputs(stack.pop()):
                 if p in self.classes and (p, n) not in self.arriving and p not in unknown:
                     unknown.add(p)
                     stack.append(p)
         for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
             self.arriving[(p, n)] = self._given(self.of(p, n)[0], len(outputs_meta(p)))
-        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in tensor_args(node))
+        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
+
+    def _signature(self, node: torch.fx.Node) -> tuple[Any, ...]:
+        """``node``'s target and its arguments' :func:`~vsf.jit.graph.signature`, found once."""
+        if node not in self.signatures:
+            self.signatures[node] = (node.target, signature(node.args), signature(node.kwargs))
+        return self.signatures[node]
+
+    def _single_dim(self, node: torch.fx.Node, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
+        """:func:`_single_dim` of ``node``, asked once per signature and strided arrivals: DTensor's
+        per-mesh-dim rules do not depend on the axis's size (the sizes' checks are :func:`_valid`'s)."""
+        key = (*self._signature(node), strided)
+        if key not in self.single:
+            self.single[key] = _single_dim(node, strided)
+        return self.single[key]
+
+    def _inputs(self, node: torch.fx.Node) -> list[Value]:
+        """:func:`~vsf.jit.graph.tensor_args` of ``node``, found once."""
+        if node not in self.inputs:
+            self.inputs[node] = tensor_args(node)
+        return self.inputs[node]
 
     def _given(self, strategies: list[Strategy], n_out: int) -> tuple[tuple[Placement, ...], ...]:
         """Per output, the strided shards and partial sums some of ``strategies`` give it (once per
@@ -166,7 +189,7 @@ class Strategies:
             return [Strategy((p,), (p if is_shard(p) else R,)) for p in inputs], False
         strided = tuple(tuple(p for p in ps if kind_of(p) == "strided") for ps in arrivals)
         found = (
-            _single_dim(node, n, strided)
+            self._single_dim(node, strided)
             if op.rules == "single"
             else _by_each_input(node, n, strided)
             if op.rules
@@ -367,7 +390,7 @@ def _context_parallel(node: torch.fx.Node, options: PlanOptions) -> list[Strateg
     ]
 
 
-def _single_dim(node: torch.fx.Node, n: int, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
+def _single_dim(node: torch.fx.Node, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
     fake = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) and is_tensor_node(a) else a  # noqa: E731
     outs = outputs_meta(node)
     out = outs[0] if isinstance(node.meta.get("val"), torch.Tensor) else outs

@@ -113,6 +113,7 @@ __all__ = [
     "local_tensor_mode",
     "make_local",
     "merge_rank_results",
+    "module_calls_through",
     "module_node_copy",
     "module_tables",
     "one_rank_device_mesh",
@@ -142,6 +143,13 @@ __all__ = [
     "single_rank_device_mesh",
     "swap_local",
     "tensor_version",
+    "trace_aside",
+    "track_as",
+    "untraced_like",
+    "only_tracing_modes",
+    "global_module_hooks",
+    "saved_tensor_hooks",
+    "stack_trace_now",
     "torch_tree_leaves",
     "torch_tree_map",
     "trace_fake",
@@ -1206,3 +1214,96 @@ def undeclared_writes(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
     if not bound.get("training", False):
         return []
     return [t for t in (bound.get("running_mean"), bound.get("running_var")) if t is not None]
+
+
+# Stamping a traced block out (vsf.jit.stamp): the running make_fx trace's module calls, a trace
+# beside it, and values added to its graph without dispatching an op.
+
+
+@contextlib.contextmanager
+def module_calls_through(
+    tracer: Any, call: Callable[[torch.nn.Module, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+) -> Iterator[None]:
+    """While the make_fx trace ``tracer`` (a :func:`tracer`) runs: each module call it records goes
+    through ``call(module, forward, args, kwargs)`` instead (``forward(*args, **kwargs)`` runs the
+    module as it would have run: fx's tracer hands every ``Module.__call__`` to its ``call_module``)."""
+    tracer.call_module = call
+    try:
+        yield
+    finally:
+        del tracer.call_module
+
+
+def trace_aside(fun: Callable[..., Any], fakes: Sequence[torch.Tensor], decompositions: Any) -> torch.fx.GraphModule:
+    """``make_fx`` of ``fun(*fakes)`` while another trace runs, which records none of it: ``fakes``
+    are fake tensors of the running trace's fake mode, and the graph records stack traces as
+    :func:`vsf.jit.trace.trace`'s does."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing():
+        return make_fx(fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True)(*fakes)
+
+
+def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode) that the
+    running trace does not record."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._mode_utils import no_dispatch
+
+    if not isinstance(t, FakeTensor):
+        raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
+    with no_dispatch():
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return FakeTensor(t.fake_mode, meta, t.device).requires_grad_(requires_grad)
+
+
+def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
+    """Make the trace ``tracer`` read the tensor ``t`` as the value of its graph's ``node``."""
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    track_tensor_tree(t, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+    return t
+
+
+def only_tracing_modes() -> bool:
+    """Are the modes on the dispatch stack only those of a running ``make_fx`` trace (its fake and
+    proxy modes, and ``vsf.simulate``'s while a trace turns it off), so that the ops a traced function runs reach nothing else (no
+    ``vsf.random.keyed`` draws, no user's mode)?"""
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return all(
+        isinstance(m, (FakeTensorMode, ProxyTorchDispatchMode)) or isinstance(m, LocalTensorMode) and m._disable
+        for m in _get_current_dispatch_mode_stack()
+    )
+
+
+def global_module_hooks() -> bool:
+    """Is a hook registered for every module's calls (``torch.nn.modules.module.register_module_*_hook``)?"""
+    from torch.nn.modules import module
+
+    return any(
+        getattr(module, name)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+
+
+def saved_tensor_hooks() -> bool:
+    """Are hooks on the tensors autograd saves in force (``torch.autograd.graph.saved_tensors_hooks``:
+    activation checkpointing's, which drop them and recompute the forward in the backward)?"""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
+def stack_trace_now(tracer: Any) -> str | None:
+    """The stack trace the make_fx trace ``tracer`` would record on a node it made now (``None``
+    where it records none): the Python frames its filter keeps, outermost first."""
+    if not tracer.record_stack_traces:
+        return None
+    summary = fx_proxy.CapturedTraceback.extract().summary()
+    kept = tracer._filter_traceback_frames(summary) if summary else None
+    return "".join(kept.format()).strip() or None if kept else None

@@ -68,6 +68,10 @@
   back (:func:`vsf.nn.expert_parallel`, the region ``shard_map(expert_dispatch)`` in the plan's
   text); ``False`` plans the module as transformers runs it (the experts' weights gathered to the
   tokens). Read when a step is traced.
+* ``stamp_blocks`` (default ``True``): inside ``vsf.jit``, the first child of a ``ModuleList`` or
+  ``Sequential`` of each kind (a transformer's blocks) is traced by itself, and its graph is copied
+  for every block of the same kind (:mod:`vsf.jit.stamp`: the same graph and plan as tracing each
+  block, at a fraction of the tracing time); ``False`` traces every block. Read when a step is traced.
 
 * ``check_across_processes`` (default ``True``): on several processes, :func:`vsf.device_put`
   of plain tensors checks that every process passed the same value (each must hold the whole
@@ -90,7 +94,7 @@
 
 The switches a plan depends on (``allow_replicated_fallback``, ``allow_unkeyed_random``,
 ``context_parallel``, ``context_parallel_gather_bytes``, ``compute_bytes_per_flop``,
-``bucket_bytes``, ``dispatch_experts``, ``collective_latency_bytes``) are read once per ``vsf.jit`` call into a :class:`PlanOptions` (:func:`plan_options`),
+``bucket_bytes``, ``dispatch_experts``, ``collective_latency_bytes``, ``stamp_blocks``) are read once per ``vsf.jit`` call into a :class:`PlanOptions` (:func:`plan_options`),
 which is part of the call's cache key and is passed down to every stage that plans: a switch
 changed between two calls plans the step again with the new value, and ``step.replans`` names it.
 The others are read when they act (``strict`` and ``check_plan`` on every call, ``jit_mode`` when a
@@ -121,6 +125,7 @@ bucket_bytes: int = 4 * 2**20
 compute_bytes_per_flop: float = 0.01
 dispatch_experts: bool = True
 collective_latency_bytes: float = 4096.0
+stamp_blocks: bool = True
 check_across_processes: bool = True
 collective_timeout: float = float(_environ.get("VSF_COLLECTIVE_TIMEOUT", "600"))
 
@@ -144,6 +149,7 @@ class PlanOptions:
     bucket_bytes: int = 4 * 2**20
     dispatch_experts: bool = True
     collective_latency_bytes: float = 4096.0
+    stamp_blocks: bool = True
 
     def changed(self, other: "PlanOptions") -> list[str]:
         """The switches whose values differ from ``other``'s, as ``vsf.config.NAME OLD -> NEW``.
@@ -182,4 +188,5 @@ def plan_options() -> PlanOptions:
         bucket_bytes,
         dispatch_experts,
         collective_latency_bytes,
+        stamp_blocks,
     )

@@ -7,6 +7,9 @@ of the long way round.
 * A step's optimizer tail functionalized alone (:mod:`vsf.jit.functionalize`) against the whole
   graph traced again: the same graph and plan; and in-place writes that reach another value
   through a view, which make it trace the whole graph, give eager's numbers.
+* A model's repeated blocks traced once and stamped out (:mod:`vsf.jit.stamp`) against every
+  block traced (``vsf.config.stamp_blocks = False``): the same graph and plan; blocks that differ
+  (shapes, a tied weight, a hook, keyed random draws) are not stamped from one trace.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from vsf import _compat
+from plan_checks import assert_same_plans, assert_same_stack_traces
 
 aten = torch.ops.aten
 R = Replicate()
@@ -70,6 +74,12 @@ def _gpt_plan(layers: int, shape: tuple[int, ...], optimizer: bool = False):
     """The plan of an SGD step (``optimizer``: vsf's AdamW, in foreach and in-place ops) of a
     ``layers``-layer GPT (separate qkv/proj/fc1/fc2 linears, tp on the weights Megatron's way,
     batch over dp x fsdp) on a planning-only 5D mesh of ``shape``."""
+    step, args = _gpt_step(layers, shape, optimizer)
+    return step.lower(*args)
+
+
+def _gpt_step(layers: int, shape: tuple[int, ...], optimizer: bool = False):
+    """:func:`_gpt_plan`'s jitted step and its arguments."""
     from toy_models import GPT, GPTConfig
 
     import vsf
@@ -92,7 +102,7 @@ def _gpt_plan(layers: int, shape: tuple[int, ...], optimizer: bool = False):
         return vsf.tree.map(lambda a, b: a - 0.01 * b, p, g), loss
 
     if not optimizer:
-        return vsf.jit(step).lower(p, idx, idx)
+        return vsf.jit(step), (p, idx, idx)
     tx = vsf.optim.adamw(1e-3, weight_decay=0.1)
 
     def adamw_step(p, s, idx, tgt):
@@ -100,7 +110,7 @@ def _gpt_plan(layers: int, shape: tuple[int, ...], optimizer: bool = False):
         u, s = tx.update(g, s, p)
         return vsf.optim.apply_updates(p, u), s, loss
 
-    return vsf.jit(adamw_step).lower(p, tx.init(p), idx, idx)
+    return vsf.jit(adamw_step), (p, tx.init(p), idx, idx)
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
@@ -148,20 +158,6 @@ def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):
     assert sum("toy_models.py" in source_line(n) for n in fast.graph.nodes) > 50
 
 
-def _same_plans(a, b) -> None:
-    """Two lowered steps have the same graph (ops in order) and plan: every op's placements, every
-    redistribution (of the value at the same place in the graph), the bytes and collectives."""
-    ga, gb = a.plan.graph.graph, b.plan.graph.graph
-    assert [(n.op, n.target) for n in ga.nodes] == [(n.op, n.target) for n in gb.nodes]
-    assert [(p.ins, p.outs) for p in a.plan.nodes.values()] == [(p.ins, p.outs) for p in b.plan.nodes.values()]
-    at = lambda g, v: list(g.nodes).index(v[0])  # noqa: E731
-    assert [(at(ga, r.value), r.src, r.dst) for r in a.plan.redistributions] == [
-        (at(gb, r.value), r.src, r.dst) for r in b.plan.redistributions
-    ]
-    assert a.cost().comm_bytes == b.cost().comm_bytes
-    assert a.cost().collectives == b.cost().collectives
-
-
 def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, monkeypatch):
     """vsf's AdamW writes in place and in foreach ops; only its update (the ops from the first
     such one on) is traced again, not the forward and backward before it, and the step's graph
@@ -177,7 +173,7 @@ def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, 
     monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: False)
     whole = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
     assert not any(n.target in functionalize._FOREACH_DECOMPOSITIONS for n in tail.plan.graph.graph.nodes)
-    _same_plans(tail, whole)
+    assert_same_plans(tail, whole)
 
 
 def _fresh(a):  # writes to its own value, read by nothing made before the write: the tail alone
@@ -262,3 +258,96 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(sim):
     finally:
         gc.enable()
     assert seen == [False, False, False]
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
+def test_blocks_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, shape):
+    """An AdamW step of a 4-layer GPT on a 5D mesh: its blocks stamped from one trace, the graph
+    (every op in order, reading the same values) and plan (placements, redistributions, bytes,
+    collectives) are those of every block traced, and each op names the same user lines."""
+    import vsf
+
+    sim(math.prod(shape), compute=False)
+    step, args = _gpt_step(4, shape, optimizer=True)
+    assert step.trace(*args).stamped == {"Block": (4,)}
+    stamped = step.lower(*args)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    step, args = _gpt_step(4, shape, optimizer=True)
+    assert step.trace(*args).stamped == {}
+    one_by_one = step.lower(*args)
+    assert_same_plans(stamped, one_by_one)
+    assert_same_stack_traces(stamped, one_by_one)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.dropout(torch.tanh(self.fc1(x)), 0.1, self.training))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, blocks: list[torch.nn.Module], checkpointed: bool = False) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(8, 8)  # (every block's input needs a gradient)
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x.square().mean()
+
+
+def _stamps(model, keyed: bool = False):
+    """What one trace of an SGD step of ``model`` (a :class:`_Stack` on 8-wide inputs, batch over
+    2 simulated ranks; ``keyed``: run under ``vsf.random.keyed``) stamped, and its plan."""
+    import vsf
+    from vsf import P
+
+    def loss_fn(p, x, key):
+        if not keyed:
+            return vsf.tree.apply(model, p, x)
+        with vsf.random.keyed(key):
+            return vsf.tree.apply(model, p, x)
+
+    def step(p, x, key):
+        loss, g = vsf.value_and_grad(loss_fn)(p, x, key)
+        return vsf.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    mesh = vsf.make_mesh((2,), ("dp",))
+    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, P()))
+    x = vsf.device_put(torch.randn(4, 8), vsf.NamedSharding(mesh, P("dp")))
+    key = vsf.device_put(vsf.random.key(0), vsf.NamedSharding(mesh, P()))
+    jitted = vsf.jit(step)
+    return jitted.trace(params, x, key).stamped, jitted.lower(params, x, key)
+
+
+def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
+    """Blocks share a trace only where nothing that shapes their graph differs: a block of another
+    width gets a trace of its own, a block holding a weight another block holds (tied) is traced
+    by itself, as is a block with a hook; none is stamped under ``vsf.random.keyed`` (each draw
+    folds in its own count) or inside activation checkpointing (which recomputes what the block
+    saves); the plans are those of every block traced."""
+    import vsf
+
+    torch.manual_seed(0)
+    wide = _Stack([_Block(8, 16), _Block(8, 32), _Block(8, 16), _Block(8, 32)]).eval()
+    tied = _Stack([_Block(8, 16) for _ in range(3)]).eval()
+    tied.blocks[2].fc1.weight = tied.blocks[0].fc1.weight
+    hooked = _Stack([_Block(8, 16) for _ in range(3)]).eval()
+    hooked.blocks[1].register_forward_hook(lambda m, i, o: o)
+    training = _Stack([_Block(8, 16) for _ in range(2)]).train()
+    checkpointed = _Stack([_Block(8, 16) for _ in range(2)], checkpointed=True).eval()
+    cases = [(wide, False, {"_Block": (2, 2)}), (tied, False, {"_Block": (2,)}), (hooked, False, {"_Block": (2,)})]
+    cases += [(training, True, {}), (checkpointed, False, {})]
+    sim(2)
+    for model, keyed, want in cases:
+        monkeypatch.setattr(vsf.config, "stamp_blocks", True)
+        stamped, plan = _stamps(model, keyed)
+        assert stamped == want
+        monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+        assert_same_plans(plan, _stamps(model, keyed)[1])

@@ -317,12 +317,13 @@ def families() -> dict[str, Family]:
     }
 
 
-def llama(layers: int, *, checkpointed: bool = False) -> Family:
+def llama(layers: int, *, checkpointed: bool = False, **config: Any) -> Family:
     """The zoo's Llama with ``layers`` decoder layers; ``checkpointed``: with Hugging Face's
-    activation checkpointing (``gradient_checkpointing_enable()``: each layer recomputed in the backward)."""
+    activation checkpointing (``gradient_checkpointing_enable()``: each layer recomputed in the
+    backward); ``config``: other settings of its ``LlamaConfig`` (``use_cache=False``)."""
     import transformers as T
 
-    plain = _llama_like(T.LlamaConfig, T.LlamaForCausalLM, num_hidden_layers=layers)
+    plain = _llama_like(T.LlamaConfig, T.LlamaForCausalLM, num_hidden_layers=layers, **config)
 
     def build() -> torch.nn.Module:
         model = plain()

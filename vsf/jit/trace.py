@@ -30,6 +30,7 @@ from vsf.config import PlanOptions
 from vsf.errors import TraceError
 from vsf.jit.functionalize import functionalized
 from vsf.jit.graph import is_library_file, placeholders_of, source_line
+from vsf.jit.stamp import Stamper
 from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
 from vsf.sharding.named import NamedSharding
@@ -46,13 +47,15 @@ class Traced:
     ``out_tree`` is the structure of everything the function returned; ``out_consts`` holds the
     non-tensor leaves of the result (``None`` where a tensor output goes). ``split_inputs``: the
     inputs (by position) that a rewrite computes on split, with the mesh axes it computes them
-    split over (:func:`computes_on_shards`).
+    split over (:func:`computes_on_shards`). ``stamped``: per block class, how many blocks each
+    of its traces stood for (:mod:`vsf.jit.stamp`; empty with ``vsf.config.stamp_blocks`` off).
     """
 
     graph: torch.fx.GraphModule
     out_tree: tree.PyTreeSpec
     out_consts: tuple[Any, ...]
     split_inputs: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    stamped: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,7 @@ class _Inputs:
     names: Callable[[int], str]
     options: PlanOptions
     split: dict[int, tuple[str, ...]]  # what computes_on_shards said, by input position
+    aside: list[int] = dataclasses.field(default_factory=list)  # questions asked from a trace beside the step's
 
 
 _TRACING: list[_Inputs] = []  # the steps whose code is running under trace now, innermost last
@@ -140,6 +144,8 @@ def _input_index(t: torch.Tensor) -> int | None:
     ``detach``, a dtype cast or a copy); ``None`` outside a trace or for a computed value."""
     if not _TRACING:
         return None
+    if _compat.tracer() is not _TRACING[-1].tracer:
+        _TRACING[-1].aside.append(1)
     node = _compat.traced_node(t, _TRACING[-1].tracer)
     while node is not None and node.op == "call_function" and node.target in _SAME_VALUE:
         node = node.args[0]
@@ -184,11 +190,13 @@ def trace(
     ``options``: the plan's switches (default: the defaults), for the rewrites (:func:`rewrite_while_tracing`)."""
     out_info: dict[str, Any] = {}
     split: dict[int, tuple[str, ...]] = {}
+    stamped: dict[str, tuple[int, ...]] = {}
+    options = options if options is not None else PlanOptions()
 
     def flat_fun(*tensors: torch.Tensor) -> list[torch.Tensor]:
         args, kwargs = rebuild(list(tensors))
-        inputs = _Inputs(_compat.tracer(), shardings, names, options if options is not None else PlanOptions(), split)
-        with _running(inputs):
+        inputs = _Inputs(_compat.tracer(), shardings, names, options, split)
+        with _running(inputs), _stamping(inputs, decompositions, stamped):
             out = fun(*args, **kwargs)
         leaves, treedef = tree.flatten(out)
         out_info["tree"] = treedef
@@ -202,7 +210,26 @@ def trace(
         traced = _trace(
             fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
         )
-    return dataclasses.replace(traced, split_inputs=dict(split))
+    return dataclasses.replace(traced, split_inputs=dict(split), stamped=stamped)
+
+
+@contextlib.contextmanager
+def _stamping(
+    inputs: _Inputs, decompositions: Mapping[Any, Callable[..., Any]] | None, stamped: dict[str, tuple[int, ...]]
+) -> Iterator[None]:
+    """The step's repeated blocks traced once and stamped out (:mod:`vsf.jit.stamp`), unless the
+    plan's ``stamp_blocks`` is off; ``stamped`` gets what :attr:`Stamper.stamped` says."""
+    if not inputs.options.stamp_blocks:
+        yield
+        return
+    stamper = Stamper(inputs.tracer, dict(decompositions or {}), _draws, lambda: len(inputs.aside))
+    with _compat.module_calls_through(inputs.tracer, stamper):
+        yield
+    stamped.update({k: tuple(v) for k, v in stamper.stamped.items()})
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    return draws_random(node.target, node.args, node.kwargs)
 
 
 def _trace(

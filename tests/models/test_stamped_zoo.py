@@ -1,0 +1,67 @@
+"""A third-party model's repeated blocks traced once and stamped out (:mod:`vsf.jit.stamp`):
+Hugging Face Llama's decoder layers (``use_cache=False``: with a cache, each layer writes its keys
+and values into a ``DynamicCache`` it is passed, and is traced by itself) plan as every layer
+traced, and the stamped step trains as plain PyTorch does on one device."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import zoo
+from plan_checks import assert_same_plans, assert_same_stack_traces
+
+import vsf
+
+pytestmark = pytest.mark.models
+
+trace_module = importlib.import_module("vsf.jit.trace")
+
+
+def _lowered(family: zoo.Family):
+    """The AdamW step of ``family`` on the zoo's 5D layout (planning only): what one trace of it
+    stamped, and its plan (the caller has started the simulation)."""
+    model, batches = zoo.built(family)
+    params = vsf.tree.from_module(model)
+    tx = zoo.adamw()
+    shape, axes, kind, batch_spec = zoo.LAYOUTS["5d"]
+    mesh = vsf.make_mesh(shape, axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, kind, family)))
+    s = vsf.optim.init_sharded(tx, p)
+    batch = vsf.device_put(batches[0], vsf.NamedSharding(mesh, batch_spec))
+    step = vsf.jit(zoo.train_step(model, tx, family.loss))
+    return step.trace(p, s, batch).stamped, step.lower(p, s, batch)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, checkpointed):
+    """A 3-layer Llama's AdamW step: its layers stamped from one trace, the graph and plan of every
+    layer traced, each op naming the same user lines; with Hugging Face's activation checkpointing too (inside each layer's forward:
+    the trace of a layer recomputes it in its backward)."""
+    family = zoo.llama(3, use_cache=False, checkpointed=checkpointed)
+    sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
+    stamped, plan = _lowered(family)
+    assert stamped == {"LlamaDecoderLayer": (3,)}
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    plain, one_by_one = _lowered(family)
+    assert plain == {}
+    assert_same_plans(plan, one_by_one)
+    assert_same_stack_traces(plan, one_by_one)
+
+
+def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
+    """Three AdamW steps of a stamped 2-layer Llama on the 5D layout: every loss and param as
+    ``torch.optim.AdamW`` on one device gives them."""
+    stampers = []
+
+    class Seen(trace_module.Stamper):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            stampers.append(self)
+
+    monkeypatch.setattr(trace_module, "Stamper", Seen)
+    family = zoo.llama(2, use_cache=False)
+    losses, params, _ = zoo.jit_train(family, "5d", sim)
+    assert [s.stamped for s in stampers] == [{"LlamaDecoderLayer": [2]}]
+    zoo.assert_like_oracle("stamped llama", losses, params, zoo.torch_run(family))

@@ -1,0 +1,437 @@
+"""Tracing a model's repeated blocks once and stamping their graph out for the others.
+
+Tracing records each op of a step at about a millisecond of CPU (fake dispatch, the fx node and its
+metadata, autograd's recording of the backward), so a deep model's trace grows with its depth. While
+:func:`vsf.jit.trace.trace` records a step, each call of a child of a ``ModuleList`` or
+``Sequential`` that has a sibling of the same class and parameter shapes (a transformer's blocks)
+goes through :class:`Stamper`: the first block of its kind is traced by itself, forward and
+backward in one trace beside the step's (``_compat.trace_aside``), and that block and every later
+one of the same kind are *stamped*: their forward ops are copied into the step's graph reading the
+block's own inputs, and the backward ops likewise when autograd reaches the block (a
+``torch.autograd.Function`` whose forward and backward copy the nodes), each with the stack trace
+the plain trace records there. The copies are the ops the plain trace records, in its order, so
+the plan is the same (tests plan both ways); copying a node costs a small part of tracing it.
+
+What must match for two calls to share a trace (the key): each module's class and training flag,
+the parameters' and buffers' names, shapes, strides, dtypes, devices and ``requires_grad``, the
+call's argument structure, its tensors' shapes, strides, dtypes, devices and ``requires_grad``, its
+other arguments' values (numbers, strings, ``None``, dtypes), grad mode, and the attributes of
+its modules that the traced block's code read (a plain value by value, any other object by
+identity: Llama's ``layer_idx``, read only to index a cache, does not split the layers, while an
+attribute a layer branches on does); a read through ``vars(module)`` is not seen. A call is traced
+the plain way when a shared trace could be wrong: a hook on any module of the block (or a global
+one), a dispatch mode other than the trace's own (``vsf.random.keyed``: each draw folds in its
+count), autocast, hooks on the tensors autograd saves (activation checkpointing around the block,
+which recomputes what the block saves; checkpointing inside it is traced with it), a tensor held
+in two slots, passed twice, or held by another block too (a tied weight), an argument of another
+kind (a ``transformers`` ``DynamicCache``: ``use_cache=True`` writes each layer's keys into it),
+and, once traced, a block that reads a tensor from outside its inputs, writes in place, draws
+random numbers, returns an input, or asks :func:`vsf.jit.trace.step_input` about a tensor. The
+backward of a stamped block cannot be differentiated again (``vsf.grad`` of ``vsf.grad``): that is
+a ``TraceError``, as is a gradient arriving with other strides than the block's trace assumed.
+``vsf.config.stamp_blocks = False`` traces every call the plain way.
+
+Example::
+
+    >>> stamper = Stamper(tracer, {}, lambda node: False, lambda: 0)
+    >>> with _compat.module_calls_through(tracer, stamper):
+    ...     loss = model(x)
+    >>> stamper.stamped            # one trace of GPT's Block stood for its 24 blocks
+    {'Block': [24]}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from vsf import _compat, tree
+from vsf.errors import TraceError
+
+__all__ = ["Stamper"]
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_UNTRACED = object()
+_MISSING = object()
+_MODULE_STATE = set(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: tables, hooks, training
+
+
+@dataclasses.dataclass
+class _Trace:
+    """A block traced once: its graph's input placeholders (the slots' tensors, then the
+    arguments'), the forward nodes and the backward nodes in trace order, the node of each tensor
+    output (``None`` for another value, kept in ``consts``), the node standing for each
+    differentiable output's gradient, the node of each input's gradient (``None``: none), the
+    block's class name, and the stack trace of the call it was traced at."""
+
+    inputs: list[torch.fx.Node]
+    forward: list[torch.fx.Node]
+    backward: list[torch.fx.Node]
+    outs: list[torch.fx.Node | None]
+    consts: list[Any]
+    out_tree: tree.PyTreeSpec
+    differentiable: list[bool]
+    tangents: list[torch.fx.Node]
+    grads: list[torch.fx.Node | None]
+    name: str
+    stack: str | None  # the stack trace of the call it was traced at, which its nodes' traces start with
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of a block: its modules (itself first, each once), the slots of their tensors, its operands (those tensors, then the
+    arguments' tensors), and how to put the arguments back together from tensors."""
+
+    modules: list[torch.nn.Module]
+    slots: list[tuple[dict[str, Any], str]]
+    operands: list[torch.Tensor]
+    leaves: list[Any]
+    treedef: tree.PyTreeSpec
+
+
+class Stamper:
+    """The module calls of one trace (``tracer``, a ``_compat.tracer()``): each child of a
+    ``ModuleList`` or ``Sequential`` is stamped from one trace per key (the module docstring),
+    anything else runs as it is. ``decompositions`` are the trace's; ``draws`` says whether an op
+    node draws random numbers; ``asked()`` counts the questions :func:`vsf.jit.trace.step_input`
+    was asked from a trace beside the step's. ``stamped`` maps a block's class name to the number
+    of blocks each of its traces stood for.
+
+    Example::
+
+        >>> with _compat.module_calls_through(tracer, Stamper(tracer, {}, lambda node: False, lambda: 0)):
+        ...     out = model(x)
+    """
+
+    def __init__(
+        self,
+        tracer: Any,
+        decompositions: Mapping[Any, Callable[..., Any]],
+        draws: Callable[[torch.fx.Node], bool],
+        asked: Callable[[], int],
+    ) -> None:
+        self.tracer = tracer
+        self.decompositions = decompositions
+        self.draws = draws
+        self.asked = asked
+        self.blocks: set[int] = set()  # ids of the children of a ModuleList or Sequential seen called
+        self.traces: dict[Any, list[tuple[frozenset[tuple[int, str]], Any, _Trace | None]]] = {}
+        self.stamped: dict[str, list[int]] = {}
+        self._held: set[int] = set()  # ids of the tensors the blocks keyed so far hold
+        self._uses: dict[int, int] = {}
+
+    def __call__(
+        self, module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        containers = [module] if isinstance(module, torch.nn.Sequential) else []
+        containers += [c for c in module.children() if isinstance(c, (torch.nn.ModuleList, torch.nn.Sequential))]
+        self.blocks.update(id(b) for c in containers for b in _repeated(c))
+        if id(module) not in self.blocks:
+            return forward(*args, **kwargs)
+        keyed = _keyed(module, args, kwargs, self.tracer)
+        if keyed is None:
+            return forward(*args, **kwargs)
+        key, call = keyed
+        held = {id(t) for t in call.operands[: len(call.slots)]}
+        shared, self._held = bool(held & self._held), self._held | held
+        if shared:  # a tensor another block holds too (a tied weight): traced by itself
+            return forward(*args, **kwargs)
+        traces = self.traces.setdefault(key, [])
+        traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
+        if traced is _UNTRACED:
+            reads, traced = self._trace(forward, call)
+            traces.append((reads, _values(call.modules, reads), traced))
+        if traced is None:
+            return forward(*args, **kwargs)
+        if id(traced) not in self._uses:
+            self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))
+            self.stamped[traced.name].append(0)
+        self.stamped[traced.name][self._uses[id(traced)]] += 1
+        outs = iter(_Replay.apply(self.tracer, traced, _compat.stack_trace_now(self.tracer), *call.operands))
+        return tree.unflatten(
+            traced.out_tree, [next(outs) if n is not None else c for n, c in zip(traced.outs, traced.consts)]
+        )
+
+    def _trace(self, forward: Callable[..., Any], call: _Call) -> tuple[frozenset[tuple[int, str]], _Trace | None]:
+        """Trace the block by itself on fresh inputs like the call's, forward and (where a grad
+        flows) backward: the attributes of its modules its code read (by module index and name),
+        and the trace, ``None`` where it could not stand for another block."""
+        inputs = [_compat.untraced_like(t, t.requires_grad) for t in call.operands]
+        marks: dict[str, Any] = {}
+        asked = self.asked()
+
+        def joint(*xs: torch.Tensor) -> list[torch.Tensor]:
+            placed = [table[name] for table, name in call.slots]
+            for (table, name), x in zip(call.slots, xs):
+                table[name] = x
+            try:  # (the block's own tensors stay swapped for a backward that recomputes it: checkpointing)
+                with _recording_reads(call.modules) as marks["reads"]:
+                    return _joint(forward, call, list(xs), marks)
+            finally:
+                for (table, name), t in zip(call.slots, placed):
+                    table[name] = t
+
+        stack = _compat.stack_trace_now(self.tracer)
+        gm = _compat.trace_aside(joint, inputs, self.decompositions)
+        reads = frozenset(marks["reads"])
+        if self.asked() != asked:
+            return reads, None
+        return reads, _cut(gm, marks, type(call.modules[0]).__name__, stack, self.draws)
+
+
+def _joint(
+    forward: Callable[..., Any], call: _Call, xs: list[torch.Tensor], marks: dict[str, Any]
+) -> list[torch.Tensor]:
+    """Run the block on ``xs`` (its slots' tensors, then its arguments'), and its backward where a
+    gradient flows, noting in ``marks`` where each part of the trace starts and ends and which
+    nodes are its outputs, the stand-ins of their gradients, and the inputs' gradients."""
+    inner = _compat.tracer()
+    args, kwargs = _rebuild(call, xs[len(call.slots) :])
+    out = forward(*args, **kwargs)
+    leaves, marks["tree"] = tree.flatten(out)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    marks["leaves"] = leaves
+    marks["outs"] = [_compat.traced_node(x, inner) for x in tensors]
+    marks["forward_end"] = _last(inner)
+    wrt = [x for x in xs if x.requires_grad]
+    diff = [x for x in tensors if x.requires_grad]
+    marks["differentiable"] = [x.requires_grad for x in tensors]
+    if not (torch.is_grad_enabled() and wrt and diff):
+        marks["tangents"], marks["backward_start"], marks["grads"] = [], None, [None] * len(xs)
+        return tensors
+    tangents = [torch.empty_like(x) for x in diff]
+    marks["tangents"] = [_compat.traced_node(t, inner) for t in tangents]
+    marks["backward_start"] = _last(inner)
+    grads = iter(torch.autograd.grad(diff, wrt, tangents, allow_unused=True))
+    found = [next(grads) if x.requires_grad else None for x in xs]
+    marks["grads"] = [None if g is None else _compat.traced_node(g, inner) for g in found]
+    return tensors + [g for g in found if g is not None]
+
+
+def _cut(
+    gm: torch.fx.GraphModule,
+    marks: dict[str, Any],
+    name: str,
+    stack: str | None,
+    draws: Callable[[torch.fx.Node], bool],
+) -> _Trace | None:
+    """The block's trace ``gm`` split at the marks :meth:`Stamper._trace` set, or ``None`` where it
+    reads a constant (a tensor from outside its inputs), writes in place, draws random numbers, or
+    returns one of its inputs or one value twice."""
+    nodes = list(gm.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    ops = [n for n in nodes if n.op == "call_function"]
+    outs = marks["outs"]
+    if any(n.op == "get_attr" for n in nodes) or any(_writes(n) or draws(n) for n in ops):
+        return None
+    if any(o is None or o.op == "placeholder" for o in outs) or len(set(outs)) != len(outs):
+        return None
+    if any(t is None for t in marks["tangents"]):
+        return None
+    position = {n: i for i, n in enumerate(nodes)}
+    end = position[marks["forward_end"]]
+    start = position[marks["backward_start"]] if marks["backward_start"] is not None else len(nodes)
+    forward = [n for n in ops if position[n] <= end]
+    backward = [n for n in ops if position[n] > start]
+    it = iter(outs)
+    leaves = marks["leaves"]
+    return _Trace(
+        inputs,
+        forward,
+        backward,
+        [next(it) if isinstance(x, torch.Tensor) else None for x in leaves],
+        [None if isinstance(x, torch.Tensor) else x for x in leaves],
+        marks["tree"],
+        marks["differentiable"],
+        marks["tangents"],
+        marks["grads"],
+        name,
+        stack,
+    )
+
+
+class _Replay(torch.autograd.Function):
+    """A stamped block: forward copies its trace's forward nodes into the running trace's graph,
+    backward its backward nodes, each reading the copies of the nodes it reads."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, tracer: Any, traced: _Trace, stack: str | None, *operands: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        env = {p: _compat.traced_node(t, tracer) for p, t in zip(traced.inputs, operands)}
+        _copy(tracer, traced.forward, env, traced.stack, stack)
+        outs = [n for n in traced.outs if n is not None]
+        values = tuple(_compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer) for n in outs)
+        ctx.mark_non_differentiable(*(v for v, d in zip(values, traced.differentiable) if not d))
+        ctx.stamp = (tracer, traced, env, [t.requires_grad for t in operands])
+        return values
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        tracer, traced, env, needs = ctx.stamp
+        if torch.is_grad_enabled():
+            raise TraceError(
+                f"the backward of a stamped {traced.name} block is differentiated again (vsf.grad of vsf.grad, "
+                "create_graph=True), which its copied ops cannot record; set vsf.config.stamp_blocks = False"
+            )
+        flowing = [g for g, d in zip(grads, traced.differentiable) if d]
+        for node, g in zip(traced.tangents, flowing):
+            want = node.meta["val"]
+            if g.shape != want.shape or g.stride() != want.stride() or g.dtype != want.dtype:
+                raise TraceError(
+                    f"a stamped {traced.name} block's output gradient is {g.dtype} {list(g.shape)} with strides "
+                    f"{g.stride()}, its trace's {want.dtype} {list(want.shape)} with strides {want.stride()}; "
+                    "set vsf.config.stamp_blocks = False to trace every block by itself"
+                )
+            env[node] = _compat.traced_node(g, tracer)
+        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer))
+        out = [
+            None if n is None or not need else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)
+            for n, need in zip(traced.grads, needs)
+        ]
+        return (None, None, None, *out)
+
+
+def _copy(
+    tracer: Any, nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, Any], was: str | None, now: str | None
+) -> None:
+    """Copy ``nodes`` into ``tracer``'s graph, each reading the copies ``env`` maps its inputs to,
+    each with a value of its own (a later trace reads the graph's values as distinct tensors), and
+    with the stack trace the step's trace records here: the frames ``now`` in place of the frames
+    ``was`` of the call the block was traced at, before the block's own."""
+    graph = tracer.graph
+    for node in nodes:
+        new = graph.node_copy(node, env.__getitem__)
+        if "val" in node.meta:
+            new.meta["val"] = _fresh(node.meta["val"])
+        if node.stack_trace is not None:
+            trace = node.stack_trace
+            own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
+            new.stack_trace = ((now or "") + own).strip() or None
+        env[node] = new
+
+
+def _fresh(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return _compat.untraced_like(val)
+    if isinstance(val, (tuple, list)):
+        return type(val)(_fresh(v) for v in val)
+    return val
+
+
+def _last(tracer: Any) -> torch.fx.Node:
+    return next(iter(reversed(tracer.graph.nodes)))
+
+
+def _repeated(container: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of ``container`` that have a sibling of the same class with parameters of the
+    same names and shapes (a stack of blocks; a lone layer is not worth a trace of its own)."""
+    kinds: dict[Any, list[torch.nn.Module]] = {}
+    for child in container.children():
+        shapes = tuple((k, tuple(v.shape)) for k, v in child.named_parameters(remove_duplicate=False))
+        kinds.setdefault((type(child), shapes), []).append(child)
+    return [c for group in kinds.values() if len(group) > 1 for c in group]
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether the op may write in place (an op without a schema, other than ``getitem``, may)."""
+    if node.target is operator.getitem:
+        return False
+    schema = _compat.op_schema(node.target)
+    return schema is None or schema.is_mutable
+
+
+def _keyed(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any
+) -> tuple[Any, _Call] | None:
+    """The key of a block call (the module docstring says what it holds) and the call's tensors,
+    or ``None`` where the call is not to be stamped."""
+    if _compat.global_module_hooks() or _compat.saved_tensor_hooks() or not _compat.only_tracing_modes():
+        return None
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return None
+    modules = list(module.named_modules(remove_duplicate=False))
+    slots: list[tuple[dict[str, Any], str]] = []
+    key: list[Any] = [torch.is_grad_enabled()]
+    for prefix, m in modules:
+        if any(getattr(m, h, None) for h in _HOOKS):
+            return None
+        key.append((prefix, type(m), m.training))
+        params, buffers, _ = _compat.module_tables(m)
+        for table in (params, buffers):
+            for name, t in table.items():
+                if t is not None:
+                    slots.append((table, name))
+                    key.append((prefix, name, _meta(t)))
+    leaves, treedef = tree.flatten((args, kwargs))
+    key.append(treedef)
+    key += [_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves]
+    if any(not isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves):
+        return None
+    operands = [table[name] for table, name in slots] + [x for x in leaves if isinstance(x, torch.Tensor)]
+    if len({id(t) for t in operands}) != len(operands) or any(_compat.traced_node(t, tracer) is None for t in operands):
+        return None
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    unique = list({id(m): m for _, m in modules}.values())
+    return tuple(key), _Call(unique, slots, operands, leaves, treedef)
+
+
+@contextlib.contextmanager
+def _recording_reads(modules: list[torch.nn.Module]) -> Iterator[set[tuple[int, str]]]:
+    """Record which attributes of their own (not nn.Module's tables, hooks or training flag) the
+    code running now reads from ``modules`` by name, as (index in ``modules``, name); a read
+    through ``vars(module)`` is not seen (torch reads every module's ``__dict__`` on each call).
+    Each module runs as a subclass of its class that records them while the context is open."""
+    reads: set[tuple[int, str]] = set()
+    classes = [type(m) for m in modules]
+    for i, m in enumerate(modules):
+        m.__class__ = _recording(type(m), i, reads)
+    try:
+        yield reads
+    finally:
+        for m, cls in zip(modules, classes):
+            m.__class__ = cls
+
+
+def _recording(cls: type, index: int, reads: set[tuple[int, str]]) -> type:
+    def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+        if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
+            reads.add((index, name))
+        return super(recording, self).__getattribute__(name)
+
+    recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
+    return recording
+
+
+def _values(modules: list[torch.nn.Module], reads: frozenset[tuple[int, str]]) -> tuple[Any, ...]:
+    """The values of the attributes ``reads`` names, in ``modules``, as the key holds them."""
+    return tuple((i, name, _plain(vars(modules[i]).get(name, _MISSING))) for i, name in sorted(reads))
+
+
+def _plain(v: Any) -> Any:
+    """An attribute's value as the key holds it: itself where plain, else its identity."""
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
+        return (tuple, v)
+    return ("id", id(v))
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _rebuild(call: _Call, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    it = iter(tensors)
+    args, kwargs = tree.unflatten(call.treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in call.leaves])
+    return tuple(args), dict(kwargs)

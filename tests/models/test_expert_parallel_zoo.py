@@ -146,18 +146,18 @@ PIPELINED = {
 }
 
 
-def _moe_pipeline(sim, layout_name):
-    """The two MoE blocks, their params, 3 batches (inputs, targets) of one sequence of 4 tokens
-    per rank and microbatch, and on ``PIPELINED[layout_name]``'s simulated mesh their pipeline
-    (a stage a block, its residual connection included, 1F1B, two microbatches) with the params it
-    placed and their layout."""
+def _moe_pipeline(sim, layout_name, seq=4):
+    """The two MoE blocks, their params, 3 batches (inputs, targets) of one sequence of ``seq``
+    tokens per rank and microbatch, and on ``PIPELINED[layout_name]``'s simulated mesh their
+    pipeline (a stage a block, its residual connection included, 1F1B, two microbatches) with the
+    params it placed and their layout."""
     shape, axes, batch, experts, router = PIPELINED[layout_name]
     ranks = math.prod(shape) // 2  # a stage's
     blocks = _moe_blocks()
     params = vsf.tree.from_module(blocks)
     g = torch.Generator().manual_seed(1)
     batches = [
-        (torch.randn(2 * ranks, 4, 16, generator=g), torch.randn(2 * ranks, 4, 16, generator=g)) for _ in range(3)
+        (torch.randn(2 * ranks, seq, 16, generator=g), torch.randn(2 * ranks, seq, 16, generator=g)) for _ in range(3)
     ]
 
     def stage(s):
@@ -176,6 +176,32 @@ def _moe_pipeline(sim, layout_name):
     )
 
 
+def _torch_blocks(blocks, batches):
+    """The two blocks trained by plain PyTorch on one device: the losses and the params after each batch's AdamW step."""
+    model = copy.deepcopy(blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=zoo.LR, betas=zoo.BETAS, eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
+    losses = []
+    for x, target in batches:
+        opt.zero_grad()
+        h = x + model[0](x)
+        loss = _squared_error(h + model[1](h), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _train_pipelined(pipe, p, layout, batches):
+    tx = zoo.adamw()
+    s, losses = tx.init(p), []
+    for x, target in batches:
+        loss, grads = pipe.value_and_grad(p, x, target, layout=layout)
+        updates, s = tx.update(grads, s, p)
+        p = optim.apply_updates(p, updates)
+        losses.append(vsf.device_get(loss))
+    return losses, vsf.device_get(p)
+
+
 @pytest.mark.parametrize("layout_name", ["pp_ep", pytest.param("pp_fsdp_ep", marks=pytest.mark.sweep)])
 def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim, layout_name):
     """Two MoE blocks in two stages over pp, 1F1B, two microbatches, their experts split over ep (and
@@ -186,26 +212,10 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
     transpose in the backward and, on stage 1 (whose input needs a gradient), the dispatch's; the
     gradients reduced once a step over ep are the router's alone."""
     blocks, params, batches, (pipe, p, layout) = _moe_pipeline(sim, layout_name)
-    model = copy.deepcopy(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=zoo.LR, betas=zoo.BETAS, eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
-    want_losses = []
-    for x, target in batches:
-        opt.zero_grad()
-        h = x + model[0](x)
-        loss = _squared_error(h + model[1](h), target)
-        loss.backward()
-        opt.step()
-        want_losses.append(loss.detach())
-    want = {k: v.detach() for k, v in model.named_parameters()}
+    want = _torch_blocks(blocks, batches)
     lowered = pipe.lower(p, *batches[0], layout=layout)
-    tx = zoo.adamw()
-    s, losses = tx.init(p), []
-    for x, target in batches:
-        loss, grads = pipe.value_and_grad(p, x, target, layout=layout)
-        updates, s = tx.update(grads, s, p)
-        p = optim.apply_updates(p, updates)
-        losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle(f"moe blocks {layout_name}", losses, vsf.device_get(p), (want_losses, want))
+    losses, got = _train_pipelined(pipe, p, layout, batches)
+    zoo.assert_like_oracle(f"moe blocks {layout_name}", losses, got, want)
 
     assert not [c for g in lowered.gathers.values() for c in g.cost().collectives if c.axis == "ep"]
     rows = 4 * TOP_K * 16 * 4
@@ -218,6 +228,24 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         gate = layout.where(f"{stage_index}.gate.weight", stage_index)[0].shard_shape((4, 16))
         assert reduced == [("all_reduce", gate)]
     assert "all_to_all_v over ep (inside shard_map(expert_dispatch))" in lowered.as_text()
+
+
+def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim):
+    """Dispatch against gather, costed: with a rank's microbatch of 64 tokens, dispatching sends
+    each exchange 64 tokens x top-2 x 16 floats (8 KiB; 3 a microbatch on stage 0, whose input needs
+    no gradient, 4 on stage 1, two microbatches), while gathering a stage's experts once a step
+    sends each rank's 2 experts' 16x16 and 16x8 floats (3 KiB) and reduce-scatters their gradients
+    as much: the pipeline gathers them (over ep, one bucket), its programs exchange no token, and it
+    trains like torch on one device (params after 3 AdamW steps)."""
+    blocks, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep", seq=64)
+    experts = 2 * (16 * 16 + 16 * 8) * 4
+    assert 2 * 3 * (64 * TOP_K * 16 * 4) > 2 * experts  # stage 0's dispatch against its gather and reduce-scatter
+    lowered = pipe.lower(p, *batches[0], layout=layout)
+    for s in (0, 1):
+        assert [c.bytes for c in lowered.gathers[s].cost().collectives if c.axis == "ep"] == [experts]
+        assert not [c for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
+    losses, got = _train_pipelined(pipe, p, layout, batches)
+    zoo.assert_like_oracle("moe blocks gathered", losses, got, _torch_blocks(blocks, batches))
 
 
 def test_pipelined_with_dispatch_experts_off_gathers_the_experts_once_a_step(sim, monkeypatch):

@@ -1,5 +1,5 @@
 """Expert parallelism on the Hugging Face MoE families (the zoo's tiny configs with 8 experts,
-top-2: Mixtral by default, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 in the sweep): their experts'
+top-2: Mixtral by default, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE and GLM-4.5 in the sweep): their experts'
 fused weights split over ``ep`` on the expert dim, the tokens over ``("dp", "ep")``, the
 experts run through ``vsf.nn.expert_parallel``: with those specs alone (``vsf.jit`` recognises
 transformers' experts modules while it traces), or set explicitly (``vsf.nn.use_expert_parallel``:
@@ -28,8 +28,12 @@ MOE_LAYERS = {
     "qwen2_moe": zoo.LAYERS,
     "qwen3_moe": zoo.LAYERS,
     "deepseek_v3": zoo.LAYERS - 1,
-}  # DeepSeek's first layer is dense
-FAMILIES = ["mixtral"] + [pytest.param(f, marks=pytest.mark.sweep) for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3")]
+    "olmoe": zoo.LAYERS,
+    "glm4_moe": zoo.LAYERS - 1,
+}  # DeepSeek's and GLM's first layers are dense
+FAMILIES = ["mixtral"] + [
+    pytest.param(f, marks=pytest.mark.sweep) for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe")
+]
 # how the experts come to run through the dispatch: their specs alone, or vsf.nn.use_expert_parallel
 HOW = ["specs", "use_expert_parallel"]
 

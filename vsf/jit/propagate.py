@@ -146,7 +146,7 @@ def propagate(
         combined = [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, written)]
         if others and manual.reorders(mesh, combined[0][1], list(written)):
             combined += [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, c) for c in others]
-        plans, moved, final = min(combined, key=lambda c: _bytes_moved(*c[:2], options.collective_latency_bytes))
+        plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], options.collective_latency_bytes))
     plan = _scheduled(
         mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated
     )

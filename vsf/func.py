@@ -220,6 +220,7 @@ def shard_map(
     mesh: Mesh | None = None,
     axis_names: Sequence[str] | None = None,
     check_vma: bool = True,
+    any_order: bool = False,
 ) -> Callable[..., Any]:
     """``f`` run on each rank's local shards, with collectives you write (JAX's ``shard_map``).
 
@@ -247,7 +248,11 @@ def shard_map(
     ``all_to_all`` or ``psum_scatter`` over it, made it vary; ``psum``, ``pmean``, ``pmax`` and
     ``all_gather`` over it make it the same everywhere); ``check_vma=False`` trusts the body.
     Eagerly vsf does not check. The gradient rule is the same either way (JAX's without
-    ``check_vma``).
+    ``check_vma``). ``any_order`` (vsf's): ``f`` computes each block of a dim split over several
+    axes without regard to which rank holds it (rows routed one by one, say), so inside
+    :func:`vsf.jit` the planner may take that entry's axes in another order, the same in every spec
+    that names them together (``P(("ep", "cp"))`` for ``P(("cp", "ep"))``), where the plan then
+    moves fewer bytes (the values arrive in that order); eagerly the specs hold as written.
 
     Gradients flow through it (:func:`vsf.grad` of a function calling it). Inside
     :func:`vsf.jit` the body is traced into the step's graph (see :mod:`vsf.ops.region`): the plan
@@ -289,7 +294,7 @@ def shard_map(
             for (path, x), spec in zip(in_pairs, specs)
         ]
         if any(isinstance(x, torch.Tensor) and _compat.is_fake(x) for x, _ in placed):
-            return _traced_region(f, name, m, manual, out_specs, in_def, placed, check_vma)
+            return _traced_region(f, name, m, manual, out_specs, in_def, placed, check_vma, any_order)
         local = [_local_shard(x, s, manual) if s is not None else x for x, s in placed]
         with use_mesh(m), manual_axes(name, manual):
             out = f(*tree.unflatten(in_def, local))
@@ -341,6 +346,7 @@ def _traced_region(
     in_def: Any,
     placed: list[tuple[Any, NamedSharding | None]],
     check_vma: bool,
+    any_order: bool,
 ) -> Any:
     """The region traced into the graph under way (see :mod:`vsf.ops.region`): each tensor
     argument enters it through a ``manual_in`` op, the body's ops and collectives are traced as
@@ -350,7 +356,7 @@ def _traced_region(
         raise ValueError(
             f"shard_map({name}) is called inside shard_map({lookup(outer).name}) in a vsf.jit step: nested regions are not supported there; make one region manual over both sets of axes"
         )
-    region = Region(name, m, manual, tuple(s for _, s in placed if s is not None), check_vma)
+    region = Region(name, m, manual, tuple(s for _, s in placed if s is not None), check_vma, any_order=any_order)
     key = register(region)
     entered = iter(boundary(x, key, i, "manual_in") for i, x in enumerate(x for x, s in placed if s is not None))
     with use_mesh(m), manual_axes(name, manual, key):

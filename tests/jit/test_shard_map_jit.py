@@ -620,3 +620,32 @@ def test_a_balanced_ragged_all_to_all_is_a_collective_of_the_plan_equal_to_the_e
     # rank 2 keeps none of its 4 rows: 4 rows of 3 floats leave it, the most any rank sends
     assert "all_to_all_v over i (inside shard_map(<lambda>)): [4, 3] 48 B sent" in lowered.as_text()
     assert lowered.cost().collectives == (Collective("all_to_all_v", "i", (4, 3), torch.float32, 48),)
+
+
+@pytest.mark.parametrize("any_order", [False, True])
+def test_an_any_order_region_takes_a_dim_split_against_its_specs_order_as_it_arrives(sim, any_order):
+    """A row-wise body (each row scaled by its norm) with rows ``P(("dp", "tp"))`` and the input
+    arriving ``P(("tp", "dp"))``: as written the plan moves the 16x4 float rows into the region's
+    order and back; with ``any_order=True`` it takes them as they arrive (the order that moves
+    fewer bytes, both planned) and moves nothing. Gradients are one device's either way."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+
+    def body(rows):
+        return rows * rows.norm(dim=1, keepdim=True)
+
+    def loss(x):
+        region = vsf.shard_map(body, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")), any_order=any_order)
+        return (region(x) ** 2).sum()
+
+    x1 = x.clone().requires_grad_(True)
+    (body(x1) ** 2).sum().backward()  # the one-device oracle: torch autograd on the whole rows
+    sim(4)
+    with vsf.use_mesh(vsf.make_mesh((2, 2), ("dp", "tp"))) as mesh:
+        arrived = vsf.device_put(x, vsf.NamedSharding(mesh, P(("tp", "dp"))))
+        step = vsf.jit(vsf.grad(loss))
+        torch.testing.assert_close(vsf.device_get(step(arrived)), x1.grad)
+        moved = [(c.kind, c.axis, c.bytes) for c in step.lower(arrived).cost().collectives]
+    # as written, each of the rows, the result, its cotangent and the rows' gradient is regathered
+    # (a rank's 4 rows x 4 floats gathered over tp, then its 8 over dp) and sliced in the other order
+    regather = [("all_gather", "tp", 4 * 4 * 4), ("all_gather", "dp", 8 * 4 * 4)]
+    assert moved == ([] if any_order else regather * 4)

@@ -1,5 +1,5 @@
 """Expert parallelism on the Hugging Face MoE families (the zoo's tiny configs with 8 experts,
-top-2: Mixtral by default, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 in the sweep): their experts'
+top-2: Mixtral by default, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE and GLM-4.5 in the sweep): their experts'
 fused weights split over ``ep`` on the expert dim, the tokens over ``("dp", "ep")``, the
 experts run through ``vsf.nn.expert_parallel``: with those specs alone (``vsf.jit`` recognises
 transformers' experts modules while it traces), or set explicitly (``vsf.nn.use_expert_parallel``:
@@ -28,8 +28,12 @@ MOE_LAYERS = {
     "qwen2_moe": zoo.LAYERS,
     "qwen3_moe": zoo.LAYERS,
     "deepseek_v3": zoo.LAYERS - 1,
-}  # DeepSeek's first layer is dense
-FAMILIES = ["mixtral"] + [pytest.param(f, marks=pytest.mark.sweep) for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3")]
+    "olmoe": zoo.LAYERS,
+    "glm4_moe": zoo.LAYERS - 1,
+}  # DeepSeek's and GLM's first layers are dense
+FAMILIES = ["mixtral"] + [
+    pytest.param(f, marks=pytest.mark.sweep) for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe")
+]
 # how the experts come to run through the dispatch: their specs alone, or vsf.nn.use_expert_parallel
 HOW = ["specs", "use_expert_parallel"]
 
@@ -63,6 +67,41 @@ def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(s
     lowered = step.lower(p, s, vsf.device_put(batches[0], tokens))
     assert lowered.as_text().count("all_to_all_v over ep (inside shard_map(expert_dispatch))") == 4 * MOE_LAYERS[name]
     assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, MOE_LAYERS[name])
+
+
+# (mesh axes, the batch's spec): the tokens split ep-major, against the mesh order; cp before ep
+# (the batch over ep, the sequence over cp)
+ORDERS = [
+    pytest.param(("dp", "ep"), P(("ep", "dp")), id="dp-ep-tokens-ep-major"),
+    pytest.param(("cp", "ep"), P("ep", "cp"), id="cp-ep", marks=pytest.mark.sweep),
+]
+
+
+@pytest.mark.parametrize("axes, batch_spec", ORDERS)
+def test_the_token_axes_taken_in_the_cheaper_order_train_like_torch_on_one_device(sim, axes, batch_spec):
+    """Mixtral's experts ``P("ep")`` alone: the plan takes the dispatch's token axes in the order
+    that moves fewest bytes (every order planned), not the mesh's: the params after 3 AdamW steps
+    are torch's on one device, and over ep the tokens go to the experts (each exchange a rank's 16
+    tokens x top-2 x 32 floats) and the rest gathered there stays under one layer's local experts
+    (the mesh's order, ("dp", "ep"), regathered the ep-major tokens around each dispatch: 111 KiB)."""
+    family = zoo.moe("mixtral", EXPERTS)
+    want = zoo.torch_run(family)
+    model, batches = zoo.built(family)
+    params = vsf.tree.from_module(model)
+    tx = zoo.adamw()
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, expert_specs(params)))
+    s = optim.init_sharded(tx, p)
+    step = vsf.jit(zoo.train_step(model, tx, family.loss))
+    tokens = vsf.NamedSharding(mesh, batch_spec)
+    losses = []
+    for batch in batches:
+        p, s, loss = step(p, s, vsf.device_put(batch, tokens))
+        losses.append(vsf.device_get(loss))
+    zoo.assert_like_oracle(f"mixtral {axes} tokens {batch_spec}", losses, vsf.device_get(p), want)
+    lowered = step.lower(p, s, vsf.device_put(batches[0], tokens))
+    assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
 
 
 def assert_tokens_sent_not_experts(collectives, rank_tokens, layers):
@@ -146,18 +185,18 @@ PIPELINED = {
 }
 
 
-def _moe_pipeline(sim, layout_name):
-    """The two MoE blocks, their params, 3 batches (inputs, targets) of one sequence of 4 tokens
-    per rank and microbatch, and on ``PIPELINED[layout_name]``'s simulated mesh their pipeline
-    (a stage a block, its residual connection included, 1F1B, two microbatches) with the params it
-    placed and their layout."""
+def _moe_pipeline(sim, layout_name, seq=4):
+    """The two MoE blocks, their params, 3 batches (inputs, targets) of one sequence of ``seq``
+    tokens per rank and microbatch, and on ``PIPELINED[layout_name]``'s simulated mesh their
+    pipeline (a stage a block, its residual connection included, 1F1B, two microbatches) with the
+    params it placed and their layout."""
     shape, axes, batch, experts, router = PIPELINED[layout_name]
     ranks = math.prod(shape) // 2  # a stage's
     blocks = _moe_blocks()
     params = vsf.tree.from_module(blocks)
     g = torch.Generator().manual_seed(1)
     batches = [
-        (torch.randn(2 * ranks, 4, 16, generator=g), torch.randn(2 * ranks, 4, 16, generator=g)) for _ in range(3)
+        (torch.randn(2 * ranks, seq, 16, generator=g), torch.randn(2 * ranks, seq, 16, generator=g)) for _ in range(3)
     ]
 
     def stage(s):
@@ -176,6 +215,32 @@ def _moe_pipeline(sim, layout_name):
     )
 
 
+def _torch_blocks(blocks, batches):
+    """The two blocks trained by plain PyTorch on one device: the losses and the params after each batch's AdamW step."""
+    model = copy.deepcopy(blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=zoo.LR, betas=zoo.BETAS, eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
+    losses = []
+    for x, target in batches:
+        opt.zero_grad()
+        h = x + model[0](x)
+        loss = _squared_error(h + model[1](h), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _train_pipelined(pipe, p, layout, batches):
+    tx = zoo.adamw()
+    s, losses = tx.init(p), []
+    for x, target in batches:
+        loss, grads = pipe.value_and_grad(p, x, target, layout=layout)
+        updates, s = tx.update(grads, s, p)
+        p = optim.apply_updates(p, updates)
+        losses.append(vsf.device_get(loss))
+    return losses, vsf.device_get(p)
+
+
 @pytest.mark.parametrize("layout_name", ["pp_ep", pytest.param("pp_fsdp_ep", marks=pytest.mark.sweep)])
 def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim, layout_name):
     """Two MoE blocks in two stages over pp, 1F1B, two microbatches, their experts split over ep (and
@@ -186,26 +251,10 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
     transpose in the backward and, on stage 1 (whose input needs a gradient), the dispatch's; the
     gradients reduced once a step over ep are the router's alone."""
     blocks, params, batches, (pipe, p, layout) = _moe_pipeline(sim, layout_name)
-    model = copy.deepcopy(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=zoo.LR, betas=zoo.BETAS, eps=zoo.EPS, weight_decay=zoo.WEIGHT_DECAY)
-    want_losses = []
-    for x, target in batches:
-        opt.zero_grad()
-        h = x + model[0](x)
-        loss = _squared_error(h + model[1](h), target)
-        loss.backward()
-        opt.step()
-        want_losses.append(loss.detach())
-    want = {k: v.detach() for k, v in model.named_parameters()}
+    want = _torch_blocks(blocks, batches)
     lowered = pipe.lower(p, *batches[0], layout=layout)
-    tx = zoo.adamw()
-    s, losses = tx.init(p), []
-    for x, target in batches:
-        loss, grads = pipe.value_and_grad(p, x, target, layout=layout)
-        updates, s = tx.update(grads, s, p)
-        p = optim.apply_updates(p, updates)
-        losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle(f"moe blocks {layout_name}", losses, vsf.device_get(p), (want_losses, want))
+    losses, got = _train_pipelined(pipe, p, layout, batches)
+    zoo.assert_like_oracle(f"moe blocks {layout_name}", losses, got, want)
 
     assert not [c for g in lowered.gathers.values() for c in g.cost().collectives if c.axis == "ep"]
     rows = 4 * TOP_K * 16 * 4
@@ -218,6 +267,24 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         gate = layout.where(f"{stage_index}.gate.weight", stage_index)[0].shard_shape((4, 16))
         assert reduced == [("all_reduce", gate)]
     assert "all_to_all_v over ep (inside shard_map(expert_dispatch))" in lowered.as_text()
+
+
+def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim):
+    """Dispatch against gather, costed: with a rank's microbatch of 64 tokens, dispatching sends
+    each exchange 64 tokens x top-2 x 16 floats (8 KiB; 3 a microbatch on stage 0, whose input needs
+    no gradient, 4 on stage 1, two microbatches), while gathering a stage's experts once a step
+    sends each rank's 2 experts' 16x16 and 16x8 floats (3 KiB) and reduce-scatters their gradients
+    as much: the pipeline gathers them (over ep, one bucket), its programs exchange no token, and it
+    trains like torch on one device (params after 3 AdamW steps)."""
+    blocks, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep", seq=64)
+    experts = 2 * (16 * 16 + 16 * 8) * 4
+    assert 2 * 3 * (64 * TOP_K * 16 * 4) > 2 * experts  # stage 0's dispatch against its gather and reduce-scatter
+    lowered = pipe.lower(p, *batches[0], layout=layout)
+    for s in (0, 1):
+        assert [c.bytes for c in lowered.gathers[s].cost().collectives if c.axis == "ep"] == [experts]
+        assert not [c for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
+    losses, got = _train_pipelined(pipe, p, layout, batches)
+    zoo.assert_like_oracle("moe blocks gathered", losses, got, _torch_blocks(blocks, batches))
 
 
 def test_pipelined_with_dispatch_experts_off_gathers_the_experts_once_a_step(sim, monkeypatch):
@@ -340,6 +407,40 @@ def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, im
     assert (
         over_ep
         == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)] * 4
+    )
+
+
+def test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive(sim):
+    """The tokens ``P(("ep", "dp"))`` on a ``("dp", "ep")`` mesh (ep major, against the mesh's
+    order): the plan takes the dispatch's token axes in that order (the cheaper of the two, both
+    planned), so nothing regathers them. Over dp: the loss and the experts' gradients (4 experts'
+    32x32 and 32x16 floats, all-reduced: 2(n-1)/n = 1 of them); over ep: the loss, the per-expert
+    counts and the four exchanges of a rank's 8 tokens x top-2 x 32 floats. Loss and gradients are
+    one device's."""
+    module, params, batch = _experts("grouped_mm")
+    grad_of = vsf.value_and_grad(_loss_of(module), argnums=(0, 1))
+    want_loss, (want, want_x) = grad_of(params, *batch)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+    tokens = vsf.NamedSharding(mesh, P(("ep", "dp")))
+    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in batch))
+    step = vsf.jit(grad_of)
+    loss, (grads, grad_x) = step(*args)
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(vsf.device_get(grad_x), want_x, rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6)
+    got = sorted((c.axis, c.kind, c.bytes) for c in step.lower(*args).cost().collectives)
+    exchange = ("ep", "all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)
+    experts = EXPERTS // 2 * (32 * 32 + 32 * 16) * 4
+    assert got == sorted(
+        [
+            ("dp", "all_reduce", 4),
+            ("dp", "all_reduce", experts),
+            ("ep", "all_gather", EXPERTS * 8),
+            ("ep", "all_reduce", 4),
+        ]
+        + [exchange] * 4
     )
 
 

@@ -241,6 +241,31 @@ def families() -> dict[str, Family]:
                 causal_batch,
                 megatron(r"q_b_proj|kv_b_proj|gate_proj|up_proj", _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
             ),
+            Family(
+                # OLMoE: softmax routing, top-k gates not renormalised, q and k normed
+                "olmoe",
+                _llama_like(T.OlmoeConfig, T.OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2, eos_token_id=0),
+                causal_batch,
+                megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+            ),
+            Family(
+                # GLM-4.5: sigmoid routing with DeepSeek-V3's score-correction bias, partial rotary
+                # embeddings, q and k normed; layer 0 dense, layer 1 routed experts + a shared one
+                "glm4_moe",
+                _llama_like(
+                    T.Glm4MoeConfig,
+                    T.Glm4MoeForCausalLM,
+                    moe_intermediate_size=FFN,
+                    n_routed_experts=4,
+                    num_experts_per_tok=2,
+                    n_shared_experts=1,
+                    first_k_dense_replace=1,
+                    use_qk_norm=True,
+                    head_dim=HIDDEN // HEADS,
+                ),
+                causal_batch,
+                megatron(_LLAMA_COLUMN, _LLAMA_ROW, _LLAMA_VOCAB, also=_EXPERTS_TP),
+            ),
             Family("mistral", _llama_like(T.MistralConfig, T.MistralForCausalLM), causal_batch, _LLAMA_TP),
             Family("qwen2", _llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), causal_batch, _LLAMA_TP),
             Family(
@@ -568,7 +593,9 @@ def pipeline_stages(
 def moe(name: str, experts: int = 8) -> Family:
     """The zoo's mixture-of-experts family ``name`` with ``experts`` routed experts (top-2)."""
     family = families()[name]
-    key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(name, "num_experts")
+    key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}.get(
+        name, "num_experts"
+    )
 
     def build() -> torch.nn.Module:
         model = family.build()

@@ -70,10 +70,12 @@ def check_with_dtensor(
     in_placements: Sequence[Placements],
     out_shardings: Sequence[NamedSharding | None],
     unreduced: Sequence[Sequence[str]],
+    chosen: manual.Orders | None = None,
 ) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
     """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
     propagation), every redistribution with its users, and the outputs' placements (an output
-    that may stay unreduced on an axis keeps an unreduced sum it arrives with there)."""
+    that may stay unreduced on an axis keeps an unreduced sum it arrives with there). ``chosen``:
+    the order of the multi-axis entries of ``any_order`` regions' specs (:func:`vsf.jit.manual.orders`)."""
     mesh, gm = problem.mesh, problem.gm
     dm_axes = list(mesh.device_axes)
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
@@ -89,7 +91,7 @@ def check_with_dtensor(
     nestings = _input_nestings(gm, in_placements)
 
     def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
-        return None if t is None or p is None else _nested(nestings, t, p)
+        return None if t is None or p is None else _nested(nestings, t, p) or _ordered(mesh, t, p, chosen)
 
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
@@ -119,7 +121,7 @@ def check_with_dtensor(
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
         elif op.kind == "manual":
-            want_in, want_out = manual.placements(node, mesh, want_in, want_out)
+            want_in, want_out = manual.placements(node, mesh, want_in, want_out, chosen)
             direct = True
         elif op.kind == "value_blind":
             direct = True
@@ -332,6 +334,21 @@ def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placeme
     except ValueError:
         return tuple(R if split_factor(p) is not None else p for p in out)
     return out
+
+
+def _ordered(mesh: Mesh, t: torch.Tensor, placements: Placements, chosen: manual.Orders | None) -> Placements | None:
+    """``placements`` (plain shards: several mesh dims that split one tensor dim nest in mesh order)
+    with those mesh dims nested in the ``chosen`` order instead, where it differs (the order the
+    plan takes the tokens of an ``any_order`` region in: the values on their way to it and back
+    nested alike); ``None`` where nothing changes."""
+    if not chosen or any(kind_of(p) not in ("replicate", "shard", "partial") for p in placements):
+        return None
+    try:
+        s = from_placements(mesh, placements, t.ndim)
+    except ValueError:
+        return None
+    ordered = tuple(manual.reordered(s, chosen).placements)
+    return ordered if ordered != tuple(placements) else None
 
 
 def _input_nestings(

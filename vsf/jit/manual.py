@@ -9,6 +9,10 @@ propagator redistributes into and out of them as around a ``with_sharding_constr
 (:func:`fixed_on`). Over the **automatic** axes (those ``axis_names`` leaves out) the body's ops
 are planned like every other op of the step; a boundary op or a collective keeps any layout that
 leaves the dims it moves whole (:func:`auto_strategies`), so each rank runs it on its piece.
+An ``any_order`` region's specs may take the axes that split one dim together in another order
+(:func:`orders`): the per-axis choices hold for every order, and the planner combines them once per
+order where the order as written makes the plan move values between orders (:func:`reorders`),
+keeping the plan that moves the fewest bytes.
 
 Example::
 
@@ -18,6 +22,9 @@ Example::
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Shard
@@ -25,7 +32,7 @@ from torch.distributed.tensor import Partial, Shard
 from vsf.errors import PlanError
 from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of, op_nodes, outputs_meta, tensor_args, user_line
-from vsf.jit.plan import R, Collective, Placements, one_d
+from vsf.jit.plan import R, Collective, Placements, Redistribution, one_d
 from vsf.jit.strategies import Strategy
 from vsf.ops.collectives import rebound
 from vsf.ops.region import (
@@ -41,8 +48,26 @@ from vsf.ops.region import (
     summed_over,
 )
 from vsf.sharding.mesh import Mesh
+from vsf.sharding.named import NamedSharding, from_placements
+from vsf.sharding.spec import P
 
-__all__ = ["auto_strategies", "collectives", "fixed_on", "inside", "mark", "placements", "region_of", "run"]
+__all__ = [
+    "Orders",
+    "auto_strategies",
+    "collectives",
+    "fixed_on",
+    "inside",
+    "mark",
+    "orders",
+    "placements",
+    "region_of",
+    "reordered",
+    "reorders",
+    "run",
+]
+
+# the order chosen for the axes (of size > 1) of the multi-axis spec entries of ``any_order`` regions, by their set
+Orders = Mapping[frozenset[str], tuple[str, ...]]
 
 _KINDS = {op: kind for kind, op in BOUNDARY_OPS.items()}
 _ENTER = frozenset({BOUNDARY_OPS["manual_in"], BOUNDARY_OPS["manual_out_grad"]})  # their results are body values
@@ -194,11 +219,88 @@ def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
     return Strategy((R,), (spec if kind == "manual_out" else one_d(summed_over(s, r.manual)[k]),))
 
 
+def _split_axes(s: NamedSharding, d: int) -> tuple[str, ...]:
+    """The axes of size > 1 that split dim ``d`` of a value laid out as ``s``, major to minor."""
+    return tuple(a for a in s.spec.entry_axes(d) if s.mesh.axis_size(a) > 1)
+
+
+def orders(gm: torch.fx.GraphModule) -> list[dict[frozenset[str], tuple[str, ...]]]:
+    """The orders the planner may take the multi-axis spec entries of ``gm``'s ``any_order``
+    regions in (every permutation of each set of axes that splits one dim together), the specs as
+    written first; ``[{}]`` where there is none. One choice holds for every such region of the step.
+
+    Example::
+
+        >>> orders(gm)      # an expert dispatch over the tokens P(("cp", "ep"))
+        [{frozenset({'cp', 'ep'}): ('cp', 'ep')}, {frozenset({'cp', 'ep'}): ('ep', 'cp')}]
+    """
+    written: dict[frozenset[str], tuple[str, ...]] = {}
+    for node in op_nodes(gm):
+        kind = _KINDS.get(node.target)
+        r = lookup(node.args[1]) if kind is not None else None
+        if r is None or not r.any_order:
+            continue
+        s = r.sharding(kind, node.args[2])
+        for d in range(len(s.spec)):
+            axes = _split_axes(s, d)
+            if len(axes) > 1:
+                written.setdefault(frozenset(axes), axes)
+    choices = itertools.product(*(itertools.permutations(axes) for axes in written.values()))
+    return [dict(zip(written, choice)) for choice in choices]
+
+
+def reorders(mesh: Mesh, moved: Sequence[Redistribution], sets: Sequence[frozenset[str]]) -> bool:
+    """Does a plan with the redistributions ``moved`` move a value between two orders of one of the
+    axis ``sets`` splitting a dim (``P(("ep", "dp"))`` to ``P(("dp", "ep"))``)? Only then may another
+    order of the ``any_order`` regions' specs move less: where none does, the values keep the
+    nesting the plan gave them, and the other orders are not planned.
+
+    Example::
+
+        >>> reorders(mesh, plan.redistributions, [frozenset({"dp", "ep"})])  # ep-major tokens regathered
+        True
+    """
+
+    def entries(r: Redistribution, placements: Placements) -> list[tuple[str, ...]]:
+        try:
+            s = from_placements(mesh, placements, meta_of(r.value).ndim)
+        except ValueError:  # (a layout no spec names: not one of the orders)
+            return []
+        return [_split_axes(s, d) for d in range(len(s.spec))]
+
+    return any(
+        a != b and frozenset(a) == frozenset(b) and frozenset(a) in sets
+        for r in moved
+        for a, b in zip(entries(r, r.src), entries(r, r.dst))
+    )
+
+
+def reordered(s: NamedSharding, chosen: Orders) -> NamedSharding:
+    """``s`` with each multi-axis entry's axes in the ``chosen`` order (any axis of size 1 after them).
+
+    Example::
+
+        >>> reordered(NamedSharding(mesh, P(("cp", "ep"))), {frozenset({"cp", "ep"}): ("ep", "cp")}).spec
+        P(('ep', 'cp'))
+    """
+    entries = []
+    for d, entry in enumerate(s.spec):
+        order = chosen.get(frozenset(_split_axes(s, d)))
+        rest = tuple(a for a in s.spec.entry_axes(d) if order is not None and a not in order)
+        entries.append(entry if order is None else order + rest)
+    return NamedSharding(s.mesh, P(*entries, unreduced=s.spec.unreduced))
+
+
 def placements(
-    node: torch.fx.Node, mesh: Mesh, ins: list[Placements], outs: list[Placements | None]
+    node: torch.fx.Node,
+    mesh: Mesh,
+    ins: list[Placements],
+    outs: list[Placements | None],
+    chosen: Orders | None = None,
 ) -> tuple[list[Placements], list[Placements | None]]:
     """A region op's placements on the full mesh: the per-axis choices (``ins``, ``outs``), with a
-    boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry).
+    boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry),
+    its entries' axes in the ``chosen`` order in an ``any_order`` region (:func:`orders`).
 
     Example::
 
@@ -210,6 +312,8 @@ def placements(
         return ins, outs
     r = lookup(node.args[1])
     s = r.sharding(kind, node.args[2])
+    if r.any_order and chosen:
+        s = reordered(s, chosen)
     exact = summed_over(s, r.manual) if kind == "manual_in_grad" else tuple(s.placements)
     manual = [k for k, a in enumerate(mesh.device_axes) if a in r.manual]
 

@@ -145,7 +145,12 @@ def propagate(
                 solver = AxisSolver(problem, axis, tables[axis])
                 solver.solve()
                 problem.solved[axis] = solver
-        plans, moved, final = check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
+        # the per-axis choices hold for every order of an any_order region's specs (manual.orders)
+        written, *others = manual.orders(gm)
+        combined = [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, written)]
+        if others and manual.reorders(mesh, combined[0][1], list(written)):
+            combined += [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, c) for c in others]
+        plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], options.collective_latency_bytes))
     plan = _scheduled(
         mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated
     )
@@ -157,6 +162,13 @@ def propagate(
             f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",
         )
     return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
+
+
+def _bytes_moved(plans: dict[torch.fx.Node, NodePlan], moved: list[Redistribution], latency: float) -> float:
+    """What the collectives of a combined plan cost (bytes each rank sends, and ``latency`` bytes
+    each): its redistributions' and those its ops run (a region's, context parallel attention's)."""
+    collectives = [c for r in moved for c in r.collectives] + [c for p in plans.values() for c in p.collectives]
+    return sum(c.bytes + latency for c in collectives if c.kind not in ("slice", "partition"))
 
 
 def _out_requirement(placements: Placements | None, k: int, may_stay_unreduced: bool) -> Any:

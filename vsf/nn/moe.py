@@ -17,7 +17,19 @@ experts module that transformers builds with ``@use_experts_implementation``, fu
 expert dim first) needs no call: inside ``vsf.jit``, an experts module whose weights
 (``gate_up_proj`` / ``up_proj`` and ``down_proj``) arrive split on the expert dim over one mesh axis
 runs through it (:func:`dispatching_transformers_experts`, in force while a step is traced),
-its tokens split over every mesh axis that the weights do not split on another dim. A weight
+its tokens split over every mesh axis that the weights do not split on another dim, in the order
+that moves the fewest bytes (the region is ``any_order``: each token is routed alone, so the plan
+weighs each order of the token axes and takes the tokens as they arrive, ``P(("ep", "dp"))`` on a
+``("dp", "ep")`` mesh included).
+
+Why every such axis carries tokens (per MoE layer, ``T`` tokens of ``h`` bytes, top-``k``, ``e``
+ranks on the expert axis, an axis ``a`` of ``n`` ranks): with ``a`` among the token axes each of the
+four exchanges (dispatch and combine, forward and backward) sends a rank's ``T/(e n) * k * h``;
+left out, ``T/e * k * h``, ``n`` times as much, and nothing else is saved. Tokens that arrive split
+over ``a`` would be gathered first; tokens that arrive whole over ``a`` (``tp`` after a row-parallel
+all-reduce) are sliced for free and their result and its gradient gathered over ``a``:
+``2 * T/e * h * (n-1)/n``, less than the ``4 * T/e * k * h * (n-1)/n`` the exchanges save for any
+``k >= 1`` (and the experts run ``1/n`` of the rows). A weight
 split on the expert dim over several axes, or the two weights split differently, is a
 ``PlanError``; to gather the experts instead, split another of their dims or set
 ``vsf.config.dispatch_experts = False``. :func:`use_expert_parallel` sets the axes explicitly, as an experts implementation of
@@ -116,6 +128,7 @@ def expert_parallel(
         in_specs=(split, split, split, *(P(axis) for _ in weights)),
         out_specs=split,
         axis_names=tokens,
+        any_order=True,  # each token is routed alone: the plan takes the token axes in the order that moves fewest bytes
     )
     return region(x, top_k_index, top_k_weights, *weights)
 
@@ -249,8 +262,8 @@ def _dispatched(
 def dispatching_transformers_experts(options: PlanOptions) -> Iterator[None]:
     """Inside, transformers' experts implementations (``ALL_EXPERTS_FUNCTIONS``) run a module whose
     weights are step inputs split on the expert dim (``P("ep")``, ``P("ep", "fsdp")``, ...) through
-    :func:`expert_parallel` over that axis, the tokens split over every mesh axis, in mesh order,
-    that neither weight splits on another dim (those, e.g. ``tp``, stay automatic in the region);
+    :func:`expert_parallel` over that axis, the tokens split over every mesh axis that neither
+    weight splits on another dim (in the order the plan finds cheapest) (those, e.g. ``tp``, stay automatic in the region);
     any other module runs as transformers would. ``vsf.jit`` enters it while it traces a step
     (:func:`vsf.jit.trace.rewrite_while_tracing`), with the plan's ``options``: nothing changes
     where ``vsf.config.dispatch_experts`` is off, or where transformers' MoE integration is not

@@ -76,7 +76,9 @@ class Region:
     """One manual region of a traced step: its name, mesh, manual axes and the shardings of its
     tensor arguments (``ins``) and results (``outs``, known once the body has returned, with
     ``out_names``, their key paths); ``check_vma``: refuse a result that varies over a manual
-    axis its spec replicates it over (:func:`vsf.jit.manual.mark`)."""
+    axis its spec replicates it over (:func:`vsf.jit.manual.mark`); ``any_order``: the body does
+    not depend on which rank holds which block of a dim split over several axes, so the planner may
+    take such an entry's axes in another order, the same for every spec (:func:`vsf.jit.manual.orders`)."""
 
     name: str
     mesh: Mesh
@@ -85,6 +87,7 @@ class Region:
     check_vma: bool = True
     outs: tuple[NamedSharding, ...] = ()
     out_names: tuple[str, ...] = ()
+    any_order: bool = False
 
     def sharding(self, kind: str, i: int) -> NamedSharding:
         """The sharding of the value boundary op ``kind`` moves (argument ``i`` or result ``i``)."""

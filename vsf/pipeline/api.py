@@ -141,7 +141,7 @@ class Pipeline:
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
         self._programs: dict[tuple[int, NamedSharding], Any] = {}
         self._reducers: dict[tuple[Layout, int], Any] = {}
-        self._gathers: dict[tuple[Layout, int], Any] = {}
+        self._gathers: dict[tuple[Any, ...], Any] = {}
         self._deferred: dict[
             int, list[Callable[[], None]]
         ] = {}  # stage -> its backwards' weight parts not yet run (a zero-bubble schedule)
@@ -404,11 +404,12 @@ class Pipeline:
         """Stage ``s``'s program gathering its :meth:`_gathered` params once a step, before its
         first microbatch (FSDP2 under torch's pipeline schedules gathers once and keeps them
         gathered through the step: ``reshard_after_backward(False)``)."""
-        if (layout, s) not in self._gathers:
-            self._gathers[(layout, s)] = gather_program(
+        key = (layout, s, tuple(sorted(split.items())))  # (the dispatch's split and the gather's are both costed)
+        if key not in self._gathers:
+            self._gathers[key] = gather_program(
                 {k: self._held(layout, k, s, split) for k in self._gathered(layout, s, split)}, self.backend
             )
-        return self._gathers[(layout, s)]
+        return self._gathers[key]
 
     def _loss_program(self, last: int) -> Any:
         key = (last + 1, NamedSharding(self.meshes[last], PartitionSpec()))

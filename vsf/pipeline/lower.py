@@ -316,19 +316,10 @@ def lower_step(pipe: Any, layout: Layout, params: Any, inputs: Any, targets: Any
             names = split.names[s]
             lent = {k: stand_in(layout.where(k, s), shapes[k].dtype) for k in split.borrowed(s)}
             gathered = pipe._gathered(layout, s, split_params)
-            if gathered:
-                gathers[s] = pipe._gather(layout, s, split_params).lower(
-                    {k: pipe._value(layout, k, s, values, lent) for k in gathered}
-                )
-            weights = {
-                k: stand_in((pipe._held(layout, k, s, split_params), shapes[k].shape), shapes[k].dtype, grad=True)
-                for k in names
-            }
-            xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
-            stages[s] = pipe._program(s, out[0]).lower(weights, *xs)
-            grads = stages[s].grad_shardings[0][0]  # as the backward leaves them: unreduced over dp
-            summed = {k: stand_in((grads[k] or layout.where(k, s)[0], shapes[k].shape), shapes[k].dtype) for k in names}
-            reducers[s] = pipe._reducer(layout, s).lower(summed)
+            vals = {k: pipe._value(layout, k, s, values, lent) for k in gathered}
+            stages[s], gather, reducers[s] = _stage_lowered(pipe, layout, s, ins, dtypes, out[0], split_params, vals)
+            if gather is not None:
+                gathers[s] = gather
             held = (
                 shard_bytes(out, dtype)
                 + sum(shard_bytes(where, d) for where, d in zip(ins, dtypes))
@@ -368,6 +359,31 @@ def lower_step(pipe: Any, layout: Layout, params: Any, inputs: Any, targets: Any
         costs,
         step_sends,
     )
+
+
+def _stage_lowered(
+    pipe: Any,
+    layout: Layout,
+    s: int,
+    ins: Sequence[Boundary],
+    dtypes: Sequence[torch.dtype],
+    out: NamedSharding,
+    split: Split,
+    gathered: dict[str, Any],
+) -> tuple[Lowered, Lowered | None, Lowered]:
+    """Stage ``s``'s programs, its params computed on split as ``split`` says: a microbatch's (inputs
+    ``ins`` of ``dtypes``, output laid out ``out``), the gather of the params ``gathered`` (their values;
+    ``None`` if none) and the reduction, both once a step."""
+    shapes, names = layout.shapes, layout.split.names[s]
+    gather = pipe._gather(layout, s, split).lower(gathered) if gathered else None
+    weights = {
+        k: stand_in((pipe._held(layout, k, s, split), shapes[k].shape), shapes[k].dtype, grad=True) for k in names
+    }
+    xs = [stand_in(where, d, grad=s > 0) for where, d in zip(ins, dtypes)]
+    program = pipe._program(s, out).lower(weights, *xs)
+    grads = program.grad_shardings[0][0]  # as the backward leaves them: unreduced over dp
+    summed = {k: stand_in((grads[k] or layout.where(k, s)[0], shapes[k].shape), shapes[k].dtype) for k in names}
+    return program, gather, pipe._reducer(layout, s).lower(summed)
 
 
 def sends(pipe: Any, layout: Layout, bounds: Bounds) -> list[Send]:
@@ -447,9 +463,11 @@ def split_params(
     """Stage ``s``'s params that its program computes on split over some of the batch's axes, with
     those axes: an expert-parallel dispatch's experts over ep, which the pipeline leaves split
     there instead of gathering them once a step (``Traced.split_inputs`` of the stage function
-    traced with its params in their own layout, its inputs ``ins`` of ``dtypes``). No trace, and
-    none, where no param is split over the batch's axes, with ``reshard_after_forward``, or for a
-    stage this process does not compute.
+    traced with its params in their own layout, its inputs ``ins`` of ``dtypes``), where that sends
+    fewer bytes a step than gathering them once a step: the stage's programs are planned both ways
+    (a microbatch's, run ``microbatches`` times, the gather and the reduction once), so tiny experts
+    under many tokens are gathered. No trace, and none, where no param is split over the batch's
+    axes, with ``reshard_after_forward``, or for a stage this process does not compute.
 
     Example::
 
@@ -467,4 +485,14 @@ def split_params(
     weights = {k: stand_in(layout.where(k, s), layout.shapes[k].dtype) for k in names}
     traced = pipe._program(s, out).trace(weights, *(stand_in(where, d) for where, d in zip(ins, dtypes)))
     order = leaf_names(weights)
-    return {order[i]: axes for i, axes in traced.split_inputs.items() if i < len(order)}
+    found = {order[i]: axes for i, axes in traced.split_inputs.items() if i < len(order)}
+    if not found:
+        return {}
+
+    def step_bytes(split: Split) -> int:  # what the stage's ranks send a step (as StageCost.comm_bytes counts)
+        gathered = {k: stand_in(layout.where(k, s), layout.shapes[k].dtype) for k in pipe._gathered(layout, s, split)}
+        program, gather, reducer = _stage_lowered(pipe, layout, s, ins, dtypes, out, split, gathered)
+        once = sum(sum(c.cost().comm_bytes.values()) for c in (reducer, gather) if c is not None)
+        return pipe.microbatches * sum(program.cost().comm_bytes.values()) + once
+
+    return found if step_bytes(found) <= step_bytes({}) else {}

@@ -266,23 +266,35 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         reduced = [(c.kind, c.shape) for c in lowered.reducers[stage_index].cost().collectives if c.axis == "ep"]
         gate = layout.where(f"{stage_index}.gate.weight", stage_index)[0].shard_shape((4, 16))
         assert reduced == [("all_reduce", gate)]
+        if layout_name == "pp_ep":  # a step: 2 microbatches, the router's gradient (256 B), stage 1's losses;
+            # fewer bytes than the gather plan's 6,080 (2 x (64 + 288 + 1,024) + 3,072 + 256: the test below's, for 8 tokens)
+            step = 2 * (exchanges * rows + 4 * 8) + 256 + 4 * 2 * stage_index
+            assert lowered.cost().stages[stage_index].comm_bytes["ep"] == step < 6080
     assert "all_to_all_v over ep (inside shard_map(expert_dispatch))" in lowered.as_text()
 
 
 def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim):
-    """Dispatch against gather, costed: with a rank's microbatch of 64 tokens, dispatching sends
-    each exchange 64 tokens x top-2 x 16 floats (8 KiB; 3 a microbatch on stage 0, whose input needs
-    no gradient, 4 on stage 1, two microbatches), while gathering a stage's experts once a step
-    sends each rank's 2 experts' 16x16 and 16x8 floats (3 KiB) and reduce-scatters their gradients
-    as much: the pipeline gathers them (over ep, one bucket), its programs exchange no token, and it
+    """Dispatch against gather, costed (each planned): with a microbatch of two sequences of 64
+    tokens over ep, a rank's 64 tokens, dispatching sends each exchange 64 x top-2 x 16 floats
+    (8 KiB; 3 a microbatch on stage 0, whose input needs no gradient, 4 on stage 1) and the
+    per-expert counts (32 B), and the router's gradient is all-reduced once a step (256 B): 49,472
+    B a step on stage 0. Gathering the experts once a step (each rank's 2 experts' 16x16 and 16x8
+    floats, 3 KiB) runs transformers' experts on the microbatch's every token, whose routing it
+    sorts whole: each microbatch gathers the routing (128 x 2 int64: 1 KiB sent), the tokens and
+    gates (128 x 16 + 256 floats: 4.5 KiB) and in the backward two 256 x 16 float gradients (16
+    KiB): 47,360 B a step (and stage 1 sums each microbatch's loss). The pipeline gathers (one bucket over ep), exchanges no token, and
     trains like torch on one device (params after 3 AdamW steps)."""
     blocks, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep", seq=64)
+    exchange, counts, router = 64 * TOP_K * 16 * 4, 2 * 4 * 8 // 2, 2 * (4 * 16 * 4) // 2
     experts = 2 * (16 * 16 + 16 * 8) * 4
-    assert 2 * 3 * (64 * TOP_K * 16 * 4) > 2 * experts  # stage 0's dispatch against its gather and reduce-scatter
+    per_microbatch = 128 * 2 * 8 // 2 + (128 * 16 + 256) * 4 // 2 + 2 * 256 * 16 * 4 // 2
+    gathered = 2 * per_microbatch + experts + router
+    assert gathered < 2 * (3 * exchange + counts) + router  # stage 0's dispatch; stage 1's sends more
     lowered = pipe.lower(p, *batches[0], layout=layout)
     for s in (0, 1):
         assert [c.bytes for c in lowered.gathers[s].cost().collectives if c.axis == "ep"] == [experts]
         assert not [c for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
+        assert lowered.cost().stages[s].comm_bytes["ep"] == gathered + 4 * 2 * s  # (and the last stage's losses)
     losses, got = _train_pipelined(pipe, p, layout, batches)
     zoo.assert_like_oracle("moe blocks gathered", losses, got, _torch_blocks(blocks, batches))
 

@@ -27,7 +27,9 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   in each microbatch's programs instead (``m`` times the all-gathers, a microbatch's memory).
   Params the stage's program computes on split over a batch axis stay split there: a MoE layer's
   experts ``P("ep")`` with the batch over ep, to which each microbatch's tokens are sent (expert
-  parallelism; :func:`vsf.pipeline.lower.split_params` finds them by tracing the stage once).
+  parallelism; :func:`vsf.pipeline.lower.split_params` finds them by tracing the stage once), where
+  that sends fewer bytes a step than gathering them once a step (both planned: tiny experts under
+  many tokens are gathered).
 * ``schedule`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"``, ``"zbv"`` or
   ``"dualpipev"``: torch's ``ScheduleGPipe`` / ``Schedule1F1B`` (one stage per ``pp`` rank) /
   ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` (``v >= 2`` stages per rank: give

@@ -257,6 +257,16 @@ def _cut(
     )
 
 
+def _laid_out_like(grad: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``want``'s strides: the block's backward was traced for a gradient laid out as
+    its trace's was, and its ops (a ``view`` of the gradient) may hold only for that layout; where
+    the step hands the block a gradient laid out otherwise (a consumer's backward that transposes:
+    diffusers' UNet attention), it is copied into that layout first, one op in the graph."""
+    if grad.stride() == want.stride():
+        return grad
+    return torch.empty_strided(want.shape, want.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 class _Replay(torch.autograd.Function):
     """A stamped block: forward copies its trace's forward nodes into the running trace's graph,
     backward its backward nodes, each reading the copies of the nodes it reads."""
@@ -284,13 +294,12 @@ class _Replay(torch.autograd.Function):
         flowing = [g for g, d in zip(grads, traced.differentiable) if d]
         for node, g in zip(traced.tangents, flowing):
             want = node.meta["val"]
-            if g.shape != want.shape or g.stride() != want.stride() or g.dtype != want.dtype:
+            if g.shape != want.shape or g.dtype != want.dtype:
                 raise TraceError(
-                    f"a stamped {traced.name} block's output gradient is {g.dtype} {list(g.shape)} with strides "
-                    f"{g.stride()}, its trace's {want.dtype} {list(want.shape)} with strides {want.stride()}; "
-                    "set vsf.config.stamp_blocks = False to trace every block by itself"
+                    f"a stamped {traced.name} block's output gradient is {g.dtype} {list(g.shape)}, its trace's "
+                    f"{want.dtype} {list(want.shape)}; set vsf.config.stamp_blocks = False to trace every block by itself"
                 )
-            env[node] = _compat.traced_node(g, tracer)
+            env[node] = _compat.traced_node(_laid_out_like(g, want), tracer)
         _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer))
         out = [
             None if n is None or not need else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)

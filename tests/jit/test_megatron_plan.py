@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import Partial
 from torch.utils.flop_counter import FlopCounterMode
 from toy_models import GPT, GPTConfig
 
@@ -237,3 +238,33 @@ def test_megatron_gpt_runs_the_loss_on_token_shards_where_the_head_pays(sim, mon
     loss, grads = vsf.jit(gpt_step(model))(sharded, *vsf.device_put(whole, vsf.NamedSharding(mesh, P())))
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=1e-5)
     assert_close_trees(vsf.device_get(grads), want_grads)
+
+
+def test_megatron_gpt_sums_each_blocks_input_gradients_before_one_all_reduce(sim, monkeypatch):
+    """bench_torch's quick GPT (d=128, 4 heads, 2 layers, 8 x 64 tokens, a 512-word vocabulary) at
+    a 4 KiB start-up charge and the default work charge: in backward the column-parallel q/k/v
+    (and fc1) of each block give their input gradients as partial sums, added, then all-reduced
+    once before the norm's backward, ``layers * 2`` all-reduces of ``[b, t, d]``; no backward
+    matmul (``mm``: the forward's are ``addmm``) reads a value exchanged all-to-all. Computing each
+    of the three products on each rank's tokens instead (its output gradient exchanged, its
+    weight gathered, the sum gathered) looks cheaper to each product alone, but sends ``3 *
+    ((n-1)/n**2 * b*t*d + (n-1)/n * d*d) + (n-1)/n * b*t*d`` words a block (104K at n=2) for the
+    all-reduce's ``2(n-1)/n * b*t*d`` (64K): the partial sum is one move of the products and the
+    additions together (``AxisSolver._merge_partials``)."""
+    monkeypatch.setattr(vsf.config, "collective_latency_bytes", 4096.0)
+    cfg = GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=2, fused_qkv=False)
+    sim(2)
+    model, _, _, sharded, data = _megatron_gpt("tp2", cfg, sequences=8)
+    plan = vsf.jit(gpt_step(model)).lower(sharded, *data).plan
+    kinds = lambda r: [c.kind for c in r.collectives]  # noqa: E731
+    summed = [
+        r
+        for r in plan.redistributions
+        if r.before.target is aten.native_layer_norm_backward.default
+        and isinstance(r.src[0], Partial)
+        and kinds(r) == ["all_reduce"]
+        and tuple(meta_of(r.value).shape) in {(8, cfg.seq, cfg.dim), (8 * cfg.seq, cfg.dim)}
+    ]
+    assert len(summed) == cfg.layers * 2
+    exchanged = [r for r in plan.redistributions if r.before.target is aten.mm.default and "all_to_all" in kinds(r)]
+    assert not exchanged, [f"%{r.value[0].name} {r.src} -> {r.dst} before %{r.before.name}" for r in exchanged]

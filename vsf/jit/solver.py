@@ -539,7 +539,9 @@ class AxisSolver:
         i = self.outs[p].index(v)
         costs = self._costs(p)
         options = sorted((costs[j], j) for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req)
-        if not options or options[0][0] == INF:
+        if not options or (options[0][0] == INF and not self.view[p]):
+            # (a view of a value not yet partial costs infinite as a partial until its producer is
+            # made partial too, below; :meth:`_try` costs the whole move)
             return False
         j = options[0][1]
         moves[p] = j

@@ -46,7 +46,7 @@ from vsf.jit.buckets import form_buckets
 from vsf.jit.combine import check_with_dtensor
 from vsf.jit.classify import classify, constant_nodes
 from vsf.jit import manual
-from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum
+from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum, latency_bytes
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
@@ -134,7 +134,8 @@ def propagate(
         }
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
-        codes = {axis: Codes(mesh.axis_size(axis), options.collective_latency_bytes) for axis in axes}
+        latency = latency_bytes(mesh.device_type, options.collective_latency_bytes)
+        codes = {axis: Codes(mesh.axis_size(axis), latency) for axis in axes}
         encoded: dict[str, dict[int, list[Any]]] = {axis: {} for axis in axes}
         for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:

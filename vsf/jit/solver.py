@@ -11,7 +11,7 @@ redistributions it implies) and its incremental cost bookkeeping, so they are on
 
 Example::
 
-    >>> solver = AxisSolver(problem, "tp", Codes(2), {})
+    >>> solver = AxisSolver(problem, "tp", Codes(2, 65536.0), {})
     >>> solver.solve(); solver.placement_of(0)
 """
 
@@ -42,7 +42,12 @@ from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
-__all__ = ["AxisSolver", "Problem"]
+__all__ = ["BUCKET_SHARE", "AxisSolver", "Problem"]
+
+
+# the share of a collective's start-up charged to a value that joins a bucket (:attr:`Problem.alone`):
+# one of the about 16 a bucket holds (a small GPT's per-block parameters or gradients)
+BUCKET_SHARE = 1 / 16
 
 
 _TIE = 1e-9
@@ -73,6 +78,8 @@ class AxisSolver:
         self.codes = codes
         vid = problem.value_ids
         self.fb = [self._full_bytes(v) for v in problem.values]
+        self.alone = problem.alone
+        self.share = [1.0 if a else BUCKET_SHARE for a in self.alone]
         self.label = [codes.code(R)] * len(problem.values)
         self.need: list[dict[int, int]] = [{} for _ in problem.values]
         for v, pl in problem.seeds[axis].items():
@@ -190,8 +197,8 @@ class AxisSolver:
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
         if not need:  # (most values, while the greedy pass has not reached their readers)
             return 0.0
-        row, fixed = self.codes.factor[label], self.codes.fixed[label]
-        return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
+        row, fixed, share = self.codes.factor[label], self.codes.fixed[label], self.share[v]
+        return sum(self.fb[v] * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
 
     def _value_costs(self, v: int) -> tuple[float, float]:
         """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups)."""
@@ -234,7 +241,7 @@ class AxisSolver:
             for v, req in zip(self.ins[k], ins):
                 cur = label[v]
                 if req != cur and not need[v].get(req):
-                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req]
+                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req] * self.share[v]
         else:
             old = self.strategies[k][self.choice[k]][0]
             changed: dict[int, dict[int, int]] = {}
@@ -281,6 +288,7 @@ class AxisSolver:
         once per context (:attr:`reuse`) what it would decide for each (the same arithmetic on the
         same numbers)."""
         label, need, fb, hints, reorder, final = self.label, self.need, self.fb, self.hints, self.reorder, self.final
+        alone = self.alone
         ins, outs = self.ins[k], self.outs[k]
         return (
             id(self.strategies[k]),
@@ -289,10 +297,17 @@ class AxisSolver:
             self.work[k],
             tuple(ins.index(v) for v in ins),
             tuple(
-                (label[v], fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None, tuple(need[v].items()))
+                (
+                    label[v],
+                    fb[v],
+                    alone[v],
+                    hints[v],
+                    tuple(reorder[v].items()) if v in reorder else None,
+                    tuple(need[v].items()),
+                )
                 for v in ins
             ),
-            tuple(None if v < 0 else (fb[v], final.get(v), tuple(need[v].items())) for v in outs),
+            tuple(None if v < 0 else (fb[v], alone[v], final.get(v), tuple(need[v].items())) for v in outs),
         )
 
     def _pick(self, k: int, greedy: bool) -> bool:
@@ -599,9 +614,21 @@ class Problem:
     value_ids: dict[Value, int] = dataclasses.field(default_factory=dict)
     producer_of: dict[int, int] = dataclasses.field(default_factory=dict)
     consumers_of: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    alone: list[bool] = dataclasses.field(default_factory=list)  # per value: its collective runs alone (:meth:`index`)
 
     def index(self) -> None:
-        """Number the values, record which op produces and which ops consume each, and count each op's FLOPs."""
+        """Number the values, record which op produces and which ops consume each, count each op's
+        FLOPs, and mark the values whose collective runs alone (:attr:`alone`): those between two ops
+        that do work, one before them (a matmul, attention: :func:`~vsf.jit.cost.op_flops`) and one
+        after. Only they are charged a collective's whole start-up (``vsf.config.collective_latency_bytes``):
+        such a collective waits for the work before it and holds up the work after it (Megatron's
+        activation all-reduces, one after another). A value computed from the inputs without work
+        (a parameter gathered, a count of tokens) or read by no work after it (a gradient reduced
+        for the optimizer) is independent of the others like it, which join it in a bucket, one
+        collective for many (:mod:`vsf.jit.buckets`): it is charged :data:`BUCKET_SHARE` of a
+        start-up. Charged a whole one each at 64 KiB, 59 parameters of a small FSDP GPT gathered
+        looked dearer than moving its activations, which sent 1.7x the bytes in 18 collectives
+        instead of 4."""
         for ph in placeholders_of(self.gm):
             self._add((ph, 0))
         for k, node in enumerate(self.ops):
@@ -612,6 +639,22 @@ class Problem:
             for v in self.inputs[node]:
                 self.consumers_of.setdefault(self.value_ids[v], []).append(k)
         self.flops = [op_flops(node) for node in self.ops]
+        ins = [[self.value_ids[v] for v in self.inputs[node]] for node in self.ops]
+        outs = [
+            [v for v in (self.value_ids.get((node, i)) for i in range(len(outputs_meta(node)))) if v is not None]
+            for node in self.ops
+        ]
+        after = [False] * len(self.values)  # some work computes it (or a value it is computed from)
+        for k in range(len(self.ops)):
+            worked = bool(self.flops[k]) or any(after[v] for v in ins[k])
+            for v in outs[k]:
+                after[v] = worked
+        before = [False] * len(self.values)  # some work reads it (or a value computed from it)
+        for k in range(len(self.ops) - 1, -1, -1):
+            if self.flops[k] or any(before[v] for v in outs[k]):
+                for v in ins[k]:
+                    before[v] = True
+        self.alone = [a and b for a, b in zip(after, before)]
 
     def _add(self, v: Value) -> int:
         self.value_ids[v] = len(self.values)

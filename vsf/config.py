@@ -48,13 +48,23 @@
   product on every rank where ``compute_bytes_per_flop > 2 (m - d) / (m d)`` (fp32, any ``n``:
   from ``d = 167`` up for ``m = 1024`` at the default). Read when a step is planned.
 
-* ``collective_latency_bytes`` (default 4 KiB): what the planner charges each collective for
-  starting, beside the bytes it sends (:mod:`vsf.jit.cost`): a link's start-up latency times its
-  bandwidth. With a small charge the planner picks the plan that sends the fewest bytes however
-  many collectives that takes; a larger one trades bytes for fewer launches. On bench_torch's
-  small GPT (TP over 2 gloo processes) the default plans 18 collectives a step (weights gathered,
-  activations exchanged), 256 KiB Megatron's 8 all-reduces, whose step ran 0.78x as long on a
-  loaded 2-core machine, where each collective's wait cost milliseconds. Read when a step is planned.
+* ``collective_latency_bytes`` (default ``None``: by the mesh's device, 64 KiB on CPU, 1 MiB on
+  CUDA): what the planner charges a collective for starting, beside the bytes it sends
+  (:mod:`vsf.jit.cost`): a link's start-up latency times its bandwidth, the bytes it could have
+  sent while starting. A gloo collective between 2 CPU processes of a loaded 2-core machine
+  started in 135-300 us and sent 0.3-0.5 GB/s (40-150 KB); an NCCL one starts in about 10-20 us
+  at 50-400 GB/s (0.5-8 MB). It is charged in full where a collective runs alone, on a value
+  between two ops that do work (an activation between matmuls); parameters gathered and
+  gradients reduced share buckets, one start-up for many, and are charged a sixteenth of it each
+  (:data:`vsf.jit.solver.BUCKET_SHARE`; :class:`vsf.jit.solver.Problem`). With a small charge the
+  planner picks the plan that sends the fewest bytes however many collectives that takes; a
+  larger one trades bytes for fewer launches. On bench_torch's small GPT (Megatron TP over 2
+  gloo processes, compiled) 64 KiB plans 9 collectives a step, Megatron's 8 all-reduces and the
+  tied head's gradient gathered: 0.72x compiled torch TP's step, where 4 KiB plans 12 (the
+  attention projection's input exchanged, its weight and output gathered: fewer bytes, more
+  launches) and ran 0.88x (one run, load 5). The default follows the
+  mesh's ``device_type``, which is part of the plan's cache key: a simulated mesh is a CPU one
+  unless made with ``device_type="cuda"``. Read when a step is planned.
 
 * ``bucket_bytes`` (default 4 MiB): the most one bucket's flat buffer holds (DDP's
   ``bucket_cap_mb``): gradient all-reduces, parameter all-gathers (counted gathered) and gradient
@@ -124,7 +134,7 @@ context_parallel_gather_bytes: int = 64 * 2**20
 bucket_bytes: int = 4 * 2**20
 compute_bytes_per_flop: float = 0.01
 dispatch_experts: bool = True
-collective_latency_bytes: float = 4096.0
+collective_latency_bytes: float | None = None
 stamp_blocks: bool = True
 check_across_processes: bool = True
 collective_timeout: float = float(_environ.get("VSF_COLLECTIVE_TIMEOUT", "600"))
@@ -148,7 +158,7 @@ class PlanOptions:
     compute_bytes_per_flop: float = 0.01
     bucket_bytes: int = 4 * 2**20
     dispatch_experts: bool = True
-    collective_latency_bytes: float = 4096.0
+    collective_latency_bytes: float | None = None
     stamp_blocks: bool = True
 
     def changed(self, other: "PlanOptions") -> list[str]:

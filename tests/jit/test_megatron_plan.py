@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import Partial
 from torch.utils.flop_counter import FlopCounterMode
 from toy_models import GPT, GPTConfig
 
@@ -31,6 +32,10 @@ LAYOUTS = {  # mesh shape, axis names, batch spec
     "tp4": ((4,), ("tp",), P()),
     "dp2_tp2": ((2, 2), ("dp", "tp"), P("dp")),
 }
+# the start-up charge per collective (``vsf.config.collective_latency_bytes``) the trade-off tests below
+# plan with, and :func:`_break_evens` derives their figures for: small beside the activations' bytes
+# (the CPU default, 64 KiB, is one ``[b, t, d]`` activation of the issue's GPT)
+LATENCY = 4096.0
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -119,11 +124,12 @@ def test_megatron_gpt_matches_one_device_and_never_moves_attention(sim, layout):
     assert_close_trees(vsf.device_get(grads), want_grads)
 
 
-def _issue_gpt_cost(sim, monkeypatch, bytes_per_flop, vocab=64):
+def _issue_gpt_cost(sim, monkeypatch, bytes_per_flop, vocab=64, latency=LATENCY):
     """The plan of an AdamW-free step (loss and grads) of the issue's GPT: d=64, 4 heads, 2 layers,
     8 x 32 tokens, separate q/k/v, Megatron TP over tp=2, with each FLOP an op runs beyond its
-    share charged ``bytes_per_flop`` bytes."""
+    share charged ``bytes_per_flop`` bytes and each collective's start-up ``latency`` bytes."""
     monkeypatch.setattr(vsf.config, "compute_bytes_per_flop", bytes_per_flop)
+    monkeypatch.setattr(vsf.config, "collective_latency_bytes", latency)
     cfg = GPTConfig(vocab=vocab, seq=32, dim=64, heads=4, layers=2, fused_qkv=False)
     sim(2)
     model, params, whole, sharded, data = _megatron_gpt("tp2", cfg, sequences=8)
@@ -133,7 +139,7 @@ def _issue_gpt_cost(sim, monkeypatch, bytes_per_flop, vocab=64):
 def _break_evens(cfg, m, n):
     """By hand, the ``compute_bytes_per_flop`` above which running an op split pays, for the
     choices the issue's GPT offers on ``n`` ranks (``m`` tokens, fp32, one collective's start-up
-    :data:`~vsf.jit.cost.COLLECTIVE_LATENCY_BYTES`; ``(n-1)/n`` of an op's ``F`` FLOPs is what each
+    :data:`LATENCY`; ``(n-1)/n`` of an op's ``F`` FLOPs is what each
     rank runs beyond its share when it runs whole):
 
     * ``proj``: the row-parallel attention projection ``[m, d] @ [d, d]`` all-reduces its output
@@ -143,7 +149,7 @@ def _break_evens(cfg, m, n):
       rank's half of its ``d`` rows, gathered after (``(n-1)/n * d V`` words, one start-up);
     * ``head``: the head's forward ``[m, d] @ [d, V]`` (and its input gradient) runs whole, or
       on each rank's vocabulary rows, the ``[m, V]`` logits gathered (one start-up)."""
-    ring, d, v, latency = (n - 1) / n, cfg.dim, cfg.vocab, COLLECTIVE_LATENCY_BYTES
+    ring, d, v, latency = (n - 1) / n, cfg.dim, cfg.vocab, LATENCY
     return {
         "proj": (2 * ring * m * d - ring * (m * d + d * d)) * 4 / (ring * 2 * m * d * d),
         "head_grad": (ring * d * v * 4 + latency) / (ring * 2 * d * m * v),
@@ -176,13 +182,14 @@ def test_megatron_gpt_gathers_the_projection_where_its_work_costs_less_than_the_
 
 def test_a_collective_start_up_above_the_bytes_it_saves_plans_megatron_with_fewer_collectives(sim, monkeypatch):
     """Bytes only, as above, but each collective's start-up charged as one ``[b, t, d]`` activation's
-    bytes (``vsf.config.collective_latency_bytes`` = 64 KiB; the default 4 KiB gives the plan above,
-    5 collectives a block): gathering the projection's input and weight saves ``(n-1)/n * (b*t*d -
-    d*d) * 4`` bytes a block (24 KiB) but starts more collectives, so the plan is Megatron's, 4
-    all-reduces of ``[b, t, d]`` a block and nothing else (more bytes, fewer launches)."""
-    monkeypatch.setattr(vsf.config, "collective_latency_bytes", 64 * 2**10)
-    cfg, _, _, _, cost = _issue_gpt_cost(sim, monkeypatch, 0.0)
+    bytes, 64 KiB (the CPU default of ``vsf.config.collective_latency_bytes``; :data:`LATENCY` gives
+    the plan above, 5 collectives a block): gathering the projection's input and weight saves
+    ``(n-1)/n * (b*t*d - d*d) * 4`` bytes a block (24 KiB) but starts more collectives, so the plan
+    is Megatron's, 4 all-reduces of ``[b, t, d]`` a block and nothing else (more bytes, fewer
+    launches)."""
+    cfg, _, _, _, cost = _issue_gpt_cost(sim, monkeypatch, 0.0, latency=None)
     n, b, t, d = 2, 8, cfg.seq, cfg.dim
+    assert COLLECTIVE_LATENCY_BYTES["cpu"] == b * t * d * 4
     assert [(c.kind, tuple(c.shape)) for c in cost.collectives] == [("all_reduce", (b, t, d))] * (cfg.layers * 4)
     assert sum(cost.comm_bytes.values()) == cfg.layers * 4 * 2 * (n - 1) / n * b * t * d * 4
 
@@ -237,3 +244,33 @@ def test_megatron_gpt_runs_the_loss_on_token_shards_where_the_head_pays(sim, mon
     loss, grads = vsf.jit(gpt_step(model))(sharded, *vsf.device_put(whole, vsf.NamedSharding(mesh, P())))
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=1e-5)
     assert_close_trees(vsf.device_get(grads), want_grads)
+
+
+def test_megatron_gpt_sums_each_blocks_input_gradients_before_one_all_reduce(sim, monkeypatch):
+    """bench_torch's quick GPT (d=128, 4 heads, 2 layers, 8 x 64 tokens, a 512-word vocabulary) at
+    a 4 KiB start-up charge and the default work charge: in backward the column-parallel q/k/v
+    (and fc1) of each block give their input gradients as partial sums, added, then all-reduced
+    once before the norm's backward, ``layers * 2`` all-reduces of ``[b, t, d]``; no backward
+    matmul (``mm``: the forward's are ``addmm``) reads a value exchanged all-to-all. Computing each
+    of the three products on each rank's tokens instead (its output gradient exchanged, its
+    weight gathered, the sum gathered) looks cheaper to each product alone, but sends ``3 *
+    ((n-1)/n**2 * b*t*d + (n-1)/n * d*d) + (n-1)/n * b*t*d`` words a block (104K at n=2) for the
+    all-reduce's ``2(n-1)/n * b*t*d`` (64K): the partial sum is one move of the products and the
+    additions together (``AxisSolver._merge_partials``)."""
+    monkeypatch.setattr(vsf.config, "collective_latency_bytes", LATENCY)
+    cfg = GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=2, fused_qkv=False)
+    sim(2)
+    model, _, _, sharded, data = _megatron_gpt("tp2", cfg, sequences=8)
+    plan = vsf.jit(gpt_step(model)).lower(sharded, *data).plan
+    kinds = lambda r: [c.kind for c in r.collectives]  # noqa: E731
+    summed = [
+        r
+        for r in plan.redistributions
+        if r.before.target is aten.native_layer_norm_backward.default
+        and isinstance(r.src[0], Partial)
+        and kinds(r) == ["all_reduce"]
+        and tuple(meta_of(r.value).shape) in {(8, cfg.seq, cfg.dim), (8 * cfg.seq, cfg.dim)}
+    ]
+    assert len(summed) == cfg.layers * 2
+    exchanged = [r for r in plan.redistributions if r.before.target is aten.mm.default and "all_to_all" in kinds(r)]
+    assert not exchanged, [f"%{r.value[0].name} {r.src} -> {r.dst} before %{r.before.name}" for r in exchanged]

@@ -22,7 +22,7 @@ from vsf._compat import StridedShard
 from vsf.config import PlanOptions
 from vsf.jit.buckets import bucket_kind, form_buckets
 from vsf.jit.classify import OpClass, classify
-from vsf.jit.cost import COLLECTIVE_LATENCY_BYTES, Codes, local_bytes, local_shape, transition_bytes, transition_kind
+from vsf.jit.cost import Codes, latency_bytes, local_bytes, local_shape, transition_bytes, transition_kind
 from vsf.jit.graph import output_node, value_of
 from vsf.jit.plan import Collective, Redistribution
 from vsf.jit.propagate import propagate
@@ -141,9 +141,9 @@ def test_transition_bytes_follow_the_ring_model():
 
 
 def test_the_cost_table_charges_a_latency_per_collective_and_forbids_impossible_moves():
-    codes = Codes(2)
+    codes = Codes(2, 4096.0)
     r, s0, p = codes.code(R), codes.code(Shard(0)), codes.code(P)
-    assert codes.factor[p][r] == 1.0 and codes.fixed[p][r] == COLLECTIVE_LATENCY_BYTES  # all-reduce: 2(n-1)/n
+    assert codes.factor[p][r] == 1.0 and codes.fixed[p][r] == 4096.0  # all-reduce: 2(n-1)/n
     assert codes.factor[s0][r] == 0.5 and codes.factor[p][s0] == 0.5
     assert codes.fixed[r][s0] == 0.0  # a slice starts no collective
     assert (
@@ -156,7 +156,7 @@ def test_the_cost_table_is_the_same_whatever_order_placements_are_coded_in():
     """Each placement a solver meets adds its row and column to the table; every entry is the
     transition's ring bytes per byte (and a start-up per collective), whatever the order."""
     placements = [R, Shard(0), P, Shard(1), Partial("max"), StridedShard(0, split_factor=2)]
-    tables = [Codes(4), Codes(4)]
+    tables = [Codes(4, 4096.0), Codes(4, 4096.0)]
     for q in placements:
         tables[0].code(q)
     for q in reversed(placements):
@@ -164,12 +164,20 @@ def test_the_cost_table_is_the_same_whatever_order_placements_are_coded_in():
     for a, b in itertools.product(placements, repeat=2):
         kind = transition_kind(a, b)
         want = 0.0 if kind is None else float("inf") if kind == "invalid" else transition_bytes(kind, 4, 1.0)
-        start_up = (
-            COLLECTIVE_LATENCY_BYTES if kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") else 0.0
-        )
+        start_up = 4096.0 if kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") else 0.0
         for codes in tables:
             assert codes.factor[codes.code(a)][codes.code(b)] == want, (a, b)
             assert codes.fixed[codes.code(a)][codes.code(b)] == start_up, (a, b)
+
+
+def test_a_collectives_start_up_is_charged_by_the_meshs_device_unless_set():
+    """``vsf.config.collective_latency_bytes`` unset (``None``): a gloo CPU collective's start-up,
+    about 200 us at 0.3 GB/s, 64 KiB; an NCCL one's, about 10 us at 100 GB/s, 1 MiB. Set, it is
+    charged on every device; a device with no default must have it set."""
+    assert latency_bytes("cpu", None) == 64 * 2**10 and latency_bytes("cuda", None) == 2**20
+    assert latency_bytes("cpu", 4096.0) == latency_bytes("cuda", 4096.0) == 4096.0
+    with pytest.raises(ValueError, match="no default for a mesh of device type 'xpu'"):
+        latency_bytes("xpu", None)
 
 
 def test_local_shapes_follow_ceil_division(sim):

@@ -2,8 +2,8 @@
 
 * all-reduce moves ``2(n-1)/n`` of the tensor, all-gather and reduce-scatter ``(n-1)/n``,
   all-to-all ``(n-1)/n`` of the local shard;
-* each collective also costs a start-up latency (``vsf.config.collective_latency_bytes``,
-  :data:`COLLECTIVE_LATENCY_BYTES` by default);
+* each collective also costs a start-up latency (``vsf.config.collective_latency_bytes``, by
+  default :data:`COLLECTIVE_LATENCY_BYTES` of the mesh's device type: :func:`latency_bytes`);
 * a balanced split (:class:`~vsf.sharding.placement.BalancedPlacement`) moves to or from another
   shard by gathering the whole dim first;
 * a local slice sends nothing but is charged a token cost, and so is a local partition of a
@@ -37,7 +37,7 @@ import torch.fx
 from torch.distributed.tensor import Partial, Placement, Replicate
 from torch.utils.flop_counter import flop_registry
 
-from vsf import _compat, config
+from vsf import _compat
 from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import is_tensor_node
 from vsf.jit.plan import Placements, R, is_shard, split_dim
@@ -51,6 +51,7 @@ __all__ = [
     "NOT_PARTIAL",
     "OrSum",
     "is_sum",
+    "latency_bytes",
     "local_bytes",
     "local_flops",
     "local_shape",
@@ -71,9 +72,30 @@ INF = float("inf")
 _SLICE_COST = 1e-3
 
 
-# Each collective also costs a start-up latency, charged as this many bytes (vsf.config.collective_latency_bytes's
-# default; a plan charges its own): with equal bytes, one all-reduce beats a reduce-scatter plus an all-gather.
-COLLECTIVE_LATENCY_BYTES = config.PlanOptions.collective_latency_bytes
+# Each collective also costs a start-up latency, charged as the bytes its link could have sent meanwhile
+# (vsf.config.collective_latency_bytes's default, by the mesh's device type: gloo between CPU processes
+# starts in 50-300 us at 0.3-0.8 GB/s, NCCL in 10-20 us at 50-400 GB/s): with equal bytes, one
+# all-reduce beats a reduce-scatter plus an all-gather.
+COLLECTIVE_LATENCY_BYTES: dict[str, float] = {"cpu": 64.0 * 2**10, "cuda": float(2**20)}
+
+
+def latency_bytes(device_type: str, setting: float | None) -> float:
+    """The start-up charge of one collective on a mesh of ``device_type``: ``setting``
+    (``vsf.config.collective_latency_bytes``) if set, else :data:`COLLECTIVE_LATENCY_BYTES`'s.
+
+    Example::
+
+        >>> latency_bytes("cpu", None), latency_bytes("cuda", None), latency_bytes("cuda", 4096.0)
+        (65536.0, 1048576.0, 4096.0)
+    """
+    if setting is not None:
+        return setting
+    if device_type not in COLLECTIVE_LATENCY_BYTES:
+        raise ValueError(
+            f"vsf.config.collective_latency_bytes has no default for a mesh of device type {device_type!r} "
+            f"(defaults for {sorted(COLLECTIVE_LATENCY_BYTES)}); set it to the bytes a collective's start-up costs"
+        )
+    return COLLECTIVE_LATENCY_BYTES[device_type]
 
 
 _COLLECTIVE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
@@ -133,7 +155,7 @@ class Codes:
     """Placements of one axis as small ints, with the byte factor and the fixed (per-collective:
     ``latency``) cost of every transition."""
 
-    def __init__(self, n: int, latency: float = COLLECTIVE_LATENCY_BYTES) -> None:
+    def __init__(self, n: int, latency: float) -> None:
         self.n, self.latency = n, latency
         self.of: dict[Any, int] = {}
         self.placements: list[Any] = []

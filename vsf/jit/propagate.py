@@ -46,7 +46,7 @@ from vsf.jit.buckets import form_buckets
 from vsf.jit.combine import check_with_dtensor
 from vsf.jit.classify import classify, constant_nodes
 from vsf.jit import manual
-from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum
+from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum, latency_bytes
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
 from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
@@ -135,13 +135,12 @@ def propagate(
         }
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
+        latency = latency_bytes(mesh.device_type, options.collective_latency_bytes)
         tables: dict[str, AxisTables] = {}
         for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:
                 if axis not in tables:
-                    tables[axis] = AxisTables.build(
-                        problem, axis, Codes(mesh.axis_size(axis), options.collective_latency_bytes)
-                    )
+                    tables[axis] = AxisTables.build(problem, axis, Codes(mesh.axis_size(axis), latency))
                 solver = AxisSolver(problem, axis, tables[axis])
                 solver.solve()
                 problem.solved[axis] = solver
@@ -150,7 +149,7 @@ def propagate(
         combined = [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, written)]
         if others and manual.reorders(mesh, combined[0][1], list(written)):
             combined += [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, c) for c in others]
-        plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], options.collective_latency_bytes))
+        plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], latency))
     plan = _scheduled(
         mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated
     )

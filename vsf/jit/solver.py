@@ -11,7 +11,7 @@ redistributions it implies) and its incremental cost bookkeeping, so they are on
 
 Example::
 
-    >>> solver = AxisSolver(problem, "tp", AxisTables.build(problem, "tp", Codes(2)))
+    >>> solver = AxisSolver(problem, "tp", AxisTables.build(problem, "tp", Codes(2, 65536.0)))
     >>> solver.solve(); solver.placement_of(0)
 """
 
@@ -42,7 +42,12 @@ from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
 
-__all__ = ["AxisSolver", "AxisTables", "Problem"]
+__all__ = ["BUCKET_SHARE", "AxisSolver", "AxisTables", "Problem"]
+
+
+# the share of a collective's start-up charged to a value that joins a bucket (:attr:`Problem.alone`):
+# one of the about 16 a bucket holds (a small GPT's per-block parameters or gradients)
+BUCKET_SHARE = 1 / 16
 
 
 _TIE = 1e-9
@@ -66,6 +71,8 @@ class AxisSolver:
         self.n = problem.mesh.axis_size(axis)
         self.codes = tables.codes
         self.fb = self._full_bytes()
+        self.alone = problem.alone
+        self.share = [1.0 if a else BUCKET_SHARE for a in self.alone]
         self.label = list(tables.label)
         self.need = [dict(d) for d in tables.need]
         self.final = tables.final
@@ -127,8 +134,8 @@ class AxisSolver:
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
         if not need:  # (most values, while the greedy pass has not reached their readers)
             return 0.0
-        row, fixed = self.codes.factor[label], self.codes.fixed[label]
-        return sum(self.fb[v] * row[req] + fixed[req] for req, c in need.items() if c > 0)
+        row, fixed, share = self.codes.factor[label], self.codes.fixed[label], self.share[v]
+        return sum(self.fb[v] * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
 
     def _value_costs(self, v: int) -> tuple[float, float]:
         """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups)."""
@@ -171,7 +178,7 @@ class AxisSolver:
             for v, req in zip(self.ins[k], ins):
                 cur = label[v]
                 if req != cur and not need[v].get(req):
-                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req]
+                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req] * self.share[v]
         else:
             old = self.strategies[k][self.choice[k]][0]
             changed: dict[int, dict[int, int]] = {}
@@ -230,8 +237,8 @@ class AxisSolver:
         """Per op, a number for the part of its :meth:`_context` that no choice on this axis
         changes (equal numbers: equal parts): its strategy list, its work, which of its inputs are
         one value, and per input its bytes, hints and reorder costs, per output its bytes and
-        required placement."""
-        fb, hints, reorder, final = self.fb, self.hints, self.reorder, self.final
+        required placement, and per input and output whether its collective runs alone (:attr:`Problem.alone`)."""
+        fb, hints, reorder, final, alone = self.fb, self.hints, self.reorder, self.final, self.alone
         numbers: dict[tuple[Any, ...], int] = {}
         out = []
         for k, (ins, outs) in enumerate(zip(self.ins, self.outs)):
@@ -239,8 +246,8 @@ class AxisSolver:
                 id(self.strategies[k]),
                 self.work[k],
                 tuple(ins.index(v) for v in ins),
-                tuple((fb[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in ins),
-                tuple(None if v < 0 else (fb[v], final.get(v)) for v in outs),
+                tuple((fb[v], alone[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in ins),
+                tuple(None if v < 0 else (fb[v], alone[v], final.get(v)) for v in outs),
             )
             out.append(numbers.setdefault(part, len(numbers)))
         return out
@@ -490,7 +497,9 @@ class AxisSolver:
             return False
         costs = self._costs(p)
         best_cost, j = min((costs[j], j) for j in self.gives[key])
-        if best_cost == INF:
+        if best_cost == INF and not self.view[p]:
+            # (a view of a value not yet partial costs infinite as a partial until its producer is
+            # made partial too, below; :meth:`_try` costs the whole move)
             return False
         moves[p] = j
         return all(
@@ -656,9 +665,21 @@ class Problem:
     views: list[bool] = dataclasses.field(default_factory=list)  # per op, is it a view (vsf.jit.graph.is_view)
     value_bytes: list[float] = dataclasses.field(default_factory=list)  # per value, its bytes on global shapes
 
+    alone: list[bool] = dataclasses.field(default_factory=list)  # per value: its collective runs alone (:meth:`index`)
+
     def index(self) -> None:
-        """Number the values, record which op produces and which ops consume each (and each op's
-        inputs and outputs by number), and count each op's FLOPs."""
+        """Number the values, record which op produces and which ops consume each, count each op's
+        FLOPs, and mark the values whose collective runs alone (:attr:`alone`): those between two ops
+        that do work, one before them (a matmul, attention: :func:`~vsf.jit.cost.op_flops`) and one
+        after. Only they are charged a collective's whole start-up (``vsf.config.collective_latency_bytes``):
+        such a collective waits for the work before it and holds up the work after it (Megatron's
+        activation all-reduces, one after another). A value computed from the inputs without work
+        (a parameter gathered, a count of tokens) or read by no work after it (a gradient reduced
+        for the optimizer) is independent of the others like it, which join it in a bucket, one
+        collective for many (:mod:`vsf.jit.buckets`): it is charged :data:`BUCKET_SHARE` of a
+        start-up. Charged a whole one each at 64 KiB, 59 parameters of a small FSDP GPT gathered
+        looked dearer than moving its activations, which sent 1.7x the bytes in 18 collectives
+        instead of 4."""
         for ph in placeholders_of(self.gm):
             self._add((ph, 0))
         for k, node in enumerate(self.ops):
@@ -675,6 +696,18 @@ class Problem:
         self.views = [is_view(node) for node in self.ops]
         self.value_bytes = [float(t.numel() * t.element_size()) for t in map(meta_of, self.values)]
         self.flops = [op_flops(node) for node in self.ops]
+        outs = [[v for v in vs if v >= 0] for vs in self.op_outs]
+        after = [False] * len(self.values)  # some work computes it (or a value it is computed from)
+        for k in range(len(self.ops)):
+            worked = bool(self.flops[k]) or any(after[v] for v in self.op_ins[k])
+            for v in outs[k]:
+                after[v] = worked
+        before = [False] * len(self.values)  # some work reads it (or a value computed from it)
+        for k in range(len(self.ops) - 1, -1, -1):
+            if self.flops[k] or any(before[v] for v in outs[k]):
+                for v in self.op_ins[k]:
+                    before[v] = True
+        self.alone = [a and b for a, b in zip(after, before)]
 
     def _add(self, v: Value) -> int:
         self.value_ids[v] = len(self.values)

@@ -582,3 +582,126 @@ def test_tracer_and_traced_node_find_the_node_computing_a_traced_tensor():
     assert seen["x"] is nodes["x_1"] and seen["x"].op == "placeholder"
     assert seen["y"] is nodes["sin"] and seen["y"].args[0].target == aten.detach.default
     assert seen["other"] is None
+
+
+def test_module_calls_through_hands_a_traces_module_calls_to_a_function():
+    """Inside, each module call the make_fx trace records goes through the function (which runs
+    the module's forward as it would have run); after, calls are traced as before."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    lin, seen = torch.nn.Linear(3, 3), []
+
+    def twice(module, forward, args, kwargs):
+        seen.append(module)
+        return forward(*args, **kwargs) * 2
+
+    def f(x):
+        with _compat.module_calls_through(_compat.tracer(), twice):
+            inside = lin(x)
+        return inside + lin(x)
+
+    x = torch.randn(2, 3)
+    graph = make_fx(f)(x)
+    assert seen == [lin]
+    torch.testing.assert_close(graph(x), 3 * lin(x))
+
+
+def test_trace_aside_traces_beside_a_running_trace_which_records_none_of_it():
+    """A function traced on the running trace's fake tensors gives its own graph (the ops and
+    numbers of the function); the running trace's graph holds only its own ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aside = {}
+
+    def f(x):
+        aside["graph"] = _compat.trace_aside(lambda a: a.cos() * 2, [x], {})
+        return x.sin()
+
+    outer = make_fx(f, tracing_mode="fake")(torch.randn(3))
+    assert [n.target for n in outer.graph.nodes if n.op == "call_function"] == [aten.sin.default]
+    assert [n.target for n in aside["graph"].graph.nodes if n.op == "call_function"] == [
+        aten.cos.default,
+        aten.mul.Tensor,
+    ]
+    y = torch.randn(3)
+    torch.testing.assert_close(aside["graph"](y), y.cos() * 2)
+
+
+def test_untraced_like_and_track_as_make_a_fake_the_trace_reads_as_a_node():
+    """A fake like a traced one (shape, strides, dtype) that the trace does not know, until
+    ``track_as`` makes the trace read it as a node's value: ops on it then read that node."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = {}
+
+    def f(x):
+        by = _compat.tracer()
+        y = x.sin()
+        u = _compat.untraced_like(y)
+        seen["untracked"], seen["meta"] = _compat.traced_node(u, by), (u.shape, u.stride(), u.dtype, u.requires_grad)
+        _compat.track_as(u, _compat.traced_node(y, by), by)
+        return u * 3
+
+    graph = make_fx(f, tracing_mode="fake")(torch.randn(2, 3))
+    assert seen["untracked"] is None and seen["meta"] == (torch.Size([2, 3]), (3, 1), torch.float32, False)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(graph(x), x.sin() * 3)
+    with pytest.raises(TypeError, match="expected a fake tensor, got Tensor"):
+        _compat.untraced_like(torch.ones(1))
+
+
+def test_only_tracing_modes_is_false_under_another_dispatch_mode():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+
+    def f(x):
+        seen.append(_compat.only_tracing_modes())
+        with Passing():
+            seen.append(_compat.only_tracing_modes())
+        return x + 1
+
+    make_fx(f, tracing_mode="fake")(torch.randn(2))
+    assert seen == [True, False]
+
+
+def test_global_module_hooks_and_saved_tensor_hooks_say_when_such_hooks_are_in_force():
+    assert not _compat.global_module_hooks() and not _compat.saved_tensor_hooks()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert _compat.global_module_hooks()
+    finally:
+        handle.remove()
+    assert not _compat.global_module_hooks()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert _compat.saved_tensor_hooks()
+    assert not _compat.saved_tensor_hooks()
+
+
+def test_stack_trace_now_is_what_the_trace_records_on_a_node_made_there():
+    """The frames a node made at that point would record (make_fx keeps ``forward`` frames: this
+    file's module's), and ``None`` where the trace records no stack traces."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+
+    class Sine(torch.nn.Module):
+        def forward(self, x):
+            seen.append(_compat.stack_trace_now(_compat.tracer()))
+            return x.sin()
+
+    graph = make_fx(Sine(), tracing_mode="fake", record_stack_traces=True)(torch.randn(2))
+    (sin,) = [n for n in graph.graph.nodes if n.target == aten.sin.default]
+    files = [line for line in sin.meta["stack_trace"].splitlines() if line.strip().startswith("File")]
+    assert seen[0] is not None and "test_compat.py" in seen[0] and ", in forward" in seen[0]
+    assert [line.split(", line")[0] for line in seen[0].splitlines() if line.strip().startswith("File")] == [
+        line.split(", line")[0] for line in files
+    ]
+    make_fx(Sine(), tracing_mode="fake")(torch.randn(2))
+    assert seen[1] is None

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from vsf import _compat, remat_policies, tree
 from vsf.ops.names import NAME_OP
+from vsf.ops import recording
 from vsf.ops.recording import current_region, manual_axes
 from vsf.ops.region import Region, boundary, copies, lookup, register, summed_over
 from vsf.sharding.constraint import constrain
@@ -29,8 +30,6 @@ from vsf.sharding.put import device_put, is_sharding_leaf
 from vsf.sharding.spec import PartitionSpec
 
 __all__ = ["grad", "shard_map", "value_and_grad", "with_sharding_constraint"]
-
-_DEPTH = [0]  # nesting of grad transforms, so an inner grad keeps its graph for the outer one
 
 
 def value_and_grad(
@@ -61,23 +60,24 @@ def value_and_grad(
         with torch.enable_grad(), implicit_replication():
             diff = {i: [_watch(x) for x in flat[i][0]] for i in nums}
             call_args = [tree.unflatten(flat[i][1], diff[i]) if i in nums else a for i, a in enumerate(args)]
-            _DEPTH[0] += 1
-            try:
+            with recording.differentiating():
                 out = fun(*call_args, **kwargs)
-            finally:
-                _DEPTH[0] -= 1
             value, aux = out if has_aux else (out, None)
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise TypeError(f"grad needs {getattr(fun, '__name__', 'fun')} to return a scalar tensor, got {shape}")
             wrt = [x for i in nums for x in diff[i] if _differentiable(x)]
-            grads = iter(torch.autograd.grad(value, wrt, allow_unused=True, create_graph=_DEPTH[0] > 0) if wrt else ())
+            grads = iter(
+                torch.autograd.grad(value, wrt, allow_unused=True, create_graph=recording.grad_depth() > 0)
+                if wrt
+                else ()
+            )
         out_grads = []
         for i in nums:
             leaves = [(_zero_if_none(next(grads), x) if _differentiable(x) else None) for x in diff[i]]
             out_grads.append(tree.unflatten(flat[i][1], leaves))
         g = out_grads[0] if isinstance(argnums, int) else tuple(out_grads)
-        value = value if _DEPTH[0] > 0 else _reduced(value.detach())
+        value = value if recording.grad_depth() > 0 else _reduced(value.detach())
         return ((value, aux) if has_aux else value), g
 
     return wrapped
@@ -157,7 +157,7 @@ def _differentiable(x: Any) -> bool:
 def _watch(x: Any) -> Any:
     if not _differentiable(x):
         return x
-    return x if (x.requires_grad and _DEPTH[0] > 0) else x.detach().requires_grad_(True)
+    return x if (x.requires_grad and recording.grad_depth() > 0) else x.detach().requires_grad_(True)
 
 
 def _zero_if_none(g: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

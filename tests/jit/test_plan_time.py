@@ -351,3 +351,34 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
         assert stamped == want
         monkeypatch.setattr(vsf.config, "stamp_blocks", False)
         assert_same_plans(plan, _stamps(model, keyed)[1])
+
+
+def test_a_gradient_penalty_traces_its_blocks_one_by_one_and_gives_torchs_second_derivative(sim):
+    """Blocks inside nested ``vsf.grad`` transforms (a gradient penalty: the inner gradient's
+    backward is differentiated again, which copied ops cannot record) are traced one by one, and
+    the jitted step's gradient is torch's double backward on one device."""
+    import vsf
+    from vsf import P
+
+    torch.manual_seed(0)
+    model = _Stack([_Block(8, 16) for _ in range(3)]).eval()
+    params = vsf.tree.from_module(model)
+    x = torch.randn(4, 8)
+
+    def penalty(p, x):
+        g = vsf.grad(lambda q: vsf.tree.apply(model, q, x))(p)
+        return sum((v**2).sum() for v in g.values())
+
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    first = torch.autograd.grad(
+        torch.func.functional_call(model, leaves, (x,)), list(leaves.values()), create_graph=True
+    )
+    want = torch.autograd.grad(sum((g**2).sum() for g in first), list(leaves.values()))
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+    jitted = vsf.jit(vsf.grad(penalty))
+    assert jitted.trace(*args).stamped == {}
+    got = vsf.device_get(jitted(*args))
+    for k, w in zip(leaves, want):
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)

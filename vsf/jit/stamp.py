@@ -26,9 +26,11 @@ which recomputes what the block saves; checkpointing inside it is traced with it
 in two slots, passed twice, or held by another block too (a tied weight), an argument of another
 kind (a ``transformers`` ``DynamicCache``: ``use_cache=True`` writes each layer's keys into it),
 and, once traced, a block that reads a tensor from outside its inputs, writes in place, draws
-random numbers, returns an input, or asks :func:`vsf.jit.trace.step_input` about a tensor. The
-backward of a stamped block cannot be differentiated again (``vsf.grad`` of ``vsf.grad``): that is
-a ``TraceError``, as is a gradient arriving with other strides than the block's trace assumed.
+random numbers, returns an input, or asks :func:`vsf.jit.trace.step_input` about a tensor; so is
+a block inside nested ``vsf.grad`` transforms (a gradient penalty: the inner gradient's backward is
+differentiated again, which copied ops cannot record). A stamped block's backward differentiated again
+some other way (``torch.autograd.grad(..., create_graph=True)`` in the step) is a ``TraceError``; a
+gradient arriving with other strides than the block's trace assumed is copied into those strides.
 ``vsf.config.stamp_blocks = False`` traces every call the plain way.
 
 Example::
@@ -53,6 +55,7 @@ import torch.fx
 
 from vsf import _compat, tree
 from vsf.errors import TraceError
+from vsf.ops import recording
 
 __all__ = ["Stamper"]
 
@@ -363,6 +366,8 @@ def _keyed(
     """The key of a block call (the module docstring says what it holds) and the call's tensors,
     or ``None`` where the call is not to be stamped."""
     if _compat.global_module_hooks() or _compat.saved_tensor_hooks() or not _compat.only_tracing_modes():
+        return None
+    if recording.grad_depth() > 1:  # its backward will be differentiated again, which copied ops cannot record
         return None
     if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
         return None

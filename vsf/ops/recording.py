@@ -4,6 +4,8 @@
   manual, or over an axis the mesh lacks, is an error naming the region (:func:`check_axis`);
   :func:`current_region` names the region being traced into a ``vsf.jit`` graph, if any.
 * :func:`sent`: what a collective sends (kind, axis, local shape, bytes), as a plan lists it.
+* :func:`tracing_step` and :func:`differentiating`: what is in flight while code runs (a ``vsf.jit``
+  step traced on global shapes; how many ``vsf.grad`` transforms differentiate it).
 
 Example::
 
@@ -29,6 +31,8 @@ __all__ = [
     "Sent",
     "check_axis",
     "current_region",
+    "differentiating",
+    "grad_depth",
     "manual_axes",
     "sent",
     "tracing_step",
@@ -115,6 +119,38 @@ def traces_step() -> bool:
         False
     """
     return _STEP_TRACES[0] > 0
+
+
+_GRAD_DEPTH = [0]  # how many vsf.grad transforms differentiate the code running now
+
+
+@contextlib.contextmanager
+def differentiating() -> Iterator[None]:
+    """Inside, one more ``vsf.grad`` transform differentiates the code that runs (:func:`grad_depth`).
+
+    Example::
+
+        >>> with differentiating():
+        ...     grad_depth()
+        1
+    """
+    _GRAD_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _GRAD_DEPTH[0] -= 1
+
+
+def grad_depth() -> int:
+    """How many ``vsf.grad`` transforms differentiate the code running now: from 2 on, an inner
+    gradient's backward is itself differentiated by an outer one (a gradient penalty).
+
+    Example::
+
+        >>> grad_depth()     # outside any vsf.grad
+        0
+    """
+    return _GRAD_DEPTH[0]
 
 
 def _ring_bytes(kind: str, n: int, x: torch.Tensor) -> int:

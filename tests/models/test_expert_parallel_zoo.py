@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -395,19 +396,17 @@ def _loss_of(module):
     return loss
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
-def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, implementation):
-    """transformers' experts module, its two weights ``P("ep")``, nothing else said: the loss and
-    the gradients (both weights, the tokens) are one device's, and over ``ep`` the plan sends the
-    per-expert counts, the dispatch and combine (forward and backward, each the rank's 8 tokens x
-    top-2 x 32 floats) and the loss, and no weight ("eager": transformers' per-expert loop,
-    replaced all the same)."""
+def _jitted_like_one_device(sim, implementation: str, tokens_spec: P) -> tuple[Any, tuple]:
+    """The experts module (``_experts(implementation)``) with its two weights ``P("ep")`` and its
+    tokens ``tokens_spec`` on a ("dp", "ep") mesh of 4 simulated ranks, jitted: the loss and the
+    gradients (both weights, the tokens) are those of the same function on one device, under the
+    ``vsf.config`` switches set now. Returns the jitted function and its arguments."""
     module, params, batch = _experts(implementation)
     grad_of = vsf.value_and_grad(_loss_of(module), argnums=(0, 1))
     want_loss, (want, want_x) = grad_of(params, *batch)
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
-    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
+    tokens = vsf.NamedSharding(mesh, tokens_spec)
     args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in batch))
     step = vsf.jit(grad_of)
     loss, (grads, grad_x) = step(*args)
@@ -417,6 +416,17 @@ def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, im
         torch.testing.assert_close(
             vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}"
         )
+    return step, args
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, implementation):
+    """transformers' experts module, its two weights ``P("ep")``, nothing else said: the loss and
+    the gradients (both weights, the tokens) are one device's, and over ``ep`` the plan sends the
+    per-expert counts, the dispatch and combine (forward and backward, each the rank's 8 tokens x
+    top-2 x 32 floats) and the loss, and no weight ("eager": transformers' per-expert loop,
+    replaced all the same)."""
+    step, args = _jitted_like_one_device(sim, implementation, P(("dp", "ep")))
     over_ep = sorted((c.kind, c.bytes) for c in step.lower(*args).cost().collectives if c.axis == "ep")
     assert (
         over_ep
@@ -431,19 +441,7 @@ def test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive(s
     32x32 and 32x16 floats, all-reduced: 2(n-1)/n = 1 of them); over ep: the loss, the per-expert
     counts and the four exchanges of a rank's 8 tokens x top-2 x 32 floats. Loss and gradients are
     one device's."""
-    module, params, batch = _experts("grouped_mm")
-    grad_of = vsf.value_and_grad(_loss_of(module), argnums=(0, 1))
-    want_loss, (want, want_x) = grad_of(params, *batch)
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
-    tokens = vsf.NamedSharding(mesh, P(("ep", "dp")))
-    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in batch))
-    step = vsf.jit(grad_of)
-    loss, (grads, grad_x) = step(*args)
-    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
-    torch.testing.assert_close(vsf.device_get(grad_x), want_x, rtol=1e-5, atol=1e-6)
-    for k in params:
-        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6)
+    step, args = _jitted_like_one_device(sim, "grouped_mm", P(("ep", "dp")))
     got = sorted((c.axis, c.kind, c.bytes) for c in step.lower(*args).cost().collectives)
     exchange = ("ep", "all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)
     experts = EXPERTS // 2 * (32 * 32 + 32 * 16) * 4
@@ -462,20 +460,8 @@ def test_with_dispatch_experts_off_the_same_specs_gather_the_experts(sim, monkey
     """``vsf.config.dispatch_experts = False``: the experts module planned as transformers runs it,
     one device's numbers, its weights brought to the tokens (each rank sends its 4 experts' 32x32
     and 32x16 floats over ep) and no exchange; switching it back plans again, saying why."""
-    module, params, batch = _experts("grouped_mm")
-    grad_of = vsf.value_and_grad(_loss_of(module), argnums=(0, 1))
-    want_loss, (want, want_x) = grad_of(params, *batch)
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
-    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
-    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in batch))
-    step = vsf.jit(grad_of)
     monkeypatch.setattr(vsf.config, "dispatch_experts", False)
-    loss, (grads, grad_x) = step(*args)
-    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
-    torch.testing.assert_close(vsf.device_get(grad_x), want_x, rtol=1e-5, atol=1e-6)
-    for k in params:
-        torch.testing.assert_close(vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6)
+    step, args = _jitted_like_one_device(sim, "grouped_mm", P(("dp", "ep")))
     over_ep = [c for c in step.lower(*args).cost().collectives if c.axis == "ep"]
     assert not [c for c in over_ep if c.kind == "all_to_all_v"]
     assert [c.bytes for c in over_ep if c.kind == "all_gather" and c.bytes >= 4096] == [

@@ -421,10 +421,10 @@ def _recording(cls: type, index: int, reads: set[tuple[int, str]]) -> type:
     def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
         if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
             reads.add((index, name))
-        return super(recording, self).__getattribute__(name)
+        return super(recorder, self).__getattribute__(name)
 
-    recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
-    return recording
+    recorder = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
+    return recorder
 
 
 def _values(modules: list[torch.nn.Module], reads: frozenset[tuple[int, str]]) -> tuple[Any, ...]:

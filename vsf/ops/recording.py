@@ -89,6 +89,16 @@ def current_region() -> int | None:
     return MANUAL[-1][2] if MANUAL else None
 
 
+@contextlib.contextmanager
+def _counted(counter: list[int]) -> Iterator[None]:
+    """``counter[0]`` one higher inside (also after an error, as it was)."""
+    counter[0] += 1
+    try:
+        yield
+    finally:
+        counter[0] -= 1
+
+
 _STEP_TRACES = [0]  # how many vsf.jit steps are being traced (on global shapes) right now
 
 
@@ -103,11 +113,8 @@ def tracing_step() -> Iterator[None]:
         ...     traces_step()
         True
     """
-    _STEP_TRACES[0] += 1
-    try:
+    with _counted(_STEP_TRACES):
         yield
-    finally:
-        _STEP_TRACES[0] -= 1
 
 
 def traces_step() -> bool:
@@ -134,11 +141,8 @@ def differentiating() -> Iterator[None]:
         ...     grad_depth()
         1
     """
-    _GRAD_DEPTH[0] += 1
-    try:
+    with _counted(_GRAD_DEPTH):
         yield
-    finally:
-        _GRAD_DEPTH[0] -= 1
 
 
 def grad_depth() -> int:

@@ -159,14 +159,16 @@ def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):
 
 
 def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, monkeypatch):
-    """vsf's AdamW writes in place and in foreach ops; only its update (the ops from the first
-    such one on) is traced again, not the forward and backward before it, and the step's graph
-    and plan are those of the whole graph traced again."""
+    """vsf's AdamW writes in foreach ops; only its update (the ops from the first such one on) is
+    traced again (its foreach ops not split in the graph: ``_splits_in_place`` off), not the
+    forward and backward before it, and the step's graph and plan are those of the whole graph
+    traced again."""
     from vsf.jit import functionalize
 
     sim(8, compute=False)
     alone = []
     check = functionalize._tail_writes_its_own
+    monkeypatch.setattr(functionalize, "_splits_in_place", lambda *a: False)
     monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: alone.append(check(*a)) or alone[-1])
     tail = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
     assert alone == [True]
@@ -174,6 +176,44 @@ def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, 
     whole = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
     assert not any(n.target in functionalize._FOREACH_DECOMPOSITIONS for n in tail.plan.graph.graph.nodes)
     assert_same_plans(tail, whole)
+
+
+def _described(lowered) -> list[tuple]:
+    """Each node of a lowered step's graph: its text (name, op, arguments), the shapes, strides and
+    dtypes of its value, and its stack trace."""
+    out = []
+    for n in lowered.plan.graph.graph.nodes:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        metas = [(tuple(v.shape), v.stride(), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
+        out.append((n.format_node(), metas, n.stack_trace))
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_optimizer_foreach_split_in_the_graph_as_its_trace_records_it(sim, monkeypatch, mixed):
+    """AdamW's ``apply_updates`` is one ``_foreach_add`` after the last in-place-free op: it is
+    split into per-leaf adds in the graph itself, not traced again, and the graph (every node's
+    name, op, arguments, value metadata and stack trace) and the plan are those the trace of the
+    tail records (``mixed``: bf16 params among fp32 ones: a foreach op per dtype)."""
+    import vsf
+    from vsf.jit import functionalize
+
+    sim(8, compute=False)
+    step, (p, s, idx, tgt) = _gpt_step(2, (1, 2, 2, 1, 2), optimizer=True)
+    if mixed:
+        p = {k: v.to(torch.bfloat16) if k.endswith("fc1.weight") else v for k, v in p.items()}
+        s = vsf.optim.adamw(1e-3, weight_decay=0.1).init(p)
+    took = []
+    check = functionalize._splits_in_place
+    monkeypatch.setattr(functionalize, "_splits_in_place", lambda *a: took.append(check(*a)) or took[-1])
+    split = step.lower(p, s, idx, tgt)
+    assert took == [True]
+    monkeypatch.setattr(functionalize, "_splits_in_place", lambda *a: False)
+    traced = vsf.jit(step.fun).lower(p, s, idx, tgt)
+    assert _described(split) == _described(traced)
+    assert sum(n.target is torch.ops.aten.add.Tensor for n in split.plan.graph.graph.nodes) >= len(p)
+    assert_same_plans(split, traced)
 
 
 def _fresh(a):  # writes to its own value, read by nothing made before the write: the tail alone

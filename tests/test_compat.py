@@ -296,6 +296,23 @@ def test_fake_tensors_and_tracing():
     assert _compat.is_data_dependent_error(e.value) and not _compat.is_data_dependent_error(ValueError())
 
 
+def test_fake_inputs_are_the_tensors_a_fake_trace_runs_on():
+    """``fake_inputs`` makes fakes of the avals, and a fake-mode ``make_fx`` trace runs the traced
+    function on those very tensors (a plain fake of another mode is converted to a new one)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, i = _compat.fake_inputs([((4, 3), torch.float32), ((5,), torch.int64)], "cpu")
+    assert _compat.is_fake(x) and (x.shape, x.dtype, i.shape, i.dtype) == ((4, 3), torch.float32, (5,), torch.int64)
+    seen = []
+    gm = make_fx(lambda a, b: seen.extend([a, b]) or a.sum() + b.sum(), tracing_mode="fake")(x, i)
+    assert seen[0] is x and seen[1] is i
+    assert [n.meta["val"].shape for n in gm.graph.find_nodes(op="placeholder")] == [(4, 3), (5,)]
+    with _compat.fake_mode():
+        other = torch.empty(4, 3)
+    make_fx(lambda a: seen.append(a) or a * 2, tracing_mode="fake")(other)
+    assert seen[2] is not other
+
+
 def test_stack_anchor_makes_fx_record_the_anchored_functions_line():
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -302,14 +302,17 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(sim):
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
 def test_blocks_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, shape):
-    """An AdamW step of a 4-layer GPT on a 5D mesh: its blocks stamped from one trace, the graph
-    (every op in order, reading the same values) and plan (placements, redistributions, bytes,
-    collectives) are those of every block traced, and each op names the same user lines."""
+    """An AdamW step of a 4-layer GPT on a 5D mesh: its blocks stamped from one trace and each
+    leaf's Adam update from one trace per kind of leaf, the graph (every op in order, reading the
+    same values) and plan (placements, redistributions, bytes, collectives) are those of every
+    block and update traced, and each op names the same user lines."""
     import vsf
 
     sim(math.prod(shape), compute=False)
     step, args = _gpt_step(4, shape, optimizer=True)
-    assert step.trace(*args).stamped == {"Block": (4,)}
+    traced = step.trace(*args).stamped
+    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step"}
+    assert sum(traced["adam_step"]) == len(args[0]) > len(traced["adam_step"])  # every leaf's update, fewer traces
     stamped = step.lower(*args)
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     step, args = _gpt_step(4, shape, optimizer=True)
@@ -422,3 +425,37 @@ def test_a_gradient_penalty_traces_its_blocks_one_by_one_and_gives_torchs_second
     got = vsf.device_get(jitted(*args))
     for k, w in zip(leaves, want):
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
+
+
+def _scaled(x, y, c):
+    return x * c + y
+
+
+def test_updates_per_leaf_share_a_trace_only_where_nothing_they_read_differs(sim, monkeypatch):
+    """``vsf.jit.trace.per_leaf`` (how vsf.optim runs Adam's update of each leaf) stamps a row from
+    another row's trace only where everything its trace read is the same: the tensors' shapes,
+    strides and dtypes and the Python numbers it bakes in; a row that differs in one of them
+    alone (a number 3.0 for 2.0, float64, transposed strides) gets its own trace. The graph is
+    that of every row traced, and the numbers are eager torch's."""
+    import vsf
+    from vsf import P
+    from vsf.jit.trace import per_leaf
+
+    def step(a, b):
+        rows = [(a, b, 2.0), (a + 1, b, 2.0), (a, b, 3.0), (a.double(), b, 2.0), (a.t(), b, 2.0)]
+        return per_leaf(_scaled, rows, "scaled")
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    args = [vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))) for x in (a, b)]
+    assert vsf.jit(step).trace(*args).stamped == {"scaled": (2, 1, 1, 1)}
+    stamped = vsf.jit(step).lower(*args)
+    for got, want in zip(vsf.device_get(vsf.jit(step)(*args)), step(a, b), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    assert vsf.jit(step).trace(*args).stamped == {}
+    one_by_one = vsf.jit(step).lower(*args)
+    assert _described(stamped) == _described(one_by_one)
+    assert_same_plans(stamped, one_by_one)

@@ -42,7 +42,7 @@ def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, ch
     family = zoo.llama(3, use_cache=False, checkpointed=checkpointed)
     sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
     stamped, plan = _lowered(family)
-    assert stamped == {"LlamaDecoderLayer": (3,)}
+    assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step"}
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     plain, one_by_one = _lowered(family)
     assert plain == {}
@@ -51,8 +51,8 @@ def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, ch
 
 
 def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
-    """Three AdamW steps of a stamped 2-layer Llama on the 5D layout: every loss and param as
-    ``torch.optim.AdamW`` on one device gives them."""
+    """Three AdamW steps of a stamped 2-layer Llama on the 5D layout (its layers and each leaf's
+    Adam update stamped): every loss and param as ``torch.optim.AdamW`` on one device gives them."""
     stampers = []
 
     class Seen(trace_module.Stamper):
@@ -63,5 +63,6 @@ def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
     monkeypatch.setattr(trace_module, "Stamper", Seen)
     family = zoo.llama(2, use_cache=False)
     losses, params, _ = zoo.jit_train(family, "5d", sim)
-    assert [s.stamped for s in stampers] == [{"LlamaDecoderLayer": [2]}]
+    assert [s.stamped["LlamaDecoderLayer"] for s in stampers] == [[2]]
+    assert [sum(s.stamped["adam_step"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf's update
     zoo.assert_like_oracle("stamped llama", losses, params, zoo.torch_run(family))

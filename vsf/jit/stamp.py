@@ -146,10 +146,38 @@ class Stamper:
         shared, self._held = bool(held & self._held), self._held | held
         if shared:  # a tensor another block holds too (a tied weight): traced by itself
             return forward(*args, **kwargs)
+        return self._stamp(key, call, forward, args, kwargs)
+
+    def apply(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+        """``fn(*args)`` stamped from one trace per key (``fn`` itself, the arguments' structure,
+        their tensors' metadata and other values, as a block call's), as a block named ``name``:
+        an optimizer's update of one leaf, stamped for every leaf like it.
+
+        Example::
+
+            >>> outs = [stamper.apply(torch.ops.vsf.adam_step, row, "adam_step") for row in rows]
+        """
+        keyed = _call_keyed(args, {}, self.tracer)
+        if keyed is None:
+            return fn(*args)
+        key, call = keyed
+        return self._stamp((fn, name, key), call, fn, args, {}, name)
+
+    def _stamp(
+        self,
+        key: Any,
+        call: _Call,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+    ) -> Any:
+        """The call stamped from the trace of its key (traced now if it is the first), or run as it
+        is where no trace can stand for it."""
         traces = self.traces.setdefault(key, [])
         traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
         if traced is _UNTRACED:
-            reads, traced = self._trace(forward, call)
+            reads, traced = self._trace(forward, call, name or type(call.modules[0]).__name__)
             traces.append((reads, _values(call.modules, reads), traced))
         if traced is None:
             return forward(*args, **kwargs)
@@ -162,7 +190,9 @@ class Stamper:
             traced.out_tree, [next(outs) if n is not None else c for n, c in zip(traced.outs, traced.consts)]
         )
 
-    def _trace(self, forward: Callable[..., Any], call: _Call) -> tuple[frozenset[tuple[int, str]], _Trace | None]:
+    def _trace(
+        self, forward: Callable[..., Any], call: _Call, name: str
+    ) -> tuple[frozenset[tuple[int, str]], _Trace | None]:
         """Trace the block by itself on fresh inputs like the call's, forward and (where a grad
         flows) backward: the attributes of its modules its code read (by module index and name),
         and the trace, ``None`` where it could not stand for another block."""
@@ -186,7 +216,7 @@ class Stamper:
         reads = frozenset(marks["reads"])
         if self.asked() != asked:
             return reads, None
-        return reads, _cut(gm, marks, type(call.modules[0]).__name__, stack, self.draws)
+        return reads, _cut(gm, marks, name, stack, self.draws)
 
 
 def _joint(
@@ -365,15 +395,9 @@ def _keyed(
 ) -> tuple[Any, _Call] | None:
     """The key of a block call (the module docstring says what it holds) and the call's tensors,
     or ``None`` where the call is not to be stamped."""
-    if _compat.global_module_hooks() or _compat.saved_tensor_hooks() or not _compat.only_tracing_modes():
-        return None
-    if recording.grad_depth() > 1:  # its backward will be differentiated again, which copied ops cannot record
-        return None
-    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-        return None
     modules = list(module.named_modules(remove_duplicate=False))
     slots: list[tuple[dict[str, Any], str]] = []
-    key: list[Any] = [torch.is_grad_enabled()]
+    key: list[Any] = []
     for prefix, m in modules:
         if any(getattr(m, h, None) for h in _HOOKS):
             return None
@@ -384,20 +408,42 @@ def _keyed(
                 if t is not None:
                     slots.append((table, name))
                     key.append((prefix, name, _meta(t)))
+    keyed = _call_keyed(args, kwargs, tracer, [table[name] for table, name in slots])
+    if keyed is None or _compat.global_module_hooks():
+        return None
+    call_key, call = keyed
+    unique = list({id(m): m for _, m in modules}.values())
+    return (*key, call_key), dataclasses.replace(call, modules=unique, slots=slots)
+
+
+def _call_keyed(
+    args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any, held: Sequence[torch.Tensor] = ()
+) -> tuple[Any, _Call] | None:
+    """The key of a call's arguments (grad mode, structure, each tensor's metadata, each other
+    value) and the call (its operands: the ``held`` tensors, then the arguments'), or ``None``
+    where no trace may stand for it (the module docstring says when)."""
+    if _compat.saved_tensor_hooks() or not _compat.only_tracing_modes():
+        return None
+    if recording.grad_depth() > 1:  # its backward will be differentiated again, which copied ops cannot record
+        return None
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return None
     leaves, treedef = tree.flatten((args, kwargs))
-    key.append(treedef)
-    key += [_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves]
     if any(not isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves):
         return None
-    operands = [table[name] for table, name in slots] + [x for x in leaves if isinstance(x, torch.Tensor)]
+    key = (
+        torch.is_grad_enabled(),
+        treedef,
+        *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
+    )
+    operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
     if len({id(t) for t in operands}) != len(operands) or any(_compat.traced_node(t, tracer) is None for t in operands):
         return None
     try:
-        hash(tuple(key))
+        hash(key)
     except TypeError:
         return None
-    unique = list({id(m): m for _, m in modules}.values())
-    return tuple(key), _Call(unique, slots, operands, leaves, treedef)
+    return key, _Call([], [], operands, leaves, treedef)
 
 
 @contextlib.contextmanager

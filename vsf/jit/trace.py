@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,16 @@ from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
 from vsf.sharding.named import NamedSharding
 
-__all__ = ["StepInput", "Traced", "computes_on_shards", "draws_random", "rewrite_while_tracing", "step_input", "trace"]
+__all__ = [
+    "StepInput",
+    "Traced",
+    "computes_on_shards",
+    "draws_random",
+    "per_leaf",
+    "rewrite_while_tracing",
+    "step_input",
+    "trace",
+]
 
 aten = torch.ops.aten
 
@@ -79,6 +88,7 @@ class _Inputs:
     options: PlanOptions
     split: dict[int, tuple[str, ...]]  # what computes_on_shards said, by input position
     aside: list[int] = dataclasses.field(default_factory=list)  # questions asked from a trace beside the step's
+    stampers: list[Stamper] = dataclasses.field(default_factory=list)  # the step's stamper, while stamping is on
 
 
 _TRACING: list[_Inputs] = []  # the steps whose code is running under trace now, innermost last
@@ -223,9 +233,33 @@ def _stamping(
         yield
         return
     stamper = Stamper(inputs.tracer, dict(decompositions or {}), _draws, lambda: len(inputs.aside))
-    with _compat.module_calls_through(inputs.tracer, stamper):
-        yield
+    inputs.stampers.append(stamper)
+    try:
+        with _compat.module_calls_through(inputs.tracer, stamper):
+            yield
+    finally:
+        inputs.stampers.remove(stamper)
     stamped.update({k: tuple(v) for k, v in stamper.stamped.items()})
+
+
+def per_leaf(fn: Callable[..., Any], rows: Iterable[tuple[Any, ...]], name: str) -> list[Any]:
+    """``[fn(*row) for row in rows]``: an update applied to each leaf of a tree. While a step is
+    traced with ``stamp_blocks`` on (and this is the step's trace, not one beside it), ``fn`` is
+    traced once per distinct key of its row (``fn``, each tensor's shape, strides, dtype, device
+    and ``requires_grad``, each other value: a float hyper-parameter, a ``None`` for a leaf
+    without weight decay) and its ops are copied for the other rows alike (:mod:`vsf.jit.stamp`),
+    reported under ``name`` in :attr:`Traced.stamped`. ``fn`` must read no tensor but its row's
+    (one that does is traced row by row).
+
+    Example::
+
+        >>> outs = per_leaf(torch.ops.vsf.adam_step, zip(grads, mus, nus, params, ...), "adam_step")
+    """
+    step = _TRACING[-1] if _TRACING else None
+    if step is None or not step.stampers or _compat.tracer() is not step.tracer:
+        return [fn(*row) for row in rows]
+    stamper = step.stampers[-1]
+    return [stamper.apply(fn, tuple(row), name) for row in rows]
 
 
 def _draws(node: torch.fx.Node) -> bool:
@@ -242,8 +276,7 @@ def _trace(
     decompositions: dict[Any, Callable[..., Any]],
     allow_unkeyed_random: bool,
 ) -> Traced:
-    with _compat.fake_mode():
-        fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
+    fakes = _compat.fake_inputs(avals, device)
     _compat.register_stack_anchor(fun)
     try:
         with _compat.checkpointing_as_eager(), _compat.kept_frames_only():

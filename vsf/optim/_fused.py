@@ -28,6 +28,7 @@ import torch
 
 from vsf import _compat
 from vsf.jit.strategies import register_elementwise
+from vsf.jit.trace import per_leaf
 
 __all__ = ["adam_step"]
 
@@ -143,8 +144,6 @@ def adam_step(
     decay = (
         decay.to(dtype=torch.float64) if isinstance(decay, torch.Tensor) else torch.full((), decay, dtype=torch.float64)
     )
-    out = [
-        torch.ops.vsf.adam_step(g, m, v, p, count, lr, decay, b1, b2, eps)
-        for g, m, v, p in zip(grads, mus, nus, params)
-    ]
+    rows = [(g, m, v, p, count, lr, decay, b1, b2, eps) for g, m, v, p in zip(grads, mus, nus, params)]
+    out = per_leaf(torch.ops.vsf.adam_step, rows, "adam_step")
     return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]

@@ -116,29 +116,63 @@ def _gpt_step(layers: int, shape: tuple[int, ...], optimizer: bool = False):
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
 def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape):
     """The solver decides once per op context and reuses the decision for the repeated blocks'
-    ops (``AxisSolver.reuse``); planned with every op costed anew, the plan is the same: every
-    op's placements, every redistribution, and the bytes per axis."""
+    ops, and solves an axis's problem once where the second sweep poses it again
+    (``AxisSolver.reuse``); planned with every op costed anew and every sweep solved, the AdamW
+    step of a 4-layer GPT has the same plan: every op's placements, every redistribution, the
+    bytes and collectives."""
     from vsf.jit import solver
 
     sim(math.prod(shape), compute=False)
-    asked = []
-    choose = solver.AxisSolver._choose
+    asked, solved = [], []
+    choose, solve = solver.AxisSolver._choose, solver.AxisSolver.solve
     monkeypatch.setattr(
         solver.AxisSolver, "_choose", lambda self, k, greedy: asked.append(k) or choose(self, k, greedy)
     )
-    reused = _gpt_plan(4, shape)
-    decided = len(asked)
+    monkeypatch.setattr(solver.AxisSolver, "solve", lambda self: solved.append(self.axis) or solve(self))
+    reused = _gpt_plan(4, shape, optimizer=True)
+    decided, sweeps = len(asked), list(solved)
     monkeypatch.setattr(solver.AxisSolver, "reuse", False)
     asked.clear()
-    one_by_one = _gpt_plan(4, shape)
+    solved.clear()
+    one_by_one = _gpt_plan(4, shape, optimizer=True)
     assert decided < len(asked) / 2  # blocks were decided once, not op by op
-    a, b = reused.plan, one_by_one.plan
-    assert [(p.ins, p.outs) for p in a.nodes.values()] == [(p.ins, p.outs) for p in b.nodes.values()]
-    assert [(r.value[0].name, r.src, r.dst) for r in a.redistributions] == [
-        (r.value[0].name, r.src, r.dst) for r in b.redistributions
-    ]
-    assert reused.cost().comm_bytes == one_by_one.cost().comm_bytes
-    assert reused.cost().collectives == one_by_one.cost().collectives
+    axes = ["pp", "dp", "fsdp", "cp", "tp"]
+    axes = [a for a, n in zip(axes, shape) if n > 1]
+    assert solved == axes * 2  # the long way: two sweeps, every axis solved in each
+    assert sweeps[: len(axes)] == axes
+    if shape == (1, 2, 2, 1, 2):
+        assert sweeps == axes + axes[:-1]  # tp's second problem is its first: not solved again
+    assert_same_plans(reused, one_by_one)
+
+
+def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
+    """An axis's problem is solved again unless every number the solver reads from the other
+    axes is the one it solved with (``AxisSolver.poses_as``): posed again as it was, solving gives
+    the same choices; with only the values' bytes on the axis changed (as another axis's choice
+    changes them), it is a new problem, and its choices differ."""
+    from vsf.jit import solver
+
+    sim(8, compute=False)
+    tables, problems = {}, []
+    build, solve = solver.AxisTables.build, solver.AxisSolver.solve
+    monkeypatch.setattr(
+        solver.AxisTables,
+        "build",
+        classmethod(lambda cls, problem, axis, codes: tables.setdefault(axis, build(problem, axis, codes))),
+    )
+    monkeypatch.setattr(solver.AxisSolver, "solve", lambda self: problems.append(self.p) or solve(self))
+    _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
+    problem = problems[-1]
+    done = problem.solved["tp"]
+    again = solver.AxisSolver(problem, "tp", tables["tp"])
+    assert again.poses_as(done)
+    again.solve()
+    assert again.choice == done.choice
+    other = solver.AxisSolver(problem, "tp", tables["tp"])
+    other.fb = [b / 4096 for b in other.fb]  # (start-ups outweigh bytes)
+    assert not other.poses_as(done)
+    other.solve()
+    assert other.choice != done.choice
 
 
 def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):

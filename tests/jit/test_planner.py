@@ -501,6 +501,21 @@ def test_a_split_contraction_is_reduced_once_where_the_output_asks(sim):
     assert plan.collectives() == [Collective("all_reduce", "dp", (4, 6), torch.float32, 96)]
 
 
+def test_moves_of_one_shape_and_layouts_are_priced_by_each_values_dtype(sim):
+    """The plan finds a move's collectives once per shape, strides, dtype and layouts (repeated
+    blocks move the same values): three results of one shape gathered alike, two float32 and one
+    float64, send (n-1)/n of their own bytes each: 64, 64 and 128 over 2 ranks."""
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    gm = make_fx(lambda a, b, c: (a * 2, b * 2, c * 2), tracing_mode="fake")(
+        torch.randn(8, 4), torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4)
+    )
+    replicated = vsf.NamedSharding(mesh, vsf.P())
+    plan = propagate(gm, mesh, [(Shard(0),)] * 3, [replicated] * 3, PlanOptions())
+    sent = [(c.dtype, c.bytes) for r in plan.redistributions for c in r.collectives]
+    assert sent == [(torch.float32, 64), (torch.float64, 128), (torch.float32, 64)]
+
+
 # -- overlap -------------------------------------------------------------------------------------
 
 

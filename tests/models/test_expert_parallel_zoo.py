@@ -70,6 +70,43 @@ def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(s
     assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, MOE_LAYERS[name])
 
 
+@pytest.mark.sweep
+def test_experts_further_split_over_fsdp_from_specs_dispatch_tokens_split_over_both(sim):
+    """torchtitan's efsdp from specs alone: Mixtral's experts ``P("ep", "fsdp")`` (fsdp splits
+    gate_up's ffn dim and down's hidden dim: a storage split, not tensor parallelism) on an
+    ``("fsdp", "ep")`` mesh, the batch over both: the params after 3 AdamW steps are torch's on one
+    device; over ep each exchange sends a rank's 16 tokens x top-2 x 32 floats (the analytic volume:
+    with fsdp left out of the token axes each sent its fsdp group's 32 tokens, twice as much); over
+    fsdp the experts are gathered into the dispatch and their gradients reduce-scattered, each a
+    rank's half of its 4 local experts in each layer (as FSDP does), and no token is exchanged. In
+    the sweep (about 17 s): the default suite checks the experts module alone
+    (test_an_experts_module_further_split_over_fsdp_dispatches_tokens_split_over_both)."""
+    family = zoo.moe("mixtral", EXPERTS)
+    want = zoo.torch_run(family)
+    model, batches = zoo.built(family)
+    params = vsf.tree.from_module(model)
+    tx = zoo.adamw()
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("fsdp", "ep"))
+    specs = {k: P("ep", "fsdp") if s == P("ep") else s for k, s in expert_specs(params).items()}
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
+    s = optim.init_sharded(tx, p)
+    step = vsf.jit(zoo.train_step(model, tx, family.loss))
+    tokens = vsf.NamedSharding(mesh, P(("fsdp", "ep")))
+    losses = []
+    for batch in batches:
+        p, s, loss = step(p, s, vsf.device_put(batch, tokens))
+        losses.append(vsf.device_get(loss))
+    zoo.assert_like_oracle("mixtral fsdp x ep (efsdp specs)", losses, vsf.device_get(p), want)
+    collectives = step.lower(p, s, vsf.device_put(batches[0], tokens)).cost().collectives
+    assert_tokens_sent_not_experts(collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
+    half = zoo.LAYERS * EXPERTS // 2 * (2 * zoo.FFN * zoo.HIDDEN + zoo.HIDDEN * zoo.FFN) * 4 // 2
+    over_fsdp = [(c.kind, c.bytes) for c in collectives if c.axis == "fsdp"]
+    assert [b for k, b in over_fsdp if k == "reduce_scatter"] == [half]
+    assert [b for k, b in over_fsdp if k == "all_gather" and b >= half] == [half]
+    assert not [k for k, _ in over_fsdp if k == "all_to_all_v"]
+
+
 # (mesh axes, the batch's spec): the tokens split ep-major, against the mesh order; cp before ep
 # (the batch over ep, the sequence over cp). Both in the sweep (about 30 s each); the default suite
 # keeps the costed order on the experts module alone (the bytes by hand and one device's gradients:
@@ -396,18 +433,20 @@ def _loss_of(module):
     return loss
 
 
-def _jitted_like_one_device(sim, implementation: str, tokens_spec: P) -> tuple[Any, tuple]:
-    """The experts module (``_experts(implementation)``) with its two weights ``P("ep")`` and its
-    tokens ``tokens_spec`` on a ("dp", "ep") mesh of 4 simulated ranks, jitted: the loss and the
+def _jitted_like_one_device(
+    sim, implementation: str, tokens_spec: P, axes: tuple[str, str] = ("dp", "ep"), weights: P = P("ep")
+) -> tuple[Any, tuple]:
+    """The experts module (``_experts(implementation)``) with its two weights ``weights`` and its
+    tokens ``tokens_spec`` on a 2 x 2 mesh ``axes`` of 4 simulated ranks, jitted: the loss and the
     gradients (both weights, the tokens) are those of the same function on one device, under the
     ``vsf.config`` switches set now. Returns the jitted function and its arguments."""
     module, params, batch = _experts(implementation)
     grad_of = vsf.value_and_grad(_loss_of(module), argnums=(0, 1))
     want_loss, (want, want_x) = grad_of(params, *batch)
     sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+    mesh = vsf.make_mesh((2, 2), axes)
     tokens = vsf.NamedSharding(mesh, tokens_spec)
-    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in batch))
+    args = (vsf.device_put(params, vsf.NamedSharding(mesh, weights)), *(vsf.device_put(t, tokens) for t in batch))
     step = vsf.jit(grad_of)
     loss, (grads, grad_x) = step(*args)
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
@@ -432,6 +471,25 @@ def test_an_experts_module_split_on_the_expert_dim_dispatches_its_tokens(sim, im
         over_ep
         == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)] * 4
     )
+
+
+def test_an_experts_module_further_split_over_fsdp_dispatches_tokens_split_over_both(sim):
+    """efsdp from specs alone: the experts module's weights ``P("ep", "fsdp")`` (fsdp splits
+    gate_up's ffn dim and down's hidden dim: stored split, as FSDP does) on an ``("fsdp", "ep")``
+    mesh, the tokens over both: loss and gradients are one device's; over ep the four exchanges
+    each send a rank's 8 tokens x top-2 x 32 floats (the analytic volume; with fsdp left out of the
+    token axes, its fsdp group's 16 tokens: twice as much), over fsdp the weights are gathered
+    into the dispatch (a rank's half of its 4 experts' 32x32 and 32x16 floats) and their
+    gradients, partial sums over fsdp, all-reduced (returned whole: nothing asks them split), the
+    loss too, and no token moves."""
+    step, args = _jitted_like_one_device(sim, "grouped_mm", P(("fsdp", "ep")), ("fsdp", "ep"), P("ep", "fsdp"))
+    collectives = step.lower(*args).cost().collectives
+    assert [c.bytes for c in collectives if c.axis == "ep" and c.kind == "all_to_all_v"] == [
+        TOKENS // 4 * TOP_K * 32 * 4
+    ] * 4
+    half = EXPERTS // 2 * (32 * 32 + 32 * 16) * 4 // 2
+    over_fsdp = sorted((c.kind, c.bytes) for c in collectives if c.axis == "fsdp")
+    assert over_fsdp == [("all_gather", half), ("all_reduce", 4), ("all_reduce", 2 * half)]
 
 
 def test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive(sim):

@@ -66,3 +66,16 @@ def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
     assert [s.stamped["LlamaDecoderLayer"] for s in stampers] == [[2]]
     assert [sum(s.stamped["adam_step"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf's update
     zoo.assert_like_oracle("stamped llama", losses, params, zoo.torch_run(family))
+
+
+def test_llama_decided_once_per_context_plans_as_decided_one_by_one(sim, monkeypatch):
+    """A 2-layer Llama's AdamW step on the 5D layout, its layers' ops decided once per context and
+    an axis posed the same problem again not solved again (``AxisSolver.reuse``), has the plan of
+    every op costed anew and every sweep solved: placements, redistributions, bytes, collectives."""
+    solver = importlib.import_module("vsf.jit.solver")
+    family = zoo.llama(2, use_cache=False)
+    sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
+    _, reused = _lowered(family)
+    monkeypatch.setattr(solver.AxisSolver, "reuse", False)
+    _, one_by_one = _lowered(family)
+    assert_same_plans(reused, one_by_one)

@@ -34,6 +34,7 @@ from vsf.jit.graph import (
     value_of,
 )
 from vsf.jit.plan import (
+    Collective,
     NodePlan,
     Placements,
     R,
@@ -93,16 +94,23 @@ def check_with_dtensor(
     def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
         return None if t is None or p is None else _nested(nestings, t, p) or _ordered(mesh, t, p, chosen)
 
+    paths: dict[Any, tuple[Collective, ...]] = {}  # by shape, dtype and move: repeated blocks make the same
+
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
+        if src == dst:
+            return
         if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
             raise PlanError(
                 f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}"
             )
-        if src != dst:
-            users.setdefault((v, dst), []).append(before)
-            if (v, dst) not in moves:
-                moves[(v, dst)] = Redistribution(v, src, dst, collectives_of(mesh, meta_of(v), src, dst), before)
+        users.setdefault((v, dst), []).append(before)
+        if (v, dst) not in moves:
+            t = meta_of(v)
+            path = (tuple(t.shape), t.stride(), t.dtype, src, dst)  # (all collectives_of reads of t)
+            if path not in paths:
+                paths[path] = collectives_of(mesh, t, src, dst)
+            moves[(v, dst)] = Redistribution(v, src, dst, paths[path], before)
 
     for k, node in enumerate(problem.ops):
         ins = problem.inputs[node]

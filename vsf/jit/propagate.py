@@ -142,8 +142,10 @@ def propagate(
                 if axis not in tables:
                     tables[axis] = AxisTables.build(problem, axis, Codes(mesh.axis_size(axis), latency))
                 solver = AxisSolver(problem, axis, tables[axis])
-                solver.solve()
-                problem.solved[axis] = solver
+                last = problem.solved.get(axis)
+                if last is None or not solver.poses_as(last):  # (else: solved again, it gives last's answer)
+                    solver.solve()
+                    problem.solved[axis] = solver
         # the per-axis choices hold for every order of an any_order region's specs (manual.orders)
         written, *others = manual.orders(gm)
         combined = [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, written)]

@@ -63,7 +63,9 @@ def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
 class AxisSolver:
     """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
-    reuse = True  # decide once per op context (:meth:`_context`); False costs every op anew (tests compare)
+    # decide once per op context (:meth:`_context`) and solve an axis's problem once (:meth:`poses_as`);
+    # False costs every op anew and solves every sweep (tests compare)
+    reuse = True
 
     def __init__(self, problem: "Problem", axis: str, tables: "AxisTables") -> None:
         self.p = problem
@@ -85,7 +87,29 @@ class AxisSolver:
         self.costed: dict[tuple[Any, ...], tuple[float, ...]] = {}  # every strategy's cost by context (_costs)
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
         self.reorder = self._reorders()
-        self.fixed_context = self._fixed_contexts()
+        self.fixed_context: list[int] = []  # (numbered when solving: :meth:`_fixed_contexts`)
+
+    def poses_as(self, other: "AxisSolver") -> bool:
+        """Is this the problem ``other`` (solved) solved, so that solving it gives ``other``'s choices?
+        A solver reads the other axes' choices only as each value's bytes, each op's
+        unsplit work and the reorder costs (:meth:`_full_bytes`, :meth:`_unsplit_work`,
+        :meth:`_reorders`), and everything else it reads is its axis's tables: where those are
+        equal, so is every step of the solve (the last axis of the second sweep, when the others'
+        choices are the first sweep's again).
+
+        Example::
+
+            >>> again = AxisSolver(problem, "tp", tables)
+            >>> again.poses_as(problem.solved["tp"])   # then problem.solved["tp"] stands
+            True
+        """
+        return (
+            self.reuse
+            and self.axis == other.axis
+            and self.fb == other.fb
+            and self.work == other.work
+            and self.reorder == other.reorder
+        )
 
     def _reorders(self) -> dict[int, dict[int, float]]:
         """For values that a later mesh axis already shards on some dim: what sharding that dim on
@@ -301,6 +325,7 @@ class AxisSolver:
         return True
 
     def solve(self, max_repairs: int = 3) -> None:
+        self.fixed_context = self._fixed_contexts()
         for k in range(len(self.p.ops)):
             self._pick(k, greedy=True)
         producers = self.p.producer_of

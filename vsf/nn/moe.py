@@ -17,8 +17,9 @@ experts module that transformers builds with ``@use_experts_implementation``, fu
 expert dim first) needs no call: inside ``vsf.jit``, an experts module whose weights
 (``gate_up_proj`` / ``up_proj`` and ``down_proj``) arrive split on the expert dim over one mesh axis
 runs through it (:func:`dispatching_transformers_experts`, in force while a step is traced),
-its tokens split over every mesh axis that the weights do not split on another dim, in the order
-that moves the fewest bytes (the region is ``any_order``: each token is routed alone, so the plan
+its tokens split over every mesh axis but those that split the weights on their ffn dims alone
+(tensor parallelism; an axis that splits a hidden dim stores them split, as efsdp's
+``P("ep", "fsdp")`` does, and carries tokens), in the order that moves the fewest bytes (the region is ``any_order``: each token is routed alone, so the plan
 weighs each order of the token axes and takes the tokens as they arrive, ``P(("ep", "dp"))`` on a
 ``("dp", "ep")`` mesh included).
 
@@ -262,8 +263,9 @@ def _dispatched(
 def dispatching_transformers_experts(options: PlanOptions) -> Iterator[None]:
     """Inside, transformers' experts implementations (``ALL_EXPERTS_FUNCTIONS``) run a module whose
     weights are step inputs split on the expert dim (``P("ep")``, ``P("ep", "fsdp")``, ...) through
-    :func:`expert_parallel` over that axis, the tokens split over every mesh axis that neither
-    weight splits on another dim (in the order the plan finds cheapest) (those, e.g. ``tp``, stay automatic in the region);
+    :func:`expert_parallel` over that axis, the tokens split over every mesh axis but those that
+    split the weights on their ffn dims alone (in the order the plan finds cheapest; those, e.g.
+    Megatron's ``tp``, stay automatic in the region, each rank running a slice of every expert);
     any other module runs as transformers would. ``vsf.jit`` enters it while it traces a step
     (:func:`vsf.jit.trace.rewrite_while_tracing`), with the plan's ``options``: nothing changes
     where ``vsf.config.dispatch_experts`` is off, or where transformers' MoE integration is not
@@ -305,7 +307,7 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
         if hidden_states.shape[0] % ranks:
             raise PlanError(
                 f"{type(module).__name__}: its experts split over {axis!r} take {hidden_states.shape[0]} tokens, which the {ranks} ranks of the "
-                f"token axes {tokens!r} (every axis its weights do not split elsewhere) do not divide: vsf dispatches each rank's share. "
+                f"token axes {tokens!r} (every axis but those that split its weights' ffn dims alone) do not divide: vsf dispatches each rank's share. "
                 "Give it a divisible number of tokens, or set vsf.config.dispatch_experts = False to gather the experts instead"
             )
         return _dispatched(module, hidden_states, top_k_index, top_k_weights, mesh, axis, tokens)
@@ -315,7 +317,12 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
 
 def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
     """``(mesh, expert axis, token axes)`` where the experts ``module``'s weights arrive split on the
-    expert dim (plain axis entries; a ragged or balanced one is not an expert split), else ``None``."""
+    expert dim (plain axis entries; a ragged or balanced one is not an expert split), else ``None``.
+    The token axes are every mesh axis but those that split the weights on their ffn dims alone
+    (each rank runs a slice of every expert's ffn, Megatron's tensor parallelism: automatic in the
+    dispatch); an axis that splits a weight's hidden dim stores it split, as FSDP does (efsdp's
+    ``P("ep", "fsdp")``): the tokens are split over it too and the weights gathered over it into
+    the dispatch, their gradients reduce-scattered."""
     up = "gate_up_proj" if module.has_gate else "up_proj"
     found = {k: step_input(getattr(module, k)) for k in (up, "down_proj")}
     on_experts = {k: _expert_axes(f) for k, f in found.items()}
@@ -336,10 +343,14 @@ def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
             f"{type(module).__name__}: its weights split the expert dim (dim 0) over {split!r} ({said}): vsf dispatches tokens over "
             f"one mesh axis. Split dim 0 over one axis and another dim over the rest (efsdp: P({split[0]!r}, {split[1]!r}))"
         )
-    shardings = [f.sharding for f in found.values() if f is not None]
-    elsewhere = {a for s in shardings for d in range(1, len(s.spec)) for a in s.spec.entry_axes(d)}
-    mesh = shardings[0].mesh
-    return mesh, split[0], tuple(a for a in mesh.axis_names if a not in elsewhere)
+    shardings = {k: f.sharding for k, f in found.items() if f is not None}
+    hidden = {up: 1 if module.is_transposed else 2, "down_proj": 2 if module.is_transposed else 1}
+    splits = {
+        (d == hidden[k], a) for k, s in shardings.items() for d in range(1, len(s.spec)) for a in s.spec.entry_axes(d)
+    }
+    tensor_parallel = {a for on_hidden, a in splits if not on_hidden} - {a for on_hidden, a in splits if on_hidden}
+    mesh = next(iter(shardings.values())).mesh
+    return mesh, split[0], tuple(a for a in mesh.axis_names if a not in tensor_parallel)
 
 
 def _expert_axes(found: StepInput | None) -> tuple[str, ...]:

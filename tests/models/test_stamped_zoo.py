@@ -36,14 +36,18 @@ def _lowered(family: zoo.Family):
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, checkpointed):
-    """A 3-layer Llama's AdamW step: its layers stamped from one trace, the graph and plan of every
-    layer traced, each op naming the same user lines; with Hugging Face's activation checkpointing too (inside each layer's forward:
-    the trace of a layer recomputes it in its backward)."""
+    """A 3-layer Llama's AdamW step: its layers stamped from one trace and their ops decided once
+    per context (an axis posed the same problem again not solved again: ``AxisSolver.reuse``),
+    the graph and plan of every layer traced, every op costed anew and every sweep solved, each op
+    naming the same user lines; with Hugging Face's activation checkpointing too (inside each
+    layer's forward: the trace of a layer recomputes it in its backward)."""
+    solver = importlib.import_module("vsf.jit.solver")
     family = zoo.llama(3, use_cache=False, checkpointed=checkpointed)
     sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
     stamped, plan = _lowered(family)
     assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step"}
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    monkeypatch.setattr(solver.AxisSolver, "reuse", False)
     plain, one_by_one = _lowered(family)
     assert plain == {}
     assert_same_plans(plan, one_by_one)
@@ -66,16 +70,3 @@ def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
     assert [s.stamped["LlamaDecoderLayer"] for s in stampers] == [[2]]
     assert [sum(s.stamped["adam_step"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf's update
     zoo.assert_like_oracle("stamped llama", losses, params, zoo.torch_run(family))
-
-
-def test_llama_decided_once_per_context_plans_as_decided_one_by_one(sim, monkeypatch):
-    """A 2-layer Llama's AdamW step on the 5D layout, its layers' ops decided once per context and
-    an axis posed the same problem again not solved again (``AxisSolver.reuse``), has the plan of
-    every op costed anew and every sweep solved: placements, redistributions, bytes, collectives."""
-    solver = importlib.import_module("vsf.jit.solver")
-    family = zoo.llama(2, use_cache=False)
-    sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
-    _, reused = _lowered(family)
-    monkeypatch.setattr(solver.AxisSolver, "reuse", False)
-    _, one_by_one = _lowered(family)
-    assert_same_plans(reused, one_by_one)

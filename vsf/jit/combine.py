@@ -28,7 +28,6 @@ from vsf.jit.graph import (
     output_node,
     outputs_meta,
     placeholders_of,
-    signature,
     tensor_args,
     user_line,
     value_of,
@@ -142,9 +141,7 @@ def check_with_dtensor(
             ]
             # (decided once per op signature and layouts: a model's repeated blocks ask the same)
             key = (
-                node.target,
-                signature(node.args),
-                signature(node.kwargs),
+                *problem.strategies.signature(node),
                 tuple((tuple(t.shape), t.dtype) for t in outputs_meta(node) if t is not None),
                 op,
                 tuple(arrived),

@@ -94,12 +94,13 @@ def propagate(
     ops = op_nodes(gm)
     constants = constant_nodes(gm.graph)
     manual.mark(gm, constants)
+    inputs = {n: tensor_args(n) for n in ops}
     problem = Problem(
         mesh=mesh,
         gm=gm,
         ops=ops,
-        inputs={n: tensor_args(n) for n in ops},
-        strategies=Strategies(options, {n: classify(n, constants) for n in ops}, manual.auto_strategies),
+        inputs=inputs,
+        strategies=Strategies(options, {n: classify(n, constants) for n in ops}, manual.auto_strategies, inputs),
         seeds={},
         out_req={},
         pinned={},

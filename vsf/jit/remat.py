@@ -137,8 +137,7 @@ def within_budget(
         'memory_budget 12,582,912 B: recomputes blocks 0-2 of 8 in the backward, 33 ops (estimated peak ~11,953,152 B, fits; ...)'
     """
     plan = plan_of(gm)
-    again = recomputed(gm)
-    if memory_budget is None or not again:
+    if memory_budget is None or not recomputed(gm):
         return plan
     runs = max(
         recompute_blocks(gm).values(), default=0

@@ -79,13 +79,15 @@ class Strategies:
     """DTensor's candidate strategies per op and axis size, cached by op signature and the strided
     shards and partial sums its inputs may arrive with (:meth:`arrivals`); ``classes`` holds each op's
     :class:`~vsf.jit.classify.OpClass`, in graph order; ``options`` the plan's switches (the
-    replicated fallback, context parallelism's mode)."""
+    replicated fallback, context parallelism's mode); ``inputs``, where the caller has found them,
+    each op's tensor inputs."""
 
     def __init__(
         self,
         options: PlanOptions,
         classes: dict[torch.fx.Node, OpClass],
         own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None,
+        inputs: dict[torch.fx.Node, list[Value]] | None = None,
     ) -> None:
         self.options = options
         self.fallback = options.allow_replicated_fallback
@@ -96,7 +98,9 @@ class Strategies:
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
-        self.inputs: dict[torch.fx.Node, list[Value]] = {}
+        self.inputs = dict(
+            inputs or {}
+        )  # each op's tensor inputs (:func:`~vsf.jit.graph.tensor_args`), the caller's or found as asked
         self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
         self.single: dict[Any, list[Strategy] | None] = {}  # DTensor's per-mesh-dim rules by signature (any size)
 
@@ -110,7 +114,7 @@ class Strategies:
         if mine in self.by_node:  # (asked per op by every axis's solver, every sweep)
             return self.by_node[mine]
         arrivals = self.arrivals(node, n)
-        key = (*self._signature(node), n, tuple(ragged), balanced, arrivals)
+        key = (*self.signature(node), n, tuple(ragged), balanced, arrivals)
         if key not in self.cache:
             op = self.classes[node]
             found, fallback = self._compute(node, op, n, arrivals)
@@ -139,8 +143,15 @@ class Strategies:
             self.arriving[(p, n)] = self._given(self.of(p, n)[0], len(outputs_meta(p)))
         return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
 
-    def _signature(self, node: torch.fx.Node) -> tuple[Any, ...]:
-        """``node``'s target and its arguments' :func:`~vsf.jit.graph.signature`, found once."""
+    def signature(self, node: torch.fx.Node) -> tuple[Any, ...]:
+        """``node``'s target and its arguments' :func:`~vsf.jit.graph.signature`, found once (the
+        repeated blocks' ops share one: what the strategies and DTensor's decision depend on).
+
+        Example::
+
+            >>> strategies.signature(mm_node)
+            (aten.mm.default, (('T', (8, 6), torch.float32), ('T', (6, 4), torch.float32)), ())
+        """
         if node not in self.signatures:
             self.signatures[node] = (node.target, signature(node.args), signature(node.kwargs))
         return self.signatures[node]
@@ -148,7 +159,7 @@ class Strategies:
     def _single_dim(self, node: torch.fx.Node, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:
         """:func:`_single_dim` of ``node``, asked once per signature and strided arrivals: DTensor's
         per-mesh-dim rules do not depend on the axis's size (the sizes' checks are :func:`_valid`'s)."""
-        key = (*self._signature(node), strided)
+        key = (*self.signature(node), strided)
         if key not in self.single:
             self.single[key] = _single_dim(node, strided)
         return self.single[key]

@@ -33,6 +33,13 @@ some other way (``torch.autograd.grad(..., create_graph=True)`` in the step) is 
 gradient arriving with other strides than the block's trace assumed is copied into those strides.
 ``vsf.config.stamp_blocks = False`` traces every call the plain way.
 
+The same machinery stamps a function applied to each leaf of a tree (:meth:`Stamper.apply`, which
+:func:`vsf.jit.trace.per_leaf` reaches: vsf.optim's Adam update of each leaf): the key is the
+function itself and its call's part of a block's key (the arguments' structure, their tensors'
+metadata and other values, grad mode), so rows that differ in a float it bakes into an op, a
+dtype, strides or a ``None`` for a leaf without weight decay get traces of their own; a tensor it
+reads from outside its arguments (a closure) makes it traced row by row.
+
 Example::
 
     >>> stamper = Stamper(tracer, {}, lambda node: False, lambda: 0)
@@ -104,8 +111,8 @@ class Stamper:
     ``ModuleList`` or ``Sequential`` is stamped from one trace per key (the module docstring),
     anything else runs as it is. ``decompositions`` are the trace's; ``draws`` says whether an op
     node draws random numbers; ``asked()`` counts the questions :func:`vsf.jit.trace.step_input`
-    was asked from a trace beside the step's. ``stamped`` maps a block's class name to the number
-    of blocks each of its traces stood for.
+    was asked from a trace beside the step's. ``stamped`` maps a block's class name (a stamped
+    function's name) to the number of calls each of its traces stood for.
 
     Example::
 

@@ -153,7 +153,7 @@ class Stamper:
         shared, self._held = bool(held & self._held), self._held | held
         if shared:  # a tensor another block holds too (a tied weight): traced by itself
             return forward(*args, **kwargs)
-        return self._stamp(key, call, forward, args, kwargs)
+        return self._stamp(key, call, forward, type(module).__name__)
 
     def apply(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
         """``fn(*args)`` stamped from one trace per key (``fn`` itself, the arguments' structure,
@@ -168,25 +168,18 @@ class Stamper:
         if keyed is None:
             return fn(*args)
         key, call = keyed
-        return self._stamp((fn, name, key), call, fn, args, {}, name)
+        return self._stamp((fn, name, key), call, fn, name)
 
-    def _stamp(
-        self,
-        key: Any,
-        call: _Call,
-        forward: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        name: str | None = None,
-    ) -> Any:
+    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str) -> Any:
         """The call stamped from the trace of its key (traced now if it is the first), or run as it
-        is where no trace can stand for it."""
+        is (``forward`` on its arguments) where no trace can stand for it."""
         traces = self.traces.setdefault(key, [])
         traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
         if traced is _UNTRACED:
-            reads, traced = self._trace(forward, call, name or type(call.modules[0]).__name__)
+            reads, traced = self._trace(forward, call, name)
             traces.append((reads, _values(call.modules, reads), traced))
         if traced is None:
+            args, kwargs = _rebuild(call, call.operands[len(call.slots) :])
             return forward(*args, **kwargs)
         if id(traced) not in self._uses:
             self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))

@@ -1279,10 +1279,13 @@ def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
 
 
 def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
-    """Make the trace ``tracer`` read the tensor ``t`` as the value of its graph's ``node``."""
-    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+    """Make the trace ``tracer`` read the fake tensor ``t`` (of static shape) as the value of its
+    graph's ``node``, whose value becomes a snapshot of ``t`` as the trace records one; its other
+    metadata (``tensor_meta``: a copy of a node like it) stays as it is, not worked out again."""
+    from torch.fx.experimental.proxy_tensor import _ProxyTensor, extract_val, set_proxy_slot
 
-    track_tensor_tree(t, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+    set_proxy_slot(t, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))
+    node.meta["val"] = extract_val(t)
     return t
 
 

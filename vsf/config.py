@@ -81,7 +81,9 @@
 * ``stamp_blocks`` (default ``True``): inside ``vsf.jit``, the first child of a ``ModuleList`` or
   ``Sequential`` of each kind (a transformer's blocks) is traced by itself, and its graph is copied
   for every block of the same kind (:mod:`vsf.jit.stamp`: the same graph and plan as tracing each
-  block, at a fraction of the tracing time); ``False`` traces every block. Read when a step is traced.
+  block, at a fraction of the tracing time), and likewise the optimizer's update of each leaf from
+  one trace per kind of leaf (``vsf.jit.trace.per_leaf``: Adam's); ``False`` traces every block
+  and every leaf's update. Read when a step is traced.
 
 * ``check_across_processes`` (default ``True``): on several processes, :func:`vsf.device_put`
   of plain tensors checks that every process passed the same value (each must hold the whole

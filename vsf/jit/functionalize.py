@@ -121,6 +121,7 @@ def _split_foreach_nodes(gm: torch.fx.GraphModule, tail: list[torch.fx.Node]) ->
     as the trace of :func:`_split_foreach` records them: in element order where the foreach op
     was, with its metadata, each with the fake value the per-tensor op gives."""
     graph = gm.graph
+    elements: dict[torch.fx.Node, torch.fx.Node] = {}  # each getitem of a foreach node: the op now in its place
     for node in tail:
         if node.target not in _PER_TENSOR:
             continue
@@ -133,10 +134,14 @@ def _split_foreach_nodes(gm: torch.fx.GraphModule, tail: list[torch.fx.Node]) ->
                 new.meta.update(meta)
                 new.meta["val"] = op(*_values(args), **_values(kwargs))
                 news.append(new)
-        for user in list(node.users):
-            user.replace_all_uses_with(news[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
+        elements.update({user: news[user.args[1]] for user in node.users})
+    readers = {user for got in elements for user in got.users}
+    for reader in readers:  # (each reader rewritten once: the output reads every leaf's)
+        reader.args = torch.fx.node.map_arg(reader.args, lambda n: elements.get(n, n))
+        reader.kwargs = torch.fx.node.map_arg(reader.kwargs, lambda n: elements.get(n, n))
+    for node in reversed(tail):
+        if node in elements or node.target in _PER_TENSOR:
+            graph.erase_node(node)
     gm.recompile()
 
 

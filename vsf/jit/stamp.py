@@ -33,6 +33,13 @@ some other way (``torch.autograd.grad(..., create_graph=True)`` in the step) is 
 gradient arriving with other strides than the block's trace assumed is copied into those strides.
 ``vsf.config.stamp_blocks = False`` traces every call the plain way.
 
+The same machinery stamps a function applied to each leaf of a tree (:meth:`Stamper.apply`, which
+:func:`vsf.jit.trace.per_leaf` reaches: vsf.optim's Adam update of each leaf): the key is the
+function itself and its call's part of a block's key (the arguments' structure, their tensors'
+metadata and other values, grad mode), so rows that differ in a float it bakes into an op, a
+dtype, strides or a ``None`` for a leaf without weight decay get traces of their own; a tensor it
+reads from outside its arguments (a closure) makes it traced row by row.
+
 Example::
 
     >>> stamper = Stamper(tracer, {}, lambda node: False, lambda: 0)
@@ -104,8 +111,8 @@ class Stamper:
     ``ModuleList`` or ``Sequential`` is stamped from one trace per key (the module docstring),
     anything else runs as it is. ``decompositions`` are the trace's; ``draws`` says whether an op
     node draws random numbers; ``asked()`` counts the questions :func:`vsf.jit.trace.step_input`
-    was asked from a trace beside the step's. ``stamped`` maps a block's class name to the number
-    of blocks each of its traces stood for.
+    was asked from a trace beside the step's. ``stamped`` maps a block's class name (a stamped
+    function's name) to the number of calls each of its traces stood for.
 
     Example::
 
@@ -146,7 +153,7 @@ class Stamper:
         shared, self._held = bool(held & self._held), self._held | held
         if shared:  # a tensor another block holds too (a tied weight): traced by itself
             return forward(*args, **kwargs)
-        return self._stamp(key, call, forward, args, kwargs)
+        return self._stamp(key, call, forward, type(module).__name__)
 
     def apply(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
         """``fn(*args)`` stamped from one trace per key (``fn`` itself, the arguments' structure,
@@ -161,25 +168,18 @@ class Stamper:
         if keyed is None:
             return fn(*args)
         key, call = keyed
-        return self._stamp((fn, name, key), call, fn, args, {}, name)
+        return self._stamp((fn, name, key), call, fn, name)
 
-    def _stamp(
-        self,
-        key: Any,
-        call: _Call,
-        forward: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        name: str | None = None,
-    ) -> Any:
+    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str) -> Any:
         """The call stamped from the trace of its key (traced now if it is the first), or run as it
-        is where no trace can stand for it."""
+        is (``forward`` on its arguments) where no trace can stand for it."""
         traces = self.traces.setdefault(key, [])
         traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
         if traced is _UNTRACED:
-            reads, traced = self._trace(forward, call, name or type(call.modules[0]).__name__)
+            reads, traced = self._trace(forward, call, name)
             traces.append((reads, _values(call.modules, reads), traced))
         if traced is None:
+            args, kwargs = _rebuild(call, call.operands[len(call.slots) :])
             return forward(*args, **kwargs)
         if id(traced) not in self._uses:
             self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))

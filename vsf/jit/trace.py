@@ -56,8 +56,9 @@ class Traced:
     ``out_tree`` is the structure of everything the function returned; ``out_consts`` holds the
     non-tensor leaves of the result (``None`` where a tensor output goes). ``split_inputs``: the
     inputs (by position) that a rewrite computes on split, with the mesh axes it computes them
-    split over (:func:`computes_on_shards`). ``stamped``: per block class, how many blocks each
-    of its traces stood for (:mod:`vsf.jit.stamp`; empty with ``vsf.config.stamp_blocks`` off).
+    split over (:func:`computes_on_shards`). ``stamped``: per block class (or function stamped
+    per leaf, :func:`per_leaf`), how many calls each of its traces stood for (:mod:`vsf.jit.stamp`;
+    empty with ``vsf.config.stamp_blocks`` off).
     """
 
     graph: torch.fx.GraphModule

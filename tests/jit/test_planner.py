@@ -285,6 +285,30 @@ def test_moves_through_strided_shards_that_dtensor_cannot_make_are_made_by_vsf(s
     )  # uneven: not vsf's
 
 
+def test_a_split_moved_to_another_dim_into_a_strided_shard_is_one_all_to_all(sim):
+    # the tokens [batch@ep, seq@cp] on a mesh ("cp", "ep") (S(1), S(0)) split over the batch
+    # ep-major, P(("ep", "cp")) (S(0)/sf2, S(0)), for an expert dispatch: each ep group's 2 batch
+    # rows change hands over cp alone, one all-to-all of a rank's 2 x 8 x 4 floats (half of it
+    # sent); DTensor would gather over both axes. Oracle: DTensor's own split of each layout
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    src, dst = (Shard(1), Shard(0)), (StridedShard(0, split_factor=2), Shard(0))
+    assert vsf.NamedSharding(mesh, vsf.P(("ep", "cp"))).placements == dst
+    x = torch.arange(4 * 16 * 4).view(4, 16, 4)
+    assert local_step(mesh, x, src, dst) == (0, 0) and local_step(mesh, x, dst, src) == (0, 1)
+    for a, b, shape in ((src, dst, (2, 8, 4)), (dst, src, (1, 16, 4))):
+        assert [(c.kind, c.axis, c.shape, c.bytes) for c in collectives_of(mesh, x, a, b)] == [
+            ("all_to_all", "cp", shape, 2 * 8 * 4 * 8 // 2)
+        ]
+    coords = list(itertools.product(range(2), range(2)))
+    with _compat.local_mode_disabled():
+        shards = {pl: [_compat.shard_of(x, pl, (2, 2), c).contiguous() for c in coords] for pl in (src, dst)}
+    for a, b in ((src, dst), (dst, src)):
+        got = _compat.local_shards(move_local(mesh, x, _compat.make_local(dict(enumerate(shards[a]))), a, b), 0)
+        for r, c in enumerate(coords):
+            assert torch.equal(got[r], shards[b][r]), (a, b, c)
+
+
 def _layouts(ndim, two_dims):
     one = [R, Shard(0), StridedShard(0, split_factor=2), StridedShard(0, split_factor=4)]
     if two_dims:

@@ -309,6 +309,35 @@ def test_a_split_moved_to_another_dim_into_a_strided_shard_is_one_all_to_all(sim
             assert torch.equal(got[r], shards[b][r]), (a, b, c)
 
 
+def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_split(sim):
+    # a linear layer on tokens [batch@dp, seq@cp] on a mesh ("cp", "dp"): its view to rows makes
+    # S(0)/sf4, S(0), which DTensor cannot regather but vsf moves itself, so the tokens stay split
+    # (they were gathered over dp, with their gradient: 4 x 2 KiB). What moves is the weight's
+    # gradient, 32 x 32 floats: reduce-scattered over cp (half of 4 KiB sent), its half all-reduced
+    # over dp (2(n-1)/n of 2 KiB), and the loss. Loss and gradients are one device's.
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 0.1
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
+
+    def loss(w, x):
+        return (torch.nn.functional.linear(x, w).relu() ** 2).sum()
+
+    want = vsf.value_and_grad(loss, argnums=(0, 1))(w, x)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "dp"))
+    step = vsf.jit(vsf.value_and_grad(loss, argnums=(0, 1)))
+    args = (
+        vsf.device_put(w, vsf.NamedSharding(mesh, vsf.P())),
+        vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("dp", "cp"))),
+    )
+    torch.testing.assert_close(vsf.device_get(step(*args)), want, rtol=1e-5, atol=1e-6)
+    assert sorted((c.axis, c.kind, c.bytes) for c in step.lower(*args).cost().collectives) == [
+        ("cp", "all_reduce", 4),
+        ("cp", "reduce_scatter", 2048),
+        ("dp", "all_reduce", 4),
+        ("dp", "all_reduce", 2048),
+    ]
+
+
 def _layouts(ndim, two_dims):
     one = [R, Shard(0), StridedShard(0, split_factor=2), StridedShard(0, split_factor=4)]
     if two_dims:

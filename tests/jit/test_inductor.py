@@ -40,6 +40,17 @@ def test_compiled_fsdp_adamw_step_equals_one_device(inductor):
         assert r["warnings"] == []
 
 
+@pytest.mark.world("jit_inductor.py", "dp_adamw", nproc=2)
+@pytest.mark.multiprocess
+def test_compiled_dp_step_with_the_gradients_in_several_buckets_equals_one_device(inductor):
+    _equals_one_device(inductor)
+    for r in inductor:
+        assert r["compiled_by_inductor"] == [True] and r["warnings"] == []
+        # the token count and the gradients' buckets: 15.6 KB in buckets of 4 KiB, at least three
+        (count,) = r["all_reduces"]
+        assert count >= 4
+
+
 @pytest.mark.world("jit_inductor.py", "fallback", nproc=2)
 @pytest.mark.multiprocess
 def test_a_program_inductor_cannot_compile_runs_eagerly_with_the_reason(inductor):

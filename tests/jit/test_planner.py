@@ -285,6 +285,59 @@ def test_moves_through_strided_shards_that_dtensor_cannot_make_are_made_by_vsf(s
     )  # uneven: not vsf's
 
 
+def test_a_split_moved_to_another_dim_into_a_strided_shard_is_one_all_to_all(sim):
+    # the tokens [batch@ep, seq@cp] on a mesh ("cp", "ep") (S(1), S(0)) split over the batch
+    # ep-major, P(("ep", "cp")) (S(0)/sf2, S(0)), for an expert dispatch: each ep group's 2 batch
+    # rows change hands over cp alone, one all-to-all of a rank's 2 x 8 x 4 floats (half of it
+    # sent); DTensor would gather over both axes. Oracle: DTensor's own split of each layout
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    src, dst = (Shard(1), Shard(0)), (StridedShard(0, split_factor=2), Shard(0))
+    assert vsf.NamedSharding(mesh, vsf.P(("ep", "cp"))).placements == dst
+    x = torch.arange(4 * 16 * 4).view(4, 16, 4)
+    assert local_step(mesh, x, src, dst) == (0, 0) and local_step(mesh, x, dst, src) == (0, 1)
+    for a, b, shape in ((src, dst, (2, 8, 4)), (dst, src, (1, 16, 4))):
+        assert [(c.kind, c.axis, c.shape, c.bytes) for c in collectives_of(mesh, x, a, b)] == [
+            ("all_to_all", "cp", shape, 2 * 8 * 4 * 8 // 2)
+        ]
+    coords = list(itertools.product(range(2), range(2)))
+    with _compat.local_mode_disabled():
+        shards = {pl: [_compat.shard_of(x, pl, (2, 2), c).contiguous() for c in coords] for pl in (src, dst)}
+    for a, b in ((src, dst), (dst, src)):
+        got = _compat.local_shards(move_local(mesh, x, _compat.make_local(dict(enumerate(shards[a]))), a, b), 0)
+        for r, c in enumerate(coords):
+            assert torch.equal(got[r], shards[b][r]), (a, b, c)
+
+
+def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_split(sim):
+    # a linear layer on tokens [batch@dp, seq@cp] on a mesh ("cp", "dp"): its view to rows makes
+    # S(0)/sf4, S(0), which DTensor cannot regather but vsf moves itself, so the tokens stay split
+    # (they were gathered over dp, with their gradient: 4 x 2 KiB). What moves is the weight's
+    # gradient, 32 x 32 floats: reduce-scattered over cp (half of 4 KiB sent), its half all-reduced
+    # over dp (2(n-1)/n of 2 KiB), and the loss. Loss and gradients are one device's.
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 0.1
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
+
+    def loss(w, x):
+        return (torch.nn.functional.linear(x, w).relu() ** 2).sum()
+
+    want = vsf.value_and_grad(loss, argnums=(0, 1))(w, x)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "dp"))
+    step = vsf.jit(vsf.value_and_grad(loss, argnums=(0, 1)))
+    args = (
+        vsf.device_put(w, vsf.NamedSharding(mesh, vsf.P())),
+        vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("dp", "cp"))),
+    )
+    torch.testing.assert_close(vsf.device_get(step(*args)), want, rtol=1e-5, atol=1e-6)
+    assert sorted((c.axis, c.kind, c.bytes) for c in step.lower(*args).cost().collectives) == [
+        ("cp", "all_reduce", 4),
+        ("cp", "reduce_scatter", 2048),
+        ("dp", "all_reduce", 4),
+        ("dp", "all_reduce", 2048),
+    ]
+
+
 def _layouts(ndim, two_dims):
     one = [R, Shard(0), StridedShard(0, split_factor=2), StridedShard(0, split_factor=4)]
     if two_dims:

@@ -5,6 +5,9 @@ argv: out_dir, case, device (``cpu``: gloo; ``cuda``: NCCL, one GPU per rank). C
 
 * ``fsdp_adamw``: params split over ``dp`` on dim 0 (FSDP), ``chain(clip, adamw)`` with donated
   params and state (the fused Adam update writes the donated moments in place);
+* ``dp_adamw``: params replicated, the batch over ``dp`` (DDP), AdamW, with buckets of 4 KiB
+  (``vsf.config.bucket_bytes``, shrunk to the tiny model): the last layers' gradients are
+  all-reduced under the rest of the backward, each bucket waited for where the optimizer reads it;
 * ``tp_sgd``: Megatron TP over ``tp`` (column-parallel qkv/fc1, row-parallel proj/fc2), SGD;
 * ``autograd``: a jitted Megatron MLP (a ``shard_map`` region) differentiated by torch autograd,
   its forward and backward programs compiled;
@@ -74,6 +77,8 @@ def train(case):
     tx = (
         optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-3, weight_decay=0.1))
         if case == "fsdp_adamw"
+        else optim.adamw(3e-3)
+        if case == "dp_adamw"
         else optim.sgd(0.1)
     )
     params, batch, train_step = gpt_case(tx)
@@ -84,6 +89,10 @@ def train(case):
     if case == "fsdp_adamw":
         mesh = vsf.make_mesh((world,), ("dp",), device_type=device)
         specs = {k: P("dp") if v.shape[0] % world == 0 else P() for k, v in params.items()}
+    elif case == "dp_adamw":
+        mesh = vsf.make_mesh((world,), ("dp",), device_type=device)
+        specs = {k: P() for k in params}
+        vsf.config.bucket_bytes = 4 * 2**10
     else:
         mesh = vsf.make_mesh((1, world), ("dp", "tp"), device_type=device)
         specs = vsf.sharding.match(params, MEGATRON)
@@ -108,7 +117,13 @@ def train(case):
         "leaves": len(vsf.tree.leaves((p, s))),
         "device": vsf.tree.leaves(p)[0].to_local().device.type,
         "buffers_reused": reused,
+        "all_reduces": [_count(r.local, "all_reduce") for r in runners(step)],
     }
+
+
+def _count(gm, collective):
+    """How many ``collective``\\ s the traced program ``gm`` issues."""
+    return sum(n.target is getattr(torch.ops._c10d_functional, collective).default for n in gm.graph.nodes)
 
 
 def autograd():

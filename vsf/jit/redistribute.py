@@ -90,7 +90,60 @@ def local_step(mesh: Mesh, t: torch.Tensor, src: Placements, dst: Placements) ->
     view merging ``[b@dp, t@cp]`` into ``b*t`` on a mesh ``("cp", "dp")`` gives ``S(0)/sf4, S(0)``,
     which gathers over ``dp`` to ``S(0)/sf4, R``; on a mesh ``("fsdp", "cp")``, ``S(1), S(1)/sf2``
     gathers over ``fsdp`` to ``R, S(1)/sf4`` (cp's split factor counts the pieces it splits)."""
-    return minor_step(mesh, src, dst) or _strided_split_step(mesh, tuple(t.shape), tuple(src), tuple(dst))
+    shape, src, dst = tuple(t.shape), tuple(src), tuple(dst)
+    return (
+        minor_step(mesh, src, dst)
+        or _strided_split_step(mesh, shape, src, dst)
+        or _exchange_step(mesh, shape, src, dst)
+    )
+
+
+def _exchange_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[int, int] | None:
+    """``(mesh_dim, tensor_dim)`` (the dim ``dst`` splits) when ``src`` -> ``dst`` moves one mesh
+    dim's split from one tensor dim to another, a strided shard on either side, as one 1D all-to-all
+    of the local shard: at every mesh coordinate, each side's local shard is, index for index, the
+    piece of DTensor's 1D split of that dim of what the other mesh dims leave (checked). DTensor
+    cannot make it: the tokens ``[batch@ep, seq@cp]`` on a mesh ``("cp", "ep")`` (``S(1), S(0)``)
+    split over the batch ep-major for an expert dispatch, ``P(("ep", "cp"))`` (``S(0)/sf2, S(0)``),
+    which it gathers over both axes; each rank's batch rows only change hands within its ep group."""
+    if has_ragged([src, dst]) or has_balanced([src, dst]) or not has_strided([src, dst]):
+        return None
+    changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    (k,) = changed
+    a, b = src[k], dst[k]
+    if kind_of(a) not in ("shard", "strided") or kind_of(b) not in ("shard", "strided") or a.dim == b.dim:
+        return None
+    sizes = tuple(mesh.axis_size(x) for x in mesh.device_axes)
+    whole = tuple(Replicate() if j == k else p for j, p in enumerate(src))
+    if any(
+        shape[d] % math.prod(n for n, p in zip(sizes, pl) if is_shard(p) and split_dim(p) == d)
+        for pl in (src, dst)
+        for d in (a.dim, b.dim)
+    ):
+        return None  # uneven: DTensor's 1D collective pads the largest shard
+    return (k, b.dim) if _exchanged(shape, whole, src, dst, k, sizes) else None
+
+
+@functools.cache
+def _exchanged(
+    shape: tuple[int, ...], whole: Placements, src: Placements, dst: Placements, k: int, sizes: tuple[int, ...]
+) -> bool:
+    """Is, at every mesh coordinate, the local shard of ``arange`` (of ``shape``) laid out as
+    ``src`` (and as ``dst``) the ``k``-th coordinate's piece of DTensor's 1D split over mesh dim
+    ``k`` of its shard laid out as ``whole``, on the tensor dim ``src`` (``dst``) splits there?"""
+    with _compat.local_mode_disabled():  # plain indices, whether or not ranks are simulated
+        index = torch.arange(math.prod(shape)).view(shape)
+        coords = itertools.product(*(range(n) for n in sizes))
+        return all(
+            torch.equal(
+                torch.tensor_split(_compat.shard_of(index, whole, sizes, c), sizes[k], dim=pl[k].dim)[c[k]],
+                _compat.shard_of(index, pl, sizes, c),
+            )
+            for c in coords
+            for pl in (src, dst)
+        )
 
 
 def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[int, int] | None:

@@ -488,14 +488,17 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
     DTensor's rule gets some wrong, ``(24,)`` as ``P(("tp", "dp"))`` viewed as ``(6, 4)`` is not
     ``S(0)`` over tp and a strided ``S(1)`` over dp); an op DTensor's dispatcher runs by a handler
     of its own takes no strided shard (argmax's raises ``NotImplementedError``); and a max or min
-    over shards needs a row on every rank (it has no identity for an empty shard)."""
+    over shards needs a row on every rank (it has no identity for an empty shard). A reshape may
+    make any nesting of strided shards (a view of ``S(1), S(0)`` into one dim makes ``S(0)/sf4,
+    S(0)``, the tokens ``[batch@ep, seq@cp]`` merged on a mesh ``("cp", "ep")``): DTensor cannot
+    regather it, vsf moves it itself (:func:`vsf.jit.redistribute.strided_regather`)."""
     dm = mesh.device_mesh
     metas = [meta_of(v) for v in tensor_args(node)]
     placed = [*zip(metas, ins), *((t, p) for t, p in zip(outputs_meta(node), outs) if t is not None and p is not None)]
     if not all(_compat.is_shardable(t, dm, tuple(p)) for t, p in placed):
         return False
     if node.target in _RESHAPES:
-        if not all(splits_evenly(mesh, t, p) and _nests(mesh, p) for t, p in placed):
+        if not all(splits_evenly(mesh, t, p) for t, p in placed):
             return False  # DTensor's rule checks each mesh dim's split of a merged or split dim alone
         if has_strided(ins) and not _views_locally(mesh, metas[0], ins[0], outputs_meta(node)[0], outs[0]):
             return False
@@ -507,21 +510,6 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-
-
-def _nests(mesh: Mesh, placements: Placements) -> bool:
-    """Is every strided shard of a dim that later mesh dims split too nested inside them (its split
-    factor is their product, as a spec's ``P(("tp", "dp"))`` makes)? DTensor cannot regather other
-    nestings (a view of ``S(1), S(0)`` into one dim makes ``S(0)/sf4, S(0)``). A strided shard
-    that splits its dim last is one a view merging dims made (``[b@dp, h@tp]`` into ``b*h``:
-    ``S(0), S(0)/sf4``), which DTensor regathers first."""
-    sizes = [mesh.axis_size(a) for a in mesh.device_axes]
-    for k, p in enumerate(placements):
-        if kind_of(p) == "strided":
-            later = [j for j, q in enumerate(placements) if j > k and is_shard(q) and split_dim(q) == p.dim]
-            if later and p.split_factor != math.prod(sizes[j] for j in later):
-                return False
-    return True
 
 
 def _views_locally(mesh: Mesh, src: torch.Tensor, src_p: Placements, dst: torch.Tensor, dst_p: Placements) -> bool:

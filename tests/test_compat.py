@@ -668,6 +668,25 @@ def test_untraced_like_and_track_as_make_a_fake_the_trace_reads_as_a_node():
         _compat.untraced_like(torch.ones(1))
 
 
+def test_untraced_like_makes_the_fake_tensor_fake_tensors_constructor_makes():
+    """The fake ``untraced_like`` makes is the one ``FakeTensor(mode, meta, device)`` makes (the
+    same attributes: mode, device, no constant, empty memos; the same metadata), of a storage of
+    its own, and ops on it run in its mode."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        t = torch.empty(4, 6).t()
+    u = _compat.untraced_like(t, requires_grad=True)
+    oracle = FakeTensor(mode, torch.empty_strided((6, 4), (1, 6), device="meta"), torch.device("cpu"))
+    assert type(u) is FakeTensor and vars(u) == vars(oracle) and u.fake_mode is mode
+    assert (u.shape, u.stride(), u.dtype, u.requires_grad) == (torch.Size([6, 4]), (1, 6), torch.float32, True)
+    assert u.untyped_storage()._cdata != t.untyped_storage()._cdata
+    with mode:
+        y = (u * 2).sum(0)
+    assert type(y) is FakeTensor and y.shape == (4,) and y.fake_mode is mode
+
+
 def test_only_tracing_modes_is_false_under_another_dispatch_mode():
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import TorchDispatchMode

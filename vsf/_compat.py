@@ -1266,16 +1266,45 @@ def trace_aside(fun: Callable[..., Any], fakes: Sequence[torch.Tensor], decompos
 
 
 def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
-    """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode) that the
-    running trace does not record."""
+    """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode), of storage
+    of its own, that the running trace does not record. It is the tensor ``FakeTensor(mode, meta,
+    device)`` makes (its state set as that constructor sets it, :func:`_blank_fake_state`), made
+    without the constructor's argument checks and outside the torch-function modes of a trace:
+    a stamped block makes one per copied node (a quarter of what copying one cost)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._mode_utils import no_dispatch
 
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
-    with no_dispatch():
+    with torch._C.DisableTorchFunction(), no_dispatch():
+        device = t.fake_device
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return FakeTensor(t.fake_mode, meta, t.device).requires_grad_(requires_grad)
+        new = torch.Tensor._make_subclass(
+            FakeTensor, meta, requires_grad, dispatch_device=True, device_for_backend_keys=device
+        )
+        mode = t.fake_mode
+        if mode._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(new)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(new)
+        state = vars(new)
+        state.update(_blank_fake_state())
+        state["fake_mode"], state["_fake_device"] = mode, device
+    return new
+
+
+@functools.cache
+def _blank_fake_state() -> dict[str, Any]:
+    """The attributes ``FakeTensor(mode, meta, device)`` sets on a new fake tensor other than its
+    mode and device (no constant, no real tensor, empty memos), read off one such tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        meta = torch.empty(0, device="meta")
+    state = dict(vars(FakeTensor(FakeTensorMode(), meta, torch.device("cpu"))))
+    del state["fake_mode"], state["_fake_device"]
+    return state
 
 
 def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:

@@ -647,8 +647,9 @@ def test_trace_aside_traces_beside_a_running_trace_which_records_none_of_it():
 
 def test_untraced_like_and_track_as_make_a_fake_the_trace_reads_as_a_node():
     """A fake like a traced one (shape, strides, dtype) that the trace does not know, until
-    ``track_as`` makes the trace read it as a node's value: ops on it then read that node."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+    ``track_as`` makes the trace read it as a node's value: ops on it then read that node, whose
+    value is the snapshot make_fx takes of it (a fake of its storage)."""
+    from torch.fx.experimental.proxy_tensor import make_fx, snapshot_fake
 
     seen = {}
 
@@ -658,14 +659,38 @@ def test_untraced_like_and_track_as_make_a_fake_the_trace_reads_as_a_node():
         u = _compat.untraced_like(y)
         seen["untracked"], seen["meta"] = _compat.traced_node(u, by), (u.shape, u.stride(), u.dtype, u.requires_grad)
         _compat.track_as(u, _compat.traced_node(y, by), by)
+        seen["val"], seen["snapshot"] = _compat.traced_node(y, by).meta["val"], snapshot_fake(u)
         return u * 3
 
     graph = make_fx(f, tracing_mode="fake")(torch.randn(2, 3))
     assert seen["untracked"] is None and seen["meta"] == (torch.Size([2, 3]), (3, 1), torch.float32, False)
+    val, snapshot = seen["val"], seen["snapshot"]  # the node's value: the snapshot make_fx takes of u
+    assert type(val) is type(snapshot) and vars(val) == vars(snapshot) and not val.requires_grad
+    assert (val.shape, val.stride(), val.dtype) == (snapshot.shape, snapshot.stride(), snapshot.dtype)
+    assert val.untyped_storage()._cdata == snapshot.untyped_storage()._cdata and val is not snapshot
     x = torch.randn(2, 3)
     torch.testing.assert_close(graph(x), x.sin() * 3)
     with pytest.raises(TypeError, match="expected a fake tensor, got Tensor"):
         _compat.untraced_like(torch.ones(1))
+
+
+def test_untraced_like_makes_the_fake_tensor_fake_tensors_constructor_makes():
+    """The fake ``untraced_like`` makes is the one ``FakeTensor(mode, meta, device)`` makes (the
+    same attributes: mode, device, no constant, empty memos; the same metadata), of a storage of
+    its own, and ops on it run in its mode."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with mode:
+        t = torch.empty(4, 6).t()
+    u = _compat.untraced_like(t, requires_grad=True)
+    oracle = FakeTensor(mode, torch.empty_strided((6, 4), (1, 6), device="meta"), torch.device("cpu"))
+    assert type(u) is FakeTensor and vars(u) == vars(oracle) and u.fake_mode is mode
+    assert (u.shape, u.stride(), u.dtype, u.requires_grad) == (torch.Size([6, 4]), (1, 6), torch.float32, True)
+    assert u.untyped_storage()._cdata != t.untyped_storage()._cdata
+    with mode:
+        y = (u * 2).sum(0)
+    assert type(y) is FakeTensor and y.shape == (4,) and y.fake_mode is mode
 
 
 def test_only_tracing_modes_is_false_under_another_dispatch_mode():

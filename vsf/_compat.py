@@ -1266,26 +1266,71 @@ def trace_aside(fun: Callable[..., Any], fakes: Sequence[torch.Tensor], decompos
 
 
 def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
-    """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode) that the
-    running trace does not record."""
+    """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode), of storage
+    of its own, that the running trace does not record (:func:`_fake_of` makes it)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._mode_utils import no_dispatch
 
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
-    with no_dispatch():
+    with torch._C.DisableTorchFunction(), no_dispatch():
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return FakeTensor(t.fake_mode, meta, t.device).requires_grad_(requires_grad)
+    return _fake_of(meta, t, requires_grad)
+
+
+def _fake_of(meta: torch.Tensor, like: Any, requires_grad: bool) -> torch.Tensor:
+    """The fake tensor ``FakeTensor(mode, meta, device)`` makes of the meta tensor ``meta`` in the
+    mode and on the device of the fake ``like`` (its state set as that constructor sets it,
+    :func:`_blank_fake_state`), made without the constructor's argument checks and outside the
+    torch-function modes of a trace: a stamped block makes one per copied node and two per output
+    (its value and the snapshot its node holds), at about a third of the constructor's cost there."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with torch._C.DisableTorchFunction():
+        device, mode = like.fake_device, like.fake_mode
+        new = torch.Tensor._make_subclass(
+            FakeTensor, meta, requires_grad, dispatch_device=True, device_for_backend_keys=device
+        )
+        if mode._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(new)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(new)
+        state = vars(new)
+        state.update(_blank_fake_state())
+        state["fake_mode"], state["_fake_device"] = mode, device
+    return new
+
+
+@functools.cache
+def _blank_fake_state() -> dict[str, Any]:
+    """The attributes ``FakeTensor(mode, meta, device)`` sets on a new fake tensor other than its
+    mode and device (no constant, no real tensor, empty memos), read off one such tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        meta = torch.empty(0, device="meta")
+    state = dict(vars(FakeTensor(FakeTensorMode(), meta, torch.device("cpu"))))
+    del state["fake_mode"], state["_fake_device"]
+    return state
 
 
 def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
     """Make the trace ``tracer`` read the fake tensor ``t`` (of static shape) as the value of its
-    graph's ``node``, whose value becomes a snapshot of ``t`` as the trace records one; its other
-    metadata (``tensor_meta``: a copy of a node like it) stays as it is, not worked out again."""
-    from torch.fx.experimental.proxy_tensor import _ProxyTensor, extract_val, set_proxy_slot
+    graph's ``node``, whose value becomes a snapshot of ``t`` as the trace records one (a fake
+    aliasing ``t``'s storage, of its metadata, not requiring grad: ``proxy_tensor.snapshot_fake``'s,
+    made by :func:`_fake_of`); its other metadata (``tensor_meta``: a copy of a node like it) stays
+    as it is, not worked out again."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
 
+    if not isinstance(t, FakeTensor):
+        raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
     set_proxy_slot(t, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))
-    node.meta["val"] = extract_val(t)
+    with no_python_dispatcher(), in_kernel_invocation_manager(t.fake_mode):
+        alias = torch.ops.aten.detach.default(t)  # the meta tensor t holds, as snapshot_fake takes it
+    node.meta["val"] = _fake_of(alias, t, False)
     return t
 
 

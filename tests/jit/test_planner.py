@@ -482,6 +482,28 @@ def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
     assert order.index(mul) < order.index(bucket) < order.index(mm1)
 
 
+def test_a_gather_of_a_value_computed_from_another_gathers_use_starts_a_new_bucket(sim):
+    """Gathers in the order of their first uses: ``y`` is computed from the first gather's use,
+    so it cannot join that bucket (the bucket would wait for its own use); ``b``, a plain input,
+    joins ``y``'s. The last gather's use comes after everything, so finding that ``y`` depends
+    on the first use walks the graph only up to ``y``."""
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("fsdp",))
+    gm = _graph(lambda x, a, b: ((x @ a) * 2) @ b, (8, 8), (8, 8), (8, 8))
+    x, a, b = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    y = _node(gm, aten.mul.Tensor)
+    mm1, mm2 = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+    moves = [
+        Redistribution(value_of(v), (Shard(0),), (R,), collectives_of(mesh, v.meta["val"], (Shard(0),), (R,)), mm)
+        for v, mm in ((a, mm1), (y, mm2), (b, mm2))
+    ]
+    users = {id(moves[0]): [mm1], id(moves[1]): [mm2], id(moves[2]): [mm2]}
+    buckets, order = form_buckets(mesh, gm, moves, users, BUCKET_BYTES)
+    (bucket,) = buckets  # a's gather alone is no bucket
+    assert bucket.members == tuple(moves[1:]) and bucket.before is mm2
+    assert order.index(y) < order.index(bucket) < order.index(mm2)
+
+
 def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucket_by_bucket(sim):
     """Three pairs of gradients produced one pair after the other (a backward), each pair used by
     the optimizer-like adds written in the opposite order: with buckets of two values (256 B),

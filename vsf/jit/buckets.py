@@ -61,12 +61,6 @@ def form_buckets(
     first used."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    anc: dict[torch.fx.Node, int] = {}
-    for n in nodes:
-        mask = 0
-        for p in n.all_input_nodes:
-            mask |= anc[p] | (1 << index[p])
-        anc[n] = mask
     first_use = {id(r): min(index[u] for u in users[id(r)]) for r in moves if users[id(r)]}
     groups: dict[tuple[str, tuple[int, ...], torch.dtype], list[Redistribution]] = {}
     for r in moves:
@@ -81,18 +75,20 @@ def form_buckets(
         rs.sort(key=at)
         cap = bucket_bytes
         current: list[Redistribution] = []
-        consumers = producers = size = 0
+        after = _Descendants(index)
+        values: set[torch.fx.Node] = set()
+        size, last = 0, -1
         for r in rs:
             p = r.value[0]
-            mine = sum(1 << index[u] for u in users[id(r)])
             same_block = not block or not current or block[nodes[at(r)]] == block[nodes[at(current[0])]]
-            fits = not (anc[p] & consumers) and not (producers & mine) and size < cap and same_block
+            fits = not after.holds(p) and not _reaches(index, users[id(r)], values, last) and size < cap and same_block
             if current and not fits:
                 formed.append((kind, k, current))
-                current, consumers, producers, size = [], 0, 0, 0
+                current, after, values, size, last = [], _Descendants(index), set(), 0, -1
             current.append(r)
-            consumers |= mine
-            producers |= anc[p] | (1 << index[p])
+            after.add(users[id(r)])
+            values.add(p)
+            last = max(last, index[p])
             size += _buffer_bytes(mesh, r, kind)
         formed.append((kind, k, current))
     lone = [rs[0] for kind, _, rs in formed if len(rs) == 1 and kind != "all_gather"]
@@ -109,6 +105,55 @@ def form_buckets(
         buckets.append(_bucket(mesh, kind, rs, k, before))
     marker = {id(rs): b for (_, _, rs), b in zip(formed, buckets)}
     return tuple(buckets), tuple(marker.get(id(item), item) for item in order)
+
+
+class _Descendants:
+    """The nodes that depend on some node added (not those added themselves, unless they depend
+    on another), found lazily in the graph's order: only as far as the latest node asked about,
+    so a bucket whose values precede its members' uses (gradients before the optimizer, params
+    before the forward) walks nothing."""
+
+    def __init__(self, index: dict[torch.fx.Node, int]) -> None:
+        self.index = index
+        self.found: set[torch.fx.Node] = set()
+        self.frontier: list[tuple[int, torch.fx.Node]] = []  # found, their users not yet found
+
+    def add(self, sources: Sequence[torch.fx.Node]) -> None:
+        for n in sources:
+            self._reach(n)
+
+    def holds(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` depends on a node added: every found node before it has had its users found."""
+        while self.frontier and self.frontier[0][0] < self.index[node]:
+            self._reach(heapq.heappop(self.frontier)[1])
+        return node in self.found
+
+    def _reach(self, n: torch.fx.Node) -> None:
+        for u in n.users:
+            if u not in self.found:
+                self.found.add(u)
+                heapq.heappush(self.frontier, (self.index[u], u))
+
+
+def _reaches(
+    index: dict[torch.fx.Node, int], sources: Sequence[torch.fx.Node], targets: set[torch.fx.Node], last: int
+) -> bool:
+    """Whether a node of ``targets`` (the last at ``last`` in the graph) is one of ``sources`` or
+    depends on one, walking only the nodes up to the last target (none when the sources come
+    after the targets, as a value's users do)."""
+    if all(index[s] > last for s in sources):
+        return False
+    seen = {s for s in sources if index[s] <= last}
+    stack = list(seen)
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        for u in n.users:
+            if u not in seen and index[u] <= last:
+                seen.add(u)
+                stack.append(u)
+    return False
 
 
 def bucket_kind(mesh: Mesh, r: Redistribution) -> tuple[str, tuple[int, ...]] | None:

@@ -43,29 +43,44 @@ def expert_specs(params):
     return {k: P("ep") if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else P() for k in params}
 
 
-@pytest.mark.parametrize("how", HOW)
-@pytest.mark.parametrize("name", FAMILIES)
-def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(sim, name, how):
-    family = zoo.moe(name, EXPERTS)
+def trained_on_ep(sim, family, name, axes, token_spec, specs_of=expert_specs, before_put=None):
+    """``family`` trained 3 AdamW steps by vsf.jit on a 2 x 2 ``axes`` mesh (params ``specs_of``,
+    tokens ``token_spec``), checked against torch on one device (losses and every param); returns the
+    lowered step on the first batch."""
     want = zoo.torch_run(family)
     model, batches = zoo.built(family)
     params = vsf.tree.from_module(model)
     tx = zoo.adamw()
     sim(4)
-    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
-    if how == "use_expert_parallel":
-        vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, expert_specs(params)))
+    mesh = vsf.make_mesh((2, 2), axes)
+    if before_put is not None:
+        before_put(model, mesh)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs_of(params)))
     s = optim.init_sharded(tx, p)
     step = vsf.jit(zoo.train_step(model, tx, family.loss))
-    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
+    tokens = vsf.NamedSharding(mesh, token_spec)
     losses = []
     for batch in batches:
         p, s, loss = step(p, s, vsf.device_put(batch, tokens))
         losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle(f"{name} dp x ep ({how})", losses, vsf.device_get(p), want)
+    zoo.assert_like_oracle(name, losses, vsf.device_get(p), want)
+    return step.lower(p, s, vsf.device_put(batches[0], tokens))
 
-    lowered = step.lower(p, s, vsf.device_put(batches[0], tokens))
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_on_dp_x_ep_trains_like_torch_on_one_device_sending_tokens_not_experts(sim, name, how):
+    def routed(model, mesh):
+        vsf.nn.use_expert_parallel(model, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+
+    lowered = trained_on_ep(
+        sim,
+        zoo.moe(name, EXPERTS),
+        f"{name} dp x ep ({how})",
+        ("dp", "ep"),
+        P(("dp", "ep")),
+        before_put=routed if how == "use_expert_parallel" else None,
+    )
     assert lowered.as_text().count("all_to_all_v over ep (inside shard_map(expert_dispatch))") == 4 * MOE_LAYERS[name]
     assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, MOE_LAYERS[name])
 
@@ -81,24 +96,19 @@ def test_experts_further_split_over_fsdp_from_specs_dispatch_tokens_split_over_b
     rank's half of its 4 local experts in each layer (as FSDP does), and no token is exchanged. In
     the sweep (about 17 s): the default suite checks the experts module alone
     (test_an_experts_module_further_split_over_fsdp_dispatches_tokens_split_over_both)."""
-    family = zoo.moe("mixtral", EXPERTS)
-    want = zoo.torch_run(family)
-    model, batches = zoo.built(family)
-    params = vsf.tree.from_module(model)
-    tx = zoo.adamw()
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), ("fsdp", "ep"))
-    specs = {k: P("ep", "fsdp") if s == P("ep") else s for k, s in expert_specs(params).items()}
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs))
-    s = optim.init_sharded(tx, p)
-    step = vsf.jit(zoo.train_step(model, tx, family.loss))
-    tokens = vsf.NamedSharding(mesh, P(("fsdp", "ep")))
-    losses = []
-    for batch in batches:
-        p, s, loss = step(p, s, vsf.device_put(batch, tokens))
-        losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle("mixtral fsdp x ep (efsdp specs)", losses, vsf.device_get(p), want)
-    collectives = step.lower(p, s, vsf.device_put(batches[0], tokens)).cost().collectives
+
+    def efsdp(params):
+        return {k: P("ep", "fsdp") if s == P("ep") else s for k, s in expert_specs(params).items()}
+
+    lowered = trained_on_ep(
+        sim,
+        zoo.moe("mixtral", EXPERTS),
+        "mixtral fsdp x ep (efsdp specs)",
+        ("fsdp", "ep"),
+        P(("fsdp", "ep")),
+        specs_of=efsdp,
+    )
+    collectives = lowered.cost().collectives
     assert_tokens_sent_not_experts(collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
     half = zoo.LAYERS * EXPERTS // 2 * (2 * zoo.FFN * zoo.HIDDEN + zoo.HIDDEN * zoo.FFN) * 4 // 2
     over_fsdp = [(c.kind, c.bytes) for c in collectives if c.axis == "fsdp"]
@@ -124,23 +134,7 @@ def test_the_token_axes_taken_in_the_cheaper_order_train_like_torch_on_one_devic
     are torch's on one device, and over ep the tokens go to the experts (each exchange a rank's 16
     tokens x top-2 x 32 floats) and the rest gathered there stays under one layer's local experts
     (the mesh's order, ("dp", "ep"), regathered the ep-major tokens around each dispatch: 111 KiB)."""
-    family = zoo.moe("mixtral", EXPERTS)
-    want = zoo.torch_run(family)
-    model, batches = zoo.built(family)
-    params = vsf.tree.from_module(model)
-    tx = zoo.adamw()
-    sim(4)
-    mesh = vsf.make_mesh((2, 2), axes)
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, expert_specs(params)))
-    s = optim.init_sharded(tx, p)
-    step = vsf.jit(zoo.train_step(model, tx, family.loss))
-    tokens = vsf.NamedSharding(mesh, batch_spec)
-    losses = []
-    for batch in batches:
-        p, s, loss = step(p, s, vsf.device_put(batch, tokens))
-        losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle(f"mixtral {axes} tokens {batch_spec}", losses, vsf.device_get(p), want)
-    lowered = step.lower(p, s, vsf.device_put(batches[0], tokens))
+    lowered = trained_on_ep(sim, zoo.moe("mixtral", EXPERTS), f"mixtral {axes} tokens {batch_spec}", axes, batch_spec)
     assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
 
 

@@ -98,9 +98,8 @@ class Strategies:
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
-        self.inputs = dict(
-            inputs or {}
-        )  # each op's tensor inputs (:func:`~vsf.jit.graph.tensor_args`), the caller's or found as asked
+        # each op's tensor inputs (:func:`~vsf.jit.graph.tensor_args`), the caller's or found as asked
+        self.inputs = dict(inputs or {})
         self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
         self.single: dict[Any, list[Strategy] | None] = {}  # DTensor's per-mesh-dim rules by signature (any size)
 

@@ -19,8 +19,8 @@ expert dim first) needs no call: inside ``vsf.jit``, an experts module whose wei
 runs through it (:func:`dispatching_transformers_experts`, in force while a step is traced),
 its tokens split over every mesh axis but those that split the weights on their ffn dims alone
 (tensor parallelism; an axis that splits a hidden dim stores them split, as efsdp's
-``P("ep", "fsdp")`` does, and carries tokens), in the order that moves the fewest bytes (the region is ``any_order``: each token is routed alone, so the plan
-weighs each order of the token axes and takes the tokens as they arrive, ``P(("ep", "dp"))`` on a
+``P("ep", "fsdp")`` does, and carries tokens), in the order that moves the fewest bytes (the
+region is ``any_order``: each token is routed alone, so the plan weighs each order of the token axes and takes the tokens as they arrive, ``P(("ep", "dp"))`` on a
 ``("dp", "ep")`` mesh included).
 
 Why every such axis carries tokens (per MoE layer, ``T`` tokens of ``h`` bytes, top-``k``, ``e``

@@ -116,8 +116,8 @@ def _gpt_step(layers: int, shape: tuple[int, ...], optimizer: bool = False):
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
 def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape):
     """The solver decides once per op context and reuses the decision for the repeated blocks'
-    ops, and solves an axis's problem once where the second sweep poses it again
-    (``AxisSolver.reuse``); planned with every op costed anew and every sweep solved, the AdamW
+    ops, solves an axis's problem once where the second sweep poses it again, and replicates
+    without solving an axis nothing is sharded over (``AxisSolver.reuse``); planned with every op costed anew and every sweep solved, the AdamW
     step of a 4-layer GPT has the same plan: every op's placements, every redistribution, the
     bytes and collectives."""
     from vsf.jit import solver
@@ -139,9 +139,8 @@ def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape)
     axes = ["pp", "dp", "fsdp", "cp", "tp"]
     axes = [a for a, n in zip(axes, shape) if n > 1]
     assert solved == axes * 2  # the long way: two sweeps, every axis solved in each
-    assert sweeps[: len(axes)] == axes
-    if shape == (1, 2, 2, 1, 2):
-        assert sweeps == axes + axes[:-1]  # tp's second problem is its first: not solved again
+    named = ["dp", "fsdp", "tp"]  # (pp and cp: nothing is sharded over them, replicated without solving)
+    assert sweeps == named + named[:-1]  # tp's second problem is its first: not solved again
     assert_same_plans(reused, one_by_one)
 
 
@@ -173,6 +172,36 @@ def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
     assert not other.poses_as(done)
     other.solve()
     assert other.choice != done.choice
+
+
+def test_an_axis_nothing_shards_is_replicated_and_changes_no_other_axis(monkeypatch):
+    """pp and cp of size 2, over which no input, output or constraint shards anything, are
+    replicated throughout without being solved, and the plan over dp, fsdp and tp is the plan on the
+    mesh where pp and cp have size 1: every op's placements on those axes, every redistribution,
+    the bytes and collectives."""
+    from vsf.jit import solver
+
+    solved = []
+    solve = solver.AxisSolver.solve
+    monkeypatch.setattr(solver.AxisSolver, "solve", lambda self: solved.append(self.axis) or solve(self))
+    import vsf
+
+    with vsf.simulate(32, compute=False):
+        wide = _gpt_plan(1, (2, 2, 2, 2, 2), optimizer=True)
+    assert {"pp", "cp"}.isdisjoint(solved) and {"dp", "fsdp", "tp"} <= set(solved)
+    with vsf.simulate(8, compute=False):
+        narrow = _gpt_plan(1, (1, 2, 2, 1, 2), optimizer=True)
+    # (a plan's placements are over the mesh's dims of size > 1: pp, dp, fsdp, cp, tp against dp, fsdp, tp)
+    named = lambda pls: tuple(None if p is None else (p[1], p[2], p[4]) for p in pls)  # noqa: E731
+    idle = lambda pls: {p[k] for p in pls if p is not None for k in (0, 3)}  # noqa: E731
+    wide_nodes, narrow_nodes = list(wide.plan.nodes.values()), list(narrow.plan.nodes.values())
+    assert [(named(p.ins), named(p.outs)) for p in wide_nodes] == [(p.ins, p.outs) for p in narrow_nodes]
+    assert set().union(*(idle(p.ins) | idle(p.outs) for p in wide_nodes)) == {R}
+    assert [named([r.src, r.dst]) for r in wide.plan.redistributions] == [
+        (r.src, r.dst) for r in narrow.plan.redistributions
+    ]
+    assert wide.cost().comm_bytes == narrow.cost().comm_bytes
+    assert wide.cost().collectives == narrow.cost().collectives
 
 
 def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):

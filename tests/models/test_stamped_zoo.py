@@ -19,13 +19,14 @@ pytestmark = pytest.mark.models
 trace_module = importlib.import_module("vsf.jit.trace")
 
 
-def _lowered(family: zoo.Family):
-    """The AdamW step of ``family`` on the zoo's 5D layout (planning only): what one trace of it
-    stamped, and its plan (the caller has started the simulation)."""
+def _lowered(family: zoo.Family, shape: tuple[int, ...] | None = None):
+    """The AdamW step of ``family`` on the zoo's 5D layout (planning only), over a mesh of ``shape``
+    if given: what one trace of it stamped, and its plan (the caller has started the simulation)."""
     model, batches = zoo.built(family)
     params = vsf.tree.from_module(model)
     tx = zoo.adamw()
-    shape, axes, kind, batch_spec = zoo.LAYOUTS["5d"]
+    five_d, axes, kind, batch_spec = zoo.LAYOUTS["5d"]
+    shape = shape or five_d
     mesh = vsf.make_mesh(shape, axes)
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, kind, family)))
     s = vsf.optim.init_sharded(tx, p)
@@ -52,6 +53,27 @@ def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, ch
     assert plain == {}
     assert_same_plans(plan, one_by_one)
     assert_same_stack_traces(plan, one_by_one)
+
+
+@pytest.mark.sweep
+def test_llama_on_axes_nothing_shards_plans_as_every_axis_solved(sim, monkeypatch):
+    """pp and cp of size 2, which nothing in the Llama's 5D layout shards anything over, are
+    replicated without being solved; every axis solved (``AxisSolver.reuse`` off) gives the same
+    plan: the solve too replicates this model on them."""
+    solver = importlib.import_module("vsf.jit.solver")
+    solved = []
+    solve = solver.AxisSolver.solve
+    monkeypatch.setattr(solver.AxisSolver, "solve", lambda self: solved.append(self.axis) or solve(self))
+    family = zoo.llama(2, use_cache=False)
+    shape = (2, 1, 2, 2, 2)
+    sim(math.prod(shape), compute=False)
+    _, skipped = _lowered(family, shape)
+    assert {"pp", "cp"}.isdisjoint(solved)
+    monkeypatch.setattr(solver.AxisSolver, "reuse", False)
+    solved.clear()
+    _, every_axis = _lowered(family, shape)
+    assert {"pp", "cp"} <= set(solved)
+    assert_same_plans(skipped, every_axis)
 
 
 def test_stamped_llama_trains_as_one_device(sim, monkeypatch):

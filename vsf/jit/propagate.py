@@ -138,6 +138,7 @@ def propagate(
     with _compat.local_mode_disabled():
         latency = latency_bytes(mesh.device_type, options.collective_latency_bytes)
         tables: dict[str, AxisTables] = {}
+        axes = [a for a in axes if not (AxisSolver.reuse and _names_nothing(problem, a))]
         for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
             for axis in axes:
                 if axis not in tables:
@@ -164,6 +165,28 @@ def propagate(
             f"~{kept:,} B peak keeping them, ~{peak_bytes(plan):,} B so)",
         )
     return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
+
+
+def _names_nothing(problem: Problem, axis: str) -> bool:
+    """Does nothing shard anything over ``axis``: every input arrives replicated on it, every output
+    may leave replicated, no ``with_sharding_constraint`` names it and no ``shard_map`` region is
+    manual over it? Such an axis is replicated throughout, as a size-1 axis is, without solving:
+    vsf does not invent parallelism over an axis no annotation names (nor does JAX), and a solve
+    would only depart from replicating to split an op's work over it at the cost of bytes (no solve
+    has, on the models the tests plan both ways: ``AxisSolver.reuse``).
+
+    Example::
+
+        >>> _names_nothing(problem, "cp")   # a 5D mesh, the batch over dp x fsdp, weights over tp
+        True
+    """
+    seeds_replicated = all(kind_of(p) == "replicate" for p in problem.seeds[axis].values())
+    outs_replicated = all(
+        req is NOT_PARTIAL or kind_of(req.placement if isinstance(req, OrSum) else req) == "replicate"
+        for _, req in problem.out_req[axis]
+    )
+    unpinned = all(R in allowed for allowed in problem.pinned[axis].values())
+    return seeds_replicated and outs_replicated and unpinned and not problem.fixed[axis]
 
 
 def _bytes_moved(plans: dict[torch.fx.Node, NodePlan], moved: list[Redistribution], latency: float) -> float:

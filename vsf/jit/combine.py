@@ -94,6 +94,7 @@ def check_with_dtensor(
         return None if t is None or p is None else _nested(nestings, t, p) or _ordered(mesh, t, p, chosen)
 
     paths: dict[Any, tuple[Collective, ...]] = {}  # by shape, dtype and move: repeated blocks make the same
+    asked_n = mesh.axis_size(axes[0]) if axes else 2  # (whether an op falls back: as the solvers were told)
 
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
         src = actual[v]
@@ -121,7 +122,7 @@ def check_with_dtensor(
             for i in range(n_out)
         ]
         op = problem.strategies.classes[node]
-        fallback = bool(ins) and problem.strategies.of(node, 2)[1]
+        fallback = bool(ins) and problem.strategies.of(node, asked_n)[1]
         direct = False
         if op.kind == "constraint":
             s = constraint.parse(node.args[1])

@@ -171,3 +171,41 @@ def test_torchtitan_moe_on_ep_trains_like_torch_on_one_device_sending_tokens_not
     assert {c.kind for c in over_ep} == {"all_to_all_v", "all_gather", "all_reduce"}
     local_weight = EXPERTS // 2 * HIDDEN * FFN * 4
     assert sum(c.bytes for c in over_ep if c.kind == "all_reduce") < local_weight
+
+
+def test_replicated_experts_plan_torchtitans_scatter_add_with_the_rules_a_user_registers(sim):
+    """Experts not split on the expert dim run as torchtitan runs them: its combine's custom op
+    ``torchtitan::deterministic_scatter_add`` has no DTensor strategy, and vsf plans it with the
+    rules registered through torch's public ``register_sharding`` (here: all replicated, or the
+    accumulator and the rows partial sums). On dp the loss and every gradient are torch's on one
+    device; the tokens are gathered over dp into each layer's routing (torchtitan sorts every
+    token by expert), so each rank runs every token through the experts (32 tokens x 16 floats)."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.torchtitan.deterministic_scatter_add.default)
+    def rules(out, index, src):
+        return [
+            ([Replicate()], [Replicate(), Replicate(), Replicate()]),
+            ([Partial()], [Partial(), Replicate(), Partial()]),
+        ]
+
+    model, (batch, *_) = built()
+    model.eval()  # (no token counts written)
+    want_model = copy.deepcopy(model)
+    want_loss = squared_error(want_model(batch[0]), batch[1])
+    want_loss.backward()
+    params = vsf.tree.from_module(model)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: P() for k in params}))
+    x, target = (vsf.device_put(t, vsf.NamedSharding(mesh, P("dp"))) for t in batch)
+    step = vsf.jit(
+        lambda p, x, target: vsf.value_and_grad(lambda q: squared_error(vsf.tree.apply(model, q, x), target))(p)
+    )
+    loss, grads = vsf.device_get(step(p, x, target))
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=0)
+    for k, w in want_model.named_parameters():
+        torch.testing.assert_close(grads[k], w.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}")
+    gathered = [c.shape for c in step.lower(p, x, target).cost().collectives if c.kind == "all_gather"]
+    assert gathered.count((BATCH * SEQ, HIDDEN)) == LAYERS

@@ -73,11 +73,12 @@
   and hold less memory at once, larger ones launch fewer collectives. Read when a step is planned.
 
 * ``dispatch_experts`` (default ``True``): inside ``vsf.jit``, a ``transformers`` experts module
-  (Mixtral's, Qwen-MoE's, DeepSeek's: built with ``@use_experts_implementation``) whose weights
-  arrive split on the expert dim over one mesh axis sends its tokens to the experts' ranks and
-  back (:func:`vsf.nn.expert_parallel`, the region ``shard_map(expert_dispatch)`` in the plan's
-  text); ``False`` plans the module as transformers runs it (the experts' weights gathered to the
-  tokens). Read when a step is traced.
+  (Mixtral's, Qwen-MoE's, DeepSeek's: built with ``@use_experts_implementation``), or torchtitan's
+  routed experts (``RoutedExperts``, torchtitan 0.3), whose weights arrive split on the expert dim
+  over one mesh axis sends its tokens to the experts' ranks and back
+  (:func:`vsf.nn.expert_parallel`, the region ``shard_map(expert_dispatch)`` in the plan's text);
+  ``False`` plans the module as its library runs it (the experts' weights gathered to the tokens).
+  Read when a step is traced.
 * ``stamp_blocks`` (default ``True``): inside ``vsf.jit``, the first child of a ``ModuleList`` or
   ``Sequential`` of each kind (a transformer's blocks) is traced by itself, and its graph is copied
   for every block of the same kind (:mod:`vsf.jit.stamp`: the same graph and plan as tracing each

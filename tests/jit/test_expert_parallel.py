@@ -226,3 +226,59 @@ def test_a_routing_beyond_the_capacity_is_an_error(sim):
         moe(rows)(*args, weights)
     with pytest.raises(ValueError, match=f"capacity {rows - 1} is less than the {rows} token copies of a rank"):
         moe(rows - 1)(*args, weights)
+
+
+def test_separate_gate_up_and_down_weights_equal_one_device(sim):
+    """Experts with three separate weights, the expert dim first (torchtitan's ``GroupedExperts``:
+    ``w1`` and ``w3`` ``[experts, ffn, hidden]``, ``w2`` ``[experts, hidden, ffn]``, a SwiGLU) split
+    over ep, the tokens over dp x ep: the loss and every gradient are the dense one-device mixture's,
+    and over ep the four exchanges each send a rank's token copies (8 tokens x top-2 x hidden floats)."""
+
+    def swiglu(rows, offsets, w1, w3, w2):
+        def mm(a, w):
+            return F.grouped_mm(a, w.transpose(1, 2), offs=offsets)
+
+        return mm(F.silu(mm(rows, w1)) * mm(rows, w3), w2)
+
+    def dense_swiglu(x, index, gates, w1, w3, w2):
+        out = torch.zeros_like(x)
+        for k in range(index.shape[1]):
+            e = index[:, k]
+            h = F.silu(torch.einsum("th,tfh->tf", x, w1[e])) * torch.einsum("th,tfh->tf", x, w3[e])
+            out = out + gates[:, k, None] * torch.einsum("tf,thf->th", h, w2[e])
+        return out
+
+    p = inputs(False)
+    g = torch.Generator().manual_seed(1)
+    p = {**p, "w1": p.pop("w_in"), "w3": torch.randn(EXPERTS, FFN, HIDDEN, generator=g) * 0.1, "w2": p.pop("w_out")}
+    weights = ("w1", "w3", "w2")
+
+    def loss_of_three(moe):
+        return lambda q: (moe(q["x"], q["index"], q["gates"], *(q[w] for w in weights)) ** 2).sum()
+
+    grad_of = [k for k in p if k != "index"]
+    want_loss, want = vsf.value_and_grad(lambda q: loss_of_three(dense_swiglu)({**q, "index": p["index"]}))(
+        {k: p[k] for k in grad_of}
+    )
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "ep"))
+
+    def moe(x, index, gates, *w):
+        return vsf.nn.expert_parallel(swiglu, x, index, gates, w, axis="ep", token_axes=("dp", "ep"), mesh=mesh)
+
+    step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of_three(moe)({**r, "index": index}))(q))
+    tokens = vsf.NamedSharding(mesh, P(("dp", "ep")))
+    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, P("ep")) if k in weights else tokens) for k in grad_of}
+    index = vsf.device_put(p["index"], tokens)
+    loss, grads = step(q, index)
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
+    for k in grad_of:
+        torch.testing.assert_close(
+            vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}"
+        )
+    over_ep = [c for c in step.lower(q, index).cost().collectives if c.axis == "ep"]
+    assert [c.bytes for c in over_ep if c.kind == "all_to_all_v"] == [TOKENS // 4 * K * HIDDEN * 4] * 4
+    assert sorted((c.kind, c.bytes) for c in over_ep if c.kind != "all_to_all_v") == [
+        ("all_gather", EXPERTS * 8),
+        ("all_reduce", 4),
+    ]  # counts; the loss

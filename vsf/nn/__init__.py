@@ -1,8 +1,8 @@
 """Neural-network helpers: :func:`dropout` on keyed random numbers, :mod:`vsf.nn.initializers`
 (JAX's ``jax.nn.initializers`` home and names, torch's fan conventions), and
 :func:`expert_parallel` (a mixture-of-experts layer with its experts split over a mesh axis; a
-``transformers`` MoE model's experts run through it inside ``vsf.jit`` when their weights' specs
-split the expert dim, or :func:`use_expert_parallel` sets the axes).
+``transformers`` MoE model's experts, and torchtitan's routed experts, run through it inside
+``vsf.jit`` when their weights' specs split the expert dim, or :func:`use_expert_parallel` sets the axes).
 
 Example::
 

@@ -35,6 +35,8 @@ split on the expert dim over several axes, or the two weights split differently,
 ``PlanError``; to gather the experts instead, split another of their dims or set
 ``vsf.config.dispatch_experts = False``. :func:`use_expert_parallel` sets the axes explicitly, as an experts implementation of
 transformers' own registry.
+torchtitan's MoE (0.3's ``RoutedExperts``: separate ``w1_EFD``, ``w3_EFD`` and ``w2_EDF`` weights)
+is recognised alike from its weights' specs (:func:`dispatching_torchtitan_experts`).
 
 Example::
 
@@ -47,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -63,7 +66,12 @@ from vsf.jit.trace import StepInput, computes_on_shards, rewrite_while_tracing, 
 from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.spec import P
 
-__all__ = ["dispatching_transformers_experts", "expert_parallel", "use_expert_parallel"]
+__all__ = [
+    "dispatching_torchtitan_experts",
+    "dispatching_transformers_experts",
+    "expert_parallel",
+    "use_expert_parallel",
+]
 
 _IMPLEMENTATION = "vsf_expert_parallel"  # the name of vsf's experts implementation in transformers' registry
 
@@ -299,32 +307,115 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
     def experts(
         module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        split = _expert_split(module)
+        up = "gate_up_proj" if module.has_gate else "up_proj"
+        hidden = {up: 1 if module.is_transposed else 2, "down_proj": 2 if module.is_transposed else 1}
+        split = _dispatch_split(module, hidden, hidden_states.shape[0])
         if split is None:
             return forward(module, hidden_states, top_k_index, top_k_weights)
-        mesh, axis, tokens = split
-        ranks = math.prod(mesh.axis_size(a) for a in tokens)
-        if hidden_states.shape[0] % ranks:
-            raise PlanError(
-                f"{type(module).__name__}: its experts split over {axis!r} take {hidden_states.shape[0]} tokens, which the {ranks} ranks of the "
-                f"token axes {tokens!r} (every axis but those that split its weights' ffn dims alone) do not divide: vsf dispatches each rank's share. "
-                "Give it a divisible number of tokens, or set vsf.config.dispatch_experts = False to gather the experts instead"
-            )
-        return _dispatched(module, hidden_states, top_k_index, top_k_weights, mesh, axis, tokens)
+        return _dispatched(module, hidden_states, top_k_index, top_k_weights, *split)
 
     return experts
 
 
-def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
-    """``(mesh, expert axis, token axes)`` where the experts ``module``'s weights arrive split on the
-    expert dim (plain axis entries; a ragged or balanced one is not an expert split), else ``None``.
+@contextlib.contextmanager
+def dispatching_torchtitan_experts(options: PlanOptions) -> Iterator[None]:
+    """Inside, torchtitan's routed experts (``torchtitan.models.common.moe.RoutedExperts``, torchtitan
+    0.3: the token dispatcher and the grouped experts, whose separate weights ``w1_EFD``, ``w3_EFD``
+    and ``w2_EDF`` have the expert dim first) run through :func:`expert_parallel` where those
+    weights are step inputs split on the expert dim (``P("ep")``, efsdp's ``P("ep", "fsdp")``),
+    the tokens split over every mesh axis but those that split the weights' ffn dims alone, as for
+    :func:`dispatching_transformers_experts`; the local experts are torchtitan's own
+    ``GroupedExperts`` on the rows each rank receives, and its token dispatcher is not run. Any
+    other routed experts module runs as torchtitan's. ``vsf.jit`` enters it while it traces a step,
+    with the plan's ``options``: nothing changes where ``vsf.config.dispatch_experts`` is off, or
+    where torchtitan's MoE is not imported.
+
+    Example::
+
+        >>> specs = {k: P("ep") if ".inner_experts." in k else P() for k in params}
+        >>> p, s, loss = vsf.jit(train_step)(vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), s, batch)
+    """
+    found = sys.modules.get("torchtitan.models.common.moe")
+    routed = getattr(found, "RoutedExperts", None)
+    if (
+        routed is None or not options.dispatch_experts or hasattr(routed.forward, "__wrapped__")
+    ):  # (already in force: a trace inside a trace)
+        yield
+        return
+    forward = routed.forward
+    routed.forward = _torchtitan_dispatch_if_split(forward)
+    try:
+        yield
+    finally:
+        routed.forward = forward
+
+
+_TORCHTITAN_EXPERTS = {"w1_EFD": 2, "w3_EFD": 2, "w2_EDF": 1}  # torchtitan's GroupedExperts: each weight's hidden dim
+
+
+def _torchtitan_dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torchtitan's ``RoutedExperts.forward``, or the dispatch where its experts' weights say so."""
+
+    @functools.wraps(forward)
+    def routed(
+        module: Any, x: torch.Tensor, scores: torch.Tensor, index: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        experts = module.inner_experts
+        b, length, d = x.shape
+        split = _dispatch_split(experts, _TORCHTITAN_EXPERTS, b * length)
+        if split is None:
+            return forward(module, x, scores, index, counts)
+        mesh, axis, token_axes = split
+
+        def grouped(rows: torch.Tensor, offsets: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
+            per_expert = torch.diff(offsets, prepend=offsets.new_zeros(1))
+            return torch.func.functional_call(experts, dict(zip(_TORCHTITAN_EXPERTS, local)), (rows, per_expert))
+
+        y = expert_parallel(
+            grouped,
+            x.reshape(b * length, d),
+            index.reshape(b * length, -1),
+            scores.reshape(b * length, -1),
+            tuple(getattr(experts, k) for k in _TORCHTITAN_EXPERTS),
+            axis=axis,
+            token_axes=token_axes,
+            mesh=mesh,
+        )
+        return y.view(b, length, d)
+
+    return routed
+
+
+def _dispatch_split(module: Any, hidden: dict[str, int], tokens: int) -> tuple[Mesh, str, tuple[str, ...]] | None:
+    """:func:`_expert_split` of the experts ``module`` (its weights named in ``hidden``, each with
+    its hidden dim), checked against the ``tokens`` it runs: a ``PlanError`` where the token axes'
+    ranks do not divide them."""
+    split = _expert_split(module, hidden)
+    if split is None:
+        return None
+    mesh, axis, token_axes = split
+    ranks = math.prod(mesh.axis_size(a) for a in token_axes)
+    if tokens % ranks:
+        raise PlanError(
+            f"{type(module).__name__}: its experts split over {axis!r} take {tokens} tokens, which the {ranks} ranks of the "
+            f"token axes {token_axes!r} (every axis but those that split its weights' ffn dims alone) do not divide: vsf dispatches each rank's share. "
+            "Give it a divisible number of tokens, or set vsf.config.dispatch_experts = False to gather the experts instead"
+        )
+    return split
+
+
+def _expert_split(module: Any, hidden: dict[str, int]) -> tuple[Mesh, str, tuple[str, ...]] | None:
+    """``(mesh, expert axis, token axes)`` where the weights of the experts ``module`` (the
+    attributes named in ``hidden``, each ``[experts, ...]`` with its hidden dim there: transformers'
+    fused ``gate_up_proj`` and ``down_proj``, torchtitan's separate ``w1``, ``w3`` and ``w2``)
+    arrive split on the expert dim (plain axis entries; a ragged or balanced one is not an expert
+    split), else ``None``.
     The token axes are every mesh axis but those that split the weights on their ffn dims alone
     (each rank runs a slice of every expert's ffn, Megatron's tensor parallelism: automatic in the
     dispatch); an axis that splits a weight's hidden dim stores it split, as FSDP does (efsdp's
     ``P("ep", "fsdp")``): the tokens are split over it too and the weights gathered over it into
     the dispatch, their gradients reduce-scattered."""
-    up = "gate_up_proj" if module.has_gate else "up_proj"
-    found = {k: step_input(getattr(module, k)) for k in (up, "down_proj")}
+    found = {k: step_input(getattr(module, k)) for k in hidden}
     on_experts = {k: _expert_axes(f) for k, f in found.items()}
     if not any(on_experts.values()):
         return None
@@ -335,7 +426,7 @@ def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
     if len(axes) > 1:
         raise PlanError(
             f"{type(module).__name__}: its weights split the expert dim (dim 0) differently ({said}): vsf dispatches tokens to experts "
-            "split alike over one mesh axis. Lay both out alike (e.g. P('ep')), or split neither on dim 0 (or set vsf.config.dispatch_experts = False) to gather them"
+            "split alike over one mesh axis. Lay them all out alike (e.g. P('ep')), or split none on dim 0 (or set vsf.config.dispatch_experts = False) to gather them"
         )
     (split,) = axes
     if len(split) > 1:
@@ -344,7 +435,6 @@ def _expert_split(module: Any) -> tuple[Mesh, str, tuple[str, ...]] | None:
             f"one mesh axis. Split dim 0 over one axis and another dim over the rest (efsdp: P({split[0]!r}, {split[1]!r}))"
         )
     shardings = {k: f.sharding for k, f in found.items() if f is not None}
-    hidden = {up: 1 if module.is_transposed else 2, "down_proj": 2 if module.is_transposed else 1}
     splits = {
         (d == hidden[k], a) for k, s in shardings.items() for d in range(1, len(s.spec)) for a in s.spec.entry_axes(d)
     }
@@ -360,3 +450,4 @@ def _expert_axes(found: StepInput | None) -> tuple[str, ...]:
 
 
 rewrite_while_tracing(dispatching_transformers_experts)
+rewrite_while_tracing(dispatching_torchtitan_experts)

@@ -309,6 +309,32 @@ def test_a_split_moved_to_another_dim_into_a_strided_shard_is_one_all_to_all(sim
             assert torch.equal(got[r], shards[b][r]), (a, b, c)
 
 
+def test_one_mesh_dims_strided_piece_of_the_local_shard_is_gathered_over_that_dim_alone(sim):
+    # the tokens [batch@ep, seq@cp] merged on a mesh ("cp", "ep") (S(0)/sf4, S(0)): rank (c, e)
+    # holds half c of each of its ep group's 2 sequences. Gathered over cp alone they are ep's
+    # whole 2 sequences (R, S(0)): the gathered [cp, sequence, position] transposed to [sequence,
+    # cp, position], one all-gather of a rank's 16 x 4 int64 (half of the gathered 32 x 4 sent);
+    # back, a local slice. vsf gathered over both axes and sliced ep again. Oracle: DTensor's own
+    # split of each layout
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    src, dst = (StridedShard(0, split_factor=4), Shard(0)), (R, Shard(0))
+    x = torch.arange(64 * 4).view(64, 4)
+    assert [(c.kind, c.axis, c.shape, c.bytes) for c in collectives_of(mesh, x, src, dst)] == [
+        ("all_gather", "cp", (32, 4), 32 * 4 * 8 // 2)
+    ]
+    assert collectives_of(mesh, x, dst, src) == ()
+    coords = list(itertools.product(range(2), range(2)))
+    with _compat.local_mode_disabled():
+        shards = {pl: [_compat.shard_of(x, pl, (2, 2), c).contiguous() for c in coords] for pl in (src, dst)}
+    # rank 1, (c, e) = (0, 1): the first halves of sequences 2 and 3
+    assert torch.equal(shards[src][1], torch.cat([x[32:40], x[48:56]]))
+    for a, b in ((src, dst), (dst, src)):
+        got = _compat.local_shards(move_local(mesh, x, _compat.make_local(dict(enumerate(shards[a]))), a, b), 0)
+        for r, c in enumerate(coords):
+            assert torch.equal(got[r], shards[b][r]), (a, b, c)
+
+
 def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_split(sim):
     # a linear layer on tokens [batch@dp, seq@cp] on a mesh ("cp", "dp"): its view to rows makes
     # S(0)/sf4, S(0), which DTensor cannot regather but vsf moves itself, so the tokens stay split

@@ -156,7 +156,7 @@ def propagate(
             if taking:
                 free = {a: {n: st for n in ops if (st := manual.fixed_on(n, mesh, a, True)) is not None} for a in axes}
                 loose = dataclasses.replace(problem, fixed=free, solved={})
-                _solve(loose, axes, latency)
+                _solve(loose, axes, latency, sweeps=1)  # (it only says how the first entries arrive)
                 came = dataclasses.replace(problem, fixed=arrivals.as_arrived(ops, free, loose.solved), solved={})
                 _solve(came, axes, latency)
                 combined.append(
@@ -178,11 +178,11 @@ def propagate(
     return dataclasses.replace(plan, reduce_dtype=reduce_dtype, notes=notes)
 
 
-def _solve(problem: Problem, axes: Sequence[str], latency: float) -> None:
-    """Solve each axis of ``problem`` (:class:`AxisSolver`), twice where there are several: a second
-    sweep sees the other axes' choices (an axis posed the same problem again keeps its answer)."""
+def _solve(problem: Problem, axes: Sequence[str], latency: float, sweeps: int = 2) -> None:
+    """Solve each axis of ``problem`` (:class:`AxisSolver`), ``sweeps`` times where there are several:
+    a second sweep sees the other axes' choices (an axis posed the same problem again keeps its answer)."""
     tables: dict[str, AxisTables] = {}
-    for _sweep in range(2 if len(axes) > 1 else 1):
+    for _sweep in range(sweeps if len(axes) > 1 else 1):
         for axis in axes:
             if axis not in tables:
                 tables[axis] = AxisTables.build(problem, axis, Codes(problem.mesh.axis_size(axis), latency))

@@ -82,9 +82,9 @@ def entries(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, int, tupl
 
 def takes_arrivals(gm: torch.fx.GraphModule) -> bool:
     """May ``gm``'s ``any_order`` regions take their multi-axis entries split as they arrive
-    (:func:`vsf.jit.manual.placements` with ``taken``), strided shards included? Where every entry of a region
-    split over one set of axes is the same dim of the same size (the tokens, their routing, their
-    result: the body pairs their rows, so one layout must hold for all of them).
+    (:func:`vsf.jit.manual.placements` with ``taken``), strided shards included? Where every entry
+    of a region split over one set of axes is the same dim of the same size (the tokens, their
+    routing, their result: the body pairs their rows, so one layout must hold for all of them).
 
     Example::
 
@@ -108,9 +108,10 @@ def strided_splits(node: torch.fx.Node, d: int, n: int) -> list[Placement]:
 def leaves_strided(node: torch.fx.Node, n: int) -> tuple[tuple[Placement, ...], ...]:
     """Per output of the region op ``node``, the strided shards it may give on a manual axis of
     ``n`` ranks when the plan weighs an ``any_order`` region's entries taken as they arrive
-    (:func:`vsf.jit.manual.fixed_on` with ``arrivals``): a result or a cotangent leaving the region split over
-    several axes on one dim; nothing for the other ops. What the ops it feeds may take (the
-    expert dispatch's result ``S(0)/sf4`` on cp, viewed back to the tokens ``[batch@ep, seq@cp]``).
+    (:func:`vsf.jit.manual.fixed_on` with ``as_they_arrive``): a result or a cotangent leaving the
+    region split over several axes on one dim; nothing for the other ops. What the ops it feeds
+    may take (the expert dispatch's result ``S(0)/sf4`` on cp, viewed back to the tokens
+    ``[batch@ep, seq@cp]``).
 
     Example::
 
@@ -128,10 +129,11 @@ def leaves_strided(node: torch.fx.Node, n: int) -> tuple[tuple[Placement, ...], 
 def as_arrived(
     ops: Sequence[torch.fx.Node], fixed: Mapping[str, Mapping[torch.fx.Node, list[Strategy]]], solved: Mapping[str, Any]
 ) -> dict[str, dict[torch.fx.Node, list[Strategy]]]:
-    """The fixed strategies (:func:`vsf.jit.manual.fixed_on`, with ``arrivals``) with each boundary op of an
-    ``any_order`` region's multi-axis entry left the one that splits it on each axis as the axis
-    solvers (``solved``) split the region's first such entry there (the tokens as they arrive):
-    one layout for all the entry's values, which the body pairs row for row (:func:`vsf.jit.manual.placements`)."""
+    """The fixed strategies (:func:`vsf.jit.manual.fixed_on` with ``as_they_arrive``) with each
+    boundary op of an ``any_order`` region's multi-axis entry left the one that splits it on each
+    axis as the axis solvers (``solved``) split the first such entry of that dim and size there,
+    in any region (the tokens as they arrive at the first MoE layer's dispatch): one layout for all
+    the entries' values, which a body pairs row for row (:func:`vsf.jit.manual.placements`)."""
     out: dict[str, dict[torch.fx.Node, list[Strategy]]] = {}
     for axis, strategies in fixed.items():
         first: dict[tuple[int, int], Any] = {}

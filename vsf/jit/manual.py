@@ -199,9 +199,9 @@ def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str, as_they_arrive: bool = 
     region: a boundary op takes (or gives) the region's spec and gives (or takes) the value as
     this rank holds it; every other op of the body runs on the values as they are. ``None`` for
     an automatic axis, or an op outside every region. With ``as_they_arrive`` (the plan weighs an
-    ``any_order`` region's entries taken as they arrive: :func:`vsf.jit.arrivals.takes_arrivals`), a boundary op of
-    a multi-axis entry also takes or gives it as each strided shard of that dim on ``axis`` (one
-    axis's view of the tokens ``[batch@ep, seq@cp]`` merged: ``S(0)/sf4`` on cp).
+    ``any_order`` region's entries taken as they arrive: :mod:`vsf.jit.arrivals`), a boundary op
+    of a multi-axis entry also takes or gives it as each strided shard of that dim on ``axis``
+    (one axis's view of the tokens ``[batch@ep, seq@cp]`` merged: ``S(0)/sf4`` on cp).
 
     Example::
 
@@ -297,9 +297,10 @@ def placements(
     """A region op's placements on the full mesh: the per-axis choices (``ins``, ``outs``), with a
     boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry),
     its entries' axes in the ``chosen`` order in an ``any_order`` region (:func:`orders`). With
-    ``taken`` (where :func:`vsf.jit.arrivals.takes_arrivals`), an ``any_order`` region's multi-axis entries are
-    split as the first of them arrived instead (``arrived``: how the value a boundary op brings in
-    is split), a strided shard included: no value is regathered on its way in.
+    ``taken`` (where :func:`vsf.jit.arrivals.takes_arrivals`), an ``any_order`` region's
+    multi-axis entries are split as the first of them arrived instead (``arrived``: how the value
+    a boundary op brings in is split), a strided shard included: no value is regathered on its
+    way in.
 
     Example::
 

@@ -309,6 +309,99 @@ def test_a_split_moved_to_another_dim_into_a_strided_shard_is_one_all_to_all(sim
             assert torch.equal(got[r], shards[b][r]), (a, b, c)
 
 
+def test_one_mesh_dims_strided_piece_of_the_local_shard_is_gathered_over_that_dim_alone(sim):
+    # the tokens [batch@ep, seq@cp] merged on a mesh ("cp", "ep") (S(0)/sf4, S(0)): rank (c, e)
+    # holds half c of each of its ep group's 2 sequences. Gathered over cp alone they are ep's
+    # whole 2 sequences (R, S(0)): the gathered [cp, sequence, position] transposed to [sequence,
+    # cp, position], one all-gather of a rank's 16 x 4 int64 (half of the gathered 32 x 4 sent);
+    # back, a local slice. vsf gathered over both axes and sliced ep again. Oracle: DTensor's own
+    # split of each layout
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    src, dst = (StridedShard(0, split_factor=4), Shard(0)), (R, Shard(0))
+    x = torch.arange(64 * 4).view(64, 4)
+    assert [(c.kind, c.axis, c.shape, c.bytes) for c in collectives_of(mesh, x, src, dst)] == [
+        ("all_gather", "cp", (32, 4), 32 * 4 * 8 // 2)
+    ]
+    assert collectives_of(mesh, x, dst, src) == ()
+    coords = list(itertools.product(range(2), range(2)))
+    with _compat.local_mode_disabled():
+        shards = {pl: [_compat.shard_of(x, pl, (2, 2), c).contiguous() for c in coords] for pl in (src, dst)}
+    # rank 1, (c, e) = (0, 1): the first halves of sequences 2 and 3
+    assert torch.equal(shards[src][1], torch.cat([x[32:40], x[48:56]]))
+    for a, b in ((src, dst), (dst, src)):
+        got = _compat.local_shards(move_local(mesh, x, _compat.make_local(dict(enumerate(shards[a]))), a, b), 0)
+        for r, c in enumerate(coords):
+            assert torch.equal(got[r], shards[b][r]), (a, b, c)
+
+
+# ops that work along the last dim of the tokens' rows (a router's softmax and top-k, a loss's
+# log-softmax), each with its line in the plan
+ALONG_THE_ROW = {
+    "softmax": (lambda h: torch.softmax(h, -1), "_softmax("),
+    "log_softmax": (lambda h: torch.log_softmax(h, -1), "_log_softmax("),
+    "topk": (lambda h: torch.topk(h, 3, -1).values, "topk("),
+    "topk_indices": (lambda h: h * torch.topk(h, 3, -1).indices.sum(-1, keepdim=True), "topk("),
+}
+
+
+@pytest.mark.parametrize("name", list(ALONG_THE_ROW))
+def test_ops_along_a_dim_no_mesh_dim_splits_run_on_rows_split_as_a_strided_shard(sim, name):
+    # the tokens [4, 16, 8] split [batch@ep, seq@cp] on a mesh ("cp", "ep"), merged into 64 rows:
+    # S(0)/sf4 over cp (each rank holds half of each of its ep group's 2 sequences), S(0) over ep.
+    # The op works along the last dim, which no mesh dim splits: each rank runs it on its rows,
+    # forward and backward, and nothing moves but the loss (a sum over each axis, 4 B each; by
+    # hand). Oracle: the same function on one device
+    op, line = ALONG_THE_ROW[name]
+    scale = torch.linspace(0.5, 1.5, 8)
+
+    def loss(x):
+        y = op(x.reshape(64, 8))
+        return (y.reshape(4, 16, -1) * scale[: y.shape[-1]]).pow(2).sum()
+
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))
+    want = vsf.value_and_grad(loss)(x)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    arg = vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("ep", "cp")))
+    step = vsf.jit(vsf.value_and_grad(loss))
+    torch.testing.assert_close(vsf.device_get(step(arg)), want, rtol=1e-5, atol=1e-6)
+    lowered = step.lower(arg)
+    assert sorted((c.axis, c.kind, c.bytes) for c in lowered.cost().collectives) == [
+        ("cp", "all_reduce", 4),
+        ("ep", "all_reduce", 4),
+    ]
+    (ran,) = [t for t in lowered.as_text().splitlines() if f"= {line}" in t]
+    assert ran.count("[64@<cp/sf4,ep>,") >= 2  # its input and output(s): the rows as they arrive
+
+
+def test_attention_runs_on_a_batch_split_as_a_strided_shard(sim):
+    # queries, keys and values [4, 4, 16, 8] viewed from [2@ep, 2@cp, 4, 16, 8] on a mesh ("cp",
+    # "ep"): their batch is split ep-major, S(0)/sf2 over cp. Causal attention works along the
+    # sequence and the head dim, which no mesh dim splits: each rank runs it on its batch rows,
+    # forward and backward, and nothing moves but the loss. Oracle: the same function on one device
+    def loss(x):
+        q = x.reshape(4, 4, 16, 8)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q * 0.5, q.flip(-1), is_causal=True)
+        return (out.reshape(2, 2, 4, 16, 8) ** 2).sum()
+
+    x = torch.randn(2, 2, 4, 16, 8, generator=torch.Generator().manual_seed(0))
+    want = vsf.value_and_grad(loss)(x)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    assert vsf.NamedSharding(mesh, vsf.P(("ep", "cp"))).placements == (StridedShard(0, split_factor=2), Shard(0))
+    arg = vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("ep", "cp")))
+    step = vsf.jit(vsf.value_and_grad(loss))
+    torch.testing.assert_close(vsf.device_get(step(arg)), want, rtol=1e-5, atol=1e-6)
+    lowered = step.lower(arg)
+    assert sorted((c.axis, c.kind, c.bytes) for c in lowered.cost().collectives) == [
+        ("cp", "all_reduce", 4),
+        ("ep", "all_reduce", 4),
+    ]
+    ran = [t for t in lowered.as_text().splitlines() if "= _scaled_dot_product" in t]
+    assert len(ran) == 2 and all(t.count("f32[4@(ep,cp),4,16,8]") >= 3 for t in ran)  # forward and backward
+
+
 def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_split(sim):
     # a linear layer on tokens [batch@dp, seq@cp] on a mesh ("cp", "dp"): its view to rows makes
     # S(0)/sf4, S(0), which DTensor cannot regather but vsf moves itself, so the tokens stay split

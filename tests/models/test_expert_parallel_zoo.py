@@ -117,13 +117,12 @@ def test_experts_further_split_over_fsdp_from_specs_dispatch_tokens_split_over_b
     assert not [k for k, _ in over_fsdp if k == "all_to_all_v"]
 
 
-# (mesh axes, the batch's spec): the tokens split ep-major, against the mesh order; cp before ep
-# (the batch over ep, the sequence over cp). Both in the sweep (about 30 s each); the default suite
-# keeps the costed order on the experts module alone (the bytes by hand and one device's gradients:
-# test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive)
+# (mesh axes, the batch's spec): the tokens split ep-major, against the mesh order. In the sweep
+# (about 30 s); the default suite keeps the costed order on the experts module alone (the bytes by
+# hand and one device's gradients: test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive;
+# cp before ep: test_cp_before_ep_dispatches_the_tokens_as_they_arrive)
 ORDERS = [
     pytest.param(("dp", "ep"), P(("ep", "dp")), id="dp-ep-tokens-ep-major", marks=pytest.mark.sweep),
-    pytest.param(("cp", "ep"), P("ep", "cp"), id="cp-ep", marks=pytest.mark.sweep),
 ]
 
 
@@ -136,6 +135,50 @@ def test_the_token_axes_taken_in_the_cheaper_order_train_like_torch_on_one_devic
     (the mesh's order, ("dp", "ep"), regathered the ep-major tokens around each dispatch: 111 KiB)."""
     lowered = trained_on_ep(sim, zoo.moe("mixtral", EXPERTS), f"mixtral {axes} tokens {batch_spec}", axes, batch_spec)
     assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
+
+
+@pytest.mark.sweep
+def test_cp_before_ep_dispatches_the_tokens_as_they_arrive(sim):
+    """Mixtral's experts ``P("ep")`` alone, the batch over ep and the sequence over cp on a ``("cp",
+    "ep")`` mesh: the tokens' rows, merged in each MoE layer, are a strided shard over cp (each
+    rank holds half of each of its ep group's 2 sequences), which the dispatch takes as they
+    arrive, and the router's softmax and top-k run on them so: no token row is gathered over ep
+    (the mesh's order regathered them: 104,072 B over ep a rank). The params after 3 AdamW steps
+    are torch's on one device. Over ep a rank sends, by hand (85,000 B; ep first, 82,824: the cache's
+    keys and values and the loss's values are gathered over both axes there too, ep's step first):
+
+    - the dispatch: per layer the dispatch and combine forward and their transposes backward, each
+      a rank's 16 tokens x top-2 x 32 floats (8 x 4,096 B, the analytic volume), and the
+      per-expert counts, 2 x 8 int64 gathered (64 B a layer);
+    - attention: the cache's cat takes keys and values whole: per layer K and V, [4, 2, 16, 8]
+      floats gathered over ep after cp (a rank sends half: 2,048 B each);
+    - the loss: the final hidden states [4, 16, 32] floats (4,096 B) and the labels [4, 16] int64
+      (256 B) gathered for the shifted cross-entropy, and a 4 B scalar all-reduced;
+    - the gradients of the params ep leaves whole, all-reduced in one bucket: at most every
+      non-expert param's floats (2(n-1)/n = 1 of them)."""
+    lowered = trained_on_ep(sim, zoo.moe("mixtral", EXPERTS), "mixtral cp x ep", ("cp", "ep"), P("ep", "cp"))
+    collectives = lowered.cost().collectives
+    assert_tokens_sent_not_experts(collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
+    over_ep = [c for c in collectives if c.axis == "ep"]
+    kv = zoo.BATCH * 2 * zoo.SEQ * (zoo.HIDDEN // zoo.HEADS) * 4 // 2  # 2 key/value heads
+    by_hand = sorted(
+        [("all_to_all_v", zoo.BATCH * zoo.SEQ // 4 * TOP_K * zoo.HIDDEN * 4)] * (4 * zoo.LAYERS)
+        + [("all_gather", EXPERTS * 8)] * zoo.LAYERS
+        + [("all_gather", kv)] * (2 * zoo.LAYERS)
+        + [("all_gather", zoo.BATCH * zoo.SEQ * zoo.HIDDEN * 4 // 2), ("all_gather", zoo.BATCH * zoo.SEQ * 8 // 2)]
+        + [("all_reduce", 4)]
+    )
+    (grads,) = [c for c in over_ep if c.kind == "all_reduce" and c.bytes > 4]
+    assert sorted((c.kind, c.bytes) for c in over_ep if c is not grads) == by_hand
+    non_expert = sum(
+        math.prod(t.shape)
+        for k, t in vsf.tree.from_module(zoo.built(zoo.moe("mixtral", EXPERTS))[0]).items()
+        if "experts." not in k
+    )
+    assert grads.bytes <= non_expert * 4
+    # the tokens into each dispatch, as they arrive
+    taken = [t for t in lowered.as_text().splitlines() if "= manual_in(" in t and "[64@<cp/sf4,ep>,32])" in t]
+    assert len(taken) == zoo.LAYERS
 
 
 def assert_tokens_sent_not_experts(collectives, rank_tokens, layers):
@@ -506,6 +549,49 @@ def test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive(s
         ]
         + [exchange] * 4
     )
+
+
+def test_the_dispatch_takes_tokens_merged_from_batch_and_sequence_splits_as_they_arrive(sim):
+    """The experts module on tokens ``[batch, seq]`` split ``[batch@ep, seq@cp]`` on a ``("cp",
+    "ep")`` mesh, merged into rows as a model's MoE layer does: each rank holds half of each of its
+    ep group's 2 sequences, ``S(0)/sf4`` over cp, which neither order of the dispatch's token axes
+    is. The dispatch takes the rows as they arrive (a strided shard) and gives its result and the
+    tokens' gradient back so: no token moves over ep or cp around it (the mesh's order regathered
+    them over both). Over ep: the loss, the per-expert counts and the four exchanges of a rank's 8
+    tokens x top-2 x 32 floats; over cp: the loss, the experts' gradients (4 experts' 32x32 and
+    32x16 floats, all-reduced: 2(n-1)/n = 1 of them), and the loss's backward seed, replicated,
+    which the squares' gradient takes gathered over cp (a rank's 8 rows x 32 floats, half sent).
+    Loss and gradients are one device's."""
+    module, params, batch = _experts("grouped_mm")
+    loss_of = _loss_of(module)
+
+    def loss(p, x, index, gates):
+        return loss_of(p, *(t.reshape(TOKENS, *t.shape[2:]) for t in (x, index, gates)))
+
+    merged = tuple(t.reshape(4, TOKENS // 4, *t.shape[1:]) for t in batch)
+    grad_of = vsf.value_and_grad(loss, argnums=(0, 1))
+    want = grad_of(params, *merged)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
+    tokens = vsf.NamedSharding(mesh, P("ep", "cp"))
+    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P("ep"))), *(vsf.device_put(t, tokens) for t in merged))
+    step = vsf.jit(grad_of)
+    torch.testing.assert_close(vsf.device_get(step(*args)), want, rtol=1e-5, atol=1e-6)
+    lowered = step.lower(*args)
+    got = sorted((c.axis, c.kind, c.bytes) for c in lowered.cost().collectives)
+    exchange = ("ep", "all_to_all_v", TOKENS // 4 * TOP_K * 32 * 4)
+    experts = EXPERTS // 2 * (32 * 32 + 32 * 16) * 4
+    assert got == sorted(
+        [
+            ("cp", "all_gather", TOKENS // 4 * 32 * 4),
+            ("cp", "all_reduce", 4),
+            ("cp", "all_reduce", experts),
+            ("ep", "all_gather", EXPERTS * 8),
+            ("ep", "all_reduce", 4),
+        ]
+        + [exchange] * 4
+    )
+    assert "manual_in(%view:f32[32@<cp/sf4,ep>,32])" in lowered.as_text()
 
 
 def test_with_dispatch_experts_off_the_same_specs_gather_the_experts(sim, monkeypatch):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Placement, Shard
 
 from vsf import _compat
 from vsf.errors import PlanError
-from vsf.jit import context_parallel, manual
+from vsf.jit import arrivals, context_parallel, manual
 from vsf.jit.cost import is_sum, transition_kind
 from vsf.jit.graph import (
     Value,
@@ -71,11 +71,13 @@ def check_with_dtensor(
     out_shardings: Sequence[NamedSharding | None],
     unreduced: Sequence[Sequence[str]],
     chosen: manual.Orders | None = None,
+    as_they_arrive: bool = False,
 ) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
     """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
     propagation), every redistribution with its users, and the outputs' placements (an output
     that may stay unreduced on an axis keeps an unreduced sum it arrives with there). ``chosen``:
-    the order of the multi-axis entries of ``any_order`` regions' specs (:func:`vsf.jit.manual.orders`)."""
+    the order of the multi-axis entries of ``any_order`` regions' specs (:func:`vsf.jit.manual.orders`);
+    ``as_they_arrive``: those entries split as they arrive instead (:func:`vsf.jit.arrivals.takes_arrivals`)."""
     mesh, gm = problem.mesh, problem.gm
     dm_axes = list(mesh.device_axes)
     actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
@@ -83,6 +85,7 @@ def check_with_dtensor(
     moves: dict[tuple[Value, Placements], Redistribution] = {}
     asked: dict[Any, Any] = {}
     decided: dict[Any, tuple[list[Placements], list[Placements | None], bool]] = {}
+    taken: arrivals.Taken | None = {} if as_they_arrive else None
 
     def combined(per_axis: dict[str, Placement | None]) -> Placements:
         return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
@@ -129,7 +132,8 @@ def check_with_dtensor(
             target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
             want_in, want_out = [target], [target]
         elif op.kind == "manual":
-            want_in, want_out = manual.placements(node, mesh, want_in, want_out, chosen)
+            came = actual[ins[0]] if ins else None
+            want_in, want_out = manual.placements(node, mesh, want_in, want_out, chosen, taken, came)
             direct = True
         elif op.kind == "value_blind":
             direct = True

@@ -11,8 +11,10 @@ are planned like every other op of the step; a boundary op or a collective keeps
 leaves the dims it moves whole (:func:`auto_strategies`), so each rank runs it on its piece.
 An ``any_order`` region's specs may take the axes that split one dim together in another order
 (:func:`orders`): the per-axis choices hold for every order, and the planner combines them once per
-order where the order as written makes the plan move values between orders (:func:`reorders`),
-keeping the plan that moves the fewest bytes.
+order where the order as written makes the plan move values between nestings (:func:`reorders`),
+and once more with the entries split as the values arrive (:mod:`vsf.jit.arrivals`: a strided
+shard included, such as the tokens ``[batch@ep, seq@cp]`` merged into one dim leave on a
+``("cp", "ep")`` mesh), keeping the plan that moves the fewest bytes.
 
 Example::
 
@@ -30,6 +32,9 @@ import torch.fx
 from torch.distributed.tensor import Partial, Shard
 
 from vsf.errors import PlanError
+from vsf.jit import arrivals
+from vsf.jit.arrivals import ENTERING as _ENTER
+from vsf.jit.arrivals import KINDS as _KINDS
 from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of, op_nodes, outputs_meta, tensor_args, user_line
 from vsf.jit.plan import R, Collective, Placements, Redistribution, one_d
@@ -37,7 +42,6 @@ from vsf.jit.strategies import Strategy
 from vsf.ops.collectives import rebound
 from vsf.ops.region import (
     AXIS_INDEX_OP,
-    BOUNDARY_OPS,
     COLLECTIVE_OPS,
     EXCHANGE_OP,
     REGION_OPS,
@@ -48,7 +52,7 @@ from vsf.ops.region import (
     summed_over,
 )
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, from_placements
+from vsf.sharding.named import NamedSharding
 from vsf.sharding.spec import P
 
 __all__ = [
@@ -69,8 +73,6 @@ __all__ = [
 # the order chosen for the axes (of size > 1) of the multi-axis spec entries of ``any_order`` regions, by their set
 Orders = Mapping[frozenset[str], tuple[str, ...]]
 
-_KINDS = {op: kind for kind, op in BOUNDARY_OPS.items()}
-_ENTER = frozenset({BOUNDARY_OPS["manual_in"], BOUNDARY_OPS["manual_out_grad"]})  # their results are body values
 _TAG = "vsf_region"
 
 
@@ -192,16 +194,19 @@ def _manual_dim(node: torch.fx.Node, mesh: Mesh, axis: str) -> tuple[Region, int
     return (r, list(mesh.device_axes).index(axis)) if axis in r.manual else None
 
 
-def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
-    """The one strategy ``node`` has on mesh axis ``axis`` if that axis is manual in ``node``'s
+def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str, as_they_arrive: bool = False) -> list[Strategy] | None:
+    """The strategies ``node`` has on mesh axis ``axis`` if that axis is manual in ``node``'s
     region: a boundary op takes (or gives) the region's spec and gives (or takes) the value as
     this rank holds it; every other op of the body runs on the values as they are. ``None`` for
-    an automatic axis, or an op outside every region.
+    an automatic axis, or an op outside every region. With ``as_they_arrive`` (the plan weighs an
+    ``any_order`` region's entries taken as they arrive: :mod:`vsf.jit.arrivals`), a boundary op
+    of a multi-axis entry also takes or gives it as each strided shard of that dim on ``axis``
+    (one axis's view of the tokens ``[batch@ep, seq@cp]`` merged: ``S(0)/sf4`` on cp).
 
     Example::
 
         >>> fixed_on(manual_in_node, mesh, "tp")     # in_specs P(None, "tp")
-        Strategy(ins=(Shard(dim=1),), outs=(Replicate(),))
+        [Strategy(ins=(Shard(dim=1),), outs=(Replicate(),))]
     """
     found = _manual_dim(node, mesh, axis)
     if found is None:
@@ -211,17 +216,15 @@ def fixed_on(node: torch.fx.Node, mesh: Mesh, axis: str) -> Strategy | None:
     outs = tuple(None if t is None else R for t in outputs_meta(node))
     kind = _KINDS.get(node.target)
     if kind is None:
-        return Strategy(ins, outs)
+        return [Strategy(ins, outs)]
     s = r.sharding(kind, node.args[2])
-    spec = one_d(s.placements[k])
-    if kind in ("manual_in", "manual_out_grad"):
-        return Strategy((spec,), (R,))
-    return Strategy((R,), (spec if kind == "manual_out" else one_d(summed_over(s, r.manual)[k]),))
-
-
-def _split_axes(s: NamedSharding, d: int) -> tuple[str, ...]:
-    """The axes of size > 1 that split dim ``d`` of a value laid out as ``s``, major to minor."""
-    return tuple(a for a in s.spec.entry_axes(d) if s.mesh.axis_size(a) > 1)
+    spec = one_d(s.placements[k]) if kind != "manual_in_grad" else one_d(summed_over(s, r.manual)[k])
+    choices = [spec]
+    if as_they_arrive and r.any_order and isinstance(spec, Shard) and len(arrivals.split_axes(s, spec.dim)) > 1:
+        choices += arrivals.strided_splits(node, spec.dim, mesh.axis_size(axis))
+    if node.target in _ENTER:
+        return [Strategy((c,), (R,)) for c in choices]
+    return [Strategy((R,), (c,)) for c in choices]
 
 
 def orders(gm: torch.fx.GraphModule) -> list[dict[frozenset[str], tuple[str, ...]]]:
@@ -235,25 +238,18 @@ def orders(gm: torch.fx.GraphModule) -> list[dict[frozenset[str], tuple[str, ...
         [{frozenset({'cp', 'ep'}): ('cp', 'ep')}, {frozenset({'cp', 'ep'}): ('ep', 'cp')}]
     """
     written: dict[frozenset[str], tuple[str, ...]] = {}
-    for node in op_nodes(gm):
-        kind = _KINDS.get(node.target)
-        r = lookup(node.args[1]) if kind is not None else None
-        if r is None or not r.any_order:
-            continue
-        s = r.sharding(kind, node.args[2])
-        for d in range(len(s.spec)):
-            axes = _split_axes(s, d)
-            if len(axes) > 1:
-                written.setdefault(frozenset(axes), axes)
+    for _, _, axes in arrivals.entries(gm):
+        written.setdefault(frozenset(axes), axes)
     choices = itertools.product(*(itertools.permutations(axes) for axes in written.values()))
     return [dict(zip(written, choice)) for choice in choices]
 
 
 def reorders(mesh: Mesh, moved: Sequence[Redistribution], sets: Sequence[frozenset[str]]) -> bool:
-    """Does a plan with the redistributions ``moved`` move a value between two orders of one of the
-    axis ``sets`` splitting a dim (``P(("ep", "dp"))`` to ``P(("dp", "ep"))``)? Only then may another
-    order of the ``any_order`` regions' specs move less: where none does, the values keep the
-    nesting the plan gave them, and the other orders are not planned.
+    """Does a plan with the redistributions ``moved`` move a value between two nestings of one of
+    the axis ``sets`` splitting a dim (``P(("ep", "dp"))`` to ``P(("dp", "ep"))``, or the strided
+    shards a view merging two split dims leaves to blocks)? Only then may another order of the
+    ``any_order`` regions' specs, or their entries taken as they arrive, move less: where none
+    does, the values keep the nesting the plan gave them, and the others are not planned.
 
     Example::
 
@@ -261,18 +257,16 @@ def reorders(mesh: Mesh, moved: Sequence[Redistribution], sets: Sequence[frozens
         True
     """
 
-    def entries(r: Redistribution, placements: Placements) -> list[tuple[str, ...]]:
-        try:
-            s = from_placements(mesh, placements, meta_of(r.value).ndim)
-        except ValueError:  # (a layout no spec names: not one of the orders)
-            return []
-        return [_split_axes(s, d) for d in range(len(s.spec))]
+    def renests(r: Redistribution) -> bool:
+        before, after = arrivals.dims_over(mesh, r.src), arrivals.dims_over(mesh, r.dst)
+        return any(
+            axes in sets
+            and after.get(d) == axes
+            and any(p != q for p, q, a in zip(r.src, r.dst, mesh.device_axes) if a in axes)
+            for d, axes in before.items()
+        )
 
-    return any(
-        a != b and frozenset(a) == frozenset(b) and frozenset(a) in sets
-        for r in moved
-        for a, b in zip(entries(r, r.src), entries(r, r.dst))
-    )
+    return any(renests(r) for r in moved)
 
 
 def reordered(s: NamedSharding, chosen: Orders) -> NamedSharding:
@@ -285,7 +279,7 @@ def reordered(s: NamedSharding, chosen: Orders) -> NamedSharding:
     """
     entries = []
     for d, entry in enumerate(s.spec):
-        order = chosen.get(frozenset(_split_axes(s, d)))
+        order = chosen.get(frozenset(arrivals.split_axes(s, d)))
         rest = tuple(a for a in s.spec.entry_axes(d) if order is not None and a not in order)
         entries.append(entry if order is None else order + rest)
     return NamedSharding(s.mesh, P(*entries, unreduced=s.spec.unreduced))
@@ -297,10 +291,16 @@ def placements(
     ins: list[Placements],
     outs: list[Placements | None],
     chosen: Orders | None = None,
+    taken: arrivals.Taken | None = None,
+    arrived: Placements | None = None,
 ) -> tuple[list[Placements], list[Placements | None]]:
     """A region op's placements on the full mesh: the per-axis choices (``ins``, ``outs``), with a
     boundary op's spec side exactly as its sharding has it (a strided shard of a multi-axis entry),
-    its entries' axes in the ``chosen`` order in an ``any_order`` region (:func:`orders`).
+    its entries' axes in the ``chosen`` order in an ``any_order`` region (:func:`orders`). With
+    ``taken`` (where :func:`vsf.jit.arrivals.takes_arrivals`), an ``any_order`` region's
+    multi-axis entries are split as the first of them arrived instead (``arrived``: how the value
+    a boundary op brings in is split), a strided shard included: no value is regathered on its
+    way in.
 
     Example::
 
@@ -315,6 +315,8 @@ def placements(
     if r.any_order and chosen:
         s = reordered(s, chosen)
     exact = summed_over(s, r.manual) if kind == "manual_in_grad" else tuple(s.placements)
+    if r.any_order and taken is not None:
+        exact = arrivals.taken_as(node, s, exact, taken, arrived if node.target in _ENTER else None)
     manual = [k for k, a in enumerate(mesh.device_axes) if a in r.manual]
 
     def spec_side(p: Placements) -> Placements:

@@ -45,7 +45,7 @@ from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.combine import check_with_dtensor
 from vsf.jit.classify import classify, constant_nodes
-from vsf.jit import manual
+from vsf.jit import arrivals, manual
 from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum, latency_bytes
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
@@ -95,12 +95,20 @@ def propagate(
     constants = constant_nodes(gm.graph)
     manual.mark(gm, constants)
     inputs = {n: tensor_args(n) for n in ops}
+    written, *others = manual.orders(gm)
+    taking = bool(others) and arrivals.takes_arrivals(gm)  # (an any_order region's entries as they arrive)
     problem = Problem(
         mesh=mesh,
         gm=gm,
         ops=ops,
         inputs=inputs,
-        strategies=Strategies(options, {n: classify(n, constants) for n in ops}, manual.auto_strategies, inputs),
+        strategies=Strategies(
+            options,
+            {n: classify(n, constants) for n in ops},
+            manual.auto_strategies,
+            inputs,
+            arrivals.leaves_strided if taking else None,
+        ),
         seeds={},
         out_req={},
         pinned={},
@@ -137,22 +145,26 @@ def propagate(
         problem.fixed[axis] = {n: st for n in ops if (st := manual.fixed_on(n, mesh, axis)) is not None}
     with _compat.local_mode_disabled():
         latency = latency_bytes(mesh.device_type, options.collective_latency_bytes)
-        tables: dict[str, AxisTables] = {}
         axes = [a for a in axes if not (AxisSolver.reuse and _names_nothing(problem, a))]
-        for _sweep in range(2 if len(axes) > 1 else 1):  # a second sweep sees the other axes' choices
-            for axis in axes:
-                if axis not in tables:
-                    tables[axis] = AxisTables.build(problem, axis, Codes(mesh.axis_size(axis), latency))
-                solver = AxisSolver(problem, axis, tables[axis])
-                last = problem.solved.get(axis)
-                if last is None or not solver.poses_as(last):  # (else: solved again, it gives last's answer)
-                    solver.solve()
-                    problem.solved[axis] = solver
-        # the per-axis choices hold for every order of an any_order region's specs (manual.orders)
-        written, *others = manual.orders(gm)
+        _solve(problem, axes, latency)
+        # the per-axis choices hold for every order of an any_order region's specs (manual.orders);
+        # for their entries taken as they arrive (arrivals.takes_arrivals), solved with the regions'
+        # boundary ops free to split them as any strided shard, then again with each split as the
+        # first such entry came
         combined = [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, written)]
         if others and manual.reorders(mesh, combined[0][1], list(written)):
             combined += [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, c) for c in others]
+            if taking:
+                free = {a: {n: st for n in ops if (st := manual.fixed_on(n, mesh, a, True)) is not None} for a in axes}
+                loose = dataclasses.replace(problem, fixed=free, solved={})
+                _solve(loose, axes, latency, sweeps=1)  # (it only says how the first entries arrive)
+                came = dataclasses.replace(problem, fixed=arrivals.as_arrived(ops, free, loose.solved), solved={})
+                _solve(came, axes, latency)
+                combined.append(
+                    check_with_dtensor(
+                        came, axes, in_placements, out_shardings, unreduced, written, as_they_arrive=True
+                    )
+                )
         plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], latency))
     plan = _scheduled(
         mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated
@@ -187,6 +199,21 @@ def _names_nothing(problem: Problem, axis: str) -> bool:
     )
     unpinned = all(R in allowed for allowed in problem.pinned[axis].values())
     return seeds_replicated and outs_replicated and unpinned and not problem.fixed[axis]
+
+
+def _solve(problem: Problem, axes: Sequence[str], latency: float, sweeps: int = 2) -> None:
+    """Solve each axis of ``problem`` (:class:`AxisSolver`), ``sweeps`` times where there are several:
+    a second sweep sees the other axes' choices (an axis posed the same problem again keeps its answer)."""
+    tables: dict[str, AxisTables] = {}
+    for _sweep in range(sweeps if len(axes) > 1 else 1):
+        for axis in axes:
+            if axis not in tables:
+                tables[axis] = AxisTables.build(problem, axis, Codes(problem.mesh.axis_size(axis), latency))
+            solver = AxisSolver(problem, axis, tables[axis])
+            last = problem.solved.get(axis)
+            if last is None or not solver.poses_as(last):  # (else: solved again, it gives last's answer)
+                solver.solve()
+                problem.solved[axis] = solver
 
 
 def _bytes_moved(plans: dict[torch.fx.Node, NodePlan], moved: list[Redistribution], latency: float) -> float:

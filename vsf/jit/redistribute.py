@@ -147,6 +147,19 @@ def _exchanged(
 
 
 def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[int, int] | None:
+    found = _split_step(mesh, shape, src, dst)
+    return found[:2] if found is not None and found[2] == 1 else None
+
+
+def _split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: Placements) -> tuple[int, int, int] | None:
+    """``(mesh_dim, tensor_dim, factor)`` when ``src`` -> ``dst`` splits (or gathers) one mesh dim's
+    share of a dim through strided shards, the other mesh dims' splits of that dim holding the same
+    rows, so that at every mesh coordinate the split side's local shard is the mesh dim's 1D piece
+    of the whole side's local shard: contiguous (``factor`` 1), or strided, the local dim viewed as
+    ``[factor, n, m]`` with ``[:, rank, :]`` kept (checked on the indices along the dim). The rows
+    of the tokens ``[batch@ep, seq@cp]`` merged on a mesh ``("cp", "ep")`` (``S(0)/sf4, S(0)``)
+    gather over cp alone to ep's blocks of whole sequences (``R, S(0)``): the gathered
+    ``[cp, sequence, position]`` is ``[sequence, cp, position]`` transposed, factor 2."""
     if not has_strided([src, dst]) or has_ragged([src, dst]) or has_balanced([src, dst]):
         return None
     sizes = tuple(mesh.axis_size(a) for a in mesh.device_axes)
@@ -167,28 +180,35 @@ def _strided_split_step(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst
             return None
         if any(shape[d] % math.prod(n for n, p in zip(sizes, pl) if splits_d(p)) for pl in (src, dst)):
             return None  # uneven: DTensor's 1D collective pads the largest shard
-        along = lambda pl: tuple(on_dim(p, 0) if kind_of(p) == "strided" or splits_d(p) else Replicate() for p in pl)  # noqa: E731
-        return (k, d) if _pieces_of(shape[d], along(whole), along(split), k, sizes) else None
+        along = lambda pl: tuple(on_dim(p, 0) if splits_d(p) else Replicate() for p in pl)  # noqa: E731
+        factor = _piece_factor(shape[d], along(whole), along(split), k, sizes)
+        return None if factor is None else (k, d, factor)
     return None
 
 
 @functools.cache
-def _pieces_of(size: int, whole: Placements, split: Placements, k: int, sizes: tuple[int, ...]) -> bool:
-    """Is, at every mesh coordinate, the local shard of ``arange(size)`` laid out as ``split`` the
-    ``k``-th coordinate's piece of DTensor's 1D split over mesh dim ``k`` of its shard laid out as
-    ``whole``?"""
+def _piece_factor(size: int, whole: Placements, split: Placements, k: int, sizes: tuple[int, ...]) -> int | None:
+    """The factor ``f`` (1 first) for which, at every mesh coordinate, the local shard of
+    ``arange(size)`` laid out as ``split`` is the ``k``-th coordinate's piece of its shard laid out
+    as ``whole``, viewed as ``[f, n, m]`` with ``[:, coordinate, :]`` kept (``f`` 1: DTensor's 1D
+    split); ``None`` if no factor makes it."""
     with _compat.local_mode_disabled():  # plain indices, whether or not ranks are simulated
         index = torch.arange(size)
-        coords = itertools.product(
-            *(range(n) if is_shard(p) or is_shard(q) else (0,) for n, p, q in zip(sizes, whole, split))
-        )
-        return all(
-            torch.equal(
-                torch.tensor_split(_compat.shard_of(index, whole, sizes, c), sizes[k])[c[k]],
-                _compat.shard_of(index, split, sizes, c),
+        coords = list(
+            itertools.product(
+                *(range(n) if is_shard(p) or is_shard(q) else (0,) for n, p, q in zip(sizes, whole, split))
             )
-            for c in coords
         )
+        wholes = [_compat.shard_of(index, whole, sizes, c) for c in coords]
+        splits = [_compat.shard_of(index, split, sizes, c) for c in coords]
+        rows = len(wholes[0]) // sizes[k]
+        for f in (f for f in range(1, rows + 1) if rows % f == 0):
+            if all(
+                len(w) == f * sizes[k] * (rows // f) and torch.equal(w.view(f, sizes[k], -1)[:, c[k]].reshape(-1), s)
+                for w, s, c in zip(wholes, splits, coords)
+            ):
+                return f
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +220,8 @@ class Regather:
     from there on. Each gather or slice is ``(mesh_dim, dim, placement, length)``, ``length``
     being the dim's local length before it. Every gather is a 1D all-gather along its dim and
     every slice local, a strided shard's interleaving put right by a local permutation; splits of
-    different dims are independent, so the gathers can all go first."""
+    different dims are independent, so the gathers can all go first. A move of one mesh dim's
+    strided piece of the local shard (:func:`_split_step`) is that one gather or slice."""
 
     reduces: tuple[int, ...]
     gathers: tuple[tuple[int, int, Any, int], ...]
@@ -223,6 +244,13 @@ def strided_regather(mesh: Mesh, shape: tuple[int, ...], src: Placements, dst: P
         return None
     sizes = [mesh.axis_size(a) for a in mesh.device_axes]
     reduces = tuple(k for k, (a, b) in enumerate(zip(src, dst)) if isinstance(a, Partial) and a != b)
+    step = _split_step(mesh, shape, src, dst)
+    if step is not None:  # one mesh dim's strided piece (a plain one is a local_step)
+        k, d, f = step
+        whole = src if isinstance(src[k], (Replicate, Partial)) else dst
+        length = shape[d] // math.prod(n for n, p in zip(sizes, whole) if is_shard(p) and split_dim(p) == d)
+        piece = ((k, d, _compat.StridedShard(d, split_factor=f), length),)
+        return Regather(reduces, piece, ()) if whole is dst else Regather(reduces, (), piece)
     gathers, slices = [], []
     for d in range(len(shape)):
         mine = lambda p: p if is_shard(p) and split_dim(p) == d else None  # noqa: E731

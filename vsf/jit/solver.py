@@ -618,8 +618,8 @@ def _strategy_lists(problem: "Problem", axis: str, codes: Codes) -> list[Encoded
     out = []
     for node in problem.ops:
         fixed = problem.fixed.get(axis, {}).get(node)
-        if fixed is not None:  # a manual region: its specs are its only strategy
-            out.append(_encode(codes, [fixed]))
+        if fixed is not None:  # a manual region: its specs are its only strategies
+            out.append(_encode(codes, fixed))
             continue
         allowed = problem.strategies.of(node, n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
         pinned = problem.pinned[axis].get(node)
@@ -676,7 +676,7 @@ class Problem:
     solved: dict[str, AxisSolver]
     ragged: dict[str, list[tuple[RaggedPlacement, int]]] = dataclasses.field(default_factory=dict)
     balanced: dict[str, bool] = dataclasses.field(default_factory=dict)  # axes some input is split balanced over
-    fixed: dict[str, dict[torch.fx.Node, Strategy]] = dataclasses.field(default_factory=dict)
+    fixed: dict[str, dict[torch.fx.Node, list[Strategy]]] = dataclasses.field(default_factory=dict)
     bytes_per_flop: float = 0.0  # what a FLOP an op runs beyond its share costs (vsf.config.compute_bytes_per_flop)
     flops: list[int] = dataclasses.field(
         default_factory=list

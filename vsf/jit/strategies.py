@@ -88,11 +88,14 @@ class Strategies:
         classes: dict[torch.fx.Node, OpClass],
         own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None,
         inputs: dict[torch.fx.Node, list[Value]] | None = None,
+        leaving: Callable[[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] | None = None,
     ) -> None:
         self.options = options
         self.fallback = options.allow_replicated_fallback
         self.classes = classes
         self.own = own  # vsf's strategies for the ops it runs itself (kind "manual": vsf.jit.manual)
+        # per output of such an op, the strided shards it may give on an axis where its region fixes it
+        self.leaving = leaving
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
         self.by_node: dict[Any, tuple[list[Strategy], bool]] = {}
         self.order = {node: i for i, node in enumerate(classes)}
@@ -131,7 +134,8 @@ class Strategies:
         """Per tensor input of ``node``, the strided shards and partial sums it may arrive with on
         an axis of ``n`` ranks: those some strategy of its producer gives it (a view merging a dim
         split over this axis into a larger one, ``[b, h@tp] -> [b*h]``, and the ops that keep such
-        a split; a sum over split rows)."""
+        a split; a sum over split rows), and those a region's boundary op may give where its region
+        fixes it (``leaving``)."""
         unknown, stack = set(), [node]
         while stack:
             for p, _ in self._inputs(stack.pop()):
@@ -139,7 +143,10 @@ class Strategies:
                     unknown.add(p)
                     stack.append(p)
         for p in sorted(unknown, key=self.order.__getitem__):  # producers first: each asks its own inputs
-            self.arriving[(p, n)] = self._given(self.of(p, n)[0], len(outputs_meta(p)))
+            given = self._given(self.of(p, n)[0], len(outputs_meta(p)))
+            if self.leaving is not None and self.classes[p].kind == "manual":
+                given = tuple(g + extra for g, extra in zip(given, self.leaving(p, n)))
+            self.arriving[(p, n)] = given
         return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
 
     def signature(self, node: torch.fx.Node) -> tuple[Any, ...]:

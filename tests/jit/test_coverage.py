@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import vsf
 from vsf import P
 from vsf.errors import PlanError
+from vsf.jit.plan import Collective
 
 aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -206,6 +207,34 @@ def test_a_mean_over_an_unevenly_ignored_batch_is_the_mean_of_all_targets(sim):
     torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, torch.autograd.grad(want, z)[0], rtol=1e-6, atol=1e-7)
     assert aten.nll_loss_forward.default not in _ops(plan)
+
+
+@pytest.mark.parametrize(
+    "reduction, image", [("sum", False), ("none", False), ("sum", True)], ids=["sum", "none", "sum-2d"]
+)
+def test_a_sum_of_losses_over_a_split_batch_reduces_only_the_loss(sim, reduction, image):
+    """nll_loss's backward divides by the count of targets only for a mean: for a sum (or no
+    reduction) the count is not computed, so the plan's one collective is the loss's all-reduce
+    (a float32 scalar over 2 ranks: 2 * (2 - 1) / 2 * 4 bytes), the logits' gradient staying split.
+    ``image``: per-pixel targets (``nll_loss2d``)."""
+    logits = torch.randn(8, 5, 2, 1) if image else torch.randn(8, 5)
+    targets = torch.tensor([1, 2, 3, 4, -100, -100, -100, 0])
+    targets = torch.stack([targets, targets.flip(0)], 1)[..., None] if image else targets
+
+    def loss(z, targets):
+        return F.cross_entropy(z, targets, ignore_index=-100, reduction=reduction).sum()
+
+    def step(logits, targets):
+        return vsf.value_and_grad(lambda z: loss(z, targets))(logits)
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    (got, grad), plan = _jit_on(mesh, step, (logits, targets), [P("dp"), P("dp")])
+    z = logits.clone().requires_grad_()
+    want = loss(z, targets)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, z)[0], rtol=1e-6, atol=1e-7)
+    assert plan.collectives() == [Collective("all_reduce", "dp", (), torch.float32, 4)]
 
 
 def _views(x):

@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+_NLL_LOSS_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+_MEAN = 1  # (torch's reduction enum: 0 none, 1 mean, 2 sum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +301,7 @@ def _trace(
     _reject_input_mutation(gm, fun)
     if not allow_unkeyed_random:
         _reject_unkeyed_random(gm, fun)
+    _drop_unread_total_weights(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
@@ -328,6 +331,22 @@ def decompose(
         table.update(found)
         with fx_traceback.preserve_node_meta():
             gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
+
+
+def _drop_unread_total_weights(gm: torch.fx.GraphModule) -> None:
+    """nll_loss's backward reads its ``total_weight`` (the count of the targets, or the sum of their
+    class weights) only to divide a mean: for a sum or no reduction it takes a constant of the same
+    shape instead, so that the count (a sum over the batch, reduced when the batch is split) is not
+    computed for a value no one reads."""
+    for node in gm.graph.nodes:
+        if node.target in _NLL_LOSS_BACKWARD and node.args[4] != _MEAN:
+            val = node.args[6].meta["val"]
+            with gm.graph.inserting_before(node):
+                constant = gm.graph.call_function(
+                    aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device}
+                )
+            constant.meta = {**node.meta, "val": val}
+            node.update_arg(6, constant)
 
 
 def _drop_names(gm: torch.fx.GraphModule) -> None:

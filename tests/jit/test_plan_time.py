@@ -493,3 +493,42 @@ def test_updates_per_leaf_share_a_trace_only_where_nothing_they_read_differs(sim
     one_by_one = vsf.jit(step).lower(*args)
     assert _described(stamped) == _described(one_by_one)
     assert_same_plans(stamped, one_by_one)
+
+
+def test_input_layouts_worked_out_once_per_layout_are_each_inputs_own(sim):
+    """A step's inputs' shardings, worked out once per distinct layout (:func:`vsf.jit.call.layouts`),
+    are each input's own (what ``sharding_of`` says of it alone), as :func:`vsf.jit.trace.step_input`
+    reads them while the step is traced: leaves sharing placements but not rank, strided and
+    partial leaves among plain ones; the outputs that return them keep them."""
+    import vsf
+    from vsf import P
+    from vsf.jit.call import layouts
+    from vsf.jit.trace import step_input
+    from vsf.sharding.mesh import mesh_of
+    from vsf.sharding.named import from_placements, sharding_of
+
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    shapes_specs = [
+        ((8, 4), P("dp", "tp")),
+        ((8, 4), P("dp", "tp")),
+        ((8,), P("dp")),
+        ((8, 4), P("dp")),
+        ((8, 4), P(("tp", "dp"))),
+        ((8, 4), P(None, "tp", unreduced=("dp",))),
+        ((8, 4), P(("dp", "tp"))),
+    ]
+    args = [vsf.device_put(torch.zeros(shape), vsf.NamedSharding(mesh, spec)) for shape, spec in shapes_specs]
+    rows = [(mesh_of(a.device_mesh), tuple(a.placements), a.ndim) for a in args]
+    got = layouts(rows)
+    assert got == [from_placements(*row) for row in rows] == [sharding_of(a) for a in args]
+    assert got[0] is got[1] and len({id(s) for s in got}) == len(args) - 1
+    seen = []
+
+    def step(*xs):
+        seen.extend(step_input(x).sharding for x in xs)
+        return xs
+
+    lowered = vsf.jit(step).lower(*args)
+    assert seen == [sharding_of(a) for a in args]
+    assert lowered.plan.outputs == tuple(tuple(a.placements) for a in args)

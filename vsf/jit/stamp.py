@@ -256,13 +256,14 @@ def _cut(
     draws: Callable[[torch.fx.Node], bool],
 ) -> _Trace | None:
     """The block's trace ``gm`` split at the marks :meth:`Stamper._trace` set, or ``None`` where it
-    reads a constant (a tensor from outside its inputs), writes in place, draws random numbers, or
-    returns one of its inputs or one value twice."""
+    reads a constant (a tensor from outside its inputs), writes in place, draws random numbers, takes
+    a symbolic number as an argument (which :func:`_copy` would copy as it is), or returns one of its
+    inputs or one value twice."""
     nodes = list(gm.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     ops = [n for n in nodes if n.op == "call_function"]
     outs = marks["outs"]
-    if any(n.op == "get_attr" for n in nodes) or any(_writes(n) or draws(n) for n in ops):
+    if any(n.op == "get_attr" for n in nodes) or any(_writes(n) or draws(n) or _compat.holds_symbolic(n) for n in ops):
         return None
     if any(o is None or o.op == "placeholder" for o in outs) or len(set(outs)) != len(outs):
         return None
@@ -348,15 +349,16 @@ def _copy(
     each with a value of its own (a later trace reads the graph's values as distinct tensors), and
     with the stack trace the step's trace records here: the frames ``now`` in place of the frames
     ``was`` of the call the block was traced at, before the block's own."""
-    graph = tracer.graph
+    graph, read = tracer.graph, env.__getitem__
     for node in nodes:
-        new = graph.node_copy(node, env.__getitem__)
-        if "val" in node.meta:
-            new.meta["val"] = _fresh(node.meta["val"])
-        if node.stack_trace is not None:
-            trace = node.stack_trace
+        new = _compat.copy_node(graph, node, read)
+        meta = new.meta
+        if "val" in meta:
+            meta["val"] = _fresh(meta["val"])
+        trace = meta.get("stack_trace")
+        if trace is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
-            new.stack_trace = ((now or "") + own).strip() or None
+            meta["stack_trace"] = ((now or "") + own).strip() or None
         env[node] = new
 
 
@@ -488,7 +490,8 @@ def _plain(v: Any) -> Any:
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    with _compat.metadata_reads():
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def _rebuild(call: _Call, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:

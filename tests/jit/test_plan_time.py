@@ -345,8 +345,9 @@ def test_blocks_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, shape):
     sim(math.prod(shape), compute=False)
     step, args = _gpt_step(4, shape, optimizer=True)
     traced = step.trace(*args).stamped
-    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step"}
+    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step", "detach"}
     assert sum(traced["adam_step"]) == len(args[0]) > len(traced["adam_step"])  # every leaf's update, fewer traces
+    assert sum(traced["detach"]) == len(args[0]) > len(traced["detach"])  # every leaf as value_and_grad takes it
     stamped = step.lower(*args)
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     step, args = _gpt_step(4, shape, optimizer=True)
@@ -408,7 +409,8 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
     width gets a trace of its own, a block holding a weight another block holds (tied) is traced
     by itself, as is a block with a hook; none is stamped under ``vsf.random.keyed`` (each draw
     folds in its own count) or inside activation checkpointing (which recomputes what the block
-    saves); the plans are those of every block traced."""
+    saves); the plans are those of every block traced. (Each param's detach, as ``value_and_grad``
+    takes it before the loss runs, is stamped per kind of param.)"""
     import vsf
 
     torch.manual_seed(0)
@@ -425,6 +427,7 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
     for model, keyed, want in cases:
         monkeypatch.setattr(vsf.config, "stamp_blocks", True)
         stamped, plan = _stamps(model, keyed)
+        assert sum(stamped.pop("detach")) == len(vsf.tree.leaves(vsf.tree.from_module(model)))
         assert stamped == want
         monkeypatch.setattr(vsf.config, "stamp_blocks", False)
         assert_same_plans(plan, _stamps(model, keyed)[1])
@@ -455,7 +458,7 @@ def test_a_gradient_penalty_traces_its_blocks_one_by_one_and_gives_torchs_second
     mesh = vsf.make_mesh((2,), ("dp",))
     args = (vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
     jitted = vsf.jit(vsf.grad(penalty))
-    assert jitted.trace(*args).stamped == {}
+    assert set(jitted.trace(*args).stamped) == {"detach"}  # (the outer grad's leaves: each kind's detach traced once)
     got = vsf.device_get(jitted(*args))
     for k, w in zip(leaves, want):
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)

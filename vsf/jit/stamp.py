@@ -153,26 +153,27 @@ class Stamper:
         shared, self._held = bool(held & self._held), self._held | held
         if shared:  # a tensor another block holds too (a tied weight): traced by itself
             return forward(*args, **kwargs)
-        return self._stamp(key, call, forward, type(module).__name__)
+        return self._stamp(key, call, forward, type(module).__name__, _compat.stack_trace_now(self.tracer))
 
-    def apply(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
-        """``fn(*args)`` stamped from one trace per key (``fn`` itself, the arguments' structure,
-        their tensors' metadata and other values, as a block call's), as a block named ``name``:
-        an optimizer's update of one leaf, stamped for every leaf like it.
+    def apply(self, fn: Callable[..., Any], rows: Sequence[tuple[Any, ...]], name: str) -> list[Any]:
+        """``[fn(*row) for row in rows]``, each row stamped from one trace per key (``fn`` itself, the
+        row's structure, its tensors' metadata and other values, as a block call's), as a block named
+        ``name``: an optimizer's update of each leaf, stamped for every leaf like it (every row with
+        the stack trace of this call: the frames a trace keeps are its caller's).
 
         Example::
 
-            >>> outs = [stamper.apply(torch.ops.vsf.adam_step, row, "adam_step") for row in rows]
+            >>> outs = stamper.apply(torch.ops.vsf.adam_step, rows, "adam_step")
         """
-        keyed = _call_keyed(args, {}, self.tracer)
-        if keyed is None:
-            return fn(*args)
-        key, call = keyed
-        return self._stamp((fn, name, key), call, fn, name)
+        now, out = _compat.stack_trace_now(self.tracer), []
+        for row in rows:
+            keyed = _call_keyed(row, {}, self.tracer)
+            out.append(fn(*row) if keyed is None else self._stamp((fn, name, keyed[0]), keyed[1], fn, name, now))
+        return out
 
-    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str) -> Any:
-        """The call stamped from the trace of its key (traced now if it is the first), or run as it
-        is (``forward`` on its arguments) where no trace can stand for it."""
+    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str, now: str | None) -> Any:
+        """The call stamped from the trace of its key (traced now if it is the first) with the stack
+        trace ``now``, or run as it is (``forward`` on its arguments) where no trace can stand for it."""
         traces = self.traces.setdefault(key, [])
         traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
         if traced is _UNTRACED:
@@ -185,7 +186,7 @@ class Stamper:
             self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))
             self.stamped[traced.name].append(0)
         self.stamped[traced.name][self._uses[id(traced)]] += 1
-        outs = iter(_Replay.apply(self.tracer, traced, _compat.stack_trace_now(self.tracer), *call.operands))
+        outs = iter(_Replay.apply(self.tracer, traced, now, *call.operands))
         return tree.unflatten(
             traced.out_tree, [next(outs) if n is not None else c for n, c in zip(traced.outs, traced.consts)]
         )
@@ -352,13 +353,11 @@ def _copy(
     graph, read = tracer.graph, env.__getitem__
     for node in nodes:
         new = _compat.copy_node(graph, node, read)
-        meta = new.meta
-        if "val" in meta:
-            meta["val"] = _fresh(meta["val"])
-        trace = meta.get("stack_trace")
-        if trace is not None:
+        if "val" in new.meta:
+            new.meta["val"] = _fresh(new.meta["val"])
+        if (trace := new.meta.get("stack_trace")) is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
-            meta["stack_trace"] = ((now or "") + own).strip() or None
+            new.meta["stack_trace"] = ((now or "") + own).strip() or None
         env[node] = new
 
 

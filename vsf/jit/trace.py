@@ -259,8 +259,7 @@ def per_leaf(fn: Callable[..., Any], rows: Iterable[tuple[Any, ...]], name: str)
     step = _TRACING[-1] if _TRACING else None
     if step is None or not step.stampers or _compat.tracer() is not step.tracer:
         return [fn(*row) for row in rows]
-    stamper = step.stampers[-1]
-    return [stamper.apply(fn, tuple(row), name) for row in rows]
+    return step.stampers[-1].apply(fn, [tuple(row) for row in rows], name)
 
 
 def _draws(node: torch.fx.Node) -> bool:

@@ -535,3 +535,39 @@ def test_input_layouts_worked_out_once_per_layout_are_each_inputs_own(sim):
     lowered = vsf.jit(step).lower(*args)
     assert seen == [sharding_of(a) for a in args]
     assert lowered.plan.outputs == tuple(tuple(a.placements) for a in args)
+
+
+def test_dead_code_eliminated_as_fx_eliminates_it():
+    """:func:`vsf.jit.trace.eliminate_dead_code` removes what fx's ``eliminate_dead_code`` removes and
+    nothing else: a chain of ops nothing reads (last first), not an op that writes in place nor a
+    random draw nothing reads, nor any op read; and so in a graph module the graph reads."""
+    import copy
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vsf.jit.trace import eliminate_dead_code
+
+    def f(x, buf):
+        dead = (x * 2).sin().sum()  # noqa: F841 - a dead chain
+        torch.rand(3)  # a draw nothing reads: impure
+        buf.add_(1)  # a write nothing reads: impure
+        return x.cos() + 1
+
+    gm = make_fx(f, tracing_mode="fake", _allow_non_fake_inputs=True)(torch.randn(3), torch.zeros(3))
+    inner = make_fx(lambda y: ((y + 1) * 3, y.exp().sum())[0], tracing_mode="fake")(torch.randn(3))
+    gm.add_submodule("inner", inner)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    with gm.graph.inserting_before(output):
+        output.args = ((output.args[0], gm.graph.get_attr("inner")),)  # (the graph reads it)
+    for g in (gm.graph, inner.graph):  # ops nothing reads, added after the trace's own elimination
+        with g.inserting_before(next(iter(g.find_nodes(op="output")))):
+            x = next(iter(g.find_nodes(op="placeholder")))
+            g.call_function(aten.neg.default, (g.call_function(aten.mul.Tensor, (x, 2)),))
+    want = copy.deepcopy(gm)
+    assert want.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
+    described = lambda m: [(n.name, n.op, n.target, str(n.args)) for n in m.graph.nodes]  # noqa: E731
+    assert described(gm) == described(want) and described(gm.inner) == described(want.inner)
+    assert any(n.target == aten.add_.Tensor for n in gm.graph.nodes)
+    assert not any(n.target in (aten.neg.default, aten.sin.default) for n in gm.graph.nodes)
+    assert not any(n.target in (aten.neg.default, aten.exp.default) for n in gm.inner.graph.nodes)

@@ -303,6 +303,12 @@ def test_fake_inputs_are_the_tensors_a_fake_trace_runs_on():
 
     x, i = _compat.fake_inputs([((4, 3), torch.float32), ((5,), torch.int64)], "cpu")
     assert _compat.is_fake(x) and (x.shape, x.dtype, i.shape, i.dtype) == ((4, 3), torch.float32, (5,), torch.int64)
+    with x.fake_mode:  # each is the fake torch.empty makes in its mode
+        made = [torch.empty(4, 3), torch.empty(5, dtype=torch.int64)]
+    meta = lambda t: (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.storage_offset())  # noqa: E731
+    for t, want in zip((x, i), made):
+        assert type(t) is type(want) and vars(t) == vars(want) and meta(t) == meta(want)
+    assert x.untyped_storage()._cdata != i.untyped_storage()._cdata
     seen = []
     gm = make_fx(lambda a, b: seen.extend([a, b]) or a.sum() + b.sum(), tracing_mode="fake")(x, i)
     assert seen[0] is x and seen[1] is i
@@ -599,6 +605,93 @@ def test_tracer_and_traced_node_find_the_node_computing_a_traced_tensor():
     assert seen["x"] is nodes["x_1"] and seen["x"].op == "placeholder"
     assert seen["y"] is nodes["sin"] and seen["y"].args[0].target == aten.detach.default
     assert seen["other"] is None
+
+
+def _described(graph: torch.fx.Graph) -> list[tuple]:
+    """Each node of ``graph`` as fx holds it: name, op, target, the names it reads, its metadata,
+    its users' names, and what ``find_nodes`` finds of its kind."""
+    names = lambda a: torch.fx.node.map_arg(a, lambda n: n.name)  # noqa: E731
+    return [
+        (
+            n.name,
+            n.op,
+            n.target,
+            names(n.args),
+            names(n.kwargs),
+            type(n.kwargs),
+            n.type,
+            dict(n.meta),
+            [u.name for u in n.users],
+            [m.name for m in graph.find_nodes(op=n.op, target=n.target)],
+        )
+        for n in graph.nodes
+    ]
+
+
+def test_copy_node_copies_a_node_as_graphs_node_copy_does():
+    """Every node of a traced graph (placeholders, ops with keyword arguments and lists of nodes,
+    ``getitem``, the output) copied twice into a graph that already holds nodes of those names,
+    by ``copy_node`` and by fx's ``node_copy``: the same graphs (names made unique alike, the
+    same arguments, metadata, users and lookups, the same code); arguments holding a symbolic
+    number are found."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, y):
+        a, b = torch.split(x * 2, 2)
+        return torch.cat([a, b, y], dim=0).sum(dim=1, keepdim=True), torch.full((2,), 3.0)
+
+    traced = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(1, 3))
+    graphs = [torch.fx.Graph(), torch.fx.Graph()]
+    copies = [
+        lambda g, n, env: _compat.copy_node(g, n, env.__getitem__),
+        lambda g, n, env: g.node_copy(n, env.__getitem__),
+    ]
+    for graph, copy in zip(graphs, copies):
+        for _ in range(2):
+            env: dict = {}
+            for node in traced.graph.nodes:
+                if node.op != "output":
+                    env[node] = copy(graph, node, env)
+        graph.output(env[next(iter(traced.graph.nodes))])
+    assert _described(graphs[0]) == _described(graphs[1])
+    assert len(graphs[0].nodes) == len(graphs[1].nodes) == 2 * (len(traced.graph.nodes) - 1) + 1
+    assert graphs[0].python_code("self").src == graphs[1].python_code("self").src
+    assert not any(_compat.holds_symbolic(n) for n in traced.graph.nodes)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    graph = torch.fx.Graph()
+    with pytest.warns(UserWarning, match="Raw SymInt"):
+        view = graph.call_function(
+            aten.view.default, (graph.placeholder("x"), [ShapeEnv().create_unbacked_symint(), 3])
+        )
+    assert _compat.holds_symbolic(view)
+
+
+def test_metadata_reads_skip_the_traces_torch_function_mode_and_read_the_same():
+    """Inside a make_fx trace a tensor's metadata read within ``metadata_reads`` is what it is
+    read without (the trace's torch-function mode does not see the read)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def f(x):
+        t = x.t()
+        with Counting():
+            plain = (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+            calls = len(seen)
+            with _compat.metadata_reads():
+                fast = (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+            assert len(seen) == calls > 0
+        assert fast == plain == (torch.Size([3, 4]), (1, 3), torch.float32, torch.device("cpu"), False)
+        return t
+
+    make_fx(f, tracing_mode="fake")(torch.randn(4, 3))
 
 
 def test_module_calls_through_hands_a_traces_module_calls_to_a_function():

@@ -69,7 +69,7 @@ from torch.distributed.tensor._redistribute import (
 )
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, has_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -85,6 +85,7 @@ __all__ = [
     "checkpointing_as_eager",
     "clear_sharding_caches",
     "copy_holding",
+    "copy_node",
     "decomposition",
     "dispatch_mode_base",
     "dispatch_modes_off",
@@ -149,6 +150,8 @@ __all__ = [
     "untraced_like",
     "only_tracing_modes",
     "global_module_hooks",
+    "holds_symbolic",
+    "metadata_reads",
     "saved_tensor_hooks",
     "stack_trace_now",
     "torch_tree_leaves",
@@ -404,16 +407,22 @@ def fake_inputs(avals: Sequence[tuple[tuple[int, ...], torch.dtype]], device: st
     fake-mode ``make_fx`` trace takes as its inputs as they are: their mode's converter holds each
     as its own fake (``make_fx`` converts every input it is given to a fake of its mode, a new
     tensor made through the meta converter, about a fifth of a millisecond a tensor, once per trace
-    of the same inputs).
+    of the same inputs). Each is the fake ``torch.empty`` makes in the mode, made as
+    :func:`untraced_like` makes one, without dispatching ``empty`` through the mode per tensor.
 
     Example::
 
         >>> x, = fake_inputs([((4, 8), torch.float32)], "cpu")
         >>> make_fx(torch.sin, tracing_mode="fake")(x)   # sin runs on x itself, not on a copy
     """
+    from torch.utils._mode_utils import no_dispatch
+
     mode = fake_mode()
     with mode:
-        fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in avals]
+        like = torch.empty(0, device=device)  # (the mode and the device as the mode's fakes name it)
+    with torch._C.DisableTorchFunction(), no_dispatch():
+        metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in avals]
+    fakes = [_fake_of(meta, like, False) for meta in metas]
     for t in fakes:
         mode.fake_tensor_converter.set_tensor_memo(t, t)
     return fakes
@@ -467,7 +476,11 @@ def tracer() -> Any | None:
 def traced_node(t: torch.Tensor, by: Any) -> torch.fx.Node | None:
     """The node of the graph ``by`` (a :func:`tracer`) is building that computes the traced tensor
     ``t`` (``None`` where that trace does not track ``t``)."""
-    return get_proxy_slot(t, by).proxy.node if has_proxy_slot(t, by) else None
+    return get_proxy_slot(t, by, None, _node_of)
+
+
+def _node_of(slot: Any) -> torch.fx.Node:
+    return slot.proxy.node
 
 
 class _KeptFrames:
@@ -1253,6 +1266,43 @@ def module_calls_through(
         yield
     finally:
         del tracer.call_module
+
+
+def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, arg: Callable[[torch.fx.Node], Any]) -> torch.fx.Node:
+    """``graph.node_copy(node, arg)`` (a node like ``node``, each node it reads mapped by ``arg``, its
+    name made unique in ``graph``, a copy of its metadata, appended where ``graph`` inserts), for a
+    node whose arguments hold no symbolic number: fx's ``create_node`` walks every argument of a
+    new node looking for one, to warn of it, which is most of the cost of copying a node (a
+    stamped block copies a few hundred per call: :mod:`vsf.jit.stamp` checks its nodes once)."""
+    args = torch.fx.node.map_arg(node.args, arg) or ()
+    kwargs = torch.fx.node.map_arg(node.kwargs, arg) or torch.fx.immutable_collections.immutable_dict()
+    names = graph._graph_namespace
+    name = names.create_name(node.name, None)
+    new = torch.fx.Node(graph, name, node.op, node.target, args, kwargs, node.type)
+    for hook in getattr(graph.owning_module, "_create_node_hooks", None) or ():
+        hook(new)
+    names.associate_name_with_obj(name, new)
+    graph._insert(new)
+    graph._find_nodes_lookup_table.insert(new)
+    graph._len += 1
+    new.meta.update(node.meta)
+    return new
+
+
+def metadata_reads() -> contextlib.AbstractContextManager[None]:
+    """Inside, Python reads of a tensor's metadata (``shape``, ``stride()``, ``dtype``, ...) go
+    straight to the tensor, past the torch-function modes in force (a ``make_fx`` trace's, which
+    notes each call it sees and returns the tensor's own answer): the same values, at a fraction
+    of the cost of each read (a stamped call's key reads every operand's)."""
+    return torch._C.DisableTorchFunction()
+
+
+def holds_symbolic(node: torch.fx.Node) -> bool:
+    """Does an argument of ``node`` hold a symbolic number (``SymInt``, ``SymFloat``, ``SymBool``)?"""
+    return any(
+        isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        for v in torch_tree_leaves((node.args, node.kwargs))
+    )
 
 
 def trace_aside(fun: Callable[..., Any], fakes: Sequence[torch.Tensor], decompositions: Any) -> torch.fx.GraphModule:

@@ -19,6 +19,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vsf import _compat, remat_policies, tree
+from vsf.jit.trace import per_leaf
 from vsf.ops.names import NAME_OP
 from vsf.ops import recording
 from vsf.ops.recording import current_region, manual_axes
@@ -58,7 +59,7 @@ def value_and_grad(
                 )
         flat = {i: tree.flatten(args[i]) for i in nums}
         with torch.enable_grad(), implicit_replication():
-            diff = {i: [_watch(x) for x in flat[i][0]] for i in nums}
+            diff = {i: _watched(flat[i][0]) for i in nums}
             call_args = [tree.unflatten(flat[i][1], diff[i]) if i in nums else a for i, a in enumerate(args)]
             with recording.differentiating():
                 out = fun(*call_args, **kwargs)
@@ -154,10 +155,16 @@ def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
-def _watch(x: Any) -> Any:
-    if not _differentiable(x):
-        return x
-    return x if (x.requires_grad and recording.grad_depth() > 0) else x.detach().requires_grad_(True)
+def _watched(xs: list[Any]) -> list[Any]:
+    """The leaves ``xs`` as the differentiated function reads them: each differentiable tensor that
+    no enclosing differentiation records already detached, as a new leaf requiring grad (under
+    :func:`vsf.jit`, one trace of the detach per kind of leaf, copied for the others:
+    :func:`vsf.jit.trace.per_leaf`)."""
+    fresh = [i for i, x in enumerate(xs) if _differentiable(x) and not (x.requires_grad and recording.grad_depth() > 0)]
+    out = list(xs)
+    for i, x in zip(fresh, per_leaf(torch.Tensor.detach, [(xs[i],) for i in fresh], "detach")):
+        out[i] = x.requires_grad_(True)
+    return out
 
 
 def _zero_if_none(g: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -374,8 +374,9 @@ def test_blocks_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, shape):
     sim(math.prod(shape), compute=False)
     step, args = _gpt_step(4, shape, optimizer=True)
     traced = step.trace(*args).stamped
-    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step"}
+    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step", "detach"}
     assert sum(traced["adam_step"]) == len(args[0]) > len(traced["adam_step"])  # every leaf's update, fewer traces
+    assert sum(traced["detach"]) == len(args[0]) > len(traced["detach"])  # every leaf as value_and_grad takes it
     stamped = step.lower(*args)
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     step, args = _gpt_step(4, shape, optimizer=True)
@@ -437,7 +438,8 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
     width gets a trace of its own, a block holding a weight another block holds (tied) is traced
     by itself, as is a block with a hook; none is stamped under ``vsf.random.keyed`` (each draw
     folds in its own count) or inside activation checkpointing (which recomputes what the block
-    saves); the plans are those of every block traced."""
+    saves); the plans are those of every block traced. (Each param's detach, as ``value_and_grad``
+    takes it before the loss runs, is stamped per kind of param.)"""
     import vsf
 
     torch.manual_seed(0)
@@ -454,6 +456,7 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
     for model, keyed, want in cases:
         monkeypatch.setattr(vsf.config, "stamp_blocks", True)
         stamped, plan = _stamps(model, keyed)
+        assert sum(stamped.pop("detach")) == len(vsf.tree.leaves(vsf.tree.from_module(model)))
         assert stamped == want
         monkeypatch.setattr(vsf.config, "stamp_blocks", False)
         assert_same_plans(plan, _stamps(model, keyed)[1])
@@ -484,7 +487,7 @@ def test_a_gradient_penalty_traces_its_blocks_one_by_one_and_gives_torchs_second
     mesh = vsf.make_mesh((2,), ("dp",))
     args = (vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
     jitted = vsf.jit(vsf.grad(penalty))
-    assert jitted.trace(*args).stamped == {}
+    assert set(jitted.trace(*args).stamped) == {"detach"}  # (the outer grad's leaves: each kind's detach traced once)
     got = vsf.device_get(jitted(*args))
     for k, w in zip(leaves, want):
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6)
@@ -522,3 +525,78 @@ def test_updates_per_leaf_share_a_trace_only_where_nothing_they_read_differs(sim
     one_by_one = vsf.jit(step).lower(*args)
     assert _described(stamped) == _described(one_by_one)
     assert_same_plans(stamped, one_by_one)
+
+
+def test_input_layouts_worked_out_once_per_layout_are_each_inputs_own(sim):
+    """A step's inputs' shardings, worked out once per distinct layout (:func:`vsf.jit.call.layouts`),
+    are each input's own (what ``sharding_of`` says of it alone), as :func:`vsf.jit.trace.step_input`
+    reads them while the step is traced: leaves sharing placements but not rank, strided and
+    partial leaves among plain ones; the outputs that return them keep them."""
+    import vsf
+    from vsf import P
+    from vsf.jit.call import layouts
+    from vsf.jit.trace import step_input
+    from vsf.sharding.mesh import mesh_of
+    from vsf.sharding.named import from_placements, sharding_of
+
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    shapes_specs = [
+        ((8, 4), P("dp", "tp")),
+        ((8, 4), P("dp", "tp")),
+        ((8,), P("dp")),
+        ((8, 4), P("dp")),
+        ((8, 4), P(("tp", "dp"))),
+        ((8, 4), P(None, "tp", unreduced=("dp",))),
+        ((8, 4), P(("dp", "tp"))),
+    ]
+    args = [vsf.device_put(torch.zeros(shape), vsf.NamedSharding(mesh, spec)) for shape, spec in shapes_specs]
+    rows = [(mesh_of(a.device_mesh), tuple(a.placements), a.ndim) for a in args]
+    got = layouts(rows)
+    assert got == [from_placements(*row) for row in rows] == [sharding_of(a) for a in args]
+    assert got[0] is got[1] and len({id(s) for s in got}) == len(args) - 1
+    seen = []
+
+    def step(*xs):
+        seen.extend(step_input(x).sharding for x in xs)
+        return xs
+
+    lowered = vsf.jit(step).lower(*args)
+    assert seen == [sharding_of(a) for a in args]
+    assert lowered.plan.outputs == tuple(tuple(a.placements) for a in args)
+
+
+def test_dead_code_eliminated_as_fx_eliminates_it():
+    """:func:`vsf.jit.trace.eliminate_dead_code` removes what fx's ``eliminate_dead_code`` removes and
+    nothing else: a chain of ops nothing reads (last first), not an op that writes in place nor a
+    random draw nothing reads, nor any op read; and so in a graph module the graph reads."""
+    import copy
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vsf.jit.trace import eliminate_dead_code
+
+    def f(x, buf):
+        dead = (x * 2).sin().sum()  # noqa: F841 - a dead chain
+        torch.rand(3)  # a draw nothing reads: impure
+        buf.add_(1)  # a write nothing reads: impure
+        return x.cos() + 1
+
+    gm = make_fx(f, tracing_mode="fake", _allow_non_fake_inputs=True)(torch.randn(3), torch.zeros(3))
+    inner = make_fx(lambda y: ((y + 1) * 3, y.exp().sum())[0], tracing_mode="fake")(torch.randn(3))
+    gm.add_submodule("inner", inner)
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    with gm.graph.inserting_before(output):
+        output.args = ((output.args[0], gm.graph.get_attr("inner")),)  # (the graph reads it)
+    for g in (gm.graph, inner.graph):  # ops nothing reads, added after the trace's own elimination
+        with g.inserting_before(next(iter(g.find_nodes(op="output")))):
+            x = next(iter(g.find_nodes(op="placeholder")))
+            g.call_function(aten.neg.default, (g.call_function(aten.mul.Tensor, (x, 2)),))
+    want = copy.deepcopy(gm)
+    assert want.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
+    described = lambda m: [(n.name, n.op, n.target, str(n.args)) for n in m.graph.nodes]  # noqa: E731
+    assert described(gm) == described(want) and described(gm.inner) == described(want.inner)
+    assert any(n.target == aten.add_.Tensor for n in gm.graph.nodes)
+    assert not any(n.target in (aten.neg.default, aten.sin.default) for n in gm.graph.nodes)
+    assert not any(n.target in (aten.neg.default, aten.exp.default) for n in gm.inner.graph.nodes)

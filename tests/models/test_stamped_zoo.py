@@ -46,7 +46,7 @@ def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, ch
     family = zoo.llama(3, use_cache=False, checkpointed=checkpointed)
     sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
     stamped, plan = _lowered(family)
-    assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step"}
+    assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step", "detach"}
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     monkeypatch.setattr(solver.AxisSolver, "reuse", False)
     plain, one_by_one = _lowered(family)
@@ -91,4 +91,5 @@ def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
     losses, params, _ = zoo.jit_train(family, "5d", sim)
     assert [s.stamped["LlamaDecoderLayer"] for s in stampers] == [[2]]
     assert [sum(s.stamped["adam_step"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf's update
+    assert [sum(s.stamped["detach"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf, differentiated
     zoo.assert_like_oracle("stamped llama", losses, params, zoo.torch_run(family))

@@ -29,7 +29,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, runtime, tree
-from vsf.jit.call import Arguments, Call, leaf_names, param_names
+from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
@@ -42,8 +42,8 @@ from vsf.jit.replans import replan_reason
 from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
 from vsf.jit.trace import Traced, trace
-from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
+from vsf.sharding.mesh import Mesh, mesh_of
+from vsf.sharding.named import NamedSharding, resolve
 from vsf.sharding.put import is_sharding_leaf
 
 __all__ = ["Compiled", "Jitted", "Lowered", "jit"]
@@ -263,7 +263,7 @@ class Jitted:
                 unplanned_ops,
                 never_planned_decompositions(),
                 allow_unkeyed_random=call.options.allow_unkeyed_random,
-                shardings=[sharding_of(x) for x in call.inputs],
+                shardings=layouts([(mesh_of(x.device_mesh), tuple(x.placements), x.ndim) for x in call.inputs]),
                 names=leaf_names(call.dyn),
                 options=call.options,
             )
@@ -368,7 +368,7 @@ def _carried(
             targets.extend(None for t in is_tensor if t)
             continue
         used.add(match)
-        targets.extend(from_placements(mesh, pl, len(shape)) for shape, _, pl in call.arg_trees[match][1])
+        targets.extend(layouts([(mesh, tuple(pl), len(shape)) for shape, _, pl in call.arg_trees[match][1]]))
     return targets
 
 

@@ -26,11 +26,11 @@ from vsf.jit.differentiable import grad_mask
 from vsf.jit.donation import check_not_donated
 from vsf.jit.plan import Placements
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
-from vsf.sharding.named import NamedSharding, resolve, sharding_of
+from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
 from vsf.sharding.put import device_put, is_sharding_leaf
 from vsf.sharding.spec import PartitionSpec
 
-__all__ = ["Arguments", "Call", "all_names", "arg_name", "leaf_names", "param_names"]
+__all__ = ["Arguments", "Call", "all_names", "arg_name", "layouts", "leaf_names", "param_names"]
 
 
 log = logging.getLogger("vsf.jit")
@@ -82,6 +82,22 @@ class Call:
             out.append((tree.structure(a), [k[:3] for k in self.key[1][offset : offset + n]]))
             offset += n
         return out
+
+
+def layouts(rows: Sequence[tuple[Mesh, Placements, int]]) -> list[NamedSharding]:
+    """``from_placements(mesh, placements, ndim)`` of each row, each distinct row worked out once (a
+    model's hundreds of leaves share a few layouts; a ``NamedSharding`` is immutable).
+
+    Example::
+
+        >>> layouts([(mesh, (Shard(0), Replicate()), 2)] * 3)  # one NamedSharding, three times
+        [NamedSharding(mesh, P('dp', None)), NamedSharding(mesh, P('dp', None)), NamedSharding(mesh, P('dp', None))]
+    """
+    memo: dict[tuple[Mesh, Placements, int], NamedSharding] = {}
+    for row in rows:
+        if row not in memo:
+            memo[row] = from_placements(*row)
+    return [memo[row] for row in rows]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

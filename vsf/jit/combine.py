@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor import Partial, Shard
 
 from vsf import _compat
 from vsf.errors import PlanError
@@ -87,8 +87,7 @@ def check_with_dtensor(
     decided: dict[Any, tuple[list[Placements], list[Placements | None], bool]] = {}
     taken: arrivals.Taken | None = {} if as_they_arrive else None
 
-    def combined(per_axis: dict[str, Placement | None]) -> Placements:
-        return tuple(per_axis.get(a, R) if mesh.axis_size(a) > 1 else R for a in dm_axes)
+    live = [a in axes and mesh.axis_size(a) > 1 for a in dm_axes]  # (an axis of size 1 holds the value whole)
 
     users: dict[tuple[Value, Placements], list[torch.fx.Node]] = {}
     nestings = _input_nestings(gm, in_placements)
@@ -117,12 +116,11 @@ def check_with_dtensor(
 
     for k, node in enumerate(problem.ops):
         ins = problem.inputs[node]
-        choice = {a: problem.solved[a].placement_of(k) for a in axes}
-        want_in = [combined({a: choice[a][0][i] for a in axes}) for i in range(len(ins))]
-        n_out = len(outputs_meta(node))
+        chosen_here = [problem.solved[a].placement_of(k) if on else None for a, on in zip(dm_axes, live)]
+        metas = outputs_meta(node)
+        want_in = [tuple(R if c is None else c[0][i] for c in chosen_here) for i in range(len(ins))]
         want_out = [
-            None if outputs_meta(node)[i] is None else combined({a: choice[a][1][i] for a in axes})
-            for i in range(n_out)
+            None if t is None else tuple(R if c is None else c[1][i] for c in chosen_here) for i, t in enumerate(metas)
         ]
         op = problem.strategies.classes[node]
         fallback = bool(ins) and problem.strategies.of(node, asked_n)[1]
@@ -142,12 +140,12 @@ def check_with_dtensor(
         elif op.kind == "strategy" and not fallback:
             arrived = [actual[v] for v in ins]
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [
-                nest(t, w) for t, w in zip(outputs_meta(node), want_out)
+                nest(t, w) for t, w in zip(metas, want_out)
             ]
             # (decided once per op signature and layouts: a model's repeated blocks ask the same)
             key = (
                 *problem.strategies.signature(node),
-                tuple((tuple(t.shape), t.dtype) for t in outputs_meta(node) if t is not None),
+                tuple((tuple(t.shape), t.dtype) for t in metas if t is not None),
                 op,
                 tuple(arrived),
                 tuple(want_in),

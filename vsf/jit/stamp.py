@@ -153,26 +153,27 @@ class Stamper:
         shared, self._held = bool(held & self._held), self._held | held
         if shared:  # a tensor another block holds too (a tied weight): traced by itself
             return forward(*args, **kwargs)
-        return self._stamp(key, call, forward, type(module).__name__)
+        return self._stamp(key, call, forward, type(module).__name__, _compat.stack_trace_now(self.tracer))
 
-    def apply(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
-        """``fn(*args)`` stamped from one trace per key (``fn`` itself, the arguments' structure,
-        their tensors' metadata and other values, as a block call's), as a block named ``name``:
-        an optimizer's update of one leaf, stamped for every leaf like it.
+    def apply(self, fn: Callable[..., Any], rows: Sequence[tuple[Any, ...]], name: str) -> list[Any]:
+        """``[fn(*row) for row in rows]``, each row stamped from one trace per key (``fn`` itself, the
+        row's structure, its tensors' metadata and other values, as a block call's), as a block named
+        ``name``: an optimizer's update of each leaf, stamped for every leaf like it (every row with
+        the stack trace of this call: the frames a trace keeps are its caller's).
 
         Example::
 
-            >>> outs = [stamper.apply(torch.ops.vsf.adam_step, row, "adam_step") for row in rows]
+            >>> outs = stamper.apply(torch.ops.vsf.adam_step, rows, "adam_step")
         """
-        keyed = _call_keyed(args, {}, self.tracer)
-        if keyed is None:
-            return fn(*args)
-        key, call = keyed
-        return self._stamp((fn, name, key), call, fn, name)
+        now, out = _compat.stack_trace_now(self.tracer), []
+        for row in rows:
+            keyed = _call_keyed(row, {}, self.tracer)
+            out.append(fn(*row) if keyed is None else self._stamp((fn, name, keyed[0]), keyed[1], fn, name, now))
+        return out
 
-    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str) -> Any:
-        """The call stamped from the trace of its key (traced now if it is the first), or run as it
-        is (``forward`` on its arguments) where no trace can stand for it."""
+    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str, now: str | None) -> Any:
+        """The call stamped from the trace of its key (traced now if it is the first) with the stack
+        trace ``now``, or run as it is (``forward`` on its arguments) where no trace can stand for it."""
         traces = self.traces.setdefault(key, [])
         traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
         if traced is _UNTRACED:
@@ -185,7 +186,7 @@ class Stamper:
             self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))
             self.stamped[traced.name].append(0)
         self.stamped[traced.name][self._uses[id(traced)]] += 1
-        outs = iter(_Replay.apply(self.tracer, traced, _compat.stack_trace_now(self.tracer), *call.operands))
+        outs = iter(_Replay.apply(self.tracer, traced, now, *call.operands))
         return tree.unflatten(
             traced.out_tree, [next(outs) if n is not None else c for n, c in zip(traced.outs, traced.consts)]
         )
@@ -256,13 +257,14 @@ def _cut(
     draws: Callable[[torch.fx.Node], bool],
 ) -> _Trace | None:
     """The block's trace ``gm`` split at the marks :meth:`Stamper._trace` set, or ``None`` where it
-    reads a constant (a tensor from outside its inputs), writes in place, draws random numbers, or
-    returns one of its inputs or one value twice."""
+    reads a constant (a tensor from outside its inputs), writes in place, draws random numbers, takes
+    a symbolic number as an argument (which :func:`_copy` would copy as it is), or returns one of its
+    inputs or one value twice."""
     nodes = list(gm.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     ops = [n for n in nodes if n.op == "call_function"]
     outs = marks["outs"]
-    if any(n.op == "get_attr" for n in nodes) or any(_writes(n) or draws(n) for n in ops):
+    if any(n.op == "get_attr" for n in nodes) or any(_writes(n) or draws(n) or _compat.holds_symbolic(n) for n in ops):
         return None
     if any(o is None or o.op == "placeholder" for o in outs) or len(set(outs)) != len(outs):
         return None
@@ -348,15 +350,14 @@ def _copy(
     each with a value of its own (a later trace reads the graph's values as distinct tensors), and
     with the stack trace the step's trace records here: the frames ``now`` in place of the frames
     ``was`` of the call the block was traced at, before the block's own."""
-    graph = tracer.graph
+    graph, read = tracer.graph, env.__getitem__
     for node in nodes:
-        new = graph.node_copy(node, env.__getitem__)
-        if "val" in node.meta:
-            new.meta["val"] = _fresh(node.meta["val"])
-        if node.stack_trace is not None:
-            trace = node.stack_trace
+        new = _compat.copy_node(graph, node, read)
+        if "val" in new.meta:
+            new.meta["val"] = _fresh(new.meta["val"])
+        if (trace := new.meta.get("stack_trace")) is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
-            new.stack_trace = ((now or "") + own).strip() or None
+            new.meta["stack_trace"] = ((now or "") + own).strip() or None
         env[node] = new
 
 
@@ -488,7 +489,8 @@ def _plain(v: Any) -> Any:
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    with _compat.metadata_reads():
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def _rebuild(call: _Call, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -567,14 +567,14 @@ def test_input_layouts_worked_out_once_per_layout_are_each_inputs_own(sim):
 
 
 def test_dead_code_eliminated_as_fx_eliminates_it():
-    """:func:`vsf.jit.trace.eliminate_dead_code` removes what fx's ``eliminate_dead_code`` removes and
+    """:func:`vsf.jit.graph.eliminate_dead_code` removes what fx's ``eliminate_dead_code`` removes and
     nothing else: a chain of ops nothing reads (last first), not an op that writes in place nor a
     random draw nothing reads, nor any op read; and so in a graph module the graph reads."""
     import copy
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from vsf.jit.trace import eliminate_dead_code
+    from vsf.jit.graph import eliminate_dead_code
 
     def f(x, buf):
         dead = (x * 2).sin().sum()  # noqa: F841 - a dead chain

@@ -23,6 +23,7 @@ from vsf import _compat
 
 __all__ = [
     "GETITEM",
+    "eliminate_dead_code",
     "LIBRARY_DIRS",
     "Value",
     "is_library_file",
@@ -179,3 +180,24 @@ def signature(x: Any) -> Any:
         )
         else repr(x)
     )
+
+
+def eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
+    """``gm.graph.eliminate_dead_code()``: every op that nothing reads and that has no side effect
+    removed, last first, and so in the graph modules ``gm`` reads (fx's ``Node.is_impure``), but
+    asking only the nodes nothing reads whether they have a side effect, and without fx's check of
+    the whole graph's consistency first (a deep step's graph is consistent, and big: a millisecond
+    a layer).
+
+    Example::
+
+        >>> eliminate_dead_code(gm)  # as gm.graph.eliminate_dead_code(), sooner
+    """
+    for node in reversed(gm.graph.nodes):
+        if not node.users and not node.is_impure():
+            gm.graph.erase_node(node)
+    read = {node.target for node in gm.graph.find_nodes(op="get_attr")}
+    for name, child in gm.named_children():
+        if name in read and isinstance(child, torch.fx.GraphModule):
+            child.graph.eliminate_dead_code()
+            child.recompile()

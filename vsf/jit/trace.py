@@ -29,7 +29,7 @@ from vsf import _compat, tree
 from vsf.config import PlanOptions
 from vsf.errors import TraceError
 from vsf.jit.functionalize import functionalized
-from vsf.jit.graph import is_library_file, placeholders_of, source_line
+from vsf.jit.graph import eliminate_dead_code, is_library_file, placeholders_of, source_line
 from vsf.jit.stamp import Stamper
 from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
@@ -40,7 +40,6 @@ __all__ = [
     "Traced",
     "computes_on_shards",
     "draws_random",
-    "eliminate_dead_code",
     "per_leaf",
     "rewrite_while_tracing",
     "step_input",
@@ -305,27 +304,6 @@ def _trace(
     eliminate_dead_code(gm)
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
-
-
-def eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
-    """``gm.graph.eliminate_dead_code()``: every op that nothing reads and that has no side effect
-    removed, last first, and so in the graph modules ``gm`` reads (fx's ``Node.is_impure``), but
-    asking only the nodes nothing reads whether they have a side effect, and without fx's check of
-    the whole graph's consistency first (a deep step's graph is consistent, and big: a millisecond
-    a layer).
-
-    Example::
-
-        >>> eliminate_dead_code(gm)  # as gm.graph.eliminate_dead_code(), sooner
-    """
-    for node in reversed(gm.graph.nodes):
-        if not node.users and not node.is_impure():
-            gm.graph.erase_node(node)
-    read = {node.target for node in gm.graph.find_nodes(op="get_attr")}
-    for name, child in gm.named_children():
-        if name in read and isinstance(child, torch.fx.GraphModule):
-            child.graph.eliminate_dead_code()
-            child.recompile()
 
 
 def decompose(

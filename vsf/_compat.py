@@ -308,10 +308,11 @@ def _shared_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def _ranks_share_memory(t: torch.Tensor) -> bool:
-    """Do several simulated ranks hold ``t`` in one memory (a plain tensor: all of them)?"""
+    """Do several simulated ranks hold ``t`` in one memory (a plain tensor: all of them)? Tensors
+    without memory (no elements, data pointer 0) are no rank's shared memory."""
     if not isinstance(t, LocalTensor):
         return True
-    starts = [v.data_ptr() for v in t._local_tensors.values()]
+    starts = [p for p in (v.data_ptr() for v in t._local_tensors.values()) if p]
     return len(set(starts)) < len(starts)
 
 
@@ -343,7 +344,7 @@ def _write_once(
         written = copies[id(t)]._local_tensors
         memories: dict[int, dict[int, torch.Tensor]] = {}
         for r, target in targets[id(t)].items():
-            memories.setdefault(target.data_ptr(), {})[r] = written[r]
+            memories.setdefault(target.data_ptr() or id(target), {})[r] = written[r]  # (no memory yet: the tensor)
         for per_rank in memories.values():
             differ = _first_difference(per_rank)
             if differ is not None:

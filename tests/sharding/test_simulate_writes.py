@@ -10,6 +10,8 @@ compute different values for the tensor, the op is an error.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -136,3 +138,56 @@ def test_setting_a_plain_tensors_storage_from_per_rank_values_is_an_error(sim):
     sim(4)
     with pytest.raises(ValueError, match=r"aten\.set_\.source_Tensor changes the shape or storage"):
         buf.set_(torch.ones(2))
+
+
+def _increments_per_call(step, x, calls=4):
+    """How much each call of ``step`` after the first adds to the constant ``buf`` it writes (the
+    first call also traces, and tracing runs the write on the real constant)."""
+    seen = []
+    for _ in range(calls):
+        step(x)
+        seen.append(BUF[0].item())
+    return [b - a for a, b in zip(seen, seen[1:])]
+
+
+BUF = torch.zeros(2)
+
+
+def _step(x):
+    BUF.add_(1.0)  # a tensor the step closes over, written in place: a constant of the jitted program
+    return x * 2
+
+
+@pytest.mark.parametrize("mode", ["auto", "interpret"])
+def test_a_jitted_step_writing_a_constant_it_closes_over_writes_it_once_a_call(sim, monkeypatch, mode):
+    """The program a jitted step lowers to holds such a constant as one tensor that every simulated
+    rank shares; its write ran once per rank (4 a call on 4 ranks), and a replayed program ("auto")
+    dropped it. Oracle: the step run by torch in this process, which adds 1 a call (as does the
+    traced program of a real run)."""
+    monkeypatch.setattr(vsf.config, "jit_mode", mode)
+    want = _increments_per_call(_step, torch.ones(8, 2))
+    assert want == [1.0, 1.0, 1.0]
+    sim(4)
+    mesh = vsf.make_mesh((4,), ("dp",))
+    x = vsf.device_put(torch.ones(8, 2), vsf.NamedSharding(mesh, P("dp")))
+    assert _increments_per_call(vsf.jit(_step), x) == want
+
+
+def test_an_empty_plain_out_resized_from_differing_ranks_is_an_error(sim):
+    buf = torch.empty(0)
+    sim(4)
+    with pytest.raises(
+        ValueError, match=r"aten\.add\.out writes into a \(0,\) torch\.float32 tensor \(its argument 'out'\)"
+    ):
+        torch.add(sharded_rows(), 1, out=buf)
+    assert buf.shape == (0,)
+
+
+def test_per_rank_tensors_without_elements_are_not_shared_memory(sim):
+    """Every rank's empty tensor has data pointer 0; a copy of a module inside the simulation sets
+    such tensors' storages (``set_``), which is no write into one shared tensor."""
+    sim(2)
+    layer = torch.nn.Linear(2, 3)
+    twin = copy.deepcopy(layer)
+    for a, b in zip(layer.parameters(), twin.parameters()):
+        assert all(torch.equal(x.data, y.data) for x, y in zip(vsf.debug.shards(a), vsf.debug.shards(b)))

@@ -232,18 +232,25 @@ def local_tensor_mode(
     states only for the default generator; :mod:`vsf.runtime` keeps them for explicit ones with
     :func:`run_on_rank`, :func:`merge_rank_results` and :func:`generator_key`).
 
+    An op that writes into a plain tensor (one value, standing for every rank's: made outside
+    the mode) while it reads a ``LocalTensor`` writes the value the ranks compute for it once,
+    where PyTorch's mode writes it once per rank into the same memory (``buf.add_(x)`` added
+    ``x`` ``n`` times). Where the ranks compute different values for it, the op raises a
+    ``ValueError``: a plain tensor holds one value.
+
     Example::
 
         >>> with local_tensor_mode(2):
         ...     x = torch.ones(2) + 1          # a LocalTensor holding each rank's value
     """
-    return LocalTensorMode(n) if on_generator_op is None else _GeneratorHookMode(n, on_generator_op)
+    return _SimulationMode(n, on_generator_op)
 
 
-class _GeneratorHookMode(LocalTensorMode):
-    """:func:`local_tensor_mode`'s mode that hands ops with explicit generators to a handler."""
+class _SimulationMode(LocalTensorMode):
+    """:func:`local_tensor_mode`'s mode: PyTorch's, with writes into plain tensors done once and
+    ops with explicit generators handed to a handler."""
 
-    def __init__(self, ranks: int, on_generator_op: Callable[..., Any]) -> None:
+    def __init__(self, ranks: int, on_generator_op: Callable[..., Any] | None) -> None:
         super().__init__(ranks)
         self._on_generator_op = on_generator_op
 
@@ -251,8 +258,21 @@ class _GeneratorHookMode(LocalTensorMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _written_arguments(func) and not _is_in_fake_tensor_mode() and _runs_per_rank(args, kwargs):
+            shared = _shared_written(func, args, kwargs)
+            if shared:
+                return _write_once(self._run, func, types, args, kwargs, shared, self.ranks)
+        return self._run(func, types, args, kwargs)
+
+    def _run(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         generators = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Generator)]
-        if not generators or self._disable or _is_in_fake_tensor_mode() or not _runs_per_rank(args, kwargs):
+        if (
+            self._on_generator_op is None
+            or not generators
+            or self._disable
+            or _is_in_fake_tensor_mode()
+            or not _runs_per_rank(args, kwargs)
+        ):
             return super().__torch_dispatch__(func, types, args, kwargs)
         return self._on_generator_op(func, args, kwargs, generators)
 
@@ -263,6 +283,89 @@ def _runs_per_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if _check_for_subclass(flat):
         return False
     return any(isinstance(a, LocalTensor) for a in flat) or not any(isinstance(a, torch.Tensor) for a in flat)
+
+
+@functools.cache
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """The position and name of each argument the op ``func`` writes into (``Tensor(a!)`` in its
+    schema: ``self`` of an in-place op, ``out``, ``copy_``'s destination)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _shared_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the op writes into whose memory several simulated ranks share, each with its
+    argument's name: a plain tensor (every rank's), or a ``LocalTensor`` whose ranks hold one tensor
+    (a constant of a ``vsf.jit`` program)."""
+    shared: dict[int, tuple[str, torch.Tensor]] = {}
+    for i, name in _written_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor) and _ranks_share_memory(t):
+                shared.setdefault(id(t), (name, t))
+    return list(shared.values())
+
+
+def _ranks_share_memory(t: torch.Tensor) -> bool:
+    """Do several simulated ranks hold ``t`` in one memory (a plain tensor: all of them)? Tensors
+    without memory (no elements, data pointer 0) are no rank's shared memory."""
+    if not isinstance(t, LocalTensor):
+        return True
+    starts = [p for p in (v.data_ptr() for v in t._local_tensors.values()) if p]
+    return len(set(starts)) < len(starts)
+
+
+def _write_once(
+    run: Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any],
+    func: Any,
+    types: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    shared: list[tuple[str, torch.Tensor]],
+    ranks: frozenset[int],
+) -> Any:
+    """Run ``func`` per rank with each tensor in ``shared`` replaced by a copy per rank, then write
+    into each memory the copies' value once (resized as an ``out=`` argument is); a ``ValueError``
+    where the ranks sharing a memory compute different values for it, or where the op would change
+    a shared tensor's shape or storage from per-rank values."""
+    if torch.Tag.inplace_view in func.tags or func.overloadpacket in (torch.ops.aten.set_, torch.ops.aten.resize_as_):
+        name, t = shared[0]
+        raise ValueError(
+            f"{func} changes the shape or storage of a {tuple(t.shape)} {t.dtype} tensor (its argument {name!r}) "
+            "that simulated ranks share (a plain tensor made outside vsf.simulate holds one value for every "
+            "rank) from per-rank values; make the tensor inside the simulation or pass it through vsf.device_put"
+        )
+    targets = {id(t): local_shards(t, 0) if isinstance(t, LocalTensor) else dict.fromkeys(ranks, t) for _, t in shared}
+    copies = {k: LocalTensor({r: v.detach().clone() for r, v in per_rank.items()}) for k, per_rank in targets.items()}
+    swapped = torch_tree_map(lambda a: copies.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+    result = run(func, types, *swapped)
+    for name, t in shared:
+        written = copies[id(t)]._local_tensors
+        memories: dict[int, dict[int, torch.Tensor]] = {}
+        for r, target in targets[id(t)].items():
+            memories.setdefault(target.data_ptr() or id(target), {})[r] = written[r]  # (no memory yet: the tensor)
+        for per_rank in memories.values():
+            differ = _first_difference(per_rank)
+            if differ is not None:
+                raise ValueError(
+                    f"{func} writes into a {tuple(t.shape)} {t.dtype} tensor (its argument {name!r}) that simulated "
+                    f"ranks {differ[0]} and {differ[1]} share (a plain tensor made outside vsf.simulate holds one "
+                    "value for every rank), but they compute different values for it; make the tensor inside the "
+                    "simulation (it then holds a value per rank) or pass it through vsf.device_put"
+                )
+            first = min(per_rank)
+            target, value = targets[id(t)][first], per_rank[first]
+            if target.shape != value.shape:
+                target.resize_(value.shape)
+            target.copy_(value)
+        if isinstance(t, LocalTensor):
+            t._sync_meta()
+    back = {id(copies[id(t)]): t for _, t in shared}
+    return torch_tree_map(lambda a: back.get(id(a), a) if isinstance(a, torch.Tensor) else a, result)
 
 
 def run_on_rank(func: Any, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -325,14 +428,21 @@ def reconcile(t: torch.Tensor) -> torch.Tensor:
 
         >>> reconcile(make_local({0: torch.tensor(float("nan")), 1: torch.tensor(float("nan"))}))   # tensor(nan)
     """
-    values = sorted(t._local_tensors.items())
-    rank0, first = values[0]
-    for rank, v in values[1:]:
-        if not _same_values(first, v):
-            raise ValueError(
-                f"simulated ranks {rank0} and {rank} hold different values of a replicated {tuple(first.shape)} tensor"
-            )
-    return first.clone().detach().requires_grad_(t.requires_grad)
+    differ = _first_difference(t._local_tensors)
+    if differ is not None:
+        raise ValueError(
+            f"simulated ranks {differ[0]} and {differ[1]} hold different values of a replicated {tuple(t.shape)} tensor"
+        )
+    values = t._local_tensors
+    return values[min(values)].clone().detach().requires_grad_(t.requires_grad)
+
+
+def _first_difference(per_rank: dict[int, torch.Tensor]) -> tuple[int, int] | None:
+    """The lowest rank and the first rank after it whose value differs from its (NaN equal to NaN
+    at the same positions), or ``None`` where every rank holds the same value."""
+    ranks = sorted(per_rank)
+    first = per_rank[ranks[0]]
+    return next(((ranks[0], r) for r in ranks[1:] if not _same_values(first, per_rank[r])), None)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

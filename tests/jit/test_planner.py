@@ -345,6 +345,22 @@ ALONG_THE_ROW = {
 }
 
 
+def _only_the_loss_moves(loss, x: torch.Tensor, mesh):
+    """``value_and_grad(loss)`` jitted on ``x`` split ``P("ep", "cp")`` over ``mesh``: its loss and
+    gradient are one device's and the only collectives are the loss's sums over cp and ep (4 B
+    each); returns the lowered step."""
+    want = vsf.value_and_grad(loss)(x)
+    arg = vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("ep", "cp")))
+    step = vsf.jit(vsf.value_and_grad(loss))
+    torch.testing.assert_close(vsf.device_get(step(arg)), want, rtol=1e-5, atol=1e-6)
+    lowered = step.lower(arg)
+    assert sorted((c.axis, c.kind, c.bytes) for c in lowered.cost().collectives) == [
+        ("cp", "all_reduce", 4),
+        ("ep", "all_reduce", 4),
+    ]
+    return lowered
+
+
 @pytest.mark.parametrize("name", list(ALONG_THE_ROW))
 def test_ops_along_a_dim_no_mesh_dim_splits_run_on_rows_split_as_a_strided_shard(sim, name):
     # the tokens [4, 16, 8] split [batch@ep, seq@cp] on a mesh ("cp", "ep"), merged into 64 rows:
@@ -360,17 +376,8 @@ def test_ops_along_a_dim_no_mesh_dim_splits_run_on_rows_split_as_a_strided_shard
         return (y.reshape(4, 16, -1) * scale[: y.shape[-1]]).pow(2).sum()
 
     x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))
-    want = vsf.value_and_grad(loss)(x)
     sim(4)
-    mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
-    arg = vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("ep", "cp")))
-    step = vsf.jit(vsf.value_and_grad(loss))
-    torch.testing.assert_close(vsf.device_get(step(arg)), want, rtol=1e-5, atol=1e-6)
-    lowered = step.lower(arg)
-    assert sorted((c.axis, c.kind, c.bytes) for c in lowered.cost().collectives) == [
-        ("cp", "all_reduce", 4),
-        ("ep", "all_reduce", 4),
-    ]
+    lowered = _only_the_loss_moves(loss, x, vsf.make_mesh((2, 2), ("cp", "ep")))
     (ran,) = [t for t in lowered.as_text().splitlines() if f"= {line}" in t]
     assert ran.count("[64@<cp/sf4,ep>,") >= 2  # its input and output(s): the rows as they arrive
 
@@ -386,18 +393,10 @@ def test_attention_runs_on_a_batch_split_as_a_strided_shard(sim):
         return (out.reshape(2, 2, 4, 16, 8) ** 2).sum()
 
     x = torch.randn(2, 2, 4, 16, 8, generator=torch.Generator().manual_seed(0))
-    want = vsf.value_and_grad(loss)(x)
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("cp", "ep"))
     assert vsf.NamedSharding(mesh, vsf.P(("ep", "cp"))).placements == (StridedShard(0, split_factor=2), Shard(0))
-    arg = vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("ep", "cp")))
-    step = vsf.jit(vsf.value_and_grad(loss))
-    torch.testing.assert_close(vsf.device_get(step(arg)), want, rtol=1e-5, atol=1e-6)
-    lowered = step.lower(arg)
-    assert sorted((c.axis, c.kind, c.bytes) for c in lowered.cost().collectives) == [
-        ("cp", "all_reduce", 4),
-        ("ep", "all_reduce", 4),
-    ]
+    lowered = _only_the_loss_moves(loss, x, mesh)
     ran = [t for t in lowered.as_text().splitlines() if "= _scaled_dot_product" in t]
     assert len(ran) == 2 and all(t.count("f32[4@(ep,cp),4,16,8]") >= 3 for t in ran)  # forward and backward
 

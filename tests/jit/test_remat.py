@@ -146,7 +146,10 @@ POLICIES = {
 }
 
 
-@pytest.mark.parametrize("name", POLICIES)
+# (everything_saveable, which recomputes nothing, runs in the sweep)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.sweep) if n == "everything_saveable" else n for n in POLICIES]
+)
 def test_each_policy_recomputes_what_it_does_not_save_and_trains_like_one_device(sim, name):
     policy, per_block = POLICIES[name]
     got, lowered = _train(sim, "dp", vsf.remat(block, policy=policy))
@@ -155,7 +158,8 @@ def test_each_policy_recomputes_what_it_does_not_save_and_trains_like_one_device
     assert counted == collections.Counter({op: LAYERS * n for op, n in per_block.items()})
 
 
-@pytest.mark.parametrize("layout", ["dp", "fsdp", "dp_tp"])
+# (fsdp in the sweep: test_fsdp_gathers_a_weight_again_for_the_recompute checks its recompute's gather)
+@pytest.mark.parametrize("layout", ["dp", pytest.param("fsdp", marks=pytest.mark.sweep), "dp_tp"])
 def test_full_remat_lowers_the_peak_and_trains_like_one_device_without_it(sim, monkeypatch, layout):
     """The recompute runs the forward's ops on the same values: the params equal the plan's without
     remat bit for bit, and one device's within the tolerance both share (dp x tp sums in another

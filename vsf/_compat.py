@@ -88,6 +88,7 @@ __all__ = [
     "copy_node",
     "decomposition",
     "dispatch_mode_base",
+    "real_writes_refused",
     "dispatch_modes_off",
     "dispatcher_special_ops",
     "dtensor_decision",
@@ -297,17 +298,47 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
     )
 
 
+def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the op ``func`` writes into (:func:`_written_arguments`), each once, with its argument's name."""
+    written: dict[int, tuple[str, torch.Tensor]] = {}
+    for i, name in _written_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor):
+                written.setdefault(id(t), (name, t))
+    return list(written.values())
+
+
 def _shared_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The tensors the op writes into whose memory several simulated ranks share, each with its
     argument's name: a plain tensor (every rank's), or a ``LocalTensor`` whose ranks hold one tensor
     (a constant of a ``vsf.jit`` program)."""
-    shared: dict[int, tuple[str, torch.Tensor]] = {}
-    for i, name in _written_arguments(func):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor) and _ranks_share_memory(t):
-                shared.setdefault(id(t), (name, t))
-    return list(shared.values())
+    return [(name, t) for name, t in _written_tensors(func, args, kwargs) if _ranks_share_memory(t)]
+
+
+@contextlib.contextmanager
+def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> Iterator[None]:
+    """Inside (around a fake trace, ``make_fx``), an op about to write into a tensor with memory
+    (not fake, not on the meta device: one that existed before the trace, which the trace would
+    write for real) raises ``refuse(op, argument name, tensor)`` instead. The ops a fake trace runs
+    on fake tensors never reach this mode; only those that run for real do.
+
+    Example::
+
+        >>> with real_writes_refused(lambda op, name, t: ValueError(f"{op} writes {name}")):
+        ...     make_fx(step, tracing_mode="fake")(*fakes)
+    """
+
+    class Refusing(dispatch_mode_base()):  # type: ignore[misc]
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            for name, t in _written_tensors(func, args, kwargs):
+                if not is_fake(t) and t.device.type != "meta":
+                    raise refuse(func, name, t)
+            return func(*args, **kwargs)
+
+    with Refusing():
+        yield
 
 
 def _ranks_share_memory(t: torch.Tensor) -> bool:

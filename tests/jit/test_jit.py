@@ -734,3 +734,26 @@ def test_step_input_names_the_input_a_traced_tensor_is_and_its_sharding(sim):
     assert (seen["x"].name, seen["x"].sharding.spec) == ("args[1]", P())
     assert seen["computed"] is None
     assert step_input(torch.ones(1)) is None  # outside a trace
+
+
+@pytest.mark.parametrize("write", ["add_", "copy_"])
+def test_a_step_writing_a_tensor_it_closes_over_is_refused_before_the_write(sim, write):
+    """A tensor the step does not take as an argument (a global, a module buffer it reads from the
+    module) written in place would be written by the trace itself, and the step's result would
+    depend on the calls before (the first call added 3 where one process adds 1): a TraceError
+    naming the op and the user's line, and the tensor is left as it was."""
+    buf = torch.arange(3.0)
+
+    def step(x):
+        if write == "add_":
+            buf.add_(1.0)
+        else:
+            buf.copy_(torch.ones(3))
+        return x * 2
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
+    with pytest.raises(vsf.TraceError, match=r"writes a tensor it does not take as an argument at .*test_jit\.py:\d+"):
+        vsf.jit(step)(x)
+    assert buf.tolist() == [0.0, 1.0, 2.0]

@@ -281,10 +281,16 @@ def _trace(
     fakes = _compat.fake_inputs(avals, device)
     _compat.register_stack_anchor(fun)
     try:
-        with _compat.checkpointing_as_eager(), _compat.kept_frames_only():
+        with _compat.checkpointing_as_eager(), _compat.kept_frames_only(), _compat.real_writes_refused(_StateWrite):
             joint = make_fx(
                 flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True
             )(*fakes)
+    except _StateWrite as e:
+        raise TraceError(
+            f"{_fun_name(fun)} writes a tensor it does not take as an argument at {_user_frame(e)} ({e}): vsf.jit "
+            "would write it while tracing, and each call's result would depend on the calls before. Pass it in "
+            "and return its new value (a module's buffers: vsf.tree.from_module, as the params)."
+        ) from None
     except Exception as e:
         if not _compat.is_data_dependent_error(e):
             raise
@@ -463,6 +469,13 @@ def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
 
 def _fun_name(fun: Callable[..., Any]) -> str:
     return getattr(fun, "__qualname__", getattr(fun, "__name__", repr(fun)))
+
+
+class _StateWrite(Exception):
+    """An op of a traced step about to write a tensor that existed before the trace."""
+
+    def __init__(self, op: Any, name: str, t: torch.Tensor) -> None:
+        super().__init__(f"{op} into its argument {name!r}, a {tuple(t.shape)} {t.dtype} tensor")
 
 
 def _user_frame(exc: BaseException) -> str:

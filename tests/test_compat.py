@@ -806,6 +806,36 @@ def test_only_tracing_modes_is_false_under_another_dispatch_mode():
     assert seen == [True, False]
 
 
+def test_real_writes_refused_stops_a_trace_writing_a_real_tensor_before_it_writes():
+    """Under a fake trace, an in-place write into a real tensor that existed before it is refused
+    (the given error, the tensor as it was); writes into the trace's own fake tensors go through,
+    and the trace still counts as running under tracing modes only."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    real = torch.zeros(3)
+    seen = []
+
+    def writes_real(x):
+        real.add_(1.0)
+        return x
+
+    def writes_own(x):
+        seen.append(_compat.only_tracing_modes())
+        y = x * 2
+        y.add_(1.0)
+        return y
+
+    refuse = lambda op, name, t: ValueError(f"{op} {name} {tuple(t.shape)}")  # noqa: E731
+    with _compat.real_writes_refused(refuse):
+        with pytest.raises(ValueError, match=r"aten\.add_\.Tensor self \(3,\)"):
+            make_fx(writes_real, tracing_mode="fake")(torch.randn(3))
+        gm = make_fx(writes_own, tracing_mode="fake")(torch.randn(3))
+    assert torch.equal(real, torch.zeros(3))
+    assert seen == [True]
+    x = torch.randn(3)
+    torch.testing.assert_close(gm(x), x * 2 + 1)
+
+
 def test_global_module_hooks_and_saved_tensor_hooks_say_when_such_hooks_are_in_force():
     assert not _compat.global_module_hooks() and not _compat.saved_tensor_hooks()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)

@@ -316,31 +316,6 @@ def _shared_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return [(name, t) for name, t in _written_tensors(func, args, kwargs) if _ranks_share_memory(t)]
 
 
-@contextlib.contextmanager
-def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> Iterator[None]:
-    """Inside (around a fake trace, ``make_fx``), an op about to write into a tensor with memory
-    (not fake, not on the meta device: one that existed before the trace, which the trace would
-    write for real) raises ``refuse(op, argument name, tensor)`` instead. The ops a fake trace runs
-    on fake tensors never reach this mode; only those that run for real do.
-
-    Example::
-
-        >>> with real_writes_refused(lambda op, name, t: ValueError(f"{op} writes {name}")):
-        ...     make_fx(step, tracing_mode="fake")(*fakes)
-    """
-
-    class Refusing(dispatch_mode_base()):  # type: ignore[misc]
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            for name, t in _written_tensors(func, args, kwargs):
-                if not is_fake(t) and t.device.type != "meta":
-                    raise refuse(func, name, t)
-            return func(*args, **kwargs)
-
-    with Refusing():
-        yield
-
-
 def _ranks_share_memory(t: torch.Tensor) -> bool:
     """Do several simulated ranks hold ``t`` in one memory (a plain tensor: all of them)? Tensors
     without memory (no elements, data pointer 0) are no rank's shared memory."""
@@ -1214,6 +1189,39 @@ def dispatch_mode_base() -> type:
 
 
 @contextlib.contextmanager
+def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> Iterator[None]:
+    """Inside (around a fake trace, ``make_fx``), an op about to write into a tensor with memory
+    (not fake, not on the meta device: one that existed before the trace, which the trace would
+    write for real) raises ``refuse(op, argument name, tensor)`` instead. The ops a fake trace runs
+    on fake tensors never reach this mode; only those that run for real do.
+
+    Example::
+
+        >>> with real_writes_refused(lambda op, name, t: ValueError(f"{op} writes {name}")):
+        ...     make_fx(step, tracing_mode="fake")(*fakes)
+    """
+
+    with _RealWritesRefused(refuse):
+        yield
+
+
+class _RealWritesRefused(dispatch_mode_base()):  # type: ignore[misc]
+    """:func:`real_writes_refused`'s mode (a tracing mode to :func:`only_tracing_modes`: it sees
+    only what a trace runs for real, and changes nothing it lets through)."""
+
+    def __init__(self, refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for name, t in _written_tensors(func, args, kwargs):
+            if not is_fake(t) and t.device.type != "meta":
+                raise self.refuse(func, name, t)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
 def below_local_mode(mode: Any) -> Iterator[None]:
     """Run with the dispatch mode ``mode`` just below the enabled ``LocalTensorMode``, where it sees
     the plain ops that mode runs for each simulated rank (and those LocalTensor itself runs, as
@@ -1533,7 +1541,9 @@ def only_tracing_modes() -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return all(
-        isinstance(m, (FakeTensorMode, ProxyTorchDispatchMode)) or isinstance(m, LocalTensorMode) and m._disable
+        isinstance(m, (FakeTensorMode, ProxyTorchDispatchMode, _RealWritesRefused))
+        or isinstance(m, LocalTensorMode)
+        and m._disable
         for m in _get_current_dispatch_mode_stack()
     )
 

@@ -159,18 +159,20 @@ def _step(x):
 
 
 @pytest.mark.parametrize("mode", ["auto", "interpret"])
-def test_a_jitted_step_writing_a_constant_it_closes_over_writes_it_once_a_call(sim, monkeypatch, mode):
-    """The program a jitted step lowers to holds such a constant as one tensor that every simulated
-    rank shares; its write ran once per rank (4 a call on 4 ranks), and a replayed program ("auto")
-    dropped it. Oracle: the step run by torch in this process, which adds 1 a call (as does the
-    traced program of a real run)."""
+def test_a_jitted_step_writing_a_constant_it_closes_over_is_refused_before_the_write(sim, monkeypatch, mode):
+    """The program a jitted step lowers to would hold such a constant as one tensor every simulated
+    rank shares (its write ran once per rank, 4 a call on 4 ranks, and a replayed program dropped
+    it), and the trace itself wrote it: the step is a TraceError before any write, and the tensor
+    is as it was (torch in this process adds 1 a call: ``_increments_per_call``'s oracle)."""
     monkeypatch.setattr(vsf.config, "jit_mode", mode)
-    want = _increments_per_call(_step, torch.ones(8, 2))
-    assert want == [1.0, 1.0, 1.0]
+    assert _increments_per_call(_step, torch.ones(8, 2)) == [1.0, 1.0, 1.0]
     sim(4)
     mesh = vsf.make_mesh((4,), ("dp",))
     x = vsf.device_put(torch.ones(8, 2), vsf.NamedSharding(mesh, P("dp")))
-    assert _increments_per_call(vsf.jit(_step), x) == want
+    before = BUF.clone()
+    with pytest.raises(vsf.TraceError, match=r"_step writes a tensor it does not take as an argument"):
+        vsf.jit(_step)(x)
+    assert torch.equal(BUF, before)
 
 
 def test_an_empty_plain_out_resized_from_differing_ranks_is_an_error(sim):

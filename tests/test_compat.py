@@ -836,6 +836,24 @@ def test_real_writes_refused_stops_a_trace_writing_a_real_tensor_before_it_write
     torch.testing.assert_close(gm(x), x * 2 + 1)
 
 
+def test_written_values_are_what_an_op_writes_into_by_its_schema():
+    """Each value an op writes into (``Tensor(a!)``: ``self`` of an in-place op, ``out``, each of a
+    foreach op's list), once, with its argument's name; of the asked type (fx nodes too)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = torch.zeros(2), torch.ones(2)
+    aten = torch.ops.aten
+    assert _compat.written_values(aten.add_.Tensor, (x, y), {}) == [("self", x)]
+    assert _compat.written_values(aten.add.out, (y, y), {"out": x}) == [("out", x)]
+    assert _compat.written_values(aten.add.Tensor, (x, y), {}) == []
+    assert _compat.written_values(aten._foreach_add_.List, ([x, y, x], [y, y, y]), {}) == [("self", x), ("self", y)]
+    gm = make_fx(lambda a, b: a.add_(b), tracing_mode="fake")(x, y)
+    add = next(n for n in gm.graph.nodes if n.op == "call_function")
+    a = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert _compat.written_values(add.target, add.args, add.kwargs, kind=torch.fx.Node) == [("self", a)]
+    assert _compat.written_values(add.target, add.args, add.kwargs) == []  # (no tensors among nodes)
+
+
 def test_global_module_hooks_and_saved_tensor_hooks_say_when_such_hooks_are_in_force():
     assert not _compat.global_module_hooks() and not _compat.saved_tensor_hooks()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)

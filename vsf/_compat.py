@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +163,7 @@ __all__ = [
     "undeclared_writes",
     "whole_op_strategies",
     "wrapper_tensor",
+    "written_values",
 ]
 
 
@@ -298,13 +299,23 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
     )
 
 
-def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors the op ``func`` writes into (:func:`_written_arguments`), each once, with its argument's name."""
-    written: dict[int, tuple[str, torch.Tensor]] = {}
+def written_values(
+    func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], kind: type = torch.Tensor
+) -> list[tuple[str, Any]]:
+    """The values of type ``kind`` that the op ``func`` called on ``args`` and ``kwargs`` writes
+    into (``Tensor(a!)`` in its schema), each once, with its argument's name: the tensors of a
+    call, or with ``kind=torch.fx.Node`` the nodes an FX node's op writes.
+
+    Example::
+
+        >>> written_values(torch.ops.aten.add_.Tensor, (x, y), {})
+        [('self', x)]
+    """
+    written: dict[int, tuple[str, Any]] = {}
     for i, name in _written_arguments(func):
         value = args[i] if i < len(args) else kwargs.get(name)
         for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, kind):
                 written.setdefault(id(t), (name, t))
     return list(written.values())
 
@@ -313,7 +324,7 @@ def _shared_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     """The tensors the op writes into whose memory several simulated ranks share, each with its
     argument's name: a plain tensor (every rank's), or a ``LocalTensor`` whose ranks hold one tensor
     (a constant of a ``vsf.jit`` program)."""
-    return [(name, t) for name, t in _written_tensors(func, args, kwargs) if _ranks_share_memory(t)]
+    return [(name, t) for name, t in written_values(func, args, kwargs) if _ranks_share_memory(t)]
 
 
 def _ranks_share_memory(t: torch.Tensor) -> bool:
@@ -1215,7 +1226,7 @@ class _RealWritesRefused(dispatch_mode_base()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for name, t in _written_tensors(func, args, kwargs):
+        for name, t in written_values(func, args, kwargs):
             if not is_fake(t) and t.device.type != "meta":
                 raise self.refuse(func, name, t)
         return func(*args, **kwargs)

@@ -3,8 +3,13 @@ run must equal the same step run unsharded."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -622,7 +627,7 @@ def test_data_dependent_control_flow_is_a_clear_error(sim):
             return a
         return -a
 
-    with pytest.raises(ValueError, match=r"test_jit.py:\d+ .*data-dependent"):
+    with pytest.raises(ValueError, match=r'test_jit\.py", line \d+, in f: `if a.sum\(\) > 0:`: .*data-dependent'):
         vsf.jit(f)(x)
 
 
@@ -736,24 +741,103 @@ def test_step_input_names_the_input_a_traced_tensor_is_and_its_sharding(sim):
     assert step_input(torch.ones(1)) is None  # outside a trace
 
 
-@pytest.mark.parametrize("write", ["add_", "copy_"])
-def test_a_step_writing_a_tensor_it_closes_over_is_refused_before_the_write(sim, write):
-    """A tensor the step does not take as an argument (a global, a module buffer it reads from the
-    module) written in place would be written by the trace itself, and the step's result would
-    depend on the calls before (the first call added 3 where one process adds 1): a TraceError
-    naming the op and the user's line, and the tensor is left as it was."""
-    buf = torch.arange(3.0)
+# A write into a tensor the step closes over (its op, the user's line): directly, run for real while
+# tracing, and through a view, traced on a fake of the tensor (before: an internal assert of torch's
+# functionalization for setitem, out= and a view written from traced values; a view written from
+# constants was written by the program once a call, as torch in one process writes it).
+CLOSED_OVER_WRITES = {
+    "add_": ("aten.add_.Tensor", "buf.add_(1.0)"),
+    "copy_": ("aten.copy_.default", "buf.copy_(torch.ones(3))"),
+    "setitem": ("aten.copy_.default", "buf[1] = 5.0"),
+    "slice_add_": ("aten.add_.Tensor", "buf[:2].add_(1.0)"),
+    "unbind_add_": ("aten.add_.Tensor", "buf.unbind(0)[2].add_(1.0)"),
+    "slice_add_traced": ("aten.add_.Tensor", "buf[:2].add_(x[:2])"),
+    "out_view": ("aten.add.out", "torch.add(x[:1], 1.0, out=buf[:1])"),
+}
+
+
+def writing_step(write, buf):
+    """A step that writes ``buf``, which it closes over, as ``CLOSED_OVER_WRITES[write]`` says."""
 
     def step(x):
         if write == "add_":
             buf.add_(1.0)
-        else:
+        elif write == "copy_":
             buf.copy_(torch.ones(3))
+        elif write == "setitem":
+            buf[1] = 5.0
+        elif write == "slice_add_":
+            buf[:2].add_(1.0)
+        elif write == "unbind_add_":
+            buf.unbind(0)[2].add_(1.0)
+        elif write == "slice_add_traced":
+            buf[:2].add_(x[:2])
+        else:
+            torch.add(x[:1], 1.0, out=buf[:1])
         return x * 2
 
+    return step
+
+
+def assert_refused_write(message, write):
+    """``message`` is the TraceError of :func:`writing_step`'s ``write``: its op, the user's line."""
+    op, line = CLOSED_OVER_WRITES[write]
+    assert re.fullmatch(
+        r"writing_step\.<locals>\.step writes a tensor it does not take as an argument at "
+        rf"File \".*test_jit\.py\", line \d+, in step: `{re.escape(line)}` \({re.escape(op)} into its argument '(self|out)', .*",
+        message,
+    ), message
+
+
+@pytest.mark.parametrize("write", list(CLOSED_OVER_WRITES))
+def test_a_step_writing_a_tensor_it_closes_over_is_refused_before_the_write(sim, write):
+    """A tensor the step does not take as an argument (a global, a module buffer it reads from the
+    module) written in place, itself or through a view, would be written by vsf.jit itself, and the
+    step's result would depend on the calls before (the first call added 3 where one process adds
+    1): a TraceError naming the op and the user's line, and the tensor is left as it was."""
+    buf = torch.arange(3.0)
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
     x = vsf.device_put(torch.ones(4), vsf.NamedSharding(mesh, P("dp")))
-    with pytest.raises(vsf.TraceError, match=r"writes a tensor it does not take as an argument at .*test_jit\.py:\d+"):
-        vsf.jit(step)(x)
+    with pytest.raises(vsf.TraceError) as e:
+        vsf.jit(writing_step(write, buf))(x)
+    assert_refused_write(str(e.value), write)
     assert buf.tolist() == [0.0, 1.0, 2.0]
+
+
+EAGER_WRITES = """
+import json, sys
+sys.path[:0] = sys.argv[1:]
+import torch, vsf
+from test_jit import CLOSED_OVER_WRITES, writing_step
+x = vsf.device_put(torch.ones(4), vsf.NamedSharding(vsf.make_mesh((1,), ("dp",)), vsf.P("dp")))
+found = {}
+for write in CLOSED_OVER_WRITES:
+    buf = torch.arange(3.0)
+    try:
+        vsf.jit(writing_step(write, buf))(x)
+        found[write] = [None, buf.tolist()]
+    except vsf.TraceError as e:
+        found[write] = [str(e), buf.tolist()]
+print(json.dumps(found))
+"""
+
+
+def test_a_step_writing_a_tensor_it_closes_over_is_refused_in_one_real_process():
+    """The same writes, with no simulation: a plain process's one-rank mesh (its own gloo group,
+    so a process of its own)."""
+    here = os.path.dirname(__file__)
+    out = subprocess.run(
+        [sys.executable, "-c", EAGER_WRITES, here, os.path.dirname(here)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        check=True,
+    )
+    found = json.loads(out.stdout.splitlines()[-1])
+    assert list(found) == list(CLOSED_OVER_WRITES)
+    for write, (message, buf) in found.items():
+        assert message is not None, f"{write}: no error, the tensor became {buf}"
+        assert_refused_write(message, write)
+        assert buf == [0.0, 1.0, 2.0], write

@@ -23,12 +23,14 @@ from vsf import _compat
 
 __all__ = [
     "GETITEM",
+    "constant_write",
     "eliminate_dead_code",
     "LIBRARY_DIRS",
     "Value",
     "is_library_file",
     "is_tensor_node",
     "is_view",
+    "memory_of",
     "meta_of",
     "op_nodes",
     "output_node",
@@ -123,6 +125,60 @@ def is_view(node: torch.fx.Node) -> bool:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and not alias.is_write
+
+
+def constant_write(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, str, torch.Tensor] | None:
+    """The first op of ``gm`` that writes into a tensor constant of it (a ``get_attr``, or a view
+    of one: a tensor the traced function closed over), with the argument's name and the constant.
+
+    Example::
+
+        >>> node, name, t = constant_write(make_fx(lambda x: buf[:1].add_(x), tracing_mode="fake")(x))
+        >>> (node.target, name, t is buf)
+        (torch.ops.aten.add_.Tensor, 'self', True)
+    """
+    for node in gm.graph.nodes:
+        for name, written in _compat.written_values(node.target, node.args, node.kwargs, kind=torch.fx.Node):
+            if (base := memory_of(written)).op == "get_attr":
+                return node, name, getattr(gm, base.target)
+    return None
+
+
+def memory_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The value whose memory ``node``'s value is, followed back through the ops whose result is
+    an input's memory (views, ``getitem`` of a ``split``, in-place and ``out=`` ops).
+
+    Example::
+
+        >>> memory_of(node).op   # node: ``select(slice(x))``, x a graph input
+        'placeholder'
+    """
+    index = 0
+    while node.op == "call_function":
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            node, index = node.args[0], node.args[1]
+            continue
+        source = _aliased_input(node, index)
+        if source is None:
+            return node
+        node, index = source, 0
+    return node
+
+
+def _aliased_input(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    """The input whose memory the ``index``-th result of ``node``'s op is, by the op's schema (the
+    argument of the result's alias set; for a list of views, the one argument with an alias set),
+    or ``None``."""
+    schema = _compat.op_schema(node.target)
+    if schema is None or not schema.returns:
+        return None
+    alias = schema.returns[min(index, len(schema.returns) - 1)].alias_info
+    aliased = [a for a in schema.arguments if a.alias_info is not None]
+    if alias is None or not aliased:
+        return None
+    arg = next((a for a in aliased if a.alias_info.before_set & alias.before_set), aliased[0])
+    value = (dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs).get(arg.name)
+    return value if isinstance(value, torch.fx.Node) else None
 
 
 def user_line(node: torch.fx.Node) -> str:

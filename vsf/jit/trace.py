@@ -29,7 +29,7 @@ from vsf import _compat, tree
 from vsf.config import PlanOptions
 from vsf.errors import TraceError
 from vsf.jit.functionalize import functionalized
-from vsf.jit.graph import eliminate_dead_code, is_library_file, placeholders_of, source_line
+from vsf.jit.graph import constant_write, eliminate_dead_code, is_library_file, placeholders_of, source_line
 from vsf.jit.stamp import Stamper
 from vsf.ops.names import NAME_OP
 from vsf.ops.recording import tracing_step
@@ -285,11 +285,14 @@ def _trace(
             joint = make_fx(
                 flat_fun, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True
             )(*fakes)
+        if (write := constant_write(joint)) is not None:
+            raise _StateWrite(write[0].target, *write[1:], where=source_line(write[0]) or "<unknown location>")
     except _StateWrite as e:
         raise TraceError(
-            f"{_fun_name(fun)} writes a tensor it does not take as an argument at {_user_frame(e)} ({e}): vsf.jit "
-            "would write it while tracing, and each call's result would depend on the calls before. Pass it in "
-            "and return its new value (a module's buffers: vsf.tree.from_module, as the params)."
+            f"{_fun_name(fun)} writes a tensor it does not take as an argument at {e.where or _user_frame(e)} ({e}): "
+            "vsf.jit would write it itself (while tracing, or at each call), and each call's result would depend "
+            "on the calls before. Pass it in and return its new value (a module's buffers: vsf.tree.from_module, "
+            "as the params)."
         ) from None
     except Exception as e:
         if not _compat.is_data_dependent_error(e):
@@ -472,10 +475,12 @@ def _fun_name(fun: Callable[..., Any]) -> str:
 
 
 class _StateWrite(Exception):
-    """An op of a traced step about to write a tensor that existed before the trace."""
+    """An op of a traced step about to write into a tensor ``t`` the step closes over, at the user's
+    line ``where`` (``""``: the innermost user frame of its traceback)."""
 
-    def __init__(self, op: Any, name: str, t: torch.Tensor) -> None:
-        super().__init__(f"{op} into its argument {name!r}, a {tuple(t.shape)} {t.dtype} tensor")
+    def __init__(self, op: Any, name: str, t: torch.Tensor, where: str = "") -> None:
+        super().__init__(f"{op} into its argument {name!r}, in a {tuple(t.shape)} {t.dtype} tensor")
+        self.where = where
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -484,7 +489,8 @@ def _user_frame(exc: BaseException) -> str:
     if not user:
         return "<unknown location>"
     f = user[-1]
-    return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    code = (f.line or "").strip()
+    return f'File "{f.filename}", line {f.lineno}, in {f.name}' + (f": `{code}`" if code else "")
 
 
 # Fake-tensor metas narrower than their kernels: grouped_mm's meta asks for bf16, while the CPU

@@ -847,6 +847,16 @@ def test_written_values_are_what_an_op_writes_into_by_its_schema():
     assert _compat.written_values(aten.add.out, (y, y), {"out": x}) == [("out", x)]
     assert _compat.written_values(aten.add.Tensor, (x, y), {}) == []
     assert _compat.written_values(aten._foreach_add_.List, ([x, y, x], [y, y, y]), {}) == [("self", x), ("self", y)]
+    c10d = torch.ops.c10d  # (their schemas mark no writes: the first argument of one named in place)
+    assert _compat.written_values(c10d.allreduce_.default, ([x, y], None, None, None), {}) == [
+        ("tensors", x),
+        ("tensors", y),
+    ]
+    assert _compat.written_values(c10d.allgather_.default, ([[x, y]], [y], None), {}) == [
+        ("output_tensors", x),
+        ("output_tensors", y),
+    ]
+    assert _compat.written_values(c10d.send.default, ([x], None, 1, 0), {}) == []
     gm = make_fx(lambda a, b: a.add_(b), tracing_mode="fake")(x, y)
     add = next(n for n in gm.graph.nodes if n.op == "call_function")
     a = next(n for n in gm.graph.nodes if n.op == "placeholder")

@@ -249,8 +249,10 @@ def local_tensor_mode(
 
 
 class _SimulationMode(LocalTensorMode):
-    """:func:`local_tensor_mode`'s mode: PyTorch's, with writes into plain tensors done once and
-    ops with explicit generators handed to a handler."""
+    """:func:`local_tensor_mode`'s mode: PyTorch's, with writes into plain tensors done once, a
+    collective's plain tensors held by every rank (run per rank, as ``n`` processes run it, not
+    by the fake process group, which leaves them as they were) and ops with explicit generators
+    handed to a handler."""
 
     def __init__(self, ranks: int, on_generator_op: Callable[..., Any] | None) -> None:
         super().__init__(ranks)
@@ -260,6 +262,8 @@ class _SimulationMode(LocalTensorMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _communicates(func) and not self._disable and not _is_in_fake_tensor_mode():
+            args, kwargs = torch_tree_map(lambda a: _on_every_rank(a, self.ranks), (args, kwargs))
         if _written_arguments(func) and not _is_in_fake_tensor_mode() and _runs_per_rank(args, kwargs):
             shared = _shared_written(func, args, kwargs)
             if shared:
@@ -288,12 +292,31 @@ def _runs_per_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 @functools.cache
+def _communicates(func: Any) -> bool:
+    """Is the op ``func`` a collective or a point-to-point op of a process group (``c10d``'s, the
+    functional collectives')?"""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.name in ("process_group", "group_name") for a in schema.arguments)
+
+
+def _on_every_rank(a: Any, ranks: frozenset[int]) -> Any:
+    """``a``, a plain tensor (made outside ``vsf.simulate``: one value every rank holds), as the
+    ``LocalTensor`` whose every rank holds it (one memory: a write into it is done once, or refused
+    where the ranks compute different values for it); anything else as it is."""
+    return LocalTensor(dict.fromkeys(ranks, a)) if type(a) in (torch.Tensor, torch.nn.Parameter) else a
+
+
+@functools.cache
 def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
     """The position and name of each argument the op ``func`` writes into (``Tensor(a!)`` in its
-    schema: ``self`` of an in-place op, ``out``, ``copy_``'s destination)."""
+    schema: ``self`` of an in-place op, ``out``, ``copy_``'s destination; the first argument of a
+    ``c10d`` op named in place, whose schema says nothing: ``allreduce_``'s tensors, an all-gather's
+    outputs)."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return ()
+    if schema.name.startswith("c10d::") and schema.name.endswith("_"):
+        return ((0, schema.arguments[0].name),)
     return tuple(
         (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
     )
@@ -313,8 +336,7 @@ def written_values(
     """
     written: dict[int, tuple[str, Any]] = {}
     for i, name in _written_arguments(func):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        for t in value if isinstance(value, (list, tuple)) else [value]:
+        for t in torch_tree_leaves(args[i] if i < len(args) else kwargs.get(name)):
             if isinstance(t, kind):
                 written.setdefault(id(t), (name, t))
     return list(written.values())

@@ -12,8 +12,7 @@ collectives' own arithmetic on the ranks' buffers included, and writes those tha
 the ranks' input shards into a :class:`Program` (the ops in order, over slots of values). Later
 calls with inputs laid out alike run that program with no mode on the dispatch stack: the same ops in the same order on the same values, so the same bits. A program the
 record cannot replay faithfully (it draws random numbers, which an attention kernel without
-dropout does not; it reads a computed value into Python,
-it writes a tensor that existed before it, or needs autograd) keeps running under
+dropout does not; it reads a computed value into Python, or needs autograd) keeps running under
 ``LocalTensorMode``; :attr:`Replayed.why_not` says why. So does a call made while another
 dispatch mode watches the ops (``CommDebugMode`` counting collectives): it sees the program's
 collectives, which a replay computes as plain arithmetic.
@@ -211,7 +210,6 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         self._slots: dict[int, tuple[weakref.ref[torch.Tensor], _Slot]] = {}
         self._constants: dict[int, tuple[torch.Tensor, _Slot]] = {}
         self._ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
-        self._made: set[int] = set()  # the storages of the tensors made while recording (by data pointer)
         self._size = len(inputs)
         for i, t in reversed(
             list(enumerate(inputs))
@@ -245,8 +243,6 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         out = func(*args, **kwargs)
         if self.why_not is None:
             self.why_not = self._write(func, args, kwargs, tensors, out)
-        if _allocates(func):
-            self._made.update(_storage(o) for o in _compat.torch_tree_leaves(out) if isinstance(o, torch.Tensor))
         return out
 
     def _write(
@@ -260,8 +256,6 @@ class _Recorder(_compat.dispatch_mode_base()):  # type: ignore[misc]
         written = list(_written(schema, args, kwargs)) if schema is not None and schema.is_mutable else []
         if any(id(w) in self._constants for w in written):
             return f"it writes a constant of the program ({func})"
-        if any(self._slot(w) is None and _storage(w) not in self._made for w in written):
-            return f"it writes a tensor that existed before it ({func})"
         if not any(self._slot(t) is not None for t in tensors) and (tensors or not _real(out)):
             return None  # computes from constants only (or makes a fake or meta tensor): where the program uses its result, a constant
         if any(self._slot(w) is None for w in written):
@@ -325,20 +319,6 @@ def _map_arg(a: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _map_args(args: tuple[Any, ...], fn: Callable[[torch.Tensor], Any]) -> tuple[Any, ...]:
     return tuple(_map_arg(a, fn) for a in args)
-
-
-def _allocates(func: Any) -> bool:
-    """Are the op's results new memory (not views or aliases of its arguments, by its schema)?"""
-    schema = _compat.op_schema(func)
-    return schema is not None and all(r.alias_info is None for r in schema.returns)
-
-
-def _storage(t: torch.Tensor) -> int:
-    """Where ``t``'s memory lives (a view's is its base's), or 0 for a tensor without memory (fake, meta)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 def _written(schema: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:

@@ -53,6 +53,12 @@ BUCKET_SHARE = 1 / 16
 _TIE = 1e-9
 
 
+def _numbered(parts: Any) -> list[int]:
+    """Each of ``parts`` (hashable) as a number, equal numbers for equal parts."""
+    numbers: dict[Any, int] = {}
+    return [numbers.setdefault(part, len(numbers)) for part in parts]
+
+
 def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
     return [
         (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs))
@@ -264,14 +270,18 @@ class AxisSolver:
         required placement, and per input and output whether its collective runs alone (:attr:`Problem.alone`)."""
         fb, hints, reorder, final, alone = self.fb, self.hints, self.reorder, self.final, self.alone
         numbers: dict[tuple[Any, ...], int] = {}
+        read = _numbered(  # per value, a number for its part as an input, and as an output
+            (fb[v], alone[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in range(len(fb))
+        )
+        made = _numbered((fb[v], alone[v], final.get(v)) for v in range(len(fb)))
         out = []
         for k, (ins, outs) in enumerate(zip(self.ins, self.outs)):
             part = (
                 id(self.strategies[k]),
                 self.work[k],
-                tuple(ins.index(v) for v in ins),
-                tuple((fb[v], alone[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in ins),
-                tuple(None if v < 0 else (fb[v], alone[v], final.get(v)) for v in outs),
+                tuple([ins.index(v) for v in ins]),
+                tuple([read[v] for v in ins]),
+                tuple([None if v < 0 else made[v] for v in outs]),
             )
             out.append(numbers.setdefault(part, len(numbers)))
         return out

@@ -39,7 +39,7 @@ import torch.fx
 
 from vsf import _compat
 from vsf.jit import attention
-from vsf.jit.graph import op_nodes, tensor_args
+from vsf.jit.graph import is_tensor_node, op_nodes
 from vsf.ops import region
 from vsf.sharding import constraint
 
@@ -189,7 +189,7 @@ def classify(node: torch.fx.Node, constants: frozenset[torch.fx.Node] = frozense
     ragged_reduction = node.target in RAGGED_REDUCTIONS
     if node.target in region.REGION_OPS:
         kind = "manual"
-    elif node.op == "get_attr" or not tensor_args(node):
+    elif node.op == "get_attr" or not any(is_tensor_node(a) for a in node.all_input_nodes):  # (no tensor argument)
         kind = "constant"
     elif node.target is constraint.CONSTRAINT_OP:
         kind = "constraint"

@@ -53,6 +53,12 @@ BUCKET_SHARE = 1 / 16
 _TIE = 1e-9
 
 
+def _numbered(numbers: dict[Any, int], parts: Any) -> list[int]:
+    """Each of ``parts`` (hashable) as its number in ``numbers`` (a new one for a part not yet
+    there): equal numbers for equal parts."""
+    return [numbers.setdefault(part, len(numbers)) for part in parts]
+
+
 def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
     return [
         (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs))
@@ -83,8 +89,9 @@ class AxisSolver:
         self.summing, self.gives = tables.summing, tables.gives
         self.hints = tables.hints
         self.choice = [-1] * len(problem.ops)
-        self.picked: dict[tuple[Any, ...], int | None] = {}  # decisions by context (_context)
-        self.costed: dict[tuple[Any, ...], tuple[float, ...]] = {}  # every strategy's cost by context (_costs)
+        self.tables = tables
+        self.picked = tables.picked  # decisions by context (_context), kept for the axis's next solve
+        self.costed = tables.costed  # every strategy's cost by context (_costs), likewise
         self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
         self.reorder = self._reorders()
         self.fixed_context: list[int] = []  # (numbered when solving: :meth:`_fixed_contexts`)
@@ -263,18 +270,28 @@ class AxisSolver:
         one value, and per input its bytes, hints and reorder costs, per output its bytes and
         required placement, and per input and output whether its collective runs alone (:attr:`Problem.alone`)."""
         fb, hints, reorder, final, alone = self.fb, self.hints, self.reorder, self.final, self.alone
-        numbers: dict[tuple[Any, ...], int] = {}
-        out = []
-        for k, (ins, outs) in enumerate(zip(self.ins, self.outs)):
-            part = (
-                id(self.strategies[k]),
-                self.work[k],
-                tuple(ins.index(v) for v in ins),
-                tuple((fb[v], alone[v], hints[v], tuple(reorder[v].items()) if v in reorder else None) for v in ins),
-                tuple(None if v < 0 else (fb[v], alone[v], final.get(v)) for v in outs),
-            )
-            out.append(numbers.setdefault(part, len(numbers)))
-        return out
+        numbers = self.tables.parts
+        read = _numbered(  # per value, a number for its part as an input, and as an output
+            numbers,
+            (
+                ("in", fb[v], alone[v], hints[v], tuple(reorder[v].items()) if v in reorder else None)
+                for v in range(len(fb))
+            ),
+        )
+        made = _numbered(numbers, (("out", fb[v], alone[v], final.get(v)) for v in range(len(fb))))
+        return _numbered(
+            numbers,
+            (
+                (
+                    id(self.strategies[k]),
+                    self.work[k],
+                    tuple([ins.index(v) for v in ins]),
+                    tuple([read[v] for v in ins]),
+                    tuple([None if v < 0 else made[v] for v in outs]),
+                )
+                for k, (ins, outs) in enumerate(zip(self.ins, self.outs))
+            ),
+        )
 
     def _pick(self, k: int, greedy: bool) -> bool:
         options = range(len(self.strategies[k]))
@@ -567,7 +584,11 @@ class AxisTables:
     encoded (ops of one signature share one list), which of them split its work (``splitting``),
     which leave an operand split, a shard or a partial sum (``divided``), and the hints
     (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
-    per list, output and placement those giving it (``gives``), filled as the solvers ask."""
+    per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
+    kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
+    (``parts``: :meth:`AxisSolver._fixed_contexts`) and the decisions and costs by context
+    (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`), which depend on
+    nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
 
     codes: Codes
     label: list[int]
@@ -579,6 +600,9 @@ class AxisTables:
     hints: list[frozenset[int]]
     summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
+    parts: dict[Any, int] = dataclasses.field(default_factory=dict)
+    picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
+    costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
@@ -720,7 +744,12 @@ class Problem:
         ]
         self.views = [is_view(node) for node in self.ops]
         self.value_bytes = [float(t.numel() * t.element_size()) for t in map(meta_of, self.values)]
-        self.flops = [op_flops(node) for node in self.ops]
+        counted: dict[tuple[Any, ...], int] = {}  # by op signature (an op's FLOPs are its arguments' shapes')
+        for node in self.ops:
+            sig = self.strategies.signature(node)
+            if sig not in counted:
+                counted[sig] = op_flops(node)
+        self.flops = [counted[self.strategies.signature(node)] for node in self.ops]
         outs = [[v for v in vs if v >= 0] for vs in self.op_outs]
         after = [False] * len(self.values)  # some work computes it (or a value it is computed from)
         for k in range(len(self.ops)):

@@ -101,6 +101,8 @@ class Strategies:
         self.order = {node: i for i, node in enumerate(classes)}
         self.arriving: dict[tuple[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] = {}
         self.given: dict[tuple[int, int], tuple[tuple[Placement, ...], ...]] = {}
+        self.arrival_numbers: dict[tuple[Placement, ...], int] = {}  # (:meth:`_numbered`)
+        self.numbers: dict[int, tuple[tuple[Placement, ...], int]] = {}  # by id: the tuple (kept alive) and its number
         # each op's tensor inputs (:func:`~vsf.jit.graph.tensor_args`), the caller's or found as asked
         self.inputs = dict(inputs or {})
         self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
@@ -116,7 +118,7 @@ class Strategies:
         if mine in self.by_node:  # (asked per op by every axis's solver, every sweep)
             return self.by_node[mine]
         arrivals = self.arrivals(node, n)
-        key = (*self.signature(node), n, tuple(ragged), balanced, arrivals)
+        key = (*self.signature(node), n, tuple(ragged), balanced, tuple([self._numbered(a) for a in arrivals]))
         if key not in self.cache:
             op = self.classes[node]
             found, fallback = self._compute(node, op, n, arrivals)
@@ -148,6 +150,18 @@ class Strategies:
                 given = tuple(g + extra for g, extra in zip(given, self.leaving(p, n)))
             self.arriving[(p, n)] = given
         return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
+
+    def _numbered(self, arrival: tuple[Placement, ...]) -> int:
+        """A number for one input's :meth:`arrivals` (equal numbers: equal placements), found once per
+        tuple :meth:`arrivals` hands out (they are kept, one per producer and output): the strided
+        shards among them hash slowly, and every op of every block asks."""
+        kept = self.numbers.get(id(arrival))
+        if kept is None or kept[0] is not arrival:
+            kept = self.numbers[id(arrival)] = (
+                arrival,
+                self.arrival_numbers.setdefault(arrival, len(self.arrival_numbers)),
+            )
+        return kept[1]
 
     def signature(self, node: torch.fx.Node) -> tuple[Any, ...]:
         """``node``'s target and its arguments' :func:`~vsf.jit.graph.signature`, found once (the

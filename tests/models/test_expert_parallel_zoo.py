@@ -404,6 +404,40 @@ def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim
     zoo.assert_like_oracle("moe blocks gathered", losses, got, _torch_blocks(blocks, batches))
 
 
+@torch.library.custom_op("vsf_tests::experts_without_rules", mutates_args=())
+def _experts_without_rules(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Experts code that vsf cannot plan: a custom op with no sharding strategy (as torchtitan's
+    combine, its scatter-add). Dispatched, the experts' own code never runs."""
+    raise AssertionError("the experts' own code ran: they were not dispatched")
+
+
+_experts_without_rules.register_fake(lambda x, w: torch.empty_like(x))
+_experts_without_rules.register_autograd(lambda ctx, grad: (grad, None))
+
+
+def test_pipelined_experts_whose_own_code_has_no_plan_dispatch(sim, monkeypatch):
+    """The two MoE blocks pipelined over pp x ep with an experts implementation registered with
+    transformers whose code runs an op without a sharding strategy: gathered once a step (one of
+    the two plans the pipeline costs), a stage has no plan (the PlanError the costing raised), so
+    the pipeline dispatches: no gather, and each stage exchanges its microbatch's tokens (a rank's
+    one sequence of 4 tokens x top-2 x 16 floats; the test above trains that plan like torch on
+    one device, torchtitan's pipelined MoE trains so in tests/models/test_torchtitan_moe.py)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # type: ignore[import-not-found]
+
+    monkeypatch.setitem(
+        ALL_EXPERTS_FUNCTIONS,
+        "without_rules",
+        lambda module, x, index, weights: _experts_without_rules(x, module.gate_up_proj),
+    )
+    blocks, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep")
+    blocks[0].experts.config._experts_implementation = "without_rules"  # (the two blocks' config)
+    lowered = pipe.lower(p, *batches[0], layout=layout)
+    assert not lowered.gathers
+    for s, exchanges in ((0, 3), (1, 4)):
+        sent = [c.bytes for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
+        assert sent == [4 * TOP_K * 16 * 4] * exchanges
+
+
 def test_pipelined_with_dispatch_experts_off_gathers_the_experts_once_a_step(sim, monkeypatch):
     """``vsf.config.dispatch_experts = False``: the pipeline gathers each stage's experts over ep once
     a step, as params split over the batch's axes (each rank sends its 2 experts' 16x16 and 16x8

@@ -31,6 +31,7 @@ import torch
 
 from vsf import tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
+from vsf.errors import PlanError
 from vsf.jit import Lowered
 from vsf.jit.graph import placeholders_of
 from vsf.jit.report import Cost, fmt_bytes
@@ -466,8 +467,10 @@ def split_params(
     traced with its params in their own layout, its inputs ``ins`` of ``dtypes``), where that sends
     fewer bytes a step than gathering them once a step: the stage's programs are planned both ways
     (a microbatch's, run ``microbatches`` times, the gather and the reduction once), so tiny experts
-    under many tokens are gathered. No trace, and none, where no param is split over the batch's
-    axes, with ``reshard_after_forward``, or for a stage this process does not compute.
+    under many tokens are gathered, unless gathered they have no plan (the code the dispatch
+    replaces runs an op without a sharding strategy: a ``PlanError``). No trace, and none, where no
+    param is split over the batch's axes, with ``reshard_after_forward``, or for a stage this
+    process does not compute.
 
     Example::
 
@@ -495,4 +498,9 @@ def split_params(
         once = sum(sum(c.cost().comm_bytes.values()) for c in (reducer, gather) if c is not None)
         return pipe.microbatches * sum(program.cost().comm_bytes.values()) + once
 
-    return found if step_bytes(found) <= step_bytes({}) else {}
+    split_bytes = step_bytes(found)
+    try:
+        gathered_bytes = step_bytes({})
+    except PlanError:  # gathered, the experts run code with no plan (torchtitan's combine: a custom op)
+        return found
+    return found if split_bytes <= gathered_bytes else {}

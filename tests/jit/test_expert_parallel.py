@@ -282,3 +282,49 @@ def test_separate_gate_up_and_down_weights_equal_one_device(sim):
         ("all_gather", EXPERTS * 8),
         ("all_reduce", 4),
     ]  # counts; the loss
+
+
+def test_bf16_experts_on_tp_plan_each_grouped_mm_by_its_weights_strides(sim):
+    """bf16 experts Megatron-split over tp (a rank's 4 of 8 ffn columns) inside the dispatch over
+    ep: the forward takes each weight transposed, the backward takes ``w_out`` as stored, the same
+    shapes and dtype. DTensor's grouped mm splits the first (its local shard's rows are strided
+    16-byte aligned) but not the second (rows of 4 bf16, 8 bytes), so the two plan apart (keyed
+    by shape and dtype alone, the backward took the forward's split and the program raised
+    PlanMismatch at ``_grouped_mm``). Loss and gradients are the same grouped computation's on
+    one device (bf16 tolerances: a plan may sum tp's partial products)."""
+
+    def bf16_experts(rows, offsets, w_in, w_out):
+        h = F.silu(F.grouped_mm(rows.bfloat16(), w_in.transpose(1, 2), offs=offsets))
+        return F.grouped_mm(h, w_out.transpose(1, 2), offs=offsets).float()
+
+    def one_device(x, index, gates, w_in, w_out):
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offsets = torch.cumsum(torch.bincount(flat, minlength=EXPERTS), 0).to(torch.int32)
+        out = bf16_experts(x[order // K], offsets, w_in, w_out)[torch.argsort(order)]
+        return (out.view(TOKENS, K, -1) * gates[..., None]).sum(1)
+
+    p = inputs(False)
+    p = {**p, "w_in": p["w_in"][:, :8].bfloat16(), "w_out": p["w_out"][..., :8].bfloat16()}
+    grad_of = {k for k in p if k != "index"}
+    want_loss, want = vsf.value_and_grad(lambda q: loss_of(one_device)({**q, "index": p["index"]}))(
+        {k: p[k] for k in grad_of}
+    )
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("ep", "tp"))
+
+    def moe(x, index, gates, w_in, w_out):
+        return vsf.nn.expert_parallel(
+            bf16_experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=("ep",), mesh=mesh
+        )
+
+    step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
+    specs = {"w_in": P("ep", "tp", None), "w_out": P("ep", None, "tp")}
+    tokens = vsf.NamedSharding(mesh, P("ep"))
+    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in grad_of}
+    loss, grads = step(q, vsf.device_put(p["index"], tokens))
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1.6e-2, atol=0)
+    for k in grad_of:
+        torch.testing.assert_close(
+            vsf.device_get(grads[k]), want[k], rtol=1.6e-2, atol=1e-3, msg=lambda m, k=k: f"d loss / d {k}: {m}"
+        )

@@ -39,6 +39,11 @@ FAMILIES = ["mixtral"] + [
 HOW = ["specs", "use_expert_parallel"]
 
 
+# Megatron's split of transformers' experts over tp: gate_up's rows (the ffn, gate's then up's)
+# and down's columns
+EXPERTS_TP = {"gate_up_proj": P("ep", "tp", None), "down_proj": P("ep", None, "tp")}
+
+
 def expert_specs(params):
     return {k: P("ep") if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else P() for k in params}
 
@@ -115,6 +120,29 @@ def test_experts_further_split_over_fsdp_from_specs_dispatch_tokens_split_over_b
     assert [b for k, b in over_fsdp if k == "reduce_scatter"] == [half]
     assert [b for k, b in over_fsdp if k == "all_gather" and b >= half] == [half]
     assert not [k for k, _ in over_fsdp if k == "all_to_all_v"]
+
+
+@pytest.mark.sweep
+def test_on_ep_x_tp_trains_like_torch_on_one_device_sending_tokens_not_experts(sim):
+    """Mixtral with attention, embedding and head Megatron-split over tp (the zoo's rules), its
+    experts over ep and their ffn over tp (``EXPERTS_TP``), the batch over ep: the params after 3
+    AdamW steps are torch's on one device, and over ep the tokens go to the experts (each exchange
+    a rank's 32 tokens x top-2 x 32 floats: its ep group's half of the batch; tp's ranks send the
+    same) and no expert weight moves. Over tp the experts are not tensor-parallel: transformers
+    fuses gate and up into one weight whose ffn rows are gate's then up's, so a contiguous split
+    over tp gives one rank the gate rows and the other the up rows, and the SwiGLU needs both
+    (transformers' own plan splits it "packed_colwise", each rank a slice of each, a layout no
+    vsf spec names): the plan gathers the experts over tp (torchtitan's separate w1/w3/w2 run
+    split: tests/models/test_torchtitan_moe.py). In the sweep (tens of seconds): the default suite
+    checks the experts module alone (test_an_experts_module_with_its_ffn_over_tp_dispatches_over_ep_alone)."""
+    family = zoo.moe("mixtral", EXPERTS)
+
+    def specs(params):
+        tp = vsf.sharding.match(params, list(family.tp_rules))
+        return {k: EXPERTS_TP[k.rsplit(".", 1)[-1]] if ".experts." in k else s for k, s in tp.items()}
+
+    lowered = trained_on_ep(sim, family, "mixtral ep x tp", ("ep", "tp"), P("ep"), specs_of=specs)
+    assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 2, zoo.LAYERS)
 
 
 # (mesh axes, the batch's spec): the tokens split ep-major, against the mesh order. In the sweep
@@ -376,6 +404,40 @@ def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim
     zoo.assert_like_oracle("moe blocks gathered", losses, got, _torch_blocks(blocks, batches))
 
 
+@torch.library.custom_op("vsf_tests::experts_without_rules", mutates_args=())
+def _experts_without_rules(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Experts code that vsf cannot plan: a custom op with no sharding strategy (as torchtitan's
+    combine, its scatter-add). Dispatched, the experts' own code never runs."""
+    raise AssertionError("the experts' own code ran: they were not dispatched")
+
+
+_experts_without_rules.register_fake(lambda x, w: torch.empty_like(x))
+_experts_without_rules.register_autograd(lambda ctx, grad: (grad, None))
+
+
+def test_pipelined_experts_whose_own_code_has_no_plan_dispatch(sim, monkeypatch):
+    """The two MoE blocks pipelined over pp x ep with an experts implementation registered with
+    transformers whose code runs an op without a sharding strategy: gathered once a step (one of
+    the two plans the pipeline costs), a stage has no plan (the PlanError the costing raised), so
+    the pipeline dispatches: no gather, and each stage exchanges its microbatch's tokens (a rank's
+    one sequence of 4 tokens x top-2 x 16 floats; the test above trains that plan like torch on
+    one device, torchtitan's pipelined MoE trains so in tests/models/test_torchtitan_moe.py)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # type: ignore[import-not-found]
+
+    monkeypatch.setitem(
+        ALL_EXPERTS_FUNCTIONS,
+        "without_rules",
+        lambda module, x, index, weights: _experts_without_rules(x, module.gate_up_proj),
+    )
+    blocks, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep")
+    blocks[0].experts.config._experts_implementation = "without_rules"  # (the two blocks' config)
+    lowered = pipe.lower(p, *batches[0], layout=layout)
+    assert not lowered.gathers
+    for s, exchanges in ((0, 3), (1, 4)):
+        sent = [c.bytes for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
+        assert sent == [4 * TOP_K * 16 * 4] * exchanges
+
+
 def test_pipelined_with_dispatch_experts_off_gathers_the_experts_once_a_step(sim, monkeypatch):
     """``vsf.config.dispatch_experts = False``: the pipeline gathers each stage's experts over ep once
     a step, as params split over the batch's axes (each rank sends its 2 experts' 16x16 and 16x8
@@ -471,9 +533,14 @@ def _loss_of(module):
 
 
 def _jitted_like_one_device(
-    sim, implementation: str, tokens_spec: P, axes: tuple[str, str] = ("dp", "ep"), weights: P = P("ep")
+    sim,
+    implementation: str,
+    tokens_spec: P,
+    axes: tuple[str, str] = ("dp", "ep"),
+    weights: P | dict[str, P] = P("ep"),
 ) -> tuple[Any, tuple]:
-    """The experts module (``_experts(implementation)``) with its two weights ``weights`` and its
+    """The experts module (``_experts(implementation)``) with its two weights ``weights`` (one spec
+    for both, or each its own) and its
     tokens ``tokens_spec`` on a 2 x 2 mesh ``axes`` of 4 simulated ranks, jitted: the loss and the
     gradients (both weights, the tokens) are those of the same function on one device, under the
     ``vsf.config`` switches set now. Returns the jitted function and its arguments."""
@@ -483,7 +550,11 @@ def _jitted_like_one_device(
     sim(4)
     mesh = vsf.make_mesh((2, 2), axes)
     tokens = vsf.NamedSharding(mesh, tokens_spec)
-    args = (vsf.device_put(params, vsf.NamedSharding(mesh, weights)), *(vsf.device_put(t, tokens) for t in batch))
+    specs = weights if isinstance(weights, dict) else dict.fromkeys(params, weights)
+    args = (
+        vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)),
+        *(vsf.device_put(t, tokens) for t in batch),
+    )
     step = vsf.jit(grad_of)
     loss, (grads, grad_x) = step(*args)
     torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
@@ -527,6 +598,20 @@ def test_an_experts_module_further_split_over_fsdp_dispatches_tokens_split_over_
     half = EXPERTS // 2 * (32 * 32 + 32 * 16) * 4 // 2
     over_fsdp = sorted((c.kind, c.bytes) for c in collectives if c.axis == "fsdp")
     assert over_fsdp == [("all_gather", half), ("all_reduce", 4), ("all_reduce", 2 * half)]
+
+
+def test_an_experts_module_with_its_ffn_over_tp_dispatches_over_ep_alone(sim):
+    """The experts over ep and their ffn over tp (``EXPERTS_TP``) on an ``("ep", "tp")`` mesh, the
+    tokens over ep (tp's ranks hold the same tokens): the token axes leave tp out (it splits the
+    weights' ffn dims alone), so over ep the four exchanges each send a rank's 16 tokens x top-2 x
+    32 floats (its ep group's half; the analytic volume), with the per-expert counts and the loss,
+    and no weight. Loss and gradients are one device's."""
+    step, args = _jitted_like_one_device(sim, "grouped_mm", P("ep"), ("ep", "tp"), EXPERTS_TP)
+    over_ep = sorted((c.kind, c.bytes) for c in step.lower(*args).cost().collectives if c.axis == "ep")
+    assert (
+        over_ep
+        == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 2 * TOP_K * 32 * 4)] * 4
+    )
 
 
 def test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive(sim):

@@ -221,10 +221,12 @@ _FRAME = re.compile(r'File "(.*)", line \d+')  # a frame's header in a formatted
 
 
 def signature(x: Any) -> Any:
-    """A hashable summary of op arguments (tensors by shape and dtype), to cache per-op questions."""
+    """A hashable summary of op arguments (tensors by shape, strides and dtype), to cache per-op
+    questions (DTensor's answer may depend on the strides: ``_grouped_mm``'s strategy drops a split
+    whose local shard's strides its kernel cannot take)."""
     if isinstance(x, torch.fx.Node):
         t = x.meta.get("val")
-        return ("T", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))
+        return ("T", tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))
     if isinstance(x, (list, tuple)):
         return tuple(signature(a) for a in x)
     if isinstance(x, dict):

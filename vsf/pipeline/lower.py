@@ -31,6 +31,7 @@ import torch
 
 from vsf import tree
 from vsf.abstract import ShapeDtypeStruct, eval_shape
+from vsf.errors import PlanError
 from vsf.jit import Lowered
 from vsf.jit.graph import placeholders_of
 from vsf.jit.report import Cost, fmt_bytes
@@ -464,10 +465,12 @@ def split_params(
     those axes: an expert-parallel dispatch's experts over ep, which the pipeline leaves split
     there instead of gathering them once a step (``Traced.split_inputs`` of the stage function
     traced with its params in their own layout, its inputs ``ins`` of ``dtypes``), where that sends
-    fewer bytes a step than gathering them once a step: the stage's programs are planned both ways
-    (a microbatch's, run ``microbatches`` times, the gather and the reduction once), so tiny experts
-    under many tokens are gathered. No trace, and none, where no param is split over the batch's
-    axes, with ``reshard_after_forward``, or for a stage this process does not compute.
+    fewer bytes a step than gathering them once a step (the stage's programs planned both ways: a
+    microbatch's, run ``microbatches`` times, the gather and the reduction once; tiny experts under
+    many tokens are gathered) or where gathered they have no plan (a ``PlanError``: the code the
+    dispatch replaces runs an op with no sharding strategy, as torchtitan's combine). No trace, and
+    none, where no param is split over the batch's axes, with ``reshard_after_forward``, or for a
+    stage this process does not compute.
 
     Example::
 
@@ -475,12 +478,8 @@ def split_params(
         {'model.layers.0.mlp.experts.gate_up_proj': ('ep',), 'model.layers.0.mlp.experts.down_proj': ('ep',)}
     """
     names = layout.split.names[s]
-    batch = set(PartitionSpec(*pipe.batch).axes)
-    if (
-        pipe.reshard_after_forward
-        or s not in pipe.local_stages()
-        or not any(batch & set(layout.specs[k].axes) for k in names)
-    ):
+    over_batch = any(set(PartitionSpec(*pipe.batch).axes) & set(layout.specs[k].axes) for k in names)
+    if pipe.reshard_after_forward or s not in pipe.local_stages() or not over_batch:
         return {}
     weights = {k: stand_in(layout.where(k, s), layout.shapes[k].dtype) for k in names}
     traced = pipe._program(s, out).trace(weights, *(stand_in(where, d) for where, d in zip(ins, dtypes)))
@@ -495,4 +494,7 @@ def split_params(
         once = sum(sum(c.cost().comm_bytes.values()) for c in (reducer, gather) if c is not None)
         return pipe.microbatches * sum(program.cost().comm_bytes.values()) + once
 
-    return found if step_bytes(found) <= step_bytes({}) else {}
+    try:
+        return found if step_bytes(found) <= step_bytes({}) else {}
+    except PlanError:  # the gathered experts' (a dispatch's own plan fails alike when its stage is lowered)
+        return found

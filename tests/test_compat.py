@@ -870,3 +870,34 @@ def test_stack_trace_now_is_what_the_trace_records_on_a_node_made_there():
     ]
     make_fx(Sine(), tracing_mode="fake")(torch.randn(2))
     assert seen[1] is None
+
+
+def test_dead_code_asked_when_unread_removes_what_fx_removes():
+    """make_fx's own dead-code pass under ``dead_code_asked_when_unread`` gives fx's graph (the
+    unread shape accessors of a symbolic trace removed, an unread op kept as make_fx keeps it),
+    asking the side-effect predicate only of unread nodes; fx's pass is back afterwards."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, y):
+        z = x.reshape(x.shape[0], -1) * 2
+        _ = x.sum() * 3  # (unread, kept: make_fx's predicate keeps any tensor op)
+        _ = y.size(0) + 1  # (an unread shape accessor: removed)
+        return z.sin() + y[:, :1].sum()
+
+    def trace():
+        return make_fx(f, tracing_mode="symbolic")(torch.randn(4, 3), torch.randn(5, 6))
+
+    described = lambda gm: [n.format_node() for n in gm.graph.nodes]  # noqa: E731
+    original = torch.fx.Graph.eliminate_dead_code
+    want = trace()
+    with _compat.dead_code_asked_when_unread():
+        got = trace()
+        graph = make_fx(lambda a: (a.cos(), a.sin())[1] + 1, tracing_mode="fake")(torch.randn(3)).graph
+        asked = []
+        assert graph.eliminate_dead_code(lambda n: asked.append(n.name) or n.op != "call_function")
+    assert torch.fx.Graph.eliminate_dead_code is original
+    assert described(got) == described(want)
+    assert sum(n.target is torch.ops.aten.sym_size.int for n in want.graph.nodes) == 1  # (x's, read; y's removed)
+    assert any(n.target is torch.ops.aten.mul.Tensor and not n.users for n in want.graph.nodes)
+    assert asked == ["output", "cos"]  # (last first; not the placeholder, sin nor add, which are read)
+    assert [n.name for n in graph.nodes] == ["a_1", "sin", "add", "output"]

@@ -86,6 +86,7 @@ __all__ = [
     "clear_sharding_caches",
     "copy_holding",
     "copy_node",
+    "dead_code_asked_when_unread",
     "decomposition",
     "dispatch_mode_base",
     "real_writes_refused",
@@ -640,6 +641,41 @@ def kept_frames_only() -> Iterator[None]:
         yield
     finally:
         fx_proxy.CapturedTraceback = captured
+
+
+@contextlib.contextmanager
+def dead_code_asked_when_unread() -> Iterator[None]:
+    """Inside, fx's ``Graph.eliminate_dead_code`` given a side-effect predicate (``make_fx``'s pass
+    over the graph it made, which removes only unread shape accessors) removes what it removes,
+    last first, but asks the predicate only of the nodes nothing reads, and skips its consistency
+    check of the whole graph first: fx asks every node (about two milliseconds a layer of a deep
+    step's trace, to remove nothing). Without a predicate, and for the graph modules a graph
+    reads, fx's own pass runs."""
+    original = torch.fx.Graph.eliminate_dead_code
+
+    def eliminate_dead_code(
+        graph: torch.fx.Graph, is_impure_node: Callable[[torch.fx.Node], bool] | None = None
+    ) -> bool:
+        if is_impure_node is None:
+            return original(graph, is_impure_node)
+        changed = False
+        for node in reversed(graph.nodes):
+            if not node.users and not is_impure_node(node):
+                graph.erase_node(node)
+                changed = True
+        if graph.owning_module is not None:
+            read = {n.target for n in graph.find_nodes(op="get_attr")}
+            for name, child in graph.owning_module.named_children():
+                if name in read and isinstance(child, torch.fx.GraphModule):
+                    changed |= child.graph.eliminate_dead_code()
+                    child.recompile()
+        return changed
+
+    torch.fx.Graph.eliminate_dead_code = eliminate_dead_code  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.fx.Graph.eliminate_dead_code = original  # type: ignore[method-assign]
 
 
 def is_fake(t: torch.Tensor) -> bool:

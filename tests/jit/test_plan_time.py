@@ -607,3 +607,43 @@ def test_dead_code_eliminated_as_fx_eliminates_it():
     assert any(n.target == aten.add_.Tensor for n in gm.graph.nodes)
     assert not any(n.target in (aten.neg.default, aten.sin.default) for n in gm.graph.nodes)
     assert not any(n.target in (aten.neg.default, aten.exp.default) for n in gm.inner.graph.nodes)
+
+
+def test_unplanned_ops_asked_once_per_op_are_those_asked_node_by_node():
+    """:func:`vsf.jit.classify.unplanned_ops` asks an op's kind only of ops without DTensor rules:
+    it names the ops that classifying every node names (ops without rules on the inputs, not on a
+    constant alone, even where a constant's node comes first), and no other."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vsf.jit import classify
+
+    def f(x, y):
+        c = torch.arange(6.0).reshape(2, 3)
+        constant = torch.trace(c @ c.t())  # (no rules, but a constant: not asked to be decomposed)
+        shifted = torch.zeros_like(x)
+        shifted[:, 1:] = x[:, :-1]
+        return (
+            constant,
+            torch.nn.functional.mse_loss(x, y),
+            torch.trace(x @ y.t()),  # (no rules)
+            torch.renorm(x, 2, 0, 1.0) + shifted,
+            x.sin().sum(),
+        )
+
+    gm = make_fx(torch.func.functionalize(f), tracing_mode="fake")(torch.randn(2, 3), torch.randn(2, 3))
+    constants = classify.constant_nodes(gm.graph)
+    node_by_node = {
+        n.target
+        for n in classify.op_nodes(gm)
+        if n.target in classify.UNTRUSTED_STRATEGIES
+        or n.target in classify.BATCH_NORM_OPS
+        or n.target in classify.VARIANCE_DECOMPOSITIONS
+        or (
+            _compat.op_schema(n.target) is not None
+            and classify.classify(n, constants).kind == "none"
+            and not classify._adopt_inplace_strategy(n.target)
+        )
+    }
+    assert classify.unplanned_ops(gm) == node_by_node
+    assert {aten.mse_loss.default, aten.trace.default, aten.renorm.default} <= node_by_node
+    assert aten.sin.default not in node_by_node

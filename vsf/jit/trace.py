@@ -219,7 +219,12 @@ def trace(
             _reject_simulated_constants(fun)
         return tensors
 
-    with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
+    with (
+        _compat.local_mode_disabled(),
+        tracing_step(),
+        _compat.lazy_graph_modules(),
+        _compat.dead_code_asked_when_unread(),
+    ):
         traced = _trace(
             fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
         )

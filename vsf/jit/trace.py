@@ -219,15 +219,11 @@ def trace(
             _reject_simulated_constants(fun)
         return tensors
 
-    with (
-        _compat.local_mode_disabled(),
-        tracing_step(),
-        _compat.lazy_graph_modules(),
-        _compat.dead_code_asked_when_unread(),
-    ):
-        traced = _trace(
-            fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
-        )
+    with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
+        with _compat.dead_code_asked_when_unread():
+            traced = _trace(
+                fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
+            )
     return dataclasses.replace(traced, split_inputs=dict(split), stamped=stamped)
 
 
@@ -251,10 +247,7 @@ def _stamping(
 
 
 def per_leaf(
-    fn: Callable[..., Any],
-    rows: Iterable[tuple[Any, ...]],
-    name: str,
-    together: Callable[..., list[Any]] | None = None,
+    fn: Callable[..., Any], rows: Iterable[tuple[Any, ...]], name: str, together: Callable[..., list[Any]] | None = None
 ) -> list[Any]:
     """``[fn(*row) for row in rows]``: an update applied to each leaf of a tree. While a step is
     traced with ``stamp_blocks`` on (and this is the step's trace, not one beside it), ``fn`` is
@@ -262,10 +255,8 @@ def per_leaf(
     and ``requires_grad``, each other value: a float hyper-parameter, a ``None`` for a leaf
     without weight decay) and its ops are copied for the other rows alike (:mod:`vsf.jit.stamp`),
     reported under ``name`` in :attr:`Traced.stamped`. ``fn`` must read no tensor but its row's
-    (one that does is traced row by row). Otherwise ``together``, where given, computes every
-    row at once from the rows' columns (a foreach op: one kernel eagerly; in a trace not stamping,
-    one node that :mod:`vsf.jit.functionalize` splits into ``fn``'s op per row, the nodes the
-    stamped rows give).
+    (one that does is traced row by row). Otherwise ``together`` (a foreach op), where given,
+    computes every row at once from the rows' columns: one node of a trace, split per row later.
 
     Example::
 

@@ -901,3 +901,41 @@ def test_dead_code_asked_when_unread_removes_what_fx_removes():
     assert any(n.target is torch.ops.aten.mul.Tensor and not n.users for n in want.graph.nodes)
     assert asked == ["output", "cos"]  # (last first; not the placeholder, sin nor add, which are read)
     assert [n.name for n in graph.nodes] == ["a_1", "sin", "add", "output"]
+
+
+def test_quick_node_values_records_what_make_fx_records():
+    """make_fx under ``quick_node_values`` records on every node the metadata it records without it:
+    the same ``tensor_meta`` (shape, dtype, strides, memory format: contiguous, channels-last,
+    transposed, 0-d, integer, requiring grad) and a ``val`` of the same kind, layout and state, of
+    the trace's fake mode; fx's own verbs are back afterwards."""
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, i):
+        y = torch.nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), w)
+        return y.transpose(1, 3).sum(0), (i * 2).sum(), y.mean(), x.detach()
+
+    inputs = (torch.randn(2, 3, 5, 5, requires_grad=True), torch.randn(4, 3, 3, 3), torch.ones(3, dtype=torch.int64))
+    originals = (proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata)
+
+    def recorded():
+        gm = make_fx(f, tracing_mode="fake")(*inputs)
+        mode = next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].fake_mode
+        out = []
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                assert val.fake_mode is mode
+                state = sorted(k for k in vars(val) if k != "fake_mode")
+                layout = (type(val), val.shape, val.stride(), val.dtype, val.device, val.requires_grad, state)
+                out.append((n.name, layout, n.meta.get("tensor_meta")))
+        return out
+
+    want = recorded()
+    with _compat.quick_node_values():
+        assert (proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata) != originals
+        got = recorded()
+    assert (proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata) == originals
+    assert got == want
+    formats = {m.memory_format for _, _, m in want}
+    assert {torch.contiguous_format, torch.channels_last} <= formats and len(want) > 8

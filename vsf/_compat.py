@@ -126,6 +126,7 @@ __all__ = [
     "overload_name",
     "pipeline_order",
     "process_group_named",
+    "quick_node_values",
     "quiet_redistribute",
     "reconcile",
     "redistribute_local",
@@ -676,6 +677,46 @@ def dead_code_asked_when_unread() -> Iterator[None]:
         yield
     finally:
         torch.fx.Graph.eliminate_dead_code = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def quick_node_values() -> Iterator[None]:
+    """Inside, ``make_fx`` records on each node the value metadata it records anyway, quicker: the
+    snapshot of a fake value (``val``) made as :func:`track_as` makes one (:func:`_fake_of`, past
+    the fake tensor constructor's checks), and the ``tensor_meta`` of a fake tensor of static shape
+    worked out once per shape, strides, dtype and ``requires_grad`` (its memory format: fx asks up
+    to three contiguity questions through the trace's modes per node; a deep step's inputs alone
+    take about a millisecond a layer). A value of a real tensor, a quantized, sparse or symbolic
+    one goes fx's own way."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    from torch.fx.experimental import proxy_tensor
+
+    detach, extract = proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata
+    known: dict[tuple[Any, ...], Any] = {}
+
+    def snapshot(mode: Any, x: FakeTensor, include_real: bool = False) -> torch.Tensor:
+        if include_real and x.real_tensor is not None:
+            return detach(mode, x, include_real)
+        with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+            alias = torch.ops.aten.detach.default(x)
+        return _fake_of(alias, x, False)
+
+    def metadata(t: torch.Tensor, include_contiguity: bool = True) -> Any:
+        with torch._C.DisableTorchFunction():
+            static = isinstance(t, FakeTensor) and t.layout == torch.strided and not t.is_quantized
+            key = (tuple(t.shape), t.stride(), t.dtype, t.requires_grad, include_contiguity) if static else None
+        if key is None or any(not isinstance(n, int) for n in (*key[0], *key[1])):
+            return extract(t, include_contiguity)
+        if key not in known:
+            known[key] = extract(t, include_contiguity)
+        return known[key]._replace(qparams={})
+
+    proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata = snapshot, metadata
+    try:
+        yield
+    finally:
+        proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata = detach, extract
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -898,3 +898,72 @@ def test_stack_trace_now_is_what_the_trace_records_on_a_node_made_there():
     ]
     make_fx(Sine(), tracing_mode="fake")(torch.randn(2))
     assert seen[1] is None
+
+
+def test_dead_code_asked_when_unread_removes_what_fx_removes():
+    """make_fx's own dead-code pass under ``dead_code_asked_when_unread`` gives fx's graph (the
+    unread shape accessors of a symbolic trace removed, an unread op kept as make_fx keeps it),
+    asking the side-effect predicate only of unread nodes; fx's pass is back afterwards."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, y):
+        z = x.reshape(x.shape[0], -1) * 2
+        _ = x.sum() * 3  # (unread, kept: make_fx's predicate keeps any tensor op)
+        _ = y.size(0) + 1  # (an unread shape accessor: removed)
+        return z.sin() + y[:, :1].sum()
+
+    def trace():
+        return make_fx(f, tracing_mode="symbolic")(torch.randn(4, 3), torch.randn(5, 6))
+
+    described = lambda gm: [n.format_node() for n in gm.graph.nodes]  # noqa: E731
+    original = torch.fx.Graph.eliminate_dead_code
+    want = trace()
+    with _compat.dead_code_asked_when_unread():
+        got = trace()
+        graph = make_fx(lambda a: (a.cos(), a.sin())[1] + 1, tracing_mode="fake")(torch.randn(3)).graph
+        asked = []
+        assert graph.eliminate_dead_code(lambda n: asked.append(n.name) or n.op != "call_function")
+    assert torch.fx.Graph.eliminate_dead_code is original
+    assert described(got) == described(want)
+    assert sum(n.target is torch.ops.aten.sym_size.int for n in want.graph.nodes) == 1  # (x's, read; y's removed)
+    assert any(n.target is torch.ops.aten.mul.Tensor and not n.users for n in want.graph.nodes)
+    assert asked == ["output", "cos"]  # (last first; not the placeholder, sin nor add, which are read)
+    assert [n.name for n in graph.nodes] == ["a_1", "sin", "add", "output"]
+
+
+def test_quick_node_values_records_what_make_fx_records():
+    """make_fx under ``quick_node_values`` records on every node the metadata it records without it:
+    the same ``tensor_meta`` (shape, dtype, strides, memory format: contiguous, channels-last,
+    transposed, 0-d, integer, requiring grad) and a ``val`` of the same kind, layout and state, of
+    the trace's fake mode; fx's own verbs are back afterwards."""
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, i):
+        y = torch.nn.functional.conv2d(x.contiguous(memory_format=torch.channels_last), w)
+        return y.transpose(1, 3).sum(0), (i * 2).sum(), y.mean(), x.detach()
+
+    inputs = (torch.randn(2, 3, 5, 5, requires_grad=True), torch.randn(4, 3, 3, 3), torch.ones(3, dtype=torch.int64))
+    originals = (proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata)
+
+    def recorded():
+        gm = make_fx(f, tracing_mode="fake")(*inputs)
+        mode = next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].fake_mode
+        out = []
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                assert val.fake_mode is mode
+                state = sorted(k for k in vars(val) if k != "fake_mode")
+                layout = (type(val), val.shape, val.stride(), val.dtype, val.device, val.requires_grad, state)
+                out.append((n.name, layout, n.meta.get("tensor_meta")))
+        return out
+
+    want = recorded()
+    with _compat.quick_node_values():
+        assert (proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata) != originals
+        got = recorded()
+    assert (proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata) == originals
+    assert got == want
+    formats = {m.memory_format for _, _, m in want}
+    assert {torch.contiguous_format, torch.channels_last} <= formats and len(want) > 8

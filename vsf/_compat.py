@@ -86,6 +86,7 @@ __all__ = [
     "clear_sharding_caches",
     "copy_holding",
     "copy_node",
+    "dead_code_asked_when_unread",
     "decomposition",
     "dispatch_mode_base",
     "real_writes_refused",
@@ -125,6 +126,7 @@ __all__ = [
     "overload_name",
     "pipeline_order",
     "process_group_named",
+    "quick_node_values",
     "quiet_redistribute",
     "reconcile",
     "redistribute_local",
@@ -673,6 +675,81 @@ def kept_frames_only() -> Iterator[None]:
         yield
     finally:
         fx_proxy.CapturedTraceback = captured
+
+
+@contextlib.contextmanager
+def dead_code_asked_when_unread() -> Iterator[None]:
+    """Inside, fx's ``Graph.eliminate_dead_code`` given a side-effect predicate (``make_fx``'s pass
+    over the graph it made, which removes only unread shape accessors) removes what it removes,
+    last first, but asks the predicate only of the nodes nothing reads, and skips its consistency
+    check of the whole graph first: fx asks every node (about two milliseconds a layer of a deep
+    step's trace, to remove nothing). Without a predicate, and for the graph modules a graph
+    reads, fx's own pass runs."""
+    original = torch.fx.Graph.eliminate_dead_code
+
+    def eliminate_dead_code(
+        graph: torch.fx.Graph, is_impure_node: Callable[[torch.fx.Node], bool] | None = None
+    ) -> bool:
+        if is_impure_node is None:
+            return original(graph, is_impure_node)
+        changed = False
+        for node in reversed(graph.nodes):
+            if not node.users and not is_impure_node(node):
+                graph.erase_node(node)
+                changed = True
+        if graph.owning_module is not None:
+            read = {n.target for n in graph.find_nodes(op="get_attr")}
+            for name, child in graph.owning_module.named_children():
+                if name in read and isinstance(child, torch.fx.GraphModule):
+                    changed |= child.graph.eliminate_dead_code()
+                    child.recompile()
+        return changed
+
+    torch.fx.Graph.eliminate_dead_code = eliminate_dead_code  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.fx.Graph.eliminate_dead_code = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def quick_node_values() -> Iterator[None]:
+    """Inside, ``make_fx`` records on each node the value metadata it records anyway, quicker: the
+    snapshot of a fake value (``val``) made as :func:`track_as` makes one (:func:`_fake_of`, past
+    the fake tensor constructor's checks), and the ``tensor_meta`` of a fake tensor of static shape
+    worked out once per shape, strides, dtype and ``requires_grad`` (its memory format: fx asks up
+    to three contiguity questions through the trace's modes per node; a deep step's inputs alone
+    take about a millisecond a layer). A value of a real tensor, a quantized, sparse or symbolic
+    one goes fx's own way."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    from torch.fx.experimental import proxy_tensor
+
+    detach, extract = proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata
+    known: dict[tuple[Any, ...], Any] = {}
+
+    def snapshot(mode: Any, x: FakeTensor, include_real: bool = False) -> torch.Tensor:
+        if include_real and x.real_tensor is not None:
+            return detach(mode, x, include_real)
+        with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+            alias = torch.ops.aten.detach.default(x)
+        return _fake_of(alias, x, False)
+
+    def metadata(t: torch.Tensor, include_contiguity: bool = True) -> Any:
+        with torch._C.DisableTorchFunction():
+            static = isinstance(t, FakeTensor) and t.layout == torch.strided and not t.is_quantized
+            key = (tuple(t.shape), t.stride(), t.dtype, t.requires_grad, include_contiguity) if static else None
+        if key is None or any(not isinstance(n, int) for n in (*key[0], *key[1])):
+            return extract(t, include_contiguity)
+        if key not in known:
+            known[key] = extract(t, include_contiguity)
+        return known[key]._replace(qparams={})
+
+    proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata = snapshot, metadata
+    try:
+        yield
+    finally:
+        proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata = detach, extract
 
 
 def is_fake(t: torch.Tensor) -> bool:

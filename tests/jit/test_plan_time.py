@@ -222,13 +222,15 @@ def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):
 
 
 def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, monkeypatch):
-    """vsf's AdamW writes in foreach ops; only its update (the ops from the first such one on) is
-    traced again (its foreach ops not split in the graph: ``_splits_in_place`` off), not the
-    forward and backward before it, and the step's graph and plan are those of the whole graph
-    traced again."""
+    """vsf's AdamW writes in foreach ops where it does not stamp its updates per leaf
+    (``stamp_blocks`` off); only its update (the ops from the first such one on) is traced again
+    (its foreach ops not split in the graph: ``_splits_in_place`` off), not the forward and
+    backward before it, and the step's graph and plan are those of the whole graph traced again."""
+    import vsf
     from vsf.jit import functionalize
 
     sim(8, compute=False)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     alone = []
     check = functionalize._tail_writes_its_own
     monkeypatch.setattr(functionalize, "_splits_in_place", lambda *a: False)
@@ -258,11 +260,13 @@ def test_optimizer_foreach_split_in_the_graph_as_its_trace_records_it(sim, monke
     """AdamW's ``apply_updates`` is one ``_foreach_add`` after the last in-place-free op: it is
     split into per-leaf adds in the graph itself, not traced again, and the graph (every node's
     name, op, arguments, value metadata and stack trace) and the plan are those the trace of the
-    tail records (``mixed``: bf16 params among fp32 ones: a foreach op per dtype)."""
+    tail records (``mixed``: bf16 params among fp32 ones: a foreach op per dtype), where the
+    adds are not stamped per leaf (``stamp_blocks`` off)."""
     import vsf
     from vsf.jit import functionalize
 
     sim(8, compute=False)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     step, (p, s, idx, tgt) = _gpt_step(2, (1, 2, 2, 1, 2), optimizer=True)
     if mixed:
         p = {k: v.to(torch.bfloat16) if k.endswith("fc1.weight") else v for k, v in p.items()}
@@ -368,13 +372,15 @@ def test_blocks_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, shape):
     """An AdamW step of a 4-layer GPT on a 5D mesh: its blocks stamped from one trace and each
     leaf's Adam update from one trace per kind of leaf, the graph (every op in order, reading the
     same values) and plan (placements, redistributions, bytes, collectives) are those of every
-    block and update traced, and each op names the same user lines."""
+    block and update traced (apply_updates' foreach add split per leaf in the graph), and each op
+    names the same user lines."""
     import vsf
 
     sim(math.prod(shape), compute=False)
     step, args = _gpt_step(4, shape, optimizer=True)
     traced = step.trace(*args).stamped
-    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step", "detach"}
+    assert traced["Block"] == (4,) and set(traced) == {"Block", "adam_step", "detach", "add"}
+    assert sum(traced["add"]) == len(args[0]) > len(traced["add"])  # apply_updates' add of each leaf
     assert sum(traced["adam_step"]) == len(args[0]) > len(traced["adam_step"])  # every leaf's update, fewer traces
     assert sum(traced["detach"]) == len(args[0]) > len(traced["detach"])  # every leaf as value_and_grad takes it
     stamped = step.lower(*args)
@@ -384,6 +390,7 @@ def test_blocks_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, shape):
     one_by_one = step.lower(*args)
     assert_same_plans(stamped, one_by_one)
     assert_same_stack_traces(stamped, one_by_one)
+    assert _described(stamped) == _described(one_by_one)  # every node's name, arguments and value metadata too
 
 
 class _Block(torch.nn.Module):
@@ -600,3 +607,43 @@ def test_dead_code_eliminated_as_fx_eliminates_it():
     assert any(n.target == aten.add_.Tensor for n in gm.graph.nodes)
     assert not any(n.target in (aten.neg.default, aten.sin.default) for n in gm.graph.nodes)
     assert not any(n.target in (aten.neg.default, aten.exp.default) for n in gm.inner.graph.nodes)
+
+
+def test_unplanned_ops_asked_once_per_op_are_those_asked_node_by_node():
+    """:func:`vsf.jit.classify.unplanned_ops` asks an op's kind only of ops without DTensor rules:
+    it names the ops that classifying every node names (ops without rules on the inputs, not on a
+    constant alone, even where a constant's node comes first), and no other."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vsf.jit import classify
+
+    def f(x, y):
+        c = torch.arange(6.0).reshape(2, 3)
+        constant = torch.trace(c @ c.t())  # (no rules, but a constant: not asked to be decomposed)
+        shifted = torch.zeros_like(x)
+        shifted[:, 1:] = x[:, :-1]
+        return (
+            constant,
+            torch.nn.functional.mse_loss(x, y),
+            torch.trace(x @ y.t()),  # (no rules)
+            torch.renorm(x, 2, 0, 1.0) + shifted,
+            x.sin().sum(),
+        )
+
+    gm = make_fx(torch.func.functionalize(f), tracing_mode="fake")(torch.randn(2, 3), torch.randn(2, 3))
+    constants = classify.constant_nodes(gm.graph)
+    node_by_node = {
+        n.target
+        for n in classify.op_nodes(gm)
+        if n.target in classify.UNTRUSTED_STRATEGIES
+        or n.target in classify.BATCH_NORM_OPS
+        or n.target in classify.VARIANCE_DECOMPOSITIONS
+        or (
+            _compat.op_schema(n.target) is not None
+            and classify.classify(n, constants).kind == "none"
+            and not classify._adopt_inplace_strategy(n.target)
+        )
+    }
+    assert classify.unplanned_ops(gm) == node_by_node
+    assert {aten.mse_loss.default, aten.trace.default, aten.renorm.default} <= node_by_node
+    assert aten.sin.default not in node_by_node

@@ -46,7 +46,7 @@ def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, ch
     family = zoo.llama(3, use_cache=False, checkpointed=checkpointed)
     sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
     stamped, plan = _lowered(family)
-    assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step", "detach"}
+    assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step", "detach", "add"}
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     monkeypatch.setattr(solver.AxisSolver, "reuse", False)
     plain, one_by_one = _lowered(family)

@@ -230,19 +230,19 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
         >>> unplanned_ops(gm)
         {<OpOverload(op='aten.mse_loss', overload='default')>}
     """
-    constants = constant_nodes(gm.graph)
-    return {
-        node.target
-        for node in op_nodes(gm)
-        if node.target in UNTRUSTED_STRATEGIES
-        or node.target in BATCH_NORM_OPS
-        or node.target in VARIANCE_DECOMPOSITIONS
-        or (
-            _compat.op_schema(node.target) is not None
-            and classify(node, constants).kind == "none"
-            and not _adopt_inplace_strategy(node.target)
-        )
-    }
+    found: set[Any] = set()
+    constants: frozenset[torch.fx.Node] | None = None
+    for node in op_nodes(gm):
+        op = node.target
+        if op in found:
+            continue
+        if op in UNTRUSTED_STRATEGIES or op in BATCH_NORM_OPS or op in VARIANCE_DECOMPOSITIONS:
+            found.add(op)
+        elif _compat.op_schema(op) is not None and _compat.registered_rules(op) is None:  # (else never of kind none)
+            constants = constant_nodes(gm.graph) if constants is None else constants
+            if classify(node, constants).kind == "none" and not _adopt_inplace_strategy(op):
+                found.add(op)
+    return found
 
 
 @functools.cache

@@ -51,10 +51,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,15 +61,11 @@ import torch.fx
 
 from vsf import _compat, tree
 from vsf.errors import TraceError
-from vsf.ops import recording
+from vsf.jit.stamp_key import Call, args_key, block_key, read_values, rebuild, recording_reads, stampable_now
 
 __all__ = ["Stamper"]
 
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _UNTRACED = object()
-_MISSING = object()
-_MODULE_STATE = set(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: tables, hooks, training
 
 
 @dataclasses.dataclass
@@ -92,18 +87,6 @@ class _Trace:
     grads: list[torch.fx.Node | None]
     name: str
     stack: str | None  # the stack trace of the call it was traced at, which its nodes' traces start with
-
-
-@dataclasses.dataclass
-class _Call:
-    """One call of a block: its modules (itself first, each once), the slots of their tensors, its operands (those tensors, then the
-    arguments' tensors), and how to put the arguments back together from tensors."""
-
-    modules: list[torch.nn.Module]
-    slots: list[tuple[dict[str, Any], str]]
-    operands: list[torch.Tensor]
-    leaves: list[Any]
-    treedef: tree.PyTreeSpec
 
 
 class Stamper:
@@ -145,7 +128,7 @@ class Stamper:
         self.blocks.update(id(b) for c in containers for b in _repeated(c))
         if id(module) not in self.blocks:
             return forward(*args, **kwargs)
-        keyed = _keyed(module, args, kwargs, self.tracer)
+        keyed = block_key(module, args, kwargs, self.tracer)
         if keyed is None:
             return forward(*args, **kwargs)
         key, call = keyed
@@ -165,34 +148,39 @@ class Stamper:
 
             >>> outs = stamper.apply(torch.ops.vsf.adam_step, rows, "adam_step")
         """
+        if not stampable_now():
+            return [fn(*row) for row in rows]
         now, out = _compat.stack_trace_now(self.tracer), []
         for row in rows:
-            keyed = _call_keyed(row, {}, self.tracer)
+            keyed = args_key(row, {}, self.tracer)
             out.append(fn(*row) if keyed is None else self._stamp((fn, name, keyed[0]), keyed[1], fn, name, now))
         return out
 
-    def _stamp(self, key: Any, call: _Call, forward: Callable[..., Any], name: str, now: str | None) -> Any:
+    def _stamp(self, key: Any, call: Call, forward: Callable[..., Any], name: str, now: str | None) -> Any:
         """The call stamped from the trace of its key (traced now if it is the first) with the stack
         trace ``now``, or run as it is (``forward`` on its arguments) where no trace can stand for it."""
         traces = self.traces.setdefault(key, [])
-        traced = next((t for reads, values, t in traces if _values(call.modules, reads) == values), _UNTRACED)
+        traced = next((t for reads, values, t in traces if read_values(call.modules, reads) == values), _UNTRACED)
         if traced is _UNTRACED:
             reads, traced = self._trace(forward, call, name)
-            traces.append((reads, _values(call.modules, reads), traced))
+            traces.append((reads, read_values(call.modules, reads), traced))
         if traced is None:
-            args, kwargs = _rebuild(call, call.operands[len(call.slots) :])
+            args, kwargs = rebuild(call, call.operands[len(call.slots) :])
             return forward(*args, **kwargs)
         if id(traced) not in self._uses:
             self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))
             self.stamped[traced.name].append(0)
         self.stamped[traced.name][self._uses[id(traced)]] += 1
-        outs = iter(_Replay.apply(self.tracer, traced, now, *call.operands))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in call.operands):
+            outs = iter(_Replay.apply(self.tracer, traced, now, *call.operands))
+        else:  # (no gradient flows: the copies alone, as _Replay's forward makes them)
+            outs = iter(_replayed(self.tracer, traced, now, call.operands)[0])
         return tree.unflatten(
             traced.out_tree, [next(outs) if n is not None else c for n, c in zip(traced.outs, traced.consts)]
         )
 
     def _trace(
-        self, forward: Callable[..., Any], call: _Call, name: str
+        self, forward: Callable[..., Any], call: Call, name: str
     ) -> tuple[frozenset[tuple[int, str]], _Trace | None]:
         """Trace the block by itself on fresh inputs like the call's, forward and (where a grad
         flows) backward: the attributes of its modules its code read (by module index and name),
@@ -206,7 +194,7 @@ class Stamper:
             for (table, name), x in zip(call.slots, xs):
                 table[name] = x
             try:  # (the block's own tensors stay swapped for a backward that recomputes it: checkpointing)
-                with _recording_reads(call.modules) as marks["reads"]:
+                with recording_reads(call.modules) as marks["reads"]:
                     return _joint(forward, call, list(xs), marks)
             finally:
                 for (table, name), t in zip(call.slots, placed):
@@ -221,13 +209,13 @@ class Stamper:
 
 
 def _joint(
-    forward: Callable[..., Any], call: _Call, xs: list[torch.Tensor], marks: dict[str, Any]
+    forward: Callable[..., Any], call: Call, xs: list[torch.Tensor], marks: dict[str, Any]
 ) -> list[torch.Tensor]:
     """Run the block on ``xs`` (its slots' tensors, then its arguments'), and its backward where a
     gradient flows, noting in ``marks`` where each part of the trace starts and ends and which
     nodes are its outputs, the stand-ins of their gradients, and the inputs' gradients."""
     inner = _compat.tracer()
-    args, kwargs = _rebuild(call, xs[len(call.slots) :])
+    args, kwargs = rebuild(call, xs[len(call.slots) :])
     out = forward(*args, **kwargs)
     leaves, marks["tree"] = tree.flatten(out)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -310,10 +298,7 @@ class _Replay(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, tracer: Any, traced: _Trace, stack: str | None, *operands: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        env = {p: _compat.traced_node(t, tracer) for p, t in zip(traced.inputs, operands)}
-        _copy(tracer, traced.forward, env, traced.stack, stack)
-        outs = [n for n in traced.outs if n is not None]
-        values = tuple(_compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer) for n in outs)
+        values, env = _replayed(tracer, traced, stack, operands)
         ctx.mark_non_differentiable(*(v for v, d in zip(values, traced.differentiable) if not d))
         ctx.stamp = (tracer, traced, env, [t.requires_grad for t in operands])
         return values
@@ -335,25 +320,44 @@ class _Replay(torch.autograd.Function):
                     f"{want.dtype} {list(want.shape)}; set vsf.config.stamp_blocks = False to trace every block by itself"
                 )
             env[node] = _compat.traced_node(_laid_out_like(g, want), tracer)
-        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer))
+        tracked = [n if need else None for n, need in zip(traced.grads, needs)]
+        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer), set(tracked))
         out = [
-            None if n is None or not need else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)
-            for n, need in zip(traced.grads, needs)
+            None if n is None else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)
+            for n in tracked
         ]
         return (None, None, None, *out)
 
 
+def _replayed(
+    tracer: Any, traced: _Trace, stack: str | None, operands: Sequence[torch.Tensor]
+) -> tuple[tuple[torch.Tensor, ...], dict[torch.fx.Node, Any]]:
+    """A stamped block's forward: its trace's forward nodes copied into ``tracer``'s graph reading
+    the nodes of ``operands``, with the stack trace ``stack``; the new tensors the trace reads as
+    its tensor outputs, and the map from the trace's nodes to their copies."""
+    env = {p: _compat.traced_node(t, tracer) for p, t in zip(traced.inputs, operands)}
+    outs = [n for n in traced.outs if n is not None]
+    _copy(tracer, traced.forward, env, traced.stack, stack, set(outs))
+    return tuple(_compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer) for n in outs), env
+
+
 def _copy(
-    tracer: Any, nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, Any], was: str | None, now: str | None
+    tracer: Any,
+    nodes: Sequence[torch.fx.Node],
+    env: dict[torch.fx.Node, Any],
+    was: str | None,
+    now: str | None,
+    tracked: set[torch.fx.Node | None],
 ) -> None:
     """Copy ``nodes`` into ``tracer``'s graph, each reading the copies ``env`` maps its inputs to,
-    each with a value of its own (a later trace reads the graph's values as distinct tensors), and
-    with the stack trace the step's trace records here: the frames ``now`` in place of the frames
-    ``was`` of the call the block was traced at, before the block's own."""
+    each with a value of its own (a later trace reads the graph's values as distinct tensors; the
+    copies of the ``tracked`` nodes get theirs from ``_compat.track_as`` next), and with the stack
+    trace the step's trace records here: the frames ``now`` in place of the frames ``was`` of the
+    call the block was traced at, before the block's own."""
     graph, read = tracer.graph, env.__getitem__
     for node in nodes:
         new = _compat.copy_node(graph, node, read)
-        if "val" in new.meta:
+        if "val" in new.meta and node not in tracked:
             new.meta["val"] = _fresh(new.meta["val"])
         if (trace := new.meta.get("stack_trace")) is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
@@ -389,111 +393,3 @@ def _writes(node: torch.fx.Node) -> bool:
         return False
     schema = _compat.op_schema(node.target)
     return schema is None or schema.is_mutable
-
-
-def _keyed(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any
-) -> tuple[Any, _Call] | None:
-    """The key of a block call (the module docstring says what it holds) and the call's tensors,
-    or ``None`` where the call is not to be stamped."""
-    modules = list(module.named_modules(remove_duplicate=False))
-    slots: list[tuple[dict[str, Any], str]] = []
-    key: list[Any] = []
-    for prefix, m in modules:
-        if any(getattr(m, h, None) for h in _HOOKS):
-            return None
-        key.append((prefix, type(m), m.training))
-        params, buffers, _ = _compat.module_tables(m)
-        for table in (params, buffers):
-            for name, t in table.items():
-                if t is not None:
-                    slots.append((table, name))
-                    key.append((prefix, name, _meta(t)))
-    keyed = _call_keyed(args, kwargs, tracer, [table[name] for table, name in slots])
-    if keyed is None or _compat.global_module_hooks():
-        return None
-    call_key, call = keyed
-    unique = list({id(m): m for _, m in modules}.values())
-    return (*key, call_key), dataclasses.replace(call, modules=unique, slots=slots)
-
-
-def _call_keyed(
-    args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any, held: Sequence[torch.Tensor] = ()
-) -> tuple[Any, _Call] | None:
-    """The key of a call's arguments (grad mode, structure, each tensor's metadata, each other
-    value) and the call (its operands: the ``held`` tensors, then the arguments'), or ``None``
-    where no trace may stand for it (the module docstring says when)."""
-    if _compat.saved_tensor_hooks() or not _compat.only_tracing_modes():
-        return None
-    if recording.grad_depth() > 1:  # its backward will be differentiated again, which copied ops cannot record
-        return None
-    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-        return None
-    leaves, treedef = tree.flatten((args, kwargs))
-    if any(not isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves):
-        return None
-    key = (
-        torch.is_grad_enabled(),
-        treedef,
-        *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
-    )
-    operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
-    if len({id(t) for t in operands}) != len(operands) or any(_compat.traced_node(t, tracer) is None for t in operands):
-        return None
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key, _Call([], [], operands, leaves, treedef)
-
-
-@contextlib.contextmanager
-def _recording_reads(modules: list[torch.nn.Module]) -> Iterator[set[tuple[int, str]]]:
-    """Record which attributes of their own (not nn.Module's tables, hooks or training flag) the
-    code running now reads from ``modules`` by name, as (index in ``modules``, name); a read
-    through ``vars(module)`` is not seen (torch reads every module's ``__dict__`` on each call).
-    Each module runs as a subclass of its class that records them while the context is open."""
-    reads: set[tuple[int, str]] = set()
-    classes = [type(m) for m in modules]
-    for i, m in enumerate(modules):
-        m.__class__ = _recording(type(m), i, reads)
-    try:
-        yield reads
-    finally:
-        for m, cls in zip(modules, classes):
-            m.__class__ = cls
-
-
-def _recording(cls: type, index: int, reads: set[tuple[int, str]]) -> type:
-    def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
-        if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
-            reads.add((index, name))
-        return super(recorder, self).__getattribute__(name)
-
-    recorder = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
-    return recorder
-
-
-def _values(modules: list[torch.nn.Module], reads: frozenset[tuple[int, str]]) -> tuple[Any, ...]:
-    """The values of the attributes ``reads`` names, in ``modules``, as the key holds them."""
-    return tuple((i, name, _plain(vars(modules[i]).get(name, _MISSING))) for i, name in sorted(reads))
-
-
-def _plain(v: Any) -> Any:
-    """An attribute's value as the key holds it: itself where plain, else its identity."""
-    if isinstance(v, _PLAIN):
-        return (type(v), v)
-    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
-        return (tuple, v)
-    return ("id", id(v))
-
-
-def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    with _compat.metadata_reads():
-        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
-
-
-def _rebuild(call: _Call, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    it = iter(tensors)
-    args, kwargs = tree.unflatten(call.treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in call.leaves])
-    return tuple(args), dict(kwargs)

@@ -220,9 +220,10 @@ def trace(
         return tensors
 
     with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
-        traced = _trace(
-            fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
-        )
+        with _compat.dead_code_asked_when_unread(), _compat.quick_node_values():
+            traced = _trace(
+                fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
+            )
     return dataclasses.replace(traced, split_inputs=dict(split), stamped=stamped)
 
 
@@ -245,23 +246,30 @@ def _stamping(
     stamped.update({k: tuple(v) for k, v in stamper.stamped.items()})
 
 
-def per_leaf(fn: Callable[..., Any], rows: Iterable[tuple[Any, ...]], name: str) -> list[Any]:
+def per_leaf(
+    fn: Callable[..., Any], rows: Iterable[tuple[Any, ...]], name: str, together: Callable[..., list[Any]] | None = None
+) -> list[Any]:
     """``[fn(*row) for row in rows]``: an update applied to each leaf of a tree. While a step is
     traced with ``stamp_blocks`` on (and this is the step's trace, not one beside it), ``fn`` is
     traced once per distinct key of its row (``fn``, each tensor's shape, strides, dtype, device
     and ``requires_grad``, each other value: a float hyper-parameter, a ``None`` for a leaf
     without weight decay) and its ops are copied for the other rows alike (:mod:`vsf.jit.stamp`),
     reported under ``name`` in :attr:`Traced.stamped`. ``fn`` must read no tensor but its row's
-    (one that does is traced row by row).
+    (one that does is traced row by row). Otherwise ``together`` (a foreach op), where given,
+    computes every row at once from the rows' columns: one node of a trace, split per row later.
 
     Example::
 
         >>> outs = per_leaf(torch.ops.vsf.adam_step, zip(grads, mus, nus, params, ...), "adam_step")
+        >>> sums = per_leaf(torch.add, zip(params, updates), "add", together=torch._foreach_add)
     """
+    rows = [tuple(row) for row in rows]
     step = _TRACING[-1] if _TRACING else None
     if step is None or not step.stampers or _compat.tracer() is not step.tracer:
+        if together is not None and rows:
+            return list(together(*(list(column) for column in zip(*rows))))
         return [fn(*row) for row in rows]
-    return step.stampers[-1].apply(fn, [tuple(row) for row in rows], name)
+    return step.stampers[-1].apply(fn, rows, name)
 
 
 def _draws(node: torch.fx.Node) -> bool:

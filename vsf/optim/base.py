@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vsf import tree
+from vsf.jit.trace import per_leaf
 from vsf.optim import _leaves
 
 __all__ = [
@@ -74,7 +75,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 
 def _add(ps: list[torch.Tensor], us: list[torch.Tensor]) -> tuple[list[torch.Tensor]]:
-    out = torch._foreach_add(ps, us)
+    out = per_leaf(torch.add, zip(ps, us), "add", together=torch._foreach_add)
     return ([o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(out, ps)],)
 
 

@@ -1,0 +1,205 @@
+"""What must match for two calls to share a trace (:mod:`vsf.jit.stamp`): a block call's key and
+its tensors, and whether a trace may stand for a call made now.
+
+The key holds each module's class and training flag, the parameters' and buffers' names, shapes,
+strides, dtypes, devices and ``requires_grad``, the call's argument structure, its tensors'
+metadata and its other arguments' values, and grad mode; the attributes of its modules the
+traced code read are compared apart (:func:`recording_reads`, :func:`read_values`).
+
+Example::
+
+    >>> key, call = block_key(model.blocks[0], (x,), {}, tracer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from vsf import _compat, tree
+from vsf.ops import recording
+
+__all__ = ["Call", "args_key", "block_key", "call_key", "read_values", "rebuild", "recording_reads", "stampable_now"]
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_MISSING = object()
+_MODULE_STATE = set(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: tables, hooks, training
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of a block: its modules (itself first, each once), the slots of their tensors, its operands (those tensors, then the
+    arguments' tensors), and how to put the arguments back together from tensors."""
+
+    modules: list[torch.nn.Module]
+    slots: list[tuple[dict[str, Any], str]]
+    operands: list[torch.Tensor]
+    leaves: list[Any]
+    treedef: tree.PyTreeSpec
+
+
+def block_key(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any
+) -> tuple[Any, Call] | None:
+    """The key of a block call (the module docstring says what it holds) and the call's tensors,
+    or ``None`` where the call is not to be stamped (a hook on one of its modules, or where
+    :func:`call_key` says so).
+
+    Example::
+
+        >>> key, call = block_key(model.blocks[0], (x,), {}, tracer)
+        >>> call.operands[: len(call.slots)]  # the block's parameters and buffers, then x
+    """
+    modules = list(module.named_modules(remove_duplicate=False))
+    slots: list[tuple[dict[str, Any], str]] = []
+    key: list[Any] = []
+    for prefix, m in modules:
+        if any(getattr(m, h, None) for h in _HOOKS):
+            return None
+        key.append((prefix, type(m), m.training))
+        params, buffers, _ = _compat.module_tables(m)
+        for table in (params, buffers):
+            for name, t in table.items():
+                if t is not None:
+                    slots.append((table, name))
+                    key.append((prefix, name, _meta(t)))
+    keyed = call_key(args, kwargs, tracer, [table[name] for table, name in slots])
+    if keyed is None or _compat.global_module_hooks():
+        return None
+    arguments, call = keyed
+    unique = list({id(m): m for _, m in modules}.values())
+    return (*key, arguments), dataclasses.replace(call, modules=unique, slots=slots)
+
+
+def call_key(
+    args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any, held: Sequence[torch.Tensor] = ()
+) -> tuple[Any, Call] | None:
+    """The key of a call's arguments (grad mode, structure, each tensor's metadata, each other
+    value) and the call (its operands: the ``held`` tensors, then the arguments'), or ``None``
+    where no trace may stand for it (the module docstring says when).
+
+    Example::
+
+        >>> key, call = call_key((grad, mu, nu), {}, tracer)
+    """
+    return args_key(args, kwargs, tracer, held) if stampable_now() else None
+
+
+def stampable_now() -> bool:
+    """May a trace stand for a call made now: no hooks on saved tensors, no dispatch mode but the
+    trace's, no nested differentiation, no autocast (the module docstring says why)?
+
+    Example::
+
+        >>> with torch.autocast("cpu"):
+        ...     assert not stampable_now()
+    """
+    if _compat.saved_tensor_hooks() or not _compat.only_tracing_modes():
+        return False
+    if recording.grad_depth() > 1:  # its backward will be differentiated again, which copied ops cannot record
+        return False
+    return not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+
+
+def args_key(
+    args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any, held: Sequence[torch.Tensor] = ()
+) -> tuple[Any, Call] | None:
+    """:func:`call_key` where :func:`stampable_now` holds (asked once for many calls).
+
+    Example::
+
+        >>> keys = [args_key(row, {}, tracer) for row in rows] if stampable_now() else None
+    """
+    leaves, treedef = tree.flatten((args, kwargs))
+    if any(not isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves):
+        return None
+    key = (
+        torch.is_grad_enabled(),
+        treedef,
+        *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
+    )
+    operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
+    if len({id(t) for t in operands}) != len(operands) or any(_compat.traced_node(t, tracer) is None for t in operands):
+        return None
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key, Call([], [], operands, leaves, treedef)
+
+
+@contextlib.contextmanager
+def recording_reads(modules: list[torch.nn.Module]) -> Iterator[set[tuple[int, str]]]:
+    """Record which attributes of their own (not nn.Module's tables, hooks or training flag) the
+    code running now reads from ``modules`` by name, as (index in ``modules``, name); a read
+    through ``vars(module)`` is not seen (torch reads every module's ``__dict__`` on each call).
+    Each module runs as a subclass of its class that records them while the context is open.
+
+    Example::
+
+        >>> with recording_reads([block]) as reads:
+        ...     block(x)
+        >>> reads
+        {(0, 'scale')}
+    """
+    reads: set[tuple[int, str]] = set()
+    classes = [type(m) for m in modules]
+    for i, m in enumerate(modules):
+        m.__class__ = _recording(type(m), i, reads)
+    try:
+        yield reads
+    finally:
+        for m, cls in zip(modules, classes):
+            m.__class__ = cls
+
+
+def _recording(cls: type, index: int, reads: set[tuple[int, str]]) -> type:
+    def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+        if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
+            reads.add((index, name))
+        return super(recorder, self).__getattribute__(name)
+
+    recorder = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
+    return recorder
+
+
+def read_values(modules: list[torch.nn.Module], reads: frozenset[tuple[int, str]]) -> tuple[Any, ...]:
+    """The values of the attributes ``reads`` names, in ``modules``, as the key holds them.
+
+    Example::
+
+        >>> read_values([attention], frozenset({(0, "head_dim")}))
+        ((0, 'head_dim', (<class 'int'>, 64)),)
+    """
+    return tuple((i, name, _plain(vars(modules[i]).get(name, _MISSING))) for i, name in sorted(reads))
+
+
+def _plain(v: Any) -> Any:
+    """An attribute's value as the key holds it: itself where plain, else its identity."""
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
+        return (tuple, v)
+    return ("id", id(v))
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    with _compat.metadata_reads():
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def rebuild(call: Call, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's ``(args, kwargs)`` with ``tensors`` in its tensors' places.
+
+    Example::
+
+        >>> args, kwargs = rebuild(call, call.operands[len(call.slots) :])
+    """
+    it = iter(tensors)
+    args, kwargs = tree.unflatten(call.treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in call.leaves])
+    return tuple(args), dict(kwargs)

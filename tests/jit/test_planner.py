@@ -76,6 +76,27 @@ def test_each_kind_of_op_is_classified_once_from_its_target_and_arguments():
     assert classify(attr).kind == "constant"
 
 
+# (op, args, whether it draws from torch's generator), by torch's semantics: attention's tag is for
+# its dropout; dropout with probability 0 or not training is the identity
+x4 = torch.ones(2, 2, 2, 2)
+DRAWS = [
+    (aten.mm.default, (x4[0, 0], x4[0, 0]), False),
+    (aten.rand.default, ([2],), True),
+    (aten._scaled_dot_product_flash_attention_for_cpu.default, (x4, x4, x4), False),
+    (aten._scaled_dot_product_flash_attention_for_cpu.default, (x4, x4, x4, 0.1), True),
+    (aten.native_dropout.default, (x4, 0.1, True), True),
+    (aten.native_dropout.default, (x4, 0.1, False), False),
+    (aten.native_dropout.default, (x4, 0.0, True), False),
+]
+
+
+@pytest.mark.parametrize("op, args, draws", DRAWS, ids=[f"{op.__name__}-{i}" for i, (op, _, _) in enumerate(DRAWS)])
+def test_draws_random_follows_the_ops_dropout_arguments(op, args, draws):
+    from vsf.jit.classify import draws_random
+
+    assert draws_random(op, args, {}) is draws
+
+
 def test_a_constraint_is_classified_by_its_op():
     g = torch.fx.Graph()
     x = g.placeholder("x")

@@ -154,21 +154,33 @@ for _op in ATTENTION_OPS:
 OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]  # see the module docs
 
 
+# argument values that make a seeded op deterministic (attention without dropout, dropout with
+# probability 0 or not training)
+_NO_DRAW = {"dropout_p": 0.0, "dropout": 0.0, "p": 0.0, "train": False}
+
+
 def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Does calling ``op`` on ``args``/``kwargs`` draw random numbers? An op PyTorch tags random
-    (``nondeterministic_seeded``) does, except an attention kernel called without dropout
-    (``dropout_p`` 0: the tag is for its dropout, and without it the kernel reads no generator).
+    """Does calling the aten ``op`` on ``args``/``kwargs`` draw from torch's generator? An op PyTorch
+    tags random (``nondeterministic_seeded``) does, unless an argument makes it deterministic
+    (:data:`_NO_DRAW`: a dropout probability of 0, given or by default, or ``train=False``; the
+    tag of an attention kernel is for its dropout).
 
     Example::
 
         >>> draws_random(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v), {})
         False
+        >>> draws_random(aten.native_dropout.default, (x, 0.1, True), {})
+        True
     """
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
-    names = [a.name for a in _compat.op_schema(op).arguments]
-    given = {**dict(zip(names, args)), **kwargs}
-    return "dropout_p" not in names or given.get("dropout_p", 0.0) != 0.0
+    arguments = _compat.op_schema(op).arguments
+    bound = (
+        {a.name: a.default_value for a in arguments if a.has_default_value()}
+        | dict(zip((a.name for a in arguments), args))
+        | dict(kwargs)
+    )
+    return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from vsf.jit.cost import op_flops
 from vsf.jit.graph import GETITEM, is_view
 from vsf.jit.memory import peak_bytes
 from vsf.jit.plan import Plan
-from vsf.jit.trace import draws_random
+from vsf.jit.classify import draws_random
 
 __all__ = ["recomputed", "recompute_blocks", "within_budget", "without_recompute"]
 

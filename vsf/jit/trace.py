@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from vsf import _compat, tree
 from vsf.config import PlanOptions
 from vsf.errors import TraceError
+from vsf.jit.classify import draws_random
 from vsf.jit.functionalize import functionalized
 from vsf.jit.graph import constant_write, eliminate_dead_code, is_library_file, placeholders_of, source_line
 from vsf.jit.stamp import Stamper
@@ -441,27 +442,6 @@ def _cell_value(cell: Any) -> Any:
         return cell.cell_contents
     except ValueError:
         return None
-
-
-_NO_DRAW = {
-    "dropout_p": 0.0,
-    "dropout": 0.0,
-    "p": 0.0,
-    "train": False,
-}  # argument values that make a seeded op deterministic
-
-
-def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Whether a call of the aten ``op`` draws from torch's generator (tagged ``nondeterministic_seeded``,
-    unless its dropout probability is 0 or it is not training, e.g. attention without dropout)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
-        return False
-    schema = _compat.op_schema(op)
-    defaults = {
-        a.name: a.default_value for a in schema.arguments if a.has_default_value()
-    }  # SDPA called without dropout_p
-    bound = defaults | dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
-    return not any(name in bound and bound[name] == value for name, value in _NO_DRAW.items())
 
 
 def _reject_unkeyed_random(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:

@@ -39,7 +39,7 @@ from vsf.random import samplers
 from vsf.random.dropout import dropout, keep_mask
 from vsf.random.keys import check_key, fold_in
 from vsf.sharding.named import sharding_of
-from vsf.jit.trace import draws_random
+from vsf.jit.classify import draws_random
 
 __all__ = ["keyed"]
 

@@ -220,14 +220,18 @@ def bench_planning(quick: bool) -> list[dict]:
 
 def interleaved_times(steps: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
     """Each step's wall time in each of ``reps`` rounds, the steps taken in turn within a round so
-    that all see the same machine load. Every rank starts a step together (a barrier), and a time
-    is the slowest rank's (an all-reduce MAX), on every rank."""
+    that all see the same machine load, in their order in even rounds and in reverse in odd ones:
+    over an even ``reps`` every step runs as often after each neighbour as before it, at the same
+    mean position (in a fixed order one step always ran after the same other one). Every rank starts a step together
+    (a barrier), and a time is the slowest rank's (an all-reduce MAX), on every rank."""
     import torch
     import torch.distributed as dist
 
     times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(reps):
-        for name, run in steps.items():
+    names = list(steps)
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            run = steps[name]
             dist.barrier()
             t0 = time.perf_counter()
             run()

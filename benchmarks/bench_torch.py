@@ -272,8 +272,9 @@ def _worker(out: str, quick: bool) -> None:
     ) in steps.items():  # warm up (the vsf steps trace their programs on the first call; the compiled ones compile)
         first[name] = _slowest(run)
         run()
-    # 15 rounds quick (was 3): two rows of one program read medians 10% apart over 30 rounds at load 10
-    times = interleaved_times(steps, 15 if quick else 8)
+    # 16 rounds quick (was 3, then 15: two rows of one program read medians 10% apart over 30 rounds at
+    # load 10); an even count: half the rounds in each order (interleaved_times)
+    times = interleaved_times(steps, 16 if quick else 8)
     result = {"seconds": {k: statistics.median(v) for k, v in times.items()}, "first": first}
     result["launches"] = {"vsf_fsdp": _launches(vsf_fsdp), "fsdp2": _launches(steps["fsdp2"])}
     result["peak"] = {"vsf_fsdp": _peak_bytes(vsf_fsdp), "fsdp2": _peak_bytes(steps["fsdp2"])}

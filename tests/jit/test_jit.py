@@ -452,6 +452,12 @@ def test_donated_arguments_are_released_and_refused_afterwards(sim):
         f(p)
     with pytest.raises(RuntimeError, match=r"donated to .*args\[0\]\['w'\]"):
         p["w"] + 1
+    newer = f(new)  # a later call's leaves get the program's stand-ins, made on the first call
+    torch.testing.assert_close(vsf.device_get(newer["b"]), torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError, match=r"donated to .*args\[0\]\['w'\]"):
+        new["w"] * 2
+    with pytest.raises(RuntimeError, match=r"donated to .*args\[0\]\['b'\]"):
+        f(new)
 
 
 def test_a_call_names_no_argument_unless_a_message_needs_one(sim, monkeypatch):

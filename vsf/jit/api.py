@@ -33,7 +33,7 @@ from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
-from vsf.jit.donation import donate
+from vsf.jit.donation import Donated, donate
 from vsf.jit.graph import output_node
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
@@ -227,7 +227,7 @@ class Jitted:
         call = self._prepare(args, kwargs)
         compiled = self._cache.get(call.key) or self._compile(call)
         result = compiled._run(call, check)
-        donate(args, self.donate_argnums, self._name)
+        donate(args, self.donate_argnums, self._name, compiled.stand_ins)
         return result
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -387,6 +387,7 @@ class Compiled:
         self.input_names = input_names
         self.output_names = output_names
         self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
+        self.stand_ins: dict[tuple[int, int], Donated] = {}  # what each donated leaf holds after a call (donate)
         dm = plan.mesh.device_mesh
         self._out_specs = [_compat.dtensor_layout(dm, pl, m) for m, pl in zip(_out_metas(traced), plan.outputs)]
 
@@ -397,7 +398,7 @@ class Compiled:
                 f"these arguments do not match the signature this program of {self.owner._name} was compiled for"
             )
         result = self._run(call, config.check_plan)
-        donate(args, self.owner.donate_argnums, self.owner._name)
+        donate(args, self.owner.donate_argnums, self.owner._name, self.stand_ins)
         return result
 
     def _run(self, call: Call, check: bool) -> Any:

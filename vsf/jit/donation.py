@@ -27,18 +27,19 @@ __all__ = ["Donated", "allocates", "check_not_donated", "donate", "reuse_donated
 
 class Donated(torch.Tensor):
     """Stands in for a donated DTensor's local shard: any use raises an error that says why
-    (leaf ``k`` of argument ``i``, the tree ``arg``, donated to the function ``name``)."""
+    (leaf ``k`` of argument ``i``, a tree of structure ``structure``, donated to the function ``name``)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str, i: int, arg: Any, k: int) -> "Donated":
+    def __new__(cls, like: torch.Tensor, name: str, i: int, structure: tree.PyTreeSpec, k: int) -> "Donated":
         r = _compat.wrapper_tensor(cls, like)
-        r._donated_to = (name, i, arg, k)
+        r._donated_to = (name, i, structure, k)
         return r
 
     @property
     def where(self) -> str:
         """``fn (as args[i]['path'])``: written only when an error needs it, not on every call."""
-        name, i, arg, k = self._donated_to
+        name, i, structure, k = self._donated_to
+        arg = tree.unflatten(structure, [object() for _ in range(structure.num_leaves)])
         return f"{name} (as args[{i}]{tree.keystr(tree.leaves_with_path(arg)[k][0], brackets=True)})"
 
     @classmethod
@@ -51,14 +52,21 @@ class Donated(torch.Tensor):
         )
 
 
-def donate(args: tuple[Any, ...], argnums: Sequence[int], name: str) -> None:
-    """Release the DTensors of positional arguments ``argnums`` of a call of ``name``."""
+def donate(args: tuple[Any, ...], argnums: Sequence[int], name: str, stand_ins: dict[tuple[int, int], Donated]) -> None:
+    """Release the DTensors of positional arguments ``argnums`` of a call of ``name``: leaf ``k``
+    of argument ``i`` gets the stand-in ``stand_ins[i, k]``, made on the first call and kept there
+    by the caller for every later call of one program (its arguments have one structure): making
+    a stand-in took half of a call's donation (a GPT step's 110 leaves: 0.25 of 0.45 ms)."""
     for i in argnums:
         if i >= len(args):
             continue
-        for k, leaf in enumerate(tree.leaves(args[i])):
+        leaves, structure = tree.flatten(args[i])
+        for k, leaf in enumerate(leaves):
             if isinstance(leaf, DTensor):
-                _compat.swap_local(leaf, Donated(_compat.dtensor_local(leaf), name, i, args[i], k))
+                stand_in = stand_ins.get((i, k))
+                if stand_in is None:
+                    stand_in = stand_ins[i, k] = Donated(_compat.dtensor_local(leaf), name, i, structure, k)
+                _compat.swap_local(leaf, stand_in)
 
 
 def check_not_donated(leaf: DTensor, name: Callable[[], str]) -> None:

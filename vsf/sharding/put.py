@@ -268,6 +268,9 @@ def device_get(x: Any) -> Any:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor) and _replicated_here(t):
+        local = _compat.dtensor_local(t)
+        return local.view_as(local)  # what full_tensor() returns here, without its redistribute (a loss: 4 us, was 240)
     if isinstance(t, DTensor) and has_balanced([t.placements]):
         return _unbalance(t, sharding_of(t))
     if isinstance(t, DTensor):
@@ -283,6 +286,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         with _compat.local_mode_disabled():
             return _compat.reconcile(full)
     return full
+
+
+def _replicated_here(t: DTensor) -> bool:
+    """Is ``t`` whole on every rank (replicated on every mesh axis), a real tensor (not simulated
+    ranks) and outside autograd, so its local tensor is its full value?"""
+    return (
+        not t.requires_grad
+        and all(type(p) is Replicate for p in t.placements)
+        and not _compat.is_local_tensor(_compat.dtensor_local(t))
+    )
 
 
 def _unbalance(t: DTensor, s: NamedSharding) -> torch.Tensor:

@@ -52,6 +52,35 @@ def inputs(skewed: bool) -> dict[str, torch.Tensor]:
     }
 
 
+def _dispatched_like(experts_fn, p, oracle, mesh, token_axes, specs, rtol, atol):
+    """``experts_fn`` run through ``vsf.nn.expert_parallel`` over ``ep`` in a jitted step on ``mesh``
+    (the tokens, gates and routing split over ``token_axes``, the weights by ``specs``): its loss and
+    every gradient equal ``oracle`` (the one-device loss and gradients, to ``rtol``/``atol``), each
+    gradient laid out as its input. Returns the step, its inputs and the tokens' sharding."""
+    want_loss, want = oracle
+
+    def moe(x, index, gates, w_in, w_out):
+        return vsf.nn.expert_parallel(
+            experts_fn, x, index, gates, (w_in, w_out), axis="ep", token_axes=token_axes, mesh=mesh
+        )
+
+    step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
+    tokens = vsf.NamedSharding(mesh, P(token_axes))
+    q = {
+        k: vsf.device_put(v, vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens)
+        for k, v in p.items()
+        if k != "index"
+    }
+    loss, grads = step(q, vsf.device_put(p["index"], tokens))
+    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=rtol, atol=0)
+    for k in q:
+        torch.testing.assert_close(
+            vsf.device_get(grads[k]), want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"d loss / d {k}: {m}"
+        )
+        assert grads[k].placements == q[k].placements, k
+    return step, q, tokens
+
+
 # layout: (mesh shape, axis names, the token axes, the experts' specs)
 LAYOUTS = {
     "dp_ep": ((2, 2), ("dp", "ep"), ("dp", "ep"), {"w_in": P("ep"), "w_out": P("ep")}),
@@ -77,22 +106,7 @@ def test_dispatch_and_combine_equal_one_device(sim, layout, skewed):
     shape, names, token_axes, specs = LAYOUTS[layout]
     sim(4)
     mesh = vsf.make_mesh(shape, names)
-
-    def moe(x, index, gates, w_in, w_out):
-        return vsf.nn.expert_parallel(
-            experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=token_axes, mesh=mesh
-        )
-
-    step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
-    tokens = vsf.NamedSharding(mesh, P(token_axes))
-    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in grad_of}
-    loss, grads = step(q, vsf.device_put(p["index"], tokens))
-    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1e-5, atol=0)
-    for k in grad_of:
-        torch.testing.assert_close(
-            vsf.device_get(grads[k]), want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"d loss / d {k}: {m}"
-        )
-        assert grads[k].placements == q[k].placements, k
+    step, q, tokens = _dispatched_like(experts, p, (want_loss, want), mesh, token_axes, specs, rtol=1e-5, atol=1e-6)
     if layout != "dp_ep":
         return
     # bytes over ep: the dispatch and the combine forward, their transposes backward, each every
@@ -312,19 +326,5 @@ def test_bf16_experts_on_tp_plan_each_grouped_mm_by_its_weights_strides(sim):
     )
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("ep", "tp"))
-
-    def moe(x, index, gates, w_in, w_out):
-        return vsf.nn.expert_parallel(
-            bf16_experts, x, index, gates, (w_in, w_out), axis="ep", token_axes=("ep",), mesh=mesh
-        )
-
-    step = vsf.jit(lambda q, index: vsf.value_and_grad(lambda r: loss_of(moe)({**r, "index": index}))(q))
     specs = {"w_in": P("ep", "tp", None), "w_out": P("ep", None, "tp")}
-    tokens = vsf.NamedSharding(mesh, P("ep"))
-    q = {k: vsf.device_put(p[k], vsf.NamedSharding(mesh, specs[k]) if k in specs else tokens) for k in grad_of}
-    loss, grads = step(q, vsf.device_put(p["index"], tokens))
-    torch.testing.assert_close(vsf.device_get(loss), want_loss, rtol=1.6e-2, atol=0)
-    for k in grad_of:
-        torch.testing.assert_close(
-            vsf.device_get(grads[k]), want[k], rtol=1.6e-2, atol=1e-3, msg=lambda m, k=k: f"d loss / d {k}: {m}"
-        )
+    _dispatched_like(bf16_experts, p, (want_loss, want), mesh, ("ep",), specs, rtol=1.6e-2, atol=1e-3)

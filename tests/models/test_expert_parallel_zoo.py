@@ -335,17 +335,6 @@ def _torch_blocks(blocks, batches):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _train_pipelined(pipe, p, layout, batches):
-    tx = zoo.adamw()
-    s, losses = tx.init(p), []
-    for x, target in batches:
-        loss, grads = pipe.value_and_grad(p, x, target, layout=layout)
-        updates, s = tx.update(grads, s, p)
-        p = optim.apply_updates(p, updates)
-        losses.append(vsf.device_get(loss))
-    return losses, vsf.device_get(p)
-
-
 @pytest.mark.parametrize("layout_name", ["pp_ep", pytest.param("pp_fsdp_ep", marks=pytest.mark.sweep)])
 def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim, layout_name):
     """Two MoE blocks in two stages over pp, 1F1B, two microbatches, their experts split over ep (and
@@ -358,7 +347,8 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
     blocks, params, batches, (pipe, p, layout) = _moe_pipeline(sim, layout_name)
     want = _torch_blocks(blocks, batches)
     lowered = pipe.lower(p, *batches[0], layout=layout)
-    losses, got = _train_pipelined(pipe, p, layout, batches)
+    trained, losses = zoo.train_pipelined(pipe, zoo.adamw(), (p, layout), batches)
+    got = vsf.device_get(trained)
     zoo.assert_like_oracle(f"moe blocks {layout_name}", losses, got, want)
 
     assert not [c for g in lowered.gathers.values() for c in g.cost().collectives if c.axis == "ep"]
@@ -400,7 +390,8 @@ def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim
         assert [c.bytes for c in lowered.gathers[s].cost().collectives if c.axis == "ep"] == [experts]
         assert not [c for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
         assert lowered.cost().stages[s].comm_bytes["ep"] == gathered + 4 * 2 * s  # (and the last stage's losses)
-    losses, got = _train_pipelined(pipe, p, layout, batches)
+    trained, losses = zoo.train_pipelined(pipe, zoo.adamw(), (p, layout), batches)
+    got = vsf.device_get(trained)
     zoo.assert_like_oracle("moe blocks gathered", losses, got, _torch_blocks(blocks, batches))
 
 

@@ -308,14 +308,9 @@ def test_torchtitan_moe_pipelined_on_pp_x_ep_dispatches_like_torch_on_one_device
     )
     p, layout = pipe.place(params, {k: P("ep") if ".inner_experts." in k else P() for k in params})
     lowered = pipe.lower(p, *batches[0], layout=layout)
-    tx = zoo.adamw()
-    s, losses = tx.init(p), []
-    for x, target in batches:
-        loss, grads = pipe.value_and_grad(p, x, target, layout=layout)
-        updates, s = tx.update(grads, s, p)
-        p = optim.apply_updates(p, updates)
-        losses.append(vsf.device_get(loss))
-    zoo.assert_like_oracle("torchtitan moe pp x ep", losses, vsf.device_get(p), (want_losses, want_params))
+    trained, losses = zoo.train_pipelined(pipe, zoo.adamw(), (p, layout), batches)
+    got = vsf.device_get(trained)
+    zoo.assert_like_oracle("torchtitan moe pp x ep", losses, got, (want_losses, want_params))
     assert not lowered.gathers
     rows = 2 * SEQ * TOP_K * HIDDEN * 4
     for s, exchanges in ((0, 3), (1, 4)):

@@ -484,14 +484,19 @@ def assert_like_oracle(
 
 
 def train_pipelined(
-    pipe: Any, tx: optim.GradientTransformation, placed: tuple[Any, Any], batches: list[dict[str, torch.Tensor]]
+    pipe: Any,
+    tx: optim.GradientTransformation,
+    placed: tuple[Any, Any],
+    batches: list[dict[str, torch.Tensor]] | list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[Any, list[torch.Tensor]]:
     """The params ``pipe.place`` returned with their layout (``placed``) trained one step per batch through the pipeline
-    (the causal-LM labels as its targets): the params after the last step and each step's loss."""
+    (a batch: ``(inputs, targets)``, or a causal-LM batch, its labels the targets): the params after the last step
+    and each step's loss."""
     params, layout = placed
     opt_state, losses = tx.init(params), []
     for batch in batches:
-        loss, grads = pipe.value_and_grad(params, batch["input_ids"], batch["labels"], layout=layout)
+        x, target = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else batch
+        loss, grads = pipe.value_and_grad(params, x, target, layout=layout)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
         losses.append(vsf.device_get(loss))

@@ -370,3 +370,28 @@ def test_mesh_of_the_wrong_size_is_a_clear_error(ranks):
         assert msg is not None
         for part in ("{'x': 2}", "has 2 ranks", "this run has 4", "torchrun --nproc-per-node 2"):
             assert part in msg, (part, msg)
+
+
+def test_device_get_is_not_changed_by_a_later_donated_step():
+    """On a real (one-rank) process group, a gathered value keeps what it held when gathered: a
+    jitted step that donates the params writes their buffers in place, and DTensor's
+    ``full_tensor()`` of a value whole on this rank is a view of its local tensor (device_get
+    returned it: two steps doubling the params changed what it had returned to their 4x)."""
+    import torch.distributed as dist
+
+    from vsf import _compat
+
+    _compat.init_fake_process_group(1)
+    try:
+        mesh = vsf.make_mesh((1,), ("dp",))
+        p = vsf.device_put(
+            {"w": torch.ones(4), "b": torch.arange(4.0)}, vsf.NamedSharding.tree(mesh, {"w": P(), "b": P("dp")})
+        )
+        step = vsf.jit(lambda p: {k: v * 2 for k, v in p.items()}, donate_argnums=(0,))
+        before = vsf.device_get(p)
+        p = step(step(p))
+        torch.testing.assert_close(before["w"], torch.ones(4))  # replicated
+        torch.testing.assert_close(before["b"], torch.arange(4.0))  # split over a one-rank axis
+        torch.testing.assert_close(vsf.device_get(p), {"w": torch.ones(4) * 4, "b": torch.arange(4.0) * 4})
+    finally:
+        dist.destroy_process_group()

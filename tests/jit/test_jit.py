@@ -847,3 +847,44 @@ def test_a_step_writing_a_tensor_it_closes_over_is_refused_in_one_real_process()
         assert message is not None, f"{write}: no error, the tensor became {buf}"
         assert_refused_write(message, write)
         assert buf == [0.0, 1.0, 2.0], write
+
+
+# A write into a new tensor computed from closed-over tensors alone (no argument of the step reaches
+# it): the step's own value, written as torch in one process writes it (before: torch's
+# functionalization asserted, "mutating a non-functional tensor with a functional tensor").
+FRESH_WRITES = {
+    "setitem": lambda buf, x: _set(buf + 0, 1, 4.0),
+    "add_": lambda buf, x: (buf * 2).add_(1.0),
+    "slice_add_": lambda buf, x: _sliced_add(buf.clone(), x),
+    "index_put_": lambda buf, x: (buf - 1).index_put_((torch.tensor([0, 2]),), torch.tensor(7.0)),
+}
+
+
+def _set(t, i, v):
+    t[i] = v
+    return t
+
+
+def _sliced_add(t, x):
+    t[:2].add_(x[:2])
+    return t
+
+
+@pytest.mark.parametrize("write", list(FRESH_WRITES))
+def test_a_step_writing_a_tensor_it_made_from_closed_over_ones_equals_torch(sim, write):
+    """The written tensor is the step's own: the result equals the same step run by torch, and the
+    closed-over tensor is left as it was (twice called, so a write carried from one call to the next
+    would show)."""
+    buf = torch.arange(4.0)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = torch.arange(8.0).reshape(2, 4)
+
+    def step(x):
+        return x * FRESH_WRITES[write](buf, x[0])
+
+    jitted = vsf.jit(step)
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
+    for _ in range(2):
+        torch.testing.assert_close(vsf.device_get(jitted(xs)), step(x))
+    assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -63,14 +63,14 @@ def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callab
         return gm
     start = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
     cut = first if _tail_writes_its_own(nodes, first) else start
-    head, tail = nodes[:cut], nodes[cut:]
+    constants = [n for n in nodes[cut:] if n.op == "get_attr"]
+    head, tail = nodes[:cut] + constants, [n for n in nodes[cut:] if n.op != "get_attr"]
     tail_set = set(tail)
-    inputs = [n for n in head if n.op != "get_attr" and any(u in tail_set for u in n.users)]
+    inputs = [n for n in head if any(u in tail_set for u in n.users)]
     interpreter = torch.fx.Interpreter(gm)
 
     def run_tail(*values: torch.Tensor) -> Any:
-        env = {n: interpreter.fetch_attr(n.target) if n.op == "get_attr" else None for n in head}
-        return interpreter.run(initial_env=env | dict(zip(inputs, values)))
+        return interpreter.run(initial_env=dict.fromkeys(head) | dict(zip(inputs, values)))
 
     with fx_traceback.preserve_node_meta():
         traced = make_fx(

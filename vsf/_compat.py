@@ -264,6 +264,12 @@ class _SimulationMode(LocalTensorMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if not self._disable and _schema_name(func) in _NOT_SPMD:
+            what, instead = _NOT_SPMD[_schema_name(func)]
+            raise NotImplementedError(
+                f"{func} under vsf.simulate: the simulated ranks run one program (SPMD), and this op runs only on "
+                f"some ranks or differently on each ({what}); use {instead}, which every rank runs"
+            )
         if _communicates(func) and not self._disable and not _is_in_fake_tensor_mode():
             args, kwargs = torch_tree_map(lambda a: _on_every_rank(a, self.ranks), (args, kwargs))
         if _written_arguments(func) and not _is_in_fake_tensor_mode() and _runs_per_rank(args, kwargs):
@@ -283,6 +289,21 @@ class _SimulationMode(LocalTensorMode):
         ):
             return super().__torch_dispatch__(func, types, args, kwargs)
         return self._on_generator_op(func, args, kwargs, generators)
+
+
+# c10d's point-to-point and rooted ops, which no simulated program runs: what each does, and its SPMD form
+_NOT_SPMD = {
+    "c10d::send": ("a send to one rank", "vsf.ops.ppermute"),
+    "c10d::recv_": ("a receive from one rank", "vsf.ops.ppermute"),
+    "c10d::recv_any_source_": ("a receive from any rank", "vsf.ops.ppermute"),
+    "c10d::reduce_": ("a reduction onto one rank", "dist.all_reduce"),
+    "c10d::gather_": ("a gather onto one rank", "dist.all_gather"),
+}
+
+
+def _schema_name(func: Any) -> str | None:
+    schema = getattr(func, "_schema", None)
+    return None if schema is None else schema.name
 
 
 def _runs_per_rank(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

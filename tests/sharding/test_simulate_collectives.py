@@ -11,6 +11,7 @@ arithmetic ``n`` processes do, by hand.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -136,3 +137,29 @@ def test_a_collective_whose_ranks_differ_on_a_plain_output_is_an_error_naming_th
     with pytest.raises(ValueError, match=message + r" that simulated ranks 0 and 1 share .* different values"):
         _run(collective, tensors)
     assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+
+
+# c10d ops that run on some ranks only or differently on each (no SPMD program runs them): the op's name
+# in the error, and the collective every rank runs instead (before: torch's NotImplementedError for reduce
+# and gather, an AttributeError of LocalTensor's for send and recv)
+NOT_SPMD = {
+    "send": (lambda t: dist.send(t, dst=1), "c10d.send.default", "vsf.ops.ppermute"),
+    "recv": (lambda t: dist.recv(t, src=1), "c10d.recv_.default", "vsf.ops.ppermute"),
+    "reduce": (lambda t: dist.reduce(t, dst=0), "c10d.reduce_.default", "dist.all_reduce"),
+    "gather": (
+        lambda t: dist.gather(t, [torch.zeros(2) for _ in range(N)], dst=0),
+        "c10d.gather_.default",
+        "dist.all_gather",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_SPMD))
+def test_a_point_to_point_or_rooted_op_is_an_error_naming_the_op_and_its_spmd_form(name):
+    collective, op, instead = NOT_SPMD[name]
+    t = arange(2)
+    with pytest.raises(
+        NotImplementedError, match=rf"^{re.escape(op)} under vsf\.simulate: .*; use {re.escape(instead)}, "
+    ):
+        _run(collective, [t])
+    assert t.tolist() == [0.0, 1.0]

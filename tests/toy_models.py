@@ -177,7 +177,8 @@ def counted_case(layers: int, steps: int = 3):
 def counted_pipelined(model: nn.Sequential, batches, mesh, schedule: str):
     """``model`` (:func:`counted_case`'s) trained by ``vsf.pipeline`` one layer a stage over ``mesh``'s
     ``pp``, the batch over its ``dp``, 2 microbatches, each stage carrying the buffers its layer
-    writes as the step's state: each step's loss, the params and the state after the last."""
+    writes as the step's state: each step's loss, the params and the state after the last, and the
+    step's plan (``pipe.lower`` on the first batch)."""
     import vsf
     from vsf import P, optim
 
@@ -203,6 +204,7 @@ def counted_pipelined(model: nn.Sequential, batches, mesh, schedule: str):
     )
     params, layout = pipe.place(vsf.tree.from_module(model))
     state = pipe.place(vsf.tree.from_module(model, params=False, buffers=True), state=True)
+    lowered = pipe.lower(params, *batches[0], layout=layout, state=state)
     tx = optim.adamw(COUNTED_LR, weight_decay=COUNTED_WD)
     opt_state, losses = tx.init(params), []
     for x, t in batches:
@@ -210,4 +212,4 @@ def counted_pipelined(model: nn.Sequential, batches, mesh, schedule: str):
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
         losses.append(vsf.device_get(loss).item())
-    return losses, params, state[0]
+    return losses, params, state[0], lowered

@@ -270,11 +270,12 @@ def test_state_written_in_forward_is_carried_through_the_microbatches_like_one_d
     each microbatch's forward reads what the one before wrote, and after 3 AdamW steps the losses,
     params and buffers are torch's on one device (the whole batch at once: 3 x 8 rows counted, each
     layer's input rows summed; on dp each rank sums its rows and the plan adds the partial sums).
-    The state lives on its stage's ranks."""
+    The state lives on its stage's ranks, and each stage's program moves nothing over dp but its
+    microbatch's row sum, all-reduced (8 f32; the gradients are reduced once a step)."""
     model, batches, (want_losses, want_params, want_buffers) = counted_case(stages)
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("pp", "dp"))
-    losses, params, state = counted_pipelined(model, batches, mesh, schedule)
+    losses, params, state, lowered = counted_pipelined(model, batches, mesh, schedule)
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
     got_params, got_state = vsf.device_get(params), vsf.device_get(state)
     for k, v in want_params.items():
@@ -283,6 +284,8 @@ def test_state_written_in_forward_is_carried_through_the_microbatches_like_one_d
         torch.testing.assert_close(got_state[k], v, rtol=1e-5, atol=1e-6, msg=lambda e, k=k: f"buffer {k}: {e}")
     assert want_buffers["0.rows"].item() == 3 * 8
     assert vsf.sharding.named.sharding_of(state["1.total"]).mesh.devices == (2, 3)  # stage 1 on pp rank 1
+    for s in range(stages):  # a microbatch's row sum, partial on each dp rank, all-reduced (8 f32), nothing else
+        assert [(c.kind, c.axis, c.bytes) for c in lowered.stages[s].cost().collectives] == [("all_reduce", "dp", 32)]
 
 
 def test_state_errors_name_the_stage_and_the_entry(sim):

@@ -135,7 +135,7 @@ def with_state():
     stage carrying the buffers its forward writes: against torch on one device, this rank's errors
     in the losses, params and buffers, and the state it holds."""
     model, batches, (want_losses, want_params, want_buffers) = counted_case(2)
-    losses, params, state = counted_pipelined(model, batches, vsf.make_mesh((2, 1), ("pp", "dp")), "1f1b")
+    losses, params, state, _ = counted_pipelined(model, batches, vsf.make_mesh((2, 1), ("pp", "dp")), "1f1b")
     got = {k: vsf.device_get(v) for k, v in {**params, **state}.items() if v is not None}
     want = {**want_params, **want_buffers}
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -125,3 +126,90 @@ def adamw_gpt_case():
         return optim.apply_updates(params, updates), opt_state, loss
 
     return params, batch, tx, train_step
+
+
+class Counted(nn.Module):
+    """``tanh(linear(x))`` that, training, counts the rows it sees and sums them: buffers written in
+    forward with ``add_`` (as torchtitan's MoE router counts its tokens)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.register_buffer("rows", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("total", torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.rows.add_(x.shape[0])
+                self.total.add_(x.sum(0))
+        return torch.tanh(self.lin(x))
+
+
+COUNTED_LR, COUNTED_WD = 1e-2, 0.1
+
+
+def squared_error(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((y - target) ** 2).mean()
+
+
+def counted_case(layers: int, steps: int = 3):
+    """``layers`` :class:`Counted` layers in a ``Sequential``, ``steps`` batches of 8 rows (inputs,
+    targets), and torch's result on one device of ``steps`` AdamW steps on the whole batches: the
+    losses, the params and the buffers after them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Counted(8) for _ in range(layers)))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(steps)]
+    trained = copy.deepcopy(model)
+    opt = torch.optim.AdamW(trained.parameters(), lr=COUNTED_LR, weight_decay=COUNTED_WD)
+    losses = []
+    for x, t in batches:
+        opt.zero_grad()
+        loss = squared_error(trained(x), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = {k: v.detach() for k, v in trained.named_parameters()}
+    return model, batches, (losses, params, dict(trained.named_buffers()))
+
+
+def counted_pipelined(model: nn.Sequential, batches, mesh, schedule: str):
+    """``model`` (:func:`counted_case`'s) trained by ``vsf.pipeline`` one layer a stage over ``mesh``'s
+    ``pp``, the batch over its ``dp``, 2 microbatches, each stage carrying the buffers its layer
+    writes as the step's state: each step's loss, the params and the state after the last, and the
+    step's plan (``pipe.lower`` on the first batch)."""
+    import vsf
+    from vsf import P, optim
+
+    def stage(s: int):
+        prefix = f"{s}."
+
+        def layer(params, state, x):
+            own = {k[len(prefix) :]: v for k, v in {**params, **state}.items()}
+            y, written = vsf.tree.apply(model[s], own, x, mutable=True)
+            return y, {prefix + k: v for k, v in written.items()}
+
+        return layer
+
+    layers = range(len(model))
+    pipe = vsf.pipeline.Pipeline(
+        [stage(s) for s in layers],
+        squared_error,
+        [[f"{s}."] for s in layers],
+        mesh=mesh,
+        microbatches=2,
+        schedule=schedule,
+        batch=P("dp"),
+    )
+    params, layout = pipe.place(vsf.tree.from_module(model))
+    state = pipe.place(vsf.tree.from_module(model, params=False, buffers=True), state=True)
+    lowered = pipe.lower(params, *batches[0], layout=layout, state=state)
+    tx = optim.adamw(COUNTED_LR, weight_decay=COUNTED_WD)
+    opt_state, losses = tx.init(params), []
+    for x, t in batches:
+        (loss, state), grads = pipe.value_and_grad(params, x, t, layout=layout, state=state)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optim.apply_updates(params, updates)
+        losses.append(vsf.device_get(loss).item())
+    return losses, params, state[0], lowered

@@ -278,44 +278,57 @@ def test_torchtitan_moe_on_ep_x_cp_dispatches_each_ranks_sequence_shard_like_tor
 
 
 @pytest.mark.sweep
-def test_torchtitan_moe_pipelined_on_pp_x_ep_dispatches_like_torch_on_one_device(sim):
+def test_torchtitan_moe_pipelined_on_pp_x_ep_trains_like_torch_on_one_device_counting_tokens(sim):
     """The two MoE layers in two stages over pp (each with its residual connection), 1F1B, two
-    microbatches, the experts ``P("ep")`` and the batch over ep: the losses and the params after 3
-    AdamW steps are torch's on one device (the gradient summed over the microbatches: a rank's 4
-    sequences cut in two, so microbatch m holds sequences 2m, 2m+1, 4+2m and 5+2m). The pipeline
-    keeps the experts split (it gathers no param once a step: gathered, torchtitan's combine runs
-    its scatter-add custom op, which has no plan without rules, so the dispatch is the plan), and
-    each stage's program exchanges its microbatch's tokens over ep (a rank's 2 sequences of 4
-    tokens x top-2 x 16 floats): the dispatch and combine, the combine's transpose in the backward
-    and on stage 1, whose input needs a gradient, the dispatch's; the gradients reduced once a step
-    over ep are the router's alone. Evaluation mode: a stage writes no token counts."""
+    microbatches, the experts ``P("ep")`` and the batch over ep, in training mode: each stage's
+    router writes its token counts in forward, which its program returns and the next microbatch's
+    forward reads (the pipeline's state). The losses, the params after 3 AdamW steps and the
+    routers' token counts are torch's on one device (the gradient summed over the microbatches: a
+    rank's 4 sequences cut in two, so microbatch m holds sequences 2m, 2m+1, 4+2m and 5+2m; the
+    counts, over the whole batch, of 3 x 32 tokens x top-2). The pipeline keeps the experts split
+    (it gathers no param once a step: gathered, torchtitan's combine runs its scatter-add custom
+    op, which has no plan without rules, so the dispatch is the plan), and each stage's program
+    exchanges its microbatch's tokens over ep (a rank's 2 sequences of 4 tokens x top-2 x 16
+    floats): the dispatch and combine, the combine's transpose in the backward and on stage 1,
+    whose input needs a gradient, the dispatch's, and it all-reduces the microbatch's token
+    counts (each rank counted its own tokens; 4 f32); the gradients reduced once a step over ep are
+    the router's alone."""
     model, batches = built()
-    model.eval()
     microbatches = ((0, 1, 4, 5), (2, 3, 6, 7))
-    (want_losses, want_params), _ = torch_run(model, batches, microbatches)
+    (want_losses, want_params), want_counts = torch_run(model, batches, microbatches)
     params = vsf.tree.from_module(model)
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("pp", "ep"))
 
     def stage(s):
         prefix = f"layers.{s}."
-        return lambda p, x: (
-            x + vsf.tree.apply(model.layers[s], {k[len(prefix) :]: v for k, v in p.items() if k.startswith(prefix)}, x)
-        )
+
+        def layer(p, counts, x):
+            own = {k[len(prefix) :]: v for k, v in {**p, **counts}.items()}
+            y, written = vsf.tree.apply(model.layers[s], own, x, mutable=True)
+            return x + y, {prefix + k: v for k, v in written.items()}
+
+        return layer
 
     pipe = vsf.pipeline.Pipeline(
         [stage(0), stage(1)], squared_error, [["layers.0."], ["layers.1."]], mesh=mesh, microbatches=2, batch=P("ep")
     )
     p, layout = pipe.place(params, {k: P("ep") if ".inner_experts." in k else P() for k in params})
-    lowered = pipe.lower(p, *batches[0], layout=layout)
-    trained, losses = zoo.train_pipelined(pipe, zoo.adamw(), (p, layout), batches)
-    got = vsf.device_get(trained)
-    zoo.assert_like_oracle("torchtitan moe pp x ep", losses, got, (want_losses, want_params))
+    counts = pipe.place(counts_of(model), state=True)
+    lowered = pipe.lower(p, *batches[0], layout=layout, state=counts)
+    trained, losses, got_counts = zoo.train_pipelined(pipe, zoo.adamw(), (p, layout), batches, state=counts)
+    zoo.assert_like_oracle("torchtitan moe pp x ep", losses, vsf.device_get(trained), (want_losses, want_params))
+    got_counts = vsf.device_get(got_counts)
+    assert sum(want_counts.values()).sum() == LAYERS * 3 * BATCH * SEQ * TOP_K
+    for k, want in want_counts.items():
+        torch.testing.assert_close(got_counts[k], want, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
     assert not lowered.gathers
     rows = 2 * SEQ * TOP_K * HIDDEN * 4
     for s, exchanges in ((0, 3), (1, 4)):
         over_ep = sorted((c.kind, c.bytes) for c in lowered.stages[s].cost().collectives if c.axis == "ep")
-        assert over_ep == [("all_gather", EXPERTS * 8)] + [("all_to_all_v", rows)] * exchanges
+        assert (
+            over_ep == [("all_gather", EXPERTS * 8), ("all_reduce", EXPERTS * 4)] + [("all_to_all_v", rows)] * exchanges
+        )
         reduced = [(c.kind, c.bytes) for c in lowered.reducers[s].cost().collectives if c.axis == "ep"]
         assert reduced == [("all_reduce", EXPERTS * HIDDEN * 4)]
 

@@ -488,19 +488,22 @@ def train_pipelined(
     tx: optim.GradientTransformation,
     placed: tuple[Any, Any],
     batches: list[dict[str, torch.Tensor]] | list[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[Any, list[torch.Tensor]]:
+    state: tuple[Any, Any] | None = None,
+) -> tuple[Any, ...]:
     """The params ``pipe.place`` returned with their layout (``placed``) trained one step per batch through the pipeline
     (a batch: ``(inputs, targets)``, or a causal-LM batch, its labels the targets): the params after the last step
-    and each step's loss."""
+    and each step's loss; with ``state`` (the buffers the stages write and their layout, as ``pipe.place(buffers,
+    state=True)`` returned them) also the state after the last step."""
     params, layout = placed
     opt_state, losses = tx.init(params), []
     for batch in batches:
         x, target = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else batch
-        loss, grads = pipe.value_and_grad(params, x, target, layout=layout)
+        result, grads = pipe.value_and_grad(params, x, target, layout=layout, state=state)
+        loss, state = (result, None) if state is None else result
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
         losses.append(vsf.device_get(loss))
-    return params, losses
+    return (params, losses) if state is None else (params, losses, state[0])
 
 
 def _sub(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

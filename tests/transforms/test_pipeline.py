@@ -21,6 +21,7 @@ from vsf.pipeline import schedule as sched
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
+from toy_models import counted_case, counted_pipelined  # noqa: E402
 
 BATCH, STEPS = 8, 2
 TX = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-3, weight_decay=0.1))
@@ -260,6 +261,71 @@ def test_fsdp_inside_stages_trains_like_one_device_and_reduce_scatters_once_a_st
             ), (m, c.stage)
         if m == 4:
             _trains_like_one_device(pipe, p, layout, specs, model.cfg, want_losses, want_grads, want)
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b", 2), pytest.param("zbv", 4, marks=SWEEP)])
+def test_state_written_in_forward_is_carried_through_the_microbatches_like_one_device(sim, schedule, stages):
+    """Stages whose forward writes buffers (a row count and a sum of the rows seen, ``add_`` under
+    ``no_grad``), pp=2 x dp=2, 2 microbatches: each stage's program returns the buffers it wrote,
+    each microbatch's forward reads what the one before wrote, and after 3 AdamW steps the losses,
+    params and buffers are torch's on one device (the whole batch at once: 3 x 8 rows counted, each
+    layer's input rows summed; on dp each rank sums its rows and the plan adds the partial sums).
+    The state lives on its stage's ranks, and each stage's program moves nothing over dp but its
+    microbatch's row sum, all-reduced (8 f32; the gradients are reduced once a step)."""
+    model, batches, (want_losses, want_params, want_buffers) = counted_case(stages)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("pp", "dp"))
+    losses, params, state, lowered = counted_pipelined(model, batches, mesh, schedule)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
+    got_params, got_state = vsf.device_get(params), vsf.device_get(state)
+    for k, v in want_params.items():
+        torch.testing.assert_close(got_params[k], v, rtol=1e-5, atol=1e-6, msg=lambda e, k=k: f"param {k}: {e}")
+    for k, v in want_buffers.items():
+        torch.testing.assert_close(got_state[k], v, rtol=1e-5, atol=1e-6, msg=lambda e, k=k: f"buffer {k}: {e}")
+    assert want_buffers["0.rows"].item() == 3 * 8
+    assert vsf.sharding.named.sharding_of(state["1.total"]).mesh.devices == (2, 3)  # stage 1 on pp rank 1
+    for s in range(stages):  # a microbatch's row sum, partial on each dp rank, all-reduced (8 f32), nothing else
+        assert [(c.kind, c.axis, c.bytes) for c in lowered.stages[s].cost().collectives] == [("all_reduce", "dp", 32)]
+
+
+def test_state_errors_name_the_stage_and_the_entry(sim):
+    """A stage writing state another stage holds, a stage given state that returns no written
+    state, and state without its layout are errors saying what was expected and where."""
+    model, ((x, t), *_), _ = counted_case(2)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("pp",))
+    buffers = vsf.tree.from_module(model, params=False, buffers=True)
+
+    def steals(p, state, x):
+        return x, {"1.rows": state["0.rows"]}
+
+    def forgets(p, state, x):
+        return x
+
+    for stage, error, match in (
+        (
+            steals,
+            ValueError,
+            r"pipeline stage 0 wrote state \['1.rows'\], which is not its own \(its state: \['0.rows', '0.total'\]\)",
+        ),
+        (
+            forgets,
+            TypeError,
+            r"pipeline stage 0 was given state, so its function must return \(output, written state\), a dict; got a tensor",
+        ),
+    ):
+        pipe = vsf.pipeline.Pipeline(
+            [stage, stage], torch.nn.functional.mse_loss, [["0."], ["1."]], mesh=mesh, microbatches=2
+        )
+        p, layout = pipe.place(vsf.tree.from_module(model))
+        state = pipe.place(buffers, state=True)
+        with pytest.raises(error, match=match):
+            pipe.value_and_grad(p, x, t, layout=layout, state=state)
+    with pytest.raises(
+        TypeError,
+        match=r"state must be the pair \(state, layout\) that pipe.place\(buffers, state=True\) returned \(or the step returned\); got dict",
+    ):
+        pipe.value_and_grad(p, x, t, layout=layout, state=state[0])
 
 
 def test_a_zero_bubble_step_that_raises_leaves_the_next_step_one_devices(sim, monkeypatch):

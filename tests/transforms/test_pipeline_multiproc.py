@@ -5,8 +5,9 @@ V-shaped, stages s and 3 - s on pp rank s) run the jitted stages over the pp gro
 steps (4 microbatches, AdamW with clipping by the global norm and weight decay) equals the same
 steps on one device in each process: pp=2 and the schedules of two stages per rank on 2 processes,
 pp=2 x dp=2, pp=4, and pp=2 x cp=2 (each sequence split over cp, in the stages and between them)
-on 4. Each run's pipe.lower, made on the processes, reports the sends of a step and the bytes over
-dp or cp (DDP's over dp: the gradients all-reduced once a step; all hand-computed here) and the
+on 4; on 2 also two layers whose forward writes buffers, carried through the microbatches as the
+step's state. Each run's pipe.lower, made on the processes, reports the sends of a step and the
+bytes over dp or cp (DDP's over dp: the gradients all-reduced once a step; all hand-computed here) and the
 plans the steps reuse. Both workers run as sections of the suite's one launch per world size
 (``world`` in tests/conftest.py)."""
 
@@ -94,6 +95,7 @@ RUNS = {
     "pp4-1f1b": (4, 4, 4),
 }
 CP_RUN, FSDP_RUN = "pp2-cp2", "pp2-fsdp2"  # on 4 processes too, each checked by its own test
+STATE_RUN = "pp2-state"  # on 2 processes, checked by its own test
 
 
 @pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
@@ -108,7 +110,7 @@ def test_pipelined_gpt_on_4_processes_equals_one_device(world):
 
 def _check(world_dp, ranks):
     runs = {k: v[:2] for k, v in RUNS.items() if v[2] == 2 * world_dp}
-    assert all(sorted(set(r) - {CP_RUN, FSDP_RUN}) == sorted(runs) for r in ranks)
+    assert all(sorted(set(r) - {CP_RUN, FSDP_RUN, STATE_RUN}) == sorted(runs) for r in ranks)
     for name, (pp, n) in runs.items():
         dp = 2 * world_dp // pp if n == pp else 1  # (two stages a rank: on 2 processes, pp alone)
         for rank, r in enumerate(ranks):
@@ -137,6 +139,18 @@ def _check(world_dp, ranks):
             assert got["plans"] == [1] * (len(mine) + (n - 1 in mine)), (
                 where
             )  # each stage's (and the loss's) plan, made once
+
+
+@pytest.mark.world("pipeline_gpt.py", "1", nproc=2)
+def test_state_written_in_forward_is_carried_through_torchs_schedule_on_2_processes(world):
+    """Two layers whose forward counts and sums the rows it sees (buffers written with ``add_``),
+    one a stage on each process under torch's Schedule1F1B (its PipelineStage runs each stage's
+    forwards): after 3 AdamW steps the losses, params and buffers each rank holds are torch's on
+    one device, and a rank holds its own stage's params and buffers only."""
+    for rank, r in enumerate(world("pipeline_gpt.py", "1", nproc=2)):
+        got = r[STATE_RUN]
+        assert got["loss_err"] <= 1e-5 and got["max_err"] <= 1e-5, (rank, got)
+        assert got["held"] == [f"{rank}.{k}" for k in ("lin.bias", "lin.weight", "rows", "total")], rank
 
 
 def _pp2_run(world, run):

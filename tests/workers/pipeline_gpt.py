@@ -6,6 +6,7 @@ and each rank also reports which of its programs Inductor compiled and vsf.jit's
 GPipe and 1F1B over pp=2 run on 4 processes (pp=2 x dp=2); on 2 processes the launch runs torch's
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ZBV and DualPipeV (a 4-block GPT, two
 one-block stages per rank),
+and two layers whose forward writes buffers (tests/toy_models.py's Counted), one a stage, with 1F1B,
 on 4 processes pp=4 (a 4-block GPT, one block per stage, dp=1), GPipe and 1F1B, pp=2 x cp=2 with
 1F1B (each sequence split over cp inside the stages and in the activations sent between them), and
 pp=2 x fsdp=2 with 1F1B (params split over fsdp where their first dim divides, the batch over fsdp).
@@ -20,9 +21,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # this checkout's vsf, and the example model
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]  # this checkout's vsf, the example model
 import vsf  # noqa: E402
 from gpt import GPT, GPTConfig, batch_at, pipeline_stages  # noqa: E402
+from toy_models import counted_case, counted_pipelined  # noqa: E402
 from vsf import P, optim  # noqa: E402
 
 out, dp = Path(sys.argv[1]), int(sys.argv[2])
@@ -128,6 +130,21 @@ def pipelined(pp, dp, schedule, stages=None, axis="dp"):
     }
 
 
+def with_state():
+    """The report of 3 steps of two Counted layers, one a stage on the 2 processes (1F1B), each
+    stage carrying the buffers its forward writes: against torch on one device, this rank's errors
+    in the losses, params and buffers, and the state it holds."""
+    model, batches, (want_losses, want_params, want_buffers) = counted_case(2)
+    losses, params, state, _ = counted_pipelined(model, batches, vsf.make_mesh((2, 1), ("pp", "dp")), "1f1b")
+    got = {k: vsf.device_get(v) for k, v in {**params, **state}.items() if v is not None}
+    want = {**want_params, **want_buffers}
+    return {
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
+        "max_err": max((got[k].double() - want[k].double()).abs().max().item() for k in got),
+        "held": sorted(got),
+    }
+
+
 # pp=2 with one stage a rank: under Inductor (1F1B) on 2 processes; eager on 4 (with dp, whose sends
 # and stage figures are a superset of the 2-process runs')
 one_stage_a_rank = ("1f1b",) if backend == "inductor" else ("gpipe", "1f1b") if world == 4 else ()
@@ -136,6 +153,7 @@ if world == 2 and backend == "eager":  # two stages on each rank
     report.update(
         {schedule: pipelined(2, 1, schedule, stages=4) for schedule in ("interleaved", "zb", "zbv", "dualpipev")}
     )
+    report["pp2-state"] = with_state()
 if world == 4:
     report.update({f"pp4-{schedule}": pipelined(4, 1, schedule) for schedule in ("gpipe", "1f1b")})
     report["pp2-cp2"] = pipelined(2, 2, "1f1b", axis="cp")

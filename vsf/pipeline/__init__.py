@@ -9,7 +9,7 @@ Example::
 """
 
 from vsf.pipeline.api import Pipeline
-from vsf.pipeline.lower import PipelineCost, PipelineLowered, Send, StageCost
+from vsf.pipeline.report import PipelineCost, PipelineLowered, Send, StageCost
 from vsf.pipeline.schedule import (
     DEFERRED,
     INTERLEAVED,

@@ -51,6 +51,9 @@ built once from small pure pieces, whose methods are pure functions of pytrees.
   ``tx.update`` and ``apply_updates`` work unchanged, and the optimizer state of a stage lives
   on its ranks only). ``clip_by_global_norm`` sums the squared norms over the stages (one
   all-reduce over ``pp``).
+* State written in forward (buffers: a router's token counts) is a pytree placed like the params
+  and carried through the microbatches; the step returns ``((loss, state), grads)``, as
+  ``vsf.value_and_grad(..., has_aux=True)`` does (:mod:`vsf.pipeline.state`).
 * Tied params (``tied=("wte.weight",)``) are held by the first stage naming them; each step the
   later stages that name them get a copy and their gradients are summed into the owner's
   (Megatron's rule), so the tree, the optimizer state and checkpoints hold one value.
@@ -84,7 +87,10 @@ from vsf.abstract import ShapeDtypeStruct
 from vsf.jit.runner import BACKENDS
 from vsf.pipeline import runners
 from vsf.pipeline import schedule as sched
-from vsf.pipeline.lower import Bounds, PipelineLowered, Split, boundaries, first_entries, lower_step
+from vsf.pipeline import state as stage_state
+from vsf.pipeline import tied as tied_params
+from vsf.pipeline.lower import Bounds, Split, boundaries, first_entries, lower_step
+from vsf.pipeline.report import PipelineLowered
 from vsf.pipeline.split import Layout, assign, leaf_names
 from vsf.pipeline.stage import Boundary, StageModule, as_global, gather_program, mean_reducer, stage_program
 from vsf.sharding.mesh import Mesh
@@ -141,7 +147,7 @@ class Pipeline:
         self.activations = activations if activations is not None else PartitionSpec(batch[0] if len(batch) else None)
         self.meshes = [mesh.at(axis, self.rank_of(s)) for s in range(len(stages))]
         self.here = mesh.coordinate(runtime.rank())[axis] if runtime.rank() in mesh.devices else 0
-        self._programs: dict[tuple[int, NamedSharding], Any] = {}
+        self._programs: dict[tuple[Any, ...], Any] = {}
         self._reducers: dict[tuple[Layout, int], Any] = {}
         self._gathers: dict[tuple[Any, ...], Any] = {}
         self._deferred: dict[
@@ -174,19 +180,22 @@ class Pipeline:
     # -- params ---------------------------------------------------------------------------------
 
     def place(
-        self, params: dict[str, torch.Tensor], specs: Any = None
+        self, params: dict[str, torch.Tensor], specs: Any = None, *, state: bool = False
     ) -> tuple[dict[str, torch.Tensor | None], Layout]:
         """Lay out ``params`` (every leaf, on every rank) on their stages: leaf ``k`` on the mesh of
         the stage that owns it, by ``specs`` (a pytree prefix of ``params`` of ``P`` over the other
         axes; default replicated). Leaves of stages this process does not compute are ``None``.
         Returns the placed params and their :meth:`layout`, which :meth:`value_and_grad` and
-        :meth:`lower` take; the pipeline itself is left as it was.
+        :meth:`lower` take; the pipeline itself is left as it was. ``state=True`` places the state
+        the stages' forwards write instead (buffers, the step's ``state``): by the same prefixes, a
+        stage may hold none of it, and nothing is tied.
 
         Example::
 
             >>> params, layout = pipe.place(params, vsf.sharding.match(params, rules))
+            >>> counts = pipe.place(vsf.tree.from_module(model, params=False, buffers=True), state=True)  # (tree, layout)
         """
-        layout = self.layout(params, specs)
+        layout = self.layout(params, specs, state=state)
         mine = set(self.local_stages())
         names, leaves = leaf_names(params), tree.leaves(params)
         out = [
@@ -195,10 +204,11 @@ class Pipeline:
         ]
         return tree.unflatten(tree.structure(params), out), layout
 
-    def layout(self, params: Any, specs: Any = None) -> Layout:
+    def layout(self, params: Any, specs: Any = None, *, state: bool = False) -> Layout:
         """Where :meth:`place` lays ``params`` out (every leaf, tensors or ``ShapeDtypeStruct`` s):
         the stage that holds each leaf, its shape and its spec (``specs``, a pytree prefix of
-        ``params`` of ``P`` over the other axes; default replicated), without placing anything.
+        ``params`` of ``P`` over the other axes; default replicated), without placing anything
+        (``state``: :meth:`place`'s).
 
         Example::
 
@@ -206,7 +216,7 @@ class Pipeline:
             >>> layout.split.owner["lnf.weight"]
             1
         """
-        split = assign(params, self.prefixes, self.tied)
+        split = assign(params, self.prefixes, () if state else self.tied, every_prefix=not state)
         names, leaves = leaf_names(params), tree.leaves(params)
         specs = tree.broadcast_prefix(
             specs if specs is not None else PartitionSpec(),
@@ -228,20 +238,25 @@ class Pipeline:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def value_and_grad(self, params: Any, inputs: Any, targets: Any, *, layout: Layout) -> tuple[DTensor, Any]:
+    def value_and_grad(
+        self, params: Any, inputs: Any, targets: Any, *, layout: Layout, state: Any = None
+    ) -> tuple[Any, Any]:
         """The mean loss of the batch and its gradient with respect to ``params``, computed
         microbatch by microbatch through the schedule. ``inputs`` go to the first stage,
         ``targets`` to ``loss_fn`` (a tensor or a tuple of tensors each; plain tensors holding the
         whole batch, or DTensors laid out by ``batch``). The loss is a replicated DTensor on this
         process's last stage mesh (every rank gets it); gradients have ``params``' structure
         (``None`` where ``params`` are), each on its param's mesh. ``layout`` is the one
-        :meth:`place` returned with ``params``.
+        :meth:`place` returned with ``params``. With ``state``, the pair ``place(buffers,
+        state=True)`` returns (the stages' buffers and their layout), the result is ``((loss,
+        state), grads)``, the pair after the step's last microbatch (:mod:`vsf.pipeline.state`).
 
         Example::
 
             >>> loss, grads = pipe.value_and_grad(params, idx, targets, layout=layout)
+            >>> (loss, counts), grads = pipe.value_and_grad(params, x, t, layout=layout, state=counts)
         """
-        self._check_layout(layout)
+        self._check_layout(layout, state)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         targets = targets if isinstance(targets, tuple) else (targets,)
         if len(targets) != 1 and not self._in_one_process():
@@ -261,7 +276,7 @@ class Pipeline:
             if last in self.local_stages()
             else []
         )
-        mods = self._modules(layout, values, inputs, targets)
+        mods = self._modules(layout, values, inputs, targets, state)
         try:
             if self._in_one_process():
                 loss_parts, self.order = runners.run_in_order(self.actions(), mods, xs, ts, self._deferred)
@@ -283,14 +298,15 @@ class Pipeline:
         grads = self._gradients(layout, mods)
         loss = self._loss(loss_parts)
         out = [grads.get(k) if values.get(k) is not None else None for k in names]
-        return loss, tree.unflatten(tree.structure(params), out)
+        grads = tree.unflatten(tree.structure(params), out)
+        return (loss, grads) if state is None else ((loss, stage_state.returned(state, mods)), grads)
 
-    def lower(self, params: Any, inputs: Any, targets: Any, *, layout: Layout) -> PipelineLowered:
+    def lower(self, params: Any, inputs: Any, targets: Any, *, layout: Layout, state: Any = None) -> PipelineLowered:
         """Plan the step ``value_and_grad(params, inputs, targets)`` runs, without running it (and
         without sending anything): the forward and backward programs of each stage this process
         computes (every stage under ``vsf.simulate``), the sends between stages with their shapes
         and bytes per microbatch and per step, and each stage's memory (see
-        :mod:`vsf.pipeline.lower`). The step reuses these plans.
+        :mod:`vsf.pipeline.lower`). The step reuses these plans. ``state``: :meth:`value_and_grad`'s.
 
         Example::
 
@@ -299,10 +315,12 @@ class Pipeline:
             >>> [(s.src, s.dst, s.shape, s.bytes, s.count) for s in lowered.sends if s.what == "activation"]
             [(0, 1, (1, 8, 16), 512, 4)]
         """
-        self._check_layout(layout)
-        return lower_step(self, layout, params, inputs, targets)
+        self._check_layout(layout, state)
+        return lower_step(self, layout, params, inputs, targets, None if state is None else state[1])
 
-    def _check_layout(self, layout: Any) -> None:
+    def _check_layout(self, layout: Any, state: Any = None) -> None:
+        if state is not None:
+            self._check_layout(stage_state.check(state))
         if (
             not isinstance(layout, Layout)
             or layout.meshes != tuple(self.meshes)
@@ -330,10 +348,16 @@ class Pipeline:
         return list(torch.tensor_split(local, m))
 
     def _modules(
-        self, layout: Layout, values: dict[str, Any], inputs: tuple[Any, ...], targets: tuple[Any, ...]
+        self,
+        layout: Layout,
+        values: dict[str, Any],
+        inputs: tuple[Any, ...],
+        targets: tuple[Any, ...],
+        state: Any,
     ) -> dict[int, StageModule]:
-        bounds = boundaries(self, layout, inputs)
-        lent = self._lend(layout, values)
+        state_tree, state_layout = state or (None, None)
+        bounds = boundaries(self, layout, inputs, state_layout)
+        lent = tied_params.lend(layout, self.tied, values, self.local_stages(), self._peer)
         mods = {}
         for s in self.local_stages():
             names = layout.split.names[s]
@@ -344,7 +368,9 @@ class Pipeline:
                 with torch.no_grad():
                     held.update(self._gather(layout, s, bounds[s][3])({k: held[k] for k in gathered}))
             weights = [held[k].detach().requires_grad_(True) for k in names]
-            mods[s] = StageModule(self._program(s, bounds[s][1][0]), names, weights, bounds[s][0], bounds[s][1], s)
+            program = self._program(s, bounds[s][1][0], stage_state.where(state_layout, s))
+            held_state = stage_state.held(state_tree, state_layout, s)
+            mods[s] = StageModule(program, names, weights, bounds[s][0], bounds[s][1], s, held_state)
         last = self.num_stages - 1
         if last in mods:
             target_ins = self._target_ins(targets)
@@ -360,15 +386,17 @@ class Pipeline:
             for t in targets
         ]
 
-    def _program(self, s: int, out: NamedSharding) -> Any:
+    def _program(self, s: int, out: NamedSharding, state: dict[str, Boundary] | None = None) -> Any:
         """Stage ``s``'s jitted program for results laid out as ``out`` (one per layout: a call
-        with other shapes re-plans inside it, as any jitted function does)."""
-        key = (s, out)
+        with other shapes re-plans inside it, as any jitted function does), with its ``state``
+        laid out as given (:func:`vsf.pipeline.state.where`; ``None``: no state)."""
+        state_out = None if state is None else {k: where for k, (where, _) in state.items()}
+        key = (s, out, None if state_out is None else tuple(state_out.items()))
         if key not in self._programs:
             sink = self._deferred.setdefault(s, []).append if self.schedule in sched.DEFERRED else None
             self._programs[key] = stage_program(
-                self.stages[s],
-                out,
+                self.stages[s] if state_out is None else stage_state.with_state(self.stages[s], s),
+                out if state_out is None else (out, state_out),
                 unreduced_grad_argnums=(0,),
                 unsharded_grad_axes=PartitionSpec(*self.batch).axes,
                 on_deferred_grads=sink,
@@ -430,26 +458,6 @@ class Pipeline:
             )
         return v.detach()
 
-    def _lend(self, layout: Layout, values: dict[str, Any]) -> dict[tuple[str, int], DTensor]:
-        """Each borrowed tied leaf's copy on its borrower's mesh, keyed ``(name, borrower)``: the
-        owner's shard at the same coordinates of the other axes (sent over ``pp`` between
-        processes)."""
-        out = {}
-        mine = self.local_stages()
-        for k in self.tied:
-            owner = layout.split.owner[k]
-            for b in layout.split.users[k][1:]:
-                if owner in mine and b in mine:  # (one process, or both stages on this rank)
-                    out[(k, b)] = as_global(values[k].to_local(), layout.where(k, b))
-                elif owner in mine:
-                    dist.send(values[k].to_local().contiguous(), dst=self._peer(b))
-                elif b in mine:
-                    sharding, shape = layout.where(k, b)
-                    buf = torch.empty(sharding.shard_shape(shape), dtype=layout.shapes[k].dtype)
-                    dist.recv(buf, src=self._peer(owner))
-                    out[(k, b)] = as_global(buf, layout.where(k, b))
-        return out
-
     def _peer(self, stage: int) -> int:
         """The global rank of ``stage``'s mesh (at its pp coordinate, :meth:`rank_of`) at this rank's other coordinates."""
         return self.meshes[stage].devices[self.mesh.at(self.axis, self.here).devices.index(runtime.rank())]
@@ -458,8 +466,7 @@ class Pipeline:
 
     def _gradients(self, layout: Layout, mods: dict[int, StageModule]) -> dict[str, DTensor]:
         """Each owned leaf's gradient: the mean over microbatches (reduced once, by the stage's
-        :meth:`_reducer`), the borrowers' summed in (sent over ``pp`` to the owner between
-        processes)."""
+        :meth:`_reducer`), the borrowers' summed in (:func:`vsf.pipeline.tied.sum_lent`)."""
         grads: dict[str, DTensor] = {}
         lent: dict[tuple[str, int], DTensor] = {}
         for s, mod in sorted(mods.items()):
@@ -469,19 +476,7 @@ class Pipeline:
                     grads[k] = g
                 else:
                     lent[(k, s)] = g
-        for k in self.tied:
-            owner = layout.split.owner[k]
-            for b in layout.split.users[k][1:]:
-                if (k, b) in lent and owner in mods:
-                    grads[k] = grads[k] + as_global(
-                        lent[(k, b)].to_local(), (sharding_of(grads[k]), tuple(grads[k].shape))
-                    )
-                elif (k, b) in lent:
-                    dist.send(lent[(k, b)].to_local().contiguous(), dst=self._peer(owner))
-                elif owner in mods:
-                    buf = torch.empty_like(grads[k].to_local())
-                    dist.recv(buf, src=self._peer(b))
-                    grads[k] = grads[k] + as_global(buf, (sharding_of(grads[k]), tuple(grads[k].shape)))
+        tied_params.sum_lent(layout, self.tied, grads, lent, set(mods), self._peer)
         return grads
 
     def _loss(self, parts: list[torch.Tensor]) -> DTensor:

@@ -56,12 +56,18 @@ def leaf_names(params: Any) -> list[str]:
     return [tree.keystr(p) for p, _ in tree.leaves_with_path(params)]
 
 
-def assign(params: Any, stages: Sequence[Sequence[str]], tied: Sequence[str] = ()) -> Split:
+def assign(params: Any, stages: Sequence[Sequence[str]], tied: Sequence[str] = (), every_prefix: bool = True) -> Split:
     """Assign every leaf of ``params`` to the stages whose prefixes match its dotted name.
 
     Errors name the key path: a leaf no stage takes, a leaf two stages take that is not in
-    ``tied``, a prefix that matches nothing, a tied name that is not a leaf or that only one
-    stage uses.
+    ``tied``, a prefix that matches nothing (unless ``every_prefix`` is off: a pipeline's state,
+    the buffers some stages' layers write and others' have none of), a tied name that is not a
+    leaf or that only one stage uses.
+
+    Example::
+
+        >>> assign({"blocks.1.count": c}, [["wte.", "blocks.0."], ["blocks.1."]], every_prefix=False).names
+        ((), ('blocks.1.count',))
     """
     if len(stages) < 1 or isinstance(stages, str) or any(isinstance(s, str) for s in stages):
         raise TypeError(
@@ -78,7 +84,7 @@ def assign(params: Any, stages: Sequence[Sequence[str]], tied: Sequence[str] = (
     per_stage: list[tuple[str, ...]] = []
     for s, prefixes in enumerate(stages):
         taken = tuple(k for k in names if any(k == p or k.startswith(p) for p in prefixes))
-        for p in prefixes:
+        for p in prefixes if every_prefix else ():
             if not any(k == p or k.startswith(p) for k in names):
                 raise ValueError(f"stage {s}'s key-path prefix {p!r} matches no param (leaves: {names[:4]}...)")
         per_stage.append(taken)

@@ -12,6 +12,9 @@ activation layout (``out``, e.g. the batch dim over ``dp``) that the next stage 
 :class:`StageModule` is what ``torch.distributed.pipelining.PipelineStage`` runs (and what the
 in-order runner runs under ``vsf.simulate``): ``forward`` takes and returns local tensors and
 wraps them as DTensors around the jitted program.
+A stage whose forward writes state (:mod:`vsf.pipeline.state`) has a program returning ``(y,
+state)``; its :class:`StageModule` keeps the state, each microbatch's forward reading what the one
+before wrote.
 """
 
 from __future__ import annotations
@@ -87,13 +90,14 @@ def local_of(x: DTensor, sharding: NamedSharding) -> torch.Tensor:
 
 def stage_program(
     fn: Callable[..., Any],
-    out: NamedSharding,
+    out: Any,
     unreduced_grad_argnums: Sequence[int] = (),
     unsharded_grad_axes: Sequence[str] = (),
     on_deferred_grads: Callable[[Callable[[], None]], None] | None = None,
     backend: str = "eager",
 ) -> Any:
-    """``vsf.jit(fn)`` with its result pinned to ``out`` (planned on the first call, forward and
+    """``vsf.jit(fn)`` with its result pinned to ``out`` (a ``NamedSharding``, or a pytree prefix
+    of a result with state: ``(activation, {name: state's layout})``; planned on the first call, forward and
     backward, and reused while shapes and layouts stay); the gradients of the arguments
     ``unreduced_grad_argnums`` (a stage's params) come back unreduced over the axes they are
     replicated on, and whole and unreduced over the ``unsharded_grad_axes`` they are split on
@@ -157,6 +161,8 @@ class StageModule(torch.nn.Module):
     as ``nn.Parameter`` s so torch's schedules accumulate their gradients; ``ins`` the layout and
     global microbatch shape of each input, ``out`` the result's layout and shape. ``program`` is
     :func:`stage_program` of the stage function (made once, so later steps reuse its plan).
+    ``state`` (``None`` for a stage without): the stage's state (DTensors), which each
+    ``forward`` passes to the program and replaces by the state it returns.
 
     Example::
 
@@ -172,18 +178,23 @@ class StageModule(torch.nn.Module):
         ins: Sequence[Boundary],
         out: Boundary,
         index: int,
+        state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.names = tuple(names)
         self.weights = torch.nn.ParameterList([torch.nn.Parameter(w) for w in weights])
         self.ins, (self.out, self.out_shape), self.index = list(ins), out, index
-        self.program = program
+        self.program, self.state = program, state
 
     def params(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.weights))
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        y = self.program(self.params(), *[as_global(x, where) for x, where in zip(xs, self.ins)])
+        state = () if self.state is None else (self.state,)
+        y = self.program(self.params(), *state, *[as_global(x, where) for x, where in zip(xs, self.ins)])
+        if self.state is not None:
+            y, written = y
+            self.state = {k: v.detach() for k, v in written.items()}
         if torch.is_grad_enabled() and y.grad_fn is None and any(w.requires_grad for w in self.weights):
             raise RuntimeError(
                 f"pipeline stage {self.index}: its vsf.jit program returned a result without an autograd graph, so no gradient could reach the stage's params"

@@ -12,6 +12,12 @@ os.environ["XLA_FLAGS"] = " ".join(
     f for f in [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=64"] if f
 )
 
+# Inductor compiles each kernel in this process and in every process the tests start (the ranks of
+# tests/workers/jit_inductor.py): its default, a pool of worker processes per core, costs each
+# compiling process a pool that imports torch, for no speed on CI's two cores that the other
+# processes already keep busy. Read when Inductor is first imported.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -8,7 +8,8 @@ params after 3 AdamW steps, the routers' token counts), and the analytic dispatc
 computed here by hand.
 
 torchtitan 0.3's MoE imports ``triton`` (its async-EP kernels, imported by the token dispatcher
-whatever the backend), ``spmd_types`` and ``tyro``: without them this file is skipped."""
+whatever the backend), ``spmd_types`` and ``tyro``: without them this file is skipped (``pip install
+torch==2.13.0 -e ".[test,titan]"`` installs them; CI does not)."""
 
 from __future__ import annotations
 

@@ -136,8 +136,14 @@ HOME = {"vsf/sharding/placement.py", "vsf/_compat.py"}  # _compat: DTensor's own
 ENTRIES = {
     "RaggedShard",
     "BalancedShard",
-}  # spec entries: values of spec.py, moved by ragged.py, stored by the checkpoint
-ENTRY_HOMES = {"vsf/sharding/spec.py", "vsf/sharding/ragged.py", "vsf/checkpoint/format.py"}
+    "PackedShard",
+}  # spec entries: values of entries.py, taken by spec.py, moved by ragged.py, stored by the checkpoint
+ENTRY_HOMES = {
+    "vsf/sharding/entries.py",
+    "vsf/sharding/spec.py",
+    "vsf/sharding/ragged.py",
+    "vsf/checkpoint/format.py",
+}
 
 
 def _names(node: ast.AST) -> set[str]:

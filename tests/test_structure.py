@@ -23,7 +23,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pytrees", ("vsf.tree",)),
     (
         "values",
-        tuple(f"vsf.sharding.{m}" for m in ("spec", "mesh", "placement", "named", "rules", "inspect", "constraint")),
+        tuple(
+            f"vsf.sharding.{m}"
+            for m in ("entries", "spec", "mesh", "placement", "named", "rules", "inspect", "constraint")
+        ),
     ),
     ("collectives", ("vsf.ops", "vsf.ops.")),
     (

@@ -47,6 +47,7 @@ from vsf.sharding import (
     Mesh,
     NamedSharding,
     P,
+    PackedShard,
     PartitionSpec,
     RaggedShard,
     device_get,
@@ -57,7 +58,7 @@ from vsf.sharding import (
     use_mesh,
 )
 from vsf.sharding.inspect import typeof
-from vsf.sharding.spec import balanced, ragged
+from vsf.sharding.spec import balanced, packed, ragged
 
 __version__ = "0.1.0"
 
@@ -80,6 +81,7 @@ __all__ = [
     "NamedSharding",
     "NotACheckpointError",
     "P",
+    "PackedShard",
     "PartitionSpec",
     "PlanCheckError",
     "PlanError",
@@ -106,6 +108,7 @@ __all__ = [
     "optim",
     "pipeline",
     "ops",
+    "packed",
     "ragged",
     "random",
     "remat",

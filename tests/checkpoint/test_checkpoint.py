@@ -83,6 +83,26 @@ def test_simulated_async_save_snapshots(tmp_path):
         assert cc.mismatches(vsf.checkpoint.load(tmp_path / "c")) == []
 
 
+def test_a_packed_leaf_comes_back_packed_as_saved_and_whole_onto_a_plain_layout(tmp_path):
+    """A fused ``gate_up`` packed over tp (each rank its slice of gate and of up): loaded as saved
+    it has its values and its packed layout; loaded onto a contiguous split, and into one process,
+    its values."""
+    w = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    with vsf.simulate(4):
+        mesh = vsf.make_mesh((2, 2), ("ep", "tp"))
+        packed = vsf.NamedSharding(mesh, P("ep", vsf.packed("tp", 2), None))
+        vsf.checkpoint.save(tmp_path / "c", {"gate_up": vsf.device_put(w, packed)})
+        back = vsf.checkpoint.load(tmp_path / "c")["gate_up"]
+        assert vsf.sharding.sharding_of(back) == packed
+        torch.testing.assert_close(vsf.device_get(back), w, rtol=0, atol=0)
+        plain = vsf.ShapeDtypeStruct(w.shape, w.dtype, sharding=vsf.NamedSharding(mesh, P("ep", "tp")))
+        onto = vsf.checkpoint.load(tmp_path / "c", {"gate_up": plain})["gate_up"]
+        assert vsf.sharding.sharding_of(onto) == plain.sharding
+        torch.testing.assert_close(vsf.device_get(onto), w, rtol=0, atol=0)
+    whole = vsf.checkpoint.load(tmp_path / "c", {"gate_up": vsf.ShapeDtypeStruct(w.shape, w.dtype)})["gate_up"]
+    torch.testing.assert_close(whole, w, rtol=0, atol=0)
+
+
 def test_planning_only_simulation_has_no_values_to_save(tmp_path):
     with vsf.simulate(4, compute=False):
         mesh = vsf.make_mesh((4,), ("x",))

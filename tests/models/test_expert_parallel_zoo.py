@@ -40,8 +40,9 @@ HOW = ["specs", "use_expert_parallel"]
 
 
 # Megatron's split of transformers' experts over tp: gate_up's rows (the ffn, gate's then up's)
-# and down's columns
-EXPERTS_TP = {"gate_up_proj": P("ep", "tp", None), "down_proj": P("ep", None, "tp")}
+# packed (each rank its slice of gate's rows and of up's: transformers' "packed_colwise") and
+# down's columns
+EXPERTS_TP = {"gate_up_proj": P("ep", vsf.packed("tp", 2), None), "down_proj": P("ep", None, "tp")}
 
 
 def expert_specs(params):
@@ -125,16 +126,16 @@ def test_experts_further_split_over_fsdp_from_specs_dispatch_tokens_split_over_b
 @pytest.mark.sweep
 def test_on_ep_x_tp_trains_like_torch_on_one_device_sending_tokens_not_experts(sim):
     """Mixtral with attention, embedding and head Megatron-split over tp (the zoo's rules), its
-    experts over ep and their ffn over tp (``EXPERTS_TP``), the batch over ep: the params after 3
-    AdamW steps are torch's on one device, and over ep the tokens go to the experts (each exchange
-    a rank's 32 tokens x top-2 x 32 floats: its ep group's half of the batch; tp's ranks send the
-    same) and no expert weight moves. Over tp the experts are not tensor-parallel: transformers
-    fuses gate and up into one weight whose ffn rows are gate's then up's, so a contiguous split
-    over tp gives one rank the gate rows and the other the up rows, and the SwiGLU needs both
-    (transformers' own plan splits it "packed_colwise", each rank a slice of each, a layout no
-    vsf spec names): the plan gathers the experts over tp (torchtitan's separate w1/w3/w2 run
-    split: tests/models/test_torchtitan_moe.py). In the sweep (tens of seconds): the default suite
-    checks the experts module alone (test_an_experts_module_with_its_ffn_over_tp_dispatches_over_ep_alone)."""
+    experts over ep and their ffn over tp (``EXPERTS_TP``: transformers fuses gate and up into
+    one weight whose ffn rows are gate's then up's, packed over tp so that each rank holds a slice
+    of each), the batch over ep: the params after 3 AdamW steps are torch's on one device, and
+    over ep the tokens go to the experts (each exchange a rank's 32 tokens x top-2 x 32 floats:
+    its ep group's half of the batch; tp's ranks send the same) and no expert weight moves. Over
+    tp the experts are tensor-parallel: per MoE layer one all-reduce of the receive buffer (2 ep
+    ranks x 64 rows x 32 floats: the down projection's partial sums; the rows' gradient is reduced
+    where it is smaller), and nothing gathered the size of an expert weight. In the sweep (tens of
+    seconds): the default suite checks the experts module alone
+    (test_an_experts_module_with_its_ffn_over_tp_dispatches_over_ep_alone)."""
     family = zoo.moe("mixtral", EXPERTS)
 
     def specs(params):
@@ -142,7 +143,14 @@ def test_on_ep_x_tp_trains_like_torch_on_one_device_sending_tokens_not_experts(s
         return {k: EXPERTS_TP[k.rsplit(".", 1)[-1]] if ".experts." in k else s for k, s in tp.items()}
 
     lowered = trained_on_ep(sim, family, "mixtral ep x tp", ("ep", "tp"), P("ep"), specs_of=specs)
-    assert_tokens_sent_not_experts(lowered.cost().collectives, zoo.BATCH * zoo.SEQ // 2, zoo.LAYERS)
+    collectives = lowered.cost().collectives
+    assert_tokens_sent_not_experts(collectives, zoo.BATCH * zoo.SEQ // 2, zoo.LAYERS)
+    rows = 2 * zoo.BATCH * zoo.SEQ // 2 * TOP_K  # the receive buffer: every ep rank's 32 tokens x top-2
+    over_tp = [c for c in collectives if c.axis == "tp"]
+    sums = [(c.kind, c.bytes) for c in over_tp if c.shape == (rows, zoo.HIDDEN)]
+    assert sums == [("all_reduce", rows * zoo.HIDDEN * 4)] * zoo.LAYERS  # each layer's down projection
+    expert = EXPERTS // 2 * zoo.FFN * zoo.HIDDEN  # a rank's experts' gate (or up, or down) floats
+    assert not any(c.kind == "all_gather" and math.prod(c.shape) % expert == 0 for c in over_tp), over_tp
 
 
 # (mesh axes, the batch's spec): the tokens split ep-major, against the mesh order. In the sweep
@@ -592,17 +600,24 @@ def test_an_experts_module_further_split_over_fsdp_dispatches_tokens_split_over_
 
 
 def test_an_experts_module_with_its_ffn_over_tp_dispatches_over_ep_alone(sim):
-    """The experts over ep and their ffn over tp (``EXPERTS_TP``) on an ``("ep", "tp")`` mesh, the
-    tokens over ep (tp's ranks hold the same tokens): the token axes leave tp out (it splits the
-    weights' ffn dims alone), so over ep the four exchanges each send a rank's 16 tokens x top-2 x
-    32 floats (its ep group's half; the analytic volume), with the per-expert counts and the loss,
-    and no weight. Loss and gradients are one device's."""
+    """The experts over ep and their ffn over tp (``EXPERTS_TP``: gate_up packed) on an
+    ``("ep", "tp")`` mesh, the tokens over ep (tp's ranks hold the same tokens): the token axes
+    leave tp out (it splits the weights' ffn dims alone), so over ep the four exchanges each send
+    a rank's 16 tokens x top-2 x 32 floats (its ep group's half; the analytic volume), with the
+    per-expert counts and the loss, and no weight. Over tp the experts are Megatron-split: each
+    rank runs its slice of every expert's gate and up and its rows of down, and the plan sends two
+    all-reduces, the down projection's partial sums forward and the received rows' gradient
+    backward, each the receive buffer's 2 ep ranks x 32 rows x 32 floats (a ring of 2 sends all
+    of it once), and no weight. Loss and gradients are one device's."""
     step, args = _jitted_like_one_device(sim, "grouped_mm", P("ep"), ("ep", "tp"), EXPERTS_TP)
-    over_ep = sorted((c.kind, c.bytes) for c in step.lower(*args).cost().collectives if c.axis == "ep")
+    collectives = step.lower(*args).cost().collectives
+    over_ep = sorted((c.kind, c.bytes) for c in collectives if c.axis == "ep")
     assert (
         over_ep
         == [("all_gather", EXPERTS * 8), ("all_reduce", 4)] + [("all_to_all_v", TOKENS // 2 * TOP_K * 32 * 4)] * 4
     )
+    rows = 2 * TOKENS // 2 * TOP_K  # the receive buffer: every ep rank's 16 tokens x top-2
+    assert [(c.kind, c.bytes) for c in collectives if c.axis == "tp"] == [("all_reduce", rows * 32 * 4)] * 2
 
 
 def test_the_dispatch_takes_tokens_split_against_the_mesh_order_as_they_arrive(sim):

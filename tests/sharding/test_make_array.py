@@ -57,9 +57,10 @@ def test_the_callback_builds_every_shard_asked_once_per_distinct_index(sim, entr
         P(vsf.ragged("dp", (1, 3)), "tp"),  # rows 2 | 6
         P(vsf.ragged("dp", (1, 2), dims=2)),  # 48 flattened rows 16 | 32: partial rows of dim 1
         P("dp", None, vsf.balanced("tp")),  # chunks 0, 3 | 1, 2 of the last dim
+        P("dp", vsf.packed("tp", 3)),  # rows 0, 2, 4 | 1, 3, 5 of dim 1
     ],
 )
-def test_ragged_and_balanced_shards_are_asked_for_as_global_boxes(sim, spec):
+def test_ragged_balanced_and_packed_shards_are_asked_for_as_global_boxes(sim, spec):
     sim(4)
     mesh = vsf.make_mesh(SIZES, NAMES)
     full, asked = _full(8, 6, 4), []

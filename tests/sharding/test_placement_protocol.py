@@ -29,6 +29,7 @@ from vsf.sharding.placement import (
     layout_of,
     on_dim,
     one_d,
+    per_axis,
     split_dim,
     split_factor,
 )
@@ -68,6 +69,15 @@ def test_the_solver_sees_a_strided_shard_as_a_plain_one_and_every_other_placemen
     assert one_d(STRIDED) == Shard(1)
     for p in (Replicate(), Partial(), Shard(0), RAGGED, BALANCED, MERGED):
         assert one_d(p) == p
+
+
+def test_the_solver_keeps_a_packed_split_strided_and_sees_a_nested_one_as_a_plain_shard():
+    """A strided shard of a dim no other mesh dim splits is a packed split (its factor the dim's own
+    pieces); beside another mesh dim's split of that dim it is the nesting of ``P(("tp", "dp"))``."""
+    assert per_axis((Replicate(), STRIDED), 1) == STRIDED
+    assert per_axis((Shard(0), STRIDED), 1) == STRIDED
+    assert per_axis((STRIDED, Shard(1)), 0) == Shard(1)
+    assert per_axis((Shard(1), STRIDED, Partial()), 2) == Partial()
 
 
 def test_on_dim_keeps_the_kind_and_its_factor_and_refuses_a_ragged_split():
@@ -136,8 +146,14 @@ HOME = {"vsf/sharding/placement.py", "vsf/_compat.py"}  # _compat: DTensor's own
 ENTRIES = {
     "RaggedShard",
     "BalancedShard",
-}  # spec entries: values of spec.py, moved by ragged.py, stored by the checkpoint
-ENTRY_HOMES = {"vsf/sharding/spec.py", "vsf/sharding/ragged.py", "vsf/checkpoint/format.py"}
+    "PackedShard",
+}  # spec entries: values of entries.py, taken by spec.py, moved by ragged.py, stored by the checkpoint
+ENTRY_HOMES = {
+    "vsf/sharding/entries.py",
+    "vsf/sharding/spec.py",
+    "vsf/sharding/ragged.py",
+    "vsf/checkpoint/format.py",
+}
 
 
 def _names(node: ast.AST) -> set[str]:

@@ -96,7 +96,8 @@ def test_axis_used_twice_is_a_value_error_naming_spec_and_dims(make, message):
     [
         (
             lambda: P(1),
-            r"P entry for dim 0 must be None, an axis name, a tuple of axis names, vsf\.balanced\(axis\) or P.UNCONSTRAINED, got 1 \(int\)",
+            r"P entry for dim 0 must be None, an axis name, a tuple of axis names, vsf\.balanced\(axis\), "
+            r"vsf\.packed\(axis, parts\) or P.UNCONSTRAINED, got 1 \(int\)",
         ),
         (lambda: P(None, ("dp", 2)), r"P entry for dim 1 must name mesh axes as strings, got \('dp', 2\)"),
         (lambda: P(unreduced=("tp", 3)), r"unreduced must name mesh axes as strings, got \('tp', 3\)"),

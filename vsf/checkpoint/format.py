@@ -30,7 +30,7 @@ from vsf.checkpoint.checksum import BLOCK, checksums
 from vsf.errors import CorruptCheckpointError, NotACheckpointError
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
-from vsf.sharding.spec import PartitionSpec, RaggedShard
+from vsf.sharding.spec import PackedShard, PartitionSpec, RaggedShard
 
 __all__ = [
     "FORMAT_VERSION",
@@ -158,6 +158,8 @@ def _entry_json(entry: Any) -> Any:
         return list(entry)
     if isinstance(entry, RaggedShard):
         return {"ragged": entry.axis, "units": list(entry.units), "dims": entry.dims, "block": entry.block}
+    if isinstance(entry, PackedShard):
+        return {"packed": entry.axis, "parts": entry.parts}
     raise TypeError(f"vsf.checkpoint cannot store the spec entry {entry!r} ({type(entry).__name__})")
 
 
@@ -168,6 +170,8 @@ def _entry_from_json(entry: Any) -> Any:
         return tuple(entry)
     if isinstance(entry, dict) and entry.keys() == {"ragged", "units", "dims", "block"}:
         return RaggedShard(entry["ragged"], entry["units"], dims=entry["dims"], block=entry["block"])
+    if isinstance(entry, dict) and entry.keys() == {"packed", "parts"}:
+        return PackedShard(entry["packed"], entry["parts"])
     raise ValueError(f"unknown spec entry {entry!r} (written by a newer vsf?)")
 
 

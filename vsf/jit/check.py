@@ -81,6 +81,8 @@ def assemble(mesh: Mesh, placements: Placements, meta: torch.Tensor, local: torc
         )
     except ValueError:
         return _gathered(mesh, placements, meta, local)
+    if layout.packed:  # (its view, a transpose of the pieces, is a copy: DTensor gathers a strided shard)
+        return _gathered(mesh, placements, meta, local)
     if layout.balanced:  # assembled in the balanced view, whose blocks are the ranks' shards; then put in order
         view = assemble(
             mesh, as_contiguous(placements), layout.index_view(torch.empty_like(meta, device="meta")), local

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Shard
 
 from vsf import _compat
 from vsf.errors import PlanError
-from vsf.jit import arrivals, context_parallel, manual
+from vsf.jit import arrivals, context_parallel, manual, packed
 from vsf.jit.cost import is_sum, transition_kind
 from vsf.jit.graph import (
     Value,
@@ -137,6 +137,8 @@ def check_with_dtensor(
             direct = True
         elif context_parallel.runs(mesh, node, want_in, want_out):
             pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
+        elif packed.runs(node, want_in, want_out):
+            direct = True  # a packed split's chunks or their cat, on the local shards (packed.run)
         elif op.kind == "strategy" and not fallback:
             arrived = [actual[v] for v in ins]
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [
@@ -334,8 +336,9 @@ def _as_arrived(actual: Placements, want: Placements) -> Placements:
 
 def _expressible(mesh: Mesh, t: torch.Tensor, placements: Placements) -> Placements:
     """Where a graph output left to propagation ends up: reduced (a partial becomes replicated) and
-    in a layout a spec can name (a strided shard that none names, as a view merging a dim sharded
-    on one axis into another leaves, is gathered)."""
+    in a layout a spec can name (a nesting of strided shards that none names is gathered; a
+    strided shard of a dim no other mesh dim splits is a packed split, ``vsf.packed``, and stays:
+    a packed weight's gradient, a view merging a dim split over one axis into a larger one)."""
     out = tuple(R if isinstance(p, Partial) else p for p in placements)
     try:
         from_placements(mesh, out, t.ndim)

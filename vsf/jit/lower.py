@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vsf import _compat
 from vsf.errors import PlanMismatch
-from vsf.jit import context_parallel, manual
+from vsf.jit import context_parallel, manual, packed
 from vsf.jit.graph import Value, is_tensor_node, meta_of, output_node, placeholders_of, value_of
 from vsf.jit.plan import Bucket, Placements, Plan, Redistribution, as_contiguous
 from vsf.jit.redistribute import move_local, transition_path
@@ -103,6 +103,8 @@ def execute(
             )
         elif split_queries:
             out = context_parallel.run(plan.mesh, node, args, kwargs, step.ins)
+        elif packed.takes_apart(node, step.ins, step.outs):
+            out = packed.run(node, args)
         elif as_dtensor:
             out = _unwrap(node, node.target(*args, **kwargs), step.outs)
         else:

@@ -49,13 +49,13 @@ from vsf.jit import arrivals, manual
 from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum, latency_bytes
 from vsf.jit.memory import peak_bytes
 from vsf.jit.graph import is_view, op_nodes, output_node, placeholders_of, tensor_args, value_of
-from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, one_d, to_placements
+from vsf.jit.plan import NodePlan, Placements, Plan, R, Redistribution, to_placements
 from vsf.jit.solver import AxisSolver, AxisTables, Problem
 from vsf.jit.strategies import Strategies
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
-from vsf.sharding.placement import kind_of
+from vsf.sharding.placement import kind_of, per_axis
 from vsf.sharding.spec import UNCONSTRAINED
 
 __all__ = ["propagate"]
@@ -108,6 +108,7 @@ def propagate(
             manual.auto_strategies,
             inputs,
             arrivals.leaves_strided if taking else None,
+            held={ph: _packed(pl) for ph, pl in zip(placeholders, in_placements)},
         ),
         seeds={},
         out_req={},
@@ -126,7 +127,7 @@ def propagate(
     out_placements = [None if s is None else to_placements(s) for s in out_shardings]
     for axis in axes:
         k = dm_axes.index(axis)
-        problem.seeds[axis] = {(ph, 0): one_d(pl[k]) for ph, pl in zip(placeholders, in_placements)}
+        problem.seeds[axis] = {(ph, 0): per_axis(pl, k) for ph, pl in zip(placeholders, in_placements)}
         problem.balanced[axis] = any(kind_of(pl[k]) == "balanced" for pl in in_placements)
         problem.ragged[axis] = sorted(
             {
@@ -223,19 +224,25 @@ def _bytes_moved(plans: dict[torch.fx.Node, NodePlan], moved: list[Redistributio
     return sum(c.bytes + latency for c in collectives if c.kind not in ("slice", "partition"))
 
 
+def _packed(placements: Placements) -> tuple[Placement, ...]:
+    """The packed splits (strided shards of a dim no other mesh dim splits: :func:`per_axis`) an
+    input holds: its consumers' strategies take them as they arrive."""
+    return tuple(q for k, q in enumerate(placements) if kind_of(q) == "strided" and per_axis(placements, k) == q)
+
+
 def _out_requirement(placements: Placements | None, k: int, may_stay_unreduced: bool) -> Any:
     """What a graph output required as ``placements`` (``None``: anything but a partial) must be
     on mesh dim ``k``: its placement there, or an unreduced sum as well where ``may_stay_unreduced``."""
     if placements is None:
         return NOT_PARTIAL
-    p = one_d(placements[k])
+    p = per_axis(placements, k)
     return OrSum(p) if may_stay_unreduced else p
 
 
 def _pinned(node: torch.fx.Node, mesh: Mesh, axis: str) -> set[Placement]:
     s = constraint.parse(node.args[1])
     if axis in s.spec.axes:
-        return {one_d(to_placements(s)[list(mesh.device_axes).index(axis)])}
+        return {per_axis(to_placements(s), list(mesh.device_axes).index(axis))}
     free = {R} | {Shard(d) for d, e in enumerate(s.spec) if e is UNCONSTRAINED}
     return free
 

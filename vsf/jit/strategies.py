@@ -29,7 +29,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from vsf import _compat
 from vsf.config import PlanOptions
 from vsf.errors import PlanError
-from vsf.jit import context_parallel
+from vsf.jit import context_parallel, packed
 from vsf.jit.classify import DISPATCHER_SPECIAL, OpClass
 from vsf.jit.graph import Value, is_tensor_node, meta_of, outputs_meta, signature, tensor_args, user_line
 from vsf.jit.cost import local_shape
@@ -80,7 +80,7 @@ class Strategies:
     shards and partial sums its inputs may arrive with (:meth:`arrivals`); ``classes`` holds each op's
     :class:`~vsf.jit.classify.OpClass`, in graph order; ``options`` the plan's switches (the
     replicated fallback, context parallelism's mode); ``inputs``, where the caller has found them,
-    each op's tensor inputs."""
+    each op's tensor inputs; ``held``, per graph input, the strided shards it arrives with."""
 
     def __init__(
         self,
@@ -89,6 +89,7 @@ class Strategies:
         own: Callable[[torch.fx.Node, int], list[Strategy]] | None = None,
         inputs: dict[torch.fx.Node, list[Value]] | None = None,
         leaving: Callable[[torch.fx.Node, int], tuple[tuple[Placement, ...], ...]] | None = None,
+        held: dict[torch.fx.Node, tuple[Placement, ...]] | None = None,
     ) -> None:
         self.options = options
         self.fallback = options.allow_replicated_fallback
@@ -96,6 +97,7 @@ class Strategies:
         self.own = own  # vsf's strategies for the ops it runs itself (kind "manual": vsf.jit.manual)
         # per output of such an op, the strided shards it may give on an axis where its region fixes it
         self.leaving = leaving
+        self.held = dict(held or {})  # per graph input, the strided shards it arrives with (packed splits)
         self.cache: dict[Any, tuple[list[Strategy], bool]] = {}
         self.by_node: dict[Any, tuple[list[Strategy], bool]] = {}
         self.order = {node: i for i, node in enumerate(classes)}
@@ -128,6 +130,12 @@ class Strategies:
                 found = found + _balanced_variants(node, found, n)
             if op.rules == "full" and _blind_to_offsets(node):
                 found = found + _valid(_strided_variants(node, found, arrivals, n), node, n, arrivals)
+            if any(self.held.values()):  # a packed input: its chunks, their cat and regions keep it split
+                kept = (
+                    packed.passed_through([(st.ins, st.outs) for st in found], arrivals) if op.kind == "manual" else []
+                )
+                kept += packed.rules(node, arrivals)
+                found = found + _valid([Strategy(*r) for r in kept], node, n, arrivals)
             self.cache[key] = (found, fallback)
         self.by_node[mine] = self.cache[key]
         return self.cache[key]
@@ -149,7 +157,9 @@ class Strategies:
             if self.leaving is not None and self.classes[p].kind == "manual":
                 given = tuple(g + extra for g, extra in zip(given, self.leaving(p, n)))
             self.arriving[(p, n)] = given
-        return tuple(self.arriving[(p, n)][i] if (p, n) in self.arriving else () for p, i in self._inputs(node))
+        return tuple(
+            self.arriving[(p, n)][i] if (p, n) in self.arriving else self.held.get(p, ()) for p, i in self._inputs(node)
+        )
 
     def _numbered(self, arrival: tuple[Placement, ...]) -> int:
         """A number for one input's :meth:`arrivals` (equal numbers: equal placements), found once per

@@ -247,12 +247,17 @@ def _dispatched(
             f"expert parallelism: {name} has expert biases or a post-expert norm, which vsf's dispatch does not run"
         )
     up = module.gate_up_proj if module.has_gate else module.up_proj
+    ffn = 2 if module.is_transposed else 1  # gate_up's (or up's) ffn dim
+    parts = _packed_parts(up, ffn)
 
     def grouped(rows: torch.Tensor, offsets: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return F.grouped_mm(x, w if module.is_transposed else w.transpose(1, 2), offs=offsets)
 
-        h = linear(rows, w_up)
+        # a packed gate_up (vsf.packed): each piece's columns from its own rows, put together
+        # packed again, so the gate's chunk of them needs no rank's rows but its own
+        pieces = w_up.unflatten(ffn, (parts, -1)).unbind(ffn) if parts else (w_up,)
+        h = torch.cat([linear(rows, w) for w in pieces], dim=-1) if parts else linear(rows, w_up)
         return linear(module._apply_gate(h) if module.has_gate else module.act_fn(h), w_down)
 
     return expert_parallel(
@@ -265,6 +270,14 @@ def _dispatched(
         token_axes=token_axes,
         mesh=mesh,
     )
+
+
+def _packed_parts(weight: torch.Tensor, ffn: int) -> int | None:
+    """How many pieces a step input ``weight`` packs its ffn dim ``ffn`` in (``vsf.packed``),
+    else ``None``."""
+    found = step_input(weight)
+    entry = found.sharding.spec.packed.get(ffn) if found is not None else None
+    return entry.parts if entry is not None else None
 
 
 @contextlib.contextmanager

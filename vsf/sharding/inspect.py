@@ -39,7 +39,7 @@ def typeof(x: torch.Tensor) -> str:
 
     A ragged split is written ``ROWS@AXIS~(UNITS)``, with ``xB`` after it for blocks of ``B``
     rows; ``ROWS`` is ``d0*d1`` when it flattens two leading dims. A balanced split
-    (``vsf.balanced("cp")``) is written ``N@cp~bal``.
+    (``vsf.balanced("cp")``) is written ``N@cp~bal``, a packed one (``vsf.packed("tp", 2)``) ``N@tp~pk2``.
 
     Example::
 
@@ -87,7 +87,7 @@ def type_string(
     for dim in range(0 if r is None else r.dims, len(shape)):
         n = shape[dim]
         axes = [a for a in s.spec.entry_axes(dim) if mesh.axis_size(a) > 1]
-        mark = "~bal" if dim in s.balanced else ""
+        mark = "~bal" if dim in s.balanced else f"~pk{s.packed[dim].parts}" if dim in s.packed else ""
         dims.append(f"{n}@{axes[0]}{mark}" if len(axes) == 1 else f"{n}@({','.join(axes)})" if axes else str(n))
     return f"{name}[{','.join(dims)}]" + _pending_string(pending)
 

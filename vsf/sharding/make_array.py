@@ -8,7 +8,7 @@ reads a part per process, and a checkpoint reader should read only each process'
   the ranks of this process hold (one rank's under ``torchrun``; every simulated rank's under
   :func:`vsf.simulate`, each distinct index once), checks what comes back against the index,
   and assembles the DTensor with no communication. A balanced dim is asked for as its two
-  chunks, a ragged split as the boxes of the global array its flattened rows cover.
+  chunks, a packed one as its slice of each piece, a ragged split as the boxes of the global array its flattened rows cover.
 * :func:`make_array_from_process_local_data` takes this process's slice of the global value:
   under ``torchrun`` its rank's shard (:func:`process_slice`), or the whole of any dim it passes
   whole; under :func:`vsf.simulate`, whose one process holds every rank, the whole value (JAX's
@@ -44,6 +44,7 @@ from vsf.ops import backend
 from vsf.sharding import fingerprint
 from vsf.sharding.named import NamedSharding, resolve
 from vsf.sharding.put import assemble, is_sharding_leaf, local_device, place
+from vsf.sharding.spec import BalancedShard, PackedShard
 
 __all__ = ["make_array_from_callback", "make_array_from_process_local_data", "process_slice"]
 
@@ -205,16 +206,16 @@ def _shard(s: NamedSharding, shape: tuple[int, ...], rank: int, call: Callable[[
         parts = [call(box + index[1:]) for box in _row_boxes(index[0].start, index[0].stop, shape[:lead])]
         rows = [p.reshape(-1, *p.shape[lead:]) for p in parts]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
-    runs = [
-        list(_balanced_runs(s, shape, rank, d)) if d in s.balanced else [(sl.start, sl.stop)]
-        for d, sl in enumerate(index)
-    ]
+    cut: dict[int, BalancedShard | PackedShard] = {**s.balanced, **s.packed}
+    runs = [list(_runs(s, shape, rank, d, cut[d])) if d in cut else [(sl.start, sl.stop)] for d, sl in enumerate(index)]
     return _product(runs, call, ())
 
 
-def _balanced_runs(s: NamedSharding, shape: tuple[int, ...], rank: int, dim: int) -> tuple[tuple[int, int], ...]:
-    b = s.balanced[dim]
-    return b.ranges(shape[dim], s.mesh.axis_size(b.axis), s.mesh.coordinate(rank)[b.axis])
+def _runs(
+    s: NamedSharding, shape: tuple[int, ...], rank: int, dim: int, entry: BalancedShard | PackedShard
+) -> tuple[tuple[int, int], ...]:
+    """The ranges of a balanced dim's chunks, or of a packed dim's pieces, ``rank`` holds."""
+    return entry.ranges(shape[dim], s.mesh.axis_size(entry.axis), s.mesh.coordinate(rank)[entry.axis])
 
 
 def _product(runs: list[list[tuple[int, int]]], call: Callable[[Index], torch.Tensor], prefix: Index) -> torch.Tensor:
@@ -322,11 +323,12 @@ def _refuse_unreduced(s: NamedSharding, what: str) -> None:
 
 
 def _refuse_uncut(s: NamedSharding, what: str) -> None:
-    """A process's slice is one box only where no dim is split ragged or balanced."""
+    """A process's slice is one box only where no dim is split ragged, balanced or packed."""
     _refuse_unreduced(s, what)
-    if s.ragged is not None or s.balanced:
+    if s.ragged is not None or s.balanced or s.packed:
         raise ValueError(
-            f"{what}: {s.spec!r} splits rows ragged or a dim balanced, so a process's part is not one slice; use vsf.make_array_from_callback"
+            f"{what}: {s.spec!r} splits rows ragged or a dim balanced or packed, so a process's part is not one slice; "
+            "use vsf.make_array_from_callback"
         )
 
 

@@ -26,6 +26,13 @@ into ``2n`` chunks, rank ``i`` of ``cp`` holding chunks ``i`` and ``2n-1-i``: in
 :meth:`NamedSharding.index_view`, the tensor with that dim's chunks in the ranks' order
 (:func:`balanced_order`), where each rank's shard is one contiguous block; its DTensor placement
 is a :class:`BalancedPlacement`.
+
+A :class:`~vsf.sharding.spec.PackedShard` entry (``P("ep", vsf.packed("tp", 2), None)``) views
+its dim as ``parts`` equal pieces, each split over its axis: indices slice
+:meth:`NamedSharding.index_view`, the tensor with that dim's slices in the ranks' order (rank 0's
+slice of every piece, then rank 1's, ...), where each rank's shard is one contiguous block; its
+DTensor placement is ``_StridedShard(dim, split_factor=parts)``, whose local shards are exactly
+those (DTensor gathers and moves it).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from vsf import _compat, tree
 from vsf.tree import KeyPath
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.placement import BalancedPlacement, RaggedPlacement, balanced_order, kind_of, split_dim
-from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, PartitionSpec, RaggedShard
+from vsf.sharding.spec import UNCONSTRAINED, BalancedShard, PackedShard, PartitionSpec, RaggedShard
 
 __all__ = [
     "BalancedPlacement",
@@ -93,8 +100,11 @@ class NamedSharding:
             raise ValueError(
                 f"{r!r} has {len(r.units)} units but mesh axis {r.axis!r} has {mesh.axis_size(r.axis)} ranks"
             )
-        if spec.ragged is not None and spec.balanced:
-            raise ValueError(f"{spec!r} holds a ragged and a balanced entry; vsf takes one or the other")
+        kinds = [
+            k for k, held in (("ragged", spec.ragged), ("balanced", spec.balanced), ("packed", spec.packed)) if held
+        ]
+        if len(kinds) > 1:
+            raise ValueError(f"{spec!r} holds a {kinds[0]} and a {kinds[1]} entry; vsf takes one of them")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
 
@@ -119,6 +129,11 @@ class NamedSharding:
     def balanced(self) -> dict[int, BalancedShard]:
         """The spec's :class:`~vsf.BalancedShard` entries by dim, those whose axis is larger than 1."""
         return {d: b for d, b in self._spec.balanced.items() if self._mesh.axis_size(b.axis) > 1}
+
+    @property
+    def packed(self) -> dict[int, PackedShard]:
+        """The spec's :class:`~vsf.PackedShard` entries by dim, those whose axis is larger than 1."""
+        return {d: p for d, p in self._spec.packed.items() if self._mesh.axis_size(p.axis) > 1}
 
     def as_contiguous(self) -> "NamedSharding":
         """The same local shards read as contiguous shards of :meth:`index_view` (every balanced
@@ -169,7 +184,8 @@ class NamedSharding:
             )
         if self._spec.ragged is not None:
             self._spec.ragged.check(shape, self._mesh.axis_size(self._spec.ragged.axis), where)
-        for dim, b in self.balanced.items():
+        split: list[tuple[int, BalancedShard | PackedShard]] = [*self.balanced.items(), *self.packed.items()]
+        for dim, b in split:
             b.check(
                 shape[dim], self._mesh.axis_size(b.axis), f"{where + ' ' if where else ''}dim {dim} (shape {shape})"
             )
@@ -224,7 +240,8 @@ class NamedSharding:
     def index_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (of the global shape) as :meth:`index` slices it: the leading dims of a ragged
         entry flattened into rows, a balanced dim's chunks in the ranks' order
-        (:func:`balanced_order`), else ``t`` itself.
+        (:func:`balanced_order`), a packed dim's slices in the ranks' order (rank 0's slice of
+        every piece, then rank 1's, ...), else ``t`` itself.
 
         Example::
 
@@ -233,6 +250,12 @@ class NamedSharding:
         lead = self._lead
         for dim, b in self.balanced.items():
             t = t.index_select(dim, balanced_order(t.shape[dim], self._mesh.axis_size(b.axis)).to(t.device))
+        for dim, p in self.packed.items():
+            t = (
+                t.unflatten(dim, (p.parts, self._mesh.axis_size(p.axis), -1))
+                .transpose(dim, dim + 1)
+                .flatten(dim, dim + 2)
+            )
         return t if lead == 0 else t.reshape(math.prod(t.shape[:lead]), *t.shape[lead:])
 
     def devices_indices_map(self, shape: Sequence[int]) -> dict[int, Index]:
@@ -281,6 +304,10 @@ class NamedSharding:
             balanced = next((d for d, b in self.balanced.items() if b.axis == axis), None)
             if balanced is not None:
                 out.append(BalancedPlacement(balanced))
+                continue
+            packed = next(((d, p.parts) for d, p in self.packed.items() if p.axis == axis), None)
+            if packed is not None:
+                out.append(_compat.StridedShard(packed[0], split_factor=packed[1]))
                 continue
             dim = next((d for d in range(len(self._spec)) if axis in self._spec.entry_axes(d)), None)
             if dim is None:
@@ -377,10 +404,21 @@ def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> N
     for dim, b in balanced.items():
         entries[dim] = b
     for dim, axes in split.items():
-        entries[dim] = _entry_order(mesh, dim, axes, placements, dm_axes)
+        entries[dim] = _entry_of(mesh, dim, axes, placements, dm_axes)
     if ragged_entry is not None:
         entries[0] = ragged_entry
     return NamedSharding(mesh, PartitionSpec(*entries, unreduced=unreduced).normalized())
+
+
+def _entry_of(
+    mesh: Mesh, dim: int, axes: list[str], placements: Sequence[Placement], dm_axes: Sequence[str]
+) -> str | tuple[str, ...] | PackedShard:
+    """The spec entry of ``dim`` split over ``axes``: a packed split where one axis alone splits it
+    strided (its groups the packed pieces), else the axes in their major->minor order."""
+    p: Any = placements[dm_axes.index(axes[0])]
+    if len(axes) == 1 and kind_of(p) == "strided":
+        return PackedShard(axes[0], parts=p.split_factor)
+    return _entry_order(mesh, dim, axes, placements, dm_axes)
 
 
 def _entry_order(

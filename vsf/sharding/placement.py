@@ -21,7 +21,7 @@ kind is added here: its class, its :data:`Kind`, and its answers.
 * :func:`is_shard`, :func:`split_dim`, :func:`split_factor`: does it split a dim, which, in how
   many interleaved groups;
 * :func:`dtensor_native`: do DTensor's strategies and redistribution handle it;
-* :func:`one_d`, :func:`on_dim`, :func:`contiguous`, :func:`balanced_of`, :func:`layout_of`: the
+* :func:`one_d`, :func:`per_axis`, :func:`on_dim`, :func:`contiguous`, :func:`balanced_of`, :func:`layout_of`: the
   same split seen by the per-axis solver, moved to another dim, as the DTensor placement holding
   the same local shards, balanced, as the one-axis layout :func:`vsf.sharding.ragged.reshard` moves;
 * :func:`has_strided`, :func:`has_ragged`, :func:`has_balanced`: does a set of layouts hold one.
@@ -62,6 +62,7 @@ __all__ = [
     "layout_of",
     "on_dim",
     "one_d",
+    "per_axis",
     "split_dim",
     "split_factor",
 ]
@@ -252,6 +253,26 @@ def one_d(p: Any) -> Placement:
         Shard(dim=1)
     """
     return Shard(p.dim) if kind_of(p) == "strided" else p
+
+
+def per_axis(placements: Sequence[Any], k: int) -> Placement:
+    """Mesh dim ``k``'s placement among ``placements`` as the per-axis solver sees it: a strided
+    shard of a tensor dim no other mesh dim splits (a packed split, ``vsf.packed``: its groups are
+    the dim's own pieces, which a ``chunk`` of the dim takes apart) as it is, any other as
+    :func:`one_d` (a strided shard's factor then counts another mesh dim's split of its dim).
+
+    Example::
+
+        >>> per_axis((Replicate(), _compat.StridedShard(1, split_factor=2)), 1)
+        _StridedShard(dim=1, sf=2)
+        >>> per_axis((_compat.StridedShard(1, split_factor=2), Shard(1)), 0)
+        Shard(dim=1)
+    """
+    p = placements[k]
+    others = (q for j, q in enumerate(placements) if j != k)
+    if kind_of(p) == "strided" and not any(is_shard(q) and split_dim(q) == p.dim for q in others):
+        return p
+    return one_d(p)
 
 
 def on_dim(p: Any, dim: int) -> Placement:

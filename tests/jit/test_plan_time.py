@@ -144,6 +144,46 @@ def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape)
     assert_same_plans(reused, one_by_one)
 
 
+def test_merges_skipped_far_from_any_cost_plan_as_every_merge_tried(sim, monkeypatch):
+    """The partial-sum merges are tried only for the ops within reach of a value that costs
+    something or of work run beyond its share (``AxisSolver._near_costs``): a 1-layer GPT with
+    separate q/k/v projections under Megatron tp (at a 4 KiB start-up, where merging the block's
+    input gradients pays) has the plan of every op's merges tried: every op's placements, every
+    redistribution, the bytes and collectives; and fewer ops were tried."""
+    from toy_models import GPT, GPTConfig
+
+    import vsf
+    from vsf import P
+    from vsf.jit import solver
+
+    sim(2, compute=False)
+    monkeypatch.setattr(vsf.config, "collective_latency_bytes", 4096.0)
+    cfg = GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=1, fused_qkv=False)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    rules = [(r".*(attn\.(q|k|v)|fc1)\.(weight|bias)", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+    mesh = vsf.make_mesh((2,), ("tp",))
+    params = {k: torch.empty(v.shape) for k, v in vsf.tree.from_module(model).items()}
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    idx = vsf.device_put(torch.zeros(8, cfg.seq, dtype=torch.long), vsf.NamedSharding(mesh, P()))
+
+    def step(p, idx, tgt):
+        return vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(p)
+
+    tried, kept = [], []
+    merge, attempt = solver.AxisSolver._merge_partials, solver.AxisSolver._try
+    monkeypatch.setattr(solver.AxisSolver, "_merge_partials", lambda self, k: tried.append(k) or merge(self, k))
+    monkeypatch.setattr(solver.AxisSolver, "_try", lambda self, moves: kept.append(attempt(self, moves)) or kept[-1])
+    skipping = vsf.jit(step).lower(p, idx, idx)
+    some, paid = len(tried), sum(kept)
+    monkeypatch.setattr(solver.AxisSolver, "_near_costs", lambda self, seeds: set(range(len(self.p.ops))))
+    tried.clear()
+    every = vsf.jit(step).lower(p, idx, idx)
+    assert paid > 0  # (merges were kept: the ops near them were tried afresh)
+    assert some < len(tried) / 2
+    assert_same_plans(skipping, every)
+
+
 def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
     """An axis's problem is solved again unless every number the solver reads from the other
     axes is the one it solved with (``AxisSolver.poses_as``): posed again as it was, solving gives

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,6 +52,9 @@ BUCKET_SHARE = 1 / 16
 
 
 _TIE = 1e-9
+
+# how many producers up a partial-sum merge reaches (:meth:`AxisSolver._make_partial`)
+_MERGE_DEPTH = 3
 
 
 def _numbered(numbers: dict[Any, int], parts: Any) -> list[int]:
@@ -362,8 +366,7 @@ class AxisSolver:
                         queued.add(other)
                         work.append(other)
         self._cascades()
-        for k in range(len(self.p.ops)):
-            self._merge_partials(k)
+        self._merges()
 
     def _cascades(self, max_ops: int = 256, rounds: int = 3) -> None:
         """Try to remove each redistribution the solution still has, largest first, by a move no
@@ -498,18 +501,62 @@ class AxisSolver:
             self._apply(op, old[op])
         return False
 
-    def _merge_partials(self, k: int) -> None:
+    def _merges(self) -> None:
+        """:meth:`_merge_partials` of each op in graph order, skipping the ops whose merges cannot pay
+        (:meth:`_near_costs`): a move's ops are the op and its producers up to :data:`_MERGE_DEPTH`
+        hops up, and it is kept only if the values they read and write and their work cost less
+        after it than before; every cost is at least 0, so a move among ops none of which reads or
+        writes a value that costs something or runs work beyond its share costs 0 before and cannot
+        cost less after. A move kept changes costs only at its ops' values: the ops near those join."""
+        near = self._near_costs(self._costly_ops())
+        for k in range(len(self.p.ops)):
+            if k in near:
+                changed = self._merge_partials(k)
+                if changed:
+                    near |= self._near_costs(self._around(changed))
+
+    def _costly_ops(self) -> set[int]:
+        """The ops that read or write a value that costs something as the solution stands, or run
+        work beyond their share: every op while a cost may be negative (none is, unless a start-up
+        or a FLOP is set to cost less than nothing)."""
+        if self.codes.latency < 0 or self.p.bytes_per_flop < 0:
+            return set(range(len(self.p.ops)))
+        costly = [v for v in range(len(self.need)) if self._value_cost(v, self.label[v], self.need[v])]
+        return self._around([k for k in range(len(self.p.ops)) if self._op_work(k, self.choice[k])], costly)
+
+    def _around(self, ops: Sequence[int], values: Sequence[int] = ()) -> set[int]:
+        """``ops``, and the ops that read or write a value of them or of ``values``."""
+        out = set(ops)
+        for v in [*values, *(v for k in ops for v in (*self.ins[k], *self.outs[k]) if v >= 0)]:
+            if v in self.p.producer_of:
+                out.add(self.p.producer_of[v])
+            out.update(self.p.consumers_of.get(v, ()))
+        return out
+
+    def _near_costs(self, seeds: set[int]) -> set[int]:
+        """The ops ``seeds`` lie within :data:`_MERGE_DEPTH` producer hops of (the ops whose merge
+        moves may include a seed)."""
+        near, frontier = set(seeds), set(seeds)
+        for _hop in range(_MERGE_DEPTH):
+            frontier = {
+                c for k in frontier for v in self.outs[k] if v >= 0 for c in self.p.consumers_of.get(v, ())
+            } - near
+            near |= frontier
+        return near
+
+    def _merge_partials(self, k: int) -> list[int]:
         """Try each strategy of op ``k`` that sums partial inputs into a partial result together with
         the producers (through views) that would make those inputs partial, as one move, kept if
         the whole costs less: partial products summed before one reduction (the gradients of one
         input used by the q, k and v projections), which no single op's change pays for (each alone
-        adds a reduction the sum would have shared)."""
+        adds a reduction the sum would have shared). Returns the ops of the moves kept."""
         partial = self.codes.is_partial
         options = self.strategies[k]
         if id(options) not in self.summing:
             self.summing[id(options)] = [
                 j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)
             ]
+        changed: list[int] = []
         for j in self.summing[id(options)]:
             ins = options[j][0]
             if j == self.choice[k]:
@@ -517,15 +564,17 @@ class AxisSolver:
             moves: dict[int, int] = {}
             if (
                 all(
-                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves, 3)
+                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves)
                     for v, req in zip(self.ins[k], ins)
                 )
                 and moves
             ):
                 moves[k] = j
-                self._try(moves)
+                if self._try(moves):
+                    changed += moves
+        return changed
 
-    def _make_partial(self, v: int, req: int, moves: dict[int, int], depth: int) -> bool:
+    def _make_partial(self, v: int, req: int, moves: dict[int, int], depth: int = _MERGE_DEPTH) -> bool:
         """Add to ``moves`` the strategies that make value ``v`` the partial ``req``: its producer's
         cheapest strategy giving it, and so on up through its own partial inputs (``depth`` ops)."""
         p = self.p.producer_of.get(v)

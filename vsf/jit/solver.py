@@ -87,6 +87,7 @@ class AxisSolver:
         self.share = [1.0 if a else BUCKET_SHARE for a in self.alone]
         self.label = list(tables.label)
         self.need = [dict(d) for d in tables.need]
+        self.wants = _numbered(tables.wants, (tuple(d.items()) for d in self.need))  # (:meth:`_context`)
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
@@ -248,6 +249,9 @@ class AxisSolver:
         ins, outs = self.strategies[k][j]
         for v, req in zip(self.ins[k], ins):
             need[v][req] = need[v].get(req, 0) + 1
+        wants = self.tables.wants
+        for v in self.ins[k]:
+            self.wants[v] = wants.setdefault(tuple(need[v].items()), len(wants))
         for v, lab in zip(self.outs[k], outs):
             if v >= 0 and lab >= 0:
                 self.label[v] = lab
@@ -258,14 +262,15 @@ class AxisSolver:
         and per input and output the placements wanted of it (in their order: the sums run in it).
         Ops of a model's repeated blocks meet the same context, block after block, so :meth:`_pick`
         decides once per context (:attr:`reuse`) what it would decide for each (the same arithmetic
-        on the same numbers)."""
-        label, need = self.label, self.need
+        on the same numbers). The placements wanted of a value are read as their number
+        (:attr:`wants`, kept by :meth:`_apply`): equal numbers, equal placements in the same order."""
+        label, wants = self.label, self.wants
         return (
             self.fixed_context[k],
             greedy,
             -1 if greedy else self.choice[k],
-            tuple([(label[v], tuple(need[v].items())) for v in self.ins[k]]),
-            tuple([None if v < 0 else tuple(need[v].items()) for v in self.outs[k]]),
+            tuple([(label[v], wants[v]) for v in self.ins[k]]),
+            tuple([None if v < 0 else wants[v] for v in self.outs[k]]),
         )
 
     def _fixed_contexts(self) -> list[int]:
@@ -635,7 +640,8 @@ class AxisTables:
     (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
     per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
-    (``parts``: :meth:`AxisSolver._fixed_contexts`) and the decisions and costs by context
+    (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
+    often (``wants``: :meth:`AxisSolver._context`), and the decisions and costs by context
     (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`), which depend on
     nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
 
@@ -650,6 +656,7 @@ class AxisTables:
     summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
     parts: dict[Any, int] = dataclasses.field(default_factory=dict)
+    wants: dict[tuple[tuple[int, int], ...], int] = dataclasses.field(default_factory=dict)
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 

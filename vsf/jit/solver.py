@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -380,12 +380,15 @@ class AxisSolver:
         its best strategy (:meth:`_cascade`). A chain of ops that passes a layout along (a
         column-parallel matmul's output through a view, an activation and another view, in forward
         and backward) changes only as a whole: each op alone just moves the redistribution by one."""
+        failed = _Failed(len(self.p.ops))
         for _round in range(rounds):  # (a move can make another pay: the next round sees it)
-            if not self._cascade_round(max_ops):
+            if not self._cascade_round(max_ops, failed):
                 return
 
-    def _cascade_round(self, max_ops: int) -> bool:
-        """One pass of :meth:`_cascades` over the redistributions; did any move pay?"""
+    def _cascade_round(self, max_ops: int, failed: "_Failed") -> bool:
+        """One pass of :meth:`_cascades` over the redistributions; did any move pay? A
+        redistribution whose moves all failed in an earlier round is not tried again while no move
+        kept since changed what they read (:class:`_Failed`)."""
         moves, improved = [], False
         for v, need in enumerate(self.need):
             for req, count in need.items():
@@ -394,8 +397,11 @@ class AxisSolver:
         for _cost, v, req in sorted(moves, reverse=True):
             if not self.need[v].get(req) or req == self.label[v]:
                 continue  # an earlier move removed it
-            tries = []
+            if failed.again((v, req)):
+                continue
             p = self.p.producer_of.get(v)
+            read = {k for k in (p, *self.p.consumers_of.get(v, ())) if k is not None}  # (the tries' ops)
+            tries = []
             if p is not None:
                 i = self.outs[p].index(v)
                 tries += [
@@ -405,9 +411,12 @@ class AxisSolver:
                 m for m in [self._joint(v, req, {})] if m
             ]
             for start in tries:
-                if all(self._keeps_split(k, j) for k, j in start) and self._cascade(start, max_ops):
+                if all(self._keeps_split(k, j) for k, j in start) and (changed := self._cascade(start, max_ops, read)):
+                    failed.changed(self._around(self._around(changed)))
                     improved = True
                     break
+            else:
+                failed.add((v, req), read)
         return improved
 
     def _takers(self, v: int, req: int) -> list[tuple[int, list[int]]]:
@@ -447,7 +456,7 @@ class AxisSolver:
         divided = self.divided[k]
         return self.view[k] or divided[j] or not divided[self.choice[k]]
 
-    def _cascade(self, start: list[tuple[int, int]], max_ops: int) -> bool:
+    def _cascade(self, start: list[tuple[int, int]], max_ops: int, read: set[int]) -> list[int]:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
         (the producers of its inputs, the consumers of its results) takes its best strategy where
         that is cheaper than its own, spreading until none is (at most ``max_ops`` ops change);
@@ -456,7 +465,9 @@ class AxisSolver:
         whole is kept if the values it touched then cost less, else undone; a joint move must
         also send fewer bytes (it may trade many small redistributions for a few, and each
         value's start-up cost ignores buckets). Single starts spread as before: joint takes
-        change where a cascade that pays without them goes, and cost planning time."""
+        change where a cascade that pays without them goes, and cost planning time. Adds to
+        ``read`` the ops whose choice or context it read (the readers of a value it reads, which
+        a joint move reads, are next to those); returns the ops it changed, if kept (else ``[]``)."""
         old: dict[int, int] = {}
         before: dict[int, tuple[float, float]] = {}
         joint = len(start) > 1
@@ -479,6 +490,7 @@ class AxisSolver:
             change(k, j)
         while queue and len(old) < max_ops:
             c = queue.popleft()
+            read.add(c)
             if c in old or len(self.strategies[c]) == 1:
                 continue
             costs = self._costs(c)
@@ -498,13 +510,14 @@ class AxisSolver:
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
         now = [self._value_costs(v) for v in before]
         cost_was, bytes_was = (sum(c[i] for c in before.values()) for i in (0, 1))
+        read.update(old)
         if sum(c for c, _ in now) + work < cost_was - 1e-6 and (
             not joint or sum(b for _, b in now) + work < bytes_was - 1e-6
         ):
-            return True
+            return list(old)
         for op in reversed(list(old)):
             self._apply(op, old[op])
-        return False
+        return []
 
     def _merges(self) -> None:
         """:meth:`_merge_partials` of each op in graph order, skipping the ops whose merges cannot pay
@@ -529,7 +542,7 @@ class AxisSolver:
         costly = [v for v in range(len(self.need)) if self._value_cost(v, self.label[v], self.need[v])]
         return self._around([k for k in range(len(self.p.ops)) if self._op_work(k, self.choice[k])], costly)
 
-    def _around(self, ops: Sequence[int], values: Sequence[int] = ()) -> set[int]:
+    def _around(self, ops: Collection[int], values: Collection[int] = ()) -> set[int]:
         """``ops``, and the ops that read or write a value of them or of ``values``."""
         out = set(ops)
         for v in [*values, *(v for k in ops for v in (*self.ins[k], *self.outs[k]) if v >= 0)]:
@@ -625,6 +638,45 @@ class AxisSolver:
         ins, outs = self.strategies[node_index][self.choice[node_index]]
         pl = self.codes.placements
         return [pl[c] for c in ins], [None if c < 0 else pl[c] for c in outs]
+
+
+class _Failed:
+    """The redistributions whose cascades (:meth:`AxisSolver._cascade`) all failed, each with the
+    ops they read (those ops' choices, and the placements and wants of their values: their
+    contexts) and when; and when a kept move last changed an op within two values of each op.
+    A cascade undone leaves the solution as it was, so tried again it reads what it read and
+    fails again unless a move kept since changed something it read: the choice of an op it read,
+    or a value of an op it read or of an op next to one (the readers of a value it reads, whose
+    contexts a joint move reads). A kept move changes its ops' choices and their values (the
+    wants of their inputs, the placements of their outputs): every op within two values of them
+    is marked changed.
+
+    Example::
+
+        >>> failed = _Failed(len(ops)); failed.add((v, req), {3, 4})
+        >>> failed.again((v, req))   # nothing kept since: the same moves would fail again
+        True
+    """
+
+    def __init__(self, ops: int) -> None:
+        self.clock = 0
+        self.stamp = [0] * ops  # per op, the clock when a kept move last changed something near it
+        self.tried: dict[tuple[int, int], tuple[int, set[int]]] = {}
+
+    def add(self, key: tuple[int, int], read: set[int]) -> None:
+        """``key``'s cascades failed now, having read the ops ``read``."""
+        self.tried[key] = (self.clock, read)
+
+    def changed(self, ops: set[int]) -> None:
+        """A move was kept that changed something the ops ``ops`` read."""
+        self.clock += 1
+        for k in ops:
+            self.stamp[k] = self.clock
+
+    def again(self, key: tuple[int, int]) -> bool:
+        """Would ``key``'s cascades fail again: they failed, and nothing they read changed since?"""
+        tried = self.tried.get(key)
+        return tried is not None and all(self.stamp[k] <= tried[0] for k in tried[1])
 
 
 Encoded = list[tuple[tuple[int, ...], tuple[int, ...]]]  # strategies as (input codes, output codes; -1: none)

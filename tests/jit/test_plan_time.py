@@ -144,6 +144,53 @@ def test_blocks_decided_once_plan_as_decided_one_by_one(sim, monkeypatch, shape)
     assert_same_plans(reused, one_by_one)
 
 
+@pytest.mark.parametrize("shape, names, batch", [((2,), ("tp",), ()), ((2, 2), ("dp", "tp"), ("dp",))])
+def test_moves_skipped_that_cannot_pay_plan_as_every_move_tried(sim, monkeypatch, shape, names, batch):
+    """The partial-sum merges are tried only for the ops within reach of a value that costs
+    something or of work run beyond its share (``AxisSolver._near_costs``), and a redistribution
+    whose cascades failed is not tried again while nothing they read changed
+    (``solver._Failed.again``): a 1-layer GPT with separate q/k/v projections under Megatron tp
+    (at a 4 KiB start-up: on tp alone merging the block's input gradients pays, over dp x tp a
+    cascade pays, which the next round's tries read) has the plan of every move tried: every op's
+    placements, every redistribution, the bytes and collectives; and fewer moves were tried."""
+    from toy_models import GPT, GPTConfig
+
+    import vsf
+    from vsf import P
+    from vsf.jit import solver
+
+    sim(math.prod(shape), compute=False)
+    monkeypatch.setattr(vsf.config, "collective_latency_bytes", 4096.0)
+    cfg = GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=1, fused_qkv=False)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    rules = [(r".*(attn\.(q|k|v)|fc1)\.(weight|bias)", P("tp")), (r".*(proj|fc2)\.weight", P(None, "tp")), (r".*", P())]
+    mesh = vsf.make_mesh(shape, names)
+    params = {k: torch.empty(v.shape) for k, v in vsf.tree.from_module(model).items()}
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, vsf.sharding.match(params, rules)))
+    idx = vsf.device_put(torch.zeros(8, cfg.seq, dtype=torch.long), vsf.NamedSharding(mesh, P(*batch)))
+
+    def step(p, idx, tgt):
+        return vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(p)
+
+    tried, kept = [], []
+    merge, attempt, cascade = solver.AxisSolver._merge_partials, solver.AxisSolver._try, solver.AxisSolver._cascade
+    monkeypatch.setattr(solver.AxisSolver, "_merge_partials", lambda self, k: tried.append(k) or merge(self, k))
+    monkeypatch.setattr(solver.AxisSolver, "_try", lambda self, moves: kept.append(attempt(self, moves)) or kept[-1])
+    monkeypatch.setattr(
+        solver.AxisSolver, "_cascade", lambda self, *a: tried.append(a) or kept.append(cascade(self, *a)) or kept[-1]
+    )
+    skipping = vsf.jit(step).lower(p, idx, idx)
+    some, paid = len(tried), sum(map(bool, kept))
+    monkeypatch.setattr(solver.AxisSolver, "_near_costs", lambda self, seeds: set(range(len(self.p.ops))))
+    monkeypatch.setattr(solver._Failed, "again", lambda self, key: False)
+    tried.clear()
+    every = vsf.jit(step).lower(p, idx, idx)
+    assert paid > 0  # (moves were kept: what they changed was tried afresh)
+    assert some < len(tried)
+    assert_same_plans(skipping, every)
+
+
 def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
     """An axis's problem is solved again unless every number the solver reads from the other
     axes is the one it solved with (``AxisSolver.poses_as``): posed again as it was, solving gives

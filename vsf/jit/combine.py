@@ -4,7 +4,7 @@ with the redistributions they imply: the plan is what runs.
 
 Example::
 
-    >>> plans, moves, final = check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced)
+    >>> plans, moves, final = check_with_dtensor(problem, axes, in_placements, out_placements, unreduced)
     >>> plans[mm_node].inputs           # the matmul's inputs' placements over every mesh dim
 """
 
@@ -52,7 +52,7 @@ from vsf.jit.solver import Problem
 from vsf.jit.strategies import decide, dtensor_decision, row_wise, runnable
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.named import NamedSharding, from_placements
+from vsf.sharding.named import from_placements
 from vsf.sharding.placement import has_strided, kind_of, split_factor
 from vsf.sharding.spec import UNCONSTRAINED
 
@@ -68,14 +68,15 @@ def check_with_dtensor(
     problem: Problem,
     axes: list[str],
     in_placements: Sequence[Placements],
-    out_shardings: Sequence[NamedSharding | None],
+    out_placements: Sequence[Placements | None],
     unreduced: Sequence[Sequence[str]],
     chosen: manual.Orders | None = None,
     as_they_arrive: bool = False,
 ) -> tuple[dict[torch.fx.Node, NodePlan], list[Redistribution], list[Placements]]:
     """Every op's placements on the full mesh (the per-axis choices, checked with DTensor's own
-    propagation), every redistribution with its users, and the outputs' placements (an output
-    that may stay unreduced on an axis keeps an unreduced sum it arrives with there). ``chosen``:
+    propagation), every redistribution with its users, and the outputs' placements: those
+    ``out_placements`` requires (``None``: left to propagation), except that an output that may
+    stay unreduced on an axis keeps an unreduced sum it arrives with there. ``chosen``:
     the order of the multi-axis entries of ``any_order`` regions' specs (:func:`vsf.jit.manual.orders`);
     ``as_they_arrive``: those entries split as they arrive instead (:func:`vsf.jit.arrivals.takes_arrivals`)."""
     mesh, gm = problem.mesh, problem.gm
@@ -176,10 +177,10 @@ def check_with_dtensor(
     out_node = output_node(gm)
     outs = [value_of(a) for a in _compat.torch_tree_leaves(out_node.args)]
     final = []
-    for v, s, ok in zip(outs, out_shardings, unreduced):
+    for v, want, ok in zip(outs, out_placements, unreduced):
         dst = (
-            _kept_unreduced(dm_axes, actual[v], to_placements(s), ok)
-            if s is not None
+            _kept_unreduced(dm_axes, actual[v], want, ok)
+            if want is not None
             else _expressible(mesh, meta_of(v), actual[v])
         )
         move(v, dst, out_node)

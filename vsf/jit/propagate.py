@@ -152,9 +152,9 @@ def propagate(
         # for their entries taken as they arrive (arrivals.takes_arrivals), solved with the regions'
         # boundary ops free to split them as any strided shard, then again with each split as the
         # first such entry came
-        combined = [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, written)]
+        combined = [check_with_dtensor(problem, axes, in_placements, out_placements, unreduced, written)]
         if others and manual.reorders(mesh, combined[0][1], list(written)):
-            combined += [check_with_dtensor(problem, axes, in_placements, out_shardings, unreduced, c) for c in others]
+            combined += [check_with_dtensor(problem, axes, in_placements, out_placements, unreduced, c) for c in others]
             if taking:
                 free = {a: {n: st for n in ops if (st := manual.fixed_on(n, mesh, a, True)) is not None} for a in axes}
                 loose = dataclasses.replace(problem, fixed=free, solved={})
@@ -163,7 +163,7 @@ def propagate(
                 _solve(came, axes, latency)
                 combined.append(
                     check_with_dtensor(
-                        came, axes, in_placements, out_shardings, unreduced, written, as_they_arrive=True
+                        came, axes, in_placements, out_placements, unreduced, written, as_they_arrive=True
                     )
                 )
         plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], latency))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -52,6 +53,9 @@ BUCKET_SHARE = 1 / 16
 
 _TIE = 1e-9
 
+# how many producers up a partial-sum merge reaches (:meth:`AxisSolver._make_partial`)
+_MERGE_DEPTH = 3
+
 
 def _numbered(numbers: dict[Any, int], parts: Any) -> list[int]:
     """Each of ``parts`` (hashable) as its number in ``numbers`` (a new one for a part not yet
@@ -83,6 +87,7 @@ class AxisSolver:
         self.share = [1.0 if a else BUCKET_SHARE for a in self.alone]
         self.label = list(tables.label)
         self.need = [dict(d) for d in tables.need]
+        self.wants = _numbered(tables.wants, (tuple(d.items()) for d in self.need))  # (:meth:`_context`)
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
@@ -244,6 +249,9 @@ class AxisSolver:
         ins, outs = self.strategies[k][j]
         for v, req in zip(self.ins[k], ins):
             need[v][req] = need[v].get(req, 0) + 1
+        wants = self.tables.wants
+        for v in self.ins[k]:
+            self.wants[v] = wants.setdefault(tuple(need[v].items()), len(wants))
         for v, lab in zip(self.outs[k], outs):
             if v >= 0 and lab >= 0:
                 self.label[v] = lab
@@ -254,14 +262,15 @@ class AxisSolver:
         and per input and output the placements wanted of it (in their order: the sums run in it).
         Ops of a model's repeated blocks meet the same context, block after block, so :meth:`_pick`
         decides once per context (:attr:`reuse`) what it would decide for each (the same arithmetic
-        on the same numbers)."""
-        label, need = self.label, self.need
+        on the same numbers). The placements wanted of a value are read as their number
+        (:attr:`wants`, kept by :meth:`_apply`): equal numbers, equal placements in the same order."""
+        label, wants = self.label, self.wants
         return (
             self.fixed_context[k],
             greedy,
             -1 if greedy else self.choice[k],
-            tuple([(label[v], tuple(need[v].items())) for v in self.ins[k]]),
-            tuple([None if v < 0 else tuple(need[v].items()) for v in self.outs[k]]),
+            tuple([(label[v], wants[v]) for v in self.ins[k]]),
+            tuple([None if v < 0 else wants[v] for v in self.outs[k]]),
         )
 
     def _fixed_contexts(self) -> list[int]:
@@ -362,8 +371,7 @@ class AxisSolver:
                         queued.add(other)
                         work.append(other)
         self._cascades()
-        for k in range(len(self.p.ops)):
-            self._merge_partials(k)
+        self._merges()
 
     def _cascades(self, max_ops: int = 256, rounds: int = 3) -> None:
         """Try to remove each redistribution the solution still has, largest first, by a move no
@@ -372,12 +380,15 @@ class AxisSolver:
         its best strategy (:meth:`_cascade`). A chain of ops that passes a layout along (a
         column-parallel matmul's output through a view, an activation and another view, in forward
         and backward) changes only as a whole: each op alone just moves the redistribution by one."""
+        failed = _Failed(len(self.p.ops))
         for _round in range(rounds):  # (a move can make another pay: the next round sees it)
-            if not self._cascade_round(max_ops):
+            if not self._cascade_round(max_ops, failed):
                 return
 
-    def _cascade_round(self, max_ops: int) -> bool:
-        """One pass of :meth:`_cascades` over the redistributions; did any move pay?"""
+    def _cascade_round(self, max_ops: int, failed: "_Failed") -> bool:
+        """One pass of :meth:`_cascades` over the redistributions; did any move pay? A
+        redistribution whose moves all failed in an earlier round is not tried again while no move
+        kept since changed what they read (:class:`_Failed`)."""
         moves, improved = [], False
         for v, need in enumerate(self.need):
             for req, count in need.items():
@@ -386,8 +397,11 @@ class AxisSolver:
         for _cost, v, req in sorted(moves, reverse=True):
             if not self.need[v].get(req) or req == self.label[v]:
                 continue  # an earlier move removed it
-            tries = []
+            if failed.again((v, req)):
+                continue
             p = self.p.producer_of.get(v)
+            read = {k for k in (p, *self.p.consumers_of.get(v, ())) if k is not None}  # (the tries' ops)
+            tries = []
             if p is not None:
                 i = self.outs[p].index(v)
                 tries += [
@@ -397,9 +411,12 @@ class AxisSolver:
                 m for m in [self._joint(v, req, {})] if m
             ]
             for start in tries:
-                if all(self._keeps_split(k, j) for k, j in start) and self._cascade(start, max_ops):
+                if all(self._keeps_split(k, j) for k, j in start) and (changed := self._cascade(start, max_ops, read)):
+                    failed.changed(self._around(self._around(changed)))
                     improved = True
                     break
+            else:
+                failed.add((v, req), read)
         return improved
 
     def _takers(self, v: int, req: int) -> list[tuple[int, list[int]]]:
@@ -439,7 +456,7 @@ class AxisSolver:
         divided = self.divided[k]
         return self.view[k] or divided[j] or not divided[self.choice[k]]
 
-    def _cascade(self, start: list[tuple[int, int]], max_ops: int) -> bool:
+    def _cascade(self, start: list[tuple[int, int]], max_ops: int, read: set[int]) -> list[int]:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
         (the producers of its inputs, the consumers of its results) takes its best strategy where
         that is cheaper than its own, spreading until none is (at most ``max_ops`` ops change);
@@ -448,7 +465,9 @@ class AxisSolver:
         whole is kept if the values it touched then cost less, else undone; a joint move must
         also send fewer bytes (it may trade many small redistributions for a few, and each
         value's start-up cost ignores buckets). Single starts spread as before: joint takes
-        change where a cascade that pays without them goes, and cost planning time."""
+        change where a cascade that pays without them goes, and cost planning time. Adds to
+        ``read`` the ops whose choice or context it read (the readers of a value it reads, which
+        a joint move reads, are next to those); returns the ops it changed, if kept (else ``[]``)."""
         old: dict[int, int] = {}
         before: dict[int, tuple[float, float]] = {}
         joint = len(start) > 1
@@ -471,6 +490,7 @@ class AxisSolver:
             change(k, j)
         while queue and len(old) < max_ops:
             c = queue.popleft()
+            read.add(c)
             if c in old or len(self.strategies[c]) == 1:
                 continue
             costs = self._costs(c)
@@ -490,26 +510,71 @@ class AxisSolver:
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
         now = [self._value_costs(v) for v in before]
         cost_was, bytes_was = (sum(c[i] for c in before.values()) for i in (0, 1))
+        read.update(old)
         if sum(c for c, _ in now) + work < cost_was - 1e-6 and (
             not joint or sum(b for _, b in now) + work < bytes_was - 1e-6
         ):
-            return True
+            return list(old)
         for op in reversed(list(old)):
             self._apply(op, old[op])
-        return False
+        return []
 
-    def _merge_partials(self, k: int) -> None:
+    def _merges(self) -> None:
+        """:meth:`_merge_partials` of each op in graph order, skipping the ops whose merges cannot pay
+        (:meth:`_near_costs`): a move's ops are the op and its producers up to :data:`_MERGE_DEPTH`
+        hops up, and it is kept only if the values they read and write and their work cost less
+        after it than before; every cost is at least 0, so a move among ops none of which reads or
+        writes a value that costs something or runs work beyond its share costs 0 before and cannot
+        cost less after. A move kept changes costs only at its ops' values: the ops near those join."""
+        near = self._near_costs(self._costly_ops())
+        for k in range(len(self.p.ops)):
+            if k in near:
+                changed = self._merge_partials(k)
+                if changed:
+                    near |= self._near_costs(self._around(changed))
+
+    def _costly_ops(self) -> set[int]:
+        """The ops that read or write a value that costs something as the solution stands, or run
+        work beyond their share: every op while a cost may be negative (none is, unless a start-up
+        or a FLOP is set to cost less than nothing)."""
+        if self.codes.latency < 0 or self.p.bytes_per_flop < 0:
+            return set(range(len(self.p.ops)))
+        costly = [v for v in range(len(self.need)) if self._value_cost(v, self.label[v], self.need[v])]
+        return self._around([k for k in range(len(self.p.ops)) if self._op_work(k, self.choice[k])], costly)
+
+    def _around(self, ops: Collection[int], values: Collection[int] = ()) -> set[int]:
+        """``ops``, and the ops that read or write a value of them or of ``values``."""
+        out = set(ops)
+        for v in [*values, *(v for k in ops for v in (*self.ins[k], *self.outs[k]) if v >= 0)]:
+            if v in self.p.producer_of:
+                out.add(self.p.producer_of[v])
+            out.update(self.p.consumers_of.get(v, ()))
+        return out
+
+    def _near_costs(self, seeds: set[int]) -> set[int]:
+        """The ops ``seeds`` lie within :data:`_MERGE_DEPTH` producer hops of (the ops whose merge
+        moves may include a seed)."""
+        near, frontier = set(seeds), set(seeds)
+        for _hop in range(_MERGE_DEPTH):
+            frontier = {
+                c for k in frontier for v in self.outs[k] if v >= 0 for c in self.p.consumers_of.get(v, ())
+            } - near
+            near |= frontier
+        return near
+
+    def _merge_partials(self, k: int) -> list[int]:
         """Try each strategy of op ``k`` that sums partial inputs into a partial result together with
         the producers (through views) that would make those inputs partial, as one move, kept if
         the whole costs less: partial products summed before one reduction (the gradients of one
         input used by the q, k and v projections), which no single op's change pays for (each alone
-        adds a reduction the sum would have shared)."""
+        adds a reduction the sum would have shared). Returns the ops of the moves kept."""
         partial = self.codes.is_partial
         options = self.strategies[k]
         if id(options) not in self.summing:
             self.summing[id(options)] = [
                 j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)
             ]
+        changed: list[int] = []
         for j in self.summing[id(options)]:
             ins = options[j][0]
             if j == self.choice[k]:
@@ -517,15 +582,17 @@ class AxisSolver:
             moves: dict[int, int] = {}
             if (
                 all(
-                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves, 3)
+                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves)
                     for v, req in zip(self.ins[k], ins)
                 )
                 and moves
             ):
                 moves[k] = j
-                self._try(moves)
+                if self._try(moves):
+                    changed += moves
+        return changed
 
-    def _make_partial(self, v: int, req: int, moves: dict[int, int], depth: int) -> bool:
+    def _make_partial(self, v: int, req: int, moves: dict[int, int], depth: int = _MERGE_DEPTH) -> bool:
         """Add to ``moves`` the strategies that make value ``v`` the partial ``req``: its producer's
         cheapest strategy giving it, and so on up through its own partial inputs (``depth`` ops)."""
         p = self.p.producer_of.get(v)
@@ -573,6 +640,45 @@ class AxisSolver:
         return [pl[c] for c in ins], [None if c < 0 else pl[c] for c in outs]
 
 
+class _Failed:
+    """The redistributions whose cascades (:meth:`AxisSolver._cascade`) all failed, each with the
+    ops they read (those ops' choices, and the placements and wants of their values: their
+    contexts) and when; and when a kept move last changed an op within two values of each op.
+    A cascade undone leaves the solution as it was, so tried again it reads what it read and
+    fails again unless a move kept since changed something it read: the choice of an op it read,
+    or a value of an op it read or of an op next to one (the readers of a value it reads, whose
+    contexts a joint move reads). A kept move changes its ops' choices and their values (the
+    wants of their inputs, the placements of their outputs): every op within two values of them
+    is marked changed.
+
+    Example::
+
+        >>> failed = _Failed(len(ops)); failed.add((v, req), {3, 4})
+        >>> failed.again((v, req))   # nothing kept since: the same moves would fail again
+        True
+    """
+
+    def __init__(self, ops: int) -> None:
+        self.clock = 0
+        self.stamp = [0] * ops  # per op, the clock when a kept move last changed something near it
+        self.tried: dict[tuple[int, int], tuple[int, set[int]]] = {}
+
+    def add(self, key: tuple[int, int], read: set[int]) -> None:
+        """``key``'s cascades failed now, having read the ops ``read``."""
+        self.tried[key] = (self.clock, read)
+
+    def changed(self, ops: set[int]) -> None:
+        """A move was kept that changed something the ops ``ops`` read."""
+        self.clock += 1
+        for k in ops:
+            self.stamp[k] = self.clock
+
+    def again(self, key: tuple[int, int]) -> bool:
+        """Would ``key``'s cascades fail again: they failed, and nothing they read changed since?"""
+        tried = self.tried.get(key)
+        return tried is not None and all(self.stamp[k] <= tried[0] for k in tried[1])
+
+
 Encoded = list[tuple[tuple[int, ...], tuple[int, ...]]]  # strategies as (input codes, output codes; -1: none)
 
 
@@ -586,7 +692,8 @@ class AxisTables:
     (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
     per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
-    (``parts``: :meth:`AxisSolver._fixed_contexts`) and the decisions and costs by context
+    (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
+    often (``wants``: :meth:`AxisSolver._context`), and the decisions and costs by context
     (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`), which depend on
     nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
 
@@ -601,6 +708,7 @@ class AxisTables:
     summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
     parts: dict[Any, int] = dataclasses.field(default_factory=dict)
+    wants: dict[tuple[tuple[int, int], ...], int] = dataclasses.field(default_factory=dict)
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 

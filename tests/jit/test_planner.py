@@ -646,6 +646,29 @@ def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucke
         assert min(users) > at[id(buckets[-1])]  # after the whole "backward"
 
 
+def test_the_first_all_reduce_bucket_holds_a_mebibyte_and_the_rest_bucket_bytes(sim):
+    """DDP's first bucket: eight gradients of 256 KiB produced one after the other (a backward),
+    buckets of 4 MiB: the first bucket closes at 1 MiB (four values), its all-reduce issued
+    while the other four are computed, and those four share the next bucket."""
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+
+    def f(x):
+        grads = [x * 2]
+        for k in range(7):
+            grads.append(grads[-1] * (k + 3))
+        return tuple(g + 1 for g in grads)
+
+    gm = _graph(f, (256, 256))
+    muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    adds = {n.args[0]: n for n in gm.graph.nodes if n.target is aten.add.Tensor}
+    moves = [_reduction(mesh, gm, m, adds[m]) for m in muls]
+    buckets, order = form_buckets(mesh, gm, moves, {id(r): [adds[m]] for r, m in zip(moves, muls)}, BUCKET_BYTES)
+    assert BUCKET_BYTES == 4 * 2**20 and [b.members for b in buckets] == [tuple(moves[:4]), tuple(moves[4:])]
+    at = {id(item): i for i, item in enumerate(order)}
+    assert at[id(muls[3])] < at[id(buckets[0])] < at[id(muls[4])]
+
+
 def test_a_reduction_of_little_values_computed_from_the_inputs_starts_first(sim):
     """A mean's token count (the sum of a mask of an input) is reduced before the heavy compute
     that comes before it in the graph, so the reduction overlaps it; a reduction of a big result

@@ -45,9 +45,10 @@ __all__ = ["FIRST_ALL_REDUCE_BYTES", "SMALL_BYTES", "bucket_kind", "form_buckets
 # reduction to start first (a token count, a mask's sum), not where they stand in the graph
 SMALL_BYTES = 64 * 2**10
 
-# the most the first all-reduce bucket of a kind holds (DDP's first bucket, 1 MiB): the first
-# gradients of the backward start reducing while the rest of it runs, where one bucket of
-# ``bucket_bytes`` would wait for the whole backward of a model that fits in it
+# the most an all-reduce bucket holds until this many bytes of its kind are in buckets before it
+# (DDP's first bucket, 1 MiB; a token count reduced alone before the gradients does not count
+# up to it): the first gradients of the backward start reducing while the rest of it runs,
+# where one bucket of ``bucket_bytes`` would wait for the whole backward of a model that fits
 FIRST_ALL_REDUCE_BYTES = 2**20
 
 
@@ -79,7 +80,8 @@ def form_buckets(
         gather = kind == "all_gather"
         at = (lambda r: first_use[id(r)]) if gather else (lambda r: index[r.value[0]])  # noqa: E731
         rs.sort(key=at)
-        cap = min(bucket_bytes, FIRST_ALL_REDUCE_BYTES) if kind == "all_reduce" else bucket_bytes
+        first = min(bucket_bytes, FIRST_ALL_REDUCE_BYTES) if kind == "all_reduce" else bucket_bytes
+        done = 0  # the bytes of this group's values in the buckets closed so far
         current: list[Redistribution] = []
         after = _Descendants(index)
         values: set[torch.fx.Node] = set()
@@ -87,10 +89,12 @@ def form_buckets(
         for r in rs:
             p = r.value[0]
             same_block = not block or not current or block[nodes[at(r)]] == block[nodes[at(current[0])]]
+            cap = first if done < first else bucket_bytes
             fits = not after.holds(p) and not _reaches(index, users[id(r)], values, last) and size < cap and same_block
             if current and not fits:
                 formed.append((kind, k, current))
-                current, after, values, size, last, cap = [], _Descendants(index), set(), 0, -1, bucket_bytes
+                done += size
+                current, after, values, size, last = [], _Descendants(index), set(), 0, -1
             current.append(r)
             after.add(users[id(r)])
             values.add(p)

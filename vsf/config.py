@@ -69,10 +69,8 @@
 * ``bucket_bytes`` (default 4 MiB): the most one bucket's flat buffer holds (DDP's
   ``bucket_cap_mb``): gradient all-reduces, parameter all-gathers (counted gathered) and gradient
   reduce-scatters (counted unreduced) of independent values join buckets of at most about this
-  size, each run as one collective (the first all-reduce bucket holds at most 1 MiB, as DDP's
-  first bucket, so that it starts during the backward); smaller buckets start communicating
-  earlier in the backward and hold less memory at once, larger ones launch fewer collectives.
-  Read when a step is planned.
+  size, each run as one collective; smaller buckets start communicating earlier in the backward
+  and hold less memory at once, larger ones launch fewer collectives. Read when a step is planned.
 
 * ``dispatch_experts`` (default ``True``): inside ``vsf.jit``, a ``transformers`` experts module
   (Mixtral's, Qwen-MoE's, DeepSeek's: built with ``@use_experts_implementation``), or torchtitan's

@@ -646,33 +646,6 @@ def test_reductions_bucket_by_size_in_production_order_and_their_users_run_bucke
         assert min(users) > at[id(buckets[-1])]  # after the whole "backward"
 
 
-def test_the_first_all_reduce_bucket_holds_a_mebibyte_and_the_rest_bucket_bytes(sim):
-    """DDP's first bucket: a mean's count reduced alone first (the gradients depend on its
-    result), then eight gradients of 256 KiB produced one after the other (a backward), buckets
-    of 4 MiB: the first gradients' bucket closes at 1 MiB (four values), its all-reduce issued
-    while the other four are computed, and those four share the next bucket."""
-    sim(2, compute=False)
-    mesh = vsf.make_mesh((2,), ("dp",))
-
-    def f(x):
-        count = x.sum()
-        grads = [x / count]
-        for k in range(8):
-            grads.append(grads[-1] * (k + 2))
-        return tuple(g + 1 for g in grads[1:])
-
-    gm = _graph(f, (256, 256))
-    count, div = _node(gm, aten.sum.default), _node(gm, aten.div.Tensor)
-    muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
-    adds = {n.args[0]: n for n in gm.graph.nodes if n.target is aten.add.Tensor}
-    moves = [_reduction(mesh, gm, count, div)] + [_reduction(mesh, gm, m, adds[m]) for m in muls]
-    users = {id(moves[0]): [div]} | {id(r): [adds[m]] for r, m in zip(moves[1:], muls)}
-    buckets, order = form_buckets(mesh, gm, moves, users, BUCKET_BYTES)
-    assert BUCKET_BYTES == 4 * 2**20 and [b.members for b in buckets] == [tuple(moves[1:5]), tuple(moves[5:])]
-    at = {id(item): i for i, item in enumerate(order)}
-    assert at[id(moves[0])] < at[id(div)] and at[id(muls[3])] < at[id(buckets[0])] < at[id(muls[4])]
-
-
 def test_a_reduction_of_little_values_computed_from_the_inputs_starts_first(sim):
     """A mean's token count (the sum of a mask of an input) is reduced before the heavy compute
     that comes before it in the graph, so the reduction overlaps it; a reduction of a big result

@@ -1,9 +1,8 @@
 """Collective bucketing and scheduling: independent collectives of one kind over one mesh axis
 run as one collective on a flat buffer, found in the graph instead of at hook time: gradient
 all-reduces (DDP's buckets), parameter all-gathers and gradient reduce-scatters (FSDP's
-per-layer groups), each bucket at most ``bucket_bytes`` (the plan's ``vsf.config.bucket_bytes``;
-the first all-reduce bucket at most :data:`FIRST_ALL_REDUCE_BYTES`, as DDP's first bucket) and,
-in a step that recomputes blocks in its backward (:func:`vsf.jit.remat.recompute_blocks`),
+per-layer groups), each bucket at most ``bucket_bytes`` (the plan's ``vsf.config.bucket_bytes``)
+and, in a step that recomputes blocks in its backward (:func:`vsf.jit.remat.recompute_blocks`),
 within one block's backward: its params gathered again, and its gradients reduce-scattered as
 soon as they exist, as FSDP2 runs each checkpointed block, so that no more than about a block's
 gathered params and unreduced gradients are alive at once. Each bucket is placed in the
@@ -38,18 +37,12 @@ from vsf.jit.remat import recompute_blocks
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.placement import dtensor_native
 
-__all__ = ["FIRST_ALL_REDUCE_BYTES", "SMALL_BYTES", "bucket_kind", "form_buckets"]
+__all__ = ["SMALL_BYTES", "bucket_kind", "form_buckets"]
 
 
 # what the ops computing a reduction's values from the inputs alone may produce in all, for the
 # reduction to start first (a token count, a mask's sum), not where they stand in the graph
 SMALL_BYTES = 64 * 2**10
-
-# the most an all-reduce bucket holds until this many bytes of its kind are in buckets before it
-# (DDP's first bucket, 1 MiB; a token count reduced alone before the gradients does not count
-# up to it): the first gradients of the backward start reducing while the rest of it runs,
-# where one bucket of ``bucket_bytes`` would wait for the whole backward of a model that fits
-FIRST_ALL_REDUCE_BYTES = 2**20
 
 
 def form_buckets(
@@ -80,8 +73,7 @@ def form_buckets(
         gather = kind == "all_gather"
         at = (lambda r: first_use[id(r)]) if gather else (lambda r: index[r.value[0]])  # noqa: E731
         rs.sort(key=at)
-        first = min(bucket_bytes, FIRST_ALL_REDUCE_BYTES) if kind == "all_reduce" else bucket_bytes
-        done = 0  # the bytes of this group's values in the buckets closed so far
+        cap = bucket_bytes
         current: list[Redistribution] = []
         after = _Descendants(index)
         values: set[torch.fx.Node] = set()
@@ -89,11 +81,9 @@ def form_buckets(
         for r in rs:
             p = r.value[0]
             same_block = not block or not current or block[nodes[at(r)]] == block[nodes[at(current[0])]]
-            cap = first if done < first else bucket_bytes
             fits = not after.holds(p) and not _reaches(index, users[id(r)], values, last) and size < cap and same_block
             if current and not fits:
                 formed.append((kind, k, current))
-                done += size
                 current, after, values, size, last = [], _Descendants(index), set(), 0, -1
             current.append(r)
             after.add(users[id(r)])

@@ -290,6 +290,9 @@ def test_fake_tensors_and_tracing():
         assert _compat.is_fake(y) and y.shape == (2,)
     gm = _compat.trace_fake(lambda x: x * real, [torch.ones(2)])
     assert torch.equal(gm(torch.tensor([3.0, 4.0])), torch.tensor([3.0, 8.0]))
+    # an op given a decomposition is traced as the ops it runs
+    gm = _compat.trace_fake(torch.sinc, [torch.ones(2)], {aten.sinc.default: lambda x: torch.sin(x) / x})
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] == ["aten.sin.default", "aten.div.Tensor"]
 
     with pytest.raises(Exception) as e, _compat.fake_mode():
         bool(torch.ones(2).sum() > 0)

@@ -610,11 +610,15 @@ def lazy_graph_modules() -> Iterator[None]:
         yield
 
 
-def trace_fake(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+def trace_fake(
+    fn: Callable[..., Any],
+    inputs: Sequence[torch.Tensor],
+    decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+) -> torch.fx.GraphModule:
     """``make_fx(fn, tracing_mode="fake")(*inputs)``, except that a real tensor an op meets (a
     constant the traced code closes over, such as a module buffer) becomes a constant of the graph
-    instead of an error."""
-    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    instead of an error; an op of ``decompositions`` is traced as the ops its function runs."""
+    return make_fx(fn, decompositions, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
 
 
 def inductor_compile(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:

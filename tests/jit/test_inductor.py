@@ -38,6 +38,9 @@ def test_compiled_fsdp_adamw_step_equals_one_device(inductor):
     for r in inductor:
         assert r["compiled_by_inductor"] == [True]
         assert r["warnings"] == []
+        # Adam's update is Inductor's own kernels (fused with the param's), not the eager fused
+        # op called once per leaf (vsf::adam_step_ -> aten::_fused_adam_)
+        assert r["adam_ops"] == []
 
 
 @pytest.mark.world("jit_inductor.py", "dp_adamw", nproc=2)
@@ -49,6 +52,7 @@ def test_compiled_dp_step_with_the_gradients_in_several_buckets_equals_one_devic
         # the token count and the gradients' buckets: 15.6 KB in buckets of 4 KiB, at least three
         (count,) = r["all_reduces"]
         assert count >= 4
+        assert r["adam_ops"] == []
 
 
 @pytest.mark.world("jit_inductor.py", "fallback", nproc=2)

@@ -129,6 +129,39 @@ def test_adam_matches_torch_fused_adam(name, cls, kwargs, make, mask):
         torch.testing.assert_close(got[k], want[k], **(dict(rtol=0, atol=0) if exact else TOL))
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["adam_step", "adam_step_"])
+def test_adam_as_inductor_compiles_it_matches_torch_fused_adamw(inplace):
+    """Under ``backend="inductor"`` the Adam ops run as their math in torch ops
+    (``vsf.jit.runner.as_inductor_math``; the in-place op, which the lowering calls on donated
+    moments, writes them with ``copy_``): the program calls no fused kernel, and its param after
+    20 AdamW steps is torch's fused AdamW's up to rounding."""
+    from vsf import _compat
+    from vsf.jit.runner import as_inductor_math
+
+    lr, wd, b1, b2, eps = 1e-2, 0.1, 0.9, 0.999, 1e-8
+    p = torch.randn(16, 8)
+    grads = [{"w": torch.randn_like(p)} for _ in range(STEPS)]
+    (want,) = run_torch(torch.optim.AdamW, dict(lr=lr, weight_decay=wd), {"w": p}, grads, impl="fused").values()
+    rate = _compat.fused_adam_lr(lr, p.device)
+    decay = torch.tensor(1 - lr * wd, dtype=torch.float32).double() - 1  # torch's factor, rounded, minus one
+
+    def step(g, m, v, p, count):
+        if inplace:
+            return p + torch.ops.vsf.adam_step_(g, m, v, p, count, rate, decay, b1, b2, eps), m, v
+        u, m, v = torch.ops.vsf.adam_step(g, m, v, p, count, rate, decay, b1, b2, eps)
+        return p + u, m, v
+
+    m, v, count = torch.zeros_like(p), torch.zeros_like(p), torch.tensor(1.0)
+    inputs = [grads[0]["w"], m, v, p, count]
+    program = as_inductor_math(_compat.trace_fake(step, inputs), inputs)
+    assert not any("vsf" in str(n.target) for n in program.graph.nodes)
+    for g in grads:
+        p, m_next, v_next = program(g["w"], m, v, p, count)
+        assert (m_next is m and v_next is v) == inplace  # the moments written where they are
+        m, v, count = m_next, v_next, count + 1
+    torch.testing.assert_close(p, want, **TOL)
+
+
 def test_adam_on_strided_leaves_and_low_precision_grads():
     """The fused kernel walks memory in order: transposed params/state and transposed or bf16
     gradients must give the numbers contiguous fp32 ones give."""

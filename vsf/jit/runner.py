@@ -7,8 +7,11 @@ or compiled by Inductor (``backend="inductor"``); in checking mode beside the un
 ``vsf.config.jit_mode`` can force any of them.
 
 Inductor compiles the traced graph once per plan, on its first call (PyTorch's own cache keeps
-the artifacts between processes). A graph it cannot compile runs as it is, after a warning that
-gives the reason; so do the simulated, interpreted and checked programs (simulated ranks are
+the artifacts between processes). An op with math for Inductor (:func:`register_inductor_math`:
+Adam's fused step, an opaque kernel called once per leaf) is compiled as that math, whose
+in-place writes of donated buffers Inductor keeps in place, so that Inductor fuses it with the
+ops around it (AdamW's moments and param in one pass per leaf, where the eager program makes
+three). A graph Inductor cannot compile runs as it is, after a warning that gives the reason; so do the simulated, interpreted and checked programs (simulated ranks are
 ``LocalTensor``\\ s, which Inductor does not compile), after one warning per program.
 
 Example::
@@ -34,9 +37,31 @@ from vsf.jit.overlap import wait_late
 from vsf.jit.plan import Plan
 from vsf.jit.replay import Replayed
 
-__all__ = ["BACKENDS", "Runner"]
+__all__ = ["BACKENDS", "Runner", "as_inductor_math", "register_inductor_math"]
 
 BACKENDS = ("eager", "inductor")
+
+_INDUCTOR_MATH: dict[Any, Callable[..., Any]] = {}
+
+
+def register_inductor_math(op: Any, math: Callable[..., Any]) -> None:
+    """Under ``backend="inductor"``, compile ``op`` (a custom op the eager program runs as one
+    opaque kernel) as ``math``: a function of ``op``'s arguments that returns what ``op`` returns
+    in torch ops Inductor can fuse, and writes in place (``copy_``) what ``op`` writes.
+
+    Example::
+
+        >>> register_inductor_math(torch.ops.vsf.adam_step_.default, adam_math_)
+    """
+    _INDUCTOR_MATH[op] = math
+
+
+def as_inductor_math(gm: torch.fx.GraphModule, locals_in: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """``gm`` traced again with each op :func:`register_inductor_math` knows as its math (``gm``
+    itself where it has none): the same inputs, results and order of ops."""
+    if not any(n.op == "call_function" and n.target in _INDUCTOR_MATH for n in gm.graph.nodes):
+        return gm
+    return _compat.trace_fake(gm, locals_in, _INDUCTOR_MATH)
 
 
 class Runner:
@@ -87,7 +112,7 @@ class Runner:
     def _compile(self, gm: torch.fx.GraphModule, locals_in: list[torch.Tensor]) -> Callable[..., Any]:
         """Inductor's compile of ``gm``; ``gm`` itself, after a warning with the reason, where it fails."""
         try:
-            return _compat.inductor_compile(gm, locals_in)
+            return _compat.inductor_compile(as_inductor_math(gm, locals_in), locals_in)
         except Exception as e:  # noqa: BLE001 (any failure to compile: said, and the program runs as traced)
             warnings.warn(
                 f"vsf.jit(backend='inductor'): Inductor could not compile {self.name} ({_reason(e)}); it runs as backend='eager', the traced fx program",

@@ -20,6 +20,15 @@ Both have fake kernels: a program that calls them compiles with Inductor
 ``adam_step`` is elementwise over ``grad``, ``mu``, ``nu`` and ``param`` (``count``, ``lr`` and
 ``decay`` are 0-d); DTensor (hence ``vsf.jit``'s planner, which only ever sees ``adam_step``)
 learns that rule here.
+
+Under ``vsf.jit(backend="inductor")`` both ops are compiled as the kernel's math in torch ops
+(:func:`adam_math`, registered with :func:`vsf.jit.runner.register_inductor_math`), which Inductor
+fuses with the ops around them: one pass per leaf reads the gradient, both moments and the
+param and writes the donated moments and param, where the opaque op is one call per leaf (36
+for the 2-layer GPT of ``benchmarks/bench_torch.py --quick``, ~50 us each on a CPU) between
+the passes that scale the param and add the update. The math is the kernel's (a ``lerp`` for the first moment, the bias
+corrections in float64, the step size rounded to the moments' dtype), so the numbers are the
+fused kernel's up to rounding: Inductor may contract and order the float ops otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from vsf import _compat
+from vsf.jit.runner import register_inductor_math
 from vsf.jit.strategies import register_elementwise
 from vsf.jit.trace import per_leaf
 
@@ -112,7 +122,60 @@ def _adam_step_inplace_fake(
     return torch.empty_like(mu, memory_format=torch.contiguous_format)
 
 
+def adam_math(
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    param: torch.Tensor | None,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``vsf::adam_step`` in torch ops (what Inductor compiles instead of the fused kernel):
+    ``(update, mu', nu')``, the fused kernel's math.
+
+    Example::
+
+        >>> lr, decay = torch.tensor(1e-3, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+        >>> update, m, v = adam_math(g, mu, nu, None, torch.tensor(1.0), lr, decay, 0.9, 0.999, 1e-8)
+    """
+    dtype = mu.dtype
+    g = grad.to(dtype)
+    m = torch.lerp(mu, g, 1 - b1)
+    v = torch.addcmul(nu * b2, g, g, value=1 - b2)
+    steps = count.to(torch.float64)
+    step_size = (lr.to(steps.device, torch.float64) / (1 - torch.pow(b1, steps))).to(dtype)
+    root = torch.sqrt(1 - torch.pow(b2, steps)).to(dtype)
+    start = torch.zeros_like(mu) if param is None else param.to(dtype) * decay.to(mu.device, dtype)
+    return start - step_size * m / (v.sqrt() / root + eps), m, v
+
+
+def adam_math_(
+    grad: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    param: torch.Tensor | None,
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    decay: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
+) -> torch.Tensor:
+    """``vsf::adam_step_`` in torch ops: :func:`adam_math` with the new moments written into
+    ``mu`` and ``nu``; returns the update."""
+    update, m, v = adam_math(grad, mu, nu, param, count, lr, decay, b1, b2, eps)
+    mu.copy_(m)
+    nu.copy_(v)
+    return update
+
+
 register_elementwise(torch.ops.vsf.adam_step.default, outputs=3)
+register_inductor_math(torch.ops.vsf.adam_step.default, adam_math)
+register_inductor_math(torch.ops.vsf.adam_step_.default, adam_math_)
 
 
 def adam_step(

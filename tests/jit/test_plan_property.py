@@ -322,9 +322,11 @@ def merged_bmm(draw, rng):
 
 
 def layer_norm_backward(draw, rng):
-    # a width of 1 normalizes to a constant: its input gradient is rounding noise times 1/sqrt(eps)
-    # (a Hypothesis run found 1.2e-4 against 0 on [2, 5, 1] with the gradient's parts split over dp)
-    shape = _shape(draw, 1, 2) + (draw(st.sampled_from((2, 3, 4, 5, 6, 8))),)
+    # a width of 1 normalizes to a constant, and a width of 2 to +-sqrt(var / (var + eps)): the input
+    # gradient is then only the epsilon's share of terms the gradient's size (6.9e-4 in float64 against
+    # terms of 1), which rounding noise times rstd swamps (Hypothesis runs found 1.2e-4 against 0 on
+    # [2, 5, 1], and 1.5e-4 off on [3, 2], each with a part split over dp)
+    shape = _shape(draw, 1, 2) + (draw(st.sampled_from((3, 4, 5, 6, 8))),)
     return layer_norm_backward_case(rng, shape, draw(st.integers(0, 2)))
 
 

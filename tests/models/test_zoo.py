@@ -12,6 +12,9 @@ import pytest
 import torch
 import zoo
 
+import vsf
+from vsf import optim
+
 pytestmark = pytest.mark.models
 
 CORE = ["gpt2", "llama", "bert", "t5", "mixtral"]
@@ -99,3 +102,30 @@ def test_trains_like_torch_on_one_device_on_real_processes(world, name):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["want_losses"]), rtol=1e-4, atol=0)
         assert r["plan_count"] == 1
         assert r["not_close"] == [], r["max_param_err"]
+
+
+def _planned_collectives(model: torch.nn.Module, family: zoo.Family, batch: dict[str, torch.Tensor]) -> list:
+    """The collectives of the zoo's train step of ``model`` planned on dp (the params replicated)."""
+    params = vsf.tree.from_module(model)
+    tx = zoo.adamw()
+    shape, axes, kind, batch_spec = zoo.LAYOUTS["dp"]
+    mesh = vsf.make_mesh(shape, axes)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, kind, family)))
+    step = vsf.jit(zoo.train_step(model, tx, family.loss))
+    low = step.lower(p, optim.init_sharded(tx, p), vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec)))
+    return sorted((c.kind, c.axis, c.bytes) for c in low.cost().collectives)
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.sweep)])
+def test_the_default_cache_costs_no_collective(sim, name):
+    """With ``use_cache`` on (transformers' default), each attention layer cats its keys and values
+    to its cache's ``torch.tensor([])``, which adds nothing: the step on dp sends exactly what it
+    sends with the cache off. (The old planner gathered the keys and values over dp in every layer,
+    DTensor's cat rule replicating every operand, and sliced them back; over tp too, on dp x tp.)"""
+    family = _families()[name]
+    model, batches = zoo.built(family)
+    assert model.config.use_cache
+    sim(2, compute=False)
+    cached = _planned_collectives(model, family, batches[0])
+    model.config.use_cache = False
+    assert cached == _planned_collectives(model, family, batches[0])

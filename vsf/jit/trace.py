@@ -319,6 +319,7 @@ def _trace(
     if not allow_unkeyed_random:
         _reject_unkeyed_random(gm, fun)
     _drop_unread_total_weights(gm)
+    _drop_skipped_cat_inputs(gm)
     eliminate_dead_code(gm)
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
@@ -364,6 +365,43 @@ def _drop_unread_total_weights(gm: torch.fx.GraphModule) -> None:
                 )
             constant.meta = {**node.meta, "val": val}
             node.update_arg(6, constant)
+
+
+def _drop_skipped_cat_inputs(gm: torch.fx.GraphModule) -> None:
+    """Drop from each ``cat`` the empty tensors, which add nothing to it (torch's legacy rule lets a
+    tensor of shape ``[0]`` join a cat of any rank), and read a cat left with one tensor as a copy of it.
+    A ``transformers`` cache starts each layer's keys and values as ``torch.tensor([])`` and cats the
+    new ones to it: planned as written, the cat of a tensor sharded over the batch and the heads with
+    a replicated constant gathers the keys and values over both (DTensor's rule replicates every
+    operand), where the one-device step only copies them. A cat whose dtype its skipped operands
+    promote is kept as it is.
+
+    Example::
+
+        >>> _drop_skipped_cat_inputs(gm)  # %cat = cat([%empty_f32_0, %k]) -> %cat = clone(%k)
+    """
+    for node in gm.graph.find_nodes(op="call_function", target=aten.cat.default):
+        parts = node.args[0]
+        out = node.meta.get("val")
+        kept = [t for t in parts if not _skipped_by_cat(t)]
+        if len(kept) == len(parts) or not kept or out is None:
+            continue
+        if any(t.meta["val"].dtype != out.dtype for t in kept):
+            continue
+        if len(kept) > 1:
+            node.update_arg(0, kept)
+            continue
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(aten.clone.default, (kept[0],))
+        copy.meta = dict(node.meta)
+        node.replace_all_uses_with(copy)
+        gm.graph.erase_node(node)
+
+
+def _skipped_by_cat(t: Any) -> bool:
+    """Does ``t`` (a cat's operand) add nothing to it: no elements (a legacy ``[0]``, or none along the dim)?"""
+    val = t.meta.get("val") if isinstance(t, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.numel() == 0
 
 
 def _drop_names(gm: torch.fx.GraphModule) -> None:

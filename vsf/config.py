@@ -76,8 +76,10 @@
   (Mixtral's, Qwen-MoE's, DeepSeek's: built with ``@use_experts_implementation``), or torchtitan's
   routed experts (``RoutedExperts``, torchtitan 0.3), whose weights arrive split on the expert dim
   over one mesh axis sends its tokens to the experts' ranks and back
-  (:func:`vsf.nn.expert_parallel`, the region ``shard_map(expert_dispatch)`` in the plan's text);
-  ``False`` plans the module as its library runs it (the experts' weights gathered to the tokens).
+  (:func:`vsf.nn.expert_parallel`, the region ``shard_map(expert_dispatch)`` in the plan's text),
+  and a ``transformers`` one whose weights no axis splits on the expert dim runs on each rank's own
+  tokens (``shard_map(own_tokens)``); ``False`` plans the module as its library runs it (the
+  experts' weights gathered to the tokens, or the tokens to the replicated experts).
   Read when a step is traced.
 * ``stamp_blocks`` (default ``True``): inside ``vsf.jit``, the first child of a ``ModuleList`` or
   ``Sequential`` of each kind (a transformer's blocks) is traced by itself, and its graph is copied

@@ -370,9 +370,10 @@ def test_pipelined_on_pp_x_ep_dispatches_and_trains_like_torch_on_one_device(sim
         gate = layout.where(f"{stage_index}.gate.weight", stage_index)[0].shard_shape((4, 16))
         assert reduced == [("all_reduce", gate)]
         if layout_name == "pp_ep":  # a step: 2 microbatches, the router's gradient (256 B), stage 1's losses;
-            # fewer bytes than the gather plan's 6,080 (2 x (64 + 288 + 1,024) + 3,072 + 256: the test below's, for 8 tokens)
+            # fewer bytes than the gather plan's 6,400 (the experts gathered and their gradients
+            # reduce-scattered, 2 x 3,072, and the router's 256: the test below's)
             step = 2 * (exchanges * rows + 4 * 8) + 256 + 4 * 2 * stage_index
-            assert lowered.cost().stages[stage_index].comm_bytes["ep"] == step < 6080
+            assert lowered.cost().stages[stage_index].comm_bytes["ep"] == step < 2 * 3072 + 256
     assert "all_to_all_v over ep (inside shard_map(expert_dispatch))" in lowered.as_text()
 
 
@@ -382,21 +383,23 @@ def test_pipelined_with_many_tokens_to_tiny_experts_gathers_them_once_a_step(sim
     (8 KiB; 3 a microbatch on stage 0, whose input needs no gradient, 4 on stage 1) and the
     per-expert counts (32 B), and the router's gradient is all-reduced once a step (256 B): 49,472
     B a step on stage 0. Gathering the experts once a step (each rank's 2 experts' 16x16 and 16x8
-    floats, 3 KiB) runs transformers' experts on the microbatch's every token, whose routing it
-    sorts whole: each microbatch gathers the routing (128 x 2 int64: 1 KiB sent), the tokens and
-    gates (128 x 16 + 256 floats: 4.5 KiB) and in the backward two 256 x 16 float gradients (16
-    KiB): 47,360 B a step (and stage 1 sums each microbatch's loss). The pipeline gathers (one bucket over ep), exchanges no token, and
+    floats, 3 KiB), each rank runs them on its own tokens (``shard_map(own_tokens)``) and their
+    gradients are reduce-scattered once a step (3 KiB): 6,400 B a step (and stage 1 sums each
+    microbatch's loss). (The old planner ran the gathered experts on the microbatch's every token,
+    whose routing transformers sorts whole, gathering the routing, tokens, gates and two gradients
+    each microbatch: 47,360 B.) The pipeline gathers (one bucket over ep), exchanges no token, and
     trains like torch on one device (params after 3 AdamW steps)."""
     blocks, _, batches, (pipe, p, layout) = _moe_pipeline(sim, "pp_ep", seq=64)
     exchange, counts, router = 64 * TOP_K * 16 * 4, 2 * 4 * 8 // 2, 2 * (4 * 16 * 4) // 2
     experts = 2 * (16 * 16 + 16 * 8) * 4
-    per_microbatch = 128 * 2 * 8 // 2 + (128 * 16 + 256) * 4 // 2 + 2 * 256 * 16 * 4 // 2
-    gathered = 2 * per_microbatch + experts + router
+    gathered = 2 * experts + router
     assert gathered < 2 * (3 * exchange + counts) + router  # stage 0's dispatch; stage 1's sends more
     lowered = pipe.lower(p, *batches[0], layout=layout)
     for s in (0, 1):
         assert [c.bytes for c in lowered.gathers[s].cost().collectives if c.axis == "ep"] == [experts]
-        assert not [c for c in lowered.stages[s].cost().collectives if c.kind == "all_to_all_v"]
+        assert not [c for c in lowered.stages[s].cost().collectives if c.axis == "ep"]
+        reduced = sorted((c.kind, c.bytes) for c in lowered.reducers[s].cost().collectives if c.axis == "ep")
+        assert reduced == [("all_reduce", router), ("reduce_scatter", experts)]
         assert lowered.cost().stages[s].comm_bytes["ep"] == gathered + 4 * 2 * s  # (and the last stage's losses)
     trained, losses = zoo.train_pipelined(pipe, zoo.adamw(), (p, layout), batches)
     got = vsf.device_get(trained)
@@ -735,3 +738,42 @@ def test_a_model_without_transformers_experts_is_an_error(sim):
     mesh = vsf.make_mesh((2,), ("ep",))
     with pytest.raises(ValueError, match="LlamaForCausalLM has no transformers experts module"):
         vsf.nn.use_expert_parallel(model, axis="ep", mesh=mesh)
+
+
+def test_replicated_experts_on_dp_run_on_each_ranks_own_tokens_and_train_like_torch(sim):
+    """Data parallelism over two MoE blocks (every weight replicated, the batch over dp): each rank
+    runs the experts on its own tokens, as DDP does, and the step sends only the all-reduce of the
+    gradients: by hand, every param's bytes (a ring of 2 sends each byte once) and the loss's 4.
+    The old planner gathered each block's tokens and their routing over dp (the experts'
+    implementation sorts the tokens by expert: on the whole batch, every rank held every rank's
+    tokens). The losses and the params after 3 AdamW steps are torch's on one device."""
+    blocks = _moe_blocks()
+    params = vsf.tree.from_module(blocks)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 4, 16, generator=g), torch.randn(4, 4, 16, generator=g)) for _ in range(3)]
+    want = _torch_blocks(blocks, batches)
+    tx = zoo.adamw()
+
+    def loss_fn(p, x, target):
+        for s, block in enumerate(blocks):
+            x = x + vsf.tree.apply(block, {k[2:]: v for k, v in p.items() if k.startswith(f"{s}.")}, x)
+        return _squared_error(x, target)
+
+    @vsf.jit
+    def step(p, s, x, target):
+        loss, grads = vsf.value_and_grad(loss_fn)(p, x, target)
+        updates, s = tx.update(grads, s, p)
+        return optim.apply_updates(p, updates), s, loss
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    p = vsf.device_put(params, vsf.NamedSharding(mesh, P()))
+    s = optim.init_sharded(tx, p)
+    losses = []
+    for x, target in batches:
+        p, s, loss = step(p, s, *vsf.device_put((x, target), vsf.NamedSharding(mesh, P("dp"))))
+        losses.append(vsf.device_get(loss))
+    zoo.assert_like_oracle("moe blocks dp", losses, vsf.device_get(p), want)
+    collectives = step.lower(p, s, *vsf.device_put(batches[0], vsf.NamedSharding(mesh, P("dp")))).cost().collectives
+    assert {c.kind for c in collectives} == {"all_reduce"}, [(c.kind, c.bytes) for c in collectives]
+    assert sum(c.bytes for c in collectives) == sum(v.numel() * v.element_size() for v in params.values()) + 4

@@ -38,6 +38,13 @@ transformers' own registry.
 torchtitan's MoE (0.3's ``RoutedExperts``: separate ``w1_EFD``, ``w3_EFD`` and ``w2_EDF`` weights)
 is recognised alike from its weights' specs (:func:`dispatching_torchtitan_experts`).
 
+A transformers experts module whose weights no axis splits on the expert dim (replicated, as data
+parallelism keeps them, or split over their ffn dims alone) runs on each rank's own tokens: one
+``shard_map(own_tokens)`` region over the same token axes, the weights whole over them and their
+gradients summed over them, as DDP's are. Planned as traced, the implementation's sort of the
+tokens by expert needs the whole batch, and every rank would gather every rank's tokens and run
+the experts on all of them, in each MoE layer.
+
 Example::
 
     >>> def experts(rows, offsets, w_in, w_out):
@@ -58,7 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vsf import ops
+from vsf import _compat, ops
 from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.func import shard_map
@@ -287,7 +294,9 @@ def dispatching_transformers_experts(options: PlanOptions) -> Iterator[None]:
     :func:`expert_parallel` over that axis, the tokens split over every mesh axis but those that
     split the weights on their ffn dims alone (in the order the plan finds cheapest; those, e.g.
     Megatron's ``tp``, stay automatic in the region, each rank running a slice of every expert);
-    any other module runs as transformers would. ``vsf.jit`` enters it while it traces a step
+    a module whose weights are step inputs that no axis splits on the expert dim runs on each
+    rank's own tokens over the same token axes (:func:`_on_own_tokens`); any other module runs as
+    transformers would. ``vsf.jit`` enters it while it traces a step
     (:func:`vsf.jit.trace.rewrite_while_tracing`), with the plan's ``options``: nothing changes
     where ``vsf.config.dispatch_experts`` is off, or where transformers' MoE integration is not
     imported. :func:`use_expert_parallel`'s explicit settings take precedence.
@@ -323,11 +332,82 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
         up = "gate_up_proj" if module.has_gate else "up_proj"
         hidden = {up: 1 if module.is_transposed else 2, "down_proj": 2 if module.is_transposed else 1}
         split = _dispatch_split(module, hidden, hidden_states.shape[0])
-        if split is None:
+        if split is not None:
+            return _dispatched(module, hidden_states, top_k_index, top_k_weights, *split)
+        local = _token_split(module, hidden, hidden_states.shape[0])
+        if local is None:
             return forward(module, hidden_states, top_k_index, top_k_weights)
-        return _dispatched(module, hidden_states, top_k_index, top_k_weights, *split)
+        return _on_own_tokens(forward, module, hidden_states, top_k_index, top_k_weights, *local)
 
     return experts
+
+
+def _token_split(module: Any, hidden: dict[str, int], tokens: int) -> tuple[Mesh, tuple[str, ...]] | None:
+    """``(mesh, token axes)`` where the experts ``module``'s weights (named in ``hidden``) are step
+    inputs that no axis splits on the expert dim (replicated experts, as data parallelism keeps
+    them, or split on their ffn dims by tensor parallelism): the token axes are the mesh's axes of
+    more than one rank but those that split the weights' ffn dims alone (:func:`_expert_split`'s
+    rule), and they divide the ``tokens``; else ``None`` (the module runs as traced)."""
+    found = {k: step_input(getattr(module, k)) for k in hidden}
+    if any(f is None for f in found.values()):
+        return None
+    splits = {
+        (d == hidden[k], a)
+        for k, f in found.items()
+        for d in range(1, len(f.sharding.spec))  # type: ignore[union-attr]
+        for a in f.sharding.spec.entry_axes(d)  # type: ignore[union-attr]
+    }
+    tensor_parallel = {a for on_hidden, a in splits if not on_hidden} - {a for on_hidden, a in splits if on_hidden}
+    mesh = next(iter(found.values())).sharding.mesh  # type: ignore[union-attr]
+    axes = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and a not in tensor_parallel)
+    if not axes or tokens % math.prod(mesh.axis_size(a) for a in axes):
+        return None
+    return mesh, axes
+
+
+def _on_own_tokens(
+    forward: Callable[..., torch.Tensor],
+    module: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    mesh: Mesh,
+    token_axes: tuple[str, ...],
+) -> torch.Tensor:
+    """The experts ``module`` (its implementation ``forward``) run on each rank's own tokens: one
+    ``vsf.shard_map`` region manual over ``token_axes``, the tokens and their routing split over
+    them, the module's weights whole over them (their gradients summed over them, as data
+    parallelism's are). Each token's result depends on that token alone, but the experts'
+    implementations sort and scatter the tokens by expert, which planned on the whole batch
+    gathers the tokens over the batch axes (each rank would hold every rank's tokens, every layer)."""
+    slots = [
+        (table, name)
+        for _, m in module.named_modules()
+        for table in _compat.module_tables(m)[:2]
+        for name, t in table.items()
+        if t is not None
+    ]
+    split = P(token_axes)
+
+    def own_tokens(x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        held = [table[name] for table, name in slots]
+        for (table, name), w in zip(slots, weights):
+            table[name] = w
+        try:
+            return forward(module, x, index, gates)
+        finally:
+            for (table, name), w in zip(slots, held):
+                table[name] = w
+
+    region = shard_map(
+        own_tokens,
+        mesh=mesh,
+        in_specs=(split, split, split, *(P() for _ in slots)),
+        out_specs=split,
+        axis_names=token_axes,
+        any_order=True,  # (each token alone: the plan takes the token axes in the order that moves fewest bytes)
+    )
+    return region(hidden_states, top_k_index, top_k_weights, *(table[name] for table, name in slots))
 
 
 @contextlib.contextmanager

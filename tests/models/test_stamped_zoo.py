@@ -5,8 +5,10 @@ traced, and the stamped step trains as plain PyTorch does on one device."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
+import warnings
 
 import pytest
 import zoo
@@ -93,3 +95,30 @@ def test_stamped_llama_trains_as_one_device(sim, monkeypatch):
     assert [sum(s.stamped["adam_step"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf's update
     assert [sum(s.stamped["detach"]) for s in stampers] == [len(vsf.tree.leaves(params))]  # every leaf, differentiated
     zoo.assert_like_oracle("stamped llama", losses, params, zoo.torch_run(family))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_layers_given_a_cache_are_traced_one_by_one_and_the_warning_says_how_to_stamp_them(sim, use_cache):
+    """With transformers' default ``use_cache`` each Llama layer is passed a ``DynamicCache`` to
+    write its keys into, which no shared trace can stand for: every layer is traced by itself, and
+    the trace warns once, at the user's line, naming the block, the cache's type and the fix
+    (``use_cache=False``), which stamps the layers and warns nothing."""
+    family = zoo.llama(2, use_cache=use_cache)
+    model, batches = zoo.built(family)
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, vsf.P()))
+    batch = vsf.device_put(batches[0], vsf.NamedSharding(mesh, vsf.P("dp")))
+    step = vsf.jit(
+        lambda p, b: vsf.value_and_grad(lambda p: family.loss(functools.partial(vsf.tree.apply, model, p), b))(p)
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        stamped = step.trace(params, batch).stamped
+    ours = [w for w in seen if "traced by itself" in str(w.message)]
+    if use_cache:
+        assert "LlamaDecoderLayer" not in stamped
+        assert [str(w.message) for w in ours] == [trace_module._unstamped_warning("LlamaDecoderLayer", "DynamicCache")]
+        assert "use_cache=False" in str(ours[0].message) and ours[0].filename == __file__
+    else:
+        assert stamped["LlamaDecoderLayer"] == (2,) and ours == []

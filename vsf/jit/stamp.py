@@ -61,7 +61,16 @@ import torch.fx
 
 from vsf import _compat, tree
 from vsf.errors import TraceError
-from vsf.jit.stamp_key import Call, args_key, block_key, read_values, rebuild, recording_reads, stampable_now
+from vsf.jit.stamp_key import (
+    Call,
+    args_key,
+    block_key,
+    read_values,
+    rebuild,
+    recording_reads,
+    stampable_now,
+    unkeyed_kind,
+)
 
 __all__ = ["Stamper"]
 
@@ -117,6 +126,8 @@ class Stamper:
         self.blocks: set[int] = set()  # ids of the children of a ModuleList or Sequential seen called
         self.traces: dict[Any, list[tuple[frozenset[tuple[int, str]], Any, _Trace | None]]] = {}
         self.stamped: dict[str, list[int]] = {}
+        # per block class called with an argument no trace can stand for, that argument's type's name
+        self.unstamped: dict[str, str] = {}
         self._held: set[int] = set()  # ids of the tensors the blocks keyed so far hold
         self._uses: dict[int, int] = {}
 
@@ -130,6 +141,8 @@ class Stamper:
             return forward(*args, **kwargs)
         keyed = block_key(module, args, kwargs, self.tracer)
         if keyed is None:
+            if (kind := unkeyed_kind(args, kwargs)) is not None:
+                self.unstamped.setdefault(type(module).__name__, kind)
             return forward(*args, **kwargs)
         key, call = keyed
         held = {id(t) for t in call.operands[: len(call.slots)]}

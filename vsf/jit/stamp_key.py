@@ -106,6 +106,19 @@ def stampable_now() -> bool:
     return not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
+def unkeyed_kind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The name of the type of the first argument of a call that is neither a tensor nor a plain
+    value (no key holds it: the call is traced by itself), else ``None``.
+
+    Example::
+
+        >>> unkeyed_kind((x,), {"past_key_values": DynamicCache()})
+        'DynamicCache'
+    """
+    leaves, _ = tree.flatten((args, kwargs))
+    return next((type(x).__name__ for x in leaves if not isinstance(x, (torch.Tensor, *_PLAIN))), None)
+
+
 def args_key(
     args: tuple[Any, ...], kwargs: dict[str, Any], tracer: Any, held: Sequence[torch.Tensor] = ()
 ) -> tuple[Any, Call] | None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -245,6 +247,35 @@ def _stamping(
     finally:
         inputs.stampers.remove(stamper)
     stamped.update({k: tuple(v) for k, v in stamper.stamped.items()})
+    for block, kind in stamper.unstamped.items():
+        if block not in stamper.stamped:
+            warnings.warn(_unstamped_warning(block, kind), stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the caller of ``warnings.warn`` in this function's caller that names the
+    innermost frame outside torch, vsf, ``contextlib`` and generated code: the user's line that
+    planned the step."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and (
+        is_library_file(name := frame.f_code.co_filename) or name == contextlib.__file__ or name.startswith("<")
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _unstamped_warning(block: str, kind: str) -> str:
+    """What a user reads where a model's repeated ``block`` s were each traced by itself because
+    each call took an argument of type ``kind``, which no shared trace can stand for."""
+    hint = (
+        "a transformers cache, which a training step does not read: pass use_cache=False"
+        if kind.endswith("Cache")
+        else "pass tensors and plain values (numbers, strings, None) only"
+    )
+    return (
+        f"vsf.jit: each {block} block is traced by itself, since each call takes an argument of type {kind} "
+        f"(planning takes longer, growing with the number of blocks); to trace one and stamp the others, {hint}"
+    )
 
 
 def per_leaf(

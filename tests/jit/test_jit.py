@@ -602,6 +602,14 @@ def test_sharding_on_another_mesh_is_refused(sim):
         vsf.jit(lambda a: a + 1)(x)
 
 
+def test_inputs_on_two_meshes_are_refused_naming_each(sim):
+    sim(4)
+    a = vsf.device_put(torch.ones(4), vsf.NamedSharding(vsf.make_mesh((2, 2), ("dp", "tp")), P("dp")))
+    b = vsf.device_put(torch.ones(4), vsf.NamedSharding(vsf.make_mesh((4,), ("x",)), P("x")))
+    with pytest.raises(ValueError, match=r"live on different meshes: args\[0\] is on .*; args\[1\] is on "):
+        vsf.jit(lambda a, b: a + b)(a, b)
+
+
 def test_out_sharding_that_cannot_hold_is_refused(sim):
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))

@@ -460,6 +460,19 @@ def test_donated_arguments_are_released_and_refused_afterwards(sim):
         f(new)
 
 
+def test_a_donated_argument_after_a_static_one_is_named_by_its_position(sim):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    f = vsf.jit(lambda scale, p: vsf.tree.map(lambda t: t * scale, p), static_argnums=0, donate_argnums=1)
+    p = vsf.device_put({"b": torch.ones(2), "w": torch.ones(4)}, vsf.NamedSharding(mesh, P("dp")))
+    new = f(3.0, p)
+    for _ in range(2):  # the first call makes the stand-ins, later calls reuse them
+        with pytest.raises(RuntimeError, match=r"donated to .*args\[1\]\['w'\]"):
+            p["w"] + 1
+        p, new = new, f(3.0, new)
+    torch.testing.assert_close(vsf.device_get(new["b"]), torch.full((2,), 27.0))
+
+
 def test_a_call_names_no_argument_unless_a_message_needs_one(sim, monkeypatch):
     """Naming a leaf walks the whole argument tree; doing it for every leaf of every call made
     each call quadratic in the number of leaves (a 207-leaf GPT train step spent most of its

@@ -33,7 +33,7 @@ from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
-from vsf.jit.donation import Donated, donate
+from vsf.jit.donation import Donation
 from vsf.jit.graph import output_node
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
@@ -227,7 +227,7 @@ class Jitted:
         call = self._prepare(args, kwargs)
         compiled = self._cache.get(call.key) or self._compile(call)
         result = compiled._run(call, check)
-        donate(args, self.donate_argnums, self._name, compiled.stand_ins)
+        compiled.donation.release(args, call.leaves)
         return result
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -311,9 +311,7 @@ class Jitted:
                 reduce_dtype=self.reduce_dtype,
                 donated=call.leaves_of(self.donate_argnums),
             )
-            compiled = Compiled(
-                self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names
-            )
+            compiled = Compiled(self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call, out_names)
         self._cache[call.key] = compiled
         return compiled
 
@@ -378,16 +376,14 @@ def _carried(
 class Compiled:
     """A planned program for one argument signature; call it like the jitted function."""
 
-    def __init__(
-        self, owner: Jitted, plan: Plan, traced: Traced, input_names: list[str], output_names: list[str]
-    ) -> None:
+    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, call: Call, output_names: list[str]) -> None:
         self.owner = owner
         self.plan = plan
         self.traced = traced
-        self.input_names = input_names
+        self.input_names = call.names
         self.output_names = output_names
         self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
-        self.stand_ins: dict[tuple[int, int], Donated] = {}  # what each donated leaf holds after a call (donate)
+        self.donation = Donation(owner._name, call.located(owner.donate_argnums))
         dm = plan.mesh.device_mesh
         self._out_specs = [_compat.dtensor_layout(dm, pl, m) for m, pl in zip(_out_metas(traced), plan.outputs)]
 
@@ -398,12 +394,12 @@ class Compiled:
                 f"these arguments do not match the signature this program of {self.owner._name} was compiled for"
             )
         result = self._run(call, config.check_plan)
-        donate(args, self.owner.donate_argnums, self.owner._name, self.stand_ins)
+        self.donation.release(args, call.leaves)
         return result
 
     def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
-        locals_out = self._runner(locals_in, check, lambda: call.leaves_of(self.owner.donate_argnums))
+        locals_out = self._runner(locals_in, check, lambda: self.donation.leaves)
         return self._result([_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)])
 
     def _result(self, outs: list[DTensor]) -> Any:
@@ -424,7 +420,7 @@ class DifferentiableCompiled(Compiled):
     (:mod:`vsf.jit.differentiable`)."""
 
     def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, call: Call, output_names: list[str]) -> None:
-        super().__init__(owner, joint.plan, traced, call.names, output_names)
+        super().__init__(owner, joint.plan, traced, call, output_names)
         self.parts = joint.parts
         self.grad_shardings = tree.unflatten(call.key[0], grad_shardings(joint, call.leaves))
         self.grad_names = [f"grad of {call.names[i]}" for i in joint.with_grad]

@@ -61,11 +61,16 @@ class Call:
 
     def leaves_of(self, argnums: Sequence[int]) -> list[int]:
         """Positions, among the call's leaves, of the leaves of positional arguments ``argnums``."""
+        return [j for j, _, _ in self.located(argnums)]
+
+    def located(self, argnums: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(j, i, k)`` for each leaf of positional arguments ``argnums``: the call's leaf ``j`` is
+        leaf ``k`` of argument ``i``."""
         out, offset = [], 0
         for pos, a in zip(self.positions, self.dyn[0]):
             n = len(tree.leaves(a))
             if pos in argnums:
-                out.extend(range(offset, offset + n))
+                out.extend((offset + k, pos, k) for k in range(n))
             offset += n
         return out
 

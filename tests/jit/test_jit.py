@@ -324,6 +324,20 @@ def test_replans_only_on_shape_dtype_sharding_or_static_change(sim, caplog):
     assert sum(r.message.startswith("planning") for r in caplog.records) == 5
 
 
+def test_calls_alternating_between_two_signatures_run_each_ones_program(sim):
+    # a call whose key equals the last call's reuses its program without a lookup; one whose key
+    # differs must not: each call's result is its own signature's
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    jf = vsf.jit(lambda x, w: (x @ w).sum(0))
+    w = vsf.device_put(torch.randn(4, 3), vsf.NamedSharding(mesh, P()))
+    xs = [vsf.device_put(torch.randn(n, 4), vsf.NamedSharding(mesh, P(spec))) for n, spec in ((8, "dp"), (6, None))]
+    for _ in range(2):
+        for x in xs + xs[::-1]:
+            torch.testing.assert_close(vsf.device_get(jf(x, w)), (vsf.device_get(x) @ vsf.device_get(w)).sum(0))
+    assert jf.plan_count == 2
+
+
 def test_a_plan_switch_changed_between_calls_plans_again_with_its_value(sim, monkeypatch):
     # two partial sums of 4 x 4 fp32 (64 B each), reduced at the end: one bucket of both at the
     # default cap, each alone at a cap of 64 B; the switch is part of the cache key

@@ -198,6 +198,7 @@ class Jitted:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
         self._cache: dict[tuple[Any, ...], Compiled] = {}
         self._last_key: tuple[Any, ...] | None = None
+        self._hot: tuple[tuple[Any, ...], Compiled] | None = None  # the last call's key and program (_call)
         self.replans: list[str] = []
         self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
         self._arguments = Arguments(
@@ -225,7 +226,13 @@ class Jitted:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> Any:
         call = self._prepare(args, kwargs)
-        compiled = self._cache.get(call.key) or self._compile(call)
+        # the last call's program where the keys are equal: a step's inputs are the last call's results, laid out
+        # as that call's inputs were, so the keys compare object by object (a lookup hashes every leaf's layout)
+        hot = self._hot
+        compiled = (
+            hot[1] if hot is not None and hot[0] == call.key else self._cache.get(call.key) or self._compile(call)
+        )
+        self._hot = (call.key, compiled)
         result = compiled._run(call, check)
         compiled.donation.release(args, call.leaves)
         return result

@@ -260,6 +260,18 @@ def test_redistribution_and_dtensor_wrapping(sim):
         d.placements,
         d.device_mesh,
     ) and _compat.dtensor_local(like) is local
+    layout = _compat.dtensor_layout(dm, (Shard(0),), t)
+    built = _compat.dtensors_from_locals([local, doubled], [layout, layout])
+    assert [(x.shape, x.placements, x.requires_grad, _compat.dtensor_local(x)) for x in built] == [
+        ((4,), (Shard(0),), False, local),
+        ((4,), (Shard(0),), False, doubled),
+    ]
+    parts = _compat.dtensor_parts([d, like])
+    assert [(local, tuple(shape), pl, mesh) for local, shape, pl, mesh in parts] == [
+        (_compat.dtensor_local(x), tuple(x.shape), x.placements, x.device_mesh) for x in (d, like)
+    ]
+    assert [local.dtype for local, *_ in parts] == [d.dtype, like.dtype]
+    assert _compat.dtensor_parts([d, t]) is None  # a plain tensor among them
     _compat.clear_sharding_caches()
     assert DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize == 0
     assert (d + 1).placements == (Shard(0),)  # propagation works again after the caches went

@@ -97,6 +97,8 @@ __all__ = [
     "dtensor_layout",
     "dtensor_like",
     "dtensor_local",
+    "dtensor_parts",
+    "dtensors_from_locals",
     "fake_inputs",
     "fake_mode",
     "fake_mode_active",
@@ -1112,6 +1114,13 @@ def dtensor_from_local(local: torch.Tensor, layout: Any) -> DTensor:
     return _new_dtensor(local, layout, False)
 
 
+def dtensors_from_locals(locals_: Sequence[torch.Tensor], layouts: Sequence[Any]) -> list[DTensor]:
+    """:func:`dtensor_from_local` of each local and layout, in one loop (a step's hundreds of
+    results: 0.8 us a DTensor, against 1.3 through the verb for one)."""
+    new = DTensor.__new__
+    return [new(DTensor, t, layout, requires_grad=False) for t, layout in zip(locals_, layouts)]
+
+
 def foreach_elementwise_op(op: Any) -> Any:
     """The per-tensor op a ``_foreach_*`` overload applies to each element (``None`` if unknown)."""
     return _resolve_foreach_elementwise_overload(op)
@@ -1146,6 +1155,16 @@ def dtensor_local(x: DTensor) -> torch.Tensor:
     """A DTensor's local shard itself: ``to_local()`` without its autograd function and view
     (which cost milliseconds per call under ``LocalTensorMode``). For non-differentiable math."""
     return x._local_tensor
+
+
+def dtensor_parts(xs: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Size, tuple[Placement, ...], DeviceMesh]] | None:
+    """Each DTensor's local shard, global shape, placements and DeviceMesh, read in one pass from
+    the layout it carries (its public ``shape`` and ``dtype`` go through the tensor subclass's
+    dispatch: 0.17 us a read against 0.03; its dtype is its local shard's); ``None`` if one of
+    ``xs`` is not a DTensor."""
+    if not all(isinstance(x, DTensor) for x in xs):
+        return None
+    return [(x._local_tensor, x._spec.tensor_meta.shape, x._spec.placements, x._spec.mesh) for x in xs]
 
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:

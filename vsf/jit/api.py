@@ -33,7 +33,7 @@ from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
-from vsf.jit.donation import Donated, donate
+from vsf.jit.donation import Donation
 from vsf.jit.graph import output_node
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
@@ -198,6 +198,7 @@ class Jitted:
             raise ValueError(f"arguments {sorted(overlap)} cannot be both static and donated")
         self._cache: dict[tuple[Any, ...], Compiled] = {}
         self._last_key: tuple[Any, ...] | None = None
+        self._hot: tuple[tuple[Any, ...], Compiled] | None = None  # the last call's key and program (_call)
         self.replans: list[str] = []
         self._name = getattr(fun, "__qualname__", getattr(fun, "__name__", "fun"))
         self._arguments = Arguments(
@@ -225,9 +226,15 @@ class Jitted:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> Any:
         call = self._prepare(args, kwargs)
-        compiled = self._cache.get(call.key) or self._compile(call)
+        # the last call's program where the keys are equal: a step's inputs are the last call's results, laid out
+        # as that call's inputs were, so the keys compare object by object (a lookup hashes every leaf's layout)
+        hot = self._hot
+        compiled = (
+            hot[1] if hot is not None and hot[0] == call.key else self._cache.get(call.key) or self._compile(call)
+        )
+        self._hot = (call.key, compiled)
         result = compiled._run(call, check)
-        donate(args, self.donate_argnums, self._name, compiled.stand_ins)
+        compiled.donation.release(args, call.leaves)
         return result
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -311,9 +318,7 @@ class Jitted:
                 reduce_dtype=self.reduce_dtype,
                 donated=call.leaves_of(self.donate_argnums),
             )
-            compiled = Compiled(
-                self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call.names, out_names
-            )
+            compiled = Compiled(self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call, out_names)
         self._cache[call.key] = compiled
         return compiled
 
@@ -378,16 +383,14 @@ def _carried(
 class Compiled:
     """A planned program for one argument signature; call it like the jitted function."""
 
-    def __init__(
-        self, owner: Jitted, plan: Plan, traced: Traced, input_names: list[str], output_names: list[str]
-    ) -> None:
+    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, call: Call, output_names: list[str]) -> None:
         self.owner = owner
         self.plan = plan
         self.traced = traced
-        self.input_names = input_names
+        self.input_names = call.names
         self.output_names = output_names
         self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
-        self.stand_ins: dict[tuple[int, int], Donated] = {}  # what each donated leaf holds after a call (donate)
+        self.donation = Donation(owner._name, call.located(owner.donate_argnums))
         dm = plan.mesh.device_mesh
         self._out_specs = [_compat.dtensor_layout(dm, pl, m) for m, pl in zip(_out_metas(traced), plan.outputs)]
 
@@ -398,13 +401,13 @@ class Compiled:
                 f"these arguments do not match the signature this program of {self.owner._name} was compiled for"
             )
         result = self._run(call, config.check_plan)
-        donate(args, self.owner.donate_argnums, self.owner._name, self.stand_ins)
+        self.donation.release(args, call.leaves)
         return result
 
     def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
-        locals_out = self._runner(locals_in, check, lambda: call.leaves_of(self.owner.donate_argnums))
-        return self._result([_compat.dtensor_from_local(t, spec) for t, spec in zip(locals_out, self._out_specs)])
+        locals_out = self._runner(locals_in, check, lambda: self.donation.leaves)
+        return self._result(_compat.dtensors_from_locals(locals_out, self._out_specs))
 
     def _result(self, outs: list[DTensor]) -> Any:
         it = iter(outs)
@@ -424,7 +427,7 @@ class DifferentiableCompiled(Compiled):
     (:mod:`vsf.jit.differentiable`)."""
 
     def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, call: Call, output_names: list[str]) -> None:
-        super().__init__(owner, joint.plan, traced, call.names, output_names)
+        super().__init__(owner, joint.plan, traced, call, output_names)
         self.parts = joint.parts
         self.grad_shardings = tree.unflatten(call.key[0], grad_shardings(joint, call.leaves))
         self.grad_names = [f"grad of {call.names[i]}" for i in joint.with_grad]

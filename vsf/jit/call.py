@@ -13,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from vsf import config, tree
+from vsf import _compat, config, tree
 from vsf.config import PlanOptions
 from vsf.jit.differentiable import grad_mask
-from vsf.jit.donation import check_not_donated
+from vsf.jit.donation import Donated, check_not_donated
 from vsf.jit.plan import Placements
 from vsf.sharding.mesh import Mesh, current_mesh, mesh_of
 from vsf.sharding.named import NamedSharding, from_placements, resolve, sharding_of
@@ -60,11 +61,16 @@ class Call:
 
     def leaves_of(self, argnums: Sequence[int]) -> list[int]:
         """Positions, among the call's leaves, of the leaves of positional arguments ``argnums``."""
+        return [j for j, _, _ in self.located(argnums)]
+
+    def located(self, argnums: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(j, i, k)`` for each leaf of positional arguments ``argnums``: the call's leaf ``j`` is
+        leaf ``k`` of argument ``i``."""
         out, offset = [], 0
         for pos, a in zip(self.positions, self.dyn[0]):
             n = len(tree.leaves(a))
             if pos in argnums:
-                out.extend(range(offset, offset + n))
+                out.extend((offset + k, pos, k) for k in range(n))
             offset += n
         return out
 
@@ -146,21 +152,18 @@ class Arguments:
         dyn_args, dyn_kwargs, statics = self._split(args, kwargs)
         dyn = (dyn_args, dyn_kwargs)
         leaves, treedef = tree.flatten(dyn)
-        targets = self._in_targets(dyn_args, len(leaves))
-        name = leaf_names(dyn)
-        mesh = self._mesh(name, leaves, targets)
-        inputs, key_leaves = [], []
-        for i, (leaf, target) in enumerate(zip(leaves, targets)):
-            x = self._as_dtensor(leaf, target, mesh, lambda i=i: name(i))
-            inputs.append(x)
-            key_leaves.append(
-                (
-                    tuple(x.shape),
-                    x.dtype,
-                    tuple(x.placements),
-                    "T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__,
-                )
-            )
+        parts = _compat.dtensor_parts(leaves) if self.in_shardings is None else None
+        mesh = _shared_mesh(parts) if parts else None
+        if mesh is None:
+            inputs, mesh = self._as_dtensors(dyn, leaves)
+            parts = _compat.dtensor_parts(inputs)
+            kinds: Iterable[str] = ["T" if isinstance(leaf, torch.Tensor) else type(leaf).__name__ for leaf in leaves]
+        else:  # every leaf a DTensor on one mesh, none donated, no in_shardings: the leaves are the inputs
+            inputs, kinds = leaves, itertools.repeat("T")
+        assert parts is not None
+        key_leaves = tuple(
+            [(shape, local.dtype, placements, kind) for (local, shape, placements, _), kind in zip(parts, kinds)]
+        )
         static_pos = {s[1] for s in statics if s[0] == "arg"}
         positions = [i for i in range(len(args)) if i not in static_pos]
 
@@ -177,13 +180,28 @@ class Arguments:
 
         return Call(
             mesh,
-            (treedef, tuple(key_leaves), statics, mesh, grad_mask(leaves), config.plan_options(), self.backend),
+            (treedef, key_leaves, statics, mesh, grad_mask(leaves), config.plan_options(), self.backend),
             inputs,
             dyn,
             rebuild,
             positions,
             leaves,
         )
+
+    def _as_dtensors(
+        self, dyn: tuple[tuple[Any, ...], dict[str, Any]], leaves: list[Any]
+    ) -> tuple[list[DTensor], Mesh]:
+        """Each leaf as a DTensor on the one mesh the leaves (or ``vsf.use_mesh``) name, put where
+        ``in_shardings`` says, and that mesh; an error naming the leaf for a donated one, a leaf
+        that cannot be traced, or leaves on different meshes."""
+        targets = self._in_targets(dyn[0], len(leaves))
+        name = leaf_names(dyn)
+        mesh = self._mesh(name, leaves, targets)
+        inputs = [
+            self._as_dtensor(leaf, target, mesh, lambda i=i: name(i))
+            for i, (leaf, target) in enumerate(zip(leaves, targets))
+        ]
+        return inputs, mesh
 
     def _in_targets(self, dyn_args: tuple[Any, ...], n: int) -> list[Any]:
         if self.in_shardings is None:
@@ -245,6 +263,18 @@ class Arguments:
             )
             return device_put(leaf, want)
         return device_put(leaf, want or NamedSharding(mesh, PartitionSpec()))
+
+
+def _shared_mesh(parts: list[tuple[torch.Tensor, torch.Size, Placements, Any]]) -> Mesh | None:
+    """The mesh of every leaf (``parts``: :func:`vsf._compat.dtensor_parts` of the leaves) where they
+    share one DeviceMesh, none was donated and it is the current mesh, if one is set; ``None``
+    otherwise, where :meth:`Arguments._as_dtensors` decides (and raises the error that says why)."""
+    dm = parts[0][3]
+    if any(p[3] is not dm or isinstance(p[0], Donated) for p in parts):
+        return None
+    mesh = mesh_of(dm)
+    here = current_mesh()
+    return mesh if here is None or here == mesh else None
 
 
 def param_names(fun: Callable[..., Any]) -> list[str]:

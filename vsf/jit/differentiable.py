@@ -293,7 +293,7 @@ class _Jitted(torch.autograd.Function):
                     f"(a param, whose .grad gets it), but it was computed by torch ops (grad_fn {type(leaf.grad_fn).__name__})"
                 )
         ctx.save_for_backward(*result[n:])
-        outs = tuple(_compat.dtensor_from_local(t, layout) for t, layout in zip(result[:n], program.out_layouts))
+        outs = tuple(_compat.dtensors_from_locals(result[:n], program.out_layouts))
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, program.differentiable) if not d))
         return outs
 

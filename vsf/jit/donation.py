@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from vsf import _compat, tree
 from vsf.jit.graph import output_node, placeholders_of
 
-__all__ = ["Donated", "allocates", "check_not_donated", "donate", "reuse_donated"]
+__all__ = ["Donated", "Donation", "allocates", "check_not_donated", "reuse_donated"]
 
 
 class Donated(torch.Tensor):
@@ -52,20 +52,30 @@ class Donated(torch.Tensor):
         )
 
 
-def donate(args: tuple[Any, ...], argnums: Sequence[int], name: str, stand_ins: dict[tuple[int, int], Donated]) -> None:
-    """Release the DTensors of positional arguments ``argnums`` of a call of ``name``: leaf ``k``
-    of argument ``i`` gets the stand-in ``stand_ins[i, k]``, made on the first call and kept there
-    by the caller for every later call of one program (its arguments have one structure): making
-    a stand-in took half of a call's donation (a GPT step's 110 leaves: 0.25 of 0.45 ms)."""
-    for i in argnums:
-        if i >= len(args):
-            continue
-        leaves, structure = tree.flatten(args[i])
-        for k, leaf in enumerate(leaves):
+class Donation:
+    """What the calls of one program do with their donated leaves, ``located`` as
+    :meth:`vsf.jit.call.Call.located` lists them (``(j, i, k)``: leaf ``j`` of a call is leaf ``k``
+    of its positional argument ``i``; the same for every call of one program, its arguments having
+    one structure): after each call, each DTensor among them holds a stand-in (:class:`Donated`),
+    made on the first call and reused by later ones. Making the stand-ins took half of a call's
+    donation (a GPT step's 110 leaves: 0.25 of 0.45 ms), and flattening the arguments again a
+    quarter of the rest."""
+
+    def __init__(self, name: str, located: list[tuple[int, int, int]]) -> None:
+        self.name, self.located = name, located
+        self.leaves = [j for j, _, _ in located]  # the donated leaves' positions among a call's
+        self.stand_ins: dict[int, Donated] = {}
+
+    def release(self, args: tuple[Any, ...], leaves: Sequence[Any]) -> None:
+        """Release the donated DTensors among ``leaves``, a call's flattened arguments (``args``:
+        its positional arguments, whose structure a stand-in's message names)."""
+        for j, i, k in self.located:
+            leaf = leaves[j]
             if isinstance(leaf, DTensor):
-                stand_in = stand_ins.get((i, k))
+                stand_in = self.stand_ins.get(j)
                 if stand_in is None:
-                    stand_in = stand_ins[i, k] = Donated(_compat.dtensor_local(leaf), name, i, structure, k)
+                    local = _compat.dtensor_local(leaf)
+                    stand_in = self.stand_ins[j] = Donated(local, self.name, i, tree.structure(args[i]), k)
                 _compat.swap_local(leaf, stand_in)
 
 

@@ -19,6 +19,7 @@ import vsf
 pytestmark = pytest.mark.models
 
 trace_module = importlib.import_module("vsf.jit.trace")
+stamp_module = importlib.import_module("vsf.jit.stamp")
 
 
 def _lowered(family: zoo.Family, shape: tuple[int, ...] | None = None):
@@ -118,7 +119,7 @@ def test_layers_given_a_cache_are_traced_one_by_one_and_the_warning_says_how_to_
     ours = [w for w in seen if "traced by itself" in str(w.message)]
     if use_cache:
         assert "LlamaDecoderLayer" not in stamped
-        assert [str(w.message) for w in ours] == [trace_module._unstamped_warning("LlamaDecoderLayer", "DynamicCache")]
+        assert [str(w.message) for w in ours] == [stamp_module.unstamped_warning("LlamaDecoderLayer", "DynamicCache")]
         assert "use_cache=False" in str(ours[0].message) and ours[0].filename == __file__
     else:
         assert stamped["LlamaDecoderLayer"] == (2,) and ours == []

@@ -72,7 +72,7 @@ from vsf.jit.stamp_key import (
     unkeyed_kind,
 )
 
-__all__ = ["Stamper"]
+__all__ = ["Stamper", "unstamped_warning"]
 
 _UNTRACED = object()
 
@@ -406,3 +406,22 @@ def _writes(node: torch.fx.Node) -> bool:
         return False
     schema = _compat.op_schema(node.target)
     return schema is None or schema.is_mutable
+
+
+def unstamped_warning(block: str, kind: str) -> str:
+    """What a user reads where a model's repeated ``block`` s were each traced by itself because
+    each call took an argument of type ``kind``, which no shared trace can stand for.
+
+    Example::
+
+        >>> unstamped_warning("LlamaDecoderLayer", "DynamicCache")  # ends: 'pass use_cache=False'
+    """
+    hint = (
+        "a transformers cache, which a training step does not read: pass use_cache=False"
+        if kind.endswith("Cache")
+        else "pass tensors and plain values (numbers, strings, None) only"
+    )
+    return (
+        f"vsf.jit: each {block} block is traced by itself, since each call takes an argument of type {kind} "
+        f"(planning takes longer, growing with the number of blocks); to trace one and stamp the others, {hint}"
+    )

@@ -33,8 +33,8 @@ from vsf.errors import TraceError
 from vsf.jit.classify import draws_random
 from vsf.jit.functionalize import functionalized
 from vsf.jit.graph import constant_write, eliminate_dead_code, is_library_file, placeholders_of, source_line
-from vsf.jit.stamp import Stamper
-from vsf.ops.names import NAME_OP
+from vsf.jit.simplify import drop_names, drop_skipped_cat_inputs, drop_unread_total_weights
+from vsf.jit.stamp import Stamper, unstamped_warning
 from vsf.ops.recording import tracing_step
 from vsf.sharding.named import NamedSharding
 
@@ -50,8 +50,6 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-_NLL_LOSS_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
-_MEAN = 1  # (torch's reduction enum: 0 none, 1 mean, 2 sum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +247,7 @@ def _stamping(
     stamped.update({k: tuple(v) for k, v in stamper.stamped.items()})
     for block, kind in stamper.unstamped.items():
         if block not in stamper.stamped:
-            warnings.warn(_unstamped_warning(block, kind), stacklevel=_callers_level())
+            warnings.warn(unstamped_warning(block, kind), stacklevel=_callers_level())
 
 
 def _callers_level() -> int:
@@ -262,20 +260,6 @@ def _callers_level() -> int:
     ):
         level, frame = level + 1, frame.f_back
     return level
-
-
-def _unstamped_warning(block: str, kind: str) -> str:
-    """What a user reads where a model's repeated ``block`` s were each traced by itself because
-    each call took an argument of type ``kind``, which no shared trace can stand for."""
-    hint = (
-        "a transformers cache, which a training step does not read: pass use_cache=False"
-        if kind.endswith("Cache")
-        else "pass tensors and plain values (numbers, strings, None) only"
-    )
-    return (
-        f"vsf.jit: each {block} block is traced by itself, since each call takes an argument of type {kind} "
-        f"(planning takes longer, growing with the number of blocks); to trace one and stamp the others, {hint}"
-    )
 
 
 def per_leaf(
@@ -344,13 +328,13 @@ def _trace(
         ) from None
     _reject_module_weights(joint, fun)
     gm = functionalized(joint, decompositions)
-    _drop_names(gm)
+    drop_names(gm)
     gm = decompose(gm, fakes, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
     if not allow_unkeyed_random:
         _reject_unkeyed_random(gm, fun)
-    _drop_unread_total_weights(gm)
-    _drop_skipped_cat_inputs(gm)
+    drop_unread_total_weights(gm)
+    drop_skipped_cat_inputs(gm)
     eliminate_dead_code(gm)
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
@@ -380,67 +364,6 @@ def decompose(
         table.update(found)
         with fx_traceback.preserve_node_meta():
             gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
-
-
-def _drop_unread_total_weights(gm: torch.fx.GraphModule) -> None:
-    """nll_loss's backward reads its ``total_weight`` (the count of the targets, or the sum of their
-    class weights) only to divide a mean: for a sum or no reduction it takes a constant of the same
-    shape instead, so that the count (a sum over the batch, reduced when the batch is split) is not
-    computed for a value no one reads."""
-    for node in gm.graph.nodes:
-        if node.target in _NLL_LOSS_BACKWARD and node.args[4] != _MEAN:
-            val = node.args[6].meta["val"]
-            with gm.graph.inserting_before(node):
-                constant = gm.graph.call_function(
-                    aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device}
-                )
-            constant.meta = {**node.meta, "val": val}
-            node.update_arg(6, constant)
-
-
-def _drop_skipped_cat_inputs(gm: torch.fx.GraphModule) -> None:
-    """Drop from each ``cat`` the empty tensors, which add nothing to it (torch's legacy rule lets a
-    tensor of shape ``[0]`` join a cat of any rank), and read a cat left with one tensor as a copy of it.
-    A ``transformers`` cache starts each layer's keys and values as ``torch.tensor([])`` and cats the
-    new ones to it: planned as written, the cat of a tensor sharded over the batch and the heads with
-    a replicated constant gathers the keys and values over both (DTensor's rule replicates every
-    operand), where the one-device step only copies them. A cat whose dtype its skipped operands
-    promote is kept as it is.
-
-    Example::
-
-        >>> _drop_skipped_cat_inputs(gm)  # %cat = cat([%empty_f32_0, %k]) -> %cat = clone(%k)
-    """
-    for node in gm.graph.find_nodes(op="call_function", target=aten.cat.default):
-        parts = node.args[0]
-        out = node.meta.get("val")
-        kept = [t for t in parts if not _skipped_by_cat(t)]
-        if len(kept) == len(parts) or not kept or out is None:
-            continue
-        if any(t.meta["val"].dtype != out.dtype for t in kept):
-            continue
-        if len(kept) > 1:
-            node.update_arg(0, kept)
-            continue
-        with gm.graph.inserting_before(node):
-            copy = gm.graph.call_function(aten.clone.default, (kept[0],))
-        copy.meta = dict(node.meta)
-        node.replace_all_uses_with(copy)
-        gm.graph.erase_node(node)
-
-
-def _skipped_by_cat(t: Any) -> bool:
-    """Does ``t`` (a cat's operand) add nothing to it: no elements (a legacy ``[0]``, or none along the dim)?"""
-    val = t.meta.get("val") if isinstance(t, torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.numel() == 0
-
-
-def _drop_names(gm: torch.fx.GraphModule) -> None:
-    """Read every value named for a remat policy (``vsf.checkpoint_name``) as the value itself: the
-    name did its work while tracing (the policy saw it), and a plan holds no copy for it."""
-    for node in gm.graph.find_nodes(op="call_function", target=NAME_OP):
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:

@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-from vsf.nn import initializers
+from vsf.nn import initializers, torchtitan_moe  # noqa: F401  (torchtitan_moe: its rewrite registers on import)
 from vsf.nn.moe import expert_parallel, use_expert_parallel
 from vsf.random.dropout import dropout
 

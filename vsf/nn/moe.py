@@ -36,7 +36,7 @@ split on the expert dim over several axes, or the two weights split differently,
 ``vsf.config.dispatch_experts = False``. :func:`use_expert_parallel` sets the axes explicitly, as an experts implementation of
 transformers' own registry.
 torchtitan's MoE (0.3's ``RoutedExperts``: separate ``w1_EFD``, ``w3_EFD`` and ``w2_EDF`` weights)
-is recognised alike from its weights' specs (:func:`dispatching_torchtitan_experts`).
+is recognised alike from its weights' specs (:func:`vsf.nn.torchtitan_moe.dispatching_torchtitan_experts`).
 
 A transformers experts module whose weights no axis splits on the expert dim (replicated, as data
 parallelism keeps them, or split over their ffn dims alone) runs on each rank's own tokens: one
@@ -56,7 +56,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -74,7 +73,7 @@ from vsf.sharding.mesh import Mesh, current_mesh
 from vsf.sharding.spec import P
 
 __all__ = [
-    "dispatching_torchtitan_experts",
+    "dispatch_split",
     "dispatching_transformers_experts",
     "expert_parallel",
     "use_expert_parallel",
@@ -331,7 +330,7 @@ def _dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., to
     ) -> torch.Tensor:
         up = "gate_up_proj" if module.has_gate else "up_proj"
         hidden = {up: 1 if module.is_transposed else 2, "down_proj": 2 if module.is_transposed else 1}
-        split = _dispatch_split(module, hidden, hidden_states.shape[0])
+        split = dispatch_split(module, hidden, hidden_states.shape[0])
         if split is not None:
             return _dispatched(module, hidden_states, top_k_index, top_k_weights, *split)
         local = _token_split(module, hidden, hidden_states.shape[0])
@@ -410,79 +409,16 @@ def _on_own_tokens(
     return region(hidden_states, top_k_index, top_k_weights, *(table[name] for table, name in slots))
 
 
-@contextlib.contextmanager
-def dispatching_torchtitan_experts(options: PlanOptions) -> Iterator[None]:
-    """Inside, torchtitan's routed experts (``torchtitan.models.common.moe.RoutedExperts``, torchtitan
-    0.3: the token dispatcher and the grouped experts, whose separate weights ``w1_EFD``, ``w3_EFD``
-    and ``w2_EDF`` have the expert dim first) run through :func:`expert_parallel` where those
-    weights are step inputs split on the expert dim (``P("ep")``, efsdp's ``P("ep", "fsdp")``),
-    the tokens split over every mesh axis but those that split the weights' ffn dims alone, as for
-    :func:`dispatching_transformers_experts`; the local experts are torchtitan's own
-    ``GroupedExperts`` on the rows each rank receives, and its token dispatcher is not run. Any
-    other routed experts module runs as torchtitan's. ``vsf.jit`` enters it while it traces a step,
-    with the plan's ``options``: nothing changes where ``vsf.config.dispatch_experts`` is off, or
-    where torchtitan's MoE is not imported.
+def dispatch_split(module: Any, hidden: dict[str, int], tokens: int) -> tuple[Mesh, str, tuple[str, ...]] | None:
+    """:func:`_expert_split` of the experts ``module`` (its weights named in ``hidden``, each with
+    its hidden dim), checked against the ``tokens`` it runs: a ``PlanError`` where the token axes'
+    ranks do not divide them.
 
     Example::
 
-        >>> specs = {k: P("ep") if ".inner_experts." in k else P() for k in params}
-        >>> p, s, loss = vsf.jit(train_step)(vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), s, batch)
+        >>> dispatch_split(experts, {"gate_up_proj": 2, "down_proj": 1}, 64)  # weights P("ep") on (dp, ep)
+        (Mesh(...), 'ep', ('dp', 'ep'))
     """
-    found = sys.modules.get("torchtitan.models.common.moe")
-    routed = getattr(found, "RoutedExperts", None)
-    if (
-        routed is None or not options.dispatch_experts or hasattr(routed.forward, "__wrapped__")
-    ):  # (already in force: a trace inside a trace)
-        yield
-        return
-    forward = routed.forward
-    routed.forward = _torchtitan_dispatch_if_split(forward)
-    try:
-        yield
-    finally:
-        routed.forward = forward
-
-
-_TORCHTITAN_EXPERTS = {"w1_EFD": 2, "w3_EFD": 2, "w2_EDF": 1}  # torchtitan's GroupedExperts: each weight's hidden dim
-
-
-def _torchtitan_dispatch_if_split(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """torchtitan's ``RoutedExperts.forward``, or the dispatch where its experts' weights say so."""
-
-    @functools.wraps(forward)
-    def routed(
-        module: Any, x: torch.Tensor, scores: torch.Tensor, index: torch.Tensor, counts: torch.Tensor
-    ) -> torch.Tensor:
-        experts = module.inner_experts
-        b, length, d = x.shape
-        split = _dispatch_split(experts, _TORCHTITAN_EXPERTS, b * length)
-        if split is None:
-            return forward(module, x, scores, index, counts)
-        mesh, axis, token_axes = split
-
-        def grouped(rows: torch.Tensor, offsets: torch.Tensor, *local: torch.Tensor) -> torch.Tensor:
-            per_expert = torch.diff(offsets, prepend=offsets.new_zeros(1))
-            return torch.func.functional_call(experts, dict(zip(_TORCHTITAN_EXPERTS, local)), (rows, per_expert))
-
-        y = expert_parallel(
-            grouped,
-            x.reshape(b * length, d),
-            index.reshape(b * length, -1),
-            scores.reshape(b * length, -1),
-            tuple(getattr(experts, k) for k in _TORCHTITAN_EXPERTS),
-            axis=axis,
-            token_axes=token_axes,
-            mesh=mesh,
-        )
-        return y.view(b, length, d)
-
-    return routed
-
-
-def _dispatch_split(module: Any, hidden: dict[str, int], tokens: int) -> tuple[Mesh, str, tuple[str, ...]] | None:
-    """:func:`_expert_split` of the experts ``module`` (its weights named in ``hidden``, each with
-    its hidden dim), checked against the ``tokens`` it runs: a ``PlanError`` where the token axes'
-    ranks do not divide them."""
     split = _expert_split(module, hidden)
     if split is None:
         return None
@@ -543,4 +479,3 @@ def _expert_axes(found: StepInput | None) -> tuple[str, ...]:
 
 
 rewrite_while_tracing(dispatching_transformers_experts)
-rewrite_while_tracing(dispatching_torchtitan_experts)

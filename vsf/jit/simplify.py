@@ -1,0 +1,84 @@
+"""Passes over a traced step's graph that drop what the plan need not see: a name given for a remat
+policy (the value itself), a loss backward's unread total weight (a constant), and a cat's empty
+operands (a ``transformers`` cache's ``torch.tensor([])``).
+
+Example::
+
+    >>> drop_skipped_cat_inputs(gm)  # %cat = cat([%empty_f32_0, %k]) -> %cat = clone(%k)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from vsf.ops.names import NAME_OP
+
+__all__ = ["drop_names", "drop_skipped_cat_inputs", "drop_unread_total_weights"]
+
+aten = torch.ops.aten
+_NLL_LOSS_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+_MEAN = 1  # (torch's reduction enum: 0 none, 1 mean, 2 sum)
+
+
+def drop_unread_total_weights(gm: torch.fx.GraphModule) -> None:
+    """nll_loss's backward reads its ``total_weight`` (the count of the targets, or the sum of their
+    class weights) only to divide a mean: for a sum or no reduction it takes a constant of the same
+    shape instead, so that the count (a sum over the batch, reduced when the batch is split) is not
+    computed for a value no one reads."""
+    for node in gm.graph.nodes:
+        if node.target in _NLL_LOSS_BACKWARD and node.args[4] != _MEAN:
+            val = node.args[6].meta["val"]
+            with gm.graph.inserting_before(node):
+                constant = gm.graph.call_function(
+                    aten.scalar_tensor.default, (0.0,), {"dtype": val.dtype, "device": val.device}
+                )
+            constant.meta = {**node.meta, "val": val}
+            node.update_arg(6, constant)
+
+
+def drop_skipped_cat_inputs(gm: torch.fx.GraphModule) -> None:
+    """Drop from each ``cat`` the empty tensors, which add nothing to it (torch's legacy rule lets a
+    tensor of shape ``[0]`` join a cat of any rank), and read a cat left with one tensor as a copy of it.
+    A ``transformers`` cache starts each layer's keys and values as ``torch.tensor([])`` and cats the
+    new ones to it: planned as written, the cat of a tensor sharded over the batch and the heads with
+    a replicated constant gathers the keys and values over both (DTensor's rule replicates every
+    operand), where the one-device step only copies them. A cat whose dtype its skipped operands
+    promote is kept as it is.
+
+    Example::
+
+        >>> drop_skipped_cat_inputs(gm)  # %cat = cat([%empty_f32_0, %k]) -> %cat = clone(%k)
+    """
+    for node in gm.graph.find_nodes(op="call_function", target=aten.cat.default):
+        parts = node.args[0]
+        out = node.meta.get("val")
+        kept = [t for t in parts if not _skipped_by_cat(t)]
+        if len(kept) == len(parts) or not kept or out is None:
+            continue
+        if any(t.meta["val"].dtype != out.dtype for t in kept):
+            continue
+        if len(kept) > 1:
+            node.update_arg(0, kept)
+            continue
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(aten.clone.default, (kept[0],))
+        copy.meta = dict(node.meta)
+        node.replace_all_uses_with(copy)
+        gm.graph.erase_node(node)
+
+
+def _skipped_by_cat(t: Any) -> bool:
+    """Does ``t`` (a cat's operand) add nothing to it: no elements (a legacy ``[0]``, or none along the dim)?"""
+    val = t.meta.get("val") if isinstance(t, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.numel() == 0
+
+
+def drop_names(gm: torch.fx.GraphModule) -> None:
+    """Read every value named for a remat policy (``vsf.checkpoint_name``) as the value itself: the
+    name did its work while tracing (the policy saw it), and a plan holds no copy for it."""
+    for node in gm.graph.find_nodes(op="call_function", target=NAME_OP):
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)

@@ -1110,8 +1110,10 @@ def register_stack_anchor(fn: Any) -> None:
 
 def dtensor_from_local(local: torch.Tensor, layout: Any) -> DTensor:
     """Wrap ``local`` as a DTensor laid out as ``layout`` (:func:`dtensor_layout`; no checks, no
-    autograd node: the fast path, :func:`_new_dtensor`)."""
-    return _new_dtensor(local, layout, False)
+    autograd node: the fast path, :func:`_new_dtensor`). A ``local`` that requires grad (a shard
+    of ``DTensor.from_local``'s, a pipeline stage's input) is wrapped detached, as DTensor asks
+    (it warns otherwise): the DTensor does not require grad either way."""
+    return _new_dtensor(local.detach() if local.requires_grad else local, layout, False)
 
 
 def dtensors_from_locals(locals_: Sequence[torch.Tensor], layouts: Sequence[Any]) -> list[DTensor]:

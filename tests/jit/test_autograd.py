@@ -5,11 +5,12 @@ the same function run by plain torch autograd on one device, unsharded."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from toy_models import Block, GPTConfig
 
 import vsf
@@ -105,6 +106,28 @@ def test_plain_activation_leaf_and_non_leaf(sim):
     assert_grads(p, want_p)
     assert not isinstance(leaf.grad, torch.distributed.tensor.DTensor)
     torch.testing.assert_close(leaf.grad, want_x, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shard_that_requires_grad_runs_without_warnings_and_gets_its_gradient(sim):
+    """An activation made by ``DTensor.from_local`` of a shard that requires grad (as a pipeline
+    stage's input is): the shard reaches an op that runs through DTensor (a sum over the split
+    dim), wrapped without autograd (the program's backward is its own), and torch warns nothing
+    (before: "it's recommended to use local_tensor.detach()" at every call); the gradient reaching
+    the shard is plain torch's on one device."""
+    x = torch.randn(6, 8)
+    fn = lambda x: x.sum(0).square().sum()  # noqa: E731
+    leaf = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(fn(leaf), leaf)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    placed = vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
+    shard = placed.to_local().clone().requires_grad_(True)
+    as_dtensor = lambda local: DTensor.from_local(local, mesh.device_mesh, placed.placements, run_check=False)  # noqa: E731
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        vsf.jit(fn)(as_dtensor(shard)).backward()
+    assert [str(w.message) for w in seen] == []
+    torch.testing.assert_close(vsf.device_get(as_dtensor(shard.grad)), want)
 
 
 def mlp(p, x):

@@ -8,9 +8,10 @@ the graph's *tail*: the ops before the first in-place or foreach op are pure and
 and the tail is traced again with the values it reads from the head as its inputs. A value of the
 head that the tail writes to in place needs no copy back (every later reader is in the tail, and
 reads the written value there), as long as the write reaches no other value: where it could (the
-written value is a graph input or a view, or the tail reads a view of it made in the head), the
-whole graph is traced again, which follows the write through the views (and keeps the write to a
-graph input, which :func:`vsf.jit.trace.trace` refuses). Either way the graph is the one a
+written value is a graph input or a view, or the tail reads a view of it made in the head), or
+where the write changes its shape (``squeeze_``: functionalization keeps such a write to an input
+of the trace as it is), the whole graph is traced again, which follows the write through the
+views (and keeps the write to a graph input, which :func:`vsf.jit.trace.trace` refuses). Either way the graph is the one a
 functionalizing trace of the whole graph gives (a test compares the plans).
 
 A tail that writes nothing in place, whose rewritten ops are out-of-place foreach ops with a
@@ -153,16 +154,35 @@ def _values(x: Any) -> Any:
 def _tail_writes_its_own(nodes: list[torch.fx.Node], first: int) -> bool:
     """May the tail from ``nodes[first]`` be functionalized alone: does it read only tensors from
     the head, and is every head value it writes in place an op's own result (not a graph input or
-    a view) that the tail reads through no view made in the head?"""
+    a view) whose data it writes (not its shape: :func:`_changes_shape`, which functionalization
+    keeps as it is on the tail's inputs), that the tail reads through no view made in the head?"""
     head = set(nodes[:first])
     inputs = [n for n in nodes[:first] if n.op != "get_attr" and any(u not in head for u in n.users)]
     if not all(is_tensor_node(n) for n in inputs):
         return False
-    written = {root for node in nodes[first:] for arg in _written_args(node) for root in _roots(arg, head)}
+    writes = {(node, root) for node in nodes[first:] for arg in _written_args(node) for root in _roots(arg, head)}
     return all(
-        w.op == "call_function" and not _aliases(w) and not any(w in _roots(n, head) for n in inputs if n is not w)
-        for w in written
+        not _changes_shape(node)
+        and w.op == "call_function"
+        and not _aliases(w)
+        and not any(w in _roots(n, head) for n in inputs if n is not w)
+        for node, w in writes
     )
+
+
+def _changes_shape(node: torch.fx.Node) -> bool:
+    """Is ``node`` an in-place view op (``t_``, ``transpose_``: tagged so), or an in-place op whose
+    out-of-place twin is a view (``squeeze_``, which torch does not tag): does it change its input's
+    shape and strides, not its data? torch's ``matmul`` of a vector by a matrix ends in one
+    (``squeeze_`` of its ``mm``'s result)."""
+    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable or not schema.name.endswith("_"):
+        return False
+    if torch.Tag.inplace_view in node.target.tags:
+        return True
+    packet = getattr(aten, schema.name.split("::")[-1][:-1], None)
+    twin = getattr(packet, _compat.overload_name(node.target), None)
+    return twin is not None and _returns_a_view(_compat.op_schema(twin))
 
 
 def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -204,7 +224,11 @@ def _aliases(node: torch.fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         return isinstance(node.args[0], torch.fx.Node) and _aliases(node.args[0])
-    schema = _compat.op_schema(node.target)
+    return _returns_a_view(_compat.op_schema(node.target))
+
+
+def _returns_a_view(schema: Any) -> bool:
+    """May an op of this schema return a value sharing storage with an input (``True`` without one)?"""
     return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 

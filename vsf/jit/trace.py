@@ -367,13 +367,19 @@ def decompose(
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    """Refuse a step that writes an input in place: what functionalization leaves of it, the
+    input's new values copied into it (``copy_``) or its shape changed in place (``t_``,
+    ``unsqueeze_``: decomposed to ``as_strided_``)."""
     placeholders = placeholders_of(gm)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in placeholders:
-            index = placeholders.index(node.args[0])
+    for node in gm.graph.nodes:  # (a placeholder's or the output's target has no schema: nothing written)
+        for _, written in _compat.written_values(node.target, node.args, node.kwargs, torch.fx.Node):
+            if written not in placeholders:
+                continue
+            index = placeholders.index(written)
             raise TraceError(
-                f"{_fun_name(fun)} mutates its input tensor #{index} in place; jitted functions must be pure. "
-                "Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`)."
+                f"{_fun_name(fun)} mutates its input tensor #{index} in place (its values or its shape); jitted "
+                "functions must be pure. Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`; "
+                "`x = x.t()`, not `x.t_()`)."
             )
 
 

@@ -328,3 +328,22 @@ def test_bf16_experts_on_tp_plan_each_grouped_mm_by_its_weights_strides(sim):
     mesh = vsf.make_mesh((2, 2), ("ep", "tp"))
     specs = {"w_in": P("ep", "tp", None), "w_out": P("ep", None, "tp")}
     _dispatched_like(bf16_experts, p, (want_loss, want), mesh, ("ep",), specs, rtol=1.6e-2, atol=1e-3)
+
+
+def test_a_grouped_matmul_counts_its_work(sim):
+    """``cost().flops`` counts a grouped matmul's work (PyTorch's flop counter counts none), by hand:
+    ``[rows, k] @ [groups, k, n]`` is ``2 * rows * k * n`` FLOPs forward, and its backward twice that
+    (the rows' gradient ``[rows, n] @ [groups, n, k]``, the weights' ``[k, rows] @ [rows, n]`` per
+    group), each rank running all of it with everything replicated."""
+    rows, k, n, groups = 16, 16, 8, 4
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(groups, n, k, generator=g), torch.randn(rows, k, generator=g)
+    offsets = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    w, x, offsets = vsf.device_put((w, x, offsets), vsf.NamedSharding(mesh, P()))
+    forward = vsf.jit(lambda w, x, o: F.grouped_mm(x, w.transpose(1, 2), offs=o))
+    loss = lambda w, x, o: F.grouped_mm(x, w.transpose(1, 2), offs=o).square().sum()  # noqa: E731
+    trained = vsf.jit(vsf.grad(loss, argnums=(0, 1)))
+    assert forward.lower(w, x, offsets).cost().flops == 2 * rows * k * n
+    assert trained.lower(w, x, offsets).cost().flops == 3 * 2 * rows * k * n

@@ -231,8 +231,8 @@ _COUNTED_AS = {
 def op_flops(node: torch.fx.Node) -> int:
     """FLOPs ``node`` runs on its global shapes, for the ops whose work is more than the bytes
     they touch: those :mod:`torch.utils.flop_counter` counts (``mm``, ``addmm``, ``bmm``,
-    ``baddbmm``, convolutions and their backward, attention kernels; a multiply-add is 2 FLOPs);
-    0 for every other op.
+    ``baddbmm``, convolutions and their backward, attention kernels; a multiply-add is 2 FLOPs)
+    and grouped matmuls (:func:`_grouped_mm_flops`); 0 for every other op.
 
     Example::
 
@@ -241,6 +241,8 @@ def op_flops(node: torch.fx.Node) -> int:
     """
     if node.op != "call_function":
         return 0
+    if node.target is aten._grouped_mm.default:
+        return _grouped_mm_flops(node.args[0].meta["val"], node.args[1].meta["val"])
     target = _COUNTED_AS.get(node.target, getattr(node.target, "overloadpacket", None))
     formula = flop_registry.get(target)
     if formula is None:
@@ -253,6 +255,14 @@ def op_flops(node: torch.fx.Node) -> int:
             **_compat.torch_tree_map(meta, node.kwargs),
         )
     )
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor) -> int:
+    """A grouped matmul's FLOPs (an MoE's experts; :mod:`torch.utils.flop_counter` counts none):
+    each of ``a``'s elements meets one column of ``b`` per output column, wherever the groups'
+    offsets fall (``[rows, k] @ [groups, k, n]``, the weights' gradient ``[k, rows] @ [rows, n]``
+    per group, or batched ``[groups, m, k] @ [groups, k, n]``): ``2 * a.numel() * n``."""
+    return 2 * a.numel() * b.shape[-1]
 
 
 def splits_work(placements: Sequence[Any]) -> bool:

@@ -70,6 +70,7 @@ from vsf.errors import PlanError
 from vsf.func import shard_map
 from vsf.jit.trace import StepInput, computes_on_shards, rewrite_while_tracing, step_input
 from vsf.sharding.mesh import Mesh, current_mesh
+from vsf.sharding.named import NamedSharding
 from vsf.sharding.spec import P
 
 __all__ = [
@@ -345,20 +346,13 @@ def _token_split(module: Any, hidden: dict[str, int], tokens: int) -> tuple[Mesh
     """``(mesh, token axes)`` where the experts ``module``'s weights (named in ``hidden``) are step
     inputs that no axis splits on the expert dim (replicated experts, as data parallelism keeps
     them, or split on their ffn dims by tensor parallelism): the token axes are the mesh's axes of
-    more than one rank but those that split the weights' ffn dims alone (:func:`_expert_split`'s
-    rule), and they divide the ``tokens``; else ``None`` (the module runs as traced)."""
+    more than one rank but those that split the weights' ffn dims alone (:func:`_token_axes`,
+    as for a dispatch), and they divide the ``tokens``; else ``None`` (the module runs as traced)."""
     found = {k: step_input(getattr(module, k)) for k in hidden}
     if any(f is None for f in found.values()):
         return None
-    splits = {
-        (d == hidden[k], a)
-        for k, f in found.items()
-        for d in range(1, len(f.sharding.spec))  # type: ignore[union-attr]
-        for a in f.sharding.spec.entry_axes(d)  # type: ignore[union-attr]
-    }
-    tensor_parallel = {a for on_hidden, a in splits if not on_hidden} - {a for on_hidden, a in splits if on_hidden}
-    mesh = next(iter(found.values())).sharding.mesh  # type: ignore[union-attr]
-    axes = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and a not in tensor_parallel)
+    mesh, carrying = _token_axes({k: f.sharding for k, f in found.items() if f is not None}, hidden)
+    axes = tuple(a for a in carrying if mesh.axis_size(a) > 1)
     if not axes or tokens % math.prod(mesh.axis_size(a) for a in axes):
         return None
     return mesh, axes
@@ -463,13 +457,20 @@ def _expert_split(module: Any, hidden: dict[str, int]) -> tuple[Mesh, str, tuple
             f"{type(module).__name__}: its weights split the expert dim (dim 0) over {split!r} ({said}): vsf dispatches tokens over "
             f"one mesh axis. Split dim 0 over one axis and another dim over the rest (efsdp: P({split[0]!r}, {split[1]!r}))"
         )
-    shardings = {k: f.sharding for k, f in found.items() if f is not None}
+    mesh, token_axes = _token_axes({k: f.sharding for k, f in found.items() if f is not None}, hidden)
+    return mesh, split[0], token_axes
+
+
+def _token_axes(shardings: dict[str, NamedSharding], hidden: dict[str, int]) -> tuple[Mesh, tuple[str, ...]]:
+    """The experts' mesh and the axes their tokens split over: every mesh axis but those that split
+    the weights (``shardings``, each weight's hidden dim in ``hidden``) on their ffn dims alone
+    (tensor parallelism; an axis that splits a hidden dim stores the weights split, as FSDP does)."""
     splits = {
         (d == hidden[k], a) for k, s in shardings.items() for d in range(1, len(s.spec)) for a in s.spec.entry_axes(d)
     }
     tensor_parallel = {a for on_hidden, a in splits if not on_hidden} - {a for on_hidden, a in splits if on_hidden}
     mesh = next(iter(shardings.values())).mesh
-    return mesh, split[0], tuple(a for a in mesh.axis_names if a not in tensor_parallel)
+    return mesh, tuple(a for a in mesh.axis_names if a not in tensor_parallel)
 
 
 def _expert_axes(found: StepInput | None) -> tuple[str, ...]:

@@ -180,14 +180,12 @@ def test_cp_before_ep_dispatches_the_tokens_as_they_arrive(sim):
     rank holds half of each of its ep group's 2 sequences), which the dispatch takes as they
     arrive, and the router's softmax and top-k run on them so: no token row is gathered over ep
     (the mesh's order regathered them: 104,072 B over ep a rank). The params after 3 AdamW steps
-    are torch's on one device. Over ep a rank sends, by hand (85,000 B; ep first, 82,824: the cache's
-    keys and values and the loss's values are gathered over both axes there too, ep's step first):
+    are torch's on one device. Over ep a rank sends, by hand (76,808 B; the cache's keys and values,
+    cat to its empty tensors, are gathered nowhere: 85,000 B when they were, each layer's K and V):
 
     - the dispatch: per layer the dispatch and combine forward and their transposes backward, each
       a rank's 16 tokens x top-2 x 32 floats (8 x 4,096 B, the analytic volume), and the
       per-expert counts, 2 x 8 int64 gathered (64 B a layer);
-    - attention: the cache's cat takes keys and values whole: per layer K and V, [4, 2, 16, 8]
-      floats gathered over ep after cp (a rank sends half: 2,048 B each);
     - the loss: the final hidden states [4, 16, 32] floats (4,096 B) and the labels [4, 16] int64
       (256 B) gathered for the shifted cross-entropy, and a 4 B scalar all-reduced;
     - the gradients of the params ep leaves whole, all-reduced in one bucket: at most every
@@ -196,11 +194,9 @@ def test_cp_before_ep_dispatches_the_tokens_as_they_arrive(sim):
     collectives = lowered.cost().collectives
     assert_tokens_sent_not_experts(collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
     over_ep = [c for c in collectives if c.axis == "ep"]
-    kv = zoo.BATCH * 2 * zoo.SEQ * (zoo.HIDDEN // zoo.HEADS) * 4 // 2  # 2 key/value heads
     by_hand = sorted(
         [("all_to_all_v", zoo.BATCH * zoo.SEQ // 4 * TOP_K * zoo.HIDDEN * 4)] * (4 * zoo.LAYERS)
         + [("all_gather", EXPERTS * 8)] * zoo.LAYERS
-        + [("all_gather", kv)] * (2 * zoo.LAYERS)
         + [("all_gather", zoo.BATCH * zoo.SEQ * zoo.HIDDEN * 4 // 2), ("all_gather", zoo.BATCH * zoo.SEQ * 8 // 2)]
         + [("all_reduce", 4)]
     )

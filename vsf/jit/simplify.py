@@ -1,6 +1,7 @@
 """Passes over a traced step's graph that drop what the plan need not see: a name given for a remat
-policy (the value itself), a loss backward's unread total weight (a constant), and a cat's empty
-operands (a ``transformers`` cache's ``torch.tensor([])``).
+policy (the value itself), a loss backward's unread total weight (a constant), a cat's empty
+operands (a ``transformers`` cache's ``torch.tensor([])``), and a view that gives back the tensor
+it was taken of (``detach``, a ``t`` of a ``t``).
 
 Example::
 
@@ -14,9 +15,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from vsf.jit.graph import is_view
 from vsf.ops.names import NAME_OP
 
-__all__ = ["drop_names", "drop_skipped_cat_inputs", "drop_unread_total_weights"]
+__all__ = ["drop_identity_views", "drop_names", "drop_skipped_cat_inputs", "drop_unread_total_weights"]
 
 aten = torch.ops.aten
 _NLL_LOSS_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
@@ -82,3 +84,45 @@ def drop_names(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="call_function", target=NAME_OP):
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
+
+
+def drop_identity_views(gm: torch.fx.GraphModule) -> None:
+    """Read each view that gives back a tensor it was taken of (the same dtype, shape, strides and
+    offset into the same buffer: a ``detach``, the ``t`` of a ``t``) as that tensor, except where
+    the step returns it. The traced step is functional, and its backward is already in the graph,
+    so a ``detach`` stops nothing; autograd's saved tensors come through one each, and a weight's
+    gradient through two transposes. Planned as written, each is an op the planner places, checks
+    and schedules: about a fifth of a transformer block's.
+
+    Example::
+
+        >>> drop_identity_views(gm)  # %mm_1 = mm(%x, %t_1), %t_1 = t(%t), %t = t(%w) -> %mm_1 = mm(%x, %w)
+    """
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not _same_as(node, None) or not is_view(node):
+            continue
+        base = node.all_input_nodes[0]
+        while not _same_as(node, base) and base.op == "call_function" and is_view(base):
+            base = base.all_input_nodes[0]
+        if not _same_as(node, base):
+            continue
+        node.replace_all_uses_with(base, delete_user_cb=lambda user: user.op != "output")
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def _same_as(node: torch.fx.Node, base: torch.fx.Node | None) -> bool:
+    """Is ``node``'s value a tensor, and (given a ``base``) the same view of its buffer as ``base``'s?"""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    if base is None:
+        return True
+    other = base.meta.get("val")
+    return (
+        isinstance(other, torch.Tensor)
+        and val.dtype == other.dtype
+        and val.shape == other.shape
+        and val.stride() == other.stride()
+        and val.storage_offset() == other.storage_offset()
+    )

@@ -153,6 +153,29 @@ def test_blocks_match_unsharded(sim, case, layout):
     assert_close_trees(got, want_params)
 
 
+def test_a_detached_or_twice_transposed_weight_is_planned_as_the_weight_and_keeps_its_gradient(sim):
+    # the plan reads a view that gives back its tensor (detach, t of t) as the tensor itself; the
+    # gradient the detach stops was stopped while tracing, so the parameters still follow one device
+    params, batch, _ = mlp_case()
+
+    def loss_fn(p, x, y):
+        h = F.gelu(x @ p["w1"]) @ p["w2"].t().t()
+        return ((h - y) ** 2).mean() + (x @ p["w1"].detach()).square().mean()
+
+    step = make_step(loss_fn)
+    want_params, want_losses = reference(step, params, batch, steps=3)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    rules = vsf.sharding.match(params, [("w1", P(None, "tp")), ("w2", P("tp", None))])
+    jitted, got, losses = run_sharded(step, params, batch, mesh, rules, P("dp"), steps=3)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    assert_close_trees(got, want_params)
+    text = jitted.lower(
+        *vsf.device_put((params, *batch), vsf.NamedSharding.tree(mesh, (rules, P("dp"), P("dp"))))
+    ).as_text()
+    assert not re.search(r"= detach\(%arg|= t\(%t(_\d+)?:", text), text  # (the loss returned keeps its detach)
+
+
 def test_uneven_batch_matches_unsharded(sim):
     params, batch, loss_fn = mlp_case()
     batch = (batch[0][:6], batch[1][:6])  # 6 rows over 4 ranks: 2, 2, 2, 0

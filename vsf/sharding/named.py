@@ -83,9 +83,10 @@ class NamedSharding:
         False
     """
 
-    __slots__ = ("_mesh", "_spec")
+    __slots__ = ("_mesh", "_placements", "_spec")
     _mesh: Mesh
     _spec: PartitionSpec
+    _placements: tuple[Placement, ...] | None  # (found once: :attr:`placements`)
 
     def __init__(self, mesh: Mesh, spec: PartitionSpec) -> None:
         if not isinstance(mesh, Mesh):
@@ -107,6 +108,7 @@ class NamedSharding:
             raise ValueError(f"{spec!r} holds a {kinds[0]} and a {kinds[1]} entry; vsf takes one of them")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
+        object.__setattr__(self, "_placements", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("NamedSharding is immutable")
@@ -286,7 +288,13 @@ class NamedSharding:
 
     @property
     def placements(self) -> tuple[Placement, ...]:
-        """DTensor placements over ``mesh.device_mesh`` (``_StridedShard`` where needed)."""
+        """DTensor placements over ``mesh.device_mesh`` (``_StridedShard`` where needed), found once
+        (a plan asks for those of each of a step's thousands of leaves several times)."""
+        if self._placements is None:
+            object.__setattr__(self, "_placements", self._find_placements())
+        return self._placements
+
+    def _find_placements(self) -> tuple[Placement, ...]:
         if any(e is UNCONSTRAINED for e in self._spec):
             raise ValueError(f"{self._spec!r} has P.UNCONSTRAINED entries, which have no placement yet")
         dm_axes = self._mesh.device_axes

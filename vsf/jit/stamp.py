@@ -334,7 +334,7 @@ class _Replay(torch.autograd.Function):
                 )
             env[node] = _compat.traced_node(_laid_out_like(g, want), tracer)
         tracked = [n if need else None for n, need in zip(traced.grads, needs)]
-        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer), set(tracked))
+        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer))
         out = [
             None if n is None else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)
             for n in tracked
@@ -350,7 +350,7 @@ def _replayed(
     its tensor outputs, and the map from the trace's nodes to their copies."""
     env = {p: _compat.traced_node(t, tracer) for p, t in zip(traced.inputs, operands)}
     outs = [n for n in traced.outs if n is not None]
-    _copy(tracer, traced.forward, env, traced.stack, stack, set(outs))
+    _copy(tracer, traced.forward, env, traced.stack, stack)
     return tuple(_compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer) for n in outs), env
 
 
@@ -360,30 +360,21 @@ def _copy(
     env: dict[torch.fx.Node, Any],
     was: str | None,
     now: str | None,
-    tracked: set[torch.fx.Node | None],
 ) -> None:
     """Copy ``nodes`` into ``tracer``'s graph, each reading the copies ``env`` maps its inputs to,
-    each with a value of its own (a later trace reads the graph's values as distinct tensors; the
-    copies of the ``tracked`` nodes get theirs from ``_compat.track_as`` next), and with the stack
-    trace the step's trace records here: the frames ``now`` in place of the frames ``was`` of the
-    call the block was traced at, before the block's own."""
+    each with the value its trace recorded (the plain trace's metadata, storage offset included;
+    every copy of a node holds that one fake tensor, which a trace taking them as inputs replaces
+    where met twice: :mod:`vsf.jit.functionalize`; the copies of the block's outputs get values of
+    their own from ``_compat.track_as`` next), and with the stack trace the step's trace records
+    here: the frames ``now`` in place of the frames ``was`` of the call the block was traced at,
+    before the block's own."""
     graph, read = tracer.graph, env.__getitem__
     for node in nodes:
         new = _compat.copy_node(graph, node, read)
-        if "val" in new.meta and node not in tracked:
-            new.meta["val"] = _fresh(new.meta["val"])
         if (trace := new.meta.get("stack_trace")) is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
             new.meta["stack_trace"] = ((now or "") + own).strip() or None
         env[node] = new
-
-
-def _fresh(val: Any) -> Any:
-    if isinstance(val, torch.Tensor):
-        return _compat.untraced_like(val)
-    if isinstance(val, (tuple, list)):
-        return type(val)(_fresh(v) for v in val)
-    return val
 
 
 def _last(tracer: Any) -> torch.fx.Node:

@@ -742,8 +742,8 @@ def dead_code_asked_when_unread() -> Iterator[None]:
 @contextlib.contextmanager
 def quick_node_values() -> Iterator[None]:
     """Inside, ``make_fx`` records on each node the value metadata it records anyway, quicker: the
-    snapshot of a fake value (``val``) made as :func:`track_as` makes one (:func:`_fake_of`, past
-    the fake tensor constructor's checks), and the ``tensor_meta`` of a fake tensor of static shape
+    snapshot of a fake value (``val``: a fake aliasing its storage, of its metadata, not requiring
+    grad) made by :func:`_fake_of`, past the fake tensor constructor's checks, and the ``tensor_meta`` of a fake tensor of static shape
     worked out once per shape, strides, dtype and ``requires_grad`` (its memory format: fx asks up
     to three contiguity questions through the trace's modes per node; a deep step's inputs alone
     take about a millisecond a layer). A value of a real tensor, a quantized, sparse or symbolic
@@ -1678,21 +1678,15 @@ def _blank_fake_state() -> dict[str, Any]:
 
 
 def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
-    """Make the trace ``tracer`` read the fake tensor ``t`` (of static shape) as the value of its
-    graph's ``node``, whose value becomes a snapshot of ``t`` as the trace records one (a fake
-    aliasing ``t``'s storage, of its metadata, not requiring grad: ``proxy_tensor.snapshot_fake``'s,
-    made by :func:`_fake_of`); its other metadata (``tensor_meta``: a copy of a node like it) stays
-    as it is, not worked out again."""
-    from torch._dispatch.python import no_python_dispatcher
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    """Make the trace ``tracer`` read the fake tensor ``t`` as the value of its graph's ``node``:
+    ops on ``t`` then read ``node``. The node's metadata (``val``, ``tensor_meta``: those of a node
+    like it, which ``t`` is like) stays as it is, not worked out again from ``t``."""
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
 
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
     set_proxy_slot(t, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))
-    with no_python_dispatcher(), in_kernel_invocation_manager(t.fake_mode):
-        alias = torch.ops.aten.detach.default(t)  # the meta tensor t holds, as snapshot_fake takes it
-    node.meta["val"] = _fake_of(alias, t, False)
     return t
 
 

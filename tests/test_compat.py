@@ -850,6 +850,37 @@ def test_real_writes_refused_stops_a_trace_writing_a_real_tensor_before_it_write
     torch.testing.assert_close(gm(x), x * 2 + 1)
 
 
+def test_real_writes_refused_answers_a_fake_tensors_device_as_the_fake_tensor_does():
+    """Under a fake trace, the device autograd asks of a fake tensor from C++ (its engine, of each
+    gradient; a custom Function, of its inputs and outputs) is answered by the mode itself, as the
+    fake tensor answers it (the meta device inside a fake kernel), not passed down through the
+    modes below it; the trace's gradients are torch's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    device = torch.ops.prim.device.default
+    below = []
+
+    class Below(_compat.dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            below.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(2, 3)
+    with Below(), _compat.real_writes_refused(lambda op, name, t: ValueError(op)):
+        assert device(fake) == torch.device("cpu")
+        with in_kernel_invocation_manager(mode):
+            assert device(fake) == torch.device("meta")
+        gm = make_fx(lambda x: torch.autograd.grad((x.sin() * x).sum(), x)[0], tracing_mode="fake")(
+            torch.randn(3, requires_grad=True)
+        )
+    assert device not in below
+    x = torch.randn(3)
+    torch.testing.assert_close(gm(x), x.cos() * x + x.sin())
+
+
 def test_written_values_are_what_an_op_writes_into_by_its_schema():
     """Each value an op writes into (``Tensor(a!)``: ``self`` of an in-place op, ``out``, each of a
     foreach op's list), once, with its argument's name; of the asked type (fx nodes too)."""

@@ -72,7 +72,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
 from torch._decomp import decomposition_table, meta_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -1351,6 +1351,9 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 @contextlib.contextmanager
 def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> Iterator[None]:
     """Inside (around a fake trace, ``make_fx``), an op about to write into a tensor with memory
@@ -1370,13 +1373,19 @@ def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException
 
 class _RealWritesRefused(dispatch_mode_base()):  # type: ignore[misc]
     """:func:`real_writes_refused`'s mode (a tracing mode to :func:`only_tracing_modes`: it sees
-    only what a trace runs for real, and changes nothing it lets through)."""
+    only what a trace runs for real, and changes nothing it lets through). A fake tensor's device
+    asked from C++ (autograd asks it of each gradient its engine passes on and of each input and
+    output of a ``torch.autograd.Function``: dozens a layer of a stamped model's step) is answered
+    here as the fake tensor answers it, which is where the trace's modes below pass the question
+    (``make_fx``'s proxy mode records nothing for it), without their Python dispatch."""
 
     def __init__(self, refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> None:
         super().__init__()
         self.refuse = refuse
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and type(args[0]) is FakeTensor:
+            return args[0].device  # (the meta device inside a fake kernel, as FakeTensor's handler says)
         kwargs = kwargs or {}
         for name, t in written_values(func, args, kwargs):
             if not is_fake(t) and t.device.type != "meta":

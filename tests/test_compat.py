@@ -756,26 +756,25 @@ def test_trace_aside_traces_beside_a_running_trace_which_records_none_of_it():
 def test_untraced_like_and_track_as_make_a_fake_the_trace_reads_as_a_node():
     """A fake like a traced one (shape, strides, dtype) that the trace does not know, until
     ``track_as`` makes the trace read it as a node's value: ops on it then read that node, whose
-    value is the snapshot make_fx takes of it (a fake of its storage)."""
-    from torch.fx.experimental.proxy_tensor import make_fx, snapshot_fake
+    value stays the one the trace recorded for it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     seen = {}
 
     def f(x):
         by = _compat.tracer()
         y = x.sin()
+        node = _compat.traced_node(y, by)
+        recorded = node.meta["val"]
         u = _compat.untraced_like(y)
         seen["untracked"], seen["meta"] = _compat.traced_node(u, by), (u.shape, u.stride(), u.dtype, u.requires_grad)
-        _compat.track_as(u, _compat.traced_node(y, by), by)
-        seen["val"], seen["snapshot"] = _compat.traced_node(y, by).meta["val"], snapshot_fake(u)
+        _compat.track_as(u, node, by)
+        seen["node"], seen["kept"] = _compat.traced_node(u, by) is node, node.meta["val"] is recorded
         return u * 3
 
     graph = make_fx(f, tracing_mode="fake")(torch.randn(2, 3))
     assert seen["untracked"] is None and seen["meta"] == (torch.Size([2, 3]), (3, 1), torch.float32, False)
-    val, snapshot = seen["val"], seen["snapshot"]  # the node's value: the snapshot make_fx takes of u
-    assert type(val) is type(snapshot) and vars(val) == vars(snapshot) and not val.requires_grad
-    assert (val.shape, val.stride(), val.dtype) == (snapshot.shape, snapshot.stride(), snapshot.dtype)
-    assert val.untyped_storage()._cdata == snapshot.untyped_storage()._cdata and val is not snapshot
+    assert seen["node"] and seen["kept"]
     x = torch.randn(2, 3)
     torch.testing.assert_close(graph(x), x.sin() * 3)
     with pytest.raises(TypeError, match="expected a fake tensor, got Tensor"):
@@ -849,6 +848,37 @@ def test_real_writes_refused_stops_a_trace_writing_a_real_tensor_before_it_write
     assert seen == [True]
     x = torch.randn(3)
     torch.testing.assert_close(gm(x), x * 2 + 1)
+
+
+def test_real_writes_refused_answers_a_fake_tensors_device_as_the_fake_tensor_does():
+    """Under a fake trace, the device autograd asks of a fake tensor from C++ (its engine, of each
+    gradient; a custom Function, of its inputs and outputs) is answered by the mode itself, as the
+    fake tensor answers it (the meta device inside a fake kernel), not passed down through the
+    modes below it; the trace's gradients are torch's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    device = torch.ops.prim.device.default
+    below = []
+
+    class Below(_compat.dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            below.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mode = FakeTensorMode()
+    with mode:
+        fake = torch.empty(2, 3)
+    with Below(), _compat.real_writes_refused(lambda op, name, t: ValueError(op)):
+        assert device(fake) == torch.device("cpu")
+        with in_kernel_invocation_manager(mode):
+            assert device(fake) == torch.device("meta")
+        gm = make_fx(lambda x: torch.autograd.grad((x.sin() * x).sum(), x)[0], tracing_mode="fake")(
+            torch.randn(3, requires_grad=True)
+        )
+    assert device not in below
+    x = torch.randn(3)
+    torch.testing.assert_close(gm(x), x.cos() * x + x.sin())
 
 
 def test_written_values_are_what_an_op_writes_into_by_its_schema():

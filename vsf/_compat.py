@@ -72,7 +72,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
 from torch._decomp import decomposition_table, meta_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -742,8 +742,8 @@ def dead_code_asked_when_unread() -> Iterator[None]:
 @contextlib.contextmanager
 def quick_node_values() -> Iterator[None]:
     """Inside, ``make_fx`` records on each node the value metadata it records anyway, quicker: the
-    snapshot of a fake value (``val``) made as :func:`track_as` makes one (:func:`_fake_of`, past
-    the fake tensor constructor's checks), and the ``tensor_meta`` of a fake tensor of static shape
+    snapshot of a fake value (``val``: a fake aliasing its storage, of its metadata, not requiring
+    grad) made by :func:`_fake_of`, past the fake tensor constructor's checks, and the ``tensor_meta`` of a fake tensor of static shape
     worked out once per shape, strides, dtype and ``requires_grad`` (its memory format: fx asks up
     to three contiguity questions through the trace's modes per node; a deep step's inputs alone
     take about a millisecond a layer). A value of a real tensor, a quantized, sparse or symbolic
@@ -1351,6 +1351,9 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 @contextlib.contextmanager
 def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> Iterator[None]:
     """Inside (around a fake trace, ``make_fx``), an op about to write into a tensor with memory
@@ -1370,13 +1373,19 @@ def real_writes_refused(refuse: Callable[[Any, str, torch.Tensor], BaseException
 
 class _RealWritesRefused(dispatch_mode_base()):  # type: ignore[misc]
     """:func:`real_writes_refused`'s mode (a tracing mode to :func:`only_tracing_modes`: it sees
-    only what a trace runs for real, and changes nothing it lets through)."""
+    only what a trace runs for real, and changes nothing it lets through). A fake tensor's device
+    asked from C++ (autograd asks it of each gradient its engine passes on and of each input and
+    output of a ``torch.autograd.Function``: dozens a layer of a stamped model's step) is answered
+    here as the fake tensor answers it, which is where the trace's modes below pass the question
+    (``make_fx``'s proxy mode records nothing for it), without their Python dispatch."""
 
     def __init__(self, refuse: Callable[[Any, str, torch.Tensor], BaseException]) -> None:
         super().__init__()
         self.refuse = refuse
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and type(args[0]) is FakeTensor:
+            return args[0].device  # (the meta device inside a fake kernel, as FakeTensor's handler says)
         kwargs = kwargs or {}
         for name, t in written_values(func, args, kwargs):
             if not is_fake(t) and t.device.type != "meta":
@@ -1678,21 +1687,15 @@ def _blank_fake_state() -> dict[str, Any]:
 
 
 def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
-    """Make the trace ``tracer`` read the fake tensor ``t`` (of static shape) as the value of its
-    graph's ``node``, whose value becomes a snapshot of ``t`` as the trace records one (a fake
-    aliasing ``t``'s storage, of its metadata, not requiring grad: ``proxy_tensor.snapshot_fake``'s,
-    made by :func:`_fake_of`); its other metadata (``tensor_meta``: a copy of a node like it) stays
-    as it is, not worked out again."""
-    from torch._dispatch.python import no_python_dispatcher
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    """Make the trace ``tracer`` read the fake tensor ``t`` as the value of its graph's ``node``:
+    ops on ``t`` then read ``node``. The node's metadata (``val``, ``tensor_meta``: those of a node
+    like it, which ``t`` is like) stays as it is, not worked out again from ``t``."""
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
 
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
     set_proxy_slot(t, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))
-    with no_python_dispatcher(), in_kernel_invocation_manager(t.fake_mode):
-        alias = torch.ops.aten.detach.default(t)  # the meta tensor t holds, as snapshot_fake takes it
-    node.meta["val"] = _fake_of(alias, t, False)
     return t
 
 

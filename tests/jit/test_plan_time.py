@@ -291,13 +291,13 @@ def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, 
 
 
 def _described(lowered) -> list[tuple]:
-    """Each node of a lowered step's graph: its text (name, op, arguments), the shapes, strides and
-    dtypes of its value, and its stack trace."""
+    """Each node of a lowered step's graph: its text (name, op, arguments), the shapes, strides,
+    storage offsets and dtypes of its value, and its stack trace."""
     out = []
     for n in lowered.plan.graph.graph.nodes:
         val = n.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]
-        metas = [(tuple(v.shape), v.stride(), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
+        metas = [(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for v in vals if isinstance(v, torch.Tensor)]
         out.append((n.format_node(), metas, n.stack_trace))
     return out
 
@@ -388,6 +388,41 @@ def test_in_place_writes_give_eager_numbers(sim, monkeypatch, fn, alone):
     for g, want in zip(got, fn(x.clone()), strict=True):
         torch.testing.assert_close(vsf.device_get(g), want)
     assert took == [alone]
+
+
+def test_a_tail_traced_alone_across_stamped_blocks_gives_eager_numbers(sim, monkeypatch):
+    """A stamped block's copies of one node all hold the value its trace recorded
+    (:mod:`vsf.jit.stamp`), so a tail functionalized alone from a write between the blocks'
+    forward and their backward (a loss written to in place), whose backward ops read each
+    block's saved activations from before the write, is traced on a value of its own for each
+    of them: the gradients are eager torch's, each block's its own."""
+    import vsf
+    from vsf import P
+    from vsf.jit import functionalize
+
+    torch.manual_seed(0)
+    model = _Stack([_Block(8, 16) for _ in range(2)]).eval()
+
+    def loss(p, x):
+        out = vsf.tree.apply(model, p, x) * 1
+        out.add_(1.0)
+        return out
+
+    params, x = vsf.tree.from_module(model), torch.randn(4, 8)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    want = torch.autograd.grad(torch.func.functional_call(model, leaves, (x,)), list(leaves.values()))
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    args = (vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+    took = []
+    check = functionalize._tail_writes_its_own
+    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: took.append(check(*a)) or took[-1])
+    jitted = vsf.jit(vsf.grad(loss))
+    assert jitted.trace(*args).stamped["_Block"] == (2,)
+    assert took == [True]  # (the tail alone: the backward, reading the blocks' activations)
+    got = vsf.device_get(jitted(*args))
+    for k, w in zip(leaves, want, strict=True):
+        torch.testing.assert_close(got[k], w)
 
 
 def test_planning_pauses_the_garbage_collector_and_restores_it(sim):

@@ -184,10 +184,10 @@ class Stamper:
             self._uses[id(traced)] = len(self.stamped.setdefault(traced.name, []))
             self.stamped[traced.name].append(0)
         self.stamped[traced.name][self._uses[id(traced)]] += 1
-        if torch.is_grad_enabled() and any(t.requires_grad for t in call.operands):
-            outs = iter(_Replay.apply(self.tracer, traced, now, *call.operands))
+        if torch.is_grad_enabled() and any(call.grads):
+            outs = iter(_Replay.apply(self.tracer, traced, now, call, *call.operands))
         else:  # (no gradient flows: the copies alone, as _Replay's forward makes them)
-            outs = iter(_replayed(self.tracer, traced, now, call.operands)[0])
+            outs = iter(_replayed(self.tracer, traced, now, call.nodes)[0])
         return tree.unflatten(
             traced.out_tree, [next(outs) if n is not None else c for n, c in zip(traced.outs, traced.consts)]
         )
@@ -309,11 +309,11 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, tracer: Any, traced: _Trace, stack: str | None, *operands: torch.Tensor
+        ctx: Any, tracer: Any, traced: _Trace, stack: str | None, call: Call, *operands: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        values, env = _replayed(tracer, traced, stack, operands)
+        values, env = _replayed(tracer, traced, stack, call.nodes)
         ctx.mark_non_differentiable(*(v for v, d in zip(values, traced.differentiable) if not d))
-        ctx.stamp = (tracer, traced, env, [t.requires_grad for t in operands])
+        ctx.stamp = (tracer, traced, env, call.grads)
         return values
 
     @staticmethod
@@ -334,23 +334,23 @@ class _Replay(torch.autograd.Function):
                 )
             env[node] = _compat.traced_node(_laid_out_like(g, want), tracer)
         tracked = [n if need else None for n, need in zip(traced.grads, needs)]
-        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer), set(tracked))
+        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer))
         out = [
             None if n is None else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)
             for n in tracked
         ]
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 def _replayed(
-    tracer: Any, traced: _Trace, stack: str | None, operands: Sequence[torch.Tensor]
+    tracer: Any, traced: _Trace, stack: str | None, nodes: Sequence[torch.fx.Node]
 ) -> tuple[tuple[torch.Tensor, ...], dict[torch.fx.Node, Any]]:
     """A stamped block's forward: its trace's forward nodes copied into ``tracer``'s graph reading
-    the nodes of ``operands``, with the stack trace ``stack``; the new tensors the trace reads as
+    its operands' ``nodes``, with the stack trace ``stack``; the new tensors the trace reads as
     its tensor outputs, and the map from the trace's nodes to their copies."""
-    env = {p: _compat.traced_node(t, tracer) for p, t in zip(traced.inputs, operands)}
+    env: dict[torch.fx.Node, Any] = dict(zip(traced.inputs, nodes))
     outs = [n for n in traced.outs if n is not None]
-    _copy(tracer, traced.forward, env, traced.stack, stack, set(outs))
+    _copy(tracer, traced.forward, env, traced.stack, stack)
     return tuple(_compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer) for n in outs), env
 
 
@@ -360,30 +360,21 @@ def _copy(
     env: dict[torch.fx.Node, Any],
     was: str | None,
     now: str | None,
-    tracked: set[torch.fx.Node | None],
 ) -> None:
     """Copy ``nodes`` into ``tracer``'s graph, each reading the copies ``env`` maps its inputs to,
-    each with a value of its own (a later trace reads the graph's values as distinct tensors; the
-    copies of the ``tracked`` nodes get theirs from ``_compat.track_as`` next), and with the stack
-    trace the step's trace records here: the frames ``now`` in place of the frames ``was`` of the
-    call the block was traced at, before the block's own."""
+    each with the value its trace recorded (the plain trace's metadata, storage offset included;
+    every copy of a node holds that one fake tensor, which a trace taking them as inputs replaces
+    where met twice: :mod:`vsf.jit.functionalize`; the copies of the block's outputs get values of
+    their own from ``_compat.track_as`` next), and with the stack trace the step's trace records
+    here: the frames ``now`` in place of the frames ``was`` of the call the block was traced at,
+    before the block's own."""
     graph, read = tracer.graph, env.__getitem__
     for node in nodes:
         new = _compat.copy_node(graph, node, read)
-        if "val" in new.meta and node not in tracked:
-            new.meta["val"] = _fresh(new.meta["val"])
         if (trace := new.meta.get("stack_trace")) is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
             new.meta["stack_trace"] = ((now or "") + own).strip() or None
         env[node] = new
-
-
-def _fresh(val: Any) -> Any:
-    if isinstance(val, torch.Tensor):
-        return _compat.untraced_like(val)
-    if isinstance(val, (tuple, list)):
-        return type(val)(_fresh(v) for v in val)
-    return val
 
 
 def _last(tracer: Any) -> torch.fx.Node:

@@ -34,11 +34,14 @@ _MODULE_STATE = set(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: tab
 @dataclasses.dataclass
 class Call:
     """One call of a block: its modules (itself first, each once), the slots of their tensors, its operands (those tensors, then the
-    arguments' tensors), and how to put the arguments back together from tensors."""
+    arguments' tensors), the node of each operand in the trace and whether it requires grad, and how to put the arguments back
+    together from tensors."""
 
     modules: list[torch.nn.Module]
     slots: list[tuple[dict[str, Any], str]]
     operands: list[torch.Tensor]
+    nodes: list[torch.fx.Node]
+    grads: list[bool]
     leaves: list[Any]
     treedef: tree.PyTreeSpec
 
@@ -137,13 +140,16 @@ def args_key(
         *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
     )
     operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
-    if len({id(t) for t in operands}) != len(operands) or any(_compat.traced_node(t, tracer) is None for t in operands):
+    nodes = [_compat.traced_node(t, tracer) for t in operands]
+    if len({id(t) for t in operands}) != len(operands) or any(n is None for n in nodes):
         return None
     try:
         hash(key)
     except TypeError:
         return None
-    return key, Call([], [], operands, leaves, treedef)
+    with _compat.metadata_reads():
+        grads = [t.requires_grad for t in operands]
+    return key, Call([], [], operands, nodes, grads, leaves, treedef)
 
 
 @contextlib.contextmanager

@@ -740,3 +740,24 @@ def test_unplanned_ops_asked_once_per_op_are_those_asked_node_by_node():
     assert classify.unplanned_ops(gm) == node_by_node
     assert {aten.mse_loss.default, aten.trace.default, aten.renorm.default} <= node_by_node
     assert aten.sin.default not in node_by_node
+
+
+def test_op_decided_once_per_layout_keeps_each_input_as_it_arrives(sim):
+    """:func:`vsf.jit.combine.check_with_dtensor` decides an op once per signature, per-axis
+    choices and arriving layouts (a model's repeated blocks ask the same): two multiplications of
+    one signature, each axis choosing ``Shard(0)`` in and out for both, on values that arrive
+    nested differently (a view of ``P(("tp", "dp"))``: dp's shard strided inside tp's; an input
+    ``P(("dp", "tp"))``: plain) each run on their input as it arrives and give it so (an
+    elementwise op moves nothing): a decision reused across the two layouts would move one."""
+    import vsf
+    from vsf import P
+
+    sim(4, compute=False)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    a = vsf.device_put(torch.zeros(8, 2, 2), vsf.NamedSharding(mesh, P(("tp", "dp"))))
+    y = vsf.device_put(torch.zeros(8, 4), vsf.NamedSharding(mesh, P(("dp", "tp"))))
+    plan = vsf.jit(lambda a, y: (a.view(8, 4) * 2, y * 2)).lower(a, y).plan
+    nested, plain = tuple(a.placements), tuple(y.placements)  # (the view merges unsplit dims: dim 0 as it was)
+    assert nested != plain
+    muls = [plan.nodes[n] for n in plan.graph.graph.nodes if n.target is aten.mul.Tensor]
+    assert [(m.ins[0], m.outs[0]) for m in muls] == [(nested, nested), (plain, plain)]

@@ -243,17 +243,19 @@ def _schedule(
 
 def _topological(deps: dict[int, set[int]], after: dict[int, list[int]], key: dict[int, Any]) -> list[int] | None:
     """The steps in dependency order, the ready step of least ``key`` (unique) first (``None`` on a cycle)."""
+    by_key = sorted(key, key=key.__getitem__)
+    place = {k: i for i, k in enumerate(by_key)}  # (the ready steps kept as their places: ints compare fast)
     waiting = {k: len(v) for k, v in deps.items()}
-    ready = [(key[k], k) for k, w in waiting.items() if w == 0]
+    ready = [place[k] for k, w in waiting.items() if w == 0]
     heapq.heapify(ready)
     order = []
     while ready:
-        _, k = heapq.heappop(ready)
+        k = by_key[heapq.heappop(ready)]
         order.append(k)
         for nxt in after.get(k, ()):
             waiting[nxt] -= 1
             if waiting[nxt] == 0:
-                heapq.heappush(ready, (key[nxt], nxt))
+                heapq.heappush(ready, place[nxt])
     return order if len(order) == len(deps) else None
 
 

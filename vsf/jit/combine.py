@@ -81,11 +81,15 @@ def check_with_dtensor(
     ``as_they_arrive``: those entries split as they arrive instead (:func:`vsf.jit.arrivals.takes_arrivals`)."""
     mesh, gm = problem.mesh, problem.gm
     dm_axes = list(mesh.device_axes)
-    actual: dict[Value, Placements] = {(ph, 0): tuple(pl) for ph, pl in zip(placeholders_of(gm), in_placements)}
+    layouts: dict[Placements, Placements] = {}  # each layout held, once (node_plan)
+    actual: dict[Value, Placements] = {
+        (ph, 0): layouts.setdefault(tuple(pl), tuple(pl)) for ph, pl in zip(placeholders_of(gm), in_placements)
+    }
     plans: dict[torch.fx.Node, NodePlan] = {}
     moves: dict[tuple[Value, Placements], Redistribution] = {}
     asked: dict[Any, Any] = {}
-    decided: dict[Any, tuple[list[Placements], list[Placements | None], bool]] = {}
+    kinds: dict[Any, int] = {}  # op signatures, numbered
+    decided: dict[tuple[Any, ...], NodePlan] = {}
     taken: arrivals.Taken | None = {} if as_they_arrive else None
 
     live = [a in axes and mesh.axis_size(a) > 1 for a in dm_axes]  # (an axis of size 1 holds the value whole)
@@ -115,63 +119,74 @@ def check_with_dtensor(
                 paths[path] = collectives_of(mesh, t, src, dst)
             moves[(v, dst)] = Redistribution(v, src, dst, paths[path], before)
 
-    for k, node in enumerate(problem.ops):
-        ins = problem.inputs[node]
-        chosen_here = [problem.solved[a].placement_of(k) if on else None for a, on in zip(dm_axes, live)]
+    def decision(
+        node: torch.fx.Node, op: Any, fallback: bool, chosen_here: list[Any], arrived: list[Placements]
+    ) -> NodePlan:
+        """How an op that neither constrains nor is a region runs (its strategy as DTensor decides, or as vsf runs it)."""
         metas = outputs_meta(node)
-        want_in = [tuple(R if c is None else c[0][i] for c in chosen_here) for i in range(len(ins))]
-        want_out = [
-            None if t is None else tuple(R if c is None else c[1][i] for c in chosen_here) for i, t in enumerate(metas)
-        ]
-        op = problem.strategies.classes[node]
-        fallback = bool(ins) and problem.strategies.of(node, asked_n)[1]
-        direct = False
-        if op.kind == "constraint":
-            s = constraint.parse(node.args[1])
-            target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
-            want_in, want_out = [target], [target]
-        elif op.kind == "manual":
-            came = actual[ins[0]] if ins else None
-            want_in, want_out = manual.placements(node, mesh, want_in, want_out, chosen, taken, came)
-            direct = True
-        elif op.kind == "value_blind":
-            direct = True
-        elif context_parallel.runs(mesh, node, want_in, want_out):
-            pass  # the per-axis choices as they are: vsf runs the op (context_parallel.run), not DTensor
+        want_in, want_out = _wanted(chosen_here, len(arrived), metas)
+        direct = op.kind == "value_blind"
+        if direct or context_parallel.runs(mesh, node, want_in, want_out):
+            pass  # the per-axis choices as they are (context parallel attention: vsf runs it, context_parallel.run)
         elif packed.runs(node, want_in, want_out):
             direct = True  # a packed split's chunks or their cat, on the local shards (packed.run)
         elif op.kind == "strategy" and not fallback:
-            arrived = [actual[v] for v in ins]
+            ins = problem.inputs[node]
             preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [
                 nest(t, w) for t, w in zip(metas, want_out)
             ]
-            # (decided once per op signature and layouts: a model's repeated blocks ask the same)
-            key = (
-                *problem.strategies.signature(node),
-                tuple((tuple(t.shape), t.dtype) for t in metas if t is not None),
-                op,
-                tuple(arrived),
-                tuple(want_in),
-                tuple(want_out),
-                tuple(preferred),
-            )
-            if key not in decided:
-                decide_op = _balanced_decision if has_balanced([*arrived, *want_in, *want_out]) else _strategy_decision
-                decided[key] = decide_op(node, mesh, op, arrived, want_in, want_out, preferred, asked)
-            want_in, want_out, direct = decided[key]
-        if manual.inside(node) and op.kind != "manual":
-            _local_over_manual(node, mesh, want_in, want_out)
-        for v, dst in zip(ins, want_in):
-            move(v, dst, node)
+            decide_op = _balanced_decision if has_balanced([*arrived, *want_in, *want_out]) else _strategy_decision
+            want_in, want_out, direct = decide_op(node, mesh, op, arrived, want_in, want_out, preferred, asked)
         inside = (
-            manual.collectives(node, mesh, want_in)
-            if op.kind == "manual"
-            else context_parallel.collectives(mesh, node, want_in)
-            if context_parallel.splits_sequence(node, want_in)
-            else ()
+            context_parallel.collectives(mesh, node, want_in) if context_parallel.splits_sequence(node, want_in) else ()
         )
-        plans[node] = NodePlan(tuple(want_in), tuple(want_out), op, fallback, direct, inside)
-        for i, out in enumerate(want_out):
+        return node_plan(want_in, want_out, op, fallback, direct, inside)
+
+    def bound(node: torch.fx.Node, op: Any, fallback: bool, chosen_here: list[Any]) -> NodePlan:
+        """How a ``with_sharding_constraint`` (its value as the constraint says) or a region's op runs."""
+        ins = problem.inputs[node]
+        want_in, want_out = _wanted(chosen_here, len(ins), outputs_meta(node))
+        if op.kind == "constraint":
+            s = constraint.parse(node.args[1])
+            target = want_out[0] if any(e is UNCONSTRAINED for e in s.spec) else to_placements(s)
+            return node_plan([target], [target], op, fallback, False, ())
+        came = actual[ins[0]] if ins else None
+        want_in, want_out = manual.placements(node, mesh, want_in, want_out, chosen, taken, came)
+        return node_plan(want_in, want_out, op, fallback, True, manual.collectives(node, mesh, want_in))
+
+    def node_plan(
+        ins: Sequence[Placements], outs: Sequence[Placements | None], op: Any, fallback: bool, direct: bool, inside: Any
+    ) -> NodePlan:
+        """The op's plan, its layouts interned: one object per layout (the memo's key holds their ids)."""
+        held = tuple(None if p is None else layouts.setdefault(p, p) for p in outs)
+        return NodePlan(tuple(layouts.setdefault(p, p) for p in ins), held, op, fallback, direct, inside)
+
+    for k, node in enumerate(problem.ops):
+        ins = problem.inputs[node]
+        chosen_here = [problem.solved[a].placement_of(k) if on else None for a, on in zip(dm_axes, live)]
+        op = problem.strategies.classes[node]
+        fallback = bool(ins) and problem.strategies.of(node, asked_n)[1]
+        if op.kind in ("constraint", "manual"):
+            plan = bound(node, op, fallback, chosen_here)
+        else:
+            # decided once per op signature and layouts (a model's repeated blocks ask the same): the
+            # per-axis choices are the solvers' placement objects, and every layout held is one
+            # object per value (interned), so the key holds their ids (objects alive throughout);
+            # the signature sorts keyword arguments, their order orders the tensor inputs
+            metas = outputs_meta(node)
+            shapes = tuple((tuple(t.shape), t.dtype) for t in metas if t is not None)
+            kind = kinds.setdefault((problem.strategies.signature(node), tuple(node.kwargs), shapes, op), len(kinds))
+            key = (kind, fallback, *(id(p) for c in chosen_here if c is not None for side in c for p in side))
+            key += tuple(id(actual[v]) for v in ins)
+            plan = decided.get(key)
+            if plan is None:
+                plan = decided[key] = decision(node, op, fallback, chosen_here, [actual[v] for v in ins])
+        if manual.inside(node) and op.kind != "manual":
+            _local_over_manual(node, mesh, plan.ins, plan.outs)
+        for v, dst in zip(ins, plan.ins):
+            move(v, dst, node)
+        plans[node] = plan
+        for i, out in enumerate(plan.outs):
             if out is not None:
                 actual[(node, i)] = out
     out_node = output_node(gm)
@@ -186,6 +201,25 @@ def check_with_dtensor(
         move(v, dst, out_node)
         final.append(dst)
     return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final
+
+
+def _wanted(
+    chosen_here: Sequence[tuple[list[Any], list[Any]] | None], n_ins: int, metas: Sequence[torch.Tensor | None]
+) -> tuple[list[Placements], list[Placements | None]]:
+    """The per-axis choices of an op with ``n_ins`` tensor inputs and outputs ``metas`` (``None``: no
+    tensor) combined: each input's and output's placements over every mesh dim (``chosen_here``: per
+    mesh dim, the solver's ``(inputs, outputs)`` placements there, ``None`` where nothing was solved: ``R``).
+
+    Example::
+
+        >>> _wanted([([Shard(0)], [Shard(0)]), None], 1, [t])   # an elementwise op split on the first mesh dim
+        ([(Shard(dim=0), Replicate())], [(Shard(dim=0), Replicate())])
+    """
+    want_in = [tuple(R if c is None else c[0][i] for c in chosen_here) for i in range(n_ins)]
+    want_out = [
+        None if t is None else tuple(R if c is None else c[1][i] for c in chosen_here) for i, t in enumerate(metas)
+    ]
+    return want_in, want_out
 
 
 def _strategy_decision(

@@ -49,10 +49,10 @@ def recomputed(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
         if node.target in _SAME_VALUE:
             same[node] = same[node.args[0]]
             continue
-        key = _key(node, same)
-        if key is None:
+        try:
+            earlier = first.setdefault(_key(node, same), node)
+        except TypeError:  # (an argument that cannot be compared)
             continue
-        earlier = first.setdefault(key, node)
         same[node] = earlier
         if earlier is not node and node in on_inputs and node.target is not GETITEM and not is_view(node):
             again[node] = earlier
@@ -78,7 +78,13 @@ def recompute_blocks(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, int]:
     runs: list[list[torch.fx.Node]] = []
     running = False
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is not GETITEM and not is_view(node):
+        # (an op outside every run, and not recomputed, leaves things as they are: whether it is a view matters not)
+        if (
+            (running or node in again)
+            and node.op == "call_function"
+            and node.target is not GETITEM
+            and not is_view(node)
+        ):
             if node in again and not running:
                 runs.append([])
             running = node in again
@@ -170,22 +176,17 @@ def within_budget(
     return dataclasses.replace(chosen, notes=chosen.notes + (note,))
 
 
-def _key(node: torch.fx.Node, same: dict[torch.fx.Node, torch.fx.Node]) -> Hashable | None:
+def _key(node: torch.fx.Node, same: dict[torch.fx.Node, torch.fx.Node]) -> Hashable:
     """``node``'s op and arguments, each argument node read as the first node of its value
-    (``None`` when an argument cannot be compared)."""
-    try:
-        key = (node.target, _frozen(node.args, same), _frozen(node.kwargs, same))
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    (unhashable, a ``TypeError`` to hash, when an argument cannot be compared)."""
+    return (node.target, _frozen(node.args, same), _frozen(node.kwargs, same))
 
 
 def _frozen(x: Any, same: dict[torch.fx.Node, torch.fx.Node]) -> Any:
     if isinstance(x, torch.fx.Node):
         return ("node", same[x])
     if isinstance(x, (list, tuple)):
-        return tuple(_frozen(a, same) for a in x)
+        return tuple([_frozen(a, same) for a in x])
     if isinstance(x, dict):
         return tuple(sorted((k, _frozen(v, same)) for k, v in x.items()))
     return x

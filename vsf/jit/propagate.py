@@ -124,7 +124,7 @@ def propagate(
                     f"vsf.jit takes ragged inputs that split dim 0 only; input %{ph.name} is {p.ragged!r} (dims={p.ragged.dims})"
                 )
     dm_axes = list(mesh.device_axes)
-    out_placements = _placements_of(out_shardings)
+    out_placements = [None if s is None else to_placements(s) for s in out_shardings]
     for axis in axes:
         k = dm_axes.index(axis)
         problem.seeds[axis] = {(ph, 0): per_axis(pl, k) for ph, pl in zip(placeholders, in_placements)}
@@ -228,24 +228,6 @@ def _packed(placements: Placements) -> tuple[Placement, ...]:
     """The packed splits (strided shards of a dim no other mesh dim splits: :func:`per_axis`) an
     input holds: its consumers' strategies take them as they arrive."""
     return tuple(q for k, q in enumerate(placements) if kind_of(q) == "strided" and per_axis(placements, k) == q)
-
-
-def _placements_of(shardings: Sequence[NamedSharding | None]) -> list[Placements | None]:
-    """Each sharding's placements (``None`` for ``None``), worked out once per sharding object: the
-    outputs of one layout share one (:func:`vsf.jit.call.layouts`), and a step returns a few per layer.
-
-    Example::
-
-        >>> _placements_of([s, s, None])   # s = NamedSharding(mesh, P("dp")) on a (dp=2, tp=2) mesh
-        [(Shard(dim=0), Replicate()), (Shard(dim=0), Replicate()), None]
-    """
-    found: dict[int, Placements] = {}  # by id: the shardings are alive in ``shardings``
-    out: list[Placements | None] = []
-    for s in shardings:
-        if s is not None and id(s) not in found:
-            found[id(s)] = to_placements(s)
-        out.append(None if s is None else found[id(s)])
-    return out
 
 
 def _out_requirement(placements: Placements | None, k: int, may_stay_unreduced: bool) -> Any:

@@ -188,8 +188,9 @@ def test_cp_before_ep_dispatches_the_tokens_as_they_arrive(sim):
       per-expert counts, 2 x 8 int64 gathered (64 B a layer);
     - the loss: the final hidden states [4, 16, 32] floats (4,096 B) and the labels [4, 16] int64
       (256 B) gathered for the shifted cross-entropy, and a 4 B scalar all-reduced;
-    - the gradients of the params ep leaves whole, all-reduced in one bucket: at most every
-      non-expert param's floats (2(n-1)/n = 1 of them)."""
+    - the gradients of the params ep leaves whole, all-reduced in at most two buckets (those
+      partial over cp as well, and those of the k and v projections, which the plan computes from
+      whole sequences over cp): at most every non-expert param's floats (2(n-1)/n = 1 of them)."""
     lowered = trained_on_ep(sim, zoo.moe("mixtral", EXPERTS), "mixtral cp x ep", ("cp", "ep"), P("ep", "cp"))
     collectives = lowered.cost().collectives
     assert_tokens_sent_not_experts(collectives, zoo.BATCH * zoo.SEQ // 4, zoo.LAYERS)
@@ -200,14 +201,17 @@ def test_cp_before_ep_dispatches_the_tokens_as_they_arrive(sim):
         + [("all_gather", zoo.BATCH * zoo.SEQ * zoo.HIDDEN * 4 // 2), ("all_gather", zoo.BATCH * zoo.SEQ * 8 // 2)]
         + [("all_reduce", 4)]
     )
-    (grads,) = [c for c in over_ep if c.kind == "all_reduce" and c.bytes > 4]
-    assert sorted((c.kind, c.bytes) for c in over_ep if c is not grads) == by_hand
+    # the gradients: one bucket of those partial over cp too, and one of those the plan computes
+    # from whole sequences over cp (the k and v projections')
+    grads = [c for c in over_ep if c.kind == "all_reduce" and c.bytes > 4]
+    assert 1 <= len(grads) <= 2, grads
+    assert sorted((c.kind, c.bytes) for c in over_ep if not any(c is g for g in grads)) == by_hand
     non_expert = sum(
         math.prod(t.shape)
         for k, t in vsf.tree.from_module(zoo.built(zoo.moe("mixtral", EXPERTS))[0]).items()
         if "experts." not in k
     )
-    assert grads.bytes <= non_expert * 4
+    assert sum(c.bytes for c in grads) <= non_expert * 4
     # the tokens into each dispatch, as they arrive
     taken = [t for t in lowered.as_text().splitlines() if "= manual_in(" in t and "[64@<cp/sf4,ep>,32])" in t]
     assert len(taken) == zoo.LAYERS

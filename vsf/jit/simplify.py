@@ -99,28 +99,24 @@ def drop_identity_views(gm: torch.fx.GraphModule) -> None:
         >>> drop_identity_views(gm)  # %mm_1 = mm(%x, %t_1), %t_1 = t(%t), %t = t(%w) -> %mm_1 = mm(%x, %w)
     """
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not _same_as(node, None) or not is_view(node):
+        if node.op != "call_function" or not is_view(node):
             continue
         base = node.all_input_nodes[0]
-        while not _same_as(node, base) and base.op == "call_function" and is_view(base):
+        while not _same_view(node, base) and base.op == "call_function" and is_view(base):
             base = base.all_input_nodes[0]
-        if not _same_as(node, base):
+        if not _same_view(node, base):
             continue
         node.replace_all_uses_with(base, delete_user_cb=lambda user: user.op != "output")
         if not node.users:
             gm.graph.erase_node(node)
 
 
-def _same_as(node: torch.fx.Node, base: torch.fx.Node | None) -> bool:
-    """Is ``node``'s value a tensor, and (given a ``base``) the same view of its buffer as ``base``'s?"""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return False
-    if base is None:
-        return True
-    other = base.meta.get("val")
+def _same_view(node: torch.fx.Node, base: torch.fx.Node) -> bool:
+    """Are ``node``'s and ``base``'s values tensors of one dtype, shape, strides and storage offset?"""
+    val, other = node.meta.get("val"), base.meta.get("val")
     return (
-        isinstance(other, torch.Tensor)
+        isinstance(val, torch.Tensor)
+        and isinstance(other, torch.Tensor)
         and val.dtype == other.dtype
         and val.shape == other.shape
         and val.stride() == other.stride()

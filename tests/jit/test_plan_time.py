@@ -761,3 +761,25 @@ def test_op_decided_once_per_layout_keeps_each_input_as_it_arrives(sim):
     assert nested != plain
     muls = [plan.nodes[n] for n in plan.graph.graph.nodes if n.target is aten.mul.Tensor]
     assert [(m.ins[0], m.outs[0]) for m in muls] == [(nested, nested), (plain, plain)]
+
+
+def test_decisions_do_not_grow_with_depth(sim, monkeypatch):
+    """Every leaf's AdamW update reads the step count and the scalars it is computed from, and
+    each one reading them adds to how often they are wanted; the solver reads only whether a
+    count is above 0 before and after an op's reads move, so the updates of one parameter kind
+    meet one context (:meth:`AxisSolver._wanted`), and a deeper model asks the solver to decide
+    nothing more: its added blocks and their updates are decided as the others were."""
+    from vsf.jit import solver
+
+    sim(8, compute=False)
+    asked: list[int] = []
+    choose = solver.AxisSolver._choose
+    monkeypatch.setattr(
+        solver.AxisSolver, "_choose", lambda self, k, greedy: asked.append(k) or choose(self, k, greedy)
+    )
+    decided = []
+    for layers in (3, 5):
+        asked.clear()
+        _gpt_plan(layers, (1, 2, 2, 1, 2), optimizer=True)
+        decided.append(len(asked))
+    assert decided[0] == decided[1]

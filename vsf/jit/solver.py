@@ -87,7 +87,8 @@ class AxisSolver:
         self.share = [1.0 if a else BUCKET_SHARE for a in self.alone]
         self.label = list(tables.label)
         self.need = [dict(d) for d in tables.need]
-        self.wants = _numbered(tables.wants, (tuple(d.items()) for d in self.need))  # (:meth:`_context`)
+        self.clamp = problem.clamp
+        self.wants = _numbered(tables.wants, map(self._wanted, range(len(self.need))))  # (:meth:`_context`)
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
@@ -251,10 +252,20 @@ class AxisSolver:
             need[v][req] = need[v].get(req, 0) + 1
         wants = self.tables.wants
         for v in self.ins[k]:
-            self.wants[v] = wants.setdefault(tuple(need[v].items()), len(wants))
+            self.wants[v] = wants.setdefault(self._wanted(v), len(wants))
         for v, lab in zip(self.outs[k], outs):
             if v >= 0 and lab >= 0:
                 self.label[v] = lab
+
+    def _wanted(self, v: int) -> tuple[tuple[int, int], ...]:
+        """The placements wanted of value ``v`` and how often, in their order, each count capped at
+        :attr:`Problem.clamp`: what :meth:`_evaluate` reads of them (whether a count is above 0,
+        before and after an op's reads move), so that the readers of a value every op reads (an
+        optimizer's step count, read by each leaf's update) meet one context, not one per count."""
+        cap = self.clamp[v]
+        if not cap:
+            return tuple(self.need[v].items())
+        return tuple([(req, c if c < cap else cap) for req, c in self.need[v].items()])
 
     def _context(self, k: int, greedy: bool) -> tuple[Any, ...]:
         """Everything :meth:`_evaluate` reads to cost op ``k``'s strategies: what no choice changes
@@ -823,6 +834,9 @@ class Problem:
     value_bytes: list[float] = dataclasses.field(default_factory=list)  # per value, its bytes on global shapes
 
     alone: list[bool] = dataclasses.field(default_factory=list)  # per value: its collective runs alone (:meth:`index`)
+    # per value, the count its wants are capped at (:meth:`AxisSolver._wanted`): one more than any op
+    # reads it; 0 where its readers cannot count past that
+    clamp: list[int] = dataclasses.field(default_factory=list)
 
     def index(self) -> None:
         """Number the values, record which op produces and which ops consume each, count each op's
@@ -851,6 +865,11 @@ class Problem:
             tuple(self.value_ids.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in self.ops
         ]
         self.views = [is_view(node) for node in self.ops]
+        self.clamp = [0] * len(self.values)
+        for v, readers in self.consumers_of.items():
+            cap = 1 + max(collections.Counter(readers).values())
+            if len(readers) >= cap:
+                self.clamp[v] = cap
         self.value_bytes = [float(t.numel() * t.element_size()) for t in map(meta_of, self.values)]
         counted: dict[tuple[Any, ...], int] = {}  # by op signature (an op's FLOPs are its arguments' shapes')
         for node in self.ops:

@@ -422,6 +422,24 @@ def test_attention_runs_on_a_batch_split_as_a_strided_shard(sim):
     assert len(ran) == 2 and all(t.count("f32[4@(ep,cp),4,16,8]") >= 3 for t in ran)  # forward and backward
 
 
+def test_a_value_nested_in_mesh_order_is_not_moved_to_another_inputs_nesting(sim):
+    # x [8, 4] on P(("tp", "dp")) (dp nested inside tp, against the mesh order) and y of the same
+    # shape on P(("dp", "tp")): each is scaled where it is, and nothing moves. The nesting of a
+    # strided input is preferred for the values of its shape (a ZeRO state's gradient and update
+    # reach it without a regather), but not over a value that arrives split the plain way on the
+    # same dims: y * 2 was gathered into x's nesting and back (4 all-gathers). Oracle: one device
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    xs = vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P(("tp", "dp"))))
+    ys = vsf.device_put(y, vsf.NamedSharding(mesh, vsf.P(("dp", "tp"))))
+    f = vsf.jit(lambda x, y: (x * 2, y * 2))
+    assert f.lower(xs, ys).plan.collectives() == []
+    for got, want, typed in zip(f(xs, ys), (x * 2, y * 2), ("f32[8@(tp,dp),4]", "f32[8@(dp,tp),4]")):
+        assert vsf.typeof(got) == typed
+        torch.testing.assert_close(vsf.device_get(got), want)
+
+
 def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_split(sim):
     # a linear layer on tokens [batch@dp, seq@cp] on a mesh ("cp", "dp"): its view to rows makes
     # S(0)/sf4, S(0), which DTensor cannot regather but vsf moves itself, so the tokens stay split

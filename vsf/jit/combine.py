@@ -132,9 +132,11 @@ def check_with_dtensor(
             direct = True  # a packed split's chunks or their cat, on the local shards (packed.run)
         elif op.kind == "strategy" and not fallback:
             ins = problem.inputs[node]
-            preferred = [nest(meta_of(v), w) for v, w in zip(ins, want_in)] + [
-                nest(t, w) for t, w in zip(metas, want_out)
-            ]
+            # an input that arrives split as wanted, in any nesting, is preferred as it arrives
+            preferred = [
+                a if [*map(one_d, a)] == [*map(one_d, w)] else nest(meta_of(v), w)
+                for v, a, w in zip(ins, arrived, want_in)
+            ] + [nest(t, w) for t, w in zip(metas, want_out)]
             decide_op = _balanced_decision if has_balanced([*arrived, *want_in, *want_out]) else _strategy_decision
             want_in, want_out, direct = decide_op(node, mesh, op, arrived, want_in, want_out, preferred, asked)
         inside = (
@@ -322,7 +324,9 @@ def _keep_strided(
     """A per-mesh-dim strategy chosen with plain shards, applied to inputs that arrive with strided
     shards kept as they are: on each mesh dim where the inputs that keep their shard all carry the
     same split factor, every shard of the strategy takes it (DTensor fills its single-dim rules the
-    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing. An input keeps its
+    same way), so an elementwise op on a ``P(("tp", "dp"))`` value moves nothing; an input that
+    keeps a plain shard there (nested in mesh order) counts as a factor of its own, so a value of
+    a strided input's shape that arrives split the plain way stays so. An input keeps its
     shard only if it also keeps the other mesh dims' splits of that tensor dim, which the factor
     counts (``dp``'s factor in ``P(("tp", "dp"))`` is ``tp``'s split: gathering ``tp`` and keeping
     ``dp`` strided is a move DTensor cannot make). ``preferred`` (per input, then per output: see
@@ -341,9 +345,9 @@ def _keep_strided(
     ins, outs = [flat(p) for p in ins], [None if p is None else flat(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
-            a[k].split_factor
+            a[k].split_factor if kind_of(a[k]) == "strided" else None
             for a, want in zip(actual, ins)
-            if kind_of(a[k]) == "strided"
+            if kind_of(a[k]) in ("strided", "shard")
             and isinstance(want[k], Shard)
             and want[k].dim == a[k].dim
             and all(
@@ -352,7 +356,7 @@ def _keep_strided(
                 if j != k and is_shard(b) and split_dim(b) == a[k].dim
             )
         } | {p[k].split_factor for p in preferred if p is not None and kind_of(p[k]) == "strided"}
-        if len(factors) != 1:
+        if len(factors) != 1 or None in factors:
             continue
         sf = factors.pop()
         for p in [*ins, *(o for o in outs if o is not None)]:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import vsf
 from vsf import P
-from vsf.checkpoint import ragged
+from vsf.checkpoint import boxes as ckpt_boxes
 from vsf.checkpoint.checksum import BLOCK
 from vsf.checkpoint.storage import _PARALLEL_READ
 from multiproc import WORKERS, results, torchrun
@@ -363,14 +363,47 @@ def test_ragged_boxes_hold_exactly_each_ranks_rows_in_order(shape, spec):
     ids = torch.arange(math.prod(shape)).reshape(shape)
     for rank in mesh.devices:
         local = s.index_view(ids)[s.index(shape, rank)]  # the layout's own definition of the shard
-        boxes = ragged.boxes(s, shape, rank)
+        boxes = ckpt_boxes.leaf_boxes(s, shape, rank)
         assert (
             len(boxes) <= 2 * spec.ragged.dims - 1 and all(math.prod(b.sizes) for b in boxes) or math.prod(shape) == 0
         )
         got = [ids[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))].flatten() for b in boxes]
         assert torch.equal(torch.cat(got) if got else local[:0].flatten(), local.flatten()), rank  # every row, in order
         for b, g in zip(boxes, got):
-            assert torch.equal(local[b.rows[0] : b.rows[1]].flatten(), g), (rank, b)
+            assert torch.equal(local[b.local].flatten(), g), (rank, b)
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((12,), P(vsf.packed("tp", 3))),  # q, k, v of 4, each split over tp
+        ((4, 12), P("dp", vsf.packed("tp", 3))),
+        ((2, 8, 3), P(None, vsf.packed("tp", 2), "dp")),  # gate_up of experts
+        ((8, 4), P(vsf.packed("dp", 2), vsf.packed("tp", 2))),  # two packed dims
+        ((0, 6), P(None, vsf.packed("tp", 3))),
+        ((2, 8, 4), P("dp", vsf.balanced("tp"))),  # a sequence split balanced for causal attention
+        ((8, 6), P(vsf.balanced("dp"), "tp")),
+    ],
+)
+def test_packed_and_balanced_boxes_hold_exactly_each_ranks_pieces(shape, spec):
+    """The boxes DCP gets for a rank of a packed or balanced leaf, read from the global tensor,
+    are the parts of its local tensor they name, and together the whole local tensor once."""
+    mesh = vsf.Mesh((2, 2), ("dp", "tp"))
+    s = vsf.NamedSharding(mesh, spec)
+    ids = torch.arange(math.prod(shape)).reshape(shape)
+    for rank in mesh.devices:
+        local = s.index_view(ids)[s.index(shape, rank)]  # the layout's own definition of the shard
+        boxes = ckpt_boxes.leaf_boxes(s, shape, rank)
+        if local.numel() == 0:  # one empty box, so that DCP records the leaf
+            assert [b.sizes for b in boxes] == [shape]
+            continue
+        assert sum(math.prod(b.sizes) for b in boxes) == local.numel(), rank
+        seen = torch.zeros(local.shape, dtype=torch.int64)
+        for b in boxes:
+            box = ids[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))]
+            assert torch.equal(local[b.local], box), (rank, b)
+            seen[b.local] += 1
+        assert bool((seen == 1).all()), rank
 
 
 # -- across real processes ---------------------------------------------------------------------

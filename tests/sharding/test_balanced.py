@@ -46,7 +46,9 @@ def test_each_rank_holds_chunks_i_and_2n_minus_1_minus_i_and_the_round_trip_give
         chunk = lambda c: list(range(2 * c, 2 * c + 2))  # noqa: E731
         want = [row * seq + p for p in chunk(i) + chunk(2 * n - 1 - i)]
         assert local.reshape(-1).tolist() == want, rank
-    torch.testing.assert_close(vsf.device_get(placed), x, rtol=0, atol=0)
+    whole = vsf.device_get(placed)
+    assert type(whole) is torch.Tensor  # a plain tensor, not one per simulated rank
+    torch.testing.assert_close(whole, x, rtol=0, atol=0)
     back = vsf.device_put(placed, vsf.NamedSharding(mesh, P(None, "cp")))  # to a contiguous split and back
     torch.testing.assert_close(vsf.device_get(back), x, rtol=0, atol=0)
 

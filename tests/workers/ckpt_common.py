@@ -49,6 +49,10 @@ PARAMS = {
     "rows": ((12, 4), torch.float32, P(vsf.ragged("dp", (1, 2)), "tp"), P(vsf.ragged("x", (3, 1)))),
     "cube": ((3, 4, 2), torch.float32, P(vsf.ragged("tp", (1, 3), dims=2)), P("x")),  # rows 3..12 of 3x4: 2 boxes
     "lone": ((4, 3), torch.bfloat16, P(vsf.ragged("dp", (0, 1))), P(vsf.ragged("x", (1, 1)))),  # dp=0 holds nothing
+    # a fused qkv weight packed over tp (each rank a slice of q, k and v), loaded packed in 2 or plain
+    "qkv": ((4, 12), torch.float32, P("dp", vsf.packed("tp", 3)), P(None, vsf.packed("x", 2))),
+    # a sequence split balanced (each rank an early and a late chunk), loaded balanced over x or plain
+    "seq": ((8, 2), torch.float32, P(vsf.balanced("tp"), "dp"), P(vsf.balanced("x"))),
 }
 
 

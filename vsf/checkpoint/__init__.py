@@ -2,7 +2,7 @@
 
 ``save`` writes any pytree of DTensors, plain tensors, Python scalars, strings and None (in dicts,
 lists, tuples, NamedTuples and registered dataclasses); each rank writes only the shards it owns,
-``RaggedShard`` ones as they are (:mod:`vsf.checkpoint.ragged`).
+``RaggedShard`` and ``PackedShard`` ones as they are (:mod:`vsf.checkpoint.boxes`).
 ``load`` reads it back onto any mesh, specs and number of ranks, as a ``target`` tree of
 :class:`vsf.ShapeDtypeStruct` (or live arrays, or :func:`vsf.eval_shape` of an init function)
 says. A checkpoint directory appears only once complete (written aside, committed with a marker

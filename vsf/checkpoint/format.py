@@ -30,7 +30,7 @@ from vsf.checkpoint.checksum import BLOCK, checksums
 from vsf.errors import CorruptCheckpointError, NotACheckpointError
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import NamedSharding
-from vsf.sharding.spec import PackedShard, PartitionSpec, RaggedShard
+from vsf.sharding.spec import BalancedShard, PackedShard, PartitionSpec, RaggedShard
 
 __all__ = [
     "FORMAT_VERSION",
@@ -160,6 +160,8 @@ def _entry_json(entry: Any) -> Any:
         return {"ragged": entry.axis, "units": list(entry.units), "dims": entry.dims, "block": entry.block}
     if isinstance(entry, PackedShard):
         return {"packed": entry.axis, "parts": entry.parts}
+    if isinstance(entry, BalancedShard):
+        return {"balanced": entry.axis}
     raise TypeError(f"vsf.checkpoint cannot store the spec entry {entry!r} ({type(entry).__name__})")
 
 
@@ -172,6 +174,8 @@ def _entry_from_json(entry: Any) -> Any:
         return RaggedShard(entry["ragged"], entry["units"], dims=entry["dims"], block=entry["block"])
     if isinstance(entry, dict) and entry.keys() == {"packed", "parts"}:
         return PackedShard(entry["packed"], entry["parts"])
+    if isinstance(entry, dict) and entry.keys() == {"balanced"}:
+        return BalancedShard(entry["balanced"])
     raise ValueError(f"unknown spec entry {entry!r} (written by a newer vsf?)")
 
 

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from vsf import _compat, runtime
-from vsf.checkpoint import commit, group as group_mod, hf, leaves, ragged
+from vsf.checkpoint import boxes, commit, group as group_mod, hf, leaves
 from vsf.checkpoint.format import Checkpoint, LeafRecord, read_checkpoint
 from vsf.errors import CorruptCheckpointError
 from vsf.checkpoint.progress import Progress
@@ -57,9 +57,9 @@ def load(path: str | Path, target: Any = None, *, progress: bool | None = None) 
     whole = _compat.local_mode_disabled() if runtime.is_simulated() else contextlib.nullcontext()
     with whole:
         state = leaves.buffers(here, wants)
-        plain, ragged_leaves = ragged.split(state)
+        plain, boxed = boxes.split(state)
         try:
-            dcp.load(plain, storage_reader=reader, planner=ragged.LoadPlanner(ragged_leaves), **group.dcp_kwargs)
+            dcp.load(plain, storage_reader=reader, planner=boxes.LoadPlanner(boxed), **group.dcp_kwargs)
         except CheckpointException as e:
             damaged = _damaged(e)
             if damaged is None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from vsf import runtime
-from vsf.checkpoint import commit, group as group_mod, leaves, ragged
+from vsf.checkpoint import boxes, commit, group as group_mod, leaves
 from vsf.checkpoint.format import TREE, FileRecord, LeafRecord, encode_marker, encode_tree
 from vsf.checkpoint.progress import Progress
 from vsf.checkpoint.storage import ChecksumWriter
@@ -68,7 +68,7 @@ def save(path: str | Path, tree: Any, *, blocking: bool = True, progress: bool |
     """Save ``tree`` as a committed checkpoint directory at ``path`` (call on every rank).
 
     Leaves may be DTensors (each rank writes only the shards it owns, replicas once, ragged
-    ones as they are: they load as ``Shard``, whole, or with other units), plain
+    and packed ones as they are: they load as ``Shard``, whole, or with other units or parts), plain
     tensors, bool, int, float, str and None, in dicts, lists, tuples, NamedTuples and dataclasses
     registered with :mod:`vsf.tree`. A leaf may be held by some ranks only (``None`` on the others,
     as a ``vsf.pipeline`` stage's leaves are): it is saved once, from the ranks holding it, with its
@@ -143,8 +143,8 @@ def _write(
     token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
     staging = commit.staging_path(final, token)
     writer = ChecksumWriter(staging, meter)
-    plain, ragged_leaves = ragged.split(state)
-    dcp.save(plain, storage_writer=writer, planner=ragged.SavePlanner(ragged_leaves), **group.dcp_kwargs)
+    plain, boxed = boxes.split(state)
+    dcp.save(plain, storage_writer=writer, planner=boxes.SavePlanner(boxed), **group.dcp_kwargs)
     per_rank = group.all_gather(writer.records)
     failure: BaseException | None = None
     if group.rank == 0:

@@ -315,8 +315,8 @@ def _unbalance(t: DTensor, s: NamedSharding) -> torch.Tensor:
     whose chunks then go back to their positions."""
     full = _full(from_local(_compat.dtensor_local(t), s.as_contiguous(), t.shape))
     for dim, b in s.balanced.items():
-        back = torch.argsort(balanced_order(t.shape[dim], s.mesh.axis_size(b.axis)))
-        with _compat.local_mode_disabled():
+        with _compat.local_mode_disabled():  # (the order too: made under simulation, it is one per rank)
+            back = torch.argsort(balanced_order(t.shape[dim], s.mesh.axis_size(b.axis)))
             full = full.index_select(dim, back.to(full.device))
     return full
 

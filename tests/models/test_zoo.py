@@ -6,6 +6,7 @@ PyTorch (``torch.optim.AdamW``) on one device."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import zoo
 
 import vsf
-from vsf import optim
+from vsf import P, optim
 
 pytestmark = pytest.mark.models
 
@@ -129,3 +130,41 @@ def test_the_default_cache_costs_no_collective(sim, name):
     cached = _planned_collectives(model, family, batches[0])
     model.config.use_cache = False
     assert cached == _planned_collectives(model, family, batches[0])
+
+
+def _gpt2_packed() -> zoo.Family:
+    """GPT-2 with its fused q, k, v (``c_attn``) packed over tp: each rank its heads of each."""
+    gpt2 = _families()["gpt2"]
+    packed = ((r".*c_attn\.weight", P(None, vsf.packed("tp", 3))), (r".*c_attn\.bias", P(vsf.packed("tp", 3))))
+    return dataclasses.replace(gpt2, tp_rules=(*packed, *gpt2.tp_rules))
+
+
+def test_gpt2_with_its_fused_qkv_packed_over_tp_moves_what_megatron_moves(sim):
+    """GPT-2's ``c_attn`` is one ``Conv1D`` giving q, k and v side by side (``[hidden, 3 * hidden]``).
+    Split contiguously over tp, a rank holds q and part of k, and the plan gathers weights to make
+    the heads; packed (``vsf.packed("tp", 3)``, transformers' ``packed_colwise``) each rank holds its
+    heads of q, of k and of v, and the AdamW step moves what Megatron's does (by hand, 2 ranks, 2
+    layers): in each layer an all-reduce after attention's and after the MLP's row-split matmul,
+    forward and backward (8 of a [4, 16, 32] float activation: 8 KiB each), the vocab-split
+    embedding gathered for the tied head (96 x 32 floats: 6 KiB) and the head's logits gathered
+    (64 x 96, half a rank: 12 KiB). A strided input's nesting once pulled the activations of its
+    shape into it (12 collectives, 100 KiB). Its training: the sweep case below."""
+    family = _gpt2_packed()
+    model, batches = zoo.built(family)
+    params = vsf.tree.from_module(model)
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, "tp", family)))
+    batch = vsf.device_put(batches[0], vsf.NamedSharding(mesh, P()))
+    step = vsf.jit(zoo.train_step(model, zoo.adamw(), family.loss))
+    moved = sorted(
+        (c.kind, c.bytes) for c in step.lower(p, optim.init_sharded(zoo.adamw(), p), batch).cost().collectives
+    )
+    kib = 1024
+    assert moved == sorted([("all_reduce", 8 * kib)] * 8 + [("all_gather", 6 * kib), ("all_gather", 12 * kib)])
+
+
+@pytest.mark.sweep
+def test_gpt2_with_its_fused_qkv_packed_over_tp_trains_like_one_device(sim):
+    losses, params, _ = zoo.jit_train(_gpt2_packed(), "tp", sim)
+    zoo.assert_like_oracle("gpt2 packed tp", losses, params, _oracle("gpt2"))

@@ -1,9 +1,10 @@
 """Planning time without loss of plan: the shortcuts the planner takes give exactly the answers
 of the long way round.
 
-* DTensor's decision for an op with per-mesh-dim rules, asked on the mesh dims some input is not
-  replicated on (:func:`vsf._compat.dtensor_decision`), against the question asked of the whole
-  mesh (DTensor expanding its rules over every mesh dim): equal on every layout tried.
+* DTensor's decision for an op with per-mesh-dim rules (or a whole-op strategy that expands such
+  rules itself: ``gather``), asked on the mesh dims some input is not replicated on
+  (:func:`vsf._compat.dtensor_decision`), against the question asked of the whole mesh (DTensor
+  expanding its rules over every mesh dim): equal on every layout tried.
 * A step's optimizer tail functionalized alone (:mod:`vsf.jit.functionalize`) against the whole
   graph traced again: the same graph and plan; and in-place writes that reach another value
   through a view, which make it trace the whole graph, give eager's numbers.
@@ -42,21 +43,32 @@ def _layouts(n_inputs: int, ndim: int, choices: list, count: int) -> list[tuple[
 
 
 CASES = [
-    # op, input shapes, placements each input may take on a mesh dim
+    # op, its arguments (a shape: a tensor of it; an int as it is), placements each input may take on a mesh dim
     (aten.bmm.default, [(8, 4, 6), (8, 6, 4)], [R, Shard(0), Shard(1), Shard(2), Partial()]),
     (aten.mm.default, [(8, 6), (6, 4)], [R, Shard(0), Shard(1), Partial()]),
     (aten.add.Tensor, [(8, 6), (6,)], [R, Shard(0), Shard(1), Partial()]),
     (aten.mul.Tensor, [(4, 8, 6), (4, 8, 6)], [R, Shard(0), Shard(2), Partial()]),
+    # a whole-op strategy that expands per-mesh-dim rules itself (a loss's: its targets' logits)
+    (aten.gather.default, [(8, 6), 1, (8, 1)], [R, Shard(0), Shard(1), Partial()]),
+    (aten.gather.default, [(8, 6), 0, (4, 6)], [R, Shard(0), Shard(1), Partial()]),
 ]
 
 
-@pytest.mark.parametrize("op, shapes, choices", CASES, ids=[str(c[0]) for c in CASES])
-def test_decision_on_split_dims_is_the_whole_mesh_decision(op, shapes, choices):
+@pytest.mark.parametrize("op, arguments, choices", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_decision_on_split_dims_is_the_whole_mesh_decision(monkeypatch, op, arguments, choices):
     mesh = _compat._abstract_grid((2, 2, 2))
-    values = [torch.empty(s, device="meta") for s in shapes]
+    meshes = []  # the meshes dtensor_decision asks DTensor on
+    whole = _compat._full_decision
+    monkeypatch.setattr(_compat, "_full_decision", lambda op, a, k, m: meshes.append(m) or whole(op, a, k, m))
+    integral = op is aten.gather.default  # (its index: the last tensor)
+    values = [
+        torch.empty(a, device="meta", dtype=torch.long if integral and k else torch.float32)
+        for k, a in enumerate(a for a in arguments if isinstance(a, tuple))
+    ]
     fast_ones = 0
     for layouts in _layouts(len(values), 3, choices, 24):
-        args = tuple(_compat.Placed(v, p) for v, p in zip(values, layouts))
+        placed = iter([_compat.Placed(v, p) for v, p in zip(values, layouts)])
+        args = tuple(next(placed) if isinstance(a, tuple) else a for a in arguments)
 
         def ask(fn):
             try:
@@ -64,9 +76,10 @@ def test_decision_on_split_dims_is_the_whole_mesh_decision(op, shapes, choices):
             except Exception as e:  # noqa: BLE001 - a refusal must be the same refusal
                 return type(e)
 
-        full = ask(_compat._full_decision)
+        full = ask(whole)
+        meshes.clear()
         assert ask(_compat.dtensor_decision) == full, layouts
-        fast_ones += _compat._on_split_dims(op, args, {}, mesh) is not None
+        fast_ones += mesh not in meshes
     assert fast_ones > 5  # the shortcut was taken, not only the long way
 
 

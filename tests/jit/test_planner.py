@@ -126,6 +126,48 @@ def test_per_mesh_dim_rules_are_asked_once_per_signature_and_each_axis_size_keep
     assert len(shared.single) == 2
 
 
+class _Forgetful(dict):
+    """A memo that remembers nothing."""
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+
+def test_whole_op_strategies_are_asked_once_per_signature_lead_placement_and_axis_size(monkeypatch):
+    """DTensor's whole-op strategy functions are asked once per op signature, lead input, its
+    placement and axis size (``Strategies.whole``), and shared by the questions that ask again (an
+    op whose inputs may arrive split balanced asks its plain candidates again): the same strategies
+    as asked with nothing shared, though they differ with the op (a view and a transpose of one
+    tensor), the axis's size (a view of 6 rows merged into 24 keeps them split over 2 and 3 ranks,
+    not 4) and which input leads (a loss's backward follows its rows, not its incoming gradient's)."""
+
+    def ops(x, i, g):  # (a loss's backward per row, reduction "none": it follows its second input)
+        total = torch.tensor(6.0)
+        return x.view(24), x.t(), torch.gather(x, 1, i), aten.nll_loss_backward(g, x, i[:, 0], None, 0, -100, total)
+
+    gm = make_fx(ops)(torch.randn(6, 4), torch.zeros(6, 4, dtype=torch.long), torch.randn(6))
+    targets = (aten.view.default, aten.t.default, aten.gather.default, aten.nll_loss_backward.default)
+    nodes = [_node(gm, op) for op in targets]
+    classes = {node: classify(node) for node in nodes}
+    shared = Strategies(PlanOptions(), classes)
+    questions = []
+    ask = _compat.whole_op_strategies
+    monkeypatch.setattr(_compat, "whole_op_strategies", lambda *a: questions.append(a) or ask(*a))
+    asked_again = 0
+    for n in (2, 4, 3):
+        for node in nodes:
+            for balanced in (False, True):
+                alone = Strategies(PlanOptions(), classes)
+                alone.whole = _Forgetful()  # (every question asked of DTensor)
+                expected = alone.of(node, n, (), balanced)
+                before = len(questions)
+                assert shared.of(node, n, (), balanced) == expected, (node.target, n, balanced)
+                asked_again += balanced and len(questions) > before
+    assert asked_again == 0
+    merged = Strategy((Shard(0),), (Shard(0),))
+    assert [merged in shared.of(nodes[0], n)[0] for n in (2, 4, 3)] == [True, False, True]
+
+
 def test_matmul_offers_the_megatron_strategies_on_one_axis():
     gm = _graph(lambda x, w: x @ w, (4, 6), (6, 8))
     mm = _node(gm, aten.mm.default)

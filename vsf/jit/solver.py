@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Collection
 from typing import Any
 
@@ -88,7 +89,9 @@ class AxisSolver:
         self.label = list(tables.label)
         self.need = [dict(d) for d in tables.need]
         self.clamp = problem.clamp
-        self.wants = _numbered(tables.wants, map(self._wanted, range(len(self.need))))  # (:meth:`_context`)
+        if tables.first_wants is None:  # (the outputs' requirements: the same for every solve of the axis)
+            tables.first_wants = _numbered(tables.wants, map(self._wanted, range(len(self.need))))
+        self.wants = list(tables.first_wants)  # (:meth:`_context`)
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
@@ -291,25 +294,19 @@ class AxisSolver:
         required placement, and per input and output whether its collective runs alone (:attr:`Problem.alone`)."""
         fb, hints, reorder, final, alone = self.fb, self.hints, self.reorder, self.final, self.alone
         numbers = self.tables.parts
-        read = _numbered(  # per value, a number for its part as an input, and as an output
-            numbers,
-            (
-                ("in", fb[v], alone[v], hints[v], tuple(reorder[v].items()) if v in reorder else None)
-                for v in range(len(fb))
-            ),
-        )
-        made = _numbered(numbers, (("out", fb[v], alone[v], final.get(v)) for v in range(len(fb))))
+        values = range(len(fb))
+        moves = (tuple(reorder[v].items()) if v in reorder else None for v in values)
+        # per value, a number for its part as an input, and as an output
+        read = _numbered(numbers, zip(itertools.repeat("in"), fb, alone, hints, moves))
+        made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, values)))
         return _numbered(
             numbers,
-            (
-                (
-                    id(self.strategies[k]),
-                    self.work[k],
-                    tuple([ins.index(v) for v in ins]),
-                    tuple([read[v] for v in ins]),
-                    tuple([None if v < 0 else made[v] for v in outs]),
-                )
-                for k, (ins, outs) in enumerate(zip(self.ins, self.outs))
+            zip(
+                map(id, self.strategies),
+                self.work,
+                self.p.same_inputs,
+                (tuple([read[v] for v in ins]) for ins in self.ins),
+                (tuple([None if v < 0 else made[v] for v in outs]) for outs in self.outs),
             ),
         )
 
@@ -704,7 +701,8 @@ class AxisTables:
     per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
     (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
-    often (``wants``: :meth:`AxisSolver._context`), and the decisions and costs by context
+    often (``wants``: :meth:`AxisSolver._context`; ``first_wants``: each value's before any op is
+    placed), and the decisions and costs by context
     (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`), which depend on
     nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
 
@@ -720,6 +718,7 @@ class AxisTables:
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
     parts: dict[Any, int] = dataclasses.field(default_factory=dict)
     wants: dict[tuple[tuple[int, int], ...], int] = dataclasses.field(default_factory=dict)
+    first_wants: list[int] | None = None  # the wants' numbers before any op is placed (:class:`AxisSolver`)
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
@@ -831,6 +830,8 @@ class Problem:
     op_ins: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per op, its tensor inputs' value ids
     op_outs: list[tuple[int, ...]] = dataclasses.field(default_factory=list)  # per op, its outputs' (-1: none)
     views: list[bool] = dataclasses.field(default_factory=list)  # per op, is it a view (vsf.jit.graph.is_view)
+    # per op, each input's first position among its inputs (which of them are one value)
+    same_inputs: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     value_bytes: list[float] = dataclasses.field(default_factory=list)  # per value, its bytes on global shapes
 
     alone: list[bool] = dataclasses.field(default_factory=list)  # per value: its collective runs alone (:meth:`index`)
@@ -865,6 +866,7 @@ class Problem:
             tuple(self.value_ids.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in self.ops
         ]
         self.views = [is_view(node) for node in self.ops]
+        self.same_inputs = [tuple([ins.index(v) for v in ins]) for ins in self.op_ins]
         self.clamp = [0] * len(self.values)
         for v, readers in self.consumers_of.items():
             cap = 1 + max(collections.Counter(readers).values())

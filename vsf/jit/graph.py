@@ -79,19 +79,22 @@ def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
 
 def tensor_args(node: torch.fx.Node) -> list[Value]:
     """The values ``node`` takes as tensor arguments, in argument order (``add(x, x)``: ``x`` twice)."""
-    return [value_of(a) for a in _nodes_in((node.args, node.kwargs)) if is_tensor_node(a)]
+    found: list[torch.fx.Node] = []
+    _nodes_in(node.args, found)
+    _nodes_in(node.kwargs.values(), found)
+    return [value_of(a) for a in found if is_tensor_node(a)]
 
 
-def _nodes_in(x: Any) -> list[torch.fx.Node]:
-    """The nodes among an fx argument structure's leaves, in pytree order (a quicker
-    ``torch_tree_leaves`` for the lists, tuples and dicts fx arguments are made of)."""
-    if isinstance(x, torch.fx.Node):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [n for a in x for n in _nodes_in(a)]
-    if isinstance(x, dict):
-        return [n for a in x.values() for n in _nodes_in(a)]
-    return []
+def _nodes_in(items: Any, found: list[torch.fx.Node]) -> None:
+    """Append to ``found`` the nodes among the leaves of the fx arguments ``items``, in pytree order
+    (a quicker ``torch_tree_leaves`` for the lists, tuples and dicts fx arguments are made of)."""
+    for x in items:
+        if isinstance(x, torch.fx.Node):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            _nodes_in(x, found)
+        elif isinstance(x, dict):
+            _nodes_in(x.values(), found)
 
 
 def is_tensor_node(n: torch.fx.Node) -> bool:

@@ -11,9 +11,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "op_nodes",
     "output_node",
     "outputs_meta",
+    "per_op",
     "placeholders_of",
     "signature",
     "source_line",
@@ -123,10 +126,37 @@ def is_view(node: torch.fx.Node) -> bool:
         >>> is_view(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.t.default)[0])
         True
     """
-    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
-    if schema is None or len(node.all_input_nodes) != 1 or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
+    return node.op == "call_function" and _aliases_argument(node.target) and len(node.all_input_nodes) == 1
+
+
+def per_op(fact: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``fact`` of an fx target, worked out once per op overload (an operator: its schema and tags
+    never change, and it lives as long as the process) and each time for any other target.
+
+    Example::
+
+        >>> seeded = per_op(lambda op: torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()))
+        >>> seeded(torch.ops.aten.bernoulli.p)
+        True
+    """
+    known: dict[Any, bool] = {}
+
+    def of(op: Any) -> bool:
+        if _compat.op_schema(op) is None:
+            return fact(op)
+        found = known.get(op)
+        if found is None:
+            found = known[op] = fact(op)
+        return found
+
+    return functools.wraps(fact)(of)
+
+
+@per_op
+def _aliases_argument(op: Any) -> bool:
+    """Does ``op``'s schema say that its first result aliases an argument it does not write?"""
+    schema = _compat.op_schema(op)
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
     return alias is not None and not alias.is_write
 
 

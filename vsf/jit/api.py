@@ -359,15 +359,12 @@ def _carried(
         avals = [
             (tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t
         ]
-        structure = tree.structure(part) if all(is_tensor) else None
+        structure = tree.structure(part) if all(is_tensor) else None  # (None: like no argument)
         match = next(
             (
                 j
                 for j, (struct, arg_avals) in enumerate(arg_trees)
-                if j not in used
-                and structure is not None
-                and struct == structure
-                and [a[:2] for a in arg_avals] == avals
+                if j not in used and struct == structure and [a[:2] for a in arg_avals] == avals
             ),
             None,
         )

@@ -796,3 +796,28 @@ def test_decisions_do_not_grow_with_depth(sim, monkeypatch):
         _gpt_plan(layers, (1, 2, 2, 1, 2), optimizer=True)
         decided.append(len(asked))
     assert decided[0] == decided[1]
+
+
+def test_op_facts_read_once_are_each_overloads_own():
+    """:func:`vsf.jit.graph.per_op` works a fact out once per op overload, never per packet: ``aten.slice.Tensor``
+    aliases its tensor and ``aten.slice.t`` (a list's slice) does not, asked in either order and again; a target
+    that is no op (a Python function: no schema) is asked every time, and nothing of it is kept."""
+    from vsf.jit.graph import per_op
+
+    asked = []
+
+    @per_op
+    def aliases(op):
+        asked.append(op)
+        schema = _compat.op_schema(op)
+        return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+    ops = [aten.slice.t, aten.slice.Tensor, aten.slice.t, aten.slice.Tensor]
+    assert [aliases(op) for op in ops] == [False, True, False, True]
+    assert asked == [aten.slice.t, aten.slice.Tensor]
+
+    def python_target(x):
+        return x
+
+    assert [aliases(python_target), aliases(python_target)] == [False, False]
+    assert asked[2:] == [python_target, python_target]

@@ -352,20 +352,19 @@ def _carried(
     metas = iter(out_metas)
     targets: list[NamedSharding | None] = []
     used: set[int] = set()
+    arg_trees = call.arg_trees
     for part in parts:
         leaves = tree.leaves(part)
         is_tensor = [next(consts) is None for _ in leaves]
         avals = [
             (tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t
         ]
+        structure = tree.structure(part) if all(is_tensor) else None  # (None: like no argument)
         match = next(
             (
                 j
-                for j, (struct, arg_avals) in enumerate(call.arg_trees)
-                if j not in used
-                and all(is_tensor)
-                and struct == tree.structure(part)
-                and [a[:2] for a in arg_avals] == avals
+                for j, (struct, arg_avals) in enumerate(arg_trees)
+                if j not in used and struct == structure and [a[:2] for a in arg_avals] == avals
             ),
             None,
         )
@@ -373,7 +372,7 @@ def _carried(
             targets.extend(None for t in is_tensor if t)
             continue
         used.add(match)
-        targets.extend(layouts([(mesh, tuple(pl), len(shape)) for shape, _, pl in call.arg_trees[match][1]]))
+        targets.extend(layouts([(mesh, tuple(pl), len(shape)) for shape, _, pl in arg_trees[match][1]]))
     return targets
 
 

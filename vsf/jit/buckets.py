@@ -228,7 +228,7 @@ def _schedule(
     for k, v in deps.items():
         for d in v:
             after.setdefault(d, []).append(k)
-    first = _light(nodes, items, deps, reductions)
+    first = _light(nodes, deps, reductions)
     for k in first:
         rank[k] -= len(nodes) + 1
     seq = {k: i for i, k in enumerate(items)}  # ties broken alike on every rank (not by id)
@@ -270,28 +270,32 @@ def _levels(
     exist)."""
     number = {k: i + 1 for i, k in enumerate(k for k in order if k in reductions)}
     up: dict[int, int] = {}
+    waits: dict[int, int] = {}  # the last reduction a step's users wait for: its own, or that its inputs wait for
     for k in order:
-        up[k] = max((max(up[d], number.get(d, 0)) for d in deps[k]), default=0)
+        up[k] = max([waits[d] for d in deps[k]], default=0)
+        waits[k] = max(up[k], number.get(k, 0))
     level: dict[int, int] = {}
+    output = order[-1]  # (it computes nothing)
     for k in reversed(order):
-        later = [level[u] for u in after.get(k, ()) if u != order[-1]]  # (the output computes nothing)
+        later = [level[u] for u in after.get(k, ()) if u != output]
         level[k] = up[k] if k in reductions or not later else max(up[k], min(later))
     return level
 
 
-def _light(
-    nodes: list[torch.fx.Node], items: dict[int, Any], deps: dict[int, set[int]], reductions: set[int]
-) -> set[int]:
+def _light(nodes: list[torch.fx.Node], deps: dict[int, set[int]], reductions: set[int]) -> set[int]:
     """The reductions whose values ops compute from the graph's inputs alone, producing at most
     :data:`SMALL_BYTES` in all (a mean's token count), with those ops: they start first."""
     cone: dict[int, set[int] | None] = {}
+    produced: dict[int, int] = {}  # (of the nodes whose cone is a set)
     for n in nodes:
         if n.op in ("placeholder", "get_attr"):
             cone[id(n)] = set()
             continue
         parts = [cone[id(p)] for p in n.all_input_nodes]
         mine = None if n.op != "call_function" or any(c is None for c in parts) else set().union({id(n)}, *parts)
-        cone[id(n)] = mine if mine is not None and sum(_produced(items[k]) for k in mine) <= SMALL_BYTES else None
+        if mine is not None:
+            produced[id(n)] = _produced(n)
+        cone[id(n)] = mine if mine is not None and sum(produced[k] for k in mine) <= SMALL_BYTES else None
     first: set[int] = set()
     for k in reductions:
         parts = [cone.get(d) for d in deps[k]]

@@ -74,9 +74,9 @@ class Call:
             offset += n
         return out
 
-    @property
+    @functools.cached_property
     def names(self) -> list[str]:
-        """``args[0]['w']``-style names of the tensor leaves (computed only when needed)."""
+        """``args[0]['w']``-style names of the tensor leaves (computed only when needed, once)."""
         return all_names(self.dyn)
 
     @property

@@ -39,7 +39,7 @@ import torch.fx
 
 from vsf import _compat
 from vsf.jit import attention
-from vsf.jit.graph import is_tensor_node, op_nodes
+from vsf.jit.graph import is_tensor_node, op_nodes, per_op
 from vsf.ops import region
 from vsf.sharding import constraint
 
@@ -159,6 +159,12 @@ OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", 
 _NO_DRAW = {"dropout_p": 0.0, "dropout": 0.0, "p": 0.0, "train": False}
 
 
+@per_op
+def _seeded(op: Any) -> bool:
+    """Does PyTorch tag ``op`` random (``nondeterministic_seeded``)?"""
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
 def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Does calling the aten ``op`` on ``args``/``kwargs`` draw from torch's generator? An op PyTorch
     tags random (``nondeterministic_seeded``) does, unless an argument makes it deterministic
@@ -172,7 +178,7 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         >>> draws_random(aten.native_dropout.default, (x, 0.1, True), {})
         True
     """
-    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+    if not _seeded(op):
         return False
     arguments = _compat.op_schema(op).arguments
     bound = (
@@ -223,7 +229,7 @@ def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
             found.add(node)
         elif (
             node.op == "call_function"
-            and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+            and not _seeded(node.target)
             and node.target is not region.AXIS_INDEX_OP
             and all(a in found for a in node.all_input_nodes)
         ):
@@ -243,14 +249,17 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
         {<OpOverload(op='aten.mse_loss', overload='default')>}
     """
     found: set[Any] = set()
+    planned: set[Any] = set()  # the ops never of kind none (no rules are taken away meanwhile)
     constants: frozenset[torch.fx.Node] | None = None
     for node in op_nodes(gm):
         op = node.target
-        if op in found:
+        if op in found or op in planned:
             continue
         if op in UNTRUSTED_STRATEGIES or op in BATCH_NORM_OPS or op in VARIANCE_DECOMPOSITIONS:
             found.add(op)
-        elif _compat.op_schema(op) is not None and _compat.registered_rules(op) is None:  # (else never of kind none)
+        elif _compat.op_schema(op) is None or _compat.registered_rules(op) is not None:
+            planned.add(op)
+        else:
             constants = constant_nodes(gm.graph) if constants is None else constants
             if classify(node, constants).kind == "none" and not _adopt_inplace_strategy(op):
                 found.add(op)

@@ -11,9 +11,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "op_nodes",
     "output_node",
     "outputs_meta",
+    "per_op",
     "placeholders_of",
     "signature",
     "source_line",
@@ -79,19 +82,22 @@ def outputs_meta(node: torch.fx.Node) -> list[torch.Tensor | None]:
 
 def tensor_args(node: torch.fx.Node) -> list[Value]:
     """The values ``node`` takes as tensor arguments, in argument order (``add(x, x)``: ``x`` twice)."""
-    return [value_of(a) for a in _nodes_in((node.args, node.kwargs)) if is_tensor_node(a)]
+    found: list[torch.fx.Node] = []
+    _nodes_in(node.args, found)
+    _nodes_in(node.kwargs.values(), found)
+    return [value_of(a) for a in found if is_tensor_node(a)]
 
 
-def _nodes_in(x: Any) -> list[torch.fx.Node]:
-    """The nodes among an fx argument structure's leaves, in pytree order (a quicker
-    ``torch_tree_leaves`` for the lists, tuples and dicts fx arguments are made of)."""
-    if isinstance(x, torch.fx.Node):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [n for a in x for n in _nodes_in(a)]
-    if isinstance(x, dict):
-        return [n for a in x.values() for n in _nodes_in(a)]
-    return []
+def _nodes_in(items: Any, found: list[torch.fx.Node]) -> None:
+    """Append to ``found`` the nodes among the leaves of the fx arguments ``items``, in pytree order
+    (a quicker ``torch_tree_leaves`` for the lists, tuples and dicts fx arguments are made of)."""
+    for x in items:
+        if isinstance(x, torch.fx.Node):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            _nodes_in(x, found)
+        elif isinstance(x, dict):
+            _nodes_in(x.values(), found)
 
 
 def is_tensor_node(n: torch.fx.Node) -> bool:
@@ -120,10 +126,37 @@ def is_view(node: torch.fx.Node) -> bool:
         >>> is_view(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.t.default)[0])
         True
     """
-    schema = _compat.op_schema(node.target) if node.op == "call_function" else None
-    if schema is None or len(node.all_input_nodes) != 1 or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
+    return node.op == "call_function" and _aliases_argument(node.target) and len(node.all_input_nodes) == 1
+
+
+def per_op(fact: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``fact`` of an fx target, worked out once per op overload (an operator: its schema and tags
+    never change, and it lives as long as the process) and each time for any other target.
+
+    Example::
+
+        >>> seeded = per_op(lambda op: torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()))
+        >>> seeded(torch.ops.aten.bernoulli.p)
+        True
+    """
+    known: dict[Any, bool] = {}
+
+    def of(op: Any) -> bool:
+        if _compat.op_schema(op) is None:
+            return fact(op)
+        found = known.get(op)
+        if found is None:
+            found = known[op] = fact(op)
+        return found
+
+    return functools.wraps(fact)(of)
+
+
+@per_op
+def _aliases_argument(op: Any) -> bool:
+    """Does ``op``'s schema say that its first result aliases an argument it does not write?"""
+    schema = _compat.op_schema(op)
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
     return alias is not None and not alias.is_write
 
 

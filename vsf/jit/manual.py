@@ -123,6 +123,8 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
     for node in op_nodes(gm):
         node.meta.pop(_TAG, None)
         own = _key(node)
+        if own is None and not varying:  # (no body value yet for it to read: the ops before any region)
+            continue
         found = {p.meta[_TAG] for p, _ in tensor_args(node) if _TAG in p.meta}
         kind = _KINDS.get(node.target)
         if kind == "manual_out":

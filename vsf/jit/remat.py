@@ -179,14 +179,23 @@ def within_budget(
 def _key(node: torch.fx.Node, same: dict[torch.fx.Node, torch.fx.Node]) -> Hashable:
     """``node``'s op and arguments, each argument node read as the first node of its value
     (unhashable, a ``TypeError`` to hash, when an argument cannot be compared)."""
-    return (node.target, _frozen(node.args, same), _frozen(node.kwargs, same))
+    return (node.target, _frozen(node.args, same), _frozen(node.kwargs, same) if node.kwargs else ())
 
 
 def _frozen(x: Any, same: dict[torch.fx.Node, torch.fx.Node]) -> Any:
     if isinstance(x, torch.fx.Node):
         return ("node", same[x])
-    if isinstance(x, (list, tuple)):
-        return tuple([_frozen(a, same) for a in x])
+    if isinstance(x, (list, tuple)):  # (its nodes and plain values read here: most arguments are)
+        return tuple(
+            [
+                ("node", same[a])
+                if isinstance(a, torch.fx.Node)
+                else _frozen(a, same)
+                if isinstance(a, (list, tuple, dict))
+                else a
+                for a in x
+            ]
+        )
     if isinstance(x, dict):
         return tuple(sorted((k, _frozen(v, same)) for k, v in x.items()))
     return x

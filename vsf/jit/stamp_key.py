@@ -61,16 +61,17 @@ def block_key(
     modules = list(module.named_modules(remove_duplicate=False))
     slots: list[tuple[dict[str, Any], str]] = []
     key: list[Any] = []
-    for prefix, m in modules:
-        if any(getattr(m, h, None) for h in _HOOKS):
-            return None
-        key.append((prefix, type(m), m.training))
-        params, buffers, _ = _compat.module_tables(m)
-        for table in (params, buffers):
-            for name, t in table.items():
-                if t is not None:
-                    slots.append((table, name))
-                    key.append((prefix, name, _meta(t)))
+    with _compat.metadata_reads():
+        for prefix, m in modules:
+            if any(getattr(m, h, None) for h in _HOOKS):
+                return None
+            key.append((prefix, type(m), m.training))
+            params, buffers, _ = _compat.module_tables(m)
+            for table in (params, buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        slots.append((table, name))
+                        key.append((prefix, name, _meta(t)))
     keyed = call_key(args, kwargs, tracer, [table[name] for table, name in slots])
     if keyed is None or _compat.global_module_hooks():
         return None
@@ -134,11 +135,12 @@ def args_key(
     leaves, treedef = tree.flatten((args, kwargs))
     if any(not isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves):
         return None
-    key = (
-        torch.is_grad_enabled(),
-        treedef,
-        *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
-    )
+    with _compat.metadata_reads():
+        key = (
+            torch.is_grad_enabled(),
+            treedef,
+            *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
+        )
     operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
     nodes = [_compat.traced_node(t, tracer) for t in operands]
     if len({id(t) for t in operands}) != len(operands) or any(n is None for n in nodes):
@@ -208,8 +210,8 @@ def _plain(v: Any) -> Any:
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    with _compat.metadata_reads():
-        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    """The metadata of ``t`` a key holds (read under ``_compat.metadata_reads``)."""
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def rebuild(call: Call, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -103,7 +103,10 @@ def test_compiled_zoo_model_trains_like_torch_on_one_device(world, name, layout)
         assert r["not_close"] == [], r[
             "max_param_err"
         ]  # the zoo's tolerances (rtol 1e-5, atol 1e-6) after 3 AdamW steps
-        assert r["plan_count"] == 1 and r["compiled_by_inductor"] and r["warnings"] == []
+        # no warning (none that a program ran eagerly) but the one that the zoo's Llama, which keeps
+        # transformers' default use_cache=True, has its layers traced one by one
+        assert r["plan_count"] == 1 and r["compiled_by_inductor"]
+        assert [w for w in r["warnings"] if "use_cache=False" not in w] == []
 
 
 @pytest.mark.sweep

@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from vsf import runtime
-from vsf.sharding.entries import BalancedShard, PackedShard
 from vsf.sharding.named import NamedSharding, sharding_of
 
 __all__ = ["Box", "BoxedLeaf", "LoadPlanner", "SavePlanner", "leaf_boxes", "split"]
@@ -102,28 +101,17 @@ def ragged_boxes(sharding: NamedSharding, shape: Sequence[int], rank: int) -> li
 
 def cut_boxes(sharding: NamedSharding, shape: Sequence[int], rank: int) -> list[Box]:
     """The boxes of the global tensor that ``rank``'s local tensor holds where ``sharding`` cuts a
-    dim into several runs: a balanced dim's two chunks, a packed dim's slice of each piece (their
-    ``ranges``, held one after another in the local dim), every other dim its shard; one box per
+    dim into several runs (:meth:`~vsf.NamedSharding.runs`: a balanced dim's two chunks, a packed
+    dim's slice of each piece, held one after another in the local dim), every other dim its shard; one box per
     combination of runs. Empty boxes are left out, except that a tensor with no elements at all is
     one box, so that DCP still records it."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return [Box((0,) * len(shape), shape, tuple(slice(None) for _ in shape))]
-    cut: dict[int, BalancedShard | PackedShard] = {**sharding.balanced, **sharding.packed}
-    coord = sharding.mesh.coordinate(rank)
     per_dim = []
-    for dim, s in enumerate(sharding.index(shape, rank)):
-        entry = cut.get(dim)
-        runs = (
-            [(s.start, s.stop)]
-            if entry is None
-            else entry.ranges(shape[dim], sharding.mesh.axis_size(entry.axis), coord[entry.axis])
-        )
-        held, at = [], 0
-        for lo, hi in runs:
-            held.append((lo, hi - lo, slice(at, at + hi - lo) if entry is not None else slice(None)))
-            at += hi - lo
-        per_dim.append([h for h in held if h[1]])
+    for runs in sharding.runs(shape, rank):  # (held one after another in the local dim)
+        starts = itertools.accumulate((hi - lo for lo, hi in runs), initial=0)
+        per_dim.append([(lo, hi - lo, slice(at, at + hi - lo)) for (lo, hi), at in zip(runs, starts) if hi > lo])
     return [
         Box(tuple(o for o, _, _ in parts), tuple(k for _, k, _ in parts), tuple(c for _, _, c in parts))
         for parts in itertools.product(*per_dim)

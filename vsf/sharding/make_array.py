@@ -44,7 +44,6 @@ from vsf.ops import backend
 from vsf.sharding import fingerprint
 from vsf.sharding.named import NamedSharding, resolve
 from vsf.sharding.put import assemble, is_sharding_leaf, local_device, place
-from vsf.sharding.spec import BalancedShard, PackedShard
 
 __all__ = ["make_array_from_callback", "make_array_from_process_local_data", "process_slice"]
 
@@ -206,16 +205,7 @@ def _shard(s: NamedSharding, shape: tuple[int, ...], rank: int, call: Callable[[
         parts = [call(box + index[1:]) for box in _row_boxes(index[0].start, index[0].stop, shape[:lead])]
         rows = [p.reshape(-1, *p.shape[lead:]) for p in parts]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
-    cut: dict[int, BalancedShard | PackedShard] = {**s.balanced, **s.packed}
-    runs = [list(_runs(s, shape, rank, d, cut[d])) if d in cut else [(sl.start, sl.stop)] for d, sl in enumerate(index)]
-    return _product(runs, call, ())
-
-
-def _runs(
-    s: NamedSharding, shape: tuple[int, ...], rank: int, dim: int, entry: BalancedShard | PackedShard
-) -> tuple[tuple[int, int], ...]:
-    """The ranges of a balanced dim's chunks, or of a packed dim's pieces, ``rank`` holds."""
-    return entry.ranges(shape[dim], s.mesh.axis_size(entry.axis), s.mesh.coordinate(rank)[entry.axis])
+    return _product(s.runs(shape, rank), call, ())
 
 
 def _product(runs: list[list[tuple[int, int]]], call: Callable[[Index], torch.Tensor], prefix: Index) -> torch.Tensor:

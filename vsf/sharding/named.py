@@ -234,6 +234,28 @@ class NamedSharding:
             out.append(slice(lo, hi))
         return tuple(out)
 
+    def runs(self, shape: Sequence[int], rank: int) -> list[list[tuple[int, int]]]:
+        """Per dim, the ``[start, stop)`` ranges of the global dim that ``rank``'s shard holds, in the
+        order its local tensor holds them: a balanced dim's two chunks, a packed dim's slice of each
+        piece, one range on every other dim. A ragged entry's rows are not ranges of one dim
+        (:meth:`index`).
+
+        Example::
+
+            >>> NamedSharding(mesh, P(vsf.packed("x", 3))).runs((12,), rank=1)   # x of size 2
+            [[(2, 4), (6, 8), (10, 12)]]
+        """
+        if self.ragged is not None:
+            raise ValueError(f"{self._spec} splits rows ragged: its shards are rows of the flattened dims, not runs")
+        coord = self._mesh.coordinate(rank)
+        cut: dict[int, BalancedShard | PackedShard] = {**self.balanced, **self.packed}
+        return [
+            list(cut[d].ranges(shape[d], self._mesh.axis_size(cut[d].axis), coord[cut[d].axis]))
+            if d in cut
+            else [(sl.start, sl.stop)]
+            for d, sl in enumerate(self.index(shape, rank))
+        ]
+
     @property
     def _lead(self) -> int:
         """How many leading dims the ragged entry flattens (0 without one)."""

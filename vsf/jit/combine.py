@@ -345,7 +345,7 @@ def _keep_strided(
     ins, outs = [flat(p) for p in ins], [None if p is None else flat(p) for p in outs]
     for k in range(len(ins[0]) if ins else 0):
         factors = {
-            a[k].split_factor if kind_of(a[k]) == "strided" else None
+            split_factor(a[k])  # (None for a plain shard)
             for a, want in zip(actual, ins)
             if kind_of(a[k]) in ("strided", "shard")
             and isinstance(want[k], Shard)

@@ -127,6 +127,7 @@ __all__ = [
     "other_dispatch_modes",
     "overload_name",
     "pipeline_order",
+    "placeholders_at_once",
     "process_group_named",
     "quick_node_values",
     "quiet_redistribute",
@@ -777,6 +778,82 @@ def quick_node_values() -> Iterator[None]:
         yield
     finally:
         proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata = detach, extract
+
+
+@contextlib.contextmanager
+def placeholders_at_once() -> Iterator[None]:
+    """Inside, ``make_fx`` makes the placeholders of a function of plain positional tensors (the
+    inputs of a trace, a few thousand for a deep model's step with its optimizer state) as it
+    makes them, quicker: each node made as fx's tracer makes it (its name, ``arg3_1``, and scope),
+    without the stack trace fx captures and then deletes from a placeholder, nor fx's walk of
+    the argument tree; and each input tensor of static shape, strided and fake, tracked by its
+    placeholder and given its metadata as fx does (``set_meta``), without fx's questions whether
+    its sizes, strides, element count and offset are symbolic, each a call through the trace's
+    torch-function modes (about two thirds of a placeholder's cost; the metadata mode only counts
+    them, for a module-stack tracer's nodes). A function with keyword or variadic arguments or
+    defaults, a trace inside preserved node metadata or a module stack, a module-stack tracer, a
+    symbolic or sparse input: fx's own way."""
+    from torch.fx import _symbolic_trace
+    from torch.fx.experimental import proxy_tensor
+
+    tracer_cls, track = proxy_tensor.PythonKeyTracer, proxy_tensor.track_tensor_tree
+    general = _symbolic_trace.Tracer.create_args_for_root
+
+    def create_args_for_root(
+        self: Any, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        fn = inspect.unwrap(root_fn)
+        code = getattr(fn, "__code__", None)
+        if (
+            is_module
+            or code is None
+            or not isinstance(concrete_args, tuple)
+            or code.co_flags & _symbolic_trace.HAS_VARSTUFF
+            or code.co_kwonlyargcount
+            or code.co_argcount != len(concrete_args)
+            or fn.__defaults__
+            or any(a is not _symbolic_trace.PH for a in concrete_args)
+            or torch.fx.traceback.has_preserved_node_meta()
+            or self.module_stack
+        ):
+            return general(self, root_fn, is_module, concrete_args)
+        scope, proxies = (self.scope.module_path, self.scope.module_type), []
+        for name in code.co_varnames[: code.co_argcount]:
+            node = self.graph.create_node("placeholder", f"{name}_1", (), {})
+            self.node_name_to_scope[node.name] = scope
+            proxies.append(self.proxy(node))
+        return root_fn, proxies
+
+    def static_input(t: Any, proxy: Any) -> bool:
+        if not (isinstance(t, FakeTensor) and isinstance(proxy, torch.fx.Proxy) and proxy.node.op == "placeholder"):
+            return False
+        with torch._C.DisableTorchFunction():
+            numbers = (*t.shape, *t.stride(), t.numel(), t.storage_offset())
+            return t.layout == torch.strided and all(type(n) is int for n in numbers)
+
+    def track_tensor_tree(inner_res: Any, proxy_res: Any, *, constant: Any, tracer: Any) -> Any:
+        if not (
+            constant is None
+            and type(inner_res) is list
+            and type(proxy_res) is list
+            and len(inner_res) == len(proxy_res)
+            and not isinstance(tracer, proxy_tensor._ModuleStackTracer)
+            and all(map(static_input, inner_res, proxy_res))
+        ):
+            return track(inner_res, proxy_res, constant=constant, tracer=tracer)
+        proxy_tensor._set_unbacked_bindings(inner_res, proxy_res)
+        for t, proxy in zip(inner_res, proxy_res):
+            proxy_tensor.set_proxy_slot(t, tracer, proxy_tensor._ProxyTensor(proxy, None))
+            proxy_tensor.set_meta(proxy, t)
+        return inner_res
+
+    tracer_cls.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
+    proxy_tensor.track_tensor_tree = track_tensor_tree
+    try:
+        yield
+    finally:
+        del tracer_cls.create_args_for_root
+        proxy_tensor.track_tensor_tree = track
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -221,7 +221,7 @@ def trace(
         return tensors
 
     with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
-        with _compat.dead_code_asked_when_unread(), _compat.quick_node_values():
+        with _compat.dead_code_asked_when_unread(), _compat.quick_node_values(), _compat.placeholders_at_once():
             traced = _trace(
                 fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
             )

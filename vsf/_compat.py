@@ -69,7 +69,7 @@ from torch.distributed.tensor._redistribute import (
 )
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, get_proxy_slot, make_fx, set_proxy_slot
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
@@ -571,6 +571,8 @@ def torch_tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
 
 # -- fake tensors and op schemas -----------------------------------------------------------------
 
+_META = torch.device("meta")  # (a device given as an object: torch parses a string each call)
+
 
 def fake_mode() -> FakeTensorMode:
     """A fake tensor mode (shapes and dtypes, no memory) that also accepts real inputs."""
@@ -596,7 +598,7 @@ def fake_inputs(avals: Sequence[tuple[tuple[int, ...], torch.dtype]], device: st
     with mode:
         like = torch.empty(0, device=device)  # (the mode and the device as the mode's fakes name it)
     with torch._C.DisableTorchFunction(), no_dispatch():
-        metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in avals]
+        metas = [torch.empty(shape, dtype=dtype, device=_META) for shape, dtype in avals]
     fakes = [_fake_of(meta, like, False) for meta in metas]
     for t in fakes:
         mode.fake_tensor_converter.set_tensor_memo(t, t)
@@ -1725,13 +1727,10 @@ def trace_aside(fun: Callable[..., Any], fakes: Sequence[torch.Tensor], decompos
 def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
     """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode), of storage
     of its own, that the running trace does not record (:func:`_fake_of` makes it)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._mode_utils import no_dispatch
-
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
-    with torch._C.DisableTorchFunction(), no_dispatch():
-        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
     return _fake_of(meta, t, requires_grad)
 
 
@@ -1741,8 +1740,6 @@ def _fake_of(meta: torch.Tensor, like: Any, requires_grad: bool) -> torch.Tensor
     :func:`_blank_fake_state`), made without the constructor's argument checks and outside the
     torch-function modes of a trace: a stamped block makes one per copied node and two per output
     (its value and the snapshot its node holds), at about a third of the constructor's cost there."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     with torch._C.DisableTorchFunction():
         device, mode = like.fake_device, like.fake_mode
         new = torch.Tensor._make_subclass(
@@ -1776,9 +1773,6 @@ def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
     """Make the trace ``tracer`` read the fake tensor ``t`` as the value of its graph's ``node``:
     ops on ``t`` then read ``node``. The node's metadata (``val``, ``tensor_meta``: those of a node
     like it, which ``t`` is like) stays as it is, not worked out again from ``t``."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
-
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
     set_proxy_slot(t, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))

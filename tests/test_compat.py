@@ -643,10 +643,10 @@ def _described(graph: torch.fx.Graph) -> list[tuple]:
     ]
 
 
-def test_copy_node_copies_a_node_as_graphs_node_copy_does():
+def test_copy_nodes_copies_nodes_as_graphs_node_copy_does():
     """Every node of a traced graph (placeholders, ops with keyword arguments and lists of nodes,
     ``getitem``, the output) copied twice into a graph that already holds nodes of those names,
-    by ``copy_node`` and by fx's ``node_copy``: the same graphs (names made unique alike, the
+    by ``copy_nodes`` and by fx's ``node_copy``: the same graphs (names made unique alike, the
     same arguments, metadata, users and lookups, the same code); arguments holding a symbolic
     number are found."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -657,17 +657,18 @@ def test_copy_node_copies_a_node_as_graphs_node_copy_does():
 
     traced = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(1, 3))
     graphs = [torch.fx.Graph(), torch.fx.Graph()]
-    copies = [
-        lambda g, n, env: _compat.copy_node(g, n, env.__getitem__),
-        lambda g, n, env: g.node_copy(n, env.__getitem__),
-    ]
-    for graph, copy in zip(graphs, copies):
+    nodes = [n for n in traced.graph.nodes if n.op != "output"]
+
+    def node_copies(graph, env):
+        for node in nodes:
+            env[node] = graph.node_copy(node, env.__getitem__)
+
+    for graph, copy in zip(graphs, [lambda g, env: _compat.copy_nodes(g, nodes, env), node_copies]):
         for _ in range(2):
             env: dict = {}
-            for node in traced.graph.nodes:
-                if node.op != "output":
-                    env[node] = copy(graph, node, env)
-        graph.output(env[next(iter(traced.graph.nodes))])
+            copy(graph, env)
+            assert list(env) == nodes
+        graph.output(env[nodes[0]])
     assert _described(graphs[0]) == _described(graphs[1])
     assert len(graphs[0].nodes) == len(graphs[1].nodes) == 2 * (len(traced.graph.nodes) - 1) + 1
     assert graphs[0].python_code("self").src == graphs[1].python_code("self").src

@@ -85,7 +85,7 @@ __all__ = [
     "checkpointing_as_eager",
     "clear_sharding_caches",
     "copy_holding",
-    "copy_node",
+    "copy_nodes",
     "dead_code_asked_when_unread",
     "decomposition",
     "dispatch_mode_base",
@@ -1677,25 +1677,33 @@ def module_calls_through(
         del tracer.call_module
 
 
-def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, arg: Callable[[torch.fx.Node], Any]) -> torch.fx.Node:
-    """``graph.node_copy(node, arg)`` (a node like ``node``, each node it reads mapped by ``arg``, its
-    name made unique in ``graph``, a copy of its metadata, appended where ``graph`` inserts), for a
-    node whose arguments hold no symbolic number: fx's ``create_node`` walks every argument of a
-    new node looking for one, to warn of it, which is most of the cost of copying a node (a
-    stamped block copies a few hundred per call: :mod:`vsf.jit.stamp` checks its nodes once)."""
-    args = torch.fx.node.map_arg(node.args, arg) or ()
-    kwargs = torch.fx.node.map_arg(node.kwargs, arg) or torch.fx.immutable_collections.immutable_dict()
-    names = graph._graph_namespace
-    name = names.create_name(node.name, None)
-    new = torch.fx.Node(graph, name, node.op, node.target, args, kwargs, node.type)
-    for hook in getattr(graph.owning_module, "_create_node_hooks", None) or ():
-        hook(new)
-    names.associate_name_with_obj(name, new)
-    graph._insert(new)
-    graph._find_nodes_lookup_table.insert(new)
-    graph._len += 1
-    new.meta.update(node.meta)
-    return new
+_NODE, _MAP_ARG, _IMMUTABLE_DICT = torch.fx.Node, torch.fx.node.map_arg, torch.fx.immutable_collections.immutable_dict
+
+
+def copy_nodes(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> None:
+    """``env[n] = graph.node_copy(n, env.__getitem__)`` for each of ``nodes`` in order (a node like
+    ``n``, each node it reads mapped by ``env``, its name made unique in ``graph``, a copy of its
+    metadata, appended where ``graph`` inserts), for nodes whose arguments hold no symbolic number:
+    fx's ``create_node`` walks every argument of a new node looking for one, to warn of it, which
+    is most of the cost of copying a node (a stamped block copies a few hundred per call:
+    :mod:`vsf.jit.stamp` checks its nodes once); the graph's namespace, insert point, lookup table
+    and node hooks are looked up once for all of ``nodes``."""
+    names, insert, lookup = graph._graph_namespace, graph._insert, graph._find_nodes_lookup_table
+    hooks = getattr(graph.owning_module, "_create_node_hooks", None) or ()
+    read = env.__getitem__
+    for node in nodes:
+        args = _MAP_ARG(node.args, read) or ()
+        kwargs = _MAP_ARG(node.kwargs, read) or _IMMUTABLE_DICT()
+        name = names.create_name(node.name, None)
+        new = _NODE(graph, name, node.op, node.target, args, kwargs, node.type)
+        for hook in hooks:
+            hook(new)
+        names.associate_name_with_obj(name, new)
+        insert(new)
+        lookup.insert(new)
+        graph._len += 1
+        new.meta.update(node.meta)
+        env[node] = new
 
 
 def metadata_reads() -> contextlib.AbstractContextManager[None]:

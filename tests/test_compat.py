@@ -643,10 +643,10 @@ def _described(graph: torch.fx.Graph) -> list[tuple]:
     ]
 
 
-def test_copy_node_copies_a_node_as_graphs_node_copy_does():
+def test_copy_nodes_copies_nodes_as_graphs_node_copy_does():
     """Every node of a traced graph (placeholders, ops with keyword arguments and lists of nodes,
     ``getitem``, the output) copied twice into a graph that already holds nodes of those names,
-    by ``copy_node`` and by fx's ``node_copy``: the same graphs (names made unique alike, the
+    by ``copy_nodes`` and by fx's ``node_copy``: the same graphs (names made unique alike, the
     same arguments, metadata, users and lookups, the same code); arguments holding a symbolic
     number are found."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -657,17 +657,18 @@ def test_copy_node_copies_a_node_as_graphs_node_copy_does():
 
     traced = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(1, 3))
     graphs = [torch.fx.Graph(), torch.fx.Graph()]
-    copies = [
-        lambda g, n, env: _compat.copy_node(g, n, env.__getitem__),
-        lambda g, n, env: g.node_copy(n, env.__getitem__),
-    ]
-    for graph, copy in zip(graphs, copies):
+    nodes = [n for n in traced.graph.nodes if n.op != "output"]
+
+    def node_copies(graph, env):
+        for node in nodes:
+            env[node] = graph.node_copy(node, env.__getitem__)
+
+    for graph, copy in zip(graphs, [lambda g, env: _compat.copy_nodes(g, nodes, env), node_copies]):
         for _ in range(2):
             env: dict = {}
-            for node in traced.graph.nodes:
-                if node.op != "output":
-                    env[node] = copy(graph, node, env)
-        graph.output(env[next(iter(traced.graph.nodes))])
+            copy(graph, env)
+            assert list(env) == nodes
+        graph.output(env[nodes[0]])
     assert _described(graphs[0]) == _described(graphs[1])
     assert len(graphs[0].nodes) == len(graphs[1].nodes) == 2 * (len(traced.graph.nodes) - 1) + 1
     assert graphs[0].python_code("self").src == graphs[1].python_code("self").src
@@ -1012,3 +1013,77 @@ def test_quick_node_values_records_what_make_fx_records():
     assert got == want
     formats = {m.memory_format for _, _, m in want}
     assert {torch.contiguous_format, torch.channels_last} <= formats and len(want) > 8
+
+
+def test_placeholders_at_once_makes_what_make_fx_makes(monkeypatch):
+    """make_fx under ``placeholders_at_once`` makes the graph it makes without it: the same nodes
+    (names, targets, arguments), each with the same metadata (``val``'s kind, layout, state and
+    mode, ``tensor_meta``, no stack trace on a placeholder), the ops reading the placeholders,
+    whether traced with stack traces, through varargs, or as fx's own way where the fast path
+    does not apply (symbolic sizes; a default argument); fx's verbs are back afterwards."""
+    from torch.fx import _symbolic_trace
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def described(gm):
+        out = []
+        for n in gm.graph.nodes:
+            val, meta = n.meta.get("val"), dict(n.meta)
+            if isinstance(val, torch.Tensor):
+                state = sorted(k for k in vars(val) if k != "fake_mode")
+                layout = (type(val), val.shape, val.stride(), val.storage_offset(), val.dtype, val.requires_grad, state)
+                meta["val"] = (layout, val.fake_mode is gm.mode)
+            out.append(
+                (n.format_node(), sorted(meta), meta.get("val"), meta.get("tensor_meta"), meta.get("stack_trace"))
+            )
+        return out
+
+    def traced(fn, inputs, mode="fake"):
+        gm = make_fx(fn, tracing_mode=mode, record_stack_traces=True)(*inputs)
+        gm.mode = next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].fake_mode
+        return described(gm)
+
+    def scaled(x, w, s=None):
+        return x @ w * (2.0 if s is None else s)
+
+    inputs = [torch.randn(3, 4), torch.randn(5, 4, requires_grad=True).t(), torch.ones(2, dtype=torch.int64)]
+    cases = [
+        (lambda *xs: (xs[0] @ xs[1], xs[2].sum(), xs[0].detach()), inputs, "fake"),
+        (lambda x, w, i: x @ w + i.sum(), inputs, "fake"),
+        (lambda *xs: xs[0].reshape(-1) * xs[1].sum(), inputs[:2], "symbolic"),
+        (scaled, [*inputs[:2], torch.tensor(3.0)], "fake"),
+    ]
+    want = [traced(*case) for case in cases]
+    general, track = _symbolic_trace.Tracer.create_args_for_root, proxy_tensor.track_tensor_tree
+    calls = {"general": 0, "track": []}
+
+    def counted_general(*args):
+        calls["general"] += 1
+        return general(*args)
+
+    def counted_track(inner_res, *args, **kwargs):
+        calls["track"].append(type(inner_res) is list)
+        return track(inner_res, *args, **kwargs)
+
+    monkeypatch.setattr(_symbolic_trace.Tracer, "create_args_for_root", counted_general)
+    monkeypatch.setattr(proxy_tensor, "track_tensor_tree", counted_track)
+    got = []
+    with _compat.placeholders_at_once():
+        for case in cases:
+            calls["general"], calls["track"] = 0, []
+            got.append((traced(*case), calls["general"], any(calls["track"])))
+    assert _symbolic_trace.Tracer.create_args_for_root is counted_general
+    assert proxy_tensor.track_tensor_tree is counted_track
+    assert [g for g, _, _ in got] == want
+    # (fx's placeholder verb and input tracking asked only where the fast path does not apply)
+    assert [(general_calls, tracked) for _, general_calls, tracked in got] == [
+        (0, False),
+        (0, False),
+        (0, True),
+        (1, False),
+    ]
+    assert [n[0] for n in want[0] if "placeholder" in n[0]] == [
+        "%arg0_1 : [num_users=2] = placeholder[target=arg0_1]",
+        "%arg1_1 : [num_users=1] = placeholder[target=arg1_1]",
+        "%arg2_1 : [num_users=1] = placeholder[target=arg2_1]",
+    ]

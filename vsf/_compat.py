@@ -69,7 +69,7 @@ from torch.distributed.tensor._redistribute import (
 )
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, get_proxy_slot, make_fx, set_proxy_slot
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
@@ -85,7 +85,7 @@ __all__ = [
     "checkpointing_as_eager",
     "clear_sharding_caches",
     "copy_holding",
-    "copy_node",
+    "copy_nodes",
     "dead_code_asked_when_unread",
     "decomposition",
     "dispatch_mode_base",
@@ -127,6 +127,7 @@ __all__ = [
     "other_dispatch_modes",
     "overload_name",
     "pipeline_order",
+    "placeholders_at_once",
     "process_group_named",
     "quick_node_values",
     "quiet_redistribute",
@@ -570,6 +571,8 @@ def torch_tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
 
 # -- fake tensors and op schemas -----------------------------------------------------------------
 
+_META = torch.device("meta")  # (a device given as an object: torch parses a string each call)
+
 
 def fake_mode() -> FakeTensorMode:
     """A fake tensor mode (shapes and dtypes, no memory) that also accepts real inputs."""
@@ -595,7 +598,7 @@ def fake_inputs(avals: Sequence[tuple[tuple[int, ...], torch.dtype]], device: st
     with mode:
         like = torch.empty(0, device=device)  # (the mode and the device as the mode's fakes name it)
     with torch._C.DisableTorchFunction(), no_dispatch():
-        metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in avals]
+        metas = [torch.empty(shape, dtype=dtype, device=_META) for shape, dtype in avals]
     fakes = [_fake_of(meta, like, False) for meta in metas]
     for t in fakes:
         mode.fake_tensor_converter.set_tensor_memo(t, t)
@@ -777,6 +780,82 @@ def quick_node_values() -> Iterator[None]:
         yield
     finally:
         proxy_tensor.fast_detach, proxy_tensor._extract_tensor_metadata = detach, extract
+
+
+@contextlib.contextmanager
+def placeholders_at_once() -> Iterator[None]:
+    """Inside, ``make_fx`` makes the placeholders of a function of plain positional tensors (the
+    inputs of a trace, a few thousand for a deep model's step with its optimizer state) as it
+    makes them, quicker: each node made as fx's tracer makes it (its name, ``arg3_1``, and scope),
+    without the stack trace fx captures and then deletes from a placeholder, nor fx's walk of
+    the argument tree; and each input tensor of static shape, strided and fake, tracked by its
+    placeholder and given its metadata as fx does (``set_meta``), without fx's questions whether
+    its sizes, strides, element count and offset are symbolic, each a call through the trace's
+    torch-function modes (about two thirds of a placeholder's cost; the metadata mode only counts
+    them, for a module-stack tracer's nodes). A function with keyword or variadic arguments or
+    defaults, a trace inside preserved node metadata or a module stack, a module-stack tracer, a
+    symbolic or sparse input: fx's own way."""
+    from torch.fx import _symbolic_trace
+    from torch.fx.experimental import proxy_tensor
+
+    tracer_cls, track = proxy_tensor.PythonKeyTracer, proxy_tensor.track_tensor_tree
+    general = _symbolic_trace.Tracer.create_args_for_root
+
+    def create_args_for_root(
+        self: Any, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        fn = inspect.unwrap(root_fn)
+        code = getattr(fn, "__code__", None)
+        if (
+            is_module
+            or code is None
+            or not isinstance(concrete_args, tuple)
+            or code.co_flags & _symbolic_trace.HAS_VARSTUFF
+            or code.co_kwonlyargcount
+            or code.co_argcount != len(concrete_args)
+            or fn.__defaults__
+            or any(a is not _symbolic_trace.PH for a in concrete_args)
+            or torch.fx.traceback.has_preserved_node_meta()
+            or self.module_stack
+        ):
+            return general(self, root_fn, is_module, concrete_args)
+        scope, proxies = (self.scope.module_path, self.scope.module_type), []
+        for name in code.co_varnames[: code.co_argcount]:
+            node = self.graph.create_node("placeholder", f"{name}_1", (), {})
+            self.node_name_to_scope[node.name] = scope
+            proxies.append(self.proxy(node))
+        return root_fn, proxies
+
+    def static_input(t: Any, proxy: Any) -> bool:
+        if not (isinstance(t, FakeTensor) and isinstance(proxy, torch.fx.Proxy) and proxy.node.op == "placeholder"):
+            return False
+        with torch._C.DisableTorchFunction():
+            numbers = (*t.shape, *t.stride(), t.numel(), t.storage_offset())
+            return t.layout == torch.strided and all(type(n) is int for n in numbers)
+
+    def track_tensor_tree(inner_res: Any, proxy_res: Any, *, constant: Any, tracer: Any) -> Any:
+        if not (
+            constant is None
+            and type(inner_res) is list
+            and type(proxy_res) is list
+            and len(inner_res) == len(proxy_res)
+            and not isinstance(tracer, proxy_tensor._ModuleStackTracer)
+            and all(map(static_input, inner_res, proxy_res))
+        ):
+            return track(inner_res, proxy_res, constant=constant, tracer=tracer)
+        proxy_tensor._set_unbacked_bindings(inner_res, proxy_res)
+        for t, proxy in zip(inner_res, proxy_res):
+            proxy_tensor.set_proxy_slot(t, tracer, proxy_tensor._ProxyTensor(proxy, None))
+            proxy_tensor.set_meta(proxy, t)
+        return inner_res
+
+    tracer_cls.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
+    proxy_tensor.track_tensor_tree = track_tensor_tree
+    try:
+        yield
+    finally:
+        del tracer_cls.create_args_for_root
+        proxy_tensor.track_tensor_tree = track
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -1598,25 +1677,33 @@ def module_calls_through(
         del tracer.call_module
 
 
-def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, arg: Callable[[torch.fx.Node], Any]) -> torch.fx.Node:
-    """``graph.node_copy(node, arg)`` (a node like ``node``, each node it reads mapped by ``arg``, its
-    name made unique in ``graph``, a copy of its metadata, appended where ``graph`` inserts), for a
-    node whose arguments hold no symbolic number: fx's ``create_node`` walks every argument of a
-    new node looking for one, to warn of it, which is most of the cost of copying a node (a
-    stamped block copies a few hundred per call: :mod:`vsf.jit.stamp` checks its nodes once)."""
-    args = torch.fx.node.map_arg(node.args, arg) or ()
-    kwargs = torch.fx.node.map_arg(node.kwargs, arg) or torch.fx.immutable_collections.immutable_dict()
-    names = graph._graph_namespace
-    name = names.create_name(node.name, None)
-    new = torch.fx.Node(graph, name, node.op, node.target, args, kwargs, node.type)
-    for hook in getattr(graph.owning_module, "_create_node_hooks", None) or ():
-        hook(new)
-    names.associate_name_with_obj(name, new)
-    graph._insert(new)
-    graph._find_nodes_lookup_table.insert(new)
-    graph._len += 1
-    new.meta.update(node.meta)
-    return new
+_NODE, _MAP_ARG, _IMMUTABLE_DICT = torch.fx.Node, torch.fx.node.map_arg, torch.fx.immutable_collections.immutable_dict
+
+
+def copy_nodes(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, Any]) -> None:
+    """``env[n] = graph.node_copy(n, env.__getitem__)`` for each of ``nodes`` in order (a node like
+    ``n``, each node it reads mapped by ``env``, its name made unique in ``graph``, a copy of its
+    metadata, appended where ``graph`` inserts), for nodes whose arguments hold no symbolic number:
+    fx's ``create_node`` walks every argument of a new node looking for one, to warn of it, which
+    is most of the cost of copying a node (a stamped block copies a few hundred per call:
+    :mod:`vsf.jit.stamp` checks its nodes once); the graph's namespace, insert point, lookup table
+    and node hooks are looked up once for all of ``nodes``."""
+    names, insert, lookup = graph._graph_namespace, graph._insert, graph._find_nodes_lookup_table
+    hooks = getattr(graph.owning_module, "_create_node_hooks", None) or ()
+    read = env.__getitem__
+    for node in nodes:
+        args = _MAP_ARG(node.args, read) or ()
+        kwargs = _MAP_ARG(node.kwargs, read) or _IMMUTABLE_DICT()
+        name = names.create_name(node.name, None)
+        new = _NODE(graph, name, node.op, node.target, args, kwargs, node.type)
+        for hook in hooks:
+            hook(new)
+        names.associate_name_with_obj(name, new)
+        insert(new)
+        lookup.insert(new)
+        graph._len += 1
+        new.meta.update(node.meta)
+        env[node] = new
 
 
 def metadata_reads() -> contextlib.AbstractContextManager[None]:
@@ -1648,13 +1735,10 @@ def trace_aside(fun: Callable[..., Any], fakes: Sequence[torch.Tensor], decompos
 def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
     """A new fake tensor of the fake ``t``'s shape, strides, dtype and device (and mode), of storage
     of its own, that the running trace does not record (:func:`_fake_of` makes it)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._mode_utils import no_dispatch
-
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
-    with torch._C.DisableTorchFunction(), no_dispatch():
-        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
     return _fake_of(meta, t, requires_grad)
 
 
@@ -1664,8 +1748,6 @@ def _fake_of(meta: torch.Tensor, like: Any, requires_grad: bool) -> torch.Tensor
     :func:`_blank_fake_state`), made without the constructor's argument checks and outside the
     torch-function modes of a trace: a stamped block makes one per copied node and two per output
     (its value and the snapshot its node holds), at about a third of the constructor's cost there."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     with torch._C.DisableTorchFunction():
         device, mode = like.fake_device, like.fake_mode
         new = torch.Tensor._make_subclass(
@@ -1699,9 +1781,6 @@ def track_as(t: torch.Tensor, node: torch.fx.Node, tracer: Any) -> torch.Tensor:
     """Make the trace ``tracer`` read the fake tensor ``t`` as the value of its graph's ``node``:
     ops on ``t`` then read ``node``. The node's metadata (``val``, ``tensor_meta``: those of a node
     like it, which ``t`` is like) stays as it is, not worked out again from ``t``."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
-
     if not isinstance(t, FakeTensor):
         raise TypeError(f"expected a fake tensor, got {type(t).__name__}")
     set_proxy_slot(t, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))

@@ -255,12 +255,10 @@ def _fresh_attribute(gm: torch.fx.GraphModule, name: str) -> str:
 
 def _needs_rewrite(node: torch.fx.Node) -> bool:
     """In-place and ``_foreach_`` ops are rewritten (functionalized, split per tensor)."""
+    if node.op != "call_function":
+        return False
     schema = _compat.op_schema(node.target)
-    return (
-        node.op == "call_function"
-        and schema is not None
-        and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
-    )
+    return schema is not None and (schema.is_mutable or node.target in _FOREACH_DECOMPOSITIONS)
 
 
 def _elements(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:

@@ -368,13 +368,11 @@ def _copy(
     their own from ``_compat.track_as`` next), and with the stack trace the step's trace records
     here: the frames ``now`` in place of the frames ``was`` of the call the block was traced at,
     before the block's own."""
-    graph, read = tracer.graph, env.__getitem__
+    _compat.copy_nodes(tracer.graph, nodes, env)
     for node in nodes:
-        new = _compat.copy_node(graph, node, read)
-        if (trace := new.meta.get("stack_trace")) is not None:
+        if (trace := node.meta.get("stack_trace")) is not None:
             own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
-            new.meta["stack_trace"] = ((now or "") + own).strip() or None
-        env[node] = new
+            env[node].meta["stack_trace"] = ((now or "") + own).strip() or None
 
 
 def _last(tracer: Any) -> torch.fx.Node:

@@ -221,7 +221,7 @@ def trace(
         return tensors
 
     with _compat.local_mode_disabled(), tracing_step(), _compat.lazy_graph_modules():
-        with _compat.dead_code_asked_when_unread(), _compat.quick_node_values():
+        with _compat.dead_code_asked_when_unread(), _compat.quick_node_values(), _compat.placeholders_at_once():
             traced = _trace(
                 fun, avals, flat_fun, out_info, device, unplanned, dict(decompositions or {}), allow_unkeyed_random
             )
@@ -387,8 +387,8 @@ def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
 def _reject_module_weights(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
     """A module's ``nn.Parameter`` that the traced code read from the module (not from the step's
     arguments) would be a constant of the plan: replicated, and never trained. Refuse it."""
-    for node in gm.graph.nodes:
-        value = getattr(gm, node.target) if node.op == "get_attr" else None
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target)
         if isinstance(value, torch.nn.Parameter):
             where = next((line for user in node.users if (line := source_line(user))), "")
             raise TraceError(

@@ -563,13 +563,33 @@ def test_process_group_named_resolves_a_mesh_group():
         assert _compat.process_group_named(group.group_name) is group
 
 
-def test_inductor_compile_runs_an_fx_graph_as_written():
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python_wrapper", "cpp_wrapper"])
+def test_inductor_compile_runs_an_fx_graph_as_written(cpp_wrapper):
     gm = torch.fx.symbolic_trace(lambda x, y: (x.sin() * y).sum(0))
     x, y = torch.randn(3, 4), torch.randn(3, 4)
-    compiled = _compat.inductor_compile(gm, [x, y])
+    compiled = _compat.inductor_compile(gm, [x, y], cpp_wrapper=cpp_wrapper)
     out = compiled(x, y)
     out = out[0] if isinstance(out, (tuple, list)) else out
     torch.testing.assert_close(out, (x.sin() * y).sum(0))
+
+
+def test_cpp_wrapper_calls_all_reduces_and_waits_not_gathers():
+    """Inductor's C++ wrapper has C shims for the all-reduces and the wait, and no other collective."""
+
+    def program(*ops):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        for op in ops:
+            x = graph.call_function(op, (x,))
+        graph.output(x)
+        return torch.fx.GraphModule({}, graph)
+
+    c10d = torch.ops._c10d_functional
+    assert _compat.cpp_wrapper_calls(program(aten.sin.default))
+    assert _compat.cpp_wrapper_calls(program(c10d.all_reduce_.default, c10d.wait_tensor.default, aten.mul.Tensor))
+    assert _compat.cpp_wrapper_calls(program(c10d.all_reduce.default, c10d.wait_tensor.default))
+    for collective in (c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor, c10d.all_to_all_single):
+        assert not _compat.cpp_wrapper_calls(program(aten.sin.default, collective.default, c10d.wait_tensor.default))
 
 
 def test_checkpointing_as_eager_traces_the_recompute_eager_autograd_runs():

@@ -86,6 +86,7 @@ __all__ = [
     "clear_sharding_caches",
     "copy_holding",
     "copy_nodes",
+    "cpp_wrapper_calls",
     "dead_code_asked_when_unread",
     "decomposition",
     "dispatch_mode_base",
@@ -626,16 +627,38 @@ def trace_fake(
     return make_fx(fn, decompositions, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
 
 
-def inductor_compile(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Callable[..., Any]:
+def inductor_compile(
+    gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], cpp_wrapper: bool = False
+) -> Callable[..., Any]:
     """Inductor's compile of ``gm``, a graph of aten ops and functional collectives, for inputs
     like ``inputs`` (``torch._inductor.compile``, which ``torch.compile`` runs after Dynamo:
     AOTAutograd functionalizes the graph, in-place writes of its inputs included, and Inductor
-    generates its kernels). The result takes and returns what ``gm`` does. PyTorch caches the
+    generates its kernels). The result takes and returns what ``gm`` does. ``cpp_wrapper``: the
+    code that calls the kernels in order is C++ (Inductor's ``cpp_wrapper``), not Python (the same
+    kernels; on CPU it calls the externs through C shims, where the Python wrapper pays an
+    interpreter's dispatch per kernel; see :func:`cpp_wrapper_calls`). PyTorch caches the
     artifacts on disk between processes (``TORCHINDUCTOR_CACHE_DIR``). Imported on first use:
     Inductor takes seconds to import."""
     from torch._inductor import compile as compile_fx
+    from torch._inductor import config as inductor_config
 
-    return compile_fx(gm, list(inputs))
+    with inductor_config.patch(cpp_wrapper=cpp_wrapper):
+        return compile_fx(gm, list(inputs))
+
+
+# the functional collectives Inductor's C++ wrapper calls through C shims; it passes any other to
+# Python, which fails for those taking an untyped argument (all_gather_into_tensor's, torch 2.13)
+_CPP_WRAPPER_COLLECTIVES = frozenset({"all_reduce", "all_reduce_", "wait_tensor"})
+
+
+def cpp_wrapper_calls(gm: torch.fx.GraphModule) -> bool:
+    """Can Inductor's C++ wrapper (:func:`inductor_compile`'s ``cpp_wrapper``) call every functional
+    collective ``gm`` issues (all-reduces and waits: yes; gathers, scatters, all-to-alls: no)?"""
+    return all(
+        n.target.namespace != "_c10d_functional" or n.target.__name__.split(".")[0] in _CPP_WRAPPER_COLLECTIVES
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+    )
 
 
 def checkpointing_as_eager() -> contextlib.AbstractContextManager[None]:

@@ -6,6 +6,7 @@ CPU each for the tiny GPT, less from PyTorch's cache): the FSDP AdamW GPT step (
 reduce-scatters and the donated in-place update, compiled) by default; the Megatron step, the
 differentiated block, the zoo's models and the pipeline's stages under ``sweep``."""
 
+import logging
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import vsf
 from toy_models import GPT, GPTConfig
 from vsf import P, optim
+from vsf.jit.runner import inductor_program
 
 
 @pytest.fixture
@@ -37,6 +39,7 @@ def test_compiled_fsdp_adamw_step_equals_one_device(inductor):
     _equals_one_device(inductor)
     for r in inductor:
         assert r["compiled_by_inductor"] == [True]
+        assert r["wrapper"] == ["python"]  # the C++ wrapper has no shim for the gathers
         assert r["warnings"] == []
         # Adam's update is Inductor's own kernels (fused with the param's), not the eager fused
         # op called once per leaf (vsf::adam_step_ -> aten::_fused_adam_)
@@ -49,6 +52,7 @@ def test_compiled_dp_step_with_the_gradients_in_several_buckets_equals_one_devic
     _equals_one_device(inductor)
     for r in inductor:
         assert r["compiled_by_inductor"] == [True] and r["warnings"] == []
+        assert r["wrapper"] == ["cpp"]  # all-reduces only: Inductor's kernels called from C++
         # the token count and the gradients' buckets: 15.6 KB in buckets of 4 KiB, at least three
         (count,) = r["all_reduces"]
         assert count >= 4
@@ -60,7 +64,7 @@ def test_compiled_dp_step_with_the_gradients_in_several_buckets_equals_one_devic
 def test_a_program_inductor_cannot_compile_runs_eagerly_with_the_reason(inductor):
     _equals_one_device(inductor)
     for r in inductor:
-        assert r["compiled_by_inductor"] == [False]
+        assert r["compiled_by_inductor"] == [False] and r["wrapper"] == [None]
         (message,) = r["warnings"]
         assert (
             "NotImplementedError: no lowering for aten.frobnicate" in message and "runs as backend='eager'" in message
@@ -175,6 +179,52 @@ def test_simulated_program_runs_eagerly_after_one_warning(sim, checked):
     got = vsf.device_get(p)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def _program(*ops):
+    """A graph of one input through ``ops`` in turn (never run: only its ops are read)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for op in ops:
+        x = graph.call_function(op, (x,))
+    graph.output(x)
+    return torch.fx.GraphModule({}, graph)
+
+
+def test_inductor_program_calls_the_kernels_from_cpp_on_cpu_with_all_reduces_only(monkeypatch, caplog):
+    """The C++ wrapper where it can call every collective on CPU; the Python wrapper for gathers,
+    off the CPU, and after a C++ wrapper compile that failed, which the log names."""
+    calls = []
+
+    def compile_(gm, inputs, cpp_wrapper=False):
+        calls.append(cpp_wrapper)
+        if cpp_wrapper and gm is failing:
+            raise NotImplementedError("arg type Any is not yet supported by custom_op_wrapper\n(more lines)")
+        return gm.forward
+
+    monkeypatch.setattr(vsf._compat, "inductor_compile", compile_)
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    reduce, gather = (
+        _program(aten.sin.default, c10d.all_reduce_.default, c10d.wait_tensor.default),
+        _program(c10d.all_gather_into_tensor.default, c10d.wait_tensor.default),
+    )
+    failing = _program(aten.cos.default)
+    cpu, meta = [torch.ones(2)], [torch.ones(2, device="meta")]
+    with caplog.at_level(logging.INFO, logger="vsf.jit"):
+        for gm, inputs, want_calls, want in (
+            (reduce, cpu, [True], "cpp"),
+            (gather, cpu, [False], "python"),
+            (reduce, meta, [False], "python"),
+            (failing, cpu, [True, False], "python"),
+        ):
+            calls.clear()
+            compiled, wrapper = inductor_program(gm, inputs, "the step")
+            assert (calls, wrapper, compiled) == (want_calls, want, gm.forward)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "Inductor's C++ wrapper could not compile the step (NotImplementedError: arg type Any is not yet "
+        "supported by custom_op_wrapper); its kernels are called from Python"
+    )
 
 
 def test_backend_is_checked():

@@ -52,6 +52,7 @@ def report_of(jitted, caught):
         "backend": jitted.backend,
         "programs": len(rs),
         "compiled_by_inductor": [r.compiled_by_inductor for r in rs],
+        "wrapper": [r.wrapper for r in rs],
         "plan_count": jitted.plan_count,
         "warnings": [str(w.message) for w in caught if "vsf.jit" in str(w.message)],
     }
@@ -169,7 +170,7 @@ def autograd():
 
 
 def fallback():
-    def refuse(gm, inputs):
+    def refuse(gm, inputs, cpp_wrapper=False):
         raise NotImplementedError("no lowering for aten.frobnicate\n(more lines Inductor prints)")
 
     compile_, vsf._compat.inductor_compile = vsf._compat.inductor_compile, refuse

@@ -7,8 +7,11 @@ or compiled by Inductor (``backend="inductor"``); in checking mode beside the un
 ``vsf.config.jit_mode`` can force any of them.
 
 Inductor compiles the traced graph once per plan, on its first call (PyTorch's own cache keeps
-the artifacts between processes). An op with math for Inductor (:func:`register_inductor_math`:
-Adam's fused step, an opaque kernel called once per leaf) is compiled as that math, whose
+the artifacts between processes). A program on CPU whose collectives are all-reduces has its
+kernels called from C++ (Inductor's ``cpp_wrapper``: the same kernels, without the Python
+wrapper's dispatch per kernel, 0.6-0.8 ms of the main thread's 15 ms in the benchmark's DP
+step); any other, or one the C++ wrapper fails to compile, from Python (:func:`inductor_program`).
+An op with math for Inductor (:func:`register_inductor_math`: Adam's fused step, an opaque kernel called once per leaf) is compiled as that math, whose
 in-place writes of donated buffers Inductor keeps in place, so that Inductor fuses it with the
 ops around it (AdamW's moments and param in one pass per leaf, where the eager program makes
 three). A graph Inductor cannot compile runs as it is, after a warning that gives the reason; so do the simulated, interpreted and checked programs (simulated ranks are
@@ -22,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +41,11 @@ from vsf.jit.overlap import wait_late
 from vsf.jit.plan import Plan
 from vsf.jit.replay import Replayed
 
-__all__ = ["BACKENDS", "Runner", "as_inductor_math", "register_inductor_math"]
+__all__ = ["BACKENDS", "Runner", "as_inductor_math", "inductor_program", "register_inductor_math"]
 
 BACKENDS = ("eager", "inductor")
+
+log = logging.getLogger("vsf.jit")
 
 _INDUCTOR_MATH: dict[Any, Callable[..., Any]] = {}
 
@@ -64,6 +70,28 @@ def as_inductor_math(gm: torch.fx.GraphModule, locals_in: list[torch.Tensor]) ->
     return _compat.trace_fake(gm, locals_in, _INDUCTOR_MATH)
 
 
+def inductor_program(
+    gm: torch.fx.GraphModule, locals_in: list[torch.Tensor], name: str = "program"
+) -> tuple[Callable[..., Any], str]:
+    """Inductor's compile of ``gm`` (called ``name`` in the log) and what calls its kernels:
+    ``"cpp"`` where every input is on the CPU and Inductor's C++ wrapper calls all its collectives
+    (:func:`vsf._compat.cpp_wrapper_calls`), else, or where that compile fails (said in the log),
+    ``"python"``.
+
+    Example::
+
+        >>> compiled, wrapper = inductor_program(gm, locals_in)   # wrapper == "cpp": all-reduces only
+    """
+    if all(t.device.type == "cpu" for t in locals_in) and _compat.cpp_wrapper_calls(gm):
+        try:
+            return _compat.inductor_compile(gm, locals_in, cpp_wrapper=True), "cpp"
+        except Exception as e:  # noqa: BLE001 (any failure: the Python wrapper calls the same kernels)
+            log.info(
+                "Inductor's C++ wrapper could not compile %s (%s); its kernels are called from Python", name, _reason(e)
+            )
+    return _compat.inductor_compile(gm, locals_in), "python"
+
+
 class Runner:
     """Runs one planned program on local shards: recorded and replayed under ``vsf.simulate``,
     else traced once into a graph of local ops and collectives and run as it is or compiled by
@@ -75,6 +103,7 @@ class Runner:
         self.local: torch.fx.GraphModule | None = None  # the traced program, once traced
         self.compiled: Callable[..., Any] | None = None  # what runs it: the traced graph, or Inductor's compile of it
         self.replayed = Replayed(lambda xs: execute(plan, xs))  # the simulated program, once recorded
+        self.wrapper: str | None = None  # what calls Inductor's kernels, once compiled: "cpp" or "python"
         self._warned = False
 
     def __call__(
@@ -112,7 +141,8 @@ class Runner:
     def _compile(self, gm: torch.fx.GraphModule, locals_in: list[torch.Tensor]) -> Callable[..., Any]:
         """Inductor's compile of ``gm``; ``gm`` itself, after a warning with the reason, where it fails."""
         try:
-            return _compat.inductor_compile(as_inductor_math(gm, locals_in), locals_in)
+            compiled, self.wrapper = inductor_program(as_inductor_math(gm, locals_in), locals_in, self.name)
+            return compiled
         except Exception as e:  # noqa: BLE001 (any failure to compile: said, and the program runs as traced)
             warnings.warn(
                 f"vsf.jit(backend='inductor'): Inductor could not compile {self.name} ({_reason(e)}); it runs as backend='eager', the traced fx program",

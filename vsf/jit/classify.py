@@ -229,9 +229,9 @@ def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
             found.add(node)
         elif (
             node.op == "call_function"
+            and found.issuperset(node.all_input_nodes)
             and not _seeded(node.target)
             and node.target is not region.AXIS_INDEX_OP
-            and all(a in found for a in node.all_input_nodes)
         ):
             found.add(node)
     return frozenset(found)

@@ -636,6 +636,37 @@ def test_which_redistributions_can_join_a_bucket(sim):
     assert bucket_kind(mesh, Redistribution(odd, (R, P), (R, S0), (), output_node(gm))) is None
 
 
+def test_moves_holding_one_layout_object_join_buckets_by_their_own_kind_and_shape(sim):
+    """Moves that hold one source or destination layout object (as a plan's do: its layouts are
+    interned) still bucket by their own kind: 5 rows do not split evenly over 2, so that gather
+    joins no bucket; a partial sum reduced whole and one reduced into a shard, or a partial sum
+    and a shard made whole, are buckets of their own."""
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    S0, whole, summed = (Shard(0),), (R,), (P,)
+
+    def buckets(f, shapes, layouts):
+        gm = _graph(f, *shapes)
+        out = output_node(gm)
+        muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+        moves = [Redistribution(value_of(n), src, dst, (), out) for n, (src, dst) in zip(muls, layouts)]
+        found = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0]
+        return [(b.kind, [moves.index(r) for r in b.members]) for b in found]
+
+    gathers = [(S0, whole)] * 3
+    assert buckets(lambda a, b, c: (a * 2, b * 3, c * 4), [(5, 4), (8, 4), (8, 4)], gathers) == [("all_gather", [1, 2])]
+    reductions = [(summed, whole), (summed, S0)] * 2
+    assert buckets(lambda a: (a * 2, a * 3, a * 4, a * 5), [(8, 4)], reductions) == [
+        ("all_reduce", [0, 2]),
+        ("reduce_scatter", [1, 3]),
+    ]
+    made_whole = [(summed, whole), (S0, whole)] * 2
+    assert buckets(lambda a: (a * 2, a * 3, a * 4, a * 5), [(8, 4)], made_whole) == [
+        ("all_reduce", [0, 2]),
+        ("all_gather", [1, 3]),
+    ]
+
+
 def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):
     sim(2, compute=False)
     mesh = vsf.make_mesh((2,), ("fsdp",))

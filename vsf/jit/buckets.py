@@ -63,10 +63,17 @@ def form_buckets(
     index = {n: i for i, n in enumerate(nodes)}
     first_use = {id(r): min(index[u] for u in users[id(r)]) for r in moves if users[id(r)]}
     groups: dict[tuple[str, tuple[int, ...], torch.dtype], list[Redistribution]] = {}
+    # bucket_kind by what it reads: the layouts (by object: the moves hold them, and a plan's
+    # repeated blocks move their values between a few layout objects) and the value's shape
+    kinds: dict[tuple[int, int, torch.Size], tuple[str, tuple[int, ...]] | None] = {}
     for r in moves:
-        kind = bucket_kind(mesh, r)
+        t = meta_of(r.value)
+        read = (id(r.src), id(r.dst), t.shape)
+        if read not in kinds:
+            kinds[read] = bucket_kind(mesh, r)
+        kind = kinds[read]
         if kind is not None and id(r) in first_use:
-            groups.setdefault((*kind, meta_of(r.value).dtype), []).append(r)
+            groups.setdefault((*kind, t.dtype), []).append(r)
     formed: list[tuple[str, tuple[int, ...], list[Redistribution]]] = []
     block = recompute_blocks(gm)
     for (kind, k, _dtype), rs in groups.items():

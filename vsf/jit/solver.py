@@ -787,19 +787,21 @@ def _hints(
     (elementwise ones: the same placement in and out). The greedy pass may shard a value into one
     of its hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
     optimizer will want sharded, before a norm of it decides for a full reduction."""
-    hints: list[set[int]] = [set() for _ in problem.values]
+    none: frozenset[int] = frozenset()
+    hints: dict[int, set[int]] = {}  # (the values that have some)
     for v, wants in enumerate(need):
-        hints[v].update(c for c in wants if codes.is_shard(c))
+        if shards := {c for c in wants if codes.is_shard(c)}:
+            hints[v] = shards
     for k in range(len(problem.ops) - 1, -1, -1):
-        wanted = [hints[v] if v >= 0 else set() for v in problem.op_outs[k]]
+        wanted = [hints.get(v, none) for v in problem.op_outs[k]]  # (-1, no output: none)
         if not any(wanted):
             continue
         for ins, outs in strategies[k]:
             if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
                 for v, req in zip(problem.op_ins[k], ins):
                     if codes.is_shard(req) and req in outs:
-                        hints[v].add(req)
-    return [frozenset(h) for h in hints]
+                        hints.setdefault(v, set()).add(req)
+    return [frozenset(hints[v]) if v in hints else none for v in range(len(problem.values))]
 
 
 @dataclasses.dataclass

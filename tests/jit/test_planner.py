@@ -21,7 +21,7 @@ from vsf import _compat
 from vsf._compat import StridedShard
 from vsf.config import PlanOptions
 from vsf.jit.buckets import bucket_kind, form_buckets
-from vsf.jit.classify import OpClass, classify
+from vsf.jit.classify import OpClass, classify, classify_all, constant_nodes
 from vsf.jit.cost import Codes, latency_bytes, local_bytes, local_shape, transition_bytes, transition_kind
 from vsf.jit.graph import output_node, value_of
 from vsf.jit.plan import Collective, Redistribution
@@ -74,6 +74,21 @@ def test_each_kind_of_op_is_classified_once_from_its_target_and_arguments():
     )
     (attr,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
     assert classify(attr).kind == "constant"
+
+
+def test_classify_all_works_out_per_op_what_the_op_alone_decides_and_per_node_the_rest():
+    """Two overloads of one op with other rules (``bernoulli``'s, ``bernoulli.p`` has none), one op
+    with and without a tensor argument, a constant: each classified as on its own."""
+    gm = _graph(
+        lambda x: (torch.bernoulli(x.sigmoid()), x.bernoulli(0.5), torch.ones(3) * 2, x * 2, torch.ones_like(x)),
+        (4, 4),
+        mode="real",
+    )
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    constants = constant_nodes(gm.graph)
+    assert classify_all(ops, constants) == {n: classify(n, constants) for n in ops}
+    bernoullis = [n for n in ops if n.target in (aten.bernoulli.default, aten.bernoulli.p)]
+    assert [classify(n).rules for n in bernoullis] == ["single", None]
 
 
 # (op, args, whether it draws from torch's generator), by torch's semantics: attention's tag is for

@@ -883,7 +883,7 @@ class Problem:
             sig = self.strategies.signature(node)
             if sig not in counted:
                 counted[sig] = op_flops(node)
-        self.flops = [counted[self.strategies.signature(node)] for node in self.ops]
+            self.flops.append(counted[sig])
         outs = [[v for v in vs if v >= 0] for vs in self.op_outs]
         after = [False] * len(self.values)  # some work computes it (or a value it is computed from)
         for k in range(len(self.ops)):

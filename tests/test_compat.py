@@ -277,6 +277,31 @@ def test_redistribution_and_dtensor_wrapping(sim):
     assert (d + 1).placements == (Shard(0),)  # propagation works again after the caches went
 
 
+def test_dtensor_layouts_share_a_spec_only_between_values_laid_out_alike(sim):
+    sim(2)
+
+    class Split(Shard):  # (equal to a Shard of its dim, as a placement's subclass is)
+        pass
+
+    dm, t = _mesh(2), torch.zeros(4, 6)
+    laid_out = [
+        ((Shard(0),), t),
+        ((Shard(0),), torch.ones(4, 6)),  # alike: shares the first one's
+        ((Split(0),), t),
+        ((Shard(0),), torch.zeros(6, 4).t()),  # other strides
+        ((Shard(0),), t.double()),
+        ((Shard(0),), torch.zeros(2, 6)),  # the same strides, another shape
+        ((Partial("avg"),), t),
+        ((Partial("sum"),), t),
+    ]
+    specs = _compat.dtensor_layouts(dm, laid_out)
+    assert specs[0] is specs[1]
+    assert len({id(s) for s in specs}) == len(laid_out) - 1
+    for spec, (placements, x) in zip(specs, laid_out):
+        alone = _compat.dtensor_layout(dm, placements, x)
+        assert (spec, [type(p) for p in spec.placements]) == (alone, [type(p) for p in placements])
+
+
 def test_wrapper_tensor_has_the_shape_and_no_storage():
     class Stub(torch.Tensor):
         @classmethod

@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -96,6 +96,7 @@ __all__ = [
     "dtensor_decision",
     "dtensor_from_local",
     "dtensor_layout",
+    "dtensor_layouts",
     "dtensor_like",
     "dtensor_local",
     "dtensor_parts",
@@ -1202,6 +1203,28 @@ def dtensor_layout(mesh: DeviceMesh, placements: tuple[Placement, ...], t: torch
     """DTensor's description of ``t``'s global shape laid out as ``placements`` on ``mesh``: built
     once, passed to :func:`dtensor_from_local` on every call (an opaque value)."""
     return DTensorSpec(mesh, tuple(placements), tensor_meta=_meta_of(t))
+
+
+def dtensor_layouts(mesh: DeviceMesh, laid_out: Iterable[tuple[tuple[Placement, ...], torch.Tensor]]) -> list[Any]:
+    """:func:`dtensor_layout` of each ``(placements, t)``, values laid out alike sharing one (the
+    same placements, of the same types, and the same shape, strides and dtype): a step's
+    thousands of results hold a few dozen layouts, and DTensor never changes a spec it holds
+    (its sharding propagation's cache hands one spec to the results of many calls).
+
+    Example::
+
+        >>> a, b = dtensor_layouts(mesh.device_mesh, [((Shard(0),), x), ((Shard(0),), x.clone())])
+        >>> a is b
+        True
+    """
+    made: dict[Any, Any] = {}
+    out = []
+    for placements, t in laid_out:
+        key = (tuple(map(type, placements)), tuple(placements), t.shape, t.stride(), t.dtype)
+        if key not in made:
+            made[key] = dtensor_layout(mesh, placements, t)
+        out.append(made[key])
+    return out
 
 
 def swap_local(x: DTensor, local: torch.Tensor) -> None:

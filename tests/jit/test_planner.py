@@ -21,7 +21,7 @@ from vsf import _compat
 from vsf._compat import StridedShard
 from vsf.config import PlanOptions
 from vsf.jit.buckets import bucket_kind, form_buckets
-from vsf.jit.classify import OpClass, classify
+from vsf.jit.classify import OpClass, classify, classify_all, constant_nodes
 from vsf.jit.cost import Codes, latency_bytes, local_bytes, local_shape, transition_bytes, transition_kind
 from vsf.jit.graph import output_node, value_of
 from vsf.jit.plan import Collective, Redistribution
@@ -74,6 +74,21 @@ def test_each_kind_of_op_is_classified_once_from_its_target_and_arguments():
     )
     (attr,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
     assert classify(attr).kind == "constant"
+
+
+def test_classify_all_works_out_per_op_what_the_op_alone_decides_and_per_node_the_rest():
+    """Two overloads of one op with other rules (``bernoulli``'s, ``bernoulli.p`` has none), one op
+    with and without a tensor argument, a constant: each classified as on its own."""
+    gm = _graph(
+        lambda x: (torch.bernoulli(x.sigmoid()), x.bernoulli(0.5), torch.ones(3) * 2, x * 2, torch.ones_like(x)),
+        (4, 4),
+        mode="real",
+    )
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    constants = constant_nodes(gm.graph)
+    assert classify_all(ops, constants) == {n: classify(n, constants) for n in ops}
+    bernoullis = [n for n in ops if n.target in (aten.bernoulli.default, aten.bernoulli.p)]
+    assert [classify(n).rules for n in bernoullis] == ["single", None]
 
 
 # (op, args, whether it draws from torch's generator), by torch's semantics: attention's tag is for
@@ -634,6 +649,37 @@ def test_which_redistributions_can_join_a_bucket(sim):
     odd = value_of(_node(_graph(lambda a: a * 2, (5, 4)), aten.mul.Tensor))  # 5 rows do not split over 2
     assert bucket_kind(mesh, Redistribution(odd, (R, S1), (R, R), (), output_node(gm))) == ("all_gather", (1,))
     assert bucket_kind(mesh, Redistribution(odd, (R, P), (R, S0), (), output_node(gm))) is None
+
+
+def test_moves_holding_one_layout_object_join_buckets_by_their_own_kind_and_shape(sim):
+    """Moves that hold one source or destination layout object (as a plan's do: its layouts are
+    interned) still bucket by their own kind: 5 rows do not split evenly over 2, so that gather
+    joins no bucket; a partial sum reduced whole and one reduced into a shard, or a partial sum
+    and a shard made whole, are buckets of their own."""
+    sim(2, compute=False)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    S0, whole, summed = (Shard(0),), (R,), (P,)
+
+    def buckets(f, shapes, layouts):
+        gm = _graph(f, *shapes)
+        out = output_node(gm)
+        muls = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+        moves = [Redistribution(value_of(n), src, dst, (), out) for n, (src, dst) in zip(muls, layouts)]
+        found = form_buckets(mesh, gm, moves, {id(r): [out] for r in moves}, BUCKET_BYTES)[0]
+        return [(b.kind, [moves.index(r) for r in b.members]) for b in found]
+
+    gathers = [(S0, whole)] * 3
+    assert buckets(lambda a, b, c: (a * 2, b * 3, c * 4), [(5, 4), (8, 4), (8, 4)], gathers) == [("all_gather", [1, 2])]
+    reductions = [(summed, whole), (summed, S0)] * 2
+    assert buckets(lambda a: (a * 2, a * 3, a * 4, a * 5), [(8, 4)], reductions) == [
+        ("all_reduce", [0, 2]),
+        ("reduce_scatter", [1, 3]),
+    ]
+    made_whole = [(summed, whole), (S0, whole)] * 2
+    assert buckets(lambda a: (a * 2, a * 3, a * 4, a * 5), [(8, 4)], made_whole) == [
+        ("all_reduce", [0, 2]),
+        ("all_gather", [1, 3]),
+    ]
 
 
 def test_gathers_share_a_bucket_placed_right_before_the_first_use(sim):

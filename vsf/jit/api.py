@@ -391,7 +391,7 @@ class Compiled:
         self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
         self.donation = Donation(owner._name, call.located(owner.donate_argnums))
         dm = plan.mesh.device_mesh
-        self._out_specs = [_compat.dtensor_layout(dm, pl, m) for m, pl in zip(_out_metas(traced), plan.outputs)]
+        self._out_specs = _compat.dtensor_layouts(dm, zip(plan.outputs, _out_metas(traced)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self.owner._prepare(args, kwargs)

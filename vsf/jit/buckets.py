@@ -63,10 +63,17 @@ def form_buckets(
     index = {n: i for i, n in enumerate(nodes)}
     first_use = {id(r): min(index[u] for u in users[id(r)]) for r in moves if users[id(r)]}
     groups: dict[tuple[str, tuple[int, ...], torch.dtype], list[Redistribution]] = {}
+    # bucket_kind by what it reads: the layouts (by object: the moves hold them, and a plan's
+    # repeated blocks move their values between a few layout objects) and the value's shape
+    kinds: dict[tuple[int, int, torch.Size], tuple[str, tuple[int, ...]] | None] = {}
     for r in moves:
-        kind = bucket_kind(mesh, r)
+        t = meta_of(r.value)
+        read = (id(r.src), id(r.dst), t.shape)
+        if read not in kinds:
+            kinds[read] = bucket_kind(mesh, r)
+        kind = kinds[read]
         if kind is not None and id(r) in first_use:
-            groups.setdefault((*kind, meta_of(r.value).dtype), []).append(r)
+            groups.setdefault((*kind, t.dtype), []).append(r)
     formed: list[tuple[str, tuple[int, ...], list[Redistribution]]] = []
     block = recompute_blocks(gm)
     for (kind, k, _dtype), rs in groups.items():
@@ -207,98 +214,103 @@ def _schedule(
     if groups form a cycle): a reduction right after its last value exists, a gather right
     before its first use, the rest in the graph's order, except that what uses a reduction's
     result waits for what does not (:func:`_levels`) and a reduction of little values computed
-    from the inputs alone starts first, with them (:func:`_light`)."""
-    deps: dict[int, set[int]] = {id(n): {id(p) for p in n.all_input_nodes} for n in nodes}
-    items: dict[int, Any] = {id(n): n for n in nodes}
-    rank: dict[int, float] = {id(n): index[n] for n in nodes}
+    from the inputs alone starts first, with them (:func:`_light`). The steps are numbered: a
+    node by its place in the graph, the groups and then the lone reductions after the nodes, in
+    their order (ties between equal ranks are broken by these numbers, alike on every rank)."""
+    deps: list[list[int]] = [[index[p] for p in n.all_input_nodes] for n in nodes]
+    items: list[Any] = list(nodes)
+    rank: list[float] = list(range(len(nodes)))
     reductions = set()
     for kind, rs in [(kind, rs) for kind, _, rs in formed] + [("lone", [r]) for r in lone]:
-        key = id(rs) if kind != "lone" else id(rs[0])
-        items[key] = rs if kind != "lone" else rs[0]
-        deps[key] = {id(r.value[0]) for r in rs}
+        key = len(items)
+        items.append(rs if kind != "lone" else rs[0])
+        deps.append(list({index[r.value[0]] for r in rs}))
         if kind == "all_gather":
-            rank[key] = min(first_use[id(r)] for r in rs) - 0.5
+            rank.append(min(first_use[id(r)] for r in rs) - 0.5)
         else:
-            rank[key] = max(index[r.value[0]] for r in rs) + 0.5
+            rank.append(max(index[r.value[0]] for r in rs) + 0.5)
             reductions.add(key)
-        for r in rs:
-            for u in users[id(r)]:
-                deps[id(u)].add(key)
-    after: dict[int, list[int]] = {}
-    for k, v in deps.items():
-        for d in v:
-            after.setdefault(d, []).append(k)
+        for u in {index[u] for r in rs for u in users[id(r)]}:
+            deps[u].append(key)
+    after: list[list[int]] = [[] for _ in items]
+    for k, ds in enumerate(deps):
+        for d in ds:
+            after[d].append(k)
     first = _light(nodes, deps, reductions)
     for k in first:
         rank[k] -= len(nodes) + 1
-    seq = {k: i for i, k in enumerate(items)}  # ties broken alike on every rank (not by id)
-    base = _topological(deps, after, {k: (rank[k], seq[k]) for k in items})
+    base = _topological(deps, after, list(zip(rank, range(len(items)))))
     if base is None:
         return None
     level = _levels(base, deps, after, reductions)
-    inputs = {id(n) for n in nodes if n.op == "placeholder"}
-    key = {k: (-2 if k in inputs else -1 if k in first else level[k], rank[k], seq[k]) for k in items}
+    key = [(-1 if k in first else level[k], rank[k], k) for k in range(len(items))]
+    for k, n in enumerate(nodes):
+        if n.op == "placeholder":
+            key[k] = (-2, rank[k], k)
     return [items[k] for k in _topological(deps, after, key) or ()]
 
 
-def _topological(deps: dict[int, set[int]], after: dict[int, list[int]], key: dict[int, Any]) -> list[int] | None:
+def _topological(deps: list[list[int]], after: list[list[int]], key: list[Any]) -> list[int] | None:
     """The steps in dependency order, the ready step of least ``key`` (unique) first (``None`` on a cycle)."""
-    by_key = sorted(key, key=key.__getitem__)
-    place = {k: i for i, k in enumerate(by_key)}  # (the ready steps kept as their places: ints compare fast)
-    waiting = {k: len(v) for k, v in deps.items()}
-    ready = [place[k] for k, w in waiting.items() if w == 0]
+    by_key = sorted(range(len(key)), key=key.__getitem__)
+    place = [0] * len(key)  # (the ready steps kept as their places: ints compare fast)
+    for i, k in enumerate(by_key):
+        place[k] = i
+    waiting = [len(v) for v in deps]
+    ready = [place[k] for k, w in enumerate(waiting) if w == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         k = by_key[heapq.heappop(ready)]
         order.append(k)
-        for nxt in after.get(k, ()):
+        for nxt in after[k]:
             waiting[nxt] -= 1
             if waiting[nxt] == 0:
                 heapq.heappush(ready, place[nxt])
     return order if len(order) == len(deps) else None
 
 
-def _levels(
-    order: list[int], deps: dict[int, set[int]], after: dict[int, list[int]], reductions: set[int]
-) -> dict[int, int]:
+def _levels(order: list[int], deps: list[list[int]], after: list[list[int]], reductions: set[int]) -> list[int]:
     """Each step's level: the number (in ``order``) of the last reduction it waits for, so that
     what uses a reduction's result runs after what does not; a step that waits for no later
     reduction than its users (a gather, a constant, the optimizer's reads of its state) takes
     its first user's level, so it runs with them, not early (the graph's output, last in
     ``order``, is no user). A reduction keeps its own level (it starts as soon as its values
     exist)."""
-    number = {k: i + 1 for i, k in enumerate(k for k in order if k in reductions)}
-    up: dict[int, int] = {}
-    waits: dict[int, int] = {}  # the last reduction a step's users wait for: its own, or that its inputs wait for
+    number = [0] * len(order)
+    for i, k in enumerate(k for k in order if k in reductions):
+        number[k] = i + 1
+    up = [0] * len(order)
+    waits = [0] * len(order)  # the last reduction a step's users wait for: its own, or that its inputs wait for
     for k in order:
         up[k] = max([waits[d] for d in deps[k]], default=0)
-        waits[k] = max(up[k], number.get(k, 0))
-    level: dict[int, int] = {}
+        waits[k] = max(up[k], number[k])
+    level = [0] * len(order)
     output = order[-1]  # (it computes nothing)
     for k in reversed(order):
-        later = [level[u] for u in after.get(k, ()) if u != output]
+        later = [level[u] for u in after[k] if u != output]
         level[k] = up[k] if k in reductions or not later else max(up[k], min(later))
     return level
 
 
-def _light(nodes: list[torch.fx.Node], deps: dict[int, set[int]], reductions: set[int]) -> set[int]:
+def _light(nodes: list[torch.fx.Node], deps: list[list[int]], reductions: set[int]) -> set[int]:
     """The reductions whose values ops compute from the graph's inputs alone, producing at most
-    :data:`SMALL_BYTES` in all (a mean's token count), with those ops: they start first."""
-    cone: dict[int, set[int] | None] = {}
+    :data:`SMALL_BYTES` in all (a mean's token count), with those ops: they start first (``deps``:
+    each step's; a node's inputs are the steps of the nodes among them)."""
+    cone: list[set[int] | None] = []
     produced: dict[int, int] = {}  # (of the nodes whose cone is a set)
-    for n in nodes:
+    for k, n in enumerate(nodes):
         if n.op in ("placeholder", "get_attr"):
-            cone[id(n)] = set()
+            cone.append(set())
             continue
-        parts = [cone[id(p)] for p in n.all_input_nodes]
-        mine = None if n.op != "call_function" or any(c is None for c in parts) else set().union({id(n)}, *parts)
+        parts = [cone[p] for p in deps[k] if p < len(nodes)] if n.op == "call_function" else [None]
+        mine = None if any(c is None for c in parts) else set().union({k}, *parts)
         if mine is not None:
-            produced[id(n)] = _produced(n)
-        cone[id(n)] = mine if mine is not None and sum(produced[k] for k in mine) <= SMALL_BYTES else None
+            produced[k] = _produced(n)
+        cone.append(mine if mine is not None and sum(produced[j] for j in mine) <= SMALL_BYTES else None)
     first: set[int] = set()
     for k in reductions:
-        parts = [cone.get(d) for d in deps[k]]
+        parts = [cone[d] for d in deps[k]]
         if all(c is not None for c in parts):
             first |= {k}.union(*parts)
     return first

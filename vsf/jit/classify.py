@@ -54,6 +54,7 @@ __all__ = [
     "VARIANCE_DECOMPOSITIONS",
     "OpClass",
     "classify",
+    "classify_all",
     "constant_nodes",
     "draws_random",
     "never_planned_decompositions",
@@ -202,20 +203,63 @@ class OpClass:
 def classify(node: torch.fx.Node, constants: frozenset[torch.fx.Node] = frozenset()) -> OpClass:
     """The kind of the op ``node`` runs (a ``call_function`` or ``get_attr`` node); ``constants``
     are the graph's :func:`constant_nodes`."""
-    rules = _compat.registered_rules(node.target)
-    local = rules == "single" and node.target not in DISPATCHER_SPECIAL and node.target not in SHAPE_ARGUMENT_OPS
-    ragged_reduction = node.target in RAGGED_REDUCTIONS
-    if node.target in region.REGION_OPS:
-        kind = "manual"
-    elif node.op == "get_attr" or not any(is_tensor_node(a) for a in node.all_input_nodes):  # (no tensor argument)
-        kind = "constant"
-    elif node.target is constraint.CONSTRAINT_OP:
-        kind = "constraint"
-    elif node.target in VALUE_BLIND_OPS:
-        kind = "value_blind"
-    else:
-        kind = "strategy" if rules is not None else "constant" if node in constants else "none"
-    return OpClass(kind, rules, local, ragged_reduction)
+    facts = _op_facts(node.target)
+    return OpClass(_kind(node, constants, facts), *facts[1:])
+
+
+def classify_all(
+    nodes: Sequence[torch.fx.Node], constants: frozenset[torch.fx.Node] = frozenset()
+) -> dict[torch.fx.Node, OpClass]:
+    """:func:`classify` of each of ``nodes``, what depends on the op alone (its rules in DTensor's
+    registry, which no plan changes) worked out once per op.
+
+    Example::
+
+        >>> classify_all(op_nodes(gm), constant_nodes(gm.graph))[mm_node].kind
+        'strategy'
+    """
+    facts: dict[Any, tuple[OpKind | None, str | None, bool, bool]] = {}
+    made: dict[tuple[Any, ...], OpClass] = {}  # (one object per class: they are frozen)
+    out = {}
+    for node in nodes:
+        known = facts.get(node.target)
+        if known is None:
+            known = facts[node.target] = _op_facts(node.target)
+        key = (_kind(node, constants, known), *known[1:])
+        if key not in made:
+            made[key] = OpClass(*key)
+        out[node] = made[key]
+    return out
+
+
+def _op_facts(op: Any) -> tuple[OpKind | None, str | None, bool, bool]:
+    """What :func:`classify` reads of the op alone: the kind it makes any call of it (``None``: as
+    its arguments say), its DTensor rules, whether it runs on the local shards, whether it is a
+    ragged reduction."""
+    rules = _compat.registered_rules(op)
+    local = rules == "single" and op not in DISPATCHER_SPECIAL and op not in SHAPE_ARGUMENT_OPS
+    kind: OpKind | None = (
+        "manual"
+        if op in region.REGION_OPS
+        else "constraint"
+        if op is constraint.CONSTRAINT_OP
+        else "value_blind"
+        if op in VALUE_BLIND_OPS
+        else None
+    )
+    return kind, rules, local, op in RAGGED_REDUCTIONS
+
+
+def _kind(
+    node: torch.fx.Node, constants: frozenset[torch.fx.Node], facts: tuple[OpKind | None, str | None, bool, bool]
+) -> OpKind:
+    """The kind of ``node``'s op, given what its op alone decides (:func:`_op_facts`)."""
+    kind, rules = facts[:2]
+    if kind != "manual" and (node.op == "get_attr" or not any(is_tensor_node(a) for a in node.all_input_nodes)):
+        return "constant"  # (no tensor argument)
+    if kind is None:
+        return "strategy" if rules is not None else "constant" if node in constants else "none"
+    return kind
 
 
 def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
@@ -229,9 +273,9 @@ def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
             found.add(node)
         elif (
             node.op == "call_function"
+            and found.issuperset(node.all_input_nodes)
             and not _seeded(node.target)
             and node.target is not region.AXIS_INDEX_OP
-            and all(a in found for a in node.all_input_nodes)
         ):
             found.add(node)
     return frozenset(found)

@@ -163,9 +163,10 @@ def check_with_dtensor(
         held = tuple(None if p is None else layouts.setdefault(p, p) for p in outs)
         return NodePlan(tuple(layouts.setdefault(p, p) for p in ins), held, op, fallback, direct, inside)
 
+    solvers = [problem.solved[a] if on else None for a, on in zip(dm_axes, live)]
     for k, node in enumerate(problem.ops):
         ins = problem.inputs[node]
-        chosen_here = [problem.solved[a].placement_of(k) if on else None for a, on in zip(dm_axes, live)]
+        chosen_here = [None if s is None else s.placement_of(k) for s in solvers]
         op = problem.strategies.classes[node]
         fallback = bool(ins) and problem.strategies.of(node, asked_n)[1]
         if op.kind in ("constraint", "manual"):
@@ -178,15 +179,23 @@ def check_with_dtensor(
             metas = outputs_meta(node)
             shapes = tuple((tuple(t.shape), t.dtype) for t in metas if t is not None)
             kind = kinds.setdefault((problem.strategies.signature(node), tuple(node.kwargs), shapes, op), len(kinds))
-            key = (kind, fallback, *(id(p) for c in chosen_here if c is not None for side in c for p in side))
-            key += tuple(id(actual[v]) for v in ins)
+            ids = [kind, fallback]
+            for c in chosen_here:
+                if c is not None:
+                    for side in c:
+                        for p in side:
+                            ids.append(id(p))
+            for v in ins:
+                ids.append(id(actual[v]))
+            key = tuple(ids)
             plan = decided.get(key)
             if plan is None:
                 plan = decided[key] = decision(node, op, fallback, chosen_here, [actual[v] for v in ins])
         if manual.inside(node) and op.kind != "manual":
             _local_over_manual(node, mesh, plan.ins, plan.outs)
         for v, dst in zip(ins, plan.ins):
-            move(v, dst, node)
+            if actual[v] is not dst:  # (the same layout object: nothing moves)
+                move(v, dst, node)
         plans[node] = plan
         for i, out in enumerate(plan.outs):
             if out is not None:

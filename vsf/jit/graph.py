@@ -142,10 +142,10 @@ def per_op(fact: Callable[[Any], bool]) -> Callable[[Any], bool]:
     known: dict[Any, bool] = {}
 
     def of(op: Any) -> bool:
-        if _compat.op_schema(op) is None:
-            return fact(op)
-        found = known.get(op)
+        found = known.get(op)  # (it holds op overloads alone)
         if found is None:
+            if _compat.op_schema(op) is None:
+                return fact(op)
             found = known[op] = fact(op)
         return found
 

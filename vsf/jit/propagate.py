@@ -44,7 +44,7 @@ from vsf.config import PlanOptions
 from vsf.errors import PlanError
 from vsf.jit.buckets import form_buckets
 from vsf.jit.combine import check_with_dtensor
-from vsf.jit.classify import classify, constant_nodes
+from vsf.jit.classify import classify_all, constant_nodes
 from vsf.jit import arrivals, manual
 from vsf.jit.cost import NOT_PARTIAL, Codes, OrSum, latency_bytes
 from vsf.jit.memory import peak_bytes
@@ -104,7 +104,7 @@ def propagate(
         inputs=inputs,
         strategies=Strategies(
             options,
-            {n: classify(n, constants) for n in ops},
+            classify_all(ops, constants),
             manual.auto_strategies,
             inputs,
             arrivals.leaves_strided if taking else None,

@@ -42,7 +42,7 @@ def recomputed(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
     again: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         same[node] = node
-        if node.op == "placeholder" or any(a in on_inputs for a in node.all_input_nodes):
+        if node.op == "placeholder" or not on_inputs.isdisjoint(node.all_input_nodes):
             on_inputs.add(node)
         if node.op != "call_function" or draws_random(node.target, node.args, node.kwargs):
             continue

@@ -787,19 +787,21 @@ def _hints(
     (elementwise ones: the same placement in and out). The greedy pass may shard a value into one
     of its hints even where no input is sharded yet, e.g. reduce-scatter a gradient that a ZeRO
     optimizer will want sharded, before a norm of it decides for a full reduction."""
-    hints: list[set[int]] = [set() for _ in problem.values]
+    none: frozenset[int] = frozenset()
+    hints: dict[int, set[int]] = {}  # (the values that have some)
     for v, wants in enumerate(need):
-        hints[v].update(c for c in wants if codes.is_shard(c))
+        if shards := {c for c in wants if codes.is_shard(c)}:
+            hints[v] = shards
     for k in range(len(problem.ops) - 1, -1, -1):
-        wanted = [hints[v] if v >= 0 else set() for v in problem.op_outs[k]]
+        wanted = [hints.get(v, none) for v in problem.op_outs[k]]  # (-1, no output: none)
         if not any(wanted):
             continue
         for ins, outs in strategies[k]:
             if any(o >= 0 and o in w for o, w in zip(outs, wanted)):
                 for v, req in zip(problem.op_ins[k], ins):
                     if codes.is_shard(req) and req in outs:
-                        hints[v].add(req)
-    return [frozenset(h) for h in hints]
+                        hints.setdefault(v, set()).add(req)
+    return [frozenset(hints[v]) if v in hints else none for v in range(len(problem.values))]
 
 
 @dataclasses.dataclass
@@ -852,33 +854,36 @@ class Problem:
         start-up. Charged a whole one each at 64 KiB, 59 parameters of a small FSDP GPT gathered
         looked dearer than moving its activations, which sent 1.7x the bytes in 18 collectives
         instead of 4."""
+        metas = []  # per value, its fake tensor
         for ph in placeholders_of(self.gm):
+            metas.append(meta_of((ph, 0)))
             self._add((ph, 0))
         for k, node in enumerate(self.ops):
-            for i, meta in enumerate(outputs_meta(node)):
+            outs = outputs_meta(node)
+            for i, meta in enumerate(outs):
                 if meta is not None:
                     self.producer_of[self._add((node, i))] = k
-        for k, node in enumerate(self.ops):
-            for v in self.inputs[node]:
-                self.consumers_of.setdefault(self.value_ids[v], []).append(k)
-        self.op_ins = [tuple(self.value_ids[v] for v in self.inputs[node]) for node in self.ops]
-        self.op_outs = [
-            tuple(self.value_ids.get((node, i), -1) for i in range(len(outputs_meta(node)))) for node in self.ops
-        ]
+                    metas.append(meta)
+            self.op_outs.append(tuple(-1 if meta is None else self.value_ids[(node, i)] for i, meta in enumerate(outs)))
+        self.op_ins = [tuple([self.value_ids[v] for v in self.inputs[node]]) for node in self.ops]
+        for k, ins in enumerate(self.op_ins):
+            for v in ins:
+                self.consumers_of.setdefault(v, []).append(k)
         self.views = [is_view(node) for node in self.ops]
         self.same_inputs = [tuple([ins.index(v) for v in ins]) for ins in self.op_ins]
         self.clamp = [0] * len(self.values)
         for v, readers in self.consumers_of.items():
-            cap = 1 + max(collections.Counter(readers).values())
+            # (an op reads a value once, most often: a count of 1 each)
+            cap = 2 if len(set(readers)) == len(readers) else 1 + max(collections.Counter(readers).values())
             if len(readers) >= cap:
                 self.clamp[v] = cap
-        self.value_bytes = [float(t.numel() * t.element_size()) for t in map(meta_of, self.values)]
+        self.value_bytes = [float(t.numel() * t.element_size()) for t in metas]
         counted: dict[tuple[Any, ...], int] = {}  # by op signature (an op's FLOPs are its arguments' shapes')
         for node in self.ops:
             sig = self.strategies.signature(node)
             if sig not in counted:
                 counted[sig] = op_flops(node)
-        self.flops = [counted[self.strategies.signature(node)] for node in self.ops]
+            self.flops.append(counted[sig])
         outs = [[v for v in vs if v >= 0] for vs in self.op_outs]
         after = [False] * len(self.values)  # some work computes it (or a value it is computed from)
         for k in range(len(self.ops)):

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.overrides import TorchFunctionMode
 
 import vsf
+from toy_models import chain_program
 from vsf import _compat
 
 aten = torch.ops.aten
@@ -601,20 +602,14 @@ def test_inductor_compile_runs_an_fx_graph_as_written(cpp_wrapper):
 def test_cpp_wrapper_calls_all_reduces_and_waits_not_gathers():
     """Inductor's C++ wrapper has C shims for the all-reduces and the wait, and no other collective."""
 
-    def program(*ops):
-        graph = torch.fx.Graph()
-        x = graph.placeholder("x")
-        for op in ops:
-            x = graph.call_function(op, (x,))
-        graph.output(x)
-        return torch.fx.GraphModule({}, graph)
-
     c10d = torch.ops._c10d_functional
-    assert _compat.cpp_wrapper_calls(program(aten.sin.default))
-    assert _compat.cpp_wrapper_calls(program(c10d.all_reduce_.default, c10d.wait_tensor.default, aten.mul.Tensor))
-    assert _compat.cpp_wrapper_calls(program(c10d.all_reduce.default, c10d.wait_tensor.default))
+    assert _compat.cpp_wrapper_calls(chain_program(aten.sin.default))
+    assert _compat.cpp_wrapper_calls(chain_program(c10d.all_reduce_.default, c10d.wait_tensor.default, aten.mul.Tensor))
+    assert _compat.cpp_wrapper_calls(chain_program(c10d.all_reduce.default, c10d.wait_tensor.default))
     for collective in (c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor, c10d.all_to_all_single):
-        assert not _compat.cpp_wrapper_calls(program(aten.sin.default, collective.default, c10d.wait_tensor.default))
+        assert not _compat.cpp_wrapper_calls(
+            chain_program(aten.sin.default, collective.default, c10d.wait_tensor.default)
+        )
 
 
 def test_checkpointing_as_eager_traces_the_recompute_eager_autograd_runs():

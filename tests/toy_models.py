@@ -213,3 +213,14 @@ def counted_pipelined(model: nn.Sequential, batches, mesh, schedule: str):
         params = optim.apply_updates(params, updates)
         losses.append(vsf.device_get(loss).item())
     return losses, params, state[0], lowered
+
+
+def chain_program(*ops):
+    """An fx program of one input through ``ops`` in turn, each called on the last one's result
+    (for the tests that read which ops a program holds, never run)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for op in ops:
+        x = graph.call_function(op, (x,))
+    graph.output(x)
+    return torch.fx.GraphModule({}, graph)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vsf
-from toy_models import GPT, GPTConfig
+from toy_models import GPT, GPTConfig, chain_program
 from vsf import P, optim
 from vsf.jit.runner import inductor_program
 
@@ -181,16 +181,6 @@ def test_simulated_program_runs_eagerly_after_one_warning(sim, checked):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
-def _program(*ops):
-    """A graph of one input through ``ops`` in turn (never run: only its ops are read)."""
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    for op in ops:
-        x = graph.call_function(op, (x,))
-    graph.output(x)
-    return torch.fx.GraphModule({}, graph)
-
-
 def test_inductor_program_calls_the_kernels_from_cpp_on_cpu_with_all_reduces_only(monkeypatch, caplog):
     """The C++ wrapper where it can call every collective on CPU; the Python wrapper for gathers,
     off the CPU, and after a C++ wrapper compile that failed, which the log names."""
@@ -205,10 +195,10 @@ def test_inductor_program_calls_the_kernels_from_cpp_on_cpu_with_all_reduces_onl
     monkeypatch.setattr(vsf._compat, "inductor_compile", compile_)
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     reduce, gather = (
-        _program(aten.sin.default, c10d.all_reduce_.default, c10d.wait_tensor.default),
-        _program(c10d.all_gather_into_tensor.default, c10d.wait_tensor.default),
+        chain_program(aten.sin.default, c10d.all_reduce_.default, c10d.wait_tensor.default),
+        chain_program(c10d.all_gather_into_tensor.default, c10d.wait_tensor.default),
     )
-    failing = _program(aten.cos.default)
+    failing = chain_program(aten.cos.default)
     cpu, meta = [torch.ones(2)], [torch.ones(2, device="meta")]
     with caplog.at_level(logging.INFO, logger="vsf.jit"):
         for gm, inputs, want_calls, want in (

@@ -11,10 +11,11 @@ the artifacts between processes). A program on CPU whose collectives are all-red
 kernels called from C++ (Inductor's ``cpp_wrapper``: the same kernels, without the Python
 wrapper's dispatch per kernel, 0.6-0.8 ms of the main thread's 15 ms in the benchmark's DP
 step); any other, or one the C++ wrapper fails to compile, from Python (:func:`inductor_program`).
-An op with math for Inductor (:func:`register_inductor_math`: Adam's fused step, an opaque kernel called once per leaf) is compiled as that math, whose
-in-place writes of donated buffers Inductor keeps in place, so that Inductor fuses it with the
-ops around it (AdamW's moments and param in one pass per leaf, where the eager program makes
-three). A graph Inductor cannot compile runs as it is, after a warning that gives the reason; so do the simulated, interpreted and checked programs (simulated ranks are
+An op with math for Inductor (:func:`register_inductor_math`: Adam's fused step, an opaque kernel
+called once per leaf) is compiled as that math, whose in-place writes of donated buffers Inductor
+keeps in place, so that Inductor fuses it with the ops around it (AdamW's moments and param in one
+pass per leaf, where the eager program makes three). A graph Inductor cannot compile runs as it is,
+after a warning that gives the reason; so do the simulated, interpreted and checked programs (simulated ranks are
 ``LocalTensor``\\ s, which Inductor does not compile), after one warning per program.
 
 Example::

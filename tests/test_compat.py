@@ -1127,3 +1127,20 @@ def test_placeholders_at_once_makes_what_make_fx_makes(monkeypatch):
         "%arg1_1 : [num_users=1] = placeholder[target=arg1_1]",
         "%arg2_1 : [num_users=1] = placeholder[target=arg2_1]",
     ]
+
+
+def test_placeholders_at_once_nested_keeps_the_outer_use_until_it_ends():
+    """A use inside another (a trace within a trace) puts back the outer one's verb when it ends,
+    not fx's: the outer trace still takes the fast path, and fx's own is back after both."""
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tracer = proxy_tensor.PythonKeyTracer
+    with _compat.placeholders_at_once():
+        outer = vars(tracer)["create_args_for_root"]
+        with _compat.placeholders_at_once():
+            assert vars(tracer)["create_args_for_root"] is not outer
+        assert vars(tracer)["create_args_for_root"] is outer
+        gm = make_fx(lambda x, w: x @ w, tracing_mode="fake")(torch.randn(2, 3), torch.randn(3, 4))
+    assert "create_args_for_root" not in vars(tracer)
+    assert [n.name for n in gm.graph.find_nodes(op="placeholder")] == ["x_1", "w_1"]

@@ -824,6 +824,7 @@ def placeholders_at_once() -> Iterator[None]:
 
     tracer_cls, track = proxy_tensor.PythonKeyTracer, proxy_tensor.track_tensor_tree
     general = _symbolic_trace.Tracer.create_args_for_root
+    own = vars(tracer_cls).get("create_args_for_root")  # (a use around this one's, put back after it)
 
     def create_args_for_root(
         self: Any, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
@@ -878,7 +879,10 @@ def placeholders_at_once() -> Iterator[None]:
     try:
         yield
     finally:
-        del tracer_cls.create_args_for_root
+        if own is None:
+            del tracer_cls.create_args_for_root
+        else:
+            tracer_cls.create_args_for_root = own  # type: ignore[method-assign]
         proxy_tensor.track_tensor_tree = track
 
 

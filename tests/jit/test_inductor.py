@@ -57,6 +57,11 @@ def test_compiled_dp_step_with_the_gradients_in_several_buckets_equals_one_devic
         (count,) = r["all_reduces"]
         assert count >= 4
         assert r["adam_ops"] == []
+        # the first all-reduce is the token count (the labels', the global mean's denominator):
+        # issued before the forward's first matmul, waited for where the loss divides by it, so
+        # it runs under the whole forward (as many matmuls as the one-device forward's)
+        assert r["first_all_reduce"] == [{"before": 0, "under": r["forward_matmuls"]}]
+        assert r["forward_matmuls"] > 0
 
 
 @pytest.mark.world("jit_inductor.py", "fallback", nproc=2)

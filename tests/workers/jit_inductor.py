@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vsf  # noqa: E402
@@ -59,19 +60,22 @@ def report_of(jitted, caught):
 
 
 def gpt_case(tx):
-    """``adamw_gpt_case``'s 1-layer GPT, params and batch, with the train step over ``tx``."""
+    """``adamw_gpt_case``'s 1-layer GPT, params and batch, its loss, and the train step over ``tx``."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1, qkv_bias=False)
     model = GPT(cfg)
     params = vsf.tree.from_module(model)
     batch = (torch.randint(0, cfg.vocab, (8, cfg.seq)), torch.randint(0, cfg.vocab, (8, cfg.seq)))
 
+    def loss_fn(params, idx, tgt):
+        return vsf.tree.apply(model, params, idx, tgt)
+
     def train_step(params, opt_state, idx, tgt):
-        loss, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, idx, tgt))(params)
+        loss, grads = vsf.value_and_grad(lambda p: loss_fn(p, idx, tgt))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optim.apply_updates(params, updates), opt_state, loss
 
-    return params, batch, train_step
+    return params, batch, loss_fn, train_step
 
 
 def train(case):
@@ -83,7 +87,7 @@ def train(case):
         if case == "dp_adamw"
         else optim.sgd(0.1)
     )
-    params, batch, train_step = gpt_case(tx)
+    params, batch, loss_fn, train_step = gpt_case(tx)
     want, state, want_losses = params, tx.init(params), []
     for _ in range(3):
         want, state, loss = train_step(want, state, *batch)
@@ -121,10 +125,30 @@ def train(case):
         "device": vsf.tree.leaves(p)[0].to_local().device.type,
         "buffers_reused": reused,
         "all_reduces": [_count(r.local, "all_reduce") for r in runners(step)],
+        "first_all_reduce": [_under_first_all_reduce(r.local) for r in runners(step)],
+        "forward_matmuls": _matmuls(list(make_fx(loss_fn)(params, *batch).graph.nodes)),
         # the Adam ops the last step dispatched (the profiler's events): none where Inductor
         # compiled the update as its math, fused into its own kernels
         "adam_ops": sorted({e.key for e in prof.key_averages() if "adam" in e.key}),
     }
+
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _matmuls(nodes):
+    return sum(n.target in _MATMULS for n in nodes)
+
+
+def _under_first_all_reduce(gm):
+    """The matmuls the traced program ``gm`` runs before its first all-reduce is issued, and
+    between that issue and the all-reduce's wait (``None`` without an all-reduce)."""
+    nodes = list(gm.graph.nodes)
+    issue = next((i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_reduce.default), None)
+    if issue is None:
+        return None
+    wait = next(i for i, n in enumerate(nodes) if nodes[issue] in n.all_input_nodes)
+    return {"before": _matmuls(nodes[:issue]), "under": _matmuls(nodes[issue:wait])}
 
 
 def _count(gm, collective):

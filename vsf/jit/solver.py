@@ -20,7 +20,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Collection
+import operator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -62,6 +63,16 @@ def _numbered(numbers: dict[Any, int], parts: Any) -> list[int]:
     """Each of ``parts`` (hashable) as its number in ``numbers`` (a new one for a part not yet
     there): equal numbers for equal parts."""
     return [numbers.setdefault(part, len(numbers)) for part in parts]
+
+
+def _nothing(entries: list[int]) -> tuple[()]:
+    return ()
+
+
+def _items_of(ids: Collection[int]) -> Callable[[list[int]], Any]:
+    """What reads the entries ``ids`` of a list: the one entry, a tuple of them, or ``()`` (an
+    :func:`operator.itemgetter`, fast)."""
+    return operator.itemgetter(*ids) if ids else _nothing
 
 
 def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
@@ -277,14 +288,17 @@ class AxisSolver:
         Ops of a model's repeated blocks meet the same context, block after block, so :meth:`_pick`
         decides once per context (:attr:`reuse`) what it would decide for each (the same arithmetic
         on the same numbers). The placements wanted of a value are read as their number
-        (:attr:`wants`, kept by :meth:`_apply`): equal numbers, equal placements in the same order."""
-        label, wants = self.label, self.wants
+        (:attr:`wants`, kept by :meth:`_apply`): equal numbers, equal placements in the same order.
+        The inputs' and outputs' entries are read by :attr:`Problem.in_items` and
+        :attr:`Problem.out_items` (one entry, a tuple of several, or ``()``): ops of one fixed
+        context have as many inputs and outputs, so their contexts are equal where the entries are."""
+        ins = self.p.in_items[k]
         return (
             self.fixed_context[k],
-            greedy,
-            -1 if greedy else self.choice[k],
-            tuple([(label[v], wants[v]) for v in self.ins[k]]),
-            tuple([None if v < 0 else wants[v] for v in self.outs[k]]),
+            -2 if greedy else self.choice[k],  # (every op has a choice once the greedy pass placed it)
+            ins(self.label),
+            ins(self.wants),
+            self.p.out_items[k](self.wants),
         )
 
     def _fixed_contexts(self) -> list[int]:
@@ -840,6 +854,9 @@ class Problem:
     # per value, the count its wants are capped at (:meth:`AxisSolver._wanted`): one more than any op
     # reads it; 0 where its readers cannot count past that
     clamp: list[int] = dataclasses.field(default_factory=list)
+    # per op, what reads its inputs' and its outputs' entries of a per-value list (:meth:`AxisSolver._context`)
+    in_items: list[Callable[[list[int]], Any]] = dataclasses.field(default_factory=list)
+    out_items: list[Callable[[list[int]], Any]] = dataclasses.field(default_factory=list)
 
     def index(self) -> None:
         """Number the values, record which op produces and which ops consume each, count each op's
@@ -871,6 +888,8 @@ class Problem:
                 self.consumers_of.setdefault(v, []).append(k)
         self.views = [is_view(node) for node in self.ops]
         self.same_inputs = [tuple([ins.index(v) for v in ins]) for ins in self.op_ins]
+        self.in_items = [_items_of(ins) for ins in self.op_ins]
+        self.out_items = [_items_of([v for v in outs if v >= 0]) for outs in self.op_outs]
         self.clamp = [0] * len(self.values)
         for v, readers in self.consumers_of.items():
             # (an op reads a value once, most often: a count of 1 each)

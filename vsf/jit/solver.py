@@ -106,13 +106,14 @@ class AxisSolver:
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
+        self.dividing = tables.dividing
         self.summing, self.gives = tables.summing, tables.gives
         self.hints = tables.hints
         self.choice = [-1] * len(problem.ops)
         self.tables = tables
         self.picked = tables.picked  # decisions by context (_context), kept for the axis's next solve
         self.costed = tables.costed  # every strategy's cost by context (_costs), likewise
-        self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
+        self.work = self._unsplit_work()
         self.reorder = self._reorders()
         self.fixed_context: list[int] = []  # (numbered when solving: :meth:`_fixed_contexts`)
 
@@ -154,19 +155,17 @@ class AxisSolver:
                     out.setdefault(v, {})[split_dim(p)] = transition_bytes("all_gather", solver.n, self.fb[v])
         return out
 
-    def _unsplit_work(self, k: int) -> float:
-        """What running op ``k`` unsplit on this axis costs beyond its share (:func:`~vsf.jit.cost.unsplit_bytes`),
+    def _unsplit_work(self) -> list[float]:
+        """Per op, what running it unsplit on this axis costs beyond its share (:func:`~vsf.jit.cost.unsplit_bytes`),
         its FLOPs counted on what the axes solved so far leave of them (an op those split runs
         ``1/n`` of its work on each of their ranks)."""
-        flops = float(self.p.flops[k]) if self.p.bytes_per_flop else 0.0
+        per_flop = self.p.bytes_per_flop
+        flops = [float(f) for f in self.p.flops] if per_flop else [0.0] * len(self.p.ops)
         for other, solver in self.p.solved.items():
-            if flops and other != self.axis and solver.splits(k, solver.choice[k]):
-                flops /= solver.n
-        return unsplit_bytes(flops, self.n, self.p.bytes_per_flop)
-
-    def splits(self, k: int, j: int) -> bool:
-        """Does strategy ``j`` of op ``k`` split its work over this axis (:func:`~vsf.jit.cost.splits_work`)?"""
-        return self.splitting[k][j]
+            if other != self.axis:
+                splitting, choice, n = solver.splitting, solver.choice, solver.n
+                flops = [f / n if f and splitting[k][choice[k]] else f for k, f in enumerate(flops)]
+        return [unsplit_bytes(f, self.n, per_flop) for f in flops]
 
     def _op_work(self, k: int, j: int) -> float:
         """The unsplit-work cost of op ``k`` under strategy ``j``."""
@@ -411,11 +410,12 @@ class AxisSolver:
         """One pass of :meth:`_cascades` over the redistributions; did any move pay? A
         redistribution whose moves all failed in an earlier round is not tried again while no move
         kept since changed what they read (:class:`_Failed`)."""
-        moves, improved = [], False
-        for v, need in enumerate(self.need):
-            for req, count in need.items():
-                if count > 0 and req != self.label[v]:
-                    moves.append((self._value_cost(v, self.label[v], {req: 1}), v, req))
+        moves, improved, label = [], False, self.label
+        # (most values are wanted only where they are: one want, of their placement)
+        for v in [v for v, need, lab in zip(itertools.count(), self.need, label) if len(need) > 1 or lab not in need]:
+            for req, count in self.need[v].items():
+                if count > 0 and req != label[v]:
+                    moves.append((self._value_cost(v, label[v], {req: 1}), v, req))
         for _cost, v, req in sorted(moves, reverse=True):
             if not self.need[v].get(req) or req == self.label[v]:
                 continue  # an earlier move removed it
@@ -429,9 +429,8 @@ class AxisSolver:
                 tries += [
                     [(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]
                 ]
-            tries += [[(c, j)] for c, takes in self._takers(v, req) for j in takes] + [
-                m for m in [self._joint(v, req, {})] if m
-            ]
+            takers = self._takers(v, req)
+            tries += [[(c, j)] for c, takes in takers for j in takes] + [m for m in [self._joint(takers, {})] if m]
             for start in tries:
                 if all(self._keeps_split(k, j) for k, j in start) and (changed := self._cascade(start, max_ops, read)):
                     failed.changed(self._around(self._around(changed)))
@@ -444,27 +443,18 @@ class AxisSolver:
     def _takers(self, v: int, req: int) -> list[tuple[int, list[int]]]:
         """The consumers that read value ``v`` redistributed to ``req``, each with its strategies
         that read it as it is (and keep its work split)."""
-        out = []
+        out, lab = [], self.label[v]
         for c in self.p.consumers_of.get(v, ()):
             here = [i for i, u in enumerate(self.ins[c]) if u == v]
-            if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
-                out.append(
-                    (
-                        c,
-                        [
-                            j
-                            for j, (ins, _) in enumerate(self.strategies[c])
-                            if all(ins[i] == self.label[v] for i in here) and self._keeps_split(c, j)
-                        ],
-                    )
-                )
+            options = self.strategies[c]
+            if any(options[self.choice[c]][0][i] == req for i in here):
+                out.append((c, [j for j in self._kept(c) if all(options[j][0][i] == lab for i in here)]))
         return out
 
-    def _joint(self, v: int, req: int, changed: dict[int, int]) -> list[tuple[int, int]]:
-        """All the ops that read value ``v`` redistributed to ``req`` (two or more, none
-        ``changed``) reading it as it is, each in its cheapest such strategy, or ``[]``: the
+    def _joint(self, takers: list[tuple[int, list[int]]], changed: dict[int, int]) -> list[tuple[int, int]]:
+        """All the ops that read a value redistributed (``takers``: :meth:`_takers`; two or more,
+        none ``changed``) reading it as it is, each in its cheapest such strategy, or ``[]``: the
         redistribution stays while any one of them needs it, so none gains alone."""
-        takers = self._takers(v, req)
         if len(takers) < 2 or any(c in changed or not takes for c, takes in takers):
             return []
         return [(c, min(takes, key=self._costs(c).__getitem__)) for c, takes in takers]
@@ -477,6 +467,13 @@ class AxisSolver:
         not another op."""
         divided = self.divided[k]
         return self.view[k] or divided[j] or not divided[self.choice[k]]
+
+    def _kept(self, k: int) -> range | tuple[int, ...]:
+        """The strategies of op ``k`` that keep its work split where its current one does
+        (:meth:`_keeps_split`), in their order."""
+        if self.view[k] or not self.divided[k][self.choice[k]]:
+            return range(len(self.strategies[k]))
+        return self.dividing[k]
 
     def _cascade(self, start: list[tuple[int, int]], max_ops: int, read: set[int]) -> list[int]:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
@@ -517,7 +514,7 @@ class AxisSolver:
                 continue
             costs = self._costs(c)
             here = costs[self.choice[c]]
-            best_cost, best = min((costs[s], s) for s in range(len(costs)) if self._keeps_split(c, s))
+            best_cost, best = min([(costs[s], s) for s in self._kept(c)])
             if best_cost < here - 1e-6:
                 change(c, best)
                 continue
@@ -526,7 +523,14 @@ class AxisSolver:
                     self.ins[c], self.strategies[c][self.choice[c]][0]
                 )  # a value c reads redistributed, as others do?
                 for op, st in next(
-                    (m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), []
+                    (
+                        m
+                        for v, req in reads
+                        if req != self.label[v]
+                        for m in [self._joint(self._takers(v, req), old)]
+                        if m
+                    ),
+                    [],
                 ):
                     change(op, st)
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
@@ -710,7 +714,8 @@ class AxisTables:
     (:meth:`build`) and shared by its solvers: the placement codes; the seeds' labels; the
     outputs' requirements (``need``; ``final`` where one is a placement); per op its strategies
     encoded (ops of one signature share one list), which of them split its work (``splitting``),
-    which leave an operand split, a shard or a partial sum (``divided``), and the hints
+    which leave an operand split, a shard or a partial sum (``divided``; ``dividing``: their
+    numbers), and the hints
     (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
     per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
@@ -727,6 +732,7 @@ class AxisTables:
     strategies: list[Encoded]
     splitting: list[tuple[bool, ...]]
     divided: list[tuple[bool, ...]]
+    dividing: list[tuple[int, ...]]  # per op, its strategies that leave an operand split (``divided``)
     hints: list[frozenset[int]]
     summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
@@ -763,7 +769,18 @@ class AxisTables:
                 )
         splitting = [by_list[id(options)][0] for options in strategies]
         divided = [by_list[id(options)][1] for options in strategies]
-        return cls(codes, label, need, final, strategies, splitting, divided, _hints(problem, codes, need, strategies))
+        dividing = {id(d): tuple([j for j, split in enumerate(d) if split]) for d in divided}
+        return cls(
+            codes,
+            label,
+            need,
+            final,
+            strategies,
+            splitting,
+            divided,
+            [dividing[id(d)] for d in divided],
+            _hints(problem, codes, need, strategies),
+        )
 
 
 def _strategy_lists(problem: "Problem", axis: str, codes: Codes) -> list[Encoded]:

@@ -411,8 +411,7 @@ class AxisSolver:
         redistribution whose moves all failed in an earlier round is not tried again while no move
         kept since changed what they read (:class:`_Failed`)."""
         moves, improved, label = [], False, self.label
-        # (most values are wanted only where they are: one want, of their placement)
-        for v in [v for v, need, lab in zip(itertools.count(), self.need, label) if len(need) > 1 or lab not in need]:
+        for v in self._elsewhere():
             for req, count in self.need[v].items():
                 if count > 0 and req != label[v]:
                     moves.append((self._value_cost(v, label[v], {req: 1}), v, req))
@@ -439,6 +438,13 @@ class AxisSolver:
             else:
                 failed.add((v, req), read)
         return improved
+
+    def _elsewhere(self) -> list[int]:
+        """The values that may cost something: all but those wanted only where they are (one want,
+        of their placement, which sends nothing and starts no collective: 0 in :class:`Codes`' rows),
+        most of them."""
+        free, label = self.codes.free, self.label
+        return [v for v, need in enumerate(self.need) if len(need) > 1 or not free[label[v]] or label[v] not in need]
 
     def _takers(self, v: int, req: int) -> list[tuple[int, list[int]]]:
         """The consumers that read value ``v`` redistributed to ``req``, each with its strategies
@@ -565,7 +571,7 @@ class AxisSolver:
         or a FLOP is set to cost less than nothing)."""
         if self.codes.latency < 0 or self.p.bytes_per_flop < 0:
             return set(range(len(self.p.ops)))
-        costly = [v for v in range(len(self.need)) if self._value_cost(v, self.label[v], self.need[v])]
+        costly = [v for v in self._elsewhere() if self._value_cost(v, self.label[v], self.need[v])]
         return self._around([k for k in range(len(self.p.ops)) if self._op_work(k, self.choice[k])], costly)
 
     def _around(self, ops: Collection[int], values: Collection[int] = ()) -> set[int]:

@@ -600,25 +600,21 @@ class AxisSolver:
         the whole costs less: partial products summed before one reduction (the gradients of one
         input used by the q, k and v projections), which no single op's change pays for (each alone
         adds a reduction the sum would have shared). Returns the ops of the moves kept."""
-        partial = self.codes.is_partial
-        options = self.strategies[k]
-        if id(options) not in self.summing:
+        partial, options, ins, label = self.codes.partial, self.strategies[k], self.ins[k], self.label
+        if id(options) not in self.summing:  # (a strategy that takes no partial input makes no move)
             self.summing[id(options)] = [
-                j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)
+                (j, sums)
+                for j, (takes, outs) in enumerate(options)
+                if any(o >= 0 and partial[o] for o in outs)
+                for sums in [[(i, req) for i, req in enumerate(takes) if partial[req]]]
+                if sums
             ]
         changed: list[int] = []
-        for j in self.summing[id(options)]:
-            ins = options[j][0]
+        for j, sums in self.summing[id(options)]:
             if j == self.choice[k]:
                 continue
             moves: dict[int, int] = {}
-            if (
-                all(
-                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves)
-                    for v, req in zip(self.ins[k], ins)
-                )
-                and moves
-            ):
+            if all(label[ins[i]] == req or self._make_partial(ins[i], req, moves) for i, req in sums) and moves:
                 moves[k] = j
                 if self._try(moves):
                     changed += moves
@@ -722,7 +718,8 @@ class AxisTables:
     encoded (ops of one signature share one list), which of them split its work (``splitting``),
     which leave an operand split, a shard or a partial sum (``divided``; ``dividing``: their
     numbers), and the hints
-    (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
+    (:func:`_hints`); per strategy list the strategies giving a partial result from partial
+    inputs, each with those inputs' positions and placements (``summing``), and
     per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
     (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
@@ -740,7 +737,7 @@ class AxisTables:
     divided: list[tuple[bool, ...]]
     dividing: list[tuple[int, ...]]  # per op, its strategies that leave an operand split (``divided``)
     hints: list[frozenset[int]]
-    summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    summing: dict[int, list[tuple[int, list[tuple[int, int]]]]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
     parts: dict[Any, int] = dataclasses.field(default_factory=dict)
     wants: dict[tuple[tuple[int, int], ...], int] = dataclasses.field(default_factory=dict)

@@ -113,6 +113,7 @@ class AxisSolver:
         self.tables = tables
         self.picked = tables.picked  # decisions by context (_context), kept for the axis's next solve
         self.costed = tables.costed  # every strategy's cost by context (_costs), likewise
+        self.valued = tables.valued  # values' costs (_value_costs), likewise
         self.work = self._unsplit_work()
         self.reorder = self._reorders()
         self.fixed_context: list[int] = []  # (numbered when solving: :meth:`_fixed_contexts`)
@@ -188,11 +189,18 @@ class AxisSolver:
         return sum(self.fb[v] * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
 
     def _value_costs(self, v: int) -> tuple[float, float]:
-        """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups)."""
-        row = self.codes.factor[self.label[v]]
-        return self._value_cost(v, self.label[v], self.need[v]), sum(
-            self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0
-        )
+        """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups),
+        found once per bytes, start-up share, placement and wants (:attr:`AxisTables.valued`):
+        all that the sums read (the wants' number says which placements are wanted, in their order)."""
+        key = (self.fb[v], self.share[v], self.label[v], self.wants[v])
+        costs = self.valued.get(key)
+        if costs is None:
+            row = self.codes.factor[self.label[v]]
+            costs = self.valued[key] = (
+                self._value_cost(v, self.label[v], self.need[v]),
+                sum(self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0),
+            )
+        return costs
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
         """Does this strategy shard an input on this axis when no input already arrives sharded
@@ -724,8 +732,9 @@ class AxisTables:
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
     (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
     often (``wants``: :meth:`AxisSolver._context`; ``first_wants``: each value's before any op is
-    placed), and the decisions and costs by context
-    (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`), which depend on
+    placed), the decisions and costs by context
+    (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`) and the values'
+    costs (``valued``: :meth:`AxisSolver._value_costs`), which depend on
     nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
 
     codes: Codes
@@ -744,6 +753,7 @@ class AxisTables:
     first_wants: list[int] | None = None  # the wants' numbers before any op is placed (:class:`AxisSolver`)
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    valued: dict[tuple[float, float, int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":

@@ -85,8 +85,9 @@ def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
 class AxisSolver:
     """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
-    # decide once per op context (:meth:`_context`) and solve an axis's problem once (:meth:`poses_as`);
-    # False costs every op anew and solves every sweep (tests compare)
+    # decide once per op context (:meth:`_context`), cost a value once per state (:meth:`_value_costs`)
+    # and solve an axis's problem once (:meth:`poses_as`); False costs every op and value anew and
+    # solves every sweep (tests compare)
     reuse = True
 
     def __init__(self, problem: "Problem", axis: str, tables: "AxisTables") -> None:
@@ -190,16 +191,19 @@ class AxisSolver:
 
     def _value_costs(self, v: int) -> tuple[float, float]:
         """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups),
-        found once per bytes, start-up share, placement and wants (:attr:`AxisTables.valued`):
-        all that the sums read (the wants' number says which placements are wanted, in their order)."""
-        key = (self.fb[v], self.share[v], self.label[v], self.wants[v])
-        costs = self.valued.get(key)
+        found once per bytes, start-up share, placement and wants (:attr:`AxisTables.valued`,
+        :attr:`reuse`): all that the sums read (the wants' number says which placements are wanted,
+        in their order)."""
+        key = (self.fb[v], self.share[v], self.label[v], self.wants[v]) if self.reuse else None
+        costs = self.valued.get(key) if key is not None else None
         if costs is None:
             row = self.codes.factor[self.label[v]]
-            costs = self.valued[key] = (
+            costs = (
                 self._value_cost(v, self.label[v], self.need[v]),
                 sum(self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0),
             )
+            if key is not None:
+                self.valued[key] = costs
         return costs
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:

@@ -108,7 +108,7 @@ class AxisSolver:
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
         self.dividing = tables.dividing
-        self.summing, self.gives = tables.summing, tables.gives
+        self.summing, self.gives, self.reading = tables.summing, tables.gives, tables.reading
         self.hints = tables.hints
         self.choice = [-1] * len(problem.ops)
         self.tables = tables
@@ -436,10 +436,7 @@ class AxisSolver:
             read = {k for k in (p, *self.p.consumers_of.get(v, ())) if k is not None}  # (the tries' ops)
             tries = []
             if p is not None:
-                i = self.outs[p].index(v)
-                tries += [
-                    [(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]
-                ]
+                tries += [[(p, j)] for j in self._giving(p, self.outs[p].index(v), req) if j != self.choice[p]]
             takers = self._takers(v, req)
             tries += [[(c, j)] for c, takes in takers for j in takes] + [m for m in [self._joint(takers, {})] if m]
             for start in tries:
@@ -463,11 +460,31 @@ class AxisSolver:
         that read it as it is (and keep its work split)."""
         out, lab = [], self.label[v]
         for c in self.p.consumers_of.get(v, ()):
-            here = [i for i, u in enumerate(self.ins[c]) if u == v]
-            options = self.strategies[c]
-            if any(options[self.choice[c]][0][i] == req for i in here):
-                out.append((c, [j for j in self._kept(c) if all(options[j][0][i] == lab for i in here)]))
+            here = tuple([i for i, u in enumerate(self.ins[c]) if u == v])
+            if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
+                out.append((c, self._reading(c, here, lab)))
         return out
+
+    def _reading(self, c: int, here: tuple[int, ...], lab: int) -> list[int]:
+        """The strategies of op ``c`` that keep its work split (:meth:`_kept`) and read its inputs
+        ``here`` as ``lab``, in their order, found once per strategy list, inputs, placement and
+        whether every strategy keeps the work split (:attr:`AxisTables.reading`)."""
+        kept = self._kept(c)
+        key = (id(self.strategies[c]), here, lab, isinstance(kept, range))
+        found = self.reading.get(key)
+        if found is None:
+            options = self.strategies[c]
+            found = self.reading[key] = [j for j in kept if all(options[j][0][i] == lab for i in here)]
+        return found
+
+    def _giving(self, p: int, i: int, req: int) -> list[int]:
+        """The strategies of op ``p`` whose output ``i`` is ``req``, in their order, found once per
+        strategy list (:attr:`AxisTables.gives`)."""
+        key = (id(self.strategies[p]), i, req)
+        found = self.gives.get(key)
+        if found is None:
+            found = self.gives[key] = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
+        return found
 
     def _joint(self, takers: list[tuple[int, list[int]]], changed: dict[int, int]) -> list[tuple[int, int]]:
         """All the ops that read a value redistributed (``takers``: :meth:`_takers`; two or more,
@@ -638,14 +655,11 @@ class AxisSolver:
         p = self.p.producer_of.get(v)
         if p is None or depth == 0 or p in moves:
             return False
-        i = self.outs[p].index(v)
-        key = (id(self.strategies[p]), i, req)
-        if key not in self.gives:
-            self.gives[key] = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
-        if not self.gives[key]:
+        gives = self._giving(p, self.outs[p].index(v), req)
+        if not gives:
             return False
         costs = self._costs(p)
-        best_cost, j = min((costs[j], j) for j in self.gives[key])
+        best_cost, j = min((costs[j], j) for j in gives)
         if best_cost == INF and not self.view[p]:
             # (a view of a value not yet partial costs infinite as a partial until its producer is
             # made partial too, below; :meth:`_try` costs the whole move)
@@ -732,7 +746,9 @@ class AxisTables:
     numbers), and the hints
     (:func:`_hints`); per strategy list the strategies giving a partial result from partial
     inputs, each with those inputs' positions and placements (``summing``), and
-    per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
+    per list, output and placement those giving it (``gives``), and per list, inputs, placement
+    and whether all keep the work split those reading the inputs so (``reading``), filled as the
+    solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
     (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
     often (``wants``: :meth:`AxisSolver._context`; ``first_wants``: each value's before any op is
@@ -752,6 +768,7 @@ class AxisTables:
     hints: list[frozenset[int]]
     summing: dict[int, list[tuple[int, list[tuple[int, int]]]]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
+    reading: dict[tuple[int, tuple[int, ...], int, bool], list[int]] = dataclasses.field(default_factory=dict)
     parts: dict[Any, int] = dataclasses.field(default_factory=dict)
     wants: dict[tuple[tuple[int, int], ...], int] = dataclasses.field(default_factory=dict)
     first_wants: list[int] | None = None  # the wants' numbers before any op is placed (:class:`AxisSolver`)

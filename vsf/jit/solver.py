@@ -40,7 +40,7 @@ from vsf.jit.cost import (
     unsplit_bytes,
 )
 from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
-from vsf.jit.plan import R, is_shard, split_dim
+from vsf.jit.plan import R, split_dim
 from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
@@ -151,10 +151,11 @@ class AxisSolver:
         for other, solver in self.p.solved.items():
             if other == self.axis or order.index(other) < here:
                 continue
-            for v, c in enumerate(solver.label):
-                p = solver.codes.placements[c]
-                if is_shard(p):
-                    out.setdefault(v, {})[split_dim(p)] = transition_bytes("all_gather", solver.n, self.fb[v])
+            label, shard, placements = solver.label, solver.codes.shard, solver.codes.placements
+            for v in [v for v, c in enumerate(label) if shard[c]]:
+                out.setdefault(v, {})[split_dim(placements[label[v]])] = transition_bytes(
+                    "all_gather", solver.n, self.fb[v]
+                )
         return out
 
     def _unsplit_work(self) -> list[float]:
@@ -319,18 +320,19 @@ class AxisSolver:
         required placement, and per input and output whether its collective runs alone (:attr:`Problem.alone`)."""
         fb, hints, reorder, final, alone = self.fb, self.hints, self.reorder, self.final, self.alone
         numbers = self.tables.parts
-        values = range(len(fb))
-        moves = (tuple(reorder[v].items()) if v in reorder else None for v in values)
+        moves: list[tuple[tuple[int, float], ...] | None] = [None] * len(fb)
+        for v, costs in reorder.items():
+            moves[v] = tuple(costs.items())
         # per value, a number for its part as an input, and as an output
         read = _numbered(numbers, zip(itertools.repeat("in"), fb, alone, hints, moves))
-        made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, values)))
+        made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, range(len(fb)))))
         return _numbered(
             numbers,
             zip(
                 map(id, self.strategies),
                 self.work,
-                self.p.same_inputs,
-                (tuple([read[v] for v in ins]) for ins in self.ins),
+                self.p.same_inputs,  # (as many entries as inputs: :attr:`Problem.in_items` reads them)
+                [ins(read) for ins in self.p.in_items],
                 (tuple([None if v < 0 else made[v] for v in outs]) for outs in self.outs),
             ),
         )

@@ -268,20 +268,22 @@ class AxisSolver:
         return total
 
     def _apply(self, k: int, j: int) -> None:
-        need = self.need
-        if self.choice[k] >= 0:
-            for v, req in zip(self.ins[k], self.strategies[k][self.choice[k]][0]):
+        need, values, options, was = self.need, self.ins[k], self.strategies[k], self.choice[k]
+        if was >= 0:
+            for v, req in zip(values, options[was][0]):
                 need[v][req] -= 1
         self.choice[k] = j
-        ins, outs = self.strategies[k][j]
-        for v, req in zip(self.ins[k], ins):
-            need[v][req] = need[v].get(req, 0) + 1
-        wants = self.tables.wants
-        for v in self.ins[k]:
-            self.wants[v] = wants.setdefault(self._wanted(v), len(wants))
+        reqs, outs = options[j]
+        for v, req in zip(values, reqs):
+            counts = need[v]
+            counts[req] = counts.get(req, 0) + 1
+        wants, numbers, wanted = self.wants, self.tables.wants, self._wanted
+        for v in values:
+            wants[v] = numbers.setdefault(wanted(v), len(numbers))
+        label = self.label
         for v, lab in zip(self.outs[k], outs):
             if v >= 0 and lab >= 0:
-                self.label[v] = lab
+                label[v] = lab
 
     def _wanted(self, v: int) -> tuple[tuple[int, int], ...]:
         """The placements wanted of value ``v`` and how often, in their order, each count capped at
@@ -338,12 +340,11 @@ class AxisSolver:
         )
 
     def _pick(self, k: int, greedy: bool) -> bool:
-        options = range(len(self.strategies[k]))
-        if len(options) == 1 and not greedy:
+        if len(self.strategies[k]) == 1 and not greedy:
             return False
         key = self._context(k, greedy) if self.reuse else None
-        if key in self.picked:
-            j = self.picked[key]
+        j = self.picked.get(key, -1) if key is not None else -1  # (-1: not decided in this context yet)
+        if j != -1:
             if j is not None:
                 self._apply(k, j)
             return j is not None

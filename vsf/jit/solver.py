@@ -794,28 +794,28 @@ class AxisTables:
             if req is not NOT_PARTIAL and not isinstance(req, OrSum):
                 final[vid[v]] = c
         strategies = _strategy_lists(problem, axis, codes)
-        by_list: dict[int, tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
+        by_list: dict[int, tuple[tuple[bool, ...], tuple[bool, ...], tuple[int, ...]]] = {}
         for options in strategies:
             if id(options) not in by_list:
+                divided = tuple(
+                    any(c >= 0 and (codes.is_shard(c) or codes.is_partial(c)) for c in (*ins, *outs))
+                    for ins, outs in options
+                )
                 by_list[id(options)] = (
                     tuple(splits_work([codes.placements[c] for c in (*ins, *outs) if c >= 0]) for ins, outs in options),
-                    tuple(
-                        any(c >= 0 and (codes.is_shard(c) or codes.is_partial(c)) for c in (*ins, *outs))
-                        for ins, outs in options
-                    ),
+                    divided,
+                    tuple([j for j, split in enumerate(divided) if split]),
                 )
-        splitting = [by_list[id(options)][0] for options in strategies]
-        divided = [by_list[id(options)][1] for options in strategies]
-        dividing = {id(d): tuple([j for j, split in enumerate(d) if split]) for d in divided}
+        rows = [by_list[id(options)] for options in strategies]
         return cls(
             codes,
             label,
             need,
             final,
             strategies,
-            splitting,
-            divided,
-            [dividing[id(d)] for d in divided],
+            [row[0] for row in rows],
+            [row[1] for row in rows],
+            [row[2] for row in rows],
             _hints(problem, codes, need, strategies),
         )
 
@@ -824,15 +824,17 @@ def _strategy_lists(problem: "Problem", axis: str, codes: Codes) -> list[Encoded
     """Per op, its strategies on ``axis`` encoded: a manual region's fixed one, those giving a
     constrained sharding, or DTensor's (:meth:`Strategies.of`, encoded once per list)."""
     n = problem.mesh.axis_size(axis)
+    manual, constrained, of = problem.fixed.get(axis, {}), problem.pinned[axis], problem.strategies.of
+    ragged, balanced = tuple(problem.ragged[axis]), problem.balanced.get(axis, False)
     encoded: dict[int, Encoded] = {}
     out = []
     for node in problem.ops:
-        fixed = problem.fixed.get(axis, {}).get(node)
+        fixed = manual.get(node)
         if fixed is not None:  # a manual region: its specs are its only strategies
             out.append(_encode(codes, fixed))
             continue
-        allowed = problem.strategies.of(node, n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
-        pinned = problem.pinned[axis].get(node)
+        allowed = of(node, n, ragged, balanced)[0]
+        pinned = constrained.get(node)
         if pinned is not None:
             allowed = [st for st in allowed if st.outs[0] in pinned]
             if not allowed:

@@ -204,6 +204,42 @@ def test_moves_skipped_that_cannot_pay_plan_as_every_move_tried(sim, monkeypatch
     assert_same_plans(skipping, every)
 
 
+def test_strategies_listed_once_per_list_are_each_ops_own(sim, monkeypatch):
+    """A cascade round lists an op's strategies that read an input as it is and keep the op's work
+    split (``AxisSolver._reading``), and those giving an output a placement (``_giving``), once per
+    strategy list, inputs and placement (and whether every strategy keeps the work split): for
+    every strategy list of a 2-layer GPT's AdamW step on tp, its op under a strategy that leaves
+    an operand split and under one that leaves none, they are the strategies that do so one by one."""
+    from vsf.jit import solver
+
+    sim(8, compute=False)
+    solvers = []
+    solve = solver.AxisSolver.solve
+    monkeypatch.setattr(solver.AxisSolver, "solve", lambda self: solvers.append(self) or solve(self))
+    _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
+    tp = [s for s in solvers if s.axis == "tp"][-1]
+    lists = {id(options): c for c, options in enumerate(tp.strategies)}.values()
+    modes = set()
+    for c in lists:
+        options = tp.strategies[c]
+        for was in {tp.divided[c][j]: j for j in range(len(options))}.values():
+            tp.choice[c] = was
+            modes.add((tp.view[c], tp.divided[c][was]))
+            for v in tp.ins[c]:
+                here = tuple(i for i, u in enumerate(tp.ins[c]) if u == v)
+                for lab in {st[0][here[0]] for st in options}:
+                    one_by_one = [
+                        j
+                        for j in range(len(options))
+                        if tp._keeps_split(c, j) and all(options[j][0][i] == lab for i in here)
+                    ]
+                    assert tp._reading(c, here, lab) == one_by_one
+            for i in range(len(tp.outs[c])):
+                for req in {st[1][i] for st in options}:
+                    assert tp._giving(c, i, req) == [j for j, (_, outs) in enumerate(options) if outs[i] == req]
+    assert (False, True) in modes and (False, False) in modes  # (both ways of keeping work split were met)
+
+
 def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
     """An axis's problem is solved again unless every number the solver reads from the other
     axes is the one it solved with (``AxisSolver.poses_as``): posed again as it was, solving gives

@@ -163,6 +163,7 @@ class Codes:
         self.fixed: list[list[float]] = []
         self.shard: list[bool] = []
         self.partial: list[bool] = []
+        self.free: list[bool] = []  # a value placed so and wanted so costs nothing (every placement's)
         self.code(R)
 
     def code(self, p: Any) -> int:
@@ -177,6 +178,7 @@ class Codes:
             self.fixed.append([self._fixed(p, b) for b in self.placements])
             self.shard.append(is_shard(p))
             self.partial.append(isinstance(p, Partial))
+            self.free.append(self.factor[c][c] == 0.0 and self.fixed[c][c] == 0.0)
         return c
 
     def _fixed(self, a: Any, b: Any) -> float:

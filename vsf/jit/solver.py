@@ -20,7 +20,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Collection
+import operator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from vsf.jit.cost import (
     unsplit_bytes,
 )
 from vsf.jit.graph import Value, is_view, meta_of, outputs_meta, placeholders_of, user_line
-from vsf.jit.plan import R, is_shard, split_dim
+from vsf.jit.plan import R, split_dim
 from vsf.jit.strategies import Strategies, Strategy
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import RaggedPlacement
@@ -64,6 +65,16 @@ def _numbered(numbers: dict[Any, int], parts: Any) -> list[int]:
     return [numbers.setdefault(part, len(numbers)) for part in parts]
 
 
+def _nothing(entries: list[int]) -> tuple[()]:
+    return ()
+
+
+def _items_of(ids: Collection[int]) -> Callable[[list[int]], Any]:
+    """What reads the entries ``ids`` of a list: the one entry, a tuple of them, or ``()`` (an
+    :func:`operator.itemgetter`, fast)."""
+    return operator.itemgetter(*ids) if ids else _nothing
+
+
 def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
     return [
         (tuple(codes.code(p) for p in st.ins), tuple(-1 if p is None else codes.code(p) for p in st.outs))
@@ -74,8 +85,9 @@ def _encode(codes: "Codes", strategies: list[Strategy]) -> "Encoded":
 class AxisSolver:
     """Chooses one strategy per op for one mesh axis (greedy in graph order, then local repair)."""
 
-    # decide once per op context (:meth:`_context`) and solve an axis's problem once (:meth:`poses_as`);
-    # False costs every op anew and solves every sweep (tests compare)
+    # decide once per op context (:meth:`_context`), cost a value once per state (:meth:`_value_costs`)
+    # and solve an axis's problem once (:meth:`poses_as`); False costs every op and value anew and
+    # solves every sweep (tests compare)
     reuse = True
 
     def __init__(self, problem: "Problem", axis: str, tables: "AxisTables") -> None:
@@ -95,13 +107,15 @@ class AxisSolver:
         self.final = tables.final
         self.ins, self.outs, self.view = problem.op_ins, problem.op_outs, problem.views
         self.strategies, self.splitting, self.divided = tables.strategies, tables.splitting, tables.divided
-        self.summing, self.gives = tables.summing, tables.gives
+        self.dividing = tables.dividing
+        self.summing, self.gives, self.reading = tables.summing, tables.gives, tables.reading
         self.hints = tables.hints
         self.choice = [-1] * len(problem.ops)
         self.tables = tables
         self.picked = tables.picked  # decisions by context (_context), kept for the axis's next solve
         self.costed = tables.costed  # every strategy's cost by context (_costs), likewise
-        self.work = [self._unsplit_work(k) for k in range(len(problem.ops))]
+        self.valued = tables.valued  # values' costs (_value_costs), likewise
+        self.work = self._unsplit_work()
         self.reorder = self._reorders()
         self.fixed_context: list[int] = []  # (numbered when solving: :meth:`_fixed_contexts`)
 
@@ -137,25 +151,24 @@ class AxisSolver:
         for other, solver in self.p.solved.items():
             if other == self.axis or order.index(other) < here:
                 continue
-            for v, c in enumerate(solver.label):
-                p = solver.codes.placements[c]
-                if is_shard(p):
-                    out.setdefault(v, {})[split_dim(p)] = transition_bytes("all_gather", solver.n, self.fb[v])
+            label, shard, placements = solver.label, solver.codes.shard, solver.codes.placements
+            for v in [v for v, c in enumerate(label) if shard[c]]:
+                out.setdefault(v, {})[split_dim(placements[label[v]])] = transition_bytes(
+                    "all_gather", solver.n, self.fb[v]
+                )
         return out
 
-    def _unsplit_work(self, k: int) -> float:
-        """What running op ``k`` unsplit on this axis costs beyond its share (:func:`~vsf.jit.cost.unsplit_bytes`),
+    def _unsplit_work(self) -> list[float]:
+        """Per op, what running it unsplit on this axis costs beyond its share (:func:`~vsf.jit.cost.unsplit_bytes`),
         its FLOPs counted on what the axes solved so far leave of them (an op those split runs
         ``1/n`` of its work on each of their ranks)."""
-        flops = float(self.p.flops[k]) if self.p.bytes_per_flop else 0.0
+        per_flop = self.p.bytes_per_flop
+        flops = [float(f) for f in self.p.flops] if per_flop else [0.0] * len(self.p.ops)
         for other, solver in self.p.solved.items():
-            if flops and other != self.axis and solver.splits(k, solver.choice[k]):
-                flops /= solver.n
-        return unsplit_bytes(flops, self.n, self.p.bytes_per_flop)
-
-    def splits(self, k: int, j: int) -> bool:
-        """Does strategy ``j`` of op ``k`` split its work over this axis (:func:`~vsf.jit.cost.splits_work`)?"""
-        return self.splitting[k][j]
+            if other != self.axis:
+                splitting, choice, n = solver.splitting, solver.choice, solver.n
+                flops = [f / n if f and splitting[k][choice[k]] else f for k, f in enumerate(flops)]
+        return [unsplit_bytes(f, self.n, per_flop) for f in flops]
 
     def _op_work(self, k: int, j: int) -> float:
         """The unsplit-work cost of op ``k`` under strategy ``j``."""
@@ -178,11 +191,21 @@ class AxisSolver:
         return sum(self.fb[v] * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
 
     def _value_costs(self, v: int) -> tuple[float, float]:
-        """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups)."""
-        row = self.codes.factor[self.label[v]]
-        return self._value_cost(v, self.label[v], self.need[v]), sum(
-            self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0
-        )
+        """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups),
+        found once per bytes, start-up share, placement and wants (:attr:`AxisTables.valued`,
+        :attr:`reuse`): all that the sums read (the wants' number says which placements are wanted,
+        in their order)."""
+        key = (self.fb[v], self.share[v], self.label[v], self.wants[v]) if self.reuse else None
+        costs = self.valued.get(key) if key is not None else None
+        if costs is None:
+            row = self.codes.factor[self.label[v]]
+            costs = (
+                self._value_cost(v, self.label[v], self.need[v]),
+                sum(self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0),
+            )
+            if key is not None:
+                self.valued[key] = costs
+        return costs
 
     def _gratuitous(self, k: int, ins: tuple[int, ...]) -> bool:
         """Does this strategy shard an input on this axis when no input already arrives sharded
@@ -245,20 +268,22 @@ class AxisSolver:
         return total
 
     def _apply(self, k: int, j: int) -> None:
-        need = self.need
-        if self.choice[k] >= 0:
-            for v, req in zip(self.ins[k], self.strategies[k][self.choice[k]][0]):
+        need, values, options, was = self.need, self.ins[k], self.strategies[k], self.choice[k]
+        if was >= 0:
+            for v, req in zip(values, options[was][0]):
                 need[v][req] -= 1
         self.choice[k] = j
-        ins, outs = self.strategies[k][j]
-        for v, req in zip(self.ins[k], ins):
-            need[v][req] = need[v].get(req, 0) + 1
-        wants = self.tables.wants
-        for v in self.ins[k]:
-            self.wants[v] = wants.setdefault(self._wanted(v), len(wants))
+        reqs, outs = options[j]
+        for v, req in zip(values, reqs):
+            counts = need[v]
+            counts[req] = counts.get(req, 0) + 1
+        wants, numbers, wanted = self.wants, self.tables.wants, self._wanted
+        for v in values:
+            wants[v] = numbers.setdefault(wanted(v), len(numbers))
+        label = self.label
         for v, lab in zip(self.outs[k], outs):
             if v >= 0 and lab >= 0:
-                self.label[v] = lab
+                label[v] = lab
 
     def _wanted(self, v: int) -> tuple[tuple[int, int], ...]:
         """The placements wanted of value ``v`` and how often, in their order, each count capped at
@@ -277,14 +302,17 @@ class AxisSolver:
         Ops of a model's repeated blocks meet the same context, block after block, so :meth:`_pick`
         decides once per context (:attr:`reuse`) what it would decide for each (the same arithmetic
         on the same numbers). The placements wanted of a value are read as their number
-        (:attr:`wants`, kept by :meth:`_apply`): equal numbers, equal placements in the same order."""
-        label, wants = self.label, self.wants
+        (:attr:`wants`, kept by :meth:`_apply`): equal numbers, equal placements in the same order.
+        The inputs' and outputs' entries are read by :attr:`Problem.in_items` and
+        :attr:`Problem.out_items` (one entry, a tuple of several, or ``()``): ops of one fixed
+        context have as many inputs and outputs, so their contexts are equal where the entries are."""
+        ins = self.p.in_items[k]
         return (
             self.fixed_context[k],
-            greedy,
-            -1 if greedy else self.choice[k],
-            tuple([(label[v], wants[v]) for v in self.ins[k]]),
-            tuple([None if v < 0 else wants[v] for v in self.outs[k]]),
+            -2 if greedy else self.choice[k],  # (every op has a choice once the greedy pass placed it)
+            ins(self.label),
+            ins(self.wants),
+            self.p.out_items[k](self.wants),
         )
 
     def _fixed_contexts(self) -> list[int]:
@@ -294,29 +322,29 @@ class AxisSolver:
         required placement, and per input and output whether its collective runs alone (:attr:`Problem.alone`)."""
         fb, hints, reorder, final, alone = self.fb, self.hints, self.reorder, self.final, self.alone
         numbers = self.tables.parts
-        values = range(len(fb))
-        moves = (tuple(reorder[v].items()) if v in reorder else None for v in values)
+        moves: list[tuple[tuple[int, float], ...] | None] = [None] * len(fb)
+        for v, costs in reorder.items():
+            moves[v] = tuple(costs.items())
         # per value, a number for its part as an input, and as an output
         read = _numbered(numbers, zip(itertools.repeat("in"), fb, alone, hints, moves))
-        made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, values)))
+        made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, range(len(fb)))))
         return _numbered(
             numbers,
             zip(
                 map(id, self.strategies),
                 self.work,
-                self.p.same_inputs,
-                (tuple([read[v] for v in ins]) for ins in self.ins),
+                self.p.same_inputs,  # (as many entries as inputs: :attr:`Problem.in_items` reads them)
+                [ins(read) for ins in self.p.in_items],
                 (tuple([None if v < 0 else made[v] for v in outs]) for outs in self.outs),
             ),
         )
 
     def _pick(self, k: int, greedy: bool) -> bool:
-        options = range(len(self.strategies[k]))
-        if len(options) == 1 and not greedy:
+        if len(self.strategies[k]) == 1 and not greedy:
             return False
         key = self._context(k, greedy) if self.reuse else None
-        if key in self.picked:
-            j = self.picked[key]
+        j = self.picked.get(key, -1) if key is not None else -1  # (-1: not decided in this context yet)
+        if j != -1:
             if j is not None:
                 self._apply(k, j)
             return j is not None
@@ -397,11 +425,11 @@ class AxisSolver:
         """One pass of :meth:`_cascades` over the redistributions; did any move pay? A
         redistribution whose moves all failed in an earlier round is not tried again while no move
         kept since changed what they read (:class:`_Failed`)."""
-        moves, improved = [], False
-        for v, need in enumerate(self.need):
-            for req, count in need.items():
-                if count > 0 and req != self.label[v]:
-                    moves.append((self._value_cost(v, self.label[v], {req: 1}), v, req))
+        moves, improved, label = [], False, self.label
+        for v in self._elsewhere():
+            for req, count in self.need[v].items():
+                if count > 0 and req != label[v]:
+                    moves.append((self._value_cost(v, label[v], {req: 1}), v, req))
         for _cost, v, req in sorted(moves, reverse=True):
             if not self.need[v].get(req) or req == self.label[v]:
                 continue  # an earlier move removed it
@@ -411,13 +439,9 @@ class AxisSolver:
             read = {k for k in (p, *self.p.consumers_of.get(v, ())) if k is not None}  # (the tries' ops)
             tries = []
             if p is not None:
-                i = self.outs[p].index(v)
-                tries += [
-                    [(p, j)] for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req and j != self.choice[p]
-                ]
-            tries += [[(c, j)] for c, takes in self._takers(v, req) for j in takes] + [
-                m for m in [self._joint(v, req, {})] if m
-            ]
+                tries += [[(p, j)] for j in self._giving(p, self.outs[p].index(v), req) if j != self.choice[p]]
+            takers = self._takers(v, req)
+            tries += [[(c, j)] for c, takes in takers for j in takes] + [m for m in [self._joint(takers, {})] if m]
             for start in tries:
                 if all(self._keeps_split(k, j) for k, j in start) and (changed := self._cascade(start, max_ops, read)):
                     failed.changed(self._around(self._around(changed)))
@@ -427,30 +451,48 @@ class AxisSolver:
                 failed.add((v, req), read)
         return improved
 
+    def _elsewhere(self) -> list[int]:
+        """The values that may cost something: all but those wanted only where they are (one want,
+        of their placement, which sends nothing and starts no collective: 0 in :class:`Codes`' rows),
+        most of them."""
+        free, label = self.codes.free, self.label
+        return [v for v, need in enumerate(self.need) if len(need) > 1 or not free[label[v]] or label[v] not in need]
+
     def _takers(self, v: int, req: int) -> list[tuple[int, list[int]]]:
         """The consumers that read value ``v`` redistributed to ``req``, each with its strategies
         that read it as it is (and keep its work split)."""
-        out = []
+        out, lab = [], self.label[v]
         for c in self.p.consumers_of.get(v, ()):
-            here = [i for i, u in enumerate(self.ins[c]) if u == v]
+            here = tuple([i for i, u in enumerate(self.ins[c]) if u == v])
             if any(self.strategies[c][self.choice[c]][0][i] == req for i in here):
-                out.append(
-                    (
-                        c,
-                        [
-                            j
-                            for j, (ins, _) in enumerate(self.strategies[c])
-                            if all(ins[i] == self.label[v] for i in here) and self._keeps_split(c, j)
-                        ],
-                    )
-                )
+                out.append((c, self._reading(c, here, lab)))
         return out
 
-    def _joint(self, v: int, req: int, changed: dict[int, int]) -> list[tuple[int, int]]:
-        """All the ops that read value ``v`` redistributed to ``req`` (two or more, none
-        ``changed``) reading it as it is, each in its cheapest such strategy, or ``[]``: the
+    def _reading(self, c: int, here: tuple[int, ...], lab: int) -> list[int]:
+        """The strategies of op ``c`` that keep its work split (:meth:`_kept`) and read its inputs
+        ``here`` as ``lab``, in their order, found once per strategy list, inputs, placement and
+        whether every strategy keeps the work split (:attr:`AxisTables.reading`)."""
+        kept = self._kept(c)
+        key = (id(self.strategies[c]), here, lab, isinstance(kept, range))
+        found = self.reading.get(key)
+        if found is None:
+            options = self.strategies[c]
+            found = self.reading[key] = [j for j in kept if all(options[j][0][i] == lab for i in here)]
+        return found
+
+    def _giving(self, p: int, i: int, req: int) -> list[int]:
+        """The strategies of op ``p`` whose output ``i`` is ``req``, in their order, found once per
+        strategy list (:attr:`AxisTables.gives`)."""
+        key = (id(self.strategies[p]), i, req)
+        found = self.gives.get(key)
+        if found is None:
+            found = self.gives[key] = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
+        return found
+
+    def _joint(self, takers: list[tuple[int, list[int]]], changed: dict[int, int]) -> list[tuple[int, int]]:
+        """All the ops that read a value redistributed (``takers``: :meth:`_takers`; two or more,
+        none ``changed``) reading it as it is, each in its cheapest such strategy, or ``[]``: the
         redistribution stays while any one of them needs it, so none gains alone."""
-        takers = self._takers(v, req)
         if len(takers) < 2 or any(c in changed or not takes for c, takes in takers):
             return []
         return [(c, min(takes, key=self._costs(c).__getitem__)) for c, takes in takers]
@@ -463,6 +505,13 @@ class AxisSolver:
         not another op."""
         divided = self.divided[k]
         return self.view[k] or divided[j] or not divided[self.choice[k]]
+
+    def _kept(self, k: int) -> range | tuple[int, ...]:
+        """The strategies of op ``k`` that keep its work split where its current one does
+        (:meth:`_keeps_split`), in their order."""
+        if self.view[k] or not self.divided[k][self.choice[k]]:
+            return range(len(self.strategies[k]))
+        return self.dividing[k]
 
     def _cascade(self, start: list[tuple[int, int]], max_ops: int, read: set[int]) -> list[int]:
         """Each op ``k`` of ``start`` takes its strategy ``j``; then each op next to a changed one
@@ -503,7 +552,7 @@ class AxisSolver:
                 continue
             costs = self._costs(c)
             here = costs[self.choice[c]]
-            best_cost, best = min((costs[s], s) for s in range(len(costs)) if self._keeps_split(c, s))
+            best_cost, best = min([(costs[s], s) for s in self._kept(c)])
             if best_cost < here - 1e-6:
                 change(c, best)
                 continue
@@ -512,7 +561,14 @@ class AxisSolver:
                     self.ins[c], self.strategies[c][self.choice[c]][0]
                 )  # a value c reads redistributed, as others do?
                 for op, st in next(
-                    (m for v, req in reads if req != self.label[v] for m in [self._joint(v, req, old)] if m), []
+                    (
+                        m
+                        for v, req in reads
+                        if req != self.label[v]
+                        for m in [self._joint(self._takers(v, req), old)]
+                        if m
+                    ),
+                    [],
                 ):
                     change(op, st)
         work = sum(self._op_work(op, self.choice[op]) - self._op_work(op, was) for op, was in old.items())
@@ -547,7 +603,7 @@ class AxisSolver:
         or a FLOP is set to cost less than nothing)."""
         if self.codes.latency < 0 or self.p.bytes_per_flop < 0:
             return set(range(len(self.p.ops)))
-        costly = [v for v in range(len(self.need)) if self._value_cost(v, self.label[v], self.need[v])]
+        costly = [v for v in self._elsewhere() if self._value_cost(v, self.label[v], self.need[v])]
         return self._around([k for k in range(len(self.p.ops)) if self._op_work(k, self.choice[k])], costly)
 
     def _around(self, ops: Collection[int], values: Collection[int] = ()) -> set[int]:
@@ -576,25 +632,21 @@ class AxisSolver:
         the whole costs less: partial products summed before one reduction (the gradients of one
         input used by the q, k and v projections), which no single op's change pays for (each alone
         adds a reduction the sum would have shared). Returns the ops of the moves kept."""
-        partial = self.codes.is_partial
-        options = self.strategies[k]
-        if id(options) not in self.summing:
+        partial, options, ins, label = self.codes.partial, self.strategies[k], self.ins[k], self.label
+        if id(options) not in self.summing:  # (a strategy that takes no partial input makes no move)
             self.summing[id(options)] = [
-                j for j, (_, outs) in enumerate(options) if any(o >= 0 and partial(o) for o in outs)
+                (j, sums)
+                for j, (takes, outs) in enumerate(options)
+                if any(o >= 0 and partial[o] for o in outs)
+                for sums in [[(i, req) for i, req in enumerate(takes) if partial[req]]]
+                if sums
             ]
         changed: list[int] = []
-        for j in self.summing[id(options)]:
-            ins = options[j][0]
+        for j, sums in self.summing[id(options)]:
             if j == self.choice[k]:
                 continue
             moves: dict[int, int] = {}
-            if (
-                all(
-                    not partial(req) or self.label[v] == req or self._make_partial(v, req, moves)
-                    for v, req in zip(self.ins[k], ins)
-                )
-                and moves
-            ):
+            if all(label[ins[i]] == req or self._make_partial(ins[i], req, moves) for i, req in sums) and moves:
                 moves[k] = j
                 if self._try(moves):
                     changed += moves
@@ -606,14 +658,11 @@ class AxisSolver:
         p = self.p.producer_of.get(v)
         if p is None or depth == 0 or p in moves:
             return False
-        i = self.outs[p].index(v)
-        key = (id(self.strategies[p]), i, req)
-        if key not in self.gives:
-            self.gives[key] = [j for j, (_, outs) in enumerate(self.strategies[p]) if outs[i] == req]
-        if not self.gives[key]:
+        gives = self._giving(p, self.outs[p].index(v), req)
+        if not gives:
             return False
         costs = self._costs(p)
-        best_cost, j = min((costs[j], j) for j in self.gives[key])
+        best_cost, j = min((costs[j], j) for j in gives)
         if best_cost == INF and not self.view[p]:
             # (a view of a value not yet partial costs infinite as a partial until its producer is
             # made partial too, below; :meth:`_try` costs the whole move)
@@ -696,14 +745,19 @@ class AxisTables:
     (:meth:`build`) and shared by its solvers: the placement codes; the seeds' labels; the
     outputs' requirements (``need``; ``final`` where one is a placement); per op its strategies
     encoded (ops of one signature share one list), which of them split its work (``splitting``),
-    which leave an operand split, a shard or a partial sum (``divided``), and the hints
-    (:func:`_hints`); per strategy list the strategies giving a partial result (``summing``), and
-    per list, output and placement those giving it (``gives``), filled as the solvers ask; and,
+    which leave an operand split, a shard or a partial sum (``divided``; ``dividing``: their
+    numbers), and the hints
+    (:func:`_hints`); per strategy list the strategies giving a partial result from partial
+    inputs, each with those inputs' positions and placements (``summing``), and
+    per list, output and placement those giving it (``gives``), and per list, inputs, placement
+    and whether all keep the work split those reading the inputs so (``reading``), filled as the
+    solvers ask; and,
     kept from one solve of the axis to the next (a sweep's), the numbers of the ops' fixed contexts
     (``parts``: :meth:`AxisSolver._fixed_contexts`), of the placements wanted of a value and how
     often (``wants``: :meth:`AxisSolver._context`; ``first_wants``: each value's before any op is
-    placed), and the decisions and costs by context
-    (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`), which depend on
+    placed), the decisions and costs by context
+    (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`) and the values'
+    costs (``valued``: :meth:`AxisSolver._value_costs`), which depend on
     nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
 
     codes: Codes
@@ -713,14 +767,17 @@ class AxisTables:
     strategies: list[Encoded]
     splitting: list[tuple[bool, ...]]
     divided: list[tuple[bool, ...]]
+    dividing: list[tuple[int, ...]]  # per op, its strategies that leave an operand split (``divided``)
     hints: list[frozenset[int]]
-    summing: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    summing: dict[int, list[tuple[int, list[tuple[int, int]]]]] = dataclasses.field(default_factory=dict)
     gives: dict[tuple[int, int, int], list[int]] = dataclasses.field(default_factory=dict)
+    reading: dict[tuple[int, tuple[int, ...], int, bool], list[int]] = dataclasses.field(default_factory=dict)
     parts: dict[Any, int] = dataclasses.field(default_factory=dict)
     wants: dict[tuple[tuple[int, int], ...], int] = dataclasses.field(default_factory=dict)
     first_wants: list[int] | None = None  # the wants' numbers before any op is placed (:class:`AxisSolver`)
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    valued: dict[tuple[float, float, int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
@@ -737,34 +794,47 @@ class AxisTables:
             if req is not NOT_PARTIAL and not isinstance(req, OrSum):
                 final[vid[v]] = c
         strategies = _strategy_lists(problem, axis, codes)
-        by_list: dict[int, tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
+        by_list: dict[int, tuple[tuple[bool, ...], tuple[bool, ...], tuple[int, ...]]] = {}
         for options in strategies:
             if id(options) not in by_list:
+                divided = tuple(
+                    any(c >= 0 and (codes.is_shard(c) or codes.is_partial(c)) for c in (*ins, *outs))
+                    for ins, outs in options
+                )
                 by_list[id(options)] = (
                     tuple(splits_work([codes.placements[c] for c in (*ins, *outs) if c >= 0]) for ins, outs in options),
-                    tuple(
-                        any(c >= 0 and (codes.is_shard(c) or codes.is_partial(c)) for c in (*ins, *outs))
-                        for ins, outs in options
-                    ),
+                    divided,
+                    tuple([j for j, split in enumerate(divided) if split]),
                 )
-        splitting = [by_list[id(options)][0] for options in strategies]
-        divided = [by_list[id(options)][1] for options in strategies]
-        return cls(codes, label, need, final, strategies, splitting, divided, _hints(problem, codes, need, strategies))
+        rows = [by_list[id(options)] for options in strategies]
+        return cls(
+            codes,
+            label,
+            need,
+            final,
+            strategies,
+            [row[0] for row in rows],
+            [row[1] for row in rows],
+            [row[2] for row in rows],
+            _hints(problem, codes, need, strategies),
+        )
 
 
 def _strategy_lists(problem: "Problem", axis: str, codes: Codes) -> list[Encoded]:
     """Per op, its strategies on ``axis`` encoded: a manual region's fixed one, those giving a
     constrained sharding, or DTensor's (:meth:`Strategies.of`, encoded once per list)."""
     n = problem.mesh.axis_size(axis)
+    manual, constrained, of = problem.fixed.get(axis, {}), problem.pinned[axis], problem.strategies.of
+    ragged, balanced = tuple(problem.ragged[axis]), problem.balanced.get(axis, False)
     encoded: dict[int, Encoded] = {}
     out = []
     for node in problem.ops:
-        fixed = problem.fixed.get(axis, {}).get(node)
+        fixed = manual.get(node)
         if fixed is not None:  # a manual region: its specs are its only strategies
             out.append(_encode(codes, fixed))
             continue
-        allowed = problem.strategies.of(node, n, problem.ragged[axis], problem.balanced.get(axis, False))[0]
-        pinned = problem.pinned[axis].get(node)
+        allowed = of(node, n, ragged, balanced)[0]
+        pinned = constrained.get(node)
         if pinned is not None:
             allowed = [st for st in allowed if st.outs[0] in pinned]
             if not allowed:
@@ -840,6 +910,9 @@ class Problem:
     # per value, the count its wants are capped at (:meth:`AxisSolver._wanted`): one more than any op
     # reads it; 0 where its readers cannot count past that
     clamp: list[int] = dataclasses.field(default_factory=list)
+    # per op, what reads its inputs' and its outputs' entries of a per-value list (:meth:`AxisSolver._context`)
+    in_items: list[Callable[[list[int]], Any]] = dataclasses.field(default_factory=list)
+    out_items: list[Callable[[list[int]], Any]] = dataclasses.field(default_factory=list)
 
     def index(self) -> None:
         """Number the values, record which op produces and which ops consume each, count each op's
@@ -871,6 +944,8 @@ class Problem:
                 self.consumers_of.setdefault(v, []).append(k)
         self.views = [is_view(node) for node in self.ops]
         self.same_inputs = [tuple([ins.index(v) for v in ins]) for ins in self.op_ins]
+        self.in_items = [_items_of(ins) for ins in self.op_ins]
+        self.out_items = [_items_of([v for v in outs if v >= 0]) for outs in self.op_outs]
         self.clamp = [0] * len(self.values)
         for v, readers in self.consumers_of.items():
             # (an op reads a value once, most often: a count of 1 each)

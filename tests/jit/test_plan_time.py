@@ -209,10 +209,11 @@ def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
     axes is the one it solved with (``AxisSolver.poses_as``): posed again as it was, solving gives
     the same choices; with only the values' bytes on the axis changed (as another axis's choice
     changes them), it is a new problem, and its choices differ."""
-    from vsf.jit import solver
+    from vsf.jit import propagate, solver
 
     sim(8, compute=False)
     tables, problems = {}, []
+    monkeypatch.setattr(propagate, "_drop_solvers", lambda problems: None)  # (the solvers read after planning)
     build, solve = solver.AxisTables.build, solver.AxisSolver.solve
     monkeypatch.setattr(
         solver.AxisTables,
@@ -471,6 +472,29 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(sim):
     finally:
         gc.enable()
     assert seen == [False, False, False]
+
+
+def test_planning_leaves_its_solvers_to_reference_counting(sim):
+    """A plan's axis solvers and their problem (each solver refers to the problem that holds it) are
+    freed when planning ends, not left for the cyclic collector's first pass after it (which walked
+    them all): with the collector off, none is alive once ``lower`` returns, nor is one kept by the plan."""
+    import gc
+
+    from vsf.jit import solver
+
+    def alive() -> list[str]:
+        kinds = (solver.AxisSolver, solver.AxisTables, solver.Problem)
+        return [type(o).__name__ for o in gc.get_objects() if type(o) in kinds]
+
+    sim(8, compute=False)
+    gc.collect()
+    gc.disable()
+    try:
+        lowered = _gpt_plan(2, (1, 2, 2, 1, 2))
+        assert alive() == []
+    finally:
+        gc.enable()
+    assert lowered.as_text()
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])

@@ -845,3 +845,37 @@ def test_op_facts_read_once_are_each_overloads_own():
 
     assert [aliases(python_target), aliases(python_target)] == [False, False]
     assert asked[2:] == [python_target, python_target]
+
+
+def test_argument_signature_summarises_each_argument_by_kind():
+    """:func:`vsf.jit.graph.signature` (the key of the per-op questions): a tensor argument by its shape,
+    strides and dtype, a node of another value by its name, a plain value as it is, any other by its
+    ``repr``, nested lists and tuples as tuples, keyword arguments sorted by name; hand-written here."""
+    import enum
+
+    from vsf.jit.graph import signature
+
+    class Mode(enum.IntEnum):
+        FAST = 1
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 6, device="meta").t()
+    n = graph.placeholder("n")
+    n.meta["val"] = 3
+    args = (x, [2, (x, None)], n, 1.5, True, Mode.FAST, torch.float16, slice(1, 2))
+    assert signature(args) == (
+        ("T", (6, 4), (1, 6), torch.float32),
+        (2, (("T", (6, 4), (1, 6), torch.float32), None)),
+        ("N", "n"),
+        1.5,
+        True,
+        Mode.FAST,
+        torch.float16,
+        "slice(1, 2, None)",
+    )
+    assert signature({"dtype": torch.bfloat16, "b": [x]}) == (
+        ("b", (("T", (6, 4), (1, 6), torch.float32),)),
+        ("dtype", torch.bfloat16),
+    )
+    assert signature({}) == ()

@@ -879,3 +879,44 @@ def test_argument_signature_summarises_each_argument_by_kind():
         ("dtype", torch.bfloat16),
     )
     assert signature({}) == ()
+
+
+def test_moves_alike_but_from_other_layouts_keep_their_own_collectives(sim):
+    """The check finds a move's collectives once per shape, strides, dtype and pair of layouts (repeated
+    blocks move alike): of two values of one shape both replicated for the results, a matmul's
+    partial sum is all-reduced and a split value gathered, and the step's results are eager's."""
+    import vsf
+    from vsf import P
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    x = torch.arange(64.0).reshape(8, 8)
+    a = vsf.device_put(x, vsf.NamedSharding(mesh, P(None, "tp")))
+    b = vsf.device_put(x + 1, vsf.NamedSharding(mesh, P("tp")))
+    c = vsf.device_put(x + 2, vsf.NamedSharding(mesh, P("tp")))
+    step = vsf.jit(lambda a, b, c: (a @ b, c * 2), out_shardings=vsf.NamedSharding(mesh, P()))
+    moves = {r.value[0].name: [c.kind for c in r.collectives] for r in step.lower(a, b, c).plan.redistributions}
+    assert moves == {"mm": ["all_reduce"], "arg2_1": ["all_gather"]}
+    out, doubled = step(a, b, c)
+    torch.testing.assert_close(vsf.device_get(out), x @ (x + 1))
+    torch.testing.assert_close(vsf.device_get(doubled), (x + 2) * 2)
+
+
+def test_a_move_no_collective_makes_is_refused_after_a_possible_one_to_the_same_layout(sim, monkeypatch):
+    """The check asks once per pair of layouts whether a move between them is possible: with a sum
+    made impossible to reduce (``transition_kind`` says so), a matmul's partial sum replicated for the
+    result is refused, though a split value was gathered to the same layout before it."""
+    import vsf
+    from vsf import P
+    from vsf.errors import PlanError
+    from vsf.jit import combine
+
+    sim(2, compute=False)
+    kind = combine.transition_kind
+    monkeypatch.setattr(combine, "transition_kind", lambda a, b: "invalid" if a == Partial() else kind(a, b))
+    mesh = vsf.make_mesh((2,), ("tp",))
+    a = vsf.device_put(torch.ones(8, 8), vsf.NamedSharding(mesh, P(None, "tp")))
+    b = vsf.device_put(torch.ones(8, 8), vsf.NamedSharding(mesh, P("tp")))
+    step = vsf.jit(lambda a, b, c: (c * 2, a @ b), out_shardings=vsf.NamedSharding(mesh, P()))
+    with pytest.raises(PlanError, match=r"wants %mm as \(Replicate\(\),\) but it is \(Partial\(sum\),\)"):
+        step.lower(a, b, b)

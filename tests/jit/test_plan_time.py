@@ -245,10 +245,11 @@ def test_an_axis_posed_other_bytes_is_solved_again(sim, monkeypatch):
     axes is the one it solved with (``AxisSolver.poses_as``): posed again as it was, solving gives
     the same choices; with only the values' bytes on the axis changed (as another axis's choice
     changes them), it is a new problem, and its choices differ."""
-    from vsf.jit import solver
+    from vsf.jit import propagate, solver
 
     sim(8, compute=False)
     tables, problems = {}, []
+    monkeypatch.setattr(propagate, "_drop_solvers", lambda problems: None)  # (the solvers read after planning)
     build, solve = solver.AxisTables.build, solver.AxisSolver.solve
     monkeypatch.setattr(
         solver.AxisTables,
@@ -507,6 +508,29 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(sim):
     finally:
         gc.enable()
     assert seen == [False, False, False]
+
+
+def test_planning_leaves_its_solvers_to_reference_counting(sim):
+    """A plan's axis solvers and their problem (each solver refers to the problem that holds it) are
+    freed when planning ends, not left for the cyclic collector's first pass after it (which walked
+    them all): with the collector off, none is alive once ``lower`` returns, nor is one kept by the plan."""
+    import gc
+
+    from vsf.jit import solver
+
+    def alive() -> list[str]:
+        kinds = (solver.AxisSolver, solver.AxisTables, solver.Problem)
+        return [type(o).__name__ for o in gc.get_objects() if type(o) in kinds]
+
+    sim(8, compute=False)
+    gc.collect()
+    gc.disable()
+    try:
+        lowered = _gpt_plan(2, (1, 2, 2, 1, 2))
+        assert alive() == []
+    finally:
+        gc.enable()
+    assert lowered.as_text()
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
@@ -857,3 +881,78 @@ def test_op_facts_read_once_are_each_overloads_own():
 
     assert [aliases(python_target), aliases(python_target)] == [False, False]
     assert asked[2:] == [python_target, python_target]
+
+
+def test_argument_signature_summarises_each_argument_by_kind():
+    """:func:`vsf.jit.graph.signature` (the key of the per-op questions): a tensor argument by its shape,
+    strides and dtype, a node of another value by its name, a plain value as it is, any other by its
+    ``repr``, nested lists and tuples as tuples, keyword arguments sorted by name; hand-written here."""
+    import enum
+
+    from vsf.jit.graph import signature
+
+    class Mode(enum.IntEnum):
+        FAST = 1
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 6, device="meta").t()
+    n = graph.placeholder("n")
+    n.meta["val"] = 3
+    args = (x, [2, (x, None)], n, 1.5, True, Mode.FAST, torch.float16, slice(1, 2))
+    assert signature(args) == (
+        ("T", (6, 4), (1, 6), torch.float32),
+        (2, (("T", (6, 4), (1, 6), torch.float32), None)),
+        ("N", "n"),
+        1.5,
+        True,
+        Mode.FAST,
+        torch.float16,
+        "slice(1, 2, None)",
+    )
+    assert signature({"dtype": torch.bfloat16, "b": [x]}) == (
+        ("b", (("T", (6, 4), (1, 6), torch.float32),)),
+        ("dtype", torch.bfloat16),
+    )
+    assert signature({}) == ()
+
+
+def test_moves_alike_but_from_other_layouts_keep_their_own_collectives(sim):
+    """The check finds a move's collectives once per shape, strides, dtype and pair of layouts (repeated
+    blocks move alike): of two values of one shape both replicated for the results, a matmul's
+    partial sum is all-reduced and a split value gathered, and the step's results are eager's."""
+    import vsf
+    from vsf import P
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("tp",))
+    x = torch.arange(64.0).reshape(8, 8)
+    a = vsf.device_put(x, vsf.NamedSharding(mesh, P(None, "tp")))
+    b = vsf.device_put(x + 1, vsf.NamedSharding(mesh, P("tp")))
+    c = vsf.device_put(x + 2, vsf.NamedSharding(mesh, P("tp")))
+    step = vsf.jit(lambda a, b, c: (a @ b, c * 2), out_shardings=vsf.NamedSharding(mesh, P()))
+    moves = {r.value[0].name: [c.kind for c in r.collectives] for r in step.lower(a, b, c).plan.redistributions}
+    assert moves == {"mm": ["all_reduce"], "arg2_1": ["all_gather"]}
+    out, doubled = step(a, b, c)
+    torch.testing.assert_close(vsf.device_get(out), x @ (x + 1))
+    torch.testing.assert_close(vsf.device_get(doubled), (x + 2) * 2)
+
+
+def test_a_move_no_collective_makes_is_refused_after_a_possible_one_to_the_same_layout(sim, monkeypatch):
+    """The check asks once per pair of layouts whether a move between them is possible: with a sum
+    made impossible to reduce (``transition_kind`` says so), a matmul's partial sum replicated for the
+    result is refused, though a split value was gathered to the same layout before it."""
+    import vsf
+    from vsf import P
+    from vsf.errors import PlanError
+    from vsf.jit import combine
+
+    sim(2, compute=False)
+    kind = combine.transition_kind
+    monkeypatch.setattr(combine, "transition_kind", lambda a, b: "invalid" if a == Partial() else kind(a, b))
+    mesh = vsf.make_mesh((2,), ("tp",))
+    a = vsf.device_put(torch.ones(8, 8), vsf.NamedSharding(mesh, P(None, "tp")))
+    b = vsf.device_put(torch.ones(8, 8), vsf.NamedSharding(mesh, P("tp")))
+    step = vsf.jit(lambda a, b, c: (c * 2, a @ b), out_shardings=vsf.NamedSharding(mesh, P()))
+    with pytest.raises(PlanError, match=r"wants %mm as \(Replicate\(\),\) but it is \(Partial\(sum\),\)"):
+        step.lower(a, b, b)

@@ -86,7 +86,7 @@ def check_with_dtensor(
         (ph, 0): layouts.setdefault(tuple(pl), tuple(pl)) for ph, pl in zip(placeholders_of(gm), in_placements)
     }
     plans: dict[torch.fx.Node, NodePlan] = {}
-    moves: dict[tuple[Value, Placements], Redistribution] = {}
+    moves: dict[tuple[Value, int], Redistribution] = {}  # by value and the id of its layout wanted
     asked: dict[Any, Any] = {}
     kinds: dict[Any, int] = {}  # op signatures, numbered
     decided: dict[tuple[Any, ...], NodePlan] = {}
@@ -94,30 +94,39 @@ def check_with_dtensor(
 
     live = [a in axes and mesh.axis_size(a) > 1 for a in dm_axes]  # (an axis of size 1 holds the value whole)
 
-    users: dict[tuple[Value, Placements], list[torch.fx.Node]] = {}
+    users: dict[tuple[Value, int], list[torch.fx.Node]] = {}  # per move (:func:`move`'s key), its users
     nestings = _input_nestings(gm, in_placements)
 
     def nest(t: torch.Tensor | None, p: Placements | None) -> Placements | None:
         return None if t is None or p is None else _nested(nestings, t, p) or _ordered(mesh, t, p, chosen)
 
     paths: dict[Any, tuple[Collective, ...]] = {}  # by shape, dtype and move: repeated blocks make the same
+    valid: set[tuple[int, int]] = set()  # the moves between two layouts found possible
     asked_n = mesh.axis_size(axes[0]) if axes else 2  # (whether an op falls back: as the solvers were told)
 
     def move(v: Value, dst: Placements, before: torch.fx.Node) -> None:
+        """Move ``v`` to ``dst`` before ``before``. Every layout held (``actual``'s) and wanted is one of
+        ``layouts`` (interned, alive throughout), so a layout's id stands for it in the keys: comparing
+        and hashing the placements themselves was most of a move's cost, and every block moves alike."""
         src = actual[v]
-        if src == dst:
+        if src is dst:
             return
-        if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
-            raise PlanError(
-                f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}"
-            )
-        users.setdefault((v, dst), []).append(before)
-        if (v, dst) not in moves:
-            t = meta_of(v)
-            path = (tuple(t.shape), t.stride(), t.dtype, src, dst)  # (all collectives_of reads of t)
-            if path not in paths:
-                paths[path] = collectives_of(mesh, t, src, dst)
-            moves[(v, dst)] = Redistribution(v, src, dst, paths[path], before)
+        if (id(src), id(dst)) not in valid:
+            if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
+                raise PlanError(
+                    f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}"
+                )
+            valid.add((id(src), id(dst)))
+        key = (v, id(dst))
+        if (listed := users.get(key)) is not None:
+            listed.append(before)
+            return
+        users[key] = [before]
+        t = meta_of(v)
+        path = (tuple(t.shape), t.stride(), t.dtype, id(src), id(dst))  # (all collectives_of reads of t)
+        if path not in paths:
+            paths[path] = collectives_of(mesh, t, src, dst)
+        moves[key] = Redistribution(v, src, dst, paths[path], before)
 
     def decision(
         node: torch.fx.Node, op: Any, fallback: bool, chosen_here: list[Any], arrived: list[Placements]
@@ -209,6 +218,7 @@ def check_with_dtensor(
             if want is not None
             else _expressible(mesh, meta_of(v), actual[v])
         )
+        dst = layouts.setdefault(dst, dst)
         move(v, dst, out_node)
         final.append(dst)
     return plans, [dataclasses.replace(r, users=tuple(users[key])) for key, r in moves.items()], final

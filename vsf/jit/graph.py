@@ -256,14 +256,30 @@ _FRAME = re.compile(r'File "(.*)", line \d+')  # a frame's header in a formatted
 def signature(x: Any) -> Any:
     """A hashable summary of op arguments (tensors by shape, strides and dtype), to cache per-op
     questions (DTensor's answer may depend on the strides: ``_grouped_mm``'s strategy drops a split
-    whose local shard's strides its kernel cannot take)."""
+    whose local shard's strides its kernel cannot take).
+
+    Example::
+
+        >>> signature(mm_node.args)
+        (('T', (8, 6), (6, 1), torch.float32), ('T', (6, 4), (4, 1), torch.float32))
+    """
+    if isinstance(x, dict) and not x:  # (most ops' keyword arguments)
+        return ()
+    with _compat.metadata_reads():  # (the tensors' own answers, read once for every argument)
+        return _signature(x)
+
+
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
+def _signature(x: Any) -> Any:
     if isinstance(x, torch.fx.Node):
         t = x.meta.get("val")
         return ("T", tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))
-    if isinstance(x, (list, tuple)):
-        return tuple(signature(a) for a in x)
+    if isinstance(x, (list, tuple)):  # (a plain value as it is: most arguments are nodes and numbers)
+        return tuple([a if type(a) in _ATOMS else _signature(a) for a in x])
     if isinstance(x, dict):
-        return tuple(sorted((k, signature(v)) for k, v in x.items()))
+        return tuple(sorted((k, _signature(v)) for k, v in x.items()))
     return (
         x
         if isinstance(

@@ -153,6 +153,7 @@ def propagate(
         # boundary ops free to split them as any strided shard, then again with each split as the
         # first such entry came
         combined = [check_with_dtensor(problem, axes, in_placements, out_placements, unreduced, written)]
+        solved = [problem]
         if others and manual.reorders(mesh, combined[0][1], list(written)):
             combined += [check_with_dtensor(problem, axes, in_placements, out_placements, unreduced, c) for c in others]
             if taking:
@@ -161,12 +162,14 @@ def propagate(
                 _solve(loose, axes, latency, sweeps=1)  # (it only says how the first entries arrive)
                 came = dataclasses.replace(problem, fixed=arrivals.as_arrived(ops, free, loose.solved), solved={})
                 _solve(came, axes, latency)
+                solved += [loose, came]
                 combined.append(
                     check_with_dtensor(
                         came, axes, in_placements, out_placements, unreduced, written, as_they_arrive=True
                     )
                 )
         plans, moved, final = min(combined, key=lambda c: _bytes_moved(c[0], c[1], latency))
+        _drop_solvers(solved)
     plan = _scheduled(
         mesh, gm, plans, in_placements, final, moved, options, regather=bool(reshard_after_forward), donated=donated
     )
@@ -215,6 +218,20 @@ def _solve(problem: Problem, axes: Sequence[str], latency: float, sweeps: int = 
             if last is None or not solver.poses_as(last):  # (else: solved again, it gives last's answer)
                 solver.solve()
                 problem.solved[axis] = solver
+
+
+def _drop_solvers(problems: Sequence[Problem]) -> None:
+    """Forget the axis solvers of ``problems`` once their choices are combined. A solver refers to its
+    problem, which holds it (``Problem.solved``): left so, the problem, its solvers and their tables
+    (thousands of objects a layer) are freed only by the cyclic collector, whose first pass after
+    planning (:func:`vsf.runtime.collector_paused`) walked them all, about a millisecond a layer.
+
+    Example::
+
+        >>> _drop_solvers([problem])  # problem.solved == {}: freed when the last name of it goes
+    """
+    for problem in problems:
+        problem.solved.clear()
 
 
 def _bytes_moved(plans: dict[torch.fx.Node, NodePlan], moved: list[Redistribution], latency: float) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from vsf import _compat
 from vsf.jit.graph import is_view
 from vsf.ops.names import NAME_OP
 
@@ -98,17 +99,18 @@ def drop_identity_views(gm: torch.fx.GraphModule) -> None:
 
         >>> drop_identity_views(gm)  # %mm_1 = mm(%x, %t_1), %t_1 = t(%t), %t = t(%w) -> %mm_1 = mm(%x, %w)
     """
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not is_view(node):
-            continue
-        base = node.all_input_nodes[0]
-        while not _same_view(node, base) and base.op == "call_function" and is_view(base):
-            base = base.all_input_nodes[0]
-        if not _same_view(node, base):
-            continue
-        node.replace_all_uses_with(base, delete_user_cb=lambda user: user.op != "output")
-        if not node.users:
-            gm.graph.erase_node(node)
+    with _compat.metadata_reads():  # (the fake tensors' own answers: each view's are read up its chain)
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or not is_view(node):
+                continue
+            base = node.all_input_nodes[0]
+            while not _same_view(node, base) and base.op == "call_function" and is_view(base):
+                base = base.all_input_nodes[0]
+            if not _same_view(node, base):
+                continue
+            node.replace_all_uses_with(base, delete_user_cb=lambda user: user.op != "output")
+            if not node.users:
+                gm.graph.erase_node(node)
 
 
 def _same_view(node: torch.fx.Node, base: torch.fx.Node) -> bool:

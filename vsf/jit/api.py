@@ -285,7 +285,7 @@ class Jitted:
         mesh = call.mesh
         traced, steps = self._traced(call)
         out_metas = _out_metas(traced)
-        out_names, out_targets = self._out_targets(traced, call, out_metas, mesh)
+        out_targets = self._out_targets(traced, call, out_metas, mesh)
         compiled = None
         if (
             call.grad is not None and out_metas and not steps
@@ -305,7 +305,7 @@ class Jitted:
                 self.reduce_dtype,
                 leaf_names(call.dyn),
             )
-            compiled = DifferentiableCompiled(self, joint, traced, call, out_names) if joint is not None else None
+            compiled = DifferentiableCompiled(self, joint, traced, call) if joint is not None else None
         if compiled is None:
             plan_of = functools.partial(
                 propagate,
@@ -318,29 +318,35 @@ class Jitted:
                 reduce_dtype=self.reduce_dtype,
                 donated=call.leaves_of(self.donate_argnums),
             )
-            compiled = Compiled(self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call, out_names)
+            compiled = Compiled(self, within_budget(plan_of, traced.graph, self.memory_budget), traced, call)
         self._cache[call.key] = compiled
         return compiled
 
     def _out_targets(
         self, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh
-    ) -> tuple[list[str], list[NamedSharding | None]]:
-        skeleton = tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
-        pairs = [(p, x) for p, x in tree.leaves_with_path(skeleton)]
-        tensor_paths = [p for (p, _), c in zip(pairs, traced.out_consts) if c is None]
-        names = [tree.keystr(p) for p in tensor_paths]
-        if self.out_shardings is not None:
-            full = tree.broadcast_prefix(self.out_shardings, skeleton, is_leaf=is_sharding_leaf, what="out_shardings")
-            targets = [
-                resolve(s, tree.keystr(p)) if s is not None else None
-                for s, c, (p, _) in zip(full, traced.out_consts, pairs)
-                if c is None
-            ]
-            for s, m, name in zip(targets, out_metas, names):
-                if s is not None:
-                    s.check(tuple(m.shape), f"output {name}")
-            return names, targets
-        return names, _carried(skeleton, traced, call, out_metas, mesh)
+    ) -> list[NamedSharding | None]:
+        skeleton = _skeleton(traced)
+        if self.out_shardings is None:
+            return _carried(skeleton, traced, call, out_metas, mesh)
+        full = tree.broadcast_prefix(self.out_shardings, skeleton, is_leaf=is_sharding_leaf, what="out_shardings")
+        pairs = tree.leaves_with_path(skeleton)
+        kept = [(s, tree.keystr(p)) for s, c, (p, _) in zip(full, traced.out_consts, pairs) if c is None]
+        targets = [resolve(s, name) if s is not None else None for s, name in kept]
+        for s, m, (_, name) in zip(targets, out_metas, kept):
+            if s is not None:
+                s.check(tuple(m.shape), f"output {name}")
+        return targets
+
+
+def _skeleton(traced: Traced) -> Any:
+    """The step's result with a distinct placeholder object in each tensor's place."""
+    return tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
+
+
+def _out_names(traced: Traced) -> list[str]:
+    """The key paths of the step's tensor outputs (``[1]['mu']``), as its plan's text names them."""
+    pairs = tree.leaves_with_path(_skeleton(traced))
+    return [tree.keystr(p) for (p, _), c in zip(pairs, traced.out_consts) if c is None]
 
 
 def _carried(
@@ -382,12 +388,11 @@ def _carried(
 class Compiled:
     """A planned program for one argument signature; call it like the jitted function."""
 
-    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, call: Call, output_names: list[str]) -> None:
+    def __init__(self, owner: Jitted, plan: Plan, traced: Traced, call: Call) -> None:
         self.owner = owner
         self.plan = plan
         self.traced = traced
         self.input_names = call.names
-        self.output_names = output_names
         self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
         self.donation = Donation(owner._name, call.located(owner.donate_argnums))
         dm = plan.mesh.device_mesh
@@ -413,6 +418,11 @@ class Compiled:
         leaves = [next(it) if c is None else c for c in self.traced.out_consts]
         return tree.unflatten(self.traced.out_tree, leaves)
 
+    @functools.cached_property
+    def output_names(self) -> list[str]:
+        """The key paths of the outputs (``[1]['mu']``), worked out when a plan's text first needs them."""
+        return _out_names(self.traced)
+
     def _text(self) -> str:
         return plan_text(self.plan, self.owner._name, self.input_names, self.output_names)
 
@@ -425,8 +435,8 @@ class DifferentiableCompiled(Compiled):
     as its forward and backward programs inside one ``torch.autograd.Function``
     (:mod:`vsf.jit.differentiable`)."""
 
-    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, call: Call, output_names: list[str]) -> None:
-        super().__init__(owner, joint.plan, traced, call, output_names)
+    def __init__(self, owner: Jitted, joint: JointPlan, traced: Traced, call: Call) -> None:
+        super().__init__(owner, joint.plan, traced, call)
         self.parts = joint.parts
         self.grad_shardings = tree.unflatten(call.key[0], grad_shardings(joint, call.leaves))
         self.grad_names = [f"grad of {call.names[i]}" for i in joint.with_grad]

@@ -635,6 +635,30 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
         assert_same_plans(plan, _stamps(model, keyed)[1])
 
 
+class _CalledFromTwoLines(_Stack):
+    def forward(self, x):
+        x = self.blocks[0](self.stem(x))
+        x = self.blocks[1](x)
+        return x.square().mean()
+
+
+def test_blocks_stamped_from_two_lines_name_each_its_own_line(sim, monkeypatch):
+    """Two blocks of one kind called from two lines of the model: each copy of the shared trace
+    (forward and backward) records the stack trace of its own call, as tracing each block does
+    (the stamper works a copy's stack trace out once per call site, not once per trace)."""
+    import vsf
+
+    sim(2)
+    model = _CalledFromTwoLines([_Block(8, 16) for _ in range(2)]).eval()
+    stamped, plan = _stamps(model)
+    assert stamped["_Block"] == (2,)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    one_by_one = _stamps(model)[1]
+    assert_same_stack_traces(plan, one_by_one)
+    traces = [n.stack_trace or "" for n in plan.plan.graph.graph.nodes]
+    assert any("self.blocks[0](self.stem(x))" in t for t in traces) and any("self.blocks[1](x)" in t for t in traces)
+
+
 def test_a_gradient_penalty_traces_its_blocks_one_by_one_and_gives_torchs_second_derivative(sim):
     """Blocks inside nested ``vsf.grad`` transforms (a gradient penalty: the inner gradient's
     backward is differentiated again, which copied ops cannot record) are traced one by one, and

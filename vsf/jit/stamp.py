@@ -96,6 +96,10 @@ class _Trace:
     grads: list[torch.fx.Node | None]
     name: str
     stack: str | None  # the stack trace of the call it was traced at, which its nodes' traces start with
+    # per (part, stack trace of a call), the copies' stack traces: :func:`_stacks`
+    stacks: dict[tuple[str, str | None], list[tuple[torch.fx.Node, str | None]]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class Stamper:
@@ -334,7 +338,7 @@ class _Replay(torch.autograd.Function):
                 )
             env[node] = _compat.traced_node(_laid_out_like(g, want), tracer)
         tracked = [n if need else None for n, need in zip(traced.grads, needs)]
-        _copy(tracer, traced.backward, env, traced.stack, _compat.stack_trace_now(tracer))
+        _copy(tracer, traced, "backward", env, _compat.stack_trace_now(tracer))
         out = [
             None if n is None else _compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer)
             for n in tracked
@@ -350,29 +354,44 @@ def _replayed(
     its tensor outputs, and the map from the trace's nodes to their copies."""
     env: dict[torch.fx.Node, Any] = dict(zip(traced.inputs, nodes))
     outs = [n for n in traced.outs if n is not None]
-    _copy(tracer, traced.forward, env, traced.stack, stack)
+    _copy(tracer, traced, "forward", env, stack)
     return tuple(_compat.track_as(_compat.untraced_like(n.meta["val"]), env[n], tracer) for n in outs), env
 
 
-def _copy(
-    tracer: Any,
-    nodes: Sequence[torch.fx.Node],
-    env: dict[torch.fx.Node, Any],
-    was: str | None,
-    now: str | None,
-) -> None:
-    """Copy ``nodes`` into ``tracer``'s graph, each reading the copies ``env`` maps its inputs to,
-    each with the value its trace recorded (the plain trace's metadata, storage offset included;
-    every copy of a node holds that one fake tensor, which a trace taking them as inputs replaces
-    where met twice: :mod:`vsf.jit.functionalize`; the copies of the block's outputs get values of
-    their own from ``_compat.track_as`` next), and with the stack trace the step's trace records
-    here: the frames ``now`` in place of the frames ``was`` of the call the block was traced at,
-    before the block's own."""
-    _compat.copy_nodes(tracer.graph, nodes, env)
-    for node in nodes:
-        if (trace := node.meta.get("stack_trace")) is not None:
-            own = trace[len(was) :] if was and trace.startswith(was) else "\n" + trace
-            env[node].meta["stack_trace"] = ((now or "") + own).strip() or None
+def _copy(tracer: Any, traced: _Trace, part: str, env: dict[torch.fx.Node, Any], now: str | None) -> None:
+    """Copy the ``part`` (``"forward"`` or ``"backward"``) nodes of ``traced`` into ``tracer``'s
+    graph, each reading the copies ``env`` maps its inputs to, each with the value its trace
+    recorded (the plain trace's metadata, storage offset included; every copy of a node holds that
+    one fake tensor, which a trace taking them as inputs replaces where met twice:
+    :mod:`vsf.jit.functionalize`; the copies of the block's outputs get values of their own from
+    ``_compat.track_as`` next), and with the stack trace :func:`_stacks` gives it for a call at ``now``."""
+    _compat.copy_nodes(tracer.graph, getattr(traced, part), env)
+    for node, trace in _stacks(traced, part, now):
+        env[node].meta["stack_trace"] = trace
+
+
+def _stacks(traced: _Trace, part: str, now: str | None) -> list[tuple[torch.fx.Node, str | None]]:
+    """Each node of the ``part`` of ``traced`` that has a stack trace, with the stack trace the
+    step's trace records for it at a call whose stack trace is ``now``: the frames ``now`` in place
+    of the frames of the call the block was traced at, before the block's own. Worked out once per
+    part and ``now`` (a model's blocks are called from one line, its optimizer's rows from one call).
+
+    Example::
+
+        >>> _stacks(traced, "forward", now)[0]  # (linear, 'File "train.py", line 9 ... File "model.py", line 40 ...')
+    """
+    key = (part, now)
+    if key not in traced.stacks:
+        was = traced.stack
+        traced.stacks[key] = [
+            (
+                node,
+                ((now or "") + (trace[len(was) :] if was and trace.startswith(was) else "\n" + trace)).strip() or None,
+            )
+            for node in getattr(traced, part)
+            if (trace := node.meta.get("stack_trace")) is not None
+        ]
+    return traced.stacks[key]
 
 
 def _last(tracer: Any) -> torch.fx.Node:

@@ -7,6 +7,7 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.replans` - why a call planned again (the first difference of two cache keys);
 * :mod:`~vsf.jit.trace` - the step as one functional aten graph on global fake tensors;
 * :mod:`~vsf.jit.graph` - facts about that fx graph every stage reads;
+* :mod:`~vsf.jit.outputs` - the traced step's outputs: their names and the shardings they are planned to;
 * :mod:`~vsf.jit.classify` - what kind each op is (decided once, carried on the plan);
 * :mod:`~vsf.jit.plan` - the plan's types and the placements vocabulary;
 * :mod:`~vsf.jit.strategies` - DTensor's strategies for an op (the only place that asks them);

@@ -32,9 +32,9 @@ from vsf import _compat, config, runtime, tree
 from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
+from vsf.jit.outputs import output_metas, output_names, output_targets
 from vsf.jit.classify import never_planned_decompositions, unplanned_ops
 from vsf.jit.donation import Donation
-from vsf.jit.graph import output_node
 from vsf.jit.plan import Plan
 from vsf.jit.propagate import propagate
 from vsf.jit.remat import within_budget
@@ -42,9 +42,7 @@ from vsf.jit.replans import replan_reason
 from vsf.jit.runner import BACKENDS, Runner
 from vsf.jit.report import Cost, cost, differentiable_cost, differentiable_text, plan_text, split_text
 from vsf.jit.trace import Traced, trace
-from vsf.sharding.mesh import Mesh, mesh_of
-from vsf.sharding.named import NamedSharding, resolve
-from vsf.sharding.put import is_sharding_leaf
+from vsf.sharding.mesh import mesh_of
 
 __all__ = ["Compiled", "Jitted", "Lowered", "jit"]
 
@@ -284,8 +282,8 @@ class Jitted:
         self._last_key = call.key
         mesh = call.mesh
         traced, steps = self._traced(call)
-        out_metas = _out_metas(traced)
-        out_targets = self._out_targets(traced, call, out_metas, mesh)
+        out_metas = output_metas(traced)
+        out_targets = output_targets(traced, call, out_metas, mesh, self.out_shardings)
         compiled = None
         if (
             call.grad is not None and out_metas and not steps
@@ -322,65 +320,6 @@ class Jitted:
         self._cache[call.key] = compiled
         return compiled
 
-    def _out_targets(
-        self, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh
-    ) -> list[NamedSharding | None]:
-        skeleton = _skeleton(traced)
-        if self.out_shardings is None:
-            return _carried(skeleton, traced, call, out_metas, mesh)
-        full = tree.broadcast_prefix(self.out_shardings, skeleton, is_leaf=is_sharding_leaf, what="out_shardings")
-        pairs = tree.leaves_with_path(skeleton)
-        kept = [(s, tree.keystr(p)) for s, c, (p, _) in zip(full, traced.out_consts, pairs) if c is None]
-        targets = [resolve(s, name) if s is not None else None for s, name in kept]
-        for s, m, (_, name) in zip(targets, out_metas, kept):
-            if s is not None:
-                s.check(tuple(m.shape), f"output {name}")
-        return targets
-
-
-def _skeleton(traced: Traced) -> Any:
-    """The step's result with a distinct placeholder object in each tensor's place."""
-    return tree.unflatten(traced.out_tree, [object() if c is None else c for c in traced.out_consts])
-
-
-def _out_names(traced: Traced) -> list[str]:
-    """The key paths of the step's tensor outputs (``[1]['mu']``), as its plan's text names them."""
-    pairs = tree.leaves_with_path(_skeleton(traced))
-    return [tree.keystr(p) for (p, _), c in zip(pairs, traced.out_consts) if c is None]
-
-
-def _carried(
-    skeleton: Any, traced: Traced, call: Call, out_metas: list[torch.Tensor], mesh: Mesh
-) -> list[NamedSharding | None]:
-    """Default output shardings: a top-level result shaped exactly like an argument keeps its shardings."""
-    parts = list(skeleton) if isinstance(skeleton, (tuple, list)) else [skeleton]
-    consts = iter(traced.out_consts)
-    metas = iter(out_metas)
-    targets: list[NamedSharding | None] = []
-    used: set[int] = set()
-    arg_trees = call.arg_trees
-    for part in parts:
-        leaves = tree.leaves(part)
-        is_tensor = [next(consts) is None for _ in leaves]
-        avals = [
-            (tuple(m.shape), m.dtype) for m, t in zip([next(metas) if t else None for t in is_tensor], is_tensor) if t
-        ]
-        structure = tree.structure(part) if all(is_tensor) else None  # (None: like no argument)
-        match = next(
-            (
-                j
-                for j, (struct, arg_avals) in enumerate(arg_trees)
-                if j not in used and struct == structure and [a[:2] for a in arg_avals] == avals
-            ),
-            None,
-        )
-        if match is None:
-            targets.extend(None for t in is_tensor if t)
-            continue
-        used.add(match)
-        targets.extend(layouts([(mesh, tuple(pl), len(shape)) for shape, _, pl in arg_trees[match][1]]))
-    return targets
-
 
 # -- compiled programs ---------------------------------------------------------------------
 
@@ -396,7 +335,7 @@ class Compiled:
         self._runner = Runner(plan, owner.backend, f"the program of {owner._name}")
         self.donation = Donation(owner._name, call.located(owner.donate_argnums))
         dm = plan.mesh.device_mesh
-        self._out_specs = _compat.dtensor_layouts(dm, zip(plan.outputs, _out_metas(traced)))
+        self._out_specs = _compat.dtensor_layouts(dm, zip(plan.outputs, output_metas(traced)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self.owner._prepare(args, kwargs)
@@ -421,7 +360,7 @@ class Compiled:
     @functools.cached_property
     def output_names(self) -> list[str]:
         """The key paths of the outputs (``[1]['mu']``), worked out when a plan's text first needs them."""
-        return _out_names(self.traced)
+        return output_names(self.traced)
 
     def _text(self) -> str:
         return plan_text(self.plan, self.owner._name, self.input_names, self.output_names)
@@ -446,7 +385,7 @@ class DifferentiableCompiled(Compiled):
             joint,
             call.leaves,
             self._out_specs,
-            _out_metas(traced),
+            output_metas(traced),
             deferred,
             owner.on_deferred_grads,
             call.names if deferred else (),
@@ -472,10 +411,6 @@ class DifferentiableCompiled(Compiled):
 
     def _cost(self) -> Cost:
         return differentiable_cost(self.parts)
-
-
-def _out_metas(traced: Traced) -> list[torch.Tensor]:
-    return [n.meta["val"] for n in _compat.torch_tree_leaves(output_node(traced.graph).args)]
 
 
 class Lowered:

@@ -638,12 +638,19 @@ def inductor_compile(
     code that calls the kernels in order is C++ (Inductor's ``cpp_wrapper``), not Python (the same
     kernels; on CPU it calls the externs through C shims, where the Python wrapper pays an
     interpreter's dispatch per kernel; see :func:`cpp_wrapper_calls`). PyTorch caches the
-    artifacts on disk between processes (``TORCHINDUCTOR_CACHE_DIR``). Imported on first use:
-    Inductor takes seconds to import."""
+    artifacts on disk between processes (``TORCHINDUCTOR_CACHE_DIR``): its FX graph cache looks a
+    graph up only where the trace's fake mode has a shape environment, which ``compile_fx`` called
+    on real inputs does not make (it compiled every graph again in each new process, 12-18 s for the
+    benchmark's tiny TP and FSDP steps), so the compile runs in a tracing context whose fake mode
+    has one, with the inputs' shapes static, as ``torch.compile(dynamic=False)`` traces them.
+    Imported on first use: Inductor takes seconds to import."""
     from torch._inductor import compile as compile_fx
     from torch._inductor import config as inductor_config
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with inductor_config.patch(cpp_wrapper=cpp_wrapper):
+    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, shape_env=ShapeEnv())
+    context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(mode)
+    with inductor_config.patch(cpp_wrapper=cpp_wrapper), torch._guards.tracing(context):
         return compile_fx(gm, list(inputs))
 
 

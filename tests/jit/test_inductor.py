@@ -222,6 +222,31 @@ def test_inductor_program_calls_the_kernels_from_cpp_on_cpu_with_all_reduces_onl
     )
 
 
+def test_a_compiled_program_is_read_back_from_pytorchs_cache(tmp_path, monkeypatch):
+    """A program compiled before (by this process or, the cache being on disk, an earlier one) is
+    read from PyTorch's FX graph cache, not compiled again: compiled on real inputs outside a
+    trace, Inductor bypassed that cache ("No shape env"), and each new process compiled the
+    benchmark's TP and FSDP steps again (12-18 s)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gm = torch.fx.symbolic_trace(lambda x: (torch.exp(torch.sin(x)),))  # (a program returns a tuple)
+    x = torch.randn(16)
+    looked_up = []
+    for _ in range(2):
+        before = dict(counters["inductor"])
+        compiled = vsf._compat.inductor_compile(gm, [x])
+        looked_up.append(
+            {k: n - before.get(k, 0) for k, n in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+        )
+        (got,) = compiled(x)
+        torch.testing.assert_close(got, x.sin().exp())
+    assert [{k: n for k, n in d.items() if n} for d in looked_up] == [
+        {"fxgraph_cache_miss": 1},
+        {"fxgraph_cache_hit": 1},
+    ]
+
+
 def test_backend_is_checked():
     with pytest.raises(ValueError, match="backend must be one of .*'eager', 'inductor'.*got 'xla'"):
         vsf.jit(lambda x: x, backend="xla")

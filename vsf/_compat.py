@@ -648,8 +648,9 @@ def inductor_compile(
     from torch._inductor import config as inductor_config
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, shape_env=ShapeEnv())
-    context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(mode)
+    context = torch._guards.TracingContext.try_get() or torch._guards.TracingContext(
+        FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, shape_env=ShapeEnv())
+    )
     with inductor_config.patch(cpp_wrapper=cpp_wrapper), torch._guards.tracing(context):
         return compile_fx(gm, list(inputs))
 

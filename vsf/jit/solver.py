@@ -152,10 +152,11 @@ class AxisSolver:
             if other == self.axis or order.index(other) < here:
                 continue
             label, shard, placements = solver.label, solver.codes.shard, solver.codes.placements
-            for v in [v for v, c in enumerate(label) if shard[c]]:
-                out.setdefault(v, {})[split_dim(placements[label[v]])] = transition_bytes(
-                    "all_gather", solver.n, self.fb[v]
-                )
+            dims = {c: split_dim(placements[c]) for c in set(label) if shard[c]}  # (a few codes, many values)
+            gather = transition_bytes("all_gather", solver.n, 1.0)
+            for v, c in enumerate(label):
+                if c in dims:
+                    out.setdefault(v, {})[dims[c]] = gather * self.fb[v]
         return out
 
     def _unsplit_work(self) -> list[float]:
@@ -168,7 +169,8 @@ class AxisSolver:
             if other != self.axis:
                 splitting, choice, n = solver.splitting, solver.choice, solver.n
                 flops = [f / n if f and splitting[k][choice[k]] else f for k, f in enumerate(flops)]
-        return [unsplit_bytes(f, self.n, per_flop) for f in flops]
+        costs = {f: unsplit_bytes(f, self.n, per_flop) for f in set(flops)}  # (the ops of a block repeat a few FLOP counts)
+        return [costs[f] for f in flops]
 
     def _op_work(self, k: int, j: int) -> float:
         """The unsplit-work cost of op ``k`` under strategy ``j``."""
@@ -444,11 +446,12 @@ class AxisSolver:
             tries += [[(c, j)] for c, takes in takers for j in takes] + [m for m in [self._joint(takers, {})] if m]
             for start in tries:
                 if all(self._keeps_split(k, j) for k, j in start) and (changed := self._cascade(start, max_ops, read)):
-                    failed.changed(self._around(self._around(changed)))
+                    near = self._around(changed)
+                    failed.changed(near, self._around(near))
                     improved = True
                     break
             else:
-                failed.add((v, req), read)
+                failed.add((v, req), read, joint=any(len(start) > 1 for start in tries))
         return improved
 
     def _elsewhere(self) -> list[int]:
@@ -700,40 +703,49 @@ class AxisSolver:
 class _Failed:
     """The redistributions whose cascades (:meth:`AxisSolver._cascade`) all failed, each with the
     ops they read (those ops' choices, and the placements and wants of their values: their
-    contexts) and when; and when a kept move last changed an op within two values of each op.
-    A cascade undone leaves the solution as it was, so tried again it reads what it read and
-    fails again unless a move kept since changed something it read: the choice of an op it read,
-    or a value of an op it read or of an op next to one (the readers of a value it reads, whose
-    contexts a joint move reads). A kept move changes its ops' choices and their values (the
-    wants of their inputs, the placements of their outputs): every op within two values of them
-    is marked changed.
+    contexts), when, and whether a joint move was among them; and when a kept move last changed
+    something within one value, and within two values, of each op. A cascade undone leaves the
+    solution as it was, so tried again it reads what it read and fails again unless a move kept
+    since changed something it read. What an op's cost reads (its choice, the placements of its
+    inputs, the wants of its values) changes only by a change of an op within one value of it
+    (one that writes or reads a value it reads or writes): a kept move marks those ops *near*. A
+    joint move also reads the costs of the other readers of a value an op it read reads, which
+    change by a change within two values: a kept move marks those ops *far*, and the tries that
+    held a joint move are checked against those.
 
     Example::
 
-        >>> failed = _Failed(len(ops)); failed.add((v, req), {3, 4})
+        >>> failed = _Failed(len(ops)); failed.add((v, req), {3, 4}, joint=False)
         >>> failed.again((v, req))   # nothing kept since: the same moves would fail again
         True
     """
 
     def __init__(self, ops: int) -> None:
         self.clock = 0
-        self.stamp = [0] * ops  # per op, the clock when a kept move last changed something near it
-        self.tried: dict[tuple[int, int], tuple[int, set[int]]] = {}
+        # per op, the clock when a kept move last changed something within one value of it, and two
+        self.near, self.far = [0] * ops, [0] * ops
+        self.tried: dict[tuple[int, int], tuple[int, set[int], list[int]]] = {}
 
-    def add(self, key: tuple[int, int], read: set[int]) -> None:
-        """``key``'s cascades failed now, having read the ops ``read``."""
-        self.tried[key] = (self.clock, read)
+    def add(self, key: tuple[int, int], read: set[int], joint: bool) -> None:
+        """``key``'s cascades failed now, having read the ops ``read`` (``joint``: a joint move among them)."""
+        self.tried[key] = (self.clock, read, self.far if joint else self.near)
 
-    def changed(self, ops: set[int]) -> None:
-        """A move was kept that changed something the ops ``ops`` read."""
+    def changed(self, near: set[int], far: set[int]) -> None:
+        """A move was kept that changed something within one value of the ops ``near``, and
+        within two values of the ops ``far`` (``near`` among them)."""
         self.clock += 1
-        for k in ops:
-            self.stamp[k] = self.clock
+        for k in near:
+            self.near[k] = self.clock
+        for k in far:
+            self.far[k] = self.clock
 
     def again(self, key: tuple[int, int]) -> bool:
         """Would ``key``'s cascades fail again: they failed, and nothing they read changed since?"""
         tried = self.tried.get(key)
-        return tried is not None and all(self.stamp[k] <= tried[0] for k in tried[1])
+        if tried is None:
+            return False
+        when, read, stamp = tried
+        return all(stamp[k] <= when for k in read)
 
 
 Encoded = list[tuple[tuple[int, ...], tuple[int, ...]]]  # strategies as (input codes, output codes; -1: none)

@@ -15,6 +15,7 @@ of the long way round.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -980,3 +981,44 @@ def test_a_move_no_collective_makes_is_refused_after_a_possible_one_to_the_same_
     step = vsf.jit(lambda a, b, c: (c * 2, a @ b), out_shardings=vsf.NamedSharding(mesh, P()))
     with pytest.raises(PlanError, match=r"wants %mm as \(Replicate\(\),\) but it is \(Partial\(sum\),\)"):
         step.lower(a, b, b)
+
+
+def _solved(monkeypatch, layers: int, shape: tuple[int, ...], runs: bool):
+    """The plan of :func:`_gpt_plan`'s AdamW step, its axis solvers once solved, and how often a
+    run was placed as an earlier one (``_copy_run``) and left as an earlier one's merges left it
+    (``_merged``); ``runs``: False finds no run (every op placed one by one)."""
+    from vsf.jit import solver
+
+    solvers, copied = [], collections.Counter()
+    with monkeypatch.context() as m:
+        solve = solver.AxisSolver.solve
+        m.setattr(solver.AxisSolver, "solve", lambda self: solve(self) or solvers.append(self))
+        for name in ("_copy_run", "_merged"):
+            was = getattr(solver.AxisSolver, name)
+            m.setattr(
+                solver.AxisSolver, name, lambda self, run, done, w=was, n=name: copied.update([n]) or w(self, run, done)
+            )
+        if not runs:
+            m.setattr(solver, "runs_of", lambda *args: {})
+        plan = _gpt_plan(layers, shape, optimizer=True)
+    return plan, solvers, copied
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 2), (2, 2, 2, 2, 2)])
+def test_runs_placed_once_leave_each_solver_as_placing_op_by_op(sim, monkeypatch, shape):
+    """A repeated block's runs of copied ops (:mod:`vsf.jit.copies`) meeting the state an earlier
+    run of their shape met are placed as it was by the greedy pass, passed over by the repairs
+    where it changed nothing, and left as its merges left it: each axis solver of a 6-layer GPT's
+    AdamW step ends in the state placing every op one by one leaves (every op's strategy, every
+    value's placement, its wants' number, and the reads counted of each placement, in their
+    order), and the plan is the same."""
+    sim(math.prod(shape), compute=False)
+    plan, copied, counts = _solved(monkeypatch, 6, shape, runs=True)
+    one_by_one_plan, one_by_one, none = _solved(monkeypatch, 6, shape, runs=False)
+    assert counts["_copy_run"] > 0 and counts["_merged"] > 0 and any(s.tables.steady for s in copied)
+    assert not none and not any(s.tables.steady for s in one_by_one)
+    assert [s.axis for s in copied] == [s.axis for s in one_by_one]
+    for a, b in zip(copied, one_by_one):
+        assert a.choice == b.choice and a.label == b.label and a.wants == b.wants
+        assert [list(counted.items()) for counted in a.need] == [list(counted.items()) for counted in b.need]
+    assert_same_plans(plan, one_by_one_plan)

@@ -22,22 +22,6 @@ trace_module = importlib.import_module("vsf.jit.trace")
 stamp_module = importlib.import_module("vsf.jit.stamp")
 
 
-def _lowered(family: zoo.Family, shape: tuple[int, ...] | None = None):
-    """The AdamW step of ``family`` on the zoo's 5D layout (planning only), over a mesh of ``shape``
-    if given: what one trace of it stamped, and its plan (the caller has started the simulation)."""
-    model, batches = zoo.built(family)
-    params = vsf.tree.from_module(model)
-    tx = zoo.adamw()
-    five_d, axes, kind, batch_spec = zoo.LAYOUTS["5d"]
-    shape = shape or five_d
-    mesh = vsf.make_mesh(shape, axes)
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, kind, family)))
-    s = vsf.optim.init_sharded(tx, p)
-    batch = vsf.device_put(batches[0], vsf.NamedSharding(mesh, batch_spec))
-    step = vsf.jit(zoo.train_step(model, tx, family.loss))
-    return step.trace(p, s, batch).stamped, step.lower(p, s, batch)
-
-
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, checkpointed):
     """A 3-layer Llama's AdamW step: its layers stamped from one trace and their ops decided once
@@ -48,11 +32,11 @@ def test_llama_layers_traced_once_plan_as_traced_one_by_one(sim, monkeypatch, ch
     solver = importlib.import_module("vsf.jit.solver")
     family = zoo.llama(3, use_cache=False, checkpointed=checkpointed)
     sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
-    stamped, plan = _lowered(family)
+    stamped, plan = zoo.lowered(family)
     assert stamped["LlamaDecoderLayer"] == (3,) and set(stamped) == {"LlamaDecoderLayer", "adam_step", "detach", "add"}
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     monkeypatch.setattr(solver.AxisSolver, "reuse", False)
-    plain, one_by_one = _lowered(family)
+    plain, one_by_one = zoo.lowered(family)
     assert plain == {}
     assert_same_plans(plan, one_by_one)
     assert_same_stack_traces(plan, one_by_one)
@@ -70,11 +54,11 @@ def test_llama_on_axes_nothing_shards_plans_as_every_axis_solved(sim, monkeypatc
     family = zoo.llama(2, use_cache=False)
     shape = (2, 1, 2, 2, 2)
     sim(math.prod(shape), compute=False)
-    _, skipped = _lowered(family, shape)
+    _, skipped = zoo.lowered(family, shape=shape)
     assert {"pp", "cp"}.isdisjoint(solved)
     monkeypatch.setattr(solver.AxisSolver, "reuse", False)
     solved.clear()
-    _, every_axis = _lowered(family, shape)
+    _, every_axis = zoo.lowered(family, shape=shape)
     assert {"pp", "cp"} <= set(solved)
     assert_same_plans(skipped, every_axis)
 
@@ -123,3 +107,17 @@ def test_layers_given_a_cache_are_traced_one_by_one_and_the_warning_says_how_to_
         assert "use_cache=False" in str(ours[0].message) and ours[0].filename == __file__
     else:
         assert stamped["LlamaDecoderLayer"] == (2,) and ours == []
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", pytest.param("llama", marks=pytest.mark.sweep)])
+def test_runs_of_four_layers_placed_once_plan_as_placed_op_by_op(sim, monkeypatch, name):
+    """Four layers of a transformers model (GPT-2's, BERT's, Llama's; without a cache, so that they
+    are stamped): the runs of ops their copies made, placed once and copied to the runs that meet
+    the same state (:mod:`vsf.jit.copies`), some were, and the plan is the one every op placed one
+    by one gives."""
+    monkeypatch.setattr(zoo, "LAYERS", 4)
+    sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
+    family = zoo.uncached(zoo.families()[name])
+    copied, plan, one_by_one = zoo.copied_and_one_by_one(monkeypatch, family)
+    assert copied > 0
+    assert_same_plans(plan, one_by_one)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -361,6 +362,18 @@ def llama(layers: int, *, checkpointed: bool = False, **config: Any) -> Family:
     return dataclasses.replace(families()["llama"], build=build)
 
 
+def uncached(family: Family) -> Family:
+    """``family`` with its model's ``config.use_cache`` off: each layer is no longer handed a
+    ``DynamicCache`` to write its keys into, so its layers can be stamped from one trace."""
+
+    def build() -> torch.nn.Module:
+        model = family.build()
+        model.config.use_cache = False
+        return model
+
+    return dataclasses.replace(family, build=build)
+
+
 def built(family: Family) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
     """The family's model (seeded random weights) and one batch per step (seeded)."""
     torch.manual_seed(0)
@@ -450,13 +463,9 @@ def jit_train(
     (gathered), and the jitted step. ``check``: the first step in checking mode (``step.check``:
     it raises at the first op whose sharded result differs from one device's)."""
     model, batches = built(family)
-    params = vsf.tree.from_module(model)
     tx = adamw()
-    shape, axes, kind, batch_spec = LAYOUTS[layout]
-    simulate(math.prod(shape))
-    mesh = vsf.make_mesh(shape, axes)
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs(params, kind, family)))
-    s = optim.init_sharded(tx, p)
+    simulate(math.prod(LAYOUTS[layout][0]))
+    mesh, p, s, batch_spec = _on_mesh(family, model, tx, layout)
     step = vsf.jit(train_step(model, tx, family.loss))
     losses = []
     for i, batch in enumerate(batches):
@@ -464,6 +473,54 @@ def jit_train(
         p, s, loss = run(p, s, vsf.device_put(batch, vsf.NamedSharding(mesh, batch_spec)))
         losses.append(vsf.device_get(loss))
     return losses, vsf.device_get(p), step
+
+
+def lowered(family: Family, layout: str = "5d", shape: tuple[int, ...] | None = None) -> tuple[dict[str, Any], Any]:
+    """The AdamW step of ``family`` on ``layout`` (over a mesh of ``shape`` if given) planned for its
+    first batch, not run (the caller has started the simulation): what one trace of it stamped
+    (``Traced.stamped``), and its ``Lowered``."""
+    model, batches = built(family)
+    tx = adamw()
+    mesh, p, s, batch_spec = _on_mesh(family, model, tx, layout, shape)
+    batch = vsf.device_put(batches[0], vsf.NamedSharding(mesh, batch_spec))
+    step = vsf.jit(train_step(model, tx, family.loss))
+    return step.trace(p, s, batch).stamped, step.lower(p, s, batch)
+
+
+def copied_and_one_by_one(monkeypatch: Any, family: Family, layout: str = "5d") -> tuple[int, Any, Any]:
+    """``family``'s step planned (:func:`lowered`, its model of as many blocks as ``LAYERS`` says)
+    with its blocks' runs of ops placed once and copied to the runs like them
+    (:mod:`vsf.jit.copies`), how many runs were copied, and the step planned with every op placed
+    one by one."""
+    solver = importlib.import_module("vsf.jit.solver")
+    copied: list[int] = []
+    copy_run = solver.AxisSolver._copy_run
+    with monkeypatch.context() as m:
+        m.setattr(
+            solver.AxisSolver,
+            "_copy_run",
+            lambda self, run, done: copied.append(run.start) or copy_run(self, run, done),
+        )
+        _, plan = lowered(family, layout)
+        m.setattr(solver, "runs_of", lambda *args: {})
+        _, one_by_one = lowered(family, layout)
+    return len(copied), plan, one_by_one
+
+
+def _on_mesh(
+    family: Family,
+    model: torch.nn.Module,
+    tx: optim.GradientTransformation,
+    layout: str,
+    shape: tuple[int, ...] | None = None,
+) -> tuple[Any, Any, Any, P]:
+    """The mesh of ``layout`` (of ``shape`` if given), ``model``'s params placed on it as ``layout``
+    specs them, ``tx``'s sharded state of them, and the batch's spec."""
+    default, axes, kind, batch_spec = LAYOUTS[layout]
+    mesh = vsf.make_mesh(shape or default, axes)
+    params = vsf.tree.from_module(model)
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs(params, kind, family)))
+    return mesh, p, optim.init_sharded(tx, p), batch_spec
 
 
 def assert_like_oracle(

@@ -12,6 +12,7 @@ The package's files are the stages of a call, read top-down:
 * :mod:`~vsf.jit.plan` - the plan's types and the placements vocabulary;
 * :mod:`~vsf.jit.strategies` - DTensor's strategies for an op (the only place that asks them);
 * :mod:`~vsf.jit.cost` and :mod:`~vsf.jit.solver` - the cost model and the per-axis solver;
+* :mod:`~vsf.jit.copies` - the runs of ops a repeated block's copies made, placed once and copied by the solver;
 * :mod:`~vsf.jit.packed` - a packed split's pieces taken apart (``chunk``) and put together (``cat``) on local shards;
 * :mod:`~vsf.jit.manual` - ``shard_map`` regions: which ops are a body's, their placements over the manual axes, collectives and local run;
 * :mod:`~vsf.jit.redistribute` - transition paths between placements and their collectives;

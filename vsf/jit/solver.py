@@ -29,6 +29,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
+from vsf.jit.copies import Merged, Placed, Run, runs_of
 from vsf.jit.cost import (
     INF,
     NOT_PARTIAL,
@@ -169,7 +170,9 @@ class AxisSolver:
             if other != self.axis:
                 splitting, choice, n = solver.splitting, solver.choice, solver.n
                 flops = [f / n if f and splitting[k][choice[k]] else f for k, f in enumerate(flops)]
-        costs = {f: unsplit_bytes(f, self.n, per_flop) for f in set(flops)}  # (the ops of a block repeat a few FLOP counts)
+        costs = {
+            f: unsplit_bytes(f, self.n, per_flop) for f in set(flops)
+        }  # (the ops of a block repeat a few FLOP counts)
         return [costs[f] for f in flops]
 
     def _op_work(self, k: int, j: int) -> float:
@@ -390,26 +393,104 @@ class AxisSolver:
 
     def solve(self, max_repairs: int = 3) -> None:
         self.fixed_context = self._fixed_contexts()
-        for k in range(len(self.p.ops)):
-            self._pick(k, greedy=True)
-        producers = self.p.producer_of
-        consumers = self.p.consumers_of
+        self._greedy()
+        self._repairs(max_repairs)
+        self._cascades()
+        self._merges()
+
+    def _greedy(self) -> None:
+        """The greedy pass: each op in graph order takes its cheapest strategy (:meth:`_pick`); a run
+        of one copy of a repeated block (:mod:`vsf.jit.copies`) that meets the state a run of its
+        shape met before (its ops' fixed contexts, its values' placements and wants) takes what
+        that run took, copied with what it did to the values (:meth:`_copy_run`), where
+        :attr:`reuse` is on."""
+        runs, placed = (self.p.runs if self.reuse else {}), self.tables.placed
+        k = 0
+        while k < len(self.p.ops):
+            run = runs.get(k)
+            if run is None:
+                self._pick(k, greedy=True)
+                k += 1
+                continue
+            key = (run.shape, tuple(self.fixed_context[run.start : run.stop]), run.of(self.label), run.of(self.wants))
+            done = placed.get(key)
+            if done is None:
+                for op in range(run.start, run.stop):
+                    self._pick(op, greedy=True)
+                placed[key] = self._placed(run)
+            else:
+                self._copy_run(run, done)
+            k = run.stop
+
+    def _repairs(self, max_repairs: int) -> None:
+        """The repair passes: each op, in graph order, takes a cheaper strategy if one is (a
+        non-greedy :meth:`_pick`), and an op next to one that changed is revisited, at most
+        ``max_repairs`` visits an op in all. A run of one copy (:mod:`vsf.jit.copies`) that the first
+        visits reach in a state in which a run of its shape changed nothing (its ops' choices as
+        well as their contexts' fixed parts, its values' placements and wants) is passed over: its
+        ops would each keep their strategy again."""
+        producers, consumers = self.p.producer_of, self.p.consumers_of
         work = list(range(len(self.p.ops) - 1, -1, -1))
         queued = set(work)
         budget = max_repairs * len(work)
+        runs, steady = (self.p.runs if self.reuse else {}), self.tables.steady
+        changes, watched = 0, None  # (the key of a run whose visits began, its last op, the changes then)
         while work and budget > 0:
+            run = runs.get(work[-1])
+            if run is not None and (n := run.stop - run.start) <= budget and work[-n:] == run.visits:
+                key = (
+                    run.shape,
+                    tuple(self.fixed_context[run.start : run.stop]),
+                    tuple(self.choice[run.start : run.stop]),
+                    run.of(self.label),
+                    run.of(self.wants),
+                )
+                if key in steady:
+                    del work[-n:]
+                    queued.difference_update(range(run.start, run.stop))
+                    budget -= n
+                    continue
+                watched = (key, run.stop - 1, changes)
             budget -= 1
             k = work.pop()
             queued.discard(k)
             if self._pick(k, greedy=False):
+                changes += 1
                 for other in [producers.get(v) for v in self.ins[k]] + [
                     c for v in self.outs[k] if v >= 0 for c in consumers.get(v, ())
                 ]:
                     if other is not None and other not in queued:
                         queued.add(other)
                         work.append(other)
-        self._cascades()
-        self._merges()
+            if watched is not None and k == watched[1]:
+                if changes == watched[2]:  # (no op of the run changed: they were visited in turn)
+                    steady.add(watched[0])
+                watched = None
+
+    def _placed(self, run: Run) -> Placed:
+        """What the greedy pass did on ``run``, just placed."""
+        choice, strategies = self.choice, self.strategies
+        counted = tuple(
+            [
+                counted
+                for k, reads in zip(range(run.start, run.stop), run.reads)
+                for counted in zip(reads, strategies[k][choice[k]][0])
+            ]
+        )
+        return Placed(tuple(choice[run.start : run.stop]), counted, run.of(self.wants), run.of(self.label))
+
+    def _copy_run(self, run: Run, done: Placed) -> None:
+        """Place ``run`` as ``done`` placed a run of its shape that met its state: the same
+        strategies, the same reads counted in the same order, the values left with the same
+        wants and placements (:mod:`vsf.jit.copies`)."""
+        self.choice[run.start : run.stop] = done.choices
+        need, values, wants, label = self.need, run.values, self.wants, self.label
+        for i, req in done.counted:
+            counts = need[values[i]]
+            counts[req] = counts.get(req, 0) + 1
+        for v, w, lab in zip(values, done.wants, done.labels):
+            wants[v] = w
+            label[v] = lab
 
     def _cascades(self, max_ops: int = 256, rounds: int = 3) -> None:
         """Try to remove each redistribution the solution still has, largest first, by a move no
@@ -592,13 +673,65 @@ class AxisSolver:
         hops up, and it is kept only if the values they read and write and their work cost less
         after it than before; every cost is at least 0, so a move among ops none of which reads or
         writes a value that costs something or runs work beyond its share costs 0 before and cannot
-        cost less after. A move kept changes costs only at its ops' values: the ops near those join."""
+        cost less after. A move kept changes costs only at its ops' values: the ops near those join.
+        A run of one copy (:mod:`vsf.jit.copies`) whose reach (its ops and their producers up to
+        :data:`_MERGE_DEPTH` hops up: all that its ops' moves read) meets the state in which the
+        merges of a run of its shape kept nothing (the reach's fixed contexts, choices, its values'
+        placements and wants, which of the run's ops are near) keeps nothing either: it is left as
+        those merges left it (:meth:`_merged`), where :attr:`reuse` is on."""
         near = self._near_costs(self._costly_ops())
-        for k in range(len(self.p.ops)):
-            if k in near:
-                changed = self._merge_partials(k)
-                if changed:
-                    near |= self._near_costs(self._around(changed))
+        runs, merged = (self.p.runs if self.reuse else {}), self.tables.merged
+        k = 0
+        while k < len(self.p.ops):
+            run = runs.get(k)
+            ops = range(k, k + 1) if run is None else range(run.start, run.stop)
+            key = None
+            if run is not None:
+                reach = run.reach
+                key = (
+                    reach.shape,
+                    reach.ops_of(self.fixed_context),
+                    reach.ops_of(self.choice),
+                    reach.values_of(self.label),
+                    reach.values_of(self.wants),
+                    tuple([op in near for op in ops]),
+                )
+                done = merged.get(key)
+                if done is not None:
+                    self._merged(run, done)
+                    k = run.stop
+                    continue
+                had = [len(self.need[v]) for v in reach.values]
+            kept = False
+            for op in ops:
+                if op in near:
+                    changed = self._merge_partials(op)
+                    if changed:
+                        kept = True
+                        near |= self._near_costs(self._around(changed))
+            if key is not None and not kept:
+                values = run.reach.values
+                left = tuple(
+                    [
+                        (i, tuple(list(self.need[v])[n:]))
+                        for i, (v, n) in enumerate(zip(values, had))
+                        if len(self.need[v]) > n
+                    ]
+                )
+                merged[key] = Merged(left, run.reach.values_of(self.wants))
+            k = ops.stop
+
+    def _merged(self, run: Run, done: Merged) -> None:
+        """Leave ``run``'s reach as the merges that kept nothing of a run of its shape in its state
+        left theirs (:meth:`_merges`): the placements their tries counted and took back again
+        (each with a count of 0, in order) and the wants."""
+        need, values, wants = self.need, run.reach.values, self.wants
+        for i, left in done.left:
+            counts = need[values[i]]
+            for req in left:
+                counts[req] = 0
+        for v, w in zip(values, done.wants):
+            wants[v] = w
 
     def _costly_ops(self) -> set[int]:
         """The ops that read or write a value that costs something as the solution stands, or run
@@ -790,6 +923,9 @@ class AxisTables:
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
     valued: dict[tuple[float, float, int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    placed: dict[tuple[Any, ...], Placed] = dataclasses.field(default_factory=dict)
+    steady: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)
+    merged: dict[tuple[Any, ...], Merged] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
@@ -925,6 +1061,7 @@ class Problem:
     # per op, what reads its inputs' and its outputs' entries of a per-value list (:meth:`AxisSolver._context`)
     in_items: list[Callable[[list[int]], Any]] = dataclasses.field(default_factory=list)
     out_items: list[Callable[[list[int]], Any]] = dataclasses.field(default_factory=list)
+    runs: dict[int, Run] = dataclasses.field(default_factory=dict)  # by first op: a copy's runs (:mod:`vsf.jit.copies`)
 
     def index(self) -> None:
         """Number the values, record which op produces and which ops consume each, count each op's
@@ -983,6 +1120,7 @@ class Problem:
                 for v in self.op_ins[k]:
                     before[v] = True
         self.alone = [a and b for a, b in zip(after, before)]
+        self.runs = runs_of(self.ops, self.op_ins, self.op_outs, self.clamp, self.producer_of, _MERGE_DEPTH)
 
     def _add(self, v: Value) -> int:
         self.value_ids[v] = len(self.values)

@@ -61,6 +61,7 @@ import torch.fx
 
 from vsf import _compat, tree
 from vsf.errors import TraceError
+from vsf.jit.copies import COPY
 from vsf.jit.stamp_key import (
     Call,
     args_key,
@@ -364,10 +365,16 @@ def _copy(tracer: Any, traced: _Trace, part: str, env: dict[torch.fx.Node, Any],
     recorded (the plain trace's metadata, storage offset included; every copy of a node holds that
     one fake tensor, which a trace taking them as inputs replaces where met twice:
     :mod:`vsf.jit.functionalize`; the copies of the block's outputs get values of their own from
-    ``_compat.track_as`` next), and with the stack trace :func:`_stacks` gives it for a call at ``now``."""
-    _compat.copy_nodes(tracer.graph, getattr(traced, part), env)
+    ``_compat.track_as`` next), with the stack trace :func:`_stacks` gives it for a call at ``now``,
+    and marked as this copy's (:data:`vsf.jit.copies.COPY`: the name of the copy's first node)."""
+    nodes = getattr(traced, part)
+    _compat.copy_nodes(tracer.graph, nodes, env)
     for node, trace in _stacks(traced, part, now):
         env[node].meta["stack_trace"] = trace
+    if nodes:
+        copy = env[nodes[0]].name
+        for node in nodes:
+            env[node].meta[COPY] = copy
 
 
 def _stacks(traced: _Trace, part: str, now: str | None) -> list[tuple[torch.fx.Node, str | None]]:

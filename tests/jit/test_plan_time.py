@@ -986,14 +986,14 @@ def test_a_move_no_collective_makes_is_refused_after_a_possible_one_to_the_same_
 def _solved(monkeypatch, layers: int, shape: tuple[int, ...], runs: bool):
     """The plan of :func:`_gpt_plan`'s AdamW step, its axis solvers once solved, and how often a
     run was placed as an earlier one (``_copy_run``) and left as an earlier one's merges left it
-    (``_merged``); ``runs``: False finds no run (every op placed one by one)."""
+    (``_leave``); ``runs``: False finds no run (every op placed one by one)."""
     from vsf.jit import solver
 
     solvers, copied = [], collections.Counter()
     with monkeypatch.context() as m:
         solve = solver.AxisSolver.solve
         m.setattr(solver.AxisSolver, "solve", lambda self: solve(self) or solvers.append(self))
-        for name in ("_copy_run", "_merged"):
+        for name in ("_copy_run", "_leave"):
             was = getattr(solver.AxisSolver, name)
             m.setattr(
                 solver.AxisSolver, name, lambda self, run, done, w=was, n=name: copied.update([n]) or w(self, run, done)
@@ -1015,7 +1015,7 @@ def test_runs_placed_once_leave_each_solver_as_placing_op_by_op(sim, monkeypatch
     sim(math.prod(shape), compute=False)
     plan, copied, counts = _solved(monkeypatch, 6, shape, runs=True)
     one_by_one_plan, one_by_one, none = _solved(monkeypatch, 6, shape, runs=False)
-    assert counts["_copy_run"] > 0 and counts["_merged"] > 0 and any(s.tables.steady for s in copied)
+    assert counts["_copy_run"] > 0 and counts["_leave"] > 0 and any(s.tables.steady for s in copied)
     assert not none and not any(s.tables.steady for s in one_by_one)
     assert [s.axis for s in copied] == [s.axis for s in one_by_one]
     for a, b in zip(copied, one_by_one):

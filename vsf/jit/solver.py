@@ -29,7 +29,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 
 from vsf.errors import PlanError
-from vsf.jit.copies import Merged, Placed, Run, runs_of
+from vsf.jit.copies import Graph, Left, Placed, Region, Run, runs_of
 from vsf.jit.cost import (
     INF,
     NOT_PARTIAL,
@@ -412,7 +412,13 @@ class AxisSolver:
                 self._pick(k, greedy=True)
                 k += 1
                 continue
-            key = (run.shape, tuple(self.fixed_context[run.start : run.stop]), run.of(self.label), run.of(self.wants))
+            own = run.own
+            key = (
+                own.shape,
+                tuple(self.fixed_context[run.start : run.stop]),
+                own.values_of(self.label),
+                own.values_of(self.wants),
+            )
             done = placed.get(key)
             if done is None:
                 for op in range(run.start, run.stop):
@@ -439,11 +445,11 @@ class AxisSolver:
             run = runs.get(work[-1])
             if run is not None and (n := run.stop - run.start) <= budget and work[-n:] == run.visits:
                 key = (
-                    run.shape,
+                    run.own.shape,
                     tuple(self.fixed_context[run.start : run.stop]),
                     tuple(self.choice[run.start : run.stop]),
-                    run.of(self.label),
-                    run.of(self.wants),
+                    run.own.values_of(self.label),
+                    run.own.values_of(self.wants),
                 )
                 if key in steady:
                     del work[-n:]
@@ -477,14 +483,17 @@ class AxisSolver:
                 for counted in zip(reads, strategies[k][choice[k]][0])
             ]
         )
-        return Placed(tuple(choice[run.start : run.stop]), counted, run.of(self.wants), run.of(self.label))
+        own = run.own
+        return Placed(
+            tuple(choice[run.start : run.stop]), counted, own.values_of(self.wants), own.values_of(self.label)
+        )
 
     def _copy_run(self, run: Run, done: Placed) -> None:
         """Place ``run`` as ``done`` placed a run of its shape that met its state: the same
         strategies, the same reads counted in the same order, the values left with the same
         wants and placements (:mod:`vsf.jit.copies`)."""
         self.choice[run.start : run.stop] = done.choices
-        need, values, wants, label = self.need, run.values, self.wants, self.label
+        need, values, wants, label = self.need, run.own.values, self.wants, self.label
         for i, req in done.counted:
             counts = need[values[i]]
             counts[req] = counts.get(req, 0) + 1
@@ -678,30 +687,22 @@ class AxisSolver:
         :data:`_MERGE_DEPTH` hops up: all that its ops' moves read) meets the state in which the
         merges of a run of its shape kept nothing (the reach's fixed contexts, choices, its values'
         placements and wants, which of the run's ops are near) keeps nothing either: it is left as
-        those merges left it (:meth:`_merged`), where :attr:`reuse` is on."""
+        those merges left it (:meth:`_leave`), where :attr:`reuse` is on."""
         near = self._near_costs(self._costly_ops())
         runs, merged = (self.p.runs if self.reuse else {}), self.tables.merged
         k = 0
         while k < len(self.p.ops):
             run = runs.get(k)
             ops = range(k, k + 1) if run is None else range(run.start, run.stop)
-            key = None
+            key = had = None
             if run is not None:
-                reach = run.reach
-                key = (
-                    reach.shape,
-                    reach.ops_of(self.fixed_context),
-                    reach.ops_of(self.choice),
-                    reach.values_of(self.label),
-                    reach.values_of(self.wants),
-                    tuple([op in near for op in ops]),
-                )
+                key = (*self._state(run.reach), tuple([op in near for op in ops]))
                 done = merged.get(key)
                 if done is not None:
-                    self._merged(run, done)
+                    self._leave(run.reach, done)
                     k = run.stop
                     continue
-                had = [len(self.need[v]) for v in reach.values]
+                had = list(map(len, run.reach.values_of(self.need)))
             kept = False
             for op in ops:
                 if op in near:
@@ -709,28 +710,40 @@ class AxisSolver:
                     if changed:
                         kept = True
                         near |= self._near_costs(self._around(changed))
-            if key is not None and not kept:
-                values = run.reach.values
-                left = tuple(
-                    [
-                        (i, tuple(list(self.need[v])[n:]))
-                        for i, (v, n) in enumerate(zip(values, had))
-                        if len(self.need[v]) > n
-                    ]
-                )
-                merged[key] = Merged(left, run.reach.values_of(self.wants))
+            if had is not None and not kept:
+                merged[key] = self._left(run.reach, had)
             k = ops.stop
 
-    def _merged(self, run: Run, done: Merged) -> None:
-        """Leave ``run``'s reach as the merges that kept nothing of a run of its shape in its state
-        left theirs (:meth:`_merges`): the placements their tries counted and took back again
-        (each with a count of 0, in order) and the wants."""
-        need, values, wants = self.need, run.reach.values, self.wants
-        for i, left in done.left:
+    def _state(self, region: Region) -> tuple[Any, ...]:
+        """All that a move among ``region``'s ops reads, as it stands: its shape, its ops' fixed
+        contexts and choices, its values' placements and wants."""
+        return (
+            region.shape,
+            region.ops_of(self.fixed_context),
+            region.ops_of(self.choice),
+            region.values_of(self.label),
+            region.values_of(self.wants),
+        )
+
+    def _left(self, region: Region, had: list[int]) -> Left:
+        """What moves tried among ``region``'s ops and taken back left there, its values' need
+        having held ``had`` placements each before (:class:`~vsf.jit.copies.Left`)."""
+        need = self.need
+        zeros = tuple(
+            [(i, tuple(list(need[v])[n:])) for i, (v, n) in enumerate(zip(region.values, had)) if len(need[v]) > n]
+        )
+        return Left(zeros, region.values_of(self.wants))
+
+    def _leave(self, region: Region, left: Left) -> None:
+        """Leave ``region`` as the moves that ``left`` says of left a region of its shape in its
+        state: the placements they counted and took back (each with a count of 0, in order), and
+        the values' wants."""
+        need, values, wants = self.need, region.values, self.wants
+        for i, zeros in left.zeros:
             counts = need[values[i]]
-            for req in left:
+            for req in zeros:
                 counts[req] = 0
-        for v, w in zip(values, done.wants):
+        for v, w in zip(values, left.wants):
             wants[v] = w
 
     def _costly_ops(self) -> set[int]:
@@ -925,7 +938,7 @@ class AxisTables:
     valued: dict[tuple[float, float, int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
     placed: dict[tuple[Any, ...], Placed] = dataclasses.field(default_factory=dict)
     steady: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)
-    merged: dict[tuple[Any, ...], Merged] = dataclasses.field(default_factory=dict)
+    merged: dict[tuple[Any, ...], Left] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
@@ -1120,7 +1133,8 @@ class Problem:
                 for v in self.op_ins[k]:
                     before[v] = True
         self.alone = [a and b for a, b in zip(after, before)]
-        self.runs = runs_of(self.ops, self.op_ins, self.op_outs, self.clamp, self.producer_of, _MERGE_DEPTH)
+        graph = Graph(self.ops, self.op_ins, self.op_outs, self.clamp, self.producer_of, self.consumers_of)
+        self.runs = runs_of(graph, _MERGE_DEPTH)
 
     def _add(self, v: Value) -> int:
         self.value_ids[v] = len(self.values)

@@ -1022,3 +1022,25 @@ def test_runs_placed_once_leave_each_solver_as_placing_op_by_op(sim, monkeypatch
         assert a.choice == b.choice and a.label == b.label and a.wants == b.wants
         assert [list(counted.items()) for counted in a.need] == [list(counted.items()) for counted in b.need]
     assert_same_plans(plan, one_by_one_plan)
+
+
+def test_leaf_updates_are_cut_into_runs_of_a_blocks_leaves(sim, monkeypatch):
+    """Each leaf's AdamW update and its add to the param are copies of one op each
+    (:meth:`vsf.jit.stamp.Stamper.apply`); the solver cuts such copies into runs where their
+    sequence repeats (:mod:`vsf.jit.copies`): a 6-layer GPT's blocks have 12 leaves each (q/k/v,
+    projection, two MLP linears, each a weight and a bias, and two norms' weights and biases),
+    its updates run leaf by leaf in the order of their paths, so the blocks' updates make 6 runs
+    of 12 ``adam_step`` and 6 runs of 12 ``add`` (the embeddings', the final norm's and the head's,
+    one each, make none)."""
+    from vsf.jit import solver
+
+    sim(8, compute=False)
+    problems = []
+    index = solver.Problem.index
+    monkeypatch.setattr(solver.Problem, "index", lambda self: index(self) or problems.append(self))
+    _gpt_plan(6, (1, 2, 2, 1, 2), optimizer=True)
+    problem = problems[0]
+    targets = [{str(problem.ops[k].target) for k in range(run.start, run.stop)} for run in problem.runs.values()]
+    lengths = [run.stop - run.start for run in problem.runs.values()]
+    one_op = collections.Counter((t.pop(), n) for t, n in zip(targets, lengths) if len(t) == 1)
+    assert one_op == {("vsf.adam_step.default", 12): 6, ("aten.add.Tensor", 12): 6}

@@ -6,8 +6,9 @@ call, and its backward ops when autograd reaches it; each copied node carries :d
 name of the first node of its copy. :func:`runs_of` finds the runs of consecutive ops of one copy in
 a problem's ops, each as a :class:`Region` whose *shape* numbers its wiring: per op in order, which
 of the region's values (in the order its ops first read or write them) it reads and writes, and
-per value its cap on counted reads (:attr:`vsf.jit.solver.Problem.clamp`), how many ops read it and
-whether one writes it. Equal numbers, equal wiring.
+per value its cap on counted reads (:attr:`vsf.jit.solver.Problem.clamp`) and whether an op writes
+it. Equal numbers, equal wiring. Copies of a few ops each (an optimizer's update of one leaf, one
+op) are cut into runs where their sequence repeats (a block's leaves after another's).
 
 The solver decides each op from its context alone (its fixed part, its choice, and the placements
 and wants of the values it reads and writes: :meth:`vsf.jit.solver.AxisSolver._context`), and a
@@ -30,7 +31,7 @@ Each leaves the state placing op by op leaves (``tests/jit/test_plan_time.py``).
 
 Example::
 
-    >>> found = runs_of(Graph(ops, op_ins, op_outs, clamp, producer_of, consumers_of), hops=3)
+    >>> found = runs_of(Graph(ops, op_ins, op_outs, clamp, producer_of), hops=3)
     >>> len(found), len({r.own.shape for r in found.values()})  # a 24-layer GPT: each block's forward and backward
     (48, 3)
 """
@@ -42,6 +43,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.fx
 
 __all__ = ["COPY", "MIN_OPS", "Graph", "Left", "Placed", "Region", "Run", "runs_of"]
@@ -52,13 +54,16 @@ COPY = "vsf_copy"
 # the fewest ops a run needs to be copied as one (a shorter one costs about as much to key as to place)
 MIN_OPS = 8
 
+# the most ops a period of short copies may span (:func:`_periods`: a block's leaves' updates)
+_LONGEST = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class Region:
     """Some ops of a problem, in graph order, and the values they read and write, in the order
     first met (``position``: each one's place among them); ``shape``: the number of their wiring
-    (per op, the positions of its inputs and outputs; per value, its cap on counted reads, how
-    many ops read it and whether an op writes it: equal numbers, equal wiring); ``ops_of`` and
+    (per op, the positions of its inputs and outputs; per value, its cap on counted reads and
+    whether an op writes it: equal numbers, equal wiring); ``ops_of`` and
     ``values_of``: what reads their entries of a per-op and a per-value list, as tuples."""
 
     ops: tuple[int, ...]
@@ -71,15 +76,14 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Ops ``start`` to ``stop`` (exclusive) of a problem, one copy's consecutive ops (``own``);
-    ``reads``: per op, the positions of its inputs among ``own``'s values; ``visits``: its ops as
+    """Ops ``start`` to ``stop`` (exclusive) of a problem, one copy's consecutive ops or a period
+    of short copies (``own``); ``visits``: its ops as
     a solver's work list holds them to visit in turn (the first last); ``reach``: its ops and
     their producers some hops up (what the partial-sum merges of its ops read)."""
 
     start: int
     stop: int
     own: Region
-    reads: tuple[tuple[int, ...], ...]
     visits: list[int]
     reach: Region
 
@@ -114,33 +118,84 @@ class Graph:
     op_outs: Sequence[tuple[int, ...]]
     clamp: Sequence[int]
     producer_of: Mapping[int, int]
-    consumers_of: Mapping[int, list[int]]
 
 
 def runs_of(graph: Graph, hops: int) -> dict[int, Run]:
-    """The runs of at least :data:`MIN_OPS` consecutive ops of one copy (:data:`COPY`), by first
-    op, each with its reach (its ops and their producers ``hops`` up)."""
+    """The runs of at least :data:`MIN_OPS` consecutive ops of one copy (:data:`COPY`), and the
+    runs the copies of one op each make where they repeat (:func:`_periods`: an optimizer's
+    per-leaf updates, a block's leaves after another's), by first op, each with its reach (its
+    ops and their producers ``hops`` up)."""
     shapes: dict[Any, int] = {}
     found: dict[int, Run] = {}
-    ops, start = graph.ops, 0
+    for start, stop in _spans(graph.ops):
+        own = _region(range(start, stop), graph, shapes)
+        if len(own.values) > 1:  # (an itemgetter of one gives no tuple)
+            found[start] = Run(
+                start,
+                stop,
+                own,
+                list(range(stop - 1, start - 1, -1)),
+                _region(_producers(own.ops, graph, hops), graph, shapes),
+            )
+    return found
+
+
+def _spans(ops: Sequence[torch.fx.Node]) -> list[tuple[int, int]]:
+    """The spans of the runs: each copy's consecutive ops where at least :data:`MIN_OPS`, and
+    the periods of the stretches of shorter copies (:func:`_periods`)."""
+    spans: list[tuple[int, int]] = []
+    stretch: list[int] = []  # consecutive ops of copies too short to be runs
+    start = 0
     while start < len(ops):
         copy = ops[start].meta.get(COPY)
         stop = start + 1
         while stop < len(ops) and copy is not None and ops[stop].meta.get(COPY) == copy:
             stop += 1
         if copy is not None and stop - start >= MIN_OPS:
-            own = _region(range(start, stop), graph, shapes)
-            if len(own.values) > 1:  # (an itemgetter of one gives no tuple)
-                found[start] = Run(
-                    start,
-                    stop,
-                    own,
-                    tuple([tuple([own.position[v] for v in graph.op_ins[k]]) for k in own.ops]),
-                    list(range(stop - 1, start - 1, -1)),
-                    _region(_producers(own.ops, graph, hops), graph, shapes),
-                )
+            spans.append((start, stop))
+        if copy is not None and stop - start < MIN_OPS:
+            stretch.extend(range(start, stop))
+        else:
+            spans += _periods(ops, stretch)
+            stretch = []
         start = stop
-    return found
+    return sorted(spans + _periods(ops, stretch))
+
+
+def _periods(ops: Sequence[torch.fx.Node], stretch: list[int]) -> list[tuple[int, int]]:
+    """The consecutive ops ``stretch`` cut into runs where they repeat: from an op, the fewest ops
+    (up to :data:`_LONGEST`) after which the targets and output shapes repeat three times over
+    (taken as many times as makes :data:`MIN_OPS`) is a run, and each next as many ops that
+    repeat it; ops that start no repeat are left out."""
+    marks = [(ops[k].target, _shape(ops[k])) for k in stretch]
+    spans, i = [], 0
+    while i < len(marks):
+        period = next(
+            (
+                p
+                for p in range(1, min(_LONGEST, (len(marks) - i) // 4) + 1)
+                if all(marks[i + j] == marks[i + j + p] for j in range(3 * p))
+            ),
+            None,
+        )
+        if period is not None:
+            period *= -(-MIN_OPS // period)
+        if period is None or i + period > len(marks):
+            i += 1
+            continue
+        first = marks[i : i + period]
+        while marks[i : i + period] == first:
+            spans.append((stretch[i], stretch[i + period - 1] + 1))
+            i += period
+    return spans
+
+
+def _shape(node: torch.fx.Node) -> Any:
+    """The shape of ``node``'s value, or of each of its values (``None`` for one not a tensor)."""
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return tuple([tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in val])
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _producers(ops: Sequence[int], graph: Graph, hops: int) -> list[int]:
@@ -158,15 +213,25 @@ def _producers(ops: Sequence[int], graph: Graph, hops: int) -> list[int]:
 
 
 def _region(ops: Sequence[int], graph: Graph, shapes: dict[Any, int]) -> Region:
-    """``ops`` as a :class:`Region`, its shape numbered in ``shapes``."""
-    position: dict[int, int] = {}
-    wiring = []
-    for k in ops:
-        ins = tuple([position.setdefault(v, len(position)) for v in graph.op_ins[k]])
-        outs = tuple([-1 if v < 0 else position.setdefault(v, len(position)) for v in graph.op_outs[k]])
-        wiring.append((ins, outs))
-    values = tuple(position)
-    facts = tuple([(graph.clamp[v], len(graph.consumers_of.get(v, ())), v in graph.producer_of) for v in values])
-    shape = shapes.setdefault((tuple(wiring), facts), len(shapes))
+    """``ops`` as a :class:`Region`, its shape numbered in ``shapes``: per op the numbers of its
+    inputs and outputs, then the positions among its values of every op's inputs and outputs in
+    turn (``-1``: no output), then per value its cap on counted reads and whether an op writes it."""
     ops = tuple(ops)
+    ins, outs = operator.itemgetter(*ops)(graph.op_ins), operator.itemgetter(*ops)(graph.op_outs)
+    if len(ops) == 1:
+        ins, outs = (ins,), (outs,)
+    met = [v for op_ins, op_outs in zip(ins, outs) for v in (*op_ins, *op_outs)]
+    position = {v: i for i, v in enumerate(dict.fromkeys(v for v in met if v >= 0))}
+    position[-1] = -1
+    wired = tuple(map(position.__getitem__, met))
+    del position[-1]
+    values = tuple(position)
+    key = (
+        tuple(map(len, ins)),
+        tuple(map(len, outs)),
+        wired,
+        tuple(map(graph.clamp.__getitem__, values)),
+        tuple(map(graph.producer_of.__contains__, values)),
+    )
+    shape = shapes.setdefault(key, len(shapes))
     return Region(ops, values, position, shape, operator.itemgetter(*ops), operator.itemgetter(*values))

@@ -333,16 +333,47 @@ class AxisSolver:
         # per value, a number for its part as an input, and as an output
         read = _numbered(numbers, zip(itertools.repeat("in"), fb, alone, hints, moves))
         made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, range(len(fb)))))
-        return _numbered(
-            numbers,
-            zip(
-                map(id, self.strategies),
-                self.work,
-                self.p.same_inputs,  # (as many entries as inputs: :attr:`Problem.in_items` reads them)
-                [ins(read) for ins in self.p.in_items],
-                (tuple([None if v < 0 else made[v] for v in outs]) for outs in self.outs),
-            ),
+        ids, work, same, in_items, outs = (
+            list(map(id, self.strategies)),
+            self.work,
+            self.p.same_inputs,
+            self.p.in_items,
+            self.outs,
         )
+
+        def numbered(ops: range) -> list[int]:
+            return _numbered(
+                numbers,
+                (
+                    (
+                        ids[k],
+                        work[k],
+                        same[k],  # (as many entries as inputs: :attr:`Problem.in_items` reads them)
+                        in_items[k](read),
+                        tuple([None if v < 0 else made[v] for v in outs[k]]),
+                    )
+                    for k in ops
+                ),
+            )
+
+        # a run whose ops have the strategy lists and work, and its values the numbers, that a run of
+        # its shape had gets the numbers that run got (:mod:`vsf.jit.copies`)
+        runs, known = (self.p.runs if self.reuse else {}), self.tables.fixed
+        out: list[int] = []
+        k = 0
+        while k < len(ids):
+            run = runs.get(k)
+            if run is None:
+                out += numbered(range(k, k + 1))
+                k += 1
+                continue
+            own = run.own
+            key = (own.shape, own.ops_of(ids), own.ops_of(work), own.values_of(read), own.values_of(made))
+            if key not in known:
+                known[key] = numbered(range(run.start, run.stop))
+            out += known[key]
+            k = run.stop
+        return out
 
     def _pick(self, k: int, greedy: bool) -> bool:
         if len(self.strategies[k]) == 1 and not greedy:
@@ -475,12 +506,12 @@ class AxisSolver:
 
     def _placed(self, run: Run) -> Placed:
         """What the greedy pass did on ``run``, just placed."""
-        choice, strategies = self.choice, self.strategies
+        choice, strategies, at = self.choice, self.strategies, run.own.position
         counted = tuple(
             [
-                counted
-                for k, reads in zip(range(run.start, run.stop), run.reads)
-                for counted in zip(reads, strategies[k][choice[k]][0])
+                (at[v], req)
+                for k in range(run.start, run.stop)
+                for v, req in zip(self.ins[k], strategies[k][choice[k]][0])
             ]
         )
         own = run.own
@@ -939,6 +970,7 @@ class AxisTables:
     placed: dict[tuple[Any, ...], Placed] = dataclasses.field(default_factory=dict)
     steady: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)
     merged: dict[tuple[Any, ...], Left] = dataclasses.field(default_factory=dict)
+    fixed: dict[tuple[Any, ...], list[int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: "Problem", axis: str, codes: Codes) -> "AxisTables":
@@ -1133,7 +1165,7 @@ class Problem:
                 for v in self.op_ins[k]:
                     before[v] = True
         self.alone = [a and b for a, b in zip(after, before)]
-        graph = Graph(self.ops, self.op_ins, self.op_outs, self.clamp, self.producer_of, self.consumers_of)
+        graph = Graph(self.ops, self.op_ins, self.op_outs, self.clamp, self.producer_of)
         self.runs = runs_of(graph, _MERGE_DEPTH)
 
     def _add(self, v: Value) -> int:

@@ -947,7 +947,10 @@ class AxisTables:
     placed), the decisions and costs by context
     (``picked``, ``costed``: :meth:`AxisSolver._pick`, :meth:`AxisSolver._costs`) and the values'
     costs (``valued``: :meth:`AxisSolver._value_costs`), which depend on
-    nothing else a solve reads: an op whose context the last solve met is decided as it was then."""
+    nothing else a solve reads: an op whose context the last solve met is decided as it was then;
+    and likewise per run state (:mod:`vsf.jit.copies`) what the greedy pass placed (``placed``),
+    the states the repairs changed nothing in (``steady``), what the merges that kept nothing left
+    (``merged``) and the ops' fixed-context numbers (``fixed``)."""
 
     codes: Codes
     label: list[int]

@@ -109,15 +109,23 @@ def test_layers_given_a_cache_are_traced_one_by_one_and_the_warning_says_how_to_
         assert stamped["LlamaDecoderLayer"] == (2,) and ours == []
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", pytest.param("llama", marks=pytest.mark.sweep)])
-def test_runs_of_four_layers_placed_once_plan_as_placed_op_by_op(sim, monkeypatch, name):
-    """Four layers of a transformers model (GPT-2's, BERT's, Llama's; without a cache, so that they
-    are stamped): the runs of ops their copies made, placed once and copied to the runs that meet
-    the same state (:mod:`vsf.jit.copies`), some were, and the plan is the one every op placed one
-    by one gives."""
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        pytest.param(name, layout, marks=() if layout == "5d" and name in ("gpt2", "bert") else pytest.mark.sweep)
+        for name in ("gpt2", "bert", "llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox")
+        for layout in ("5d", "dp_tp", "fsdp")
+    ],
+)
+def test_runs_of_four_layers_placed_once_plan_as_placed_op_by_op(sim, monkeypatch, name, layout):
+    """Four layers of a transformers model (GPT-2's, BERT's; in the sweep also Llama's, Mistral's,
+    Qwen2's, Gemma's, Phi's and GPT-NeoX's, and on dp x tp and FSDP too; without a cache, so that
+    they are stamped): the runs of ops their copies made, placed once and copied to the runs that
+    meet the same state (:mod:`vsf.jit.copies`), some were, and the plan is the one every op placed
+    one by one gives."""
     monkeypatch.setattr(zoo, "LAYERS", 4)
-    sim(math.prod(zoo.LAYOUTS["5d"][0]), compute=False)
+    sim(math.prod(zoo.LAYOUTS[layout][0]), compute=False)
     family = zoo.uncached(zoo.families()[name])
-    copied, plan, one_by_one = zoo.copied_and_one_by_one(monkeypatch, family)
+    copied, plan, one_by_one = zoo.copied_and_one_by_one(monkeypatch, family, layout)
     assert copied > 0
     assert_same_plans(plan, one_by_one)

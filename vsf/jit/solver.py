@@ -443,13 +443,7 @@ class AxisSolver:
                 self._pick(k, greedy=True)
                 k += 1
                 continue
-            own = run.own
-            key = (
-                own.shape,
-                tuple(self.fixed_context[run.start : run.stop]),
-                own.values_of(self.label),
-                own.values_of(self.wants),
-            )
+            key = self._state(run.own)  # (its choices all still to make)
             done = placed.get(key)
             if done is None:
                 for op in range(run.start, run.stop):
@@ -475,13 +469,7 @@ class AxisSolver:
         while work and budget > 0:
             run = runs.get(work[-1])
             if run is not None and (n := run.stop - run.start) <= budget and work[-n:] == run.visits:
-                key = (
-                    run.own.shape,
-                    tuple(self.fixed_context[run.start : run.stop]),
-                    tuple(self.choice[run.start : run.stop]),
-                    run.own.values_of(self.label),
-                    run.own.values_of(self.wants),
-                )
+                key = self._state(run.own)
                 if key in steady:
                     del work[-n:]
                     queued.difference_update(range(run.start, run.stop))
@@ -506,15 +494,14 @@ class AxisSolver:
 
     def _placed(self, run: Run) -> Placed:
         """What the greedy pass did on ``run``, just placed."""
-        choice, strategies, at = self.choice, self.strategies, run.own.position
+        choice, strategies, own = self.choice, self.strategies, run.own
         counted = tuple(
             [
-                (at[v], req)
+                (own.position[v], req)
                 for k in range(run.start, run.stop)
                 for v, req in zip(self.ins[k], strategies[k][choice[k]][0])
             ]
         )
-        own = run.own
         return Placed(
             tuple(choice[run.start : run.stop]), counted, own.values_of(self.wants), own.values_of(self.label)
         )
@@ -746,8 +733,9 @@ class AxisSolver:
             k = ops.stop
 
     def _state(self, region: Region) -> tuple[Any, ...]:
-        """All that a move among ``region``'s ops reads, as it stands: its shape, its ops' fixed
-        contexts and choices, its values' placements and wants."""
+        """All that the solver's passes read of ``region``'s ops as the solution stands (the key of
+        what a pass did to a region of its shape: :mod:`vsf.jit.copies`): its shape, its ops'
+        fixed contexts and choices, its values' placements and wants."""
         return (
             region.shape,
             region.ops_of(self.fixed_context),

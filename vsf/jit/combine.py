@@ -173,32 +173,32 @@ def check_with_dtensor(
         return NodePlan(tuple(layouts.setdefault(p, p) for p in ins), held, op, fallback, direct, inside)
 
     solvers = [problem.solved[a] if on else None for a, on in zip(dm_axes, live)]
+    placed = [(k, s.strategies, s.choice) for k, s in enumerate(solvers) if s is not None]
     for k, node in enumerate(problem.ops):
         ins = problem.inputs[node]
-        chosen_here = [None if s is None else s.placement_of(k) for s in solvers]
         op = problem.strategies.classes[node]
         fallback = bool(ins) and problem.strategies.of(node, asked_n)[1]
         if op.kind in ("constraint", "manual"):
-            plan = bound(node, op, fallback, chosen_here)
+            plan = bound(node, op, fallback, [None if s is None else s.placement_of(k) for s in solvers])
         else:
-            # decided once per op signature and layouts (a model's repeated blocks ask the same): the
-            # per-axis choices are the solvers' placement objects, and every layout held is one
-            # object per value (interned), so the key holds their ids (objects alive throughout);
-            # the signature sorts keyword arguments, their order orders the tensor inputs
+            # decided once per op signature and layouts (a model's repeated blocks ask the same): a
+            # solver's choice is its strategy's placement codes (one placement object per code), and
+            # every layout held is one object per value (interned), so the key holds the codes and
+            # the layouts' ids (objects alive throughout); the signature sorts keyword arguments,
+            # their order orders the tensor inputs
             metas = outputs_meta(node)
             shapes = tuple((tuple(t.shape), t.dtype) for t in metas if t is not None)
             kind = kinds.setdefault((problem.strategies.signature(node), tuple(node.kwargs), shapes, op), len(kinds))
             ids = [kind, fallback]
-            for c in chosen_here:
-                if c is not None:
-                    for side in c:
-                        for p in side:
-                            ids.append(id(p))
+            for d, strategies, choice in placed:
+                ids.append(d)
+                ids.append(strategies[k][choice[k]])
             for v in ins:
                 ids.append(id(actual[v]))
             key = tuple(ids)
             plan = decided.get(key)
             if plan is None:
+                chosen_here = [None if s is None else s.placement_of(k) for s in solvers]
                 plan = decided[key] = decision(node, op, fallback, chosen_here, [actual[v] for v in ins])
         if manual.inside(node) and op.kind != "manual":
             _local_over_manual(node, mesh, plan.ins, plan.outs)

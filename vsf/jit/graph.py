@@ -253,10 +253,11 @@ def source_line(node: torch.fx.Node) -> str:
 _FRAME = re.compile(r'File "(.*)", line \d+')  # a frame's header in a formatted stack trace
 
 
-def signature(x: Any) -> Any:
+def signature(x: Any, seen: dict[int, tuple[torch.Tensor, Any]] | None = None) -> Any:
     """A hashable summary of op arguments (tensors by shape, strides and dtype), to cache per-op
     questions (DTensor's answer may depend on the strides: ``_grouped_mm``'s strategy drops a split
-    whose local shard's strides its kernel cannot take).
+    whose local shard's strides its kernel cannot take). ``seen``: each fake tensor's summary so
+    far, by its id (a stamped block's copies hold its trace's tensors: each is read once).
 
     Example::
 
@@ -266,27 +267,27 @@ def signature(x: Any) -> Any:
     if isinstance(x, dict) and not x:  # (most ops' keyword arguments)
         return ()
     with _compat.metadata_reads():  # (the tensors' own answers, read once for every argument)
-        return _signature(x)
+        return _signature(x, {} if seen is None else seen)
 
 
 _ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_ATOM_TYPES = tuple(_ATOMS)
 
 
-def _signature(x: Any) -> Any:
+def _signature(x: Any, seen: dict[int, tuple[torch.Tensor, Any]]) -> Any:
     if isinstance(x, torch.fx.Node):
         t = x.meta.get("val")
-        return ("T", tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else ("N", str(x))
+        if not isinstance(t, torch.Tensor):
+            return ("N", str(x))
+        known = seen.get(id(t))
+        if known is None or known[0] is not t:
+            known = seen[id(t)] = (t, ("T", tuple(t.shape), t.stride(), t.dtype))
+        return known[1]
     if isinstance(x, (list, tuple)):  # (a plain value as it is: most arguments are nodes and numbers)
-        return tuple([a if type(a) in _ATOMS else _signature(a) for a in x])
+        return tuple([a if type(a) in _ATOMS else _signature(a, seen) for a in x])
     if isinstance(x, dict):
-        return tuple(sorted((k, _signature(v)) for k, v in x.items()))
-    return (
-        x
-        if isinstance(
-            x, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-        )
-        else repr(x)
-    )
+        return tuple(sorted((k, _signature(v, seen)) for k, v in x.items()))
+    return x if isinstance(x, _ATOM_TYPES) else repr(x)
 
 
 def eliminate_dead_code(gm: torch.fx.GraphModule) -> None:

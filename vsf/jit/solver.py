@@ -662,9 +662,8 @@ class AxisSolver:
             if c in old or len(self.strategies[c]) == 1:
                 continue
             costs = self._costs(c)
-            here = costs[self.choice[c]]
-            best_cost, best = min([(costs[s], s) for s in self._kept(c)])
-            if best_cost < here - 1e-6:
+            best = min(self._kept(c), key=costs.__getitem__)  # (the first of the cheapest, as min of (cost, s))
+            if costs[best] < costs[self.choice[c]] - 1e-6:
                 change(c, best)
                 continue
             if joint:

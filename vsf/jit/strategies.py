@@ -108,6 +108,7 @@ class Strategies:
         # each op's tensor inputs (:func:`~vsf.jit.graph.tensor_args`), the caller's or found as asked
         self.inputs = dict(inputs or {})
         self.signatures: dict[torch.fx.Node, tuple[Any, ...]] = {}  # per node, its target and arguments' signature
+        self.tensor_signatures: dict[int, tuple[torch.Tensor, Any]] = {}  # (graph.signature's ``seen``)
         self.single: dict[Any, list[Strategy] | None] = {}  # DTensor's per-mesh-dim rules by signature (any size)
         # DTensor's whole-op strategies by signature, lead input, its placement and axis size (:func:`_by_each_input`)
         self.whole: dict[Any, list[Strategy]] = {}
@@ -185,7 +186,8 @@ class Strategies:
             (aten.mm.default, (('T', (8, 6), torch.float32), ('T', (6, 4), torch.float32)), ())
         """
         if node not in self.signatures:
-            self.signatures[node] = (node.target, signature(node.args), signature(node.kwargs))
+            seen = self.tensor_signatures
+            self.signatures[node] = (node.target, signature(node.args, seen), signature(node.kwargs, seen))
         return self.signatures[node]
 
     def _single_dim(self, node: torch.fx.Node, strided: tuple[tuple[Placement, ...], ...]) -> list[Strategy] | None:

@@ -636,6 +636,110 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
         assert_same_plans(plan, _stamps(model, keyed)[1])
 
 
+def _assert_stamped_and_planned_as_traced(monkeypatch, cases) -> None:
+    """For each ``(model, want)``: what one trace of its step stamped (each param's detach aside) is
+    ``want``, and its plan is the one every block traced the plain way gives."""
+    import vsf
+
+    for model, want in cases:
+        monkeypatch.setattr(vsf.config, "stamp_blocks", True)
+        stamped, plan = _stamps(model)
+        stamped.pop("detach")
+        assert stamped == want
+        monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+        assert_same_plans(plan, _stamps(model)[1])
+
+
+class _Scale:
+    """A helper object a block holds and calls, as diffusers' ``Attention`` holds its processor."""
+
+    def __init__(self, factor: float | list[float]) -> None:
+        self.factor = factor
+
+    def __call__(self, x):
+        return x * (self.factor[0] if isinstance(self.factor, list) else self.factor)
+
+
+class _Helped(_Block):
+    """A :class:`_Block` whose hidden activation goes through a helper of its own (``act``)."""
+
+    def __init__(self, act) -> None:
+        super().__init__(8, 16)
+        self.act = act
+
+    def forward(self, x):
+        return x + self.fc2(self.act(torch.tanh(self.fc1(x))))
+
+
+def test_blocks_holding_alike_helpers_share_a_trace_and_others_do_not(sim, monkeypatch):
+    """A helper object each block holds (one per block) is keyed by its class and its state where
+    it holds nothing but plain values: blocks holding helpers of one class and state share a trace
+    (the first and third of 2.0, 3.0, 2.0), one of other state gets a trace of its own; a function
+    (shared only by the blocks holding the very same one), a ``functools.partial`` or a helper
+    holding a list (which may change) is keyed by its identity (its behaviour is not its class and plain state);
+    the plans are those of every block traced."""
+    import functools
+
+    torch.manual_seed(0)
+    alike = _Stack([_Helped(_Scale(2.0)) for _ in range(3)]).eval()
+    unlike = _Stack([_Helped(_Scale(f)) for f in (2.0, 3.0, 2.0)]).eval()
+    functions = _Stack([_Helped(f) for f in (torch.sin, torch.cos, torch.sin)]).eval()
+    partials = _Stack([_Helped(functools.partial(torch.mul, other=f)) for f in (2.0, 3.0, 2.0)]).eval()
+    holding = _Stack([_Helped(_Scale([2.0])) for _ in range(2)]).eval()
+    cases = [(alike, {"_Helped": (3,)}), (unlike, {"_Helped": (2, 1)}), (functions, {"_Helped": (2, 1)})]
+    cases += [(partials, {"_Helped": (1, 1, 1)}), (holding, {"_Helped": (1, 1)})]
+    sim(2)
+    _assert_stamped_and_planned_as_traced(monkeypatch, cases)
+
+
+class _Scaling(_Block):
+    """A :class:`_Block` that scales in place a tensor: its own hidden activation, or (``given``)
+    the input it was called with."""
+
+    def __init__(self, given: bool) -> None:
+        super().__init__(8, 16)
+        self.given = given
+
+    def forward(self, x):
+        if self.given:
+            return self.fc2(torch.tanh(self.fc1(x.mul_(2.0))))
+        h = torch.tanh(self.fc1(x)) * 1.0  # (a tensor no op saves for the backward)
+        h[:, :4].mul_(2.0)  # (in place through a view of it)
+        return x + self.fc2(h)
+
+
+class _Tallied(_Block):
+    """A :class:`_Block` that adds its input to a tally the caller passes every block."""
+
+    def forward(self, x, tally):
+        tally.add_(x.detach())
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _TallyStack(_Stack):
+    def forward(self, x):
+        x = self.stem(x)
+        tally = torch.zeros_like(x)
+        for block in self.blocks:
+            x = block(x, tally)
+        return x.square().mean() + tally.mean()
+
+
+def test_blocks_writing_their_own_tensors_in_place_are_stamped_and_into_their_inputs_are_not(sim, monkeypatch):
+    """A block that writes in place into a tensor it made (through a view of it) is stamped; one
+    that writes into a tensor it was given (which the caller holds: a tally every block adds to, or
+    its input, which its trace beside the step could not even write: a leaf that requires grad
+    there) is traced by itself; the plans are those of every block traced (the writes
+    functionalized with the step)."""
+
+    torch.manual_seed(0)
+    own = _Stack([_Scaling(given=False) for _ in range(3)]).eval()
+    given = _Stack([_Scaling(given=True) for _ in range(3)]).eval()
+    tallied = _TallyStack([_Tallied(8, 16) for _ in range(3)]).eval()
+    sim(2)
+    _assert_stamped_and_planned_as_traced(monkeypatch, [(own, {"_Scaling": (3,)}), (given, {}), (tallied, {})])
+
+
 class _CalledFromTwoLines(_Stack):
     def forward(self, x):
         x = self.blocks[0](self.stem(x))

@@ -190,3 +190,42 @@ def test_trains_like_torch_on_one_device(sim, name, layout):
     losses, params, step = zoo.jit_train(FAMILIES[name], layout, sim, check=layout == DEFAULT[name])
     assert step.plan_count == 1
     zoo.assert_like_oracle(f"{name} {layout}", losses, params, want)
+
+
+def test_dit_blocks_share_a_trace_across_their_attention_processors(sim, monkeypatch):
+    """Three blocks of diffusers' DiT: each block's ``Attention`` holds an ``AttnProcessor2_0`` of
+    its own, which its forward reads; a stateless object of one class is keyed by that class, so
+    the second and third blocks are stamped from one trace (the first reads its input with other
+    strides: a trace of its own). The stamped step trains as PyTorch on one device, and plans the
+    bytes and collectives of every block traced the plain way."""
+    import vsf
+
+    monkeypatch.setattr(zoo, "LAYERS", 3)
+    family = FAMILIES["dit"]
+    want = zoo.torch_run(family)
+    losses, params, _ = zoo.jit_train(family, "dp_tp", sim)
+    zoo.assert_like_oracle("dit, 3 blocks", losses, params, want)
+    stamped, plan = zoo.lowered(family, "dp_tp")
+    assert stamped["BasicTransformerBlock"] == (1, 2)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    plain, traced = zoo.lowered(family, "dp_tp")
+    assert "BasicTransformerBlock" not in plain
+    assert (plan.cost().comm_bytes, plan.cost().collectives) == (traced.cost().comm_bytes, traced.cost().collectives)
+
+
+def test_mamba_blocks_scanning_in_place_are_stamped_and_plan_as_traced_one_by_one(sim, monkeypatch):
+    """mamba.py's residual blocks run their parallel scan in place, on tensors the block made
+    itself: they are stamped from one trace (the writes functionalized with the step), and the
+    step's graph and plan are those of every block traced the plain way. (That the stamped step
+    trains as PyTorch does on one device: ``test_trains_like_torch_on_one_device[mamba-dp_tp]``.)"""
+    import vsf
+    from plan_checks import assert_same_plans
+
+    monkeypatch.setattr(zoo, "LAYERS", 3)
+    sim(4, compute=False)
+    stamped, plan = zoo.lowered(FAMILIES["mamba"], "dp_tp")
+    assert stamped["ResidualBlock"] == (3,)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    plain, traced = zoo.lowered(FAMILIES["mamba"], "dp_tp")
+    assert "ResidualBlock" not in plain
+    assert_same_plans(plan, traced)

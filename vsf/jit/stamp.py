@@ -16,17 +16,21 @@ What must match for two calls to share a trace (the key): each module's class an
 the parameters' and buffers' names, shapes, strides, dtypes, devices and ``requires_grad``, the
 call's argument structure, its tensors' shapes, strides, dtypes, devices and ``requires_grad``, its
 other arguments' values (numbers, strings, ``None``, dtypes), grad mode, and the attributes of
-its modules that the traced block's code read (a plain value by value, any other object by
-identity: Llama's ``layer_idx``, read only to index a cache, does not split the layers, while an
-attribute a layer branches on does); a read through ``vars(module)`` is not seen. A call is traced
+its modules that the traced block's code read (a plain value by value; an object that holds
+nothing but plain values, as a diffusers ``Attention``'s processor of its own, by its class and
+those values; any other object by identity: Llama's ``layer_idx``, read only to index a cache,
+does not split the layers, while an attribute a layer branches on does); a read through
+``vars(module)`` is not seen. A call is traced
 the plain way when a shared trace could be wrong: a hook on any module of the block (or a global
 one), a dispatch mode other than the trace's own (``vsf.random.keyed``: each draw folds in its
 count), autocast, hooks on the tensors autograd saves (activation checkpointing around the block,
 which recomputes what the block saves; checkpointing inside it is traced with it), a tensor held
 in two slots, passed twice, or held by another block too (a tied weight), an argument of another
 kind (a ``transformers`` ``DynamicCache``: ``use_cache=True`` writes each layer's keys into it),
-and, once traced, a block that reads a tensor from outside its inputs, writes in place, draws
-random numbers, returns an input, or asks :func:`vsf.jit.trace.step_input` about a tensor; so is
+and, once traced, a block that reads a tensor from outside its inputs, writes in place into a
+tensor it was given (a write into one it made, mamba.py's scan, is copied with it), draws random
+numbers, returns an input, or asks :func:`vsf.jit.trace.step_input` about a tensor, or whose trace
+beside the step fails (its fresh inputs written in place: leaves that require grad there); so is
 a block inside nested ``vsf.grad`` transforms (a gradient penalty: the inner gradient's backward is
 differentiated again, which copied ops cannot record). A stamped block's backward differentiated again
 some other way (``torch.autograd.grad(..., create_graph=True)`` in the step) is a ``TraceError``; a
@@ -62,6 +66,7 @@ import torch.fx
 from vsf import _compat, tree
 from vsf.errors import TraceError
 from vsf.jit.copies import COPY
+from vsf.jit.donation import allocates
 from vsf.jit.stamp_key import (
     Call,
     args_key,
@@ -202,7 +207,8 @@ class Stamper:
     ) -> tuple[frozenset[tuple[int, str]], _Trace | None]:
         """Trace the block by itself on fresh inputs like the call's, forward and (where a grad
         flows) backward: the attributes of its modules its code read (by module index and name),
-        and the trace, ``None`` where it could not stand for another block."""
+        and the trace, ``None`` where it could not stand for another block or could not be traced
+        by itself."""
         inputs = [_compat.untraced_like(t, t.requires_grad) for t in call.operands]
         marks: dict[str, Any] = {}
         asked = self.asked()
@@ -219,7 +225,12 @@ class Stamper:
                     table[name] = t
 
         stack = _compat.stack_trace_now(self.tracer)
-        gm = _compat.trace_aside(joint, inputs, self.decompositions)
+        try:
+            gm = _compat.trace_aside(joint, inputs, self.decompositions)
+        except Exception:  # noqa: BLE001 (run as the step runs it, the block raises there what is its own)
+            # the block failed on its trace's fresh inputs, which the step's are not: a leaf that
+            # requires grad, written in place (the step's input to it is a computed value)
+            return frozenset(marks.get("reads", ())), None
         reads = frozenset(marks["reads"])
         if self.asked() != asked:
             return reads, None
@@ -263,14 +274,17 @@ def _cut(
     draws: Callable[[torch.fx.Node], bool],
 ) -> _Trace | None:
     """The block's trace ``gm`` split at the marks :meth:`Stamper._trace` set, or ``None`` where it
-    reads a constant (a tensor from outside its inputs), writes in place, draws random numbers, takes
+    reads a constant (a tensor from outside its inputs), writes in place into a tensor it was given
+    (:func:`_writes_an_input`), draws random numbers, takes
     a symbolic number as an argument (which :func:`_copy` would copy as it is), or returns one of its
     inputs or one value twice."""
     nodes = list(gm.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     ops = [n for n in nodes if n.op == "call_function"]
     outs = marks["outs"]
-    if any(n.op == "get_attr" for n in nodes) or any(_writes(n) or draws(n) or _compat.holds_symbolic(n) for n in ops):
+    if any(n.op == "get_attr" for n in nodes) or _writes_an_input(nodes):
+        return None
+    if any(draws(n) or _compat.holds_symbolic(n) for n in ops):
         return None
     if any(o is None or o.op == "placeholder" for o in outs) or len(set(outs)) != len(outs):
         return None
@@ -415,12 +429,37 @@ def _repeated(container: torch.nn.Module) -> list[torch.nn.Module]:
     return [c for group in kinds.values() if len(group) > 1 for c in group]
 
 
-def _writes(node: torch.fx.Node) -> bool:
-    """Whether the op may write in place (an op without a schema, other than ``getitem``, may)."""
-    if node.target is operator.getitem:
-        return False
-    schema = _compat.op_schema(node.target)
-    return schema is None or schema.is_mutable
+def _writes_an_input(nodes: list[torch.fx.Node]) -> bool:
+    """Whether an op of a block's trace (``nodes``, in order) may write in place into a buffer the
+    block was given (an input, a parameter, or a view of one; an op without a schema, other than
+    ``getitem``, may write anything). A write into a buffer the block made itself (mamba.py's
+    parallel scan, in place on its own tensors) is copied with the block as the plain trace
+    records it, and functionalized with the step (:mod:`vsf.jit.functionalize`).
+
+    Example::
+
+        >>> _writes_an_input(list(trace_of(lambda x: x.exp().add_(1)).graph.nodes))   # its own exp
+        False
+    """
+    given: set[torch.fx.Node] = set()  # the values that may share a buffer with an input
+    for n in nodes:
+        if n.op == "placeholder":
+            given.add(n)
+            continue
+        if n.op != "call_function":
+            continue
+        if not allocates(n) and any(a in given for a in n.all_input_nodes):
+            given.add(n)
+        if n.target is operator.getitem:
+            continue
+        schema = _compat.op_schema(n.target)
+        if schema is None:
+            return True
+        if schema.is_mutable and any(
+            w in given for _, w in _compat.written_values(n.target, n.args, n.kwargs, kind=torch.fx.Node)
+        ):
+            return True
+    return False
 
 
 def unstamped_warning(block: str, kind: str) -> str:

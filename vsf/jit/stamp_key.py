@@ -201,12 +201,42 @@ def read_values(modules: list[torch.nn.Module], reads: frozenset[tuple[int, str]
 
 
 def _plain(v: Any) -> Any:
-    """An attribute's value as the key holds it: itself where plain, else its identity."""
+    """An attribute's value as the key holds it: itself where plain; an instance of a class written
+    in Python whose state is plain values (:func:`_plain_state`: a diffusers ``Attention``'s
+    ``processor``, one object per block) as its class and that state; else its identity.
+
+    Example::
+
+        >>> _plain(AttnProcessor2_0()) == _plain(AttnProcessor2_0())   # two blocks' processors
+        True
+        >>> _plain(torch.nn.functional.gelu) == _plain(torch.nn.functional.relu)
+        False
+    """
     if isinstance(v, _PLAIN):
         return (type(v), v)
     if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
         return (tuple, v)
-    return ("id", id(v))
+    state = _plain_state(v)
+    return ("id", id(v)) if state is None else (type(v), state)
+
+
+class _Bare:
+    """A class whose instances hold nothing but their ``__dict__`` (and weak references)."""
+
+
+def _plain_state(v: Any) -> tuple[tuple[str, Any], ...] | None:
+    """The state of ``v``, sorted by name, where it holds nothing but a ``__dict__`` of plain
+    values: no slots, no C fields (a function's code, a ``functools.partial``'s function and
+    arguments, a tensor's data: such an object is larger than :class:`_Bare`'s); else ``None``.
+    Two such objects of one class behave alike: their methods are their class's, the rest is that
+    state."""
+    cls = type(v)
+    if cls.__basicsize__ != _Bare.__basicsize__ or cls.__itemsize__ or not hasattr(v, "__dict__"):
+        return None
+    state = vars(v)
+    if not all(isinstance(x, _PLAIN) for x in state.values()):
+        return None
+    return tuple(sorted((name, (type(x), x)) for name, x in state.items()))
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:

@@ -841,6 +841,24 @@ def test_untraced_like_makes_the_fake_tensor_fake_tensors_constructor_makes():
     assert type(y) is FakeTensor and y.shape == (4,) and y.fake_mode is mode
 
 
+def test_distinct_gives_a_fake_met_again_as_a_new_one_like_it():
+    """``distinct`` keeps each fake the first time it is met and gives a new one like it (shape,
+    strides, dtype, mode; a storage of its own) each later time, so a trace takes them as so many
+    inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        t, other = torch.empty(4, 6).t(), torch.empty(3)
+    first, again, kept, third = _compat.distinct([t, t, other, t])
+    assert first is t and kept is other
+    for u in (again, third):
+        assert u is not t and u.fake_mode is mode
+        assert (u.shape, u.stride(), u.dtype) == (t.shape, t.stride(), t.dtype)
+        assert u.untyped_storage()._cdata != t.untyped_storage()._cdata
+    assert again is not third
+
+
 def test_only_tracing_modes_is_false_under_another_dispatch_mode():
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import TorchDispatchMode

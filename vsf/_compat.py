@@ -90,6 +90,7 @@ __all__ = [
     "dead_code_asked_when_unread",
     "decomposition",
     "dispatch_mode_base",
+    "distinct",
     "real_writes_refused",
     "dispatch_modes_off",
     "dispatcher_special_ops",
@@ -1798,6 +1799,24 @@ def untraced_like(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
     with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
     return _fake_of(meta, t, requires_grad)
+
+
+def distinct(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake ``values`` with each tensor met before replaced by a new one like it
+    (:func:`untraced_like`): a trace takes one tensor passed twice as one input, and the nodes of a
+    stamped block's copies hold one value (:mod:`vsf.jit.stamp`).
+
+    Example::
+
+        >>> a, b = distinct([t, t]); a is t, b is t
+        (True, False)
+    """
+    seen: set[int] = set()
+    out = []
+    for v in values:
+        out.append(v if id(v) not in seen else untraced_like(v))
+        seen.add(id(v))
+    return out
 
 
 def _fake_of(meta: torch.Tensor, like: Any, requires_grad: bool) -> torch.Tensor:

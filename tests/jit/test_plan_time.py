@@ -11,6 +11,8 @@ of the long way round.
 * A model's repeated blocks traced once and stamped out (:mod:`vsf.jit.stamp`) against every
   block traced (``vsf.config.stamp_blocks = False``): the same graph and plan; blocks that differ
   (shapes, a tied weight, a hook, keyed random draws) are not stamped from one trace.
+* The ops the planner has no strategy for decomposed where they are (:mod:`vsf.jit.decompose`)
+  against the whole graph traced again through their decompositions: the same graph and plan.
 """
 
 from __future__ import annotations
@@ -1148,3 +1150,62 @@ def test_leaf_updates_are_cut_into_runs_of_a_blocks_leaves(sim, monkeypatch):
     lengths = [run.stop - run.start for run in problem.runs.values()]
     one_op = collections.Counter((t.pop(), n) for t, n in zip(targets, lengths) if len(t) == 1)
     assert one_op == {("vsf.adam_step.default", 12): 6, ("aten.add.Tensor", 12): 6}
+
+
+class _Soft(_Block):
+    """A :class:`_Block` with a softplus, whose backward (``softplus_backward``) has no strategy."""
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.softplus(self.fc1(x)))
+
+
+class _SoftStack(_Stack):
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.mse_loss(x, torch.zeros_like(x))
+
+
+def test_unplanned_ops_decomposed_where_they_are_plan_as_the_whole_graph_traced_again(sim, monkeypatch):
+    """A step whose ops include some without a strategy (each stamped block's ``softplus_backward``,
+    the loss's ``mse_loss`` and its backward): each replaced by the pieces of its decomposition,
+    traced by itself, gives the graph, plan and stack traces that tracing the whole graph again
+    through the decompositions gives; and the rest of the graph keeps its nodes, the stamped
+    copies' marks included (the whole graph traced again dropped them: no run of a copy is left
+    for the solver to place once, :mod:`vsf.jit.copies`)."""
+    import importlib
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import vsf
+    from vsf.jit.copies import COPY
+
+    trace_module = importlib.import_module("vsf.jit.trace")
+
+    def whole_graph_again(gm, fakes, unplanned, known=None):
+        table = dict(known or {})
+        while found := {
+            op: d for op in unplanned(gm) if op not in table and (d := _compat.decomposition(op)) is not None
+        }:
+            table.update(found)
+            with torch.fx.traceback.preserve_node_meta():
+                gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
+        return gm
+
+    torch.manual_seed(0)
+    model = _SoftStack([_Soft(8, 16) for _ in range(3)]).eval()
+    sim(2)
+    stamped, plan = _stamps(model)
+    assert stamped["_Soft"] == (3,)
+    graph = plan.plan.graph.graph
+    assert not any(n.target in (aten.softplus_backward.default, aten.mse_loss.default) for n in graph.nodes)
+    marked = {n.meta[COPY] for n in graph.nodes if COPY in n.meta}
+    assert len(marked) >= 6  # (each block's forward and backward copy)
+    monkeypatch.setattr(trace_module, "decompose", whole_graph_again)
+    again = _stamps(model)[1]
+    assert not any(COPY in n.meta for n in again.plan.graph.graph.nodes)
+    assert_same_plans(plan, again)
+    assert_same_stack_traces(plan, again)
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    assert_same_plans(plan, _stamps(model)[1])

@@ -78,7 +78,7 @@ def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callab
             torch.func.functionalize(run_tail, remove="mutations"),
             decomposition_table=dict(decompositions) | _FOREACH_DECOMPOSITIONS,
             tracing_mode="fake",
-        )(*_distinct([n.meta["val"] for n in inputs]))
+        )(*_compat.distinct([n.meta["val"] for n in inputs]))
     places = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
     for node in traced.graph.find_nodes(op="call_function", target=aten.copy_.default):
         if node.args[0] in places and places[node.args[0]].op != "placeholder" and not node.users:
@@ -92,18 +92,6 @@ def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callab
     gm.graph.output(gm.graph.graph_copy(traced.graph, dict(places)))
     gm.recompile()
     return gm
-
-
-def _distinct(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``values`` with each tensor met before replaced by a new one like it: a trace takes one
-    tensor passed twice as one input, and the nodes of a stamped block's copies hold one value
-    (:mod:`vsf.jit.stamp`)."""
-    seen: set[int] = set()
-    out = []
-    for v in values:
-        out.append(v if id(v) not in seen else _compat.untraced_like(v))
-        seen.add(id(v))
-    return out
 
 
 def _splits_in_place(tail: list[torch.fx.Node], decompositions: Mapping[Any, Callable[..., Any]]) -> bool:

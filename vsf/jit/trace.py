@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat, tree
 from vsf.config import PlanOptions
 from vsf.errors import TraceError
 from vsf.jit.classify import draws_random
+from vsf.jit.decompose import decompose
 from vsf.jit.functionalize import functionalized
 from vsf.jit.graph import constant_write, eliminate_dead_code, is_library_file, placeholders_of, source_line
 from vsf.jit.simplify import drop_identity_views, drop_names, drop_skipped_cat_inputs, drop_unread_total_weights
@@ -339,32 +339,6 @@ def _trace(
     eliminate_dead_code(gm)
     gm.recompile()
     return Traced(gm, out_info["tree"], out_info["consts"])
-
-
-def decompose(
-    gm: torch.fx.GraphModule,
-    fakes: Sequence[torch.Tensor],
-    unplanned: Callable[[torch.fx.GraphModule], set[Any]],
-    known: Mapping[Any, Callable[..., Any]] | None = None,
-) -> torch.fx.GraphModule:
-    """Replace every op of ``gm`` that ``unplanned`` names by PyTorch's own decomposition of it
-    (``torch._decomp``), then do the same for the pieces, until each op is planned or has no
-    decomposition (the planner names what is left, with the user's line: node metadata, the
-    recorded stack traces included, carries over). ``fakes`` are the graph's fake inputs;
-    ``known`` decompositions (the ops decomposed in every graph) also apply to the pieces.
-
-    Example::
-
-        >>> gm = decompose(gm, fakes, vsf.jit.classify.unplanned_ops)
-    """
-    table: dict[Any, Callable[..., Any]] = dict(known or {})
-    while True:
-        found = {op: d for op in unplanned(gm) if op not in table and (d := _compat.decomposition(op)) is not None}
-        if not found:
-            return gm
-        table.update(found)
-        with fx_traceback.preserve_node_meta():
-            gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
 
 
 def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:

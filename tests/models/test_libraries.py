@@ -221,10 +221,9 @@ def test_mamba_blocks_scanning_in_place_are_stamped_and_plan_as_traced_one_by_on
     import vsf
     from plan_checks import assert_same_plans
 
-    monkeypatch.setattr(zoo, "LAYERS", 3)
     sim(4, compute=False)
     stamped, plan = zoo.lowered(FAMILIES["mamba"], "dp_tp")
-    assert stamped["ResidualBlock"] == (3,)
+    assert stamped["ResidualBlock"] == (zoo.LAYERS,)
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
     plain, traced = zoo.lowered(FAMILIES["mamba"], "dp_tp")
     assert "ResidualBlock" not in plain

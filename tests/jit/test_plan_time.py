@@ -742,6 +742,53 @@ def test_blocks_writing_their_own_tensors_in_place_are_stamped_and_into_their_in
     _assert_stamped_and_planned_as_traced(monkeypatch, [(own, {"_Scaling": (3,)}), (given, {}), (tallied, {})])
 
 
+class _Kept:
+    """What a block may return beside its tensors: an object holding one (an intermediate)."""
+
+    def __init__(self, t) -> None:
+        self.t = t
+
+
+class _Returning(_Block):
+    def forward(self, x):
+        h = self.fc1(x)
+        return x + self.fc2(torch.tanh(h)), _Kept(h * 2)
+
+
+class _ReturningStack(_Stack):
+    def forward(self, x):
+        x, aux = self.stem(x), 0
+        for block in self.blocks:
+            x, kept = block(x)
+            aux = aux + kept.t.square().mean()
+        return x.square().mean() + aux
+
+
+def test_blocks_returning_an_object_are_traced_one_by_one_and_give_torchs_gradients(sim, monkeypatch):
+    """A block that returns an object holding a tensor (not a tensor, not a plain value) is traced
+    by itself: one trace's object, handed to every copy, would hold that trace's tensors (the step
+    then failed on them). The plan is that of every block traced, and the step's loss and gradients
+    are those of plain PyTorch."""
+    import vsf
+
+    torch.manual_seed(0)
+    model = _ReturningStack([_Returning(8, 16) for _ in range(3)]).eval()
+    x = torch.randn(4, 8)
+    model(x).backward()
+    want = {k: v.grad.clone() for k, v in model.named_parameters()}
+    sim(2)
+    _assert_stamped_and_planned_as_traced(monkeypatch, [(model, {})])
+    monkeypatch.setattr(vsf.config, "stamp_blocks", True)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, vsf.P()))
+    step = vsf.jit(lambda p, x: vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, x))(p))
+    loss, grads = step(params, vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("dp"))))
+    torch.testing.assert_close(vsf.device_get(loss), model(x).detach())
+    got = vsf.device_get(grads)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g)
+
+
 class _CalledFromTwoLines(_Stack):
     def forward(self, x):
         x = self.blocks[0](self.stem(x))

@@ -29,7 +29,8 @@ in two slots, passed twice, or held by another block too (a tied weight), an arg
 kind (a ``transformers`` ``DynamicCache``: ``use_cache=True`` writes each layer's keys into it),
 and, once traced, a block that reads a tensor from outside its inputs, writes in place into a
 tensor it was given (a write into one it made, mamba.py's scan, is copied with it), draws random
-numbers, returns an input, or asks :func:`vsf.jit.trace.step_input` about a tensor, or whose trace
+numbers, returns an input or an object other than a tensor or a plain value (a dataclass of
+tensors), or asks :func:`vsf.jit.trace.step_input` about a tensor, or whose trace
 beside the step fails (its fresh inputs written in place: leaves that require grad there); so is
 a block inside nested ``vsf.grad`` transforms (a gradient penalty: the inner gradient's backward is
 differentiated again, which copied ops cannot record). A stamped block's backward differentiated again
@@ -69,6 +70,7 @@ from vsf.jit.copies import COPY
 from vsf.jit.donation import allocates
 from vsf.jit.stamp_key import (
     Call,
+    all_held,
     args_key,
     block_key,
     read_values,
@@ -277,7 +279,8 @@ def _cut(
     reads a constant (a tensor from outside its inputs), writes in place into a tensor it was given
     (:func:`_writes_an_input`), draws random numbers, takes
     a symbolic number as an argument (which :func:`_copy` would copy as it is), or returns one of its
-    inputs or one value twice."""
+    inputs, one value twice, or an object other than a tensor or a plain value (it would hold this
+    trace's tensors, and every copy would return that one object)."""
     nodes = list(gm.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     ops = [n for n in nodes if n.op == "call_function"]
@@ -287,6 +290,8 @@ def _cut(
     if any(draws(n) or _compat.holds_symbolic(n) for n in ops):
         return None
     if any(o is None or o.op == "placeholder" for o in outs) or len(set(outs)) != len(outs):
+        return None
+    if not all_held(marks["leaves"]):  # (an object it returns would be this trace's, given to every copy)
         return None
     if any(t is None for t in marks["tangents"]):
         return None

@@ -23,9 +23,20 @@ import torch
 from vsf import _compat, tree
 from vsf.ops import recording
 
-__all__ = ["Call", "args_key", "block_key", "call_key", "read_values", "rebuild", "recording_reads", "stampable_now"]
+__all__ = [
+    "Call",
+    "all_held",
+    "args_key",
+    "block_key",
+    "call_key",
+    "read_values",
+    "rebuild",
+    "recording_reads",
+    "stampable_now",
+]
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+_HELD = (torch.Tensor, *_PLAIN)  # what a trace holds as it is: a tensor (by its node), a plain value
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MISSING = object()
 _MODULE_STATE = set(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: tables, hooks, training
@@ -110,6 +121,18 @@ def stampable_now() -> bool:
     return not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
+def all_held(leaves: Sequence[Any]) -> bool:
+    """Is each of a pytree's ``leaves`` a tensor or a plain value (a number, a string, ``None``, a
+    dtype, a device): what a block's call may take, and a stamped block may give back, as it is?
+
+    Example::
+
+        >>> all_held([x, 2, None]), all_held([x, Intermediates(x)])
+        (True, False)
+    """
+    return all(isinstance(x, _HELD) for x in leaves)
+
+
 def unkeyed_kind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The name of the type of the first argument of a call that is neither a tensor nor a plain
     value (no key holds it: the call is traced by itself), else ``None``.
@@ -120,7 +143,7 @@ def unkeyed_kind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         'DynamicCache'
     """
     leaves, _ = tree.flatten((args, kwargs))
-    return next((type(x).__name__ for x in leaves if not isinstance(x, (torch.Tensor, *_PLAIN))), None)
+    return next((type(x).__name__ for x in leaves if not isinstance(x, _HELD)), None)
 
 
 def args_key(
@@ -133,7 +156,7 @@ def args_key(
         >>> keys = [args_key(row, {}, tracer) for row in rows] if stampable_now() else None
     """
     leaves, treedef = tree.flatten((args, kwargs))
-    if any(not isinstance(x, (torch.Tensor, *_PLAIN)) for x in leaves):
+    if not all_held(leaves):
         return None
     with _compat.metadata_reads():
         key = (

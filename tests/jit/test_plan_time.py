@@ -1230,7 +1230,8 @@ def test_unplanned_ops_decomposed_where_they_are_plan_as_the_whole_graph_traced_
 
     trace_module = importlib.import_module("vsf.jit.trace")
 
-    def whole_graph_again(gm, fakes, unplanned, known=None):
+    def whole_graph_again(gm, unplanned, known=None):
+        fakes = _compat.distinct([n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")])
         table = dict(known or {})
         while found := {
             op: d for op in unplanned(gm) if op not in table and (d := _compat.decomposition(op)) is not None

@@ -7,12 +7,12 @@ a block: 6 s of a 6-layer step's 14).
 
 Example::
 
-    >>> gm = decompose(gm, fakes, vsf.jit.classify.unplanned_ops)
+    >>> gm = decompose(gm, vsf.jit.classify.unplanned_ops)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,20 +28,19 @@ __all__ = ["decompose"]
 
 def decompose(
     gm: torch.fx.GraphModule,
-    fakes: Sequence[torch.Tensor],
     unplanned: Callable[[torch.fx.GraphModule], set[Any]],
     known: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Replace every op of ``gm`` that ``unplanned`` names by PyTorch's own decomposition of it
     (``torch._decomp``), then do the same for the pieces, until each op is planned or has no
     decomposition (the planner names what is left, with the user's line: each piece carries the
-    metadata the op's node had, its recorded stack trace included, as a trace does). ``fakes`` are
-    the graph's fake inputs (the whole graph is traced again where an op reads a value that is not
-    a tensor); ``known`` decompositions (the ops decomposed in every graph) also apply to the pieces.
+    metadata the op's node had, its recorded stack trace included, as a trace does); ``known``
+    decompositions (the ops decomposed in every graph) also apply to the pieces. ``gm`` is changed
+    in place and returned.
 
     Example::
 
-        >>> gm = decompose(gm, fakes, vsf.jit.classify.unplanned_ops)
+        >>> gm = decompose(gm, vsf.jit.classify.unplanned_ops)
     """
     table: dict[Any, Callable[..., Any]] = dict(known or {})
     while True:
@@ -49,12 +48,7 @@ def decompose(
         if not found:
             return gm
         table.update(found)
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in found]
-        if not all(isinstance(a.meta.get("val"), torch.Tensor) for n in nodes for a in n.all_input_nodes):
-            with fx_traceback.preserve_node_meta():
-                gm = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=table, tracing_mode="fake")(*fakes)
-            continue
-        for node in nodes:
+        for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in found]:
             _replace(gm.graph, node, table)
         gm.recompile()
 

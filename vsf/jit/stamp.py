@@ -229,9 +229,9 @@ class Stamper:
         stack = _compat.stack_trace_now(self.tracer)
         try:
             gm = _compat.trace_aside(joint, inputs, self.decompositions)
-        except Exception:  # noqa: BLE001 (run as the step runs it, the block raises there what is its own)
-            # the block failed on its trace's fresh inputs, which the step's are not: a leaf that
-            # requires grad, written in place (the step's input to it is a computed value)
+        except RuntimeError:  # (run as the step runs it, the block raises there what is its own)
+            # the block failed on its trace's fresh inputs, which the step's are not: autograd refuses
+            # a leaf that requires grad written in place (the step's input to it is a computed value)
             return frozenset(marks.get("reads", ())), None
         reads = frozenset(marks["reads"])
         if self.asked() != asked:

@@ -329,7 +329,7 @@ def _trace(
     _reject_module_weights(joint, fun)
     gm = functionalized(joint, decompositions)
     drop_names(gm)
-    gm = decompose(gm, fakes, unplanned, decompositions)
+    gm = decompose(gm, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
     if not allow_unkeyed_random:
         _reject_unkeyed_random(gm, fun)

@@ -321,26 +321,28 @@ def test_stack_traces_recorded_as_fx_records_them(sim, monkeypatch):
     assert sum("toy_models.py" in source_line(n) for n in fast.graph.nodes) > 50
 
 
-def test_optimizer_tail_traced_alone_plans_as_the_whole_graph_traced_again(sim, monkeypatch):
+def test_optimizer_update_traced_alone_plans_as_the_whole_graph_traced_again(sim, monkeypatch):
     """vsf's AdamW writes in foreach ops where it does not stamp its updates per leaf
-    (``stamp_blocks`` off); only its update (the ops from the first such one on) is traced again
-    (its foreach ops not split in the graph: ``_splits_in_place`` off), not the forward and
-    backward before it, and the step's graph and plan are those of the whole graph traced again."""
+    (``stamp_blocks`` off); only the ops that write, or read what is written (its update), are
+    traced again (its foreach ops not split in the graph: ``_splits_in_place`` off), not the
+    forward and backward before it, and the step's graph and plan are those of every op traced
+    again."""
     import vsf
     from vsf.jit import functionalize
 
     sim(8, compute=False)
     monkeypatch.setattr(vsf.config, "stamp_blocks", False)
-    alone = []
-    check = functionalize._tail_writes_its_own
+    regions = []
+    find = functionalize._written_region
     monkeypatch.setattr(functionalize, "_splits_in_place", lambda *a: False)
-    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: alone.append(check(*a)) or alone[-1])
-    tail = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
-    assert alone == [True]
-    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: False)
+    monkeypatch.setattr(functionalize, "_written_region", lambda nodes: regions.append(find(nodes)) or regions[-1])
+    alone = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
+    [region] = regions
+    assert region and not any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in region)
+    monkeypatch.setattr(functionalize, "_written_region", lambda nodes: None)
     whole = _gpt_plan(2, (1, 2, 2, 1, 2), optimizer=True)
-    assert not any(n.target in functionalize._FOREACH_DECOMPOSITIONS for n in tail.plan.graph.graph.nodes)
-    assert_same_plans(tail, whole)
+    assert not any(n.target in functionalize._FOREACH_DECOMPOSITIONS for n in alone.plan.graph.graph.nodes)
+    assert_same_plans(alone, whole)
 
 
 def _described(lowered) -> list[tuple]:
@@ -383,14 +385,14 @@ def test_optimizer_foreach_split_in_the_graph_as_its_trace_records_it(sim, monke
     assert_same_plans(split, traced)
 
 
-def _fresh(a):  # writes to its own value, read by nothing made before the write: the tail alone
+def _fresh(a):  # writes to its own value
     y = a * 2
     s = y.sum()
     y.add_(1)
     return y * 3, s
 
 
-def _written_view(a):  # writes through a view made before the write: the whole graph
+def _written_view(a):  # writes through a view of its own value
     y = a * 2
     v = y.view(2, -1)
     s = y.sum()
@@ -398,12 +400,19 @@ def _written_view(a):  # writes through a view made before the write: the whole 
     return y + 1, s
 
 
-def _read_view(a):  # a view made before the write sees it: the whole graph
+def _read_view(a):  # a view made before the write sees it
     y = a * 2
     c = y[1:]
     s = c.sum()
     y.add_(1)
     return c * 2, s
+
+
+def _returned_written(a):  # the step returns the value it wrote
+    y = a + 1
+    z = y * 2
+    y.mul_(z)
+    return (y,)
 
 
 def _foreach(a):
@@ -412,7 +421,7 @@ def _foreach(a):
     return ys
 
 
-def _vector_times_matrix(a):  # torch's matmul of a vector squeezes its mm's result in place: the whole graph
+def _vector_times_matrix(a):  # torch's matmul of a vector squeezes its mm's result in place: every op
     import vsf
 
     return vsf.value_and_grad(lambda a: (a[:, 0] @ a).square().sum())(a)
@@ -420,35 +429,45 @@ def _vector_times_matrix(a):  # torch's matmul of a vector squeezes its mm's res
 
 @pytest.mark.parametrize(
     "fn, alone",
-    [(_fresh, True), (_written_view, False), (_read_view, False), (_foreach, True), (_vector_times_matrix, False)],
+    [
+        (_fresh, True),
+        (_written_view, True),
+        (_read_view, True),
+        (_returned_written, True),
+        (_foreach, True),
+        (_vector_times_matrix, False),
+    ],
 )
 def test_in_place_writes_give_eager_numbers(sim, monkeypatch, fn, alone):
-    """A step that writes in place to a value it made, functionalized from the write on where the
-    write reaches no other value, and as a whole where it does or where the write changes the
-    value's shape (``squeeze_``, which functionalization keeps as it is on the tail's input: the
-    planner had no strategy for its decomposition), gives eager torch's numbers."""
+    """A step that writes in place to values it made gives eager torch's numbers, functionalized
+    with only the ops that write, alias or read what is written traced again, and with every op
+    traced again (where a write changes its value's shape, ``squeeze_``, which functionalization
+    keeps as it is on its trace's input, the planner having no strategy for its decomposition:
+    always so)."""
     import vsf
     from vsf import P
     from vsf.jit import functionalize
 
     sim(2)
-    took = []
-    check = functionalize._tail_writes_its_own
-    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: took.append(check(*a)) or took[-1])
     x = torch.arange(8.0).reshape(4, 2)
     mesh = vsf.make_mesh((2,), ("dp",))
-    got = vsf.jit(fn)(vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
-    for g, want in zip(got, fn(x.clone()), strict=True):
-        torch.testing.assert_close(vsf.device_get(g), want)
-    assert took == [alone]
+    find, found, lowered = functionalize._written_region, [], []
+    for way in (lambda nodes: found.append(find(nodes) is not None) or find(nodes), lambda nodes: None):
+        monkeypatch.setattr(functionalize, "_written_region", way)
+        jitted, arg = vsf.jit(fn), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp")))
+        for g, want in zip(jitted(arg), fn(x.clone()), strict=True):
+            torch.testing.assert_close(vsf.device_get(g), want)
+        lowered.append(jitted.lower(arg))
+    assert found == [alone]
+    assert_same_plans(*lowered)
 
 
-def test_a_tail_traced_alone_across_stamped_blocks_gives_eager_numbers(sim, monkeypatch):
+def test_writes_traced_alone_across_stamped_blocks_give_eager_numbers(sim, monkeypatch):
     """A stamped block's copies of one node all hold the value its trace recorded
-    (:mod:`vsf.jit.stamp`), so a tail functionalized alone from a write between the blocks'
-    forward and their backward (a loss written to in place), whose backward ops read each
-    block's saved activations from before the write, is traced on a value of its own for each
-    of them: the gradients are eager torch's, each block's its own."""
+    (:mod:`vsf.jit.stamp`), so the ops that read a write between the blocks' forward and their
+    backward (a loss written to in place), traced again alone, whose backward ops read each
+    block's saved activations, are traced on a value of its own for each of them: the gradients
+    are eager torch's, each block's its own."""
     import vsf
     from vsf import P
     from vsf.jit import functionalize
@@ -468,11 +487,12 @@ def test_a_tail_traced_alone_across_stamped_blocks_gives_eager_numbers(sim, monk
     mesh = vsf.make_mesh((2,), ("dp",))
     args = (vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
     took = []
-    check = functionalize._tail_writes_its_own
-    monkeypatch.setattr(functionalize, "_tail_writes_its_own", lambda *a: took.append(check(*a)) or took[-1])
+    find = functionalize._written_region
+    monkeypatch.setattr(functionalize, "_written_region", lambda nodes: took.append(find(nodes)) or took[-1])
     jitted = vsf.jit(vsf.grad(loss))
     assert jitted.trace(*args).stamped["_Block"] == (2,)
-    assert took == [True]  # (the tail alone: the backward, reading the blocks' activations)
+    [region] = took  # (the writes alone, and the backward reading them)
+    assert region and not any(n.target is torch.ops.aten.addmm.default for n in region)
     got = vsf.device_get(jitted(*args))
     for k, w in zip(leaves, want, strict=True):
         torch.testing.assert_close(got[k], w)
@@ -638,6 +658,24 @@ def test_blocks_that_differ_are_not_stamped_together(sim, monkeypatch):
         assert_same_plans(plan, _stamps(model, keyed)[1])
 
 
+def _assert_torchs_loss_and_gradients(model, x) -> None:
+    """The jitted loss and gradients of ``model`` (a :class:`_Stack`) at ``x``, batch over 2
+    simulated ranks, are plain PyTorch's."""
+    import vsf
+
+    model.zero_grad()
+    model(x).backward()
+    want = {k: v.grad.clone() for k, v in model.named_parameters()}
+    mesh = vsf.make_mesh((2,), ("dp",))
+    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, vsf.P()))
+    step = vsf.jit(lambda p, x: vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, x))(p))
+    loss, grads = step(params, vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("dp"))))
+    torch.testing.assert_close(vsf.device_get(loss), model(x).detach())
+    got = vsf.device_get(grads)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g)
+
+
 def _assert_stamped_and_planned_as_traced(monkeypatch, cases) -> None:
     """For each ``(model, want)``: what one trace of its step stamped (each param's detach aside) is
     ``want``, and its plan is the one every block traced the plain way gives."""
@@ -710,6 +748,41 @@ class _Scaling(_Block):
         return x + self.fc2(h)
 
 
+class _Scan(_Block):
+    """A :class:`_Block` that runs a scan over its hidden units in place, into a tensor it made
+    (as mamba.py's parallel scan does)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        out = torch.zeros_like(h)
+        out[:, 0] = h[:, 0]
+        for t in range(1, 4):
+            out[:, t].add_(out[:, t - 1] * 0.5 + h[:, t])
+        return x + self.fc2(out)
+
+
+def test_blocks_scanning_in_place_are_functionalized_alone_and_give_torchs_gradients(sim, monkeypatch):
+    """Stamped blocks that each write in place into a tensor of their own: only their writes, the
+    views of what they write and the ops reading those are functionalized (the trace again of
+    every op is the oracle: the same plan), and the loss and gradients are plain PyTorch's."""
+    from vsf.jit import functionalize
+
+    torch.manual_seed(0)
+    model = _Stack([_Scan(8, 16) for _ in range(3)]).eval()
+    x = torch.randn(4, 8)
+    sim(2)
+    find, regions = functionalize._written_region, []
+    monkeypatch.setattr(functionalize, "_written_region", lambda nodes: regions.append(find(nodes)) or regions[-1])
+    stamped, alone = _stamps(model)
+    region = regions[-1]
+    assert stamped["_Scan"] == (3,)
+    assert region and not any(n.target is torch.ops.aten.tanh.default for n in region)  # (read nothing written)
+    monkeypatch.setattr(functionalize, "_written_region", lambda nodes: None)
+    assert_same_plans(alone, _stamps(model)[1])
+    monkeypatch.setattr(functionalize, "_written_region", find)
+    _assert_torchs_loss_and_gradients(model, x)
+
+
 class _Tallied(_Block):
     """A :class:`_Block` that adds its input to a tally the caller passes every block."""
 
@@ -774,19 +847,10 @@ def test_blocks_returning_an_object_are_traced_one_by_one_and_give_torchs_gradie
     torch.manual_seed(0)
     model = _ReturningStack([_Returning(8, 16) for _ in range(3)]).eval()
     x = torch.randn(4, 8)
-    model(x).backward()
-    want = {k: v.grad.clone() for k, v in model.named_parameters()}
     sim(2)
     _assert_stamped_and_planned_as_traced(monkeypatch, [(model, {})])
     monkeypatch.setattr(vsf.config, "stamp_blocks", True)
-    mesh = vsf.make_mesh((2,), ("dp",))
-    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, vsf.P()))
-    step = vsf.jit(lambda p, x: vsf.value_and_grad(lambda p: vsf.tree.apply(model, p, x))(p))
-    loss, grads = step(params, vsf.device_put(x, vsf.NamedSharding(mesh, vsf.P("dp"))))
-    torch.testing.assert_close(vsf.device_get(loss), model(x).detach())
-    got = vsf.device_get(grads)
-    for name, g in want.items():
-        torch.testing.assert_close(got[name], g)
+    _assert_torchs_loss_and_gradients(model, x)
 
 
 class _CalledFromTwoLines(_Stack):

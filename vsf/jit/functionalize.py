@@ -2,20 +2,20 @@
 into one op per tensor, so that every node of the plan's graph has one tensor per operand and no op
 writes to another op's value.
 
-This takes a second trace (``torch.func.functionalize`` over the graph run op by op), but only of
-the graph's *tail*: the ops before the first in-place or foreach op are pure and stay as they are
-(in a training step, the whole forward and backward: such ops come from the optimizer's update),
-and the tail is traced again with the values it reads from the head as its inputs. A value of the
-head that the tail writes to in place needs no copy back (every later reader is in the tail, and
-reads the written value there), as long as the write reaches no other value: where it could (the
-written value is a graph input or a view, or the tail reads a view of it made in the head), or
-where the write changes its shape (``squeeze_``: functionalization keeps such a write to an input
-of the trace as it is), the whole graph is traced again, which follows the write through the
-views (and keeps the write to a graph input, which :func:`vsf.jit.trace.trace` refuses). Either way the graph is the one a
-functionalizing trace of the whole graph gives (a test compares the plans).
+This takes a second trace (``torch.func.functionalize`` over graph nodes run one by one), but only
+of the ops the writes reach (:func:`_written_region`): the ops to rewrite, every op that may alias
+a value written (its views, the writes), and every op that reads one of those. The rest of the
+graph (in a training step that writes only in its optimizer, the whole forward and backward;
+in mamba.py's, all but each block's parallel scan) is pure and stays as it is, its nodes and
+marks included, and each op of the region is replaced where it stands by the ops its trace
+records. Where a write may reach a graph input or a constant, or changes its value's shape
+(``squeeze_``: functionalization keeps such a write to an input of its trace), every op is
+traced again, which follows the write through the views (and keeps the write to a graph input,
+which :func:`vsf.jit.trace.trace` refuses). Either way the graph is the one a functionalizing
+trace of every op gives (tests compare the plans).
 
-A tail that writes nothing in place, whose rewritten ops are out-of-place foreach ops with a
-per-tensor op of the same arguments (``vsf.optim.apply_updates``'s ``_foreach_add``), is not
+A step whose ops from the first to rewrite on write nothing in place, whose rewritten ops are
+out-of-place foreach ops with a per-tensor op of the same arguments (``vsf.optim.apply_updates``'s ``_foreach_add``), is not
 traced again at all: each such node is replaced in the graph by its per-tensor ops, the nodes
 that trace would record (its fake values computed op by op), which is most of a deep step's
 functionalization time saved (a trace of the tail costs about two milliseconds a leaf).
@@ -37,7 +37,8 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat
-from vsf.jit.graph import is_tensor_node
+from vsf.jit.copies import COPY
+from vsf.jit.graph import is_tensor_node, output_node
 
 __all__ = ["functionalized"]
 
@@ -47,7 +48,8 @@ aten = torch.ops.aten
 def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callable[..., Any]]) -> torch.fx.GraphModule:
     """``gm`` with its in-place ops functionalized and its ``_foreach_*`` ops split per tensor (``gm``
     itself, changed in place, where it has such ops; ``decompositions`` apply to the ops traced
-    again), re-tracing only the tail from the first such op where that gives the same graph.
+    again), re-tracing only the ops that write, alias a value written or read one
+    (:func:`_written_region`) where that gives the same graph, else every op.
 
     Example::
 
@@ -62,36 +64,117 @@ def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callab
     if _splits_in_place(nodes[first:], decompositions):
         _split_foreach_nodes(gm, nodes[first:])
         return gm
-    start = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
-    cut = first if _tail_writes_its_own(nodes, first) else start
-    constants = [n for n in nodes[cut:] if n.op == "get_attr"]
-    head, tail = nodes[:cut] + constants, [n for n in nodes[cut:] if n.op != "get_attr"]
-    tail_set = set(tail)
-    inputs = [n for n in head if any(u in tail_set for u in n.users)]
-    interpreter = torch.fx.Interpreter(gm)
+    region = _written_region(nodes)
+    if region is None:
+        region = [n for n in nodes if n.op == "call_function"]
+    _retrace(gm, region, decompositions)
+    return gm
 
-    def run_tail(*values: torch.Tensor) -> Any:
-        return interpreter.run(initial_env=dict.fromkeys(head) | dict(zip(inputs, values)))
+
+def _written_region(nodes: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The ops to trace again, in graph order: every op to rewrite (:func:`_needs_rewrite`) and each
+    getitem of its results, every op that may alias a value written in place (its views, the
+    writes themselves), and every op that reads one of those or a written value; ``None`` where a
+    write may reach a graph input or a constant (its value is no op's own result), changes the
+    shape of what it writes (:func:`_changes_shape`: functionalization keeps such a write to an
+    input of its trace), or the region would read or give a value that is not one tensor.
+    Only the region sees the writes: a value outside it reads nothing written, and every reader
+    of a written value is in it, so it is traced alone on the values it reads."""
+    if any(_changes_shape(n) for n in nodes):
+        return None
+    bases = {b for n in nodes for arg in _written_args(n) for b in _bases(arg)}
+    if not all(b.op == "call_function" and is_tensor_node(b) for b in bases):
+        return None
+    aliased, stack = set(bases), list(bases)  # (what may share a written value's storage)
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "call_function" and _aliases(u) and u not in aliased:
+                aliased.add(u)
+                stack.append(u)
+    region = {n for n in nodes if _needs_rewrite(n)} | (aliased - bases)
+    region |= {u for n in aliased for u in n.users if u.op == "call_function"}
+    region |= {u for n in region if not is_tensor_node(n) for u in n.users if u.target is operator.getitem}
+    inputs = {i for n in region for i in n.all_input_nodes if i not in region}
+    given = {n for n in region if any(u not in region for u in n.users)}
+    if not all(is_tensor_node(n) for n in inputs | given):
+        return None
+    return [n for n in nodes if n in region]
+
+
+def _bases(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The values ``node`` may be a view of (itself, if it aliases nothing): its inputs followed
+    while each may alias them (:func:`_aliases`)."""
+    out, stack, seen = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _aliases(n):
+            stack.extend(n.all_input_nodes)
+        else:
+            out.add(n)
+    return out
+
+
+def _retrace(
+    gm: torch.fx.GraphModule, region: list[torch.fx.Node], decompositions: Mapping[Any, Callable[..., Any]]
+) -> None:
+    """Trace ``region`` (ops of ``gm``, in order) again through ``torch.func.functionalize`` on the
+    values it reads, and put the ops each of its nodes records in that node's place (with its
+    metadata, the mark of the copy it belongs to included), the ops recorded once the region has
+    run (the writes back into what it read) before the output. A write back into a value an op
+    made (not a graph input) is dropped: every reader of it is in the region, and the graph's
+    output, if it reads it, reads the value written instead."""
+    graph, inside = gm.graph, set(region)
+    inputs = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in inside))
+    given = [n for n in region if any(u not in inside for u in n.users)]
+    interpreter, ends = torch.fx.Interpreter(gm), []
+
+    def run(*values: torch.Tensor) -> list[Any]:
+        interpreter.env = dict(zip(inputs, values))
+        recording = _compat.tracer().graph
+        for n in region:
+            interpreter.env[n] = interpreter.run_node(n)
+            ends.append(recording._root.prev)
+        return [interpreter.env[n] for n in given]
 
     with fx_traceback.preserve_node_meta():
         traced = make_fx(
-            torch.func.functionalize(run_tail, remove="mutations"),
+            torch.func.functionalize(run, remove="mutations"),
             decomposition_table=dict(decompositions) | _FOREACH_DECOMPOSITIONS,
             tracing_mode="fake",
         )(*_compat.distinct([n.meta["val"] for n in inputs]))
-    places = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
-    for node in traced.graph.find_nodes(op="call_function", target=aten.copy_.default):
-        if node.args[0] in places and places[node.args[0]].op != "placeholder" and not node.users:
-            traced.graph.erase_node(node)  # (the write to a head value that no later op reads: _tail_writes_its_own)
     for node in traced.graph.find_nodes(op="get_attr"):
         name = _fresh_attribute(gm, node.target)
         setattr(gm, name, getattr(traced, node.target))
         node.target = name
-    for node in reversed(tail):
-        gm.graph.erase_node(node)
-    gm.graph.output(gm.graph.graph_copy(traced.graph, dict(places)))
+    recorded = list(traced.graph.nodes)
+    env: dict[torch.fx.Node, Any] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
+    start = len(env)
+    at = {n: i for i, n in enumerate(recorded)}
+    for n, end in zip(region, ends):
+        with graph.inserting_before(n):
+            for r in recorded[start : at[end] + 1]:
+                env[r] = graph.node_copy(r, env.__getitem__)
+                if (copy := n.meta.get(COPY)) is not None:
+                    env[r].meta[COPY] = copy
+        start = max(start, at[end] + 1)
+    out = output_node(gm)
+    written_back: dict[torch.fx.Node, torch.fx.Node] = {}  # an op's value: what the region wrote to it
+    with graph.inserting_before(out):
+        for r in recorded[start:-1]:
+            if r.target is aten.copy_.default and r.args[0].op == "placeholder" and env[r.args[0]].op != "placeholder":
+                written_back[env[r.args[0]]] = env[r.args[1]]
+            else:
+                env[r] = graph.node_copy(r, env.__getitem__)
+    news = torch.fx.node.map_arg(recorded[-1].args[0], env.__getitem__)
+    for n, new in zip(given, news, strict=True):
+        n.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
+    out.args = torch.fx.node.map_arg(out.args, lambda n: written_back.get(n, n))
+    for n in reversed(region):
+        graph.erase_node(n)
     gm.recompile()
-    return gm
 
 
 def _splits_in_place(tail: list[torch.fx.Node], decompositions: Mapping[Any, Callable[..., Any]]) -> bool:
@@ -151,25 +234,6 @@ def _values(x: Any) -> Any:
     return torch.fx.node.map_arg(x, lambda n: n.meta["val"])
 
 
-def _tail_writes_its_own(nodes: list[torch.fx.Node], first: int) -> bool:
-    """May the tail from ``nodes[first]`` be functionalized alone: does it read only tensors from
-    the head, and is every head value it writes in place an op's own result (not a graph input or
-    a view) whose data it writes (not its shape: :func:`_changes_shape`, which functionalization
-    keeps as it is on the tail's inputs), that the tail reads through no view made in the head?"""
-    head = set(nodes[:first])
-    inputs = [n for n in nodes[:first] if n.op != "get_attr" and any(u not in head for u in n.users)]
-    if not all(is_tensor_node(n) for n in inputs):
-        return False
-    writes = {(node, root) for node in nodes[first:] for arg in _written_args(node) for root in _roots(arg, head)}
-    return all(
-        not _changes_shape(node)
-        and w.op == "call_function"
-        and not _aliases(w)
-        and not any(w in _roots(n, head) for n in inputs if n is not w)
-        for node, w in writes
-    )
-
-
 def _changes_shape(node: torch.fx.Node) -> bool:
     """Is ``node`` an in-place view op (``t_``, ``transpose_``: tagged so), or an in-place op whose
     out-of-place twin is a view (``squeeze_``, which torch does not tag): does it change its input's
@@ -197,24 +261,6 @@ def _written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             x = bound[a.name]
             out.extend(x if isinstance(x, (list, tuple)) else [x])
     return [x for x in out if isinstance(x, torch.fx.Node)]
-
-
-def _roots(node: torch.fx.Node, head: set[torch.fx.Node]) -> set[torch.fx.Node]:
-    """The head values ``node`` is, or may be a view of through ops outside ``head`` (``node``'s own
-    inputs, followed while each may alias them: :func:`_aliases`)."""
-    out, stack, seen = set(), [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n in head:
-            out.add(n)
-            if _aliases(n):
-                stack.extend(n.all_input_nodes)
-        elif _aliases(n):
-            stack.extend(n.all_input_nodes)
-    return out
 
 
 def _aliases(node: torch.fx.Node) -> bool:

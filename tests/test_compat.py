@@ -859,6 +859,33 @@ def test_distinct_gives_a_fake_met_again_as_a_new_one_like_it():
     assert again is not third
 
 
+def test_recorded_meta_is_what_a_trace_under_a_nodes_metadata_records():
+    """``recorded_meta`` of a node is the metadata fx records on the nodes a trace makes while it
+    runs that node under preserved metadata (as ``torch.fx.Interpreter`` runs it): its stack trace
+    and module stack among them."""
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    model = torch.nn.Sequential(Scaled())
+    gm = torch.fx.symbolic_trace(model)
+    for n in gm.graph.nodes:
+        n.meta["stack_trace"] = f"File model.py, line {n.name}"
+    with fx_traceback.preserve_node_meta():
+        again = make_fx(torch.fx.Interpreter(gm).run)(torch.randn(3))
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    made = [n for n in again.graph.nodes if n.op == "call_function"]
+    assert len(ops) == len(made) == 2
+    for op, new in zip(ops, made):
+        meta = _compat.recorded_meta(op)
+        assert meta["stack_trace"] == f"File model.py, line {op.name}" and "nn_module_stack" in meta
+        assert all(new.meta[k] == v for k, v in meta.items() if k != "from_node")
+        assert [s.name for s in new.meta["from_node"]] == [s.name for s in meta["from_node"]] == [op.name]
+
+
 def test_only_tracing_modes_is_false_under_another_dispatch_mode():
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import TorchDispatchMode

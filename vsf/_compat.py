@@ -134,6 +134,7 @@ __all__ = [
     "process_group_named",
     "quick_node_values",
     "quiet_redistribute",
+    "recorded_meta",
     "reconcile",
     "redistribute_local",
     "redistribute_steps",
@@ -1763,6 +1764,28 @@ def copy_nodes(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node], env: dict[
         graph._len += 1
         new.meta.update(node.meta)
         env[node] = new
+
+
+def recorded_meta(node: torch.fx.Node) -> dict[str, Any]:
+    """The metadata a trace run under ``node``'s preserved metadata (``preserve_node_meta`` and
+    ``set_current_meta``, as :class:`torch.fx.Interpreter` runs a node) gives each node it records
+    from it: its stack trace and the fields fx copies (module stack, source, provenance, ...).
+
+    Example::
+
+        >>> recorded_meta(node)["stack_trace"] == node.meta["stack_trace"]
+        True
+    """
+    import torch.fx.traceback as fx_traceback
+
+    with fx_traceback.preserve_node_meta(), fx_traceback.set_current_meta(node):
+        current = fx_traceback.get_current_meta()
+    out = {f: copy.copy(current[f]) for f in fx_proxy._COPY_META_FIELDS if f in current}
+    if current.get("stack_trace"):
+        out["stack_trace"] = current["stack_trace"]
+        if fx_traceback.GRADIENT_ACC_SPECIAL_STACK in current["stack_trace"]:
+            out |= {"is_gradient_acc": True, "autograd_backward": True}
+    return out
 
 
 def metadata_reads() -> contextlib.AbstractContextManager[None]:

@@ -748,6 +748,13 @@ class _Scaling(_Block):
         return x + self.fc2(h)
 
 
+class _CalledFromTwoLines(_Stack):
+    def forward(self, x):
+        x = self.blocks[0](self.stem(x))
+        x = self.blocks[1](x)
+        return x.square().mean()
+
+
 class _Scan(_Block):
     """A :class:`_Block` that runs a scan over its hidden units in place, into a tensor it made
     (as mamba.py's parallel scan does)."""
@@ -761,24 +768,35 @@ class _Scan(_Block):
         return x + self.fc2(out)
 
 
-def test_blocks_scanning_in_place_are_functionalized_alone_and_give_torchs_gradients(sim, monkeypatch):
+@pytest.mark.parametrize("stack", [_Stack, "two lines"])
+def test_blocks_scanning_in_place_are_functionalized_alone_and_give_torchs_gradients(sim, monkeypatch, stack):
     """Stamped blocks that each write in place into a tensor of their own: only their writes, the
-    views of what they write and the ops reading those are functionalized (the trace again of
-    every op is the oracle: the same plan), and the loss and gradients are plain PyTorch's."""
+    views of what they write and the ops reading those are functionalized, once for all the
+    blocks' parts alike (each copy's ops then record its own stack trace: blocks called from two
+    lines); the trace again of every op is the oracle (the same plan and stack traces), and the
+    loss and gradients are plain PyTorch's."""
     from vsf.jit import functionalize
 
     torch.manual_seed(0)
-    model = _Stack([_Scan(8, 16) for _ in range(3)]).eval()
+    blocks = [_Scan(8, 16) for _ in range(3 if stack is _Stack else 2)]
+    model = (_Stack(blocks) if stack is _Stack else _CalledFromTwoLines(blocks)).eval()
     x = torch.randn(4, 8)
     sim(2)
-    find, regions = functionalize._written_region, []
+    find, regions, traced, parts = functionalize._written_region, [], [], []
     monkeypatch.setattr(functionalize, "_written_region", lambda nodes: regions.append(find(nodes)) or regions[-1])
+    trace, split = functionalize._trace_part, functionalize._parts
+    monkeypatch.setattr(functionalize, "_trace_part", lambda *a: traced.append(a[1]) or trace(*a))
+    monkeypatch.setattr(functionalize, "_parts", lambda r: parts.append(split(r)) or parts[-1])
     stamped, alone = _stamps(model)
     region = regions[-1]
-    assert stamped["_Scan"] == (3,)
+    assert stamped["_Scan"] == (len(blocks),)
     assert region and not any(n.target is torch.ops.aten.tanh.default for n in region)  # (read nothing written)
+    # each block's parts (its forward's scan, its backward's) alike the other blocks', traced once
+    assert len(parts[-1]) == len(blocks) * 2 and len(traced) == 2 * len(parts)
     monkeypatch.setattr(functionalize, "_written_region", lambda nodes: None)
-    assert_same_plans(alone, _stamps(model)[1])
+    every = _stamps(model)[1]
+    assert_same_plans(alone, every)
+    assert_same_stack_traces(alone, every)
     monkeypatch.setattr(functionalize, "_written_region", find)
     _assert_torchs_loss_and_gradients(model, x)
 
@@ -851,13 +869,6 @@ def test_blocks_returning_an_object_are_traced_one_by_one_and_give_torchs_gradie
     _assert_stamped_and_planned_as_traced(monkeypatch, [(model, {})])
     monkeypatch.setattr(vsf.config, "stamp_blocks", True)
     _assert_torchs_loss_and_gradients(model, x)
-
-
-class _CalledFromTwoLines(_Stack):
-    def forward(self, x):
-        x = self.blocks[0](self.stem(x))
-        x = self.blocks[1](x)
-        return x.square().mean()
 
 
 def test_blocks_stamped_from_two_lines_name_each_its_own_line(sim, monkeypatch):

@@ -65,9 +65,8 @@ def functionalized(gm: torch.fx.GraphModule, decompositions: Mapping[Any, Callab
         _split_foreach_nodes(gm, nodes[first:])
         return gm
     region = _written_region(nodes)
-    if region is None:
-        region = [n for n in nodes if n.op == "call_function"]
-    _retrace(gm, region, decompositions)
+    parts = [[n for n in nodes if n.op == "call_function"]] if region is None else _parts(region)
+    _retrace(gm, parts, decompositions)
     return gm
 
 
@@ -117,24 +116,89 @@ def _bases(node: torch.fx.Node) -> set[torch.fx.Node]:
     return out
 
 
+def _parts(region: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """``region`` split into the parts that share nothing written: the ops joined by the values
+    they pass each other and by the values outside the region they write into or alias (each in
+    graph order). A part is traced alone: the others' writes do not reach it."""
+    inside = set(region)
+    written = {b for n in region for arg in _written_args(n) for b in _bases(arg) if b not in inside}
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def root(n: torch.fx.Node) -> torch.fx.Node:
+        top = n
+        while (up := parent.get(top, top)) is not top:
+            top = up
+        while n is not top:  # (each node on the way now points at the root)
+            up, parent[n] = parent[n], top
+            n = up
+        return top
+
+    for n in region:
+        for i in n.all_input_nodes:
+            if i in inside or i in written:
+                parent[root(n)] = root(i)
+    groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in region:
+        groups.setdefault(root(n), []).append(n)
+    return list(groups.values())
+
+
 def _retrace(
-    gm: torch.fx.GraphModule, region: list[torch.fx.Node], decompositions: Mapping[Any, Callable[..., Any]]
+    gm: torch.fx.GraphModule, parts: list[list[torch.fx.Node]], decompositions: Mapping[Any, Callable[..., Any]]
 ) -> None:
-    """Trace ``region`` (ops of ``gm``, in order) again through ``torch.func.functionalize`` on the
-    values it reads, and put the ops each of its nodes records in that node's place (with its
-    metadata, the mark of the copy it belongs to included), the ops recorded once the region has
-    run (the writes back into what it read) before the output. A write back into a value an op
-    made (not a graph input) is dropped: every reader of it is in the region, and the graph's
-    output, if it reads it, reads the value written instead."""
-    graph, inside = gm.graph, set(region)
-    inputs = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in inside))
-    given = [n for n in region if any(u not in inside for u in n.users)]
+    """Trace each of ``parts`` (ops of ``gm``, in order, sharing nothing written) again through
+    ``torch.func.functionalize`` on the values it reads, once per shape of part (its ops and
+    arguments, the metadata of what it reads: a stamped block's copies are parts alike), and put
+    the ops each of its nodes records in that node's place (:func:`_put`)."""
+    inside = {n for part in parts for n in part}
+    traces: dict[Any, tuple[list[torch.fx.Node], Any]] = {}
+    for part in parts:
+        inputs = list(dict.fromkeys(i for n in part for i in n.all_input_nodes if i not in inside))
+        given = [n for n in part if any(u not in inside for u in n.users)]
+        key = _shape_of(part, inputs, given)
+        if key not in traces:
+            traces[key] = (part, _trace_part(gm, part, inputs, given, decompositions))
+        _put(gm, part, inputs, given, inside, *traces[key])
+    for n in reversed([n for n in gm.graph.nodes if n in inside]):
+        gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def _shape_of(part: list[torch.fx.Node], inputs: list[torch.fx.Node], given: list[torch.fx.Node]) -> Any:
+    """What a part's trace depends on: its ops and their arguments (each node read as its place
+    in the part or among its inputs), the metadata of its inputs, which of its ops the graph reads
+    after it; a part whose arguments cannot be compared is its own shape."""
+    places = {n: ("op", k) for k, n in enumerate(part)} | {n: ("in", k) for k, n in enumerate(inputs)}
+    place = places.__getitem__
+    metas = [n.meta["val"] for n in inputs]
+    key = (
+        tuple([(n.target, torch.fx.node.map_arg(n.args, place), torch.fx.node.map_arg(n.kwargs, place)) for n in part]),
+        tuple([(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.requires_grad) for t in metas]),
+        tuple([places[n] for n in given]),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return part
+    return key
+
+
+def _trace_part(
+    gm: torch.fx.GraphModule,
+    part: list[torch.fx.Node],
+    inputs: list[torch.fx.Node],
+    given: list[torch.fx.Node],
+    decompositions: Mapping[Any, Callable[..., Any]],
+) -> tuple[torch.fx.GraphModule, list[int]]:
+    """The functionalizing trace of ``part`` on fake values like its ``inputs``' (distinct ones),
+    giving the values of ``given``, and per op of the part the place in the trace's nodes of the
+    last node its run recorded."""
     interpreter, ends = torch.fx.Interpreter(gm), []
 
     def run(*values: torch.Tensor) -> list[Any]:
         interpreter.env = dict(zip(inputs, values))
         recording = _compat.tracer().graph
-        for n in region:
+        for n in part:
             interpreter.env[n] = interpreter.run_node(n)
             ends.append(recording._root.prev)
         return [interpreter.env[n] for n in given]
@@ -149,19 +213,44 @@ def _retrace(
         name = _fresh_attribute(gm, node.target)
         setattr(gm, name, getattr(traced, node.target))
         node.target = name
+    at = {n: i for i, n in enumerate(traced.graph.nodes)}
+    return traced, [at[end] for end in ends]
+
+
+def _put(
+    gm: torch.fx.GraphModule,
+    part: list[torch.fx.Node],
+    inputs: list[torch.fx.Node],
+    given: list[torch.fx.Node],
+    inside: set[torch.fx.Node],
+    traced_part: list[torch.fx.Node],
+    trace: tuple[torch.fx.GraphModule, list[int]],
+) -> None:
+    """Put in ``gm`` the ops the trace of ``traced_part`` (a part of the same shape as ``part``)
+    records: each op's in its place, with the metadata the trace gives it from that op (its stack
+    trace, module stack, ...: ``part``'s own op's, where the trace is another part's) and the mark
+    of the copy it belongs to; the ops recorded once the part has run (the writes back into what
+    it read) before the output. A write back into a value an op made (not a graph input) is
+    dropped: every reader of it is in the region, and the graph's output, if it reads it, reads the
+    value written instead. The graph's readers of ``given`` read their new values."""
+    graph, (traced, ends) = gm.graph, trace
     recorded = list(traced.graph.nodes)
     env: dict[torch.fx.Node, Any] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
     start = len(env)
-    at = {n: i for i, n in enumerate(recorded)}
-    for n, end in zip(region, ends):
+    for n, was, end in zip(part, traced_part, ends):
+        meta = None if was is n else (_compat.recorded_meta(was), _compat.recorded_meta(n))
         with graph.inserting_before(n):
-            for r in recorded[start : at[end] + 1]:
-                env[r] = graph.node_copy(r, env.__getitem__)
+            for r in recorded[start : end + 1]:
+                new = env[r] = graph.node_copy(r, env.__getitem__)
+                if meta is not None:
+                    for field in meta[0].keys() - meta[1].keys():
+                        del new.meta[field]
+                    new.meta.update(meta[1])
                 if (copy := n.meta.get(COPY)) is not None:
-                    env[r].meta[COPY] = copy
-        start = max(start, at[end] + 1)
+                    new.meta[COPY] = copy
+        start = max(start, end + 1)
     out = output_node(gm)
-    written_back: dict[torch.fx.Node, torch.fx.Node] = {}  # an op's value: what the region wrote to it
+    written_back: dict[torch.fx.Node, torch.fx.Node] = {}  # an op's value: what the part wrote to it
     with graph.inserting_before(out):
         for r in recorded[start:-1]:
             if r.target is aten.copy_.default and r.args[0].op == "placeholder" and env[r.args[0]].op != "placeholder":
@@ -172,9 +261,6 @@ def _retrace(
     for n, new in zip(given, news, strict=True):
         n.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
     out.args = torch.fx.node.map_arg(out.args, lambda n: written_back.get(n, n))
-    for n in reversed(region):
-        graph.erase_node(n)
-    gm.recompile()
 
 
 def _splits_in_place(tail: list[torch.fx.Node], decompositions: Mapping[Any, Callable[..., Any]]) -> bool:

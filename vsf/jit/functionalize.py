@@ -118,8 +118,9 @@ def _bases(node: torch.fx.Node) -> set[torch.fx.Node]:
 
 def _parts(region: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """``region`` split into the parts that share nothing written: the ops joined by the values
-    they pass each other and by the values outside the region they write into or alias (each in
-    graph order). A part is traced alone: the others' writes do not reach it."""
+    they pass each other and by the values outside the region they write into (each part in graph
+    order; a view of a written value is in the region). A part is traced alone: the others' writes
+    do not reach it."""
     inside = set(region)
     written = {b for n in region for arg in _written_args(n) for b in _bases(arg) if b not in inside}
     parent: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -244,7 +245,7 @@ def _put(
                 new = env[r] = graph.node_copy(r, env.__getitem__)
                 if meta is not None:
                     for field in meta[0].keys() - meta[1].keys():
-                        del new.meta[field]
+                        new.meta.pop(field, None)
                     new.meta.update(meta[1])
                 if (copy := n.meta.get(COPY)) is not None:
                     new.meta[COPY] = copy

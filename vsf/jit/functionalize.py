@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -152,14 +154,15 @@ def _retrace(
     arguments, the metadata of what it reads: a stamped block's copies are parts alike), and put
     the ops each of its nodes records in that node's place (:func:`_put`)."""
     inside = {n for part in parts for n in part}
-    traces: dict[Any, tuple[list[torch.fx.Node], Any]] = {}
+    traces: dict[Any, _Trace] = {}
     for part in parts:
         inputs = list(dict.fromkeys(i for n in part for i in n.all_input_nodes if i not in inside))
         given = [n for n in part if any(u not in inside for u in n.users)]
         key = _shape_of(part, inputs, given)
-        if key not in traces:
-            traces[key] = (part, _trace_part(gm, part, inputs, given, decompositions))
-        _put(gm, part, inputs, given, inside, *traces[key])
+        own = key not in traces
+        if own:
+            traces[key] = _trace_part(gm, part, inputs, given, decompositions)
+        _put(gm, part, inputs, given, inside, traces[key], own)
     for n in reversed([n for n in gm.graph.nodes if n in inside]):
         gm.graph.erase_node(n)
     gm.recompile()
@@ -190,10 +193,9 @@ def _trace_part(
     inputs: list[torch.fx.Node],
     given: list[torch.fx.Node],
     decompositions: Mapping[Any, Callable[..., Any]],
-) -> tuple[torch.fx.GraphModule, list[int]]:
+) -> _Trace:
     """The functionalizing trace of ``part`` on fake values like its ``inputs``' (distinct ones),
-    giving the values of ``given``, and per op of the part the place in the trace's nodes of the
-    last node its run recorded."""
+    giving the values of ``given``."""
     interpreter, ends = torch.fx.Interpreter(gm), []
 
     def run(*values: torch.Tensor) -> list[Any]:
@@ -214,8 +216,26 @@ def _trace_part(
         name = _fresh_attribute(gm, node.target)
         setattr(gm, name, getattr(traced, node.target))
         node.target = name
-    at = {n: i for i, n in enumerate(traced.graph.nodes)}
-    return traced, [at[end] for end in ends]
+    nodes = list(traced.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    placeholders = traced.graph.find_nodes(op="placeholder")
+    cuts = [len(placeholders), *(at[end] + 1 for end in ends)]
+    per_op = [nodes[a:b] for a, b in zip(cuts, itertools.accumulate(cuts[1:], max))]
+    return _Trace(placeholders, per_op, nodes[max(cuts) : -1], nodes[-1], [_compat.recorded_meta(n) for n in part])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+    """A part's functionalizing trace: its placeholders (the part's inputs), per op of the part the
+    nodes its run recorded, the nodes recorded once the part had run (the writes back into its
+    inputs, the views of written values it gives), its output node, and per op of the part the
+    metadata the trace gave the nodes recorded from it (:func:`vsf._compat.recorded_meta`)."""
+
+    placeholders: list[torch.fx.Node]
+    per_op: list[list[torch.fx.Node]]
+    after: list[torch.fx.Node]
+    output: torch.fx.Node
+    metas: list[dict[str, Any]]
 
 
 def _put(
@@ -224,41 +244,42 @@ def _put(
     inputs: list[torch.fx.Node],
     given: list[torch.fx.Node],
     inside: set[torch.fx.Node],
-    traced_part: list[torch.fx.Node],
-    trace: tuple[torch.fx.GraphModule, list[int]],
+    trace: _Trace,
+    own: bool,
 ) -> None:
-    """Put in ``gm`` the ops the trace of ``traced_part`` (a part of the same shape as ``part``)
-    records: each op's in its place, with the metadata the trace gives it from that op (its stack
+    """Put in ``gm`` the ops ``trace`` records (of ``part``'s, or, not ``own``, of a part of the same
+    shape): each op's in its place, with the metadata the trace gives it from that op (its stack
     trace, module stack, ...: ``part``'s own op's, where the trace is another part's) and the mark
     of the copy it belongs to; the ops recorded once the part has run (the writes back into what
     it read) before the output. A write back into a value an op made (not a graph input) is
     dropped: every reader of it is in the region, and the graph's output, if it reads it, reads the
-    value written instead. The graph's readers of ``given`` read their new values."""
-    graph, (traced, ends) = gm.graph, trace
-    recorded = list(traced.graph.nodes)
-    env: dict[torch.fx.Node, Any] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
-    start = len(env)
-    for n, was, end in zip(part, traced_part, ends):
-        meta = None if was is n else (_compat.recorded_meta(was), _compat.recorded_meta(n))
+    value written instead. The graph's readers of ``given`` read their new values. The nodes are
+    copied without fx's search of their arguments for symbolic numbers (:func:`vsf._compat.copy_nodes`):
+    a trace of fake tensors of static shapes records none."""
+    graph = gm.graph
+    env: dict[torch.fx.Node, Any] = dict(zip(trace.placeholders, inputs))
+    for n, recorded, traced_meta in zip(part, trace.per_op, trace.metas):
         with graph.inserting_before(n):
-            for r in recorded[start : end + 1]:
-                new = env[r] = graph.node_copy(r, env.__getitem__)
-                if meta is not None:
-                    for field in meta[0].keys() - meta[1].keys():
-                        new.meta.pop(field, None)
-                    new.meta.update(meta[1])
-                if (copy := n.meta.get(COPY)) is not None:
-                    new.meta[COPY] = copy
-        start = max(start, end + 1)
+            _compat.copy_nodes(graph, recorded, env)
+        meta = None if own else _compat.recorded_meta(n)
+        copy = n.meta.get(COPY)
+        for r in recorded:
+            new = env[r]
+            if meta is not None:
+                for field in traced_meta.keys() - meta.keys():
+                    new.meta.pop(field, None)
+                new.meta.update(meta)
+            if copy is not None:
+                new.meta[COPY] = copy
     out = output_node(gm)
     written_back: dict[torch.fx.Node, torch.fx.Node] = {}  # an op's value: what the part wrote to it
     with graph.inserting_before(out):
-        for r in recorded[start:-1]:
+        for r in trace.after:
             if r.target is aten.copy_.default and r.args[0].op == "placeholder" and env[r.args[0]].op != "placeholder":
                 written_back[env[r.args[0]]] = env[r.args[1]]
             else:
-                env[r] = graph.node_copy(r, env.__getitem__)
-    news = torch.fx.node.map_arg(recorded[-1].args[0], env.__getitem__)
+                _compat.copy_nodes(graph, [r], env)
+    news = torch.fx.node.map_arg(trace.output.args[0], env.__getitem__)
     for n, new in zip(given, news, strict=True):
         n.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
     out.args = torch.fx.node.map_arg(out.args, lambda n: written_back.get(n, n))

@@ -415,6 +415,13 @@ def _returned_written(a):  # the step returns the value it wrote
     return (y,)
 
 
+def _signed_zeros(a):  # two writes alike but for their zero's sign: each traced as its own
+    y, z = a.abs() + 1, a.abs() + 2
+    y.mul_(0.0)
+    z.mul_(-0.0)
+    return 1 / y, 1 / z
+
+
 def _foreach(a):
     ys = torch._foreach_mul([a, a + 1], 2.0)
     torch._foreach_add_(ys, 1.0)
@@ -434,6 +441,7 @@ def _vector_times_matrix(a):  # torch's matmul of a vector squeezes its mm's res
         (_written_view, True),
         (_read_view, True),
         (_returned_written, True),
+        (_signed_zeros, True),
         (_foreach, True),
         (_vector_times_matrix, False),
     ],

@@ -170,20 +170,26 @@ def _retrace(
 
 def _shape_of(part: list[torch.fx.Node], inputs: list[torch.fx.Node], given: list[torch.fx.Node]) -> Any:
     """What a part's trace depends on: its ops and their arguments (each node read as its place
-    in the part or among its inputs), the metadata of its inputs, which of its ops the graph reads
-    after it; a part whose arguments cannot be compared is its own shape."""
+    in the part or among its inputs, each other value with its type: ``1``, ``1.0`` and ``True``
+    differ, as do ``0.0`` and ``-0.0``), the metadata of its inputs, which of its ops the graph
+    reads after it; a part whose arguments cannot be compared is its own shape."""
     places = {n: ("op", k) for k, n in enumerate(part)} | {n: ("in", k) for k, n in enumerate(inputs)}
-    place = places.__getitem__
+
+    def exact(x: Any) -> Any:
+        if isinstance(x, torch.fx.Node):
+            return places[x]
+        return (float, x.hex()) if type(x) is float else (type(x), x)
+
     metas = [n.meta["val"] for n in inputs]
     key = (
-        tuple([(n.target, torch.fx.node.map_arg(n.args, place), torch.fx.node.map_arg(n.kwargs, place)) for n in part]),
+        tuple([(n.target, torch.fx.node.map_aggregate((n.args, n.kwargs), exact)) for n in part]),
         tuple([(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.requires_grad) for t in metas]),
         tuple([places[n] for n in given]),
     )
     try:
         hash(key)
     except TypeError:
-        return part
+        return ("unlike any other", id(part))
     return key
 
 

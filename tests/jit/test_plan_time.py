@@ -809,6 +809,32 @@ def test_blocks_scanning_in_place_are_functionalized_alone_and_give_torchs_gradi
     _assert_torchs_loss_and_gradients(model, x)
 
 
+class _Signed(_Block):
+    """A :class:`_Block` called with a zero whose sign its output shows (``atan(1 / zero)``)."""
+
+    def forward(self, x, zero):
+        h = torch.tanh(self.fc1(x))
+        return x + self.fc2(h + torch.atan(1 / torch.full_like(h, zero)))
+
+
+class _SignedStack(_Stack):
+    def forward(self, x):
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, -0.0 if i % 2 else 0.0)
+        return x.square().mean()
+
+
+def test_blocks_called_with_zeros_of_two_signs_are_stamped_apart_and_give_torchs_gradients(sim):
+    """Blocks called with ``0.0`` and with ``-0.0`` (equal by ``==``, not in what they compute) get
+    a trace each, and the step's loss and gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = _SignedStack([_Signed(8, 16) for _ in range(3)]).eval()
+    sim(2)
+    assert _stamps(model)[0]["_Signed"] == (2, 1)
+    _assert_torchs_loss_and_gradients(model, torch.randn(4, 8))
+
+
 class _Tallied(_Block):
     """A :class:`_Block` that adds its input to a tally the caller passes every block."""
 

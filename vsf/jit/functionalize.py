@@ -40,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from vsf import _compat
 from vsf.jit.copies import COPY
+from vsf.jit import stamp_key
 from vsf.jit.graph import is_tensor_node, output_node
 
 __all__ = ["functionalized"]
@@ -176,9 +177,7 @@ def _shape_of(part: list[torch.fx.Node], inputs: list[torch.fx.Node], given: lis
     places = {n: ("op", k) for k, n in enumerate(part)} | {n: ("in", k) for k, n in enumerate(inputs)}
 
     def exact(x: Any) -> Any:
-        if isinstance(x, torch.fx.Node):
-            return places[x]
-        return (float, x.hex()) if type(x) is float else (type(x), x)
+        return places[x] if isinstance(x, torch.fx.Node) else stamp_key.exact(x)
 
     metas = [n.meta["val"] for n in inputs]
     key = (

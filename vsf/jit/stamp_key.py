@@ -29,6 +29,7 @@ __all__ = [
     "args_key",
     "block_key",
     "call_key",
+    "exact",
     "read_values",
     "rebuild",
     "recording_reads",
@@ -162,7 +163,7 @@ def args_key(
         key = (
             torch.is_grad_enabled(),
             treedef,
-            *(_meta(x) if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves),
+            *(_meta(x) if isinstance(x, torch.Tensor) else exact(x) for x in leaves),
         )
     operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
     nodes = [_compat.traced_node(t, tracer) for t in operands]
@@ -235,10 +236,8 @@ def _plain(v: Any) -> Any:
         >>> _plain(torch.nn.functional.gelu) == _plain(torch.nn.functional.relu)
         False
     """
-    if isinstance(v, _PLAIN):
-        return (type(v), v)
-    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
-        return (tuple, v)
+    if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)):
+        return exact(v)
     state = _plain_state(v)
     return ("id", id(v)) if state is None else (type(v), state)
 
@@ -259,7 +258,24 @@ def _plain_state(v: Any) -> tuple[tuple[str, Any], ...] | None:
     state = vars(v)
     if not all(isinstance(x, _PLAIN) for x in state.values()):
         return None
-    return tuple(sorted((name, (type(x), x)) for name, x in state.items()))
+    return tuple(sorted((name, exact(x)) for name, x in state.items()))
+
+
+def exact(x: Any) -> Any:
+    """``x`` as a key compares it: with its type, a float by its bits, a tuple element by element
+    (``1``, ``1.0`` and ``True`` differ, as do ``0.0`` and ``-0.0``, which ``==`` holds equal: a
+    trace made for one would give the other's results the wrong sign).
+
+    Example::
+
+        >>> exact(0.0) == exact(-0.0), exact(1) == exact(True), exact((2, 0.5)) == exact((2, 0.5))
+        (False, False, True)
+    """
+    if type(x) is float:
+        return (float, x.hex())
+    if type(x) is tuple:
+        return (tuple, tuple(exact(e) for e in x))
+    return (type(x), x)
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -159,11 +160,10 @@ def _retrace(
     for part in parts:
         inputs = list(dict.fromkeys(i for n in part for i in n.all_input_nodes if i not in inside))
         given = [n for n in part if any(u not in inside for u in n.users)]
-        key = _shape_of(part, inputs, given)
-        own = key not in traces
-        if own:
+        key = _shape_of(part, inputs, given) if len(parts) > 1 else None  # (one part: none to share)
+        if key not in traces:
             traces[key] = _trace_part(gm, part, inputs, given, decompositions)
-        _put(gm, part, inputs, given, inside, traces[key], own)
+        _put(gm, part, inputs, given, inside, traces[key])
     for n in reversed([n for n in gm.graph.nodes if n in inside]):
         gm.graph.erase_node(n)
     gm.recompile()
@@ -226,21 +226,26 @@ def _trace_part(
     placeholders = traced.graph.find_nodes(op="placeholder")
     cuts = [len(placeholders), *(at[end] + 1 for end in ends)]
     per_op = [nodes[a:b] for a, b in zip(cuts, itertools.accumulate(cuts[1:], max))]
-    return _Trace(placeholders, per_op, nodes[max(cuts) : -1], nodes[-1], [_compat.recorded_meta(n) for n in part])
+    return _Trace(part, placeholders, per_op, nodes[max(cuts) : -1], nodes[-1])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Trace:
-    """A part's functionalizing trace: its placeholders (the part's inputs), per op of the part the
-    nodes its run recorded, the nodes recorded once the part had run (the writes back into its
-    inputs, the views of written values it gives), its output node, and per op of the part the
-    metadata the trace gave the nodes recorded from it (:func:`vsf._compat.recorded_meta`)."""
+    """A part's functionalizing trace: the part, its placeholders (the part's inputs), per op of the
+    part the nodes its run recorded, the nodes recorded once the part had run (the writes back into
+    its inputs, the views of written values it gives), and its output node."""
 
+    part: list[torch.fx.Node]
     placeholders: list[torch.fx.Node]
     per_op: list[list[torch.fx.Node]]
     after: list[torch.fx.Node]
     output: torch.fx.Node
-    metas: list[dict[str, Any]]
+
+    @functools.cached_property
+    def metas(self) -> list[dict[str, Any]]:
+        """Per op of the part, the metadata the trace gave the nodes recorded from it
+        (:func:`vsf._compat.recorded_meta`): asked only where another part copies the trace."""
+        return [_compat.recorded_meta(n) for n in self.part]
 
 
 def _put(
@@ -250,10 +255,8 @@ def _put(
     given: list[torch.fx.Node],
     inside: set[torch.fx.Node],
     trace: _Trace,
-    own: bool,
 ) -> None:
-    """Put in ``gm`` the ops ``trace`` records (of ``part``'s, or, not ``own``, of a part of the same
-    shape): each op's in its place, with the metadata the trace gives it from that op (its stack
+    """Put in ``gm`` the ops ``trace`` records (of ``part``, or of a part of the same shape): each op's in its place, with the metadata the trace gives it from that op (its stack
     trace, module stack, ...: ``part``'s own op's, where the trace is another part's) and the mark
     of the copy it belongs to; the ops recorded once the part has run (the writes back into what
     it read) before the output. A write back into a value an op made (not a graph input) is
@@ -263,10 +266,11 @@ def _put(
     a trace of fake tensors of static shapes records none."""
     graph = gm.graph
     env: dict[torch.fx.Node, Any] = dict(zip(trace.placeholders, inputs))
-    for n, recorded, traced_meta in zip(part, trace.per_op, trace.metas):
+    own = trace.part is part
+    for n, recorded, traced_meta in zip(part, trace.per_op, [None] * len(part) if own else trace.metas):
         with graph.inserting_before(n):
             _compat.copy_nodes(graph, recorded, env)
-        meta = None if own else _compat.recorded_meta(n)
+        meta = None if traced_meta is None else _compat.recorded_meta(n)
         copy = n.meta.get(COPY)
         for r in recorded:
             new = env[r]

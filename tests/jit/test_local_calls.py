@@ -116,6 +116,44 @@ def test_masked_attention_on_batch_and_head_shards_trains_like_one_device(sim):
     _assert_params_close(got, want)
 
 
+class MultiQuery(torch.nn.Module):
+    """Causal self-attention with one key and value head, expanded to the queries' heads as a view
+    (torchtune's ``MultiHeadAttention`` with one KV head: ``unsqueeze(2).expand(...).flatten(1, 2)``,
+    which keeps the broadcast's stride 0; Hugging Face's ``repeat_kv`` reshapes, which copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(WIDTH, H * D, bias=False)
+        self.k = torch.nn.Linear(WIDTH, D, bias=False)
+        self.v = torch.nn.Linear(WIDTH, D, bias=False)
+        self.out = torch.nn.Linear(H * D, WIDTH)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q = self.q(x).view(b, T, H, D).transpose(1, 2)
+        k, v = (
+            proj(x).view(b, T, 1, D).transpose(1, 2).unsqueeze(2).expand(b, 1, H, T, D).flatten(1, 2)
+            for proj in (self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, T, H * D))
+
+
+def test_one_key_head_expanded_as_a_view_over_head_shards_trains_like_one_device(sim):
+    """dp x tp, the key and value projections split over tp as Megatron splits a column-parallel
+    layer: their one head's dims split, gathered before the broadcast to the queries' heads, each
+    rank's share of which is a broadcast again (stride 0, as traced). Such a shard was once stored
+    with the broadcast dim innermost (the key's own dim at stride 2), which SDPA's CPU flash kernel
+    reads wrongly: the step ran without an error and computed the wrong attention (torchtune's
+    Gemma on tp)."""
+    torch.manual_seed(0)
+    model, batch = MultiQuery(), _batch()
+    want = _torch_run(model, _attention_loss, batch)
+    specs = lambda p: {k: P(None, "tp") if k == "out.weight" else P() if k == "out.bias" else P("tp", None) for k in p}  # noqa: E731
+    got = _jit_run(sim, model, _attention_loss, batch, (2, 2), ("dp", "tp"), specs, P("dp"))
+    _assert_params_close(got, want)
+
+
 class ConvGroupNorm(torch.nn.Module):
     """A convolution, group norm, upsampling (``mode``) and a 1x1 convolution: diffusers' UNet's pieces."""
 
@@ -171,3 +209,8 @@ def test_a_shard_is_laid_out_as_the_traced_value():
     assert out.stride() == (1, 3) and torch.equal(out, local)
 
     assert _traced_layout(out, traced) is out
+
+    traced = torch.randn(B, 1, T, D).expand(B, H, T, D)  # one head broadcast to H (stride 0)
+    local = traced[:, : H // 2]  # a shard of it, a broadcast too: passed as it is (its own storage and strides)
+    out = _traced_layout(local, traced)
+    assert out.stride() == local.stride() and out.data_ptr() == local.data_ptr()

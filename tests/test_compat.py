@@ -536,6 +536,13 @@ def test_module_node_copy_and_its_tables():
     assert _compat.module_tables(lin)[0]["weight"] is lin.weight and lin.weight is not params["weight"]
 
 
+def test_module_state_names_what_nn_module_sets_and_nothing_a_module_sets_itself():
+    lin = torch.nn.Linear(2, 2)
+    lin.register_forward_hook(lambda *a: None)
+    assert {"_parameters", "_buffers", "_modules", "training", "_forward_hooks"} <= _compat.MODULE_STATE
+    assert set(vars(lin)) - _compat.MODULE_STATE == {"in_features", "out_features"}
+
+
 def test_tensor_version_counts_in_place_writes():
     t = torch.zeros(2)
     assert _compat.tensor_version(t) == 0

@@ -78,6 +78,7 @@ from torch._decomp import decomposition_table, meta_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = [
+    "MODULE_STATE",
     "Placed",
     "StridedShard",
     "active_local_mode",
@@ -1647,6 +1648,11 @@ def interleaved_order(
     order = [schedule._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
     flat = [[sub for a in acts if a is not None for sub in (a.sub_actions or (a,))] for acts in order]
     return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts] for acts in flat]
+
+
+# the attributes nn.Module itself sets on every module (its tables, hooks and training flag): the
+# others are what a module's own code set
+MODULE_STATE = frozenset(vars(torch.nn.Module()))
 
 
 def module_node_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -15,7 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -250,7 +252,10 @@ def apply(
     parameter (a missing or unknown name is an error, so a typo never silently uses the module's
     own weight), and any of its buffers (those left out are read from the module). The module
     runs as a copy of its tree of modules that holds these tensors for as long as anything refers
-    to it, so activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
+    to it (with copies of the plain objects its modules hold that refer to modules of the tree, up
+    to two attributes deep: torchtune's ``TiedLinear``, whose output layer reads the embedding's
+    weight; a forward that reaches one of the module's own tensors that ``state`` replaces another
+    way, through a closure, is an :class:`~vsf.errors.ApplyError`), so activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
     Hugging Face's ``gradient_checkpointing_enable()``) recomputes with them in the backward too.
     Reentrant checkpointing (``use_reentrant=True``) is refused: its backward cannot run under
     ``torch.autograd.grad``, and a block whose input needs no gradient would silently give its
@@ -279,7 +284,11 @@ def apply(
     slots = _slots(module)
     _check_names(module, slots, state)
     bound, placed = _bind(module, slots, state)
-    with _Watch(type(module).__name__) as watch:
+    replaced: dict[int, str] = {}  # the module's own tensors that state replaces, by id: their names
+    for s in slots:
+        if s.key in state and state[s.key] is not s.tensor:
+            replaced.setdefault(id(s.tensor), s.key)
+    with _Watch(type(module).__name__, replaced) as watch:
         out = bound(*args, **kwargs)
     updated = _written(module, placed, state, mutable, watch.written)
     return (out, updated) if mutable else out
@@ -344,9 +353,14 @@ def _bind(
     copies: dict[int, torch.nn.Module] = {}
     for _, m in module.named_modules(remove_duplicate=False):
         copies.setdefault(id(m), _compat.module_node_copy(m))
+    made: dict[int, Any] = {}
     for new in copies.values():
         children = _compat.module_tables(new)[2]
         children.update({k: copies[id(c)] for k, c in children.items() if c is not None})
+        attributes = vars(new)
+        for name, value in list(attributes.items()):
+            if name not in _compat.MODULE_STATE:
+                attributes[name] = _rebound(value, copies, made, _REBIND_DEPTH)
     given = {id(s.tensor): state[s.key] for s in slots if s.key in state}
     fresh: dict[int, torch.Tensor] = {}
     placed = []
@@ -358,6 +372,44 @@ def _bind(
         _compat.module_tables(owner)[0 if s.param else 1][s.local] = t
         placed.append(_Placed(s, owner, t, _compat.tensor_version(t)))
     return copies[id(module)], placed
+
+
+# how far below a module's attribute :func:`_rebound` looks for the modules it refers to
+_REBIND_DEPTH = 2
+
+
+def _rebound(value: Any, copies: dict[int, torch.nn.Module], made: dict[int, Any], depth: int) -> Any:
+    """``value`` (a module's attribute that is not one of its parameters, buffers or children)
+    referring to the bound tree's ``copies`` of the modules it refers to: a module itself, a bound
+    method's module, and, ``depth`` levels down, the items of a list, tuple or dict and the
+    attributes of a plain object (copied once each: ``made``), such as torchtune's ``TiedLinear``,
+    which holds the embedding whose weight the output layer reads. ``value`` itself where it
+    refers to none of them."""
+    if isinstance(value, torch.nn.Module):
+        return copies.get(id(value), value)
+    if isinstance(value, types.MethodType):
+        owner = copies.get(id(value.__self__))
+        return value if owner is None else types.MethodType(value.__func__, owner)
+    if depth == 0 or isinstance(value, (type, torch.Tensor)):
+        return value
+    if id(value) in made:
+        return made[id(value)]
+    if type(value) in (list, tuple, dict):
+        keys = list(value) if type(value) is dict else range(len(value))
+        items = [_rebound(value[k], copies, made, depth - 1) for k in keys]
+        if all(new is value[k] for new, k in zip(items, keys)):
+            return value
+        made[id(value)] = dict(zip(keys, items)) if type(value) is dict else type(value)(items)
+        return made[id(value)]
+    attributes = getattr(value, "__dict__", None)
+    if type(attributes) is not dict or isinstance(value, (types.FunctionType, types.ModuleType)):
+        return value
+    changed = {k: new for k, v in attributes.items() if (new := _rebound(v, copies, made, depth - 1)) is not v}
+    if not changed:
+        return value
+    made[id(value)] = copy.copy(value)
+    vars(made[id(value)]).update(changed)
+    return made[id(value)]
 
 
 def _written(
@@ -394,11 +446,15 @@ def _written(
 class _Watch(torch.overrides.TorchFunctionMode):
     """Watches the torch functions a module's forward calls: notes in ``written`` the ids of the
     tensors one writes without its schema saying so (:func:`vsf._compat.undeclared_writes`), and
-    raises an :class:`ApplyError` where one checkpoints with ``use_reentrant=True``."""
+    raises an :class:`ApplyError` where one checkpoints with ``use_reentrant=True``, or reads one
+    of the module's own tensors that state replaces (``replaced``: their names by id), which it
+    reached by a way the bound tree does not hold (a closure, a global): it would compute with
+    the module's weight, not the one given, and differentiate nothing."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, replaced: dict[int, str]) -> None:
         super().__init__()
         self.name = name
+        self.replaced = replaced
         self.written: set[int] = set()
 
     def __torch_function__(
@@ -413,5 +469,14 @@ class _Watch(torch.overrides.TorchFunctionMode):
                 "block's input needs none): use use_reentrant=False (Hugging Face: "
                 "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
             )
+        for arg in (*args, *kwargs.values()):
+            for t in arg if type(arg) in (list, tuple) else (arg,):
+                if isinstance(t, torch.Tensor) and id(t) in self.replaced:
+                    raise ApplyError(
+                        f"{self.name}'s forward read the module's own tensor {self.replaced[id(t)]!r} (in {getattr(func, '__name__', func)}, "
+                        "called below), not the one state gives: it reached the module by a way vsf.tree.apply does not "
+                        "bind (a closure, a global, an object more than two attributes away). Hold the module as a "
+                        "submodule or as an attribute of an object a module holds."
+                    )
         self.written.update(id(t) for t in _compat.undeclared_writes(func, args, kwargs))
         return func(*args, **kwargs)

@@ -178,6 +178,12 @@ def test_reentrant_checkpointing_is_refused_eagerly_and_under_jit(sim):
     params = vsf.tree.from_module(model)
     x = torch.randn(4, 16)
     message = r"Checkpointed checkpoints activations with torch.utils.checkpoint's use_reentrant=True \(at .*test_apply_state.py:\d+\).*use use_reentrant=False"
+    _assert_refused_eagerly_and_under_jit(sim, model, params, x, message)
+
+
+def _assert_refused_eagerly_and_under_jit(sim, model: torch.nn.Module, params, x: torch.Tensor, message: str) -> None:
+    """The gradient of ``model`` at ``params`` on ``x`` raises an ApplyError matching ``message``,
+    eagerly and in a jitted step on a 2-rank ``dp`` mesh."""
     with pytest.raises(vsf.ApplyError, match=message):
         vsf.grad(lambda p: vsf.tree.apply(model, p, x))(params)
     sim(2)
@@ -185,6 +191,69 @@ def test_reentrant_checkpointing_is_refused_eagerly_and_under_jit(sim):
     step = vsf.jit(lambda p, x: vsf.grad(lambda p: vsf.tree.apply(model, p, x))(p))
     with pytest.raises(vsf.ApplyError, match=message):
         step(vsf.device_put(params, vsf.NamedSharding(mesh, P())), vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+
+
+# -- modules reached through plain objects --------------------------------------------------------
+
+
+class _TiedHead:
+    """A plain object (not a module) holding the module whose weight it reads: torchtune's
+    ``TiedLinear``, the output layer of its Llama 3.2, Qwen2 and Gemma (the embedding's weight)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.module.weight)
+
+
+class TiedByObject(torch.nn.Module):
+    """An embedding whose weight the output layer reads again, through a ``_TiedHead`` or, with
+    ``closure``, through a function closing over the embedding."""
+
+    def __init__(self, closure: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+        emb = self.emb
+        self.head = (lambda x: F.linear(x, emb.weight)) if closure else _TiedHead(self.emb)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(tokens)))).logsumexp(-1).mean()
+
+
+def _tokens(n: int = STEPS) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 16, (8, 6), generator=g),) for _ in range(n)]
+
+
+def test_a_module_a_plain_object_holds_computes_with_the_params_given_eagerly_and_under_jit(sim):
+    """The output layer reads the params given, not the module's own weight: eagerly the gradient
+    is torch's (the tied embedding's has the output layer's part, which it once lacked without an
+    error), and under jit (dp x tp, the embedding split over its rows) three AdamW steps give
+    torch's params (it was a TraceError)."""
+    model = TiedByObject()
+    params = vsf.tree.from_module(model)
+    (tokens,) = _tokens(1)[0]
+    model(tokens).backward()
+    grads = vsf.grad(lambda p: vsf.tree.apply(model, p, tokens))(params)
+    _assert_close(grads, {k: p.grad for k, p in model.named_parameters()})
+    want = dict(_torch_trained(TiedByObject(), lambda m, x: m(x), _tokens()).named_parameters())
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    specs = {k: P("tp", None) if k == "emb.weight" else P() for k in params}
+    got = _train(model, vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), mesh, P("dp"), _tokens())
+    _assert_close(got, want)
+
+
+def test_a_module_weight_reached_by_a_closure_is_refused_eagerly_and_under_jit(sim):
+    """A function closing over the embedding reads its own weight, which the bound tree cannot
+    swap: an ApplyError naming it, where the gradient would silently lack the output layer's part."""
+    model = TiedByObject(closure=True)
+    params = vsf.tree.from_module(model)
+    (tokens,) = _tokens(1)[0]
+    message = r"TiedByObject's forward read the module's own tensor 'emb.weight' \(in linear, called below\)"
+    _assert_refused_eagerly_and_under_jit(sim, model, params, tokens, message)
 
 
 # -- state written in forward ---------------------------------------------------------------------

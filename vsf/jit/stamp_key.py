@@ -40,7 +40,6 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.me
 _HELD = (torch.Tensor, *_PLAIN)  # what a trace holds as it is: a tensor (by its node), a plain value
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _MISSING = object()
-_MODULE_STATE = set(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: tables, hooks, training
 
 
 @dataclasses.dataclass
@@ -205,7 +204,7 @@ def recording_reads(modules: list[torch.nn.Module]) -> Iterator[set[tuple[int, s
 
 def _recording(cls: type, index: int, reads: set[tuple[int, str]]) -> type:
     def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
-        if name not in _MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
+        if name not in _compat.MODULE_STATE and name in object.__getattribute__(self, "__dict__"):
             reads.add((index, name))
         return super(recorder, self).__getattribute__(name)
 

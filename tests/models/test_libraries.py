@@ -1,5 +1,6 @@
 """The zoo beyond ``transformers``: models of other libraries no one here wrote (x-transformers'
-decoder language model, diffusers' DiT and UNet, mamba.py's Mamba), built from tiny configs in code
+decoder language model, diffusers' DiT and UNet, mamba.py's Mamba, torch's own ``nn.TransformerEncoder``),
+built from tiny configs in code
 (random weights, no hub), each trained a few steps through ``vsf.jit`` on dp x Megatron TP (the
 UNet on DP; the first step in checking mode, ``step.check``, which must find no op whose sharded
 result differs from one device's) and, in the sweep (``sweep`` marker), on its other layouts, against the same model trained by
@@ -122,6 +123,25 @@ def _mamba() -> torch.nn.Module:
     )
 
 
+class _TorchEncoder(torch.nn.Module):
+    """torch's own ``nn.TransformerEncoder`` (pre-norm layers, causal): ``nn.MultiheadAttention``
+    with its q, k and v projections packed in one ``in_proj_weight`` (whose rows Megatron's
+    column split cuts across q and k), between an embedding and an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(zoo.VOCAB, zoo.HIDDEN)
+        layer = torch.nn.TransformerEncoderLayer(
+            zoo.HIDDEN, zoo.HEADS, zoo.FFN, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = torch.nn.TransformerEncoder(layer, zoo.LAYERS, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(zoo.HIDDEN, zoo.VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.encoder(self.emb(tokens), mask=mask, is_causal=True))
+
+
 def _causal_tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
     return {"tokens": torch.randint(0, zoo.VOCAB, (zoo.BATCH, zoo.SEQ), generator=g)}
 
@@ -165,12 +185,19 @@ FAMILIES = {
             ),
             _next_token_loss,
         ),
+        zoo.Family(
+            "torch_nn",
+            _TorchEncoder,
+            _causal_tokens,
+            zoo.megatron(r"in_proj|linear1", r"out_proj|linear2", r"emb|head"),
+            _next_token_loss,
+        ),
         # a convolutional net: data parallel only (no Megatron rules: the convolutions stay whole)
         zoo.Family("unet", _unet, _noisy_images, ((r".*", P()),), _unet_loss),
     ]
 }
 # each family's default layout (with one step in checking mode) runs by default; its others are the sweep
-DEFAULT = {"x_transformers": "dp_tp", "dit": "dp_tp", "mamba": "dp_tp", "unet": "dp"}
+DEFAULT = {"x_transformers": "dp_tp", "dit": "dp_tp", "mamba": "dp_tp", "torch_nn": "dp_tp", "unet": "dp"}
 LAYOUTS = {"unet": ("dp", "fsdp")}
 CASES = [
     pytest.param(name, layout, marks=() if layout == DEFAULT[name] else pytest.mark.sweep, id=f"{name}-{layout}")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from torch.overrides import TorchFunctionMode
 
@@ -240,6 +240,23 @@ def test_is_shardable_and_shard_of(sim):
     assert _compat.shard_of(t, (_compat.StridedShard(0, split_factor=2),), (2,), (1,)).tolist() == [2, 3, 6, 7]
     assert _compat.shard_of(t, (Shard(0),), (2,), (1,)).tolist() == [4, 5, 6, 7]
     assert _compat.shard_of(t.reshape(2, 4), (Replicate(), Shard(1)), (2, 2), (1, 0)).tolist() == [[0, 1], [4, 5]]
+
+
+def test_redistribution_reads_a_merged_views_strided_shards_as_dtensors_view_laid_them_out(sim):
+    """A [4, 4, 2, 2] value split on dim 1 over both dims of a 2 x 2 mesh, viewed as [16, 2, 2]:
+    DTensor's view rule says ``(_StridedShard(0, sf=4), _StridedShard(0, sf=4))``, and gathering
+    those local pieces must give the view of the whole (torch 2.13 read them as an order of mesh
+    dims when given no shard order, and put the rows out of order)."""
+    sim(4)
+    dm = vsf.make_mesh((2, 2), ("a", "b")).device_mesh
+    x = torch.arange(64.0).view(4, 4, 2, 2)
+    merged = distribute_tensor(x, dm, [Shard(1), Shard(1)]).view(16, 2, 2)
+    whole = x.view(16, 2, 2)
+    assert merged.placements == (_compat.StridedShard(0, split_factor=4),) * 2
+    gathered = _compat.redistribute_local(
+        merged.to_local(), dm, merged.placements, (Replicate(),) * 2, shape=(16, 2, 2), stride=(4, 2, 1), dtype=x.dtype
+    )
+    assert all(torch.equal(g, whole) for g in _compat.local_shards(gathered, 0).values())
 
 
 def test_redistribution_and_dtensor_wrapping(sim):

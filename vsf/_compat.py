@@ -1192,7 +1192,7 @@ def redistribute_steps(
 ) -> list[tuple[int, Placement, Placement, tuple[int, ...]]]:
     """The per-mesh-dim steps DTensor takes moving ``t`` from ``src`` to ``dst``: ``(mesh_dim, from, to, logical_shape)``."""
     meta = _meta_of(t)
-    infos = _gen_transform_infos(DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta))
+    infos = _gen_transform_infos(_moved_spec(mesh, src, meta), _moved_spec(mesh, dst, meta))
     return [(i.mesh_dim, *i.src_dst_placements, tuple(i.logical_shape)) for i in infos]
 
 
@@ -1209,9 +1209,16 @@ def redistribute_local(
     """This rank's shard of a tensor of global ``shape``/``stride``/``dtype``, moved from ``src`` to
     ``dst`` by DTensor's redistribution (explicit collectives on the local shard)."""
     meta = _tensor_meta(shape, stride, dtype)
-    return redistribute_local_tensor(
-        local, DTensorSpec(mesh, src, tensor_meta=meta), DTensorSpec(mesh, dst, tensor_meta=meta)
-    )
+    return redistribute_local_tensor(local, _moved_spec(mesh, src, meta), _moved_spec(mesh, dst, meta))
+
+
+def _moved_spec(mesh: DeviceMesh, placements: tuple[Placement, ...], meta: TensorMeta) -> DTensorSpec:
+    """DTensor's spec of a value laid out as ``placements`` for a redistribution, each
+    ``_StridedShard`` read as a split factor: the layout DTensor's own view rules give (a merge of
+    two dims split over two mesh dims: ``(_StridedShard(0, sf=4), _StridedShard(0, sf=4))``), which
+    also reads vsf's axis orders (``P(("tp", "fsdp"))``) right. Given no shard order, torch 2.13
+    reads a ``_StridedShard`` as one, and moved such a merged view's pieces to the wrong rows."""
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta, use_strided_shard_as_shard_order=False)
 
 
 def dtensor_layout(mesh: DeviceMesh, placements: tuple[Placement, ...], t: torch.Tensor) -> Any:

@@ -188,6 +188,25 @@ def test_correct_plan_passes_on_a_gpt_step_on_the_5d_mesh(sim):
     torch.testing.assert_close(vsf.device_get(loss), want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_view_merging_a_dim_split_over_two_axes_passes_and_gives_one_devices_numbers(sim):
+    """DeBERTa's attention views its [batch, heads, ...] scores as [batch * heads, ...]: with the heads
+    split over fsdp and tp, DTensor's view rule lays the merged dim out as two strided shards, which
+    the check gathered out of order (torch 2.13 read them as an order of mesh dims) and called the
+    view wrong; the step itself computed one device's numbers, as now both do."""
+    x, w = torch.randn(4, 4, 8, 8), torch.randn(16, 8, 8)
+
+    def f(x, w):
+        return torch.bmm(x.view(16, 8, 8), w).softmax(0).cumsum(0)
+
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("fsdp", "tp"))
+    args = (
+        vsf.device_put(x, vsf.NamedSharding(mesh, P(None, ("fsdp", "tp")))),
+        vsf.device_put(w, vsf.NamedSharding(mesh, P())),
+    )
+    torch.testing.assert_close(vsf.device_get(vsf.jit(f).check(*args)), f(x, w), rtol=1e-5, atol=1e-6)
+
+
 def test_check_mode_off_adds_no_work(sim, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("checking mode ran with vsf.config.check_plan off")

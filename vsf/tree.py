@@ -353,13 +353,13 @@ def _bind(
     copies: dict[int, torch.nn.Module] = {}
     for _, m in module.named_modules(remove_duplicate=False):
         copies.setdefault(id(m), _compat.module_node_copy(m))
-    made: dict[int, Any] = {}
+    made: dict[Any, Any] = {}
     for new in copies.values():
         children = _compat.module_tables(new)[2]
         children.update({k: copies[id(c)] for k, c in children.items() if c is not None})
         attributes = vars(new)
         for name, value in list(attributes.items()):
-            if name not in _compat.MODULE_STATE:
+            if name not in _compat.MODULE_STATE and type(value) not in _ATOMS:
                 attributes[name] = _rebound(value, copies, made, _REBIND_DEPTH)
     given = {id(s.tensor): state[s.key] for s in slots if s.key in state}
     fresh: dict[int, torch.Tensor] = {}
@@ -376,40 +376,51 @@ def _bind(
 
 # how far below a module's attribute :func:`_rebound` looks for the modules it refers to
 _REBIND_DEPTH = 2
+# the attributes that refer to nothing (most of a module's own: its sizes, flags and names)
+_ATOMS = (type(None), bool, int, float, str)
 
 
-def _rebound(value: Any, copies: dict[int, torch.nn.Module], made: dict[int, Any], depth: int) -> Any:
+def _rebound(value: Any, copies: dict[int, torch.nn.Module], made: dict[Any, Any], depth: int) -> Any:
     """``value`` (a module's attribute that is not one of its parameters, buffers or children)
     referring to the bound tree's ``copies`` of the modules it refers to: a module itself, a bound
     method's module, and, ``depth`` levels down, the items of a list, tuple or dict and the
-    attributes of a plain object (copied once each: ``made``), such as torchtune's ``TiedLinear``,
-    which holds the embedding whose weight the output layer reads. ``value`` itself where it
-    refers to none of them."""
+    attributes of a plain object (each worked out once: ``made``; a transformers config, which
+    every module of a model holds, is read once), such as torchtune's ``TiedLinear``, which holds
+    the embedding whose weight the output layer reads. ``value`` itself where it refers to none."""
     if isinstance(value, torch.nn.Module):
         return copies.get(id(value), value)
     if isinstance(value, types.MethodType):
         owner = copies.get(id(value.__self__))
         return value if owner is None else types.MethodType(value.__func__, owner)
-    if depth == 0 or isinstance(value, (type, torch.Tensor)):
+    container = type(value) in (list, tuple, dict)
+    plain = type(getattr(value, "__dict__", None)) is dict and not isinstance(
+        value, (type, torch.Tensor, types.FunctionType, types.ModuleType)
+    )
+    if depth == 0 or not (container or plain):
         return value
-    if id(value) in made:
-        return made[id(value)]
-    if type(value) in (list, tuple, dict):
-        keys = list(value) if type(value) is dict else range(len(value))
-        items = [_rebound(value[k], copies, made, depth - 1) for k in keys]
-        if all(new is value[k] for new, k in zip(items, keys)):
-            return value
-        made[id(value)] = dict(zip(keys, items)) if type(value) is dict else type(value)(items)
-        return made[id(value)]
-    attributes = getattr(value, "__dict__", None)
-    if type(attributes) is not dict or isinstance(value, (types.FunctionType, types.ModuleType)):
+    key = (id(value), depth)
+    if key not in made:
+        made[key] = _rebuilt(value, copies, made, depth) if container else _rebuilt_object(value, copies, made, depth)
+    return made[key]
+
+
+def _rebuilt(value: Any, copies: dict[int, torch.nn.Module], made: dict[Any, Any], depth: int) -> Any:
+    """The list, tuple or dict ``value`` with its items :func:`_rebound`: a new one where any changed."""
+    keys = list(value) if type(value) is dict else range(len(value))
+    items = [_rebound(value[k], copies, made, depth - 1) for k in keys]
+    if all(new is value[k] for new, k in zip(items, keys)):
         return value
-    changed = {k: new for k, v in attributes.items() if (new := _rebound(v, copies, made, depth - 1)) is not v}
+    return dict(zip(keys, items)) if type(value) is dict else type(value)(items)
+
+
+def _rebuilt_object(value: Any, copies: dict[int, torch.nn.Module], made: dict[Any, Any], depth: int) -> Any:
+    """The plain object ``value`` with its attributes :func:`_rebound`: a shallow copy where any changed."""
+    changed = {k: new for k, v in vars(value).items() if (new := _rebound(v, copies, made, depth - 1)) is not v}
     if not changed:
         return value
-    made[id(value)] = copy.copy(value)
-    vars(made[id(value)]).update(changed)
-    return made[id(value)]
+    new = copy.copy(value)
+    vars(new).update(changed)
+    return new
 
 
 def _written(

@@ -254,7 +254,8 @@ def apply(
     runs as a copy of its tree of modules that holds these tensors for as long as anything refers
     to it (with copies of the plain objects its modules hold that refer to modules of the tree, up
     to two attributes deep: torchtune's ``TiedLinear``, whose output layer reads the embedding's
-    weight; a forward that reaches one of the module's own tensors that ``state`` replaces another
+    weight; an attribute that is another name of one of its tensors, as Hugging Face's rotary
+    embedding's ``original_inv_freq``, names the tensor given; a forward that reaches one of the module's own tensors that ``state`` replaces another
     way, through a closure, is an :class:`~vsf.errors.ApplyError`), so activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
     Hugging Face's ``gradient_checkpointing_enable()``) recomputes with them in the backward too.
     Reentrant checkpointing (``use_reentrant=True``) is refused: its backward cannot run under
@@ -353,14 +354,9 @@ def _bind(
     copies: dict[int, torch.nn.Module] = {}
     for _, m in module.named_modules(remove_duplicate=False):
         copies.setdefault(id(m), _compat.module_node_copy(m))
-    made: dict[Any, Any] = {}
     for new in copies.values():
         children = _compat.module_tables(new)[2]
         children.update({k: copies[id(c)] for k, c in children.items() if c is not None})
-        attributes = vars(new)
-        for name, value in list(attributes.items()):
-            if name not in _compat.MODULE_STATE and type(value) not in _ATOMS:
-                attributes[name] = _rebound(value, copies, made, _REBIND_DEPTH)
     given = {id(s.tensor): state[s.key] for s in slots if s.key in state}
     fresh: dict[int, torch.Tensor] = {}
     placed = []
@@ -371,6 +367,13 @@ def _bind(
         owner = copies[id(s.owner)]
         _compat.module_tables(owner)[0 if s.param else 1][s.local] = t
         placed.append(_Placed(s, owner, t, _compat.tensor_version(t)))
+    bound: dict[int, Any] = {**copies, **{id(p.slot.tensor): p.tensor for p in placed}}
+    made: dict[Any, Any] = {}
+    for new in copies.values():
+        attributes = vars(new)
+        for name, value in list(attributes.items()):
+            if name not in _compat.MODULE_STATE and type(value) not in _ATOMS:
+                attributes[name] = _rebound(value, bound, made, _REBIND_DEPTH)
     return copies[id(module)], placed
 
 
@@ -380,42 +383,44 @@ _REBIND_DEPTH = 2
 _ATOMS = (type(None), bool, int, float, str)
 
 
-def _rebound(value: Any, copies: dict[int, torch.nn.Module], made: dict[Any, Any], depth: int) -> Any:
+def _rebound(value: Any, bound: dict[int, Any], made: dict[Any, Any], depth: int) -> Any:
     """``value`` (a module's attribute that is not one of its parameters, buffers or children)
-    referring to the bound tree's ``copies`` of the modules it refers to: a module itself, a bound
-    method's module, and, ``depth`` levels down, the items of a list, tuple or dict and the
+    referring to what the bound tree holds in place of the modules and tensors it refers to
+    (``bound``, by the original's id: each module's copy, each slot's tensor): a module or tensor
+    itself (HF's rotary embedding keeps ``original_inv_freq``, its buffer under another name), a
+    bound method's module, and, ``depth`` levels down, the items of a list, tuple or dict and the
     attributes of a plain object (each worked out once: ``made``; a transformers config, which
     every module of a model holds, is read once), such as torchtune's ``TiedLinear``, which holds
     the embedding whose weight the output layer reads. ``value`` itself where it refers to none."""
-    if isinstance(value, torch.nn.Module):
-        return copies.get(id(value), value)
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return bound.get(id(value), value)
     if isinstance(value, types.MethodType):
-        owner = copies.get(id(value.__self__))
+        owner = bound.get(id(value.__self__))
         return value if owner is None else types.MethodType(value.__func__, owner)
     container = type(value) in (list, tuple, dict)
     plain = type(getattr(value, "__dict__", None)) is dict and not isinstance(
-        value, (type, torch.Tensor, types.FunctionType, types.ModuleType)
+        value, (type, types.FunctionType, types.ModuleType)
     )
     if depth == 0 or not (container or plain):
         return value
     key = (id(value), depth)
     if key not in made:
-        made[key] = _rebuilt(value, copies, made, depth) if container else _rebuilt_object(value, copies, made, depth)
+        made[key] = _rebuilt(value, bound, made, depth) if container else _rebuilt_object(value, bound, made, depth)
     return made[key]
 
 
-def _rebuilt(value: Any, copies: dict[int, torch.nn.Module], made: dict[Any, Any], depth: int) -> Any:
+def _rebuilt(value: Any, bound: dict[int, Any], made: dict[Any, Any], depth: int) -> Any:
     """The list, tuple or dict ``value`` with its items :func:`_rebound`: a new one where any changed."""
     keys = list(value) if type(value) is dict else range(len(value))
-    items = [_rebound(value[k], copies, made, depth - 1) for k in keys]
+    items = [_rebound(value[k], bound, made, depth - 1) for k in keys]
     if all(new is value[k] for new, k in zip(items, keys)):
         return value
     return dict(zip(keys, items)) if type(value) is dict else type(value)(items)
 
 
-def _rebuilt_object(value: Any, copies: dict[int, torch.nn.Module], made: dict[Any, Any], depth: int) -> Any:
+def _rebuilt_object(value: Any, bound: dict[int, Any], made: dict[Any, Any], depth: int) -> Any:
     """The plain object ``value`` with its attributes :func:`_rebound`: a shallow copy where any changed."""
-    changed = {k: new for k, v in vars(value).items() if (new := _rebound(v, copies, made, depth - 1)) is not v}
+    changed = {k: new for k, v in vars(value).items() if (new := _rebound(v, bound, made, depth - 1)) is not v}
     if not changed:
         return value
     new = copy.copy(value)

@@ -246,6 +246,30 @@ def test_a_module_a_plain_object_holds_computes_with_the_params_given_eagerly_an
     _assert_close(got, want)
 
 
+class _Aliased(torch.nn.Module):
+    """A buffer read through a plain attribute naming it (Hugging Face's rotary embeddings keep
+    ``inv_freq`` as ``original_inv_freq`` too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.scale_alias = self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale_alias
+
+
+def test_an_attribute_naming_a_buffer_reads_the_buffer_given():
+    model = _Aliased()
+    state = {**vsf.tree.from_module(model), "scale": torch.arange(4.0)}
+    oracle = copy.deepcopy(model)
+    oracle.scale_alias = torch.arange(4.0)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(vsf.tree.apply(model, state, x), oracle(x), rtol=0, atol=0)
+    assert torch.equal(model.scale_alias, torch.ones(4))  # the module's own untouched
+
+
 def test_a_module_weight_reached_by_a_closure_is_refused_eagerly_and_under_jit(sim):
     """A function closing over the embedding reads its own weight, which the bound tree cannot
     swap: an ApplyError naming it, where the gradient would silently lack the output layer's part."""

@@ -255,9 +255,10 @@ def apply(
     to it (with copies of the plain objects its modules hold that refer to modules of the tree, up
     to two attributes deep: torchtune's ``TiedLinear``, whose output layer reads the embedding's
     weight; an attribute that is another name of one of its tensors, as Hugging Face's rotary
-    embedding's ``original_inv_freq``, names the tensor given; a forward that reaches one of the module's own tensors that ``state`` replaces another
-    way, through a closure, is an :class:`~vsf.errors.ApplyError`), so activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
-    Hugging Face's ``gradient_checkpointing_enable()``) recomputes with them in the backward too.
+    embedding's ``original_inv_freq``, names the tensor given; a forward that reaches one of the
+    module's own tensors that ``state`` replaces another way, through a closure, is an
+    :class:`~vsf.errors.ApplyError`), so activation checkpointing
+    (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, Hugging Face's ``gradient_checkpointing_enable()``) recomputes with them in the backward too.
     Reentrant checkpointing (``use_reentrant=True``) is refused: its backward cannot run under
     ``torch.autograd.grad``, and a block whose input needs no gradient would silently give its
     weights none.
@@ -489,7 +490,8 @@ class _Watch(torch.overrides.TorchFunctionMode):
             for t in arg if type(arg) in (list, tuple) else (arg,):
                 if isinstance(t, torch.Tensor) and id(t) in self.replaced:
                     raise ApplyError(
-                        f"{self.name}'s forward read the module's own tensor {self.replaced[id(t)]!r} (in {getattr(func, '__name__', func)}, "
+                        f"{self.name}'s forward read the module's own tensor {self.replaced[id(t)]!r} "
+                        f"({str(t.dtype).removeprefix('torch.')}{list(t.shape)}, in {getattr(func, '__name__', func)}, "
                         "called below), not the one state gives: it reached the module by a way vsf.tree.apply does not "
                         "bind (a closure, a global, an object more than two attributes away). Hold the module as a "
                         "submodule or as an attribute of an object a module holds."

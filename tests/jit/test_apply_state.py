@@ -276,7 +276,7 @@ def test_a_module_weight_reached_by_a_closure_is_refused_eagerly_and_under_jit(s
     model = TiedByObject(closure=True)
     params = vsf.tree.from_module(model)
     (tokens,) = _tokens(1)[0]
-    message = r"TiedByObject's forward read the module's own tensor 'emb.weight' \(in linear, called below\)"
+    message = r"TiedByObject's forward read the module's own tensor 'emb.weight' \(float32\[16, 8\], in linear, called below\)"
     _assert_refused_eagerly_and_under_jit(sim, model, params, tokens, message)
 
 

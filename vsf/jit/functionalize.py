@@ -256,8 +256,9 @@ def _put(
     inside: set[torch.fx.Node],
     trace: _Trace,
 ) -> None:
-    """Put in ``gm`` the ops ``trace`` records (of ``part``, or of a part of the same shape): each op's in its place, with the metadata the trace gives it from that op (its stack
-    trace, module stack, ...: ``part``'s own op's, where the trace is another part's) and the mark
+    """Put in ``gm`` the ops ``trace`` records (of ``part``, or of a part of the same shape): each
+    op's in its place, with the metadata the trace gives it from that op (its stack trace, module
+    stack, ...: ``part``'s own op's, where the trace is another part's) and the mark
     of the copy it belongs to; the ops recorded once the part has run (the writes back into what
     it read) before the output. A write back into a value an op made (not a graph input) is
     dropped: every reader of it is in the region, and the graph's output, if it reads it, reads the

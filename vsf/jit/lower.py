@@ -214,8 +214,8 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     stored in the traced memory order, densely where the traced value was dense; a copy only where
     the layouts differ, none where they agree (read off the strides; a dim the shard broadcasts
     too is one of them, not a dim to store innermost: torchtune's keys of one head, expanded to
-    the queries' heads, once reached SDPA's CPU kernel that way and it read them wrongly). (Uneven shards under
-    ``vsf.simulate``, whose sizes differ by rank, are left as they are.)"""
+    the queries' heads, once reached SDPA's CPU kernel that way and it read them wrongly).
+    (Uneven shards under ``vsf.simulate``, whose sizes differ by rank, are left as they are.)"""
     if local.ndim != traced.ndim or not all(type(n) is int for n in (*local.shape, *local.stride())):
         return local
     broadcast = [d for d in range(traced.ndim) if traced.shape[d] > 1 and traced.stride(d) == 0 and local.shape[d] > 1]

@@ -440,7 +440,7 @@ def specs(params: dict[str, torch.Tensor], kind: str, family: Family) -> dict[st
     if kind == "replicated":
         return {k: P() for k in params}
     if kind == "fsdp":
-        return {k: P("fsdp") if v.shape[0] % 2 == 0 else P() for k, v in params.items()}
+        return {k: P("fsdp") if v.ndim and v.shape[0] % 2 == 0 else P() for k, v in params.items()}
     tp = vsf.sharding.match(params, list(family.tp_rules))
     return tp if kind == "tp" else {k: _with_fsdp(tp[k], params[k].shape) for k in params}
 

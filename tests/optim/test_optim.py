@@ -129,6 +129,20 @@ def test_adam_matches_torch_fused_adam(name, cls, kwargs, make, mask):
         torch.testing.assert_close(got[k], want[k], **(dict(rtol=0, atol=0) if exact else TOL))
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adamw_updates_a_0d_param_as_torch_does(weight_decay):
+    """A 0-d param (CLIP's ``logit_scale``): its decay times the param, two 0-d tensors, was promoted
+    to the float64 of the decay factor, and the fused kernel refused the float64 update beside the
+    float32 moments ("expected scalar type Double but found Float")."""
+    params = {"scale": torch.tensor(2.0), "w": torch.randn(4)}
+    grads = _grads(params)
+    want = run_torch(torch.optim.AdamW, dict(lr=1e-2, weight_decay=weight_decay), params, grads)
+    got = run_vsf(optim.adamw(1e-2, weight_decay=weight_decay), params, grads)
+    for k in params:
+        assert got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k], want[k], **TOL)
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["adam_step", "adam_step_"])
 def test_adam_as_inductor_compiles_it_matches_torch_fused_adamw(inplace):
     """Under ``backend="inductor"`` the Adam ops run as their math in torch ops

@@ -68,7 +68,7 @@ def _adam_step_inplace(
     if param is None:
         update = torch.zeros_like(mu)
     else:
-        update = torch.mul(param.to(mu.dtype), decay).contiguous()
+        update = torch.mul(param.to(mu.dtype), decay.to(mu.dtype)).contiguous()  # (a 0-d param: not promoted)
     _compat.fused_adam_(update, grad.to(mu.dtype).contiguous(), mu, nu, count, lr, b1, b2, eps)
     return update
 

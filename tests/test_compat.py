@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import operator
 import pathlib
 
 import pytest
@@ -551,6 +552,20 @@ def test_module_node_copy_and_its_tables():
     assert torch.allclose(node(torch.ones(1, 2)), lin.bias.detach())  # the copy reads its own table
     assert torch.allclose(lin(torch.ones(1, 2)), lin.weight.detach().sum(1) + lin.bias.detach())
     assert _compat.module_tables(lin)[0]["weight"] is lin.weight and lin.weight is not params["weight"]
+
+
+def test_collective_nodes_are_torch_distributed_s_and_only_those():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    targets = [
+        torch.ops.aten.exp.default,
+        torch.ops.c10d.allreduce_.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
+        torch.ops._c10d_functional.wait_tensor.default,
+        operator.getitem,
+    ]
+    nodes = [graph.call_function(t, (x,)) for t in targets]
+    assert _compat.collective_nodes(graph) == nodes[1:4]
 
 
 def test_module_state_names_what_nn_module_sets_and_nothing_a_module_sets_itself():

@@ -85,6 +85,7 @@ __all__ = [
     "below_local_mode",
     "checkpointing_as_eager",
     "clear_sharding_caches",
+    "collective_nodes",
     "copy_holding",
     "copy_nodes",
     "cpp_wrapper_calls",
@@ -1655,6 +1656,26 @@ def interleaved_order(
     order = [schedule._calculate_single_rank_operations(sizes, rank) for rank in range(ranks)]
     flat = [[sub for a in acts if a is not None for sub in (a.sub_actions or (a,))] for acts in order]
     return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts] for acts in flat]
+
+
+# the op namespaces torch.distributed's collectives trace to (its all_reduce & co., the functional ones)
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
+def collective_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes of ``graph`` that call one of ``torch.distributed``'s collectives (``dist.all_reduce``
+    traces to ``c10d.allreduce_``; a functional collective to ``_c10d_functional``'s op).
+
+    Example::
+
+        >>> [n.target for n in collective_nodes(gm.graph)]
+        [<OpOverload(op='c10d.allreduce_', overload='default')>]
+    """
+    return [
+        n
+        for n in graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in _COLLECTIVE_NAMESPACES
+    ]
 
 
 # the attributes nn.Module itself sets on every module (its tables, hooks and training flag): the

@@ -742,6 +742,33 @@ def test_input_mutation_is_refused(sim, write):
     assert x.shape == (4, 2) and (vsf.device_get(x) == 1).all()
 
 
+# a collective the step calls itself, on each rank's shard of a value the step computes whole (before:
+# a KeyError deep in the planner for torch.distributed.all_reduce, a PlanError offering sharding rules
+# for the functional one)
+OWN_COLLECTIVES = {
+    "dist.all_reduce": lambda y: (torch.distributed.all_reduce(y), y)[1],
+    "functional all_reduce": lambda y: torch.distributed._functional_collectives.all_reduce(
+        y, "sum", torch.distributed.group.WORLD
+    ),
+}
+
+
+@pytest.mark.parametrize("collective", list(OWN_COLLECTIVES))
+def test_a_collective_the_step_calls_itself_is_refused_naming_its_line(sim, collective):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.arange(8.0), vsf.NamedSharding(mesh, P("dp")))
+
+    def f(a):
+        return OWN_COLLECTIVES[collective](a * 2).sum()
+
+    with pytest.raises(
+        vsf.TraceError,
+        match=r"f calls a torch.distributed collective \((c10d|_c10d_functional)\.\w+.* in (f|<lambda>): ",
+    ):
+        vsf.jit(f)(x)
+
+
 # -- on 4 real gloo processes ------------------------------------------------------------------
 # vsf.jit on 4 real gloo processes (tier 3): each rank runs the traced program over its local shards.
 

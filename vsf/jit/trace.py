@@ -331,6 +331,7 @@ def _trace(
     drop_names(gm)
     gm = decompose(gm, unplanned, decompositions)
     _reject_input_mutation(gm, fun)
+    _reject_collectives(gm, fun)
     if not allow_unkeyed_random:
         _reject_unkeyed_random(gm, fun)
     drop_unread_total_weights(gm)
@@ -356,6 +357,20 @@ def _reject_input_mutation(gm: torch.fx.GraphModule, fun: Callable[..., Any]) ->
                 "functions must be pure. Return the new value instead (e.g. `x = x + 1`, not `x.add_(1)`; "
                 "`x = x.t()`, not `x.t_()`)."
             )
+
+
+def _reject_collectives(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:
+    """A collective of ``torch.distributed`` the step calls itself would run on each rank's shard
+    of values the step computes whole: refuse it (vsf inserts the collectives its plan needs)."""
+    for node in _compat.collective_nodes(gm.graph):
+        where = source_line(node)
+        raise TraceError(
+            f"{_fun_name(fun)} calls a torch.distributed collective ({node.target}{' at ' + where if where else ''}) "
+            "inside vsf.jit, which computes on whole values as one device would and inserts the collectives its plan "
+            "needs: a collective of its own would run on each rank's shard. Remove it (a library that calls its own "
+            "when torch.distributed is initialized needs that turned off, e.g. st-moe's is_distributed=False); for "
+            "per-shard code with explicit collectives use vsf.shard_map and vsf.ops' psum, all_gather, ..."
+        )
 
 
 def _reject_module_weights(gm: torch.fx.GraphModule, fun: Callable[..., Any]) -> None:

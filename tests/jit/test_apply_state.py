@@ -280,6 +280,82 @@ def test_a_module_weight_reached_by_a_closure_is_refused_eagerly_and_under_jit(s
     _assert_refused_eagerly_and_under_jit(sim, model, params, tokens, message)
 
 
+class _Cached(torch.nn.Module):
+    """A block that fills a buffer with a table on a call longer than what it holds, its length a
+    plain attribute: rotary-embedding-torch's ``cached_freqs`` and ``cached_freqs_seq_len``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(16, 8), persistent=False)
+        self.cached = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-2]
+        if self.cached < n:
+            self.cache[:n] = torch.arange(n * 8.0).view(n, 8).sin()
+            self.cached = n
+        return torch.tanh(self.lin(x) + self.cache[:n])
+
+
+class CachedBlocks(torch.nn.Module):
+    """Blocks alike (stamped from one trace under ``vsf.jit``), each with its own :class:`_Cached` table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Cached() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_cache_a_block_fills_in_forward_is_a_buffer_write_under_jit_as_eagerly(sim):
+    """The blocks' first trace (made aside, to stamp the others from) assigned the length of the
+    cache it filled on its own inputs: the step then ran the block on a cache it took as filled,
+    all zeros, and gave a wrong loss without an error. Now a block whose trace assigns an
+    attribute is not stamped, and its buffer write is the ApplyError it is eagerly."""
+    model = CachedBlocks()
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    message = r"CachedBlocks's forward wrote its buffer 'blocks.0.cache', which state does not hold"
+    _assert_refused_eagerly_and_under_jit(sim, model, vsf.tree.from_module(model), x, message)
+    assert all(block.cached == 0 for block in model.blocks)  # (the module's own, as before)
+
+
+def test_a_cache_a_block_fills_in_forward_carried_as_state_trains_like_one_device(sim):
+    """The caches in ``state`` with ``mutable=True``: three dp x tp AdamW steps give torch's params
+    and its caches."""
+    model = CachedBlocks()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, 8, generator=g),) for _ in range(STEPS)]
+    want = _torch_trained(model, lambda m, x: m(x), batches)
+    params, caches = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
+    tx = _adamw()
+
+    @vsf.jit
+    def step(params, caches, opt_state, x):
+        def loss_fn(params):
+            return vsf.tree.apply(model, {**params, **caches}, x, mutable=True)
+
+        (_, updated), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), {**caches, **updated}, opt_state
+
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    p = vsf.device_put(
+        params, vsf.NamedSharding.tree(mesh, {k: P("tp") if k.endswith("weight") else P() for k in params})
+    )
+    c = vsf.device_put(caches, vsf.NamedSharding(mesh, P()))
+    o = optim.init_sharded(tx, p)
+    for (x,) in batches:
+        p, c, o = step(p, c, o, vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+    _assert_close(vsf.device_get(p), dict(want.named_parameters()))
+    _assert_close(vsf.device_get(c), dict(want.named_buffers()))
+
+
 # -- state written in forward ---------------------------------------------------------------------
 
 

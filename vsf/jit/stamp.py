@@ -20,23 +20,24 @@ its modules that the traced block's code read (a plain value by value; an object
 nothing but plain values, as a diffusers ``Attention``'s processor of its own, by its class and
 those values; any other object by identity: Llama's ``layer_idx``, read only to index a cache,
 does not split the layers, while an attribute a layer branches on does); a read through
-``vars(module)`` is not seen. A call is traced
-the plain way when a shared trace could be wrong: a hook on any module of the block (or a global
+``vars(module)`` is not seen. A call is traced the plain way when a shared trace could be wrong: a
+hook on any module of the block (or a global
 one), a dispatch mode other than the trace's own (``vsf.random.keyed``: each draw folds in its
 count), autocast, hooks on the tensors autograd saves (activation checkpointing around the block,
 which recomputes what the block saves; checkpointing inside it is traced with it), a tensor held
 in two slots, passed twice, or held by another block too (a tied weight), an argument of another
 kind (a ``transformers`` ``DynamicCache``: ``use_cache=True`` writes each layer's keys into it),
-and, once traced, a block that reads a tensor from outside its inputs, writes in place into a
-tensor it was given (a write into one it made, mamba.py's scan, is copied with it), draws random
-numbers, returns an input or an object other than a tensor or a plain value (a dataclass of
-tensors), or asks :func:`vsf.jit.trace.step_input` about a tensor, or whose trace
-beside the step fails (its fresh inputs written in place: leaves that require grad there); so is
-a block inside nested ``vsf.grad`` transforms (a gradient penalty: the inner gradient's backward is
-differentiated again, which copied ops cannot record). A stamped block's backward differentiated again
-some other way (``torch.autograd.grad(..., create_graph=True)`` in the step) is a ``TraceError``; a
-gradient arriving with other strides than the block's trace assumed is copied into those strides.
-``vsf.config.stamp_blocks = False`` traces every call the plain way.
+and, once traced, a block that reads a tensor from outside its inputs, writes in place into a tensor
+it was given (a write into one it made, mamba.py's scan, is copied with it), assigns an attribute of
+one of its modules (a cache's length), draws random numbers, returns an input or an object other
+than a tensor or a plain value (a dataclass of tensors), or asks :func:`vsf.jit.trace.step_input`
+about a tensor, or whose trace beside the step fails (its fresh inputs written in place: leaves that
+require grad there); so is a block inside nested ``vsf.grad`` transforms (a gradient penalty: the
+inner gradient's backward is differentiated again, which copied ops cannot record). A stamped
+block's backward differentiated again some other way (``torch.autograd.grad(...,
+create_graph=True)`` in the step) is a ``TraceError``; a gradient arriving with other strides than
+the block's trace assumed is copied into those strides. ``vsf.config.stamp_blocks = False`` traces
+every call the plain way.
 
 The same machinery stamps a function applied to each leaf of a tree (:meth:`Stamper.apply`, which
 :func:`vsf.jit.trace.per_leaf` reaches: vsf.optim's Adam update of each leaf): the key is the
@@ -76,6 +77,7 @@ from vsf.jit.stamp_key import (
     read_values,
     rebuild,
     recording_reads,
+    restored,
     stampable_now,
     unkeyed_kind,
 )
@@ -227,14 +229,17 @@ class Stamper:
                     table[name] = t
 
         stack = _compat.stack_trace_now(self.tracer)
+        attributes = [dict(vars(m)) for m in call.modules]
         try:
             gm = _compat.trace_aside(joint, inputs, self.decompositions)
         except RuntimeError:  # (run as the step runs it, the block raises there what is its own)
             # the block failed on its trace's fresh inputs, which the step's are not: autograd refuses
             # a leaf that requires grad written in place (the step's input to it is a computed value)
             return frozenset(marks.get("reads", ())), None
+        finally:
+            assigned = restored(call.modules, attributes)
         reads = frozenset(marks["reads"])
-        if self.asked() != asked:
+        if self.asked() != asked or assigned:
             return reads, None
         return reads, _cut(gm, marks, name, stack, self.draws)
 

@@ -33,6 +33,7 @@ __all__ = [
     "read_values",
     "rebuild",
     "recording_reads",
+    "restored",
     "stampable_now",
 ]
 
@@ -210,6 +211,30 @@ def _recording(cls: type, index: int, reads: set[tuple[int, str]]) -> type:
 
     recorder = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__})
     return recorder
+
+
+def restored(modules: list[torch.nn.Module], attributes: list[dict[str, Any]]) -> bool:
+    """Whether a block's trace beside the step assigned an attribute of one of its ``modules`` (a
+    cache's length, as rotary-embedding-torch's ``cached_freqs_seq_len``), each module's attributes
+    put back as they were (``attributes``: each one's ``vars`` before). Such a block is not stamped:
+    a copy would skip the assignment, and the call run as the step runs it must find the state the
+    trace found (left assigned, it read the cache the trace filled on its own inputs as filled: a
+    wrong attention, silently).
+
+    Example::
+
+        >>> before = [dict(vars(m)) for m in call.modules]
+        >>> gm = trace_aside(...)
+        >>> restored(call.modules, before)   # True: the block cannot stand for another
+    """
+    pairs = [(vars(m), before) for m, before in zip(modules, attributes)]
+    assigned = any(
+        now.keys() != before.keys() or any(now[k] is not v for k, v in before.items()) for now, before in pairs
+    )
+    for now, before in pairs:
+        now.clear()
+        now.update(before)
+    return assigned
 
 
 def read_values(modules: list[torch.nn.Module], reads: frozenset[tuple[int, str]]) -> tuple[Any, ...]:

@@ -554,6 +554,22 @@ def test_module_node_copy_and_its_tables():
     assert _compat.module_tables(lin)[0]["weight"] is lin.weight and lin.weight is not params["weight"]
 
 
+def test_conversions_checked_converts_a_node_s_tensors_for_the_check_and_keeps_none():
+    outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    nodes = [_compat.module_node_copy(m) for m in (outer, outer[0])]
+    _compat.module_tables(nodes[0])[2]["0"] = nodes[1]
+    seen = []
+    for node in nodes:
+        _compat.conversions_checked(node, lambda name, t, new: seen.append((name, t, new)))
+    assert nodes[0].to(torch.float64) is nodes[0]
+    assert [(name, t is getattr(outer[0], name), new.dtype) for name, t, new in seen] == [
+        ("weight", True, torch.float64),
+        ("bias", True, torch.float64),
+    ]
+    assert nodes[1].weight.dtype == torch.float32 and outer[0].weight.dtype == torch.float32
+    assert "_apply" in _compat.MODULE_STATE  # (not an attribute a module's code reads)
+
+
 def test_collective_nodes_are_torch_distributed_s_and_only_those():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(vsf.__file__).parent
 # A prefix ending in "." covers a package and its modules.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("vsf.errors", "vsf._compat", "vsf.config", "vsf.runtime")),
-    ("pytrees", ("vsf.tree",)),
+    ("pytrees", ("vsf.modules", "vsf.tree")),
     (
         "values",
         tuple(

@@ -86,6 +86,7 @@ __all__ = [
     "checkpointing_as_eager",
     "clear_sharding_caches",
     "collective_nodes",
+    "conversions_checked",
     "copy_holding",
     "copy_nodes",
     "cpp_wrapper_calls",
@@ -1680,7 +1681,34 @@ def collective_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
 # the attributes nn.Module itself sets on every module (its tables, hooks and training flag): the
 # others are what a module's own code set
-MODULE_STATE = frozenset(vars(torch.nn.Module()))
+MODULE_STATE = frozenset(vars(torch.nn.Module())) | {"_apply"}  # (and the hook :func:`conversions_checked` sets)
+
+
+def conversions_checked(module: torch.nn.Module, check: Callable[[str, torch.Tensor, torch.Tensor], None]) -> None:
+    """Make every conversion of ``module`` (``module.to(...)``, ``.float()``, ``.cuda()``: each calls
+    ``nn.Module._apply``) change none of its tensors: each of its own parameters and buffers is
+    converted, the result passed to ``check(name, tensor, converted)`` and dropped; its children
+    are converted by their own ``_apply``. A node of the module tree :func:`vsf.tree.apply` runs on.
+
+    Example::
+
+        >>> conversions_checked(node, lambda name, t, new: None)
+        >>> node.to("meta") is node     # its tensors unchanged
+        True
+    """
+
+    def convert(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> torch.nn.Module:
+        if recurse:
+            for child in module.children():
+                child._apply(fn)
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    with torch.no_grad():
+                        check(name, t, fn(t))
+        return module
+
+    vars(module)["_apply"] = convert
 
 
 def module_node_copy(module: torch.nn.Module) -> torch.nn.Module:

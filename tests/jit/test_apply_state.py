@@ -276,8 +276,63 @@ def test_a_module_weight_reached_by_a_closure_is_refused_eagerly_and_under_jit(s
     model = TiedByObject(closure=True)
     params = vsf.tree.from_module(model)
     (tokens,) = _tokens(1)[0]
-    message = r"TiedByObject's forward read the module's own tensor 'emb.weight' \(float32\[16, 8\], in linear, called below\)"
+    message = r"TiedByObject's forward read the module's own tensor 'emb.weight' \(float32\[16, 8\] on cpu, in linear, called below\)"
     _assert_refused_eagerly_and_under_jit(sim, model, params, tokens, message)
+
+
+class FrozenPositions(torch.nn.Module):
+    """A sinusoidal position table held as a frozen parameter (``requires_grad=False``), as
+    Whisper's encoder and Pegasus hold theirs, added to embedded tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+        table = torch.arange(6.0)[:, None] / 10.0 ** (torch.arange(8.0) / 8)
+        self.positions = torch.nn.Parameter(table.sin(), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.out(self.emb(tokens) + self.positions)).square().mean()
+
+
+def test_from_module_warns_of_frozen_params_and_splits_them_off():
+    model = FrozenPositions()
+    with pytest.warns(
+        UserWarning, match=r"FrozenPositions holds 1 frozen parameter\(s\) \(requires_grad=False: 'positions'\)"
+    ):
+        everything = vsf.tree.from_module(model)
+    trainable, frozen = vsf.tree.from_module(model, trainable=True), vsf.tree.from_module(model, trainable=False)
+    assert sorted(frozen) == ["positions"] and sorted(trainable) == ["emb.weight", "out.bias", "out.weight"]
+    assert everything.keys() == trainable.keys() | frozen.keys()
+
+
+def test_frozen_params_passed_beside_the_trainable_ones_stay_as_torch_leaves_them(sim):
+    """Three dp x tp AdamW steps differentiating the trainable params, the frozen table passed to
+    ``apply`` beside them: torch's params, the table unchanged (all of ``from_module``'s params
+    differentiated, the table trained: what the warning is about)."""
+    model = FrozenPositions()
+    batches = _tokens()
+    want = dict(_torch_trained(model, lambda m, x: m(x), batches).named_parameters())
+    params, frozen = vsf.tree.from_module(model, trainable=True), vsf.tree.from_module(model, trainable=False)
+    tx = _adamw()
+
+    @vsf.jit
+    def step(params, frozen, opt_state, x):
+        value, grads = vsf.value_and_grad(lambda p: vsf.tree.apply(model, {**p, **frozen}, x))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state
+
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    p = vsf.device_put(
+        params, vsf.NamedSharding.tree(mesh, {k: P("tp") if k.endswith("weight") else P() for k in params})
+    )
+    f = vsf.device_put(frozen, vsf.NamedSharding(mesh, P()))
+    o = optim.init_sharded(tx, p)
+    for (x,) in batches:
+        p, o = step(p, f, o, vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
+    _assert_close({**vsf.device_get(p), **vsf.device_get(f)}, want)
+    assert torch.equal(want["positions"], model.positions)
 
 
 class _Cached(torch.nn.Module):
@@ -354,6 +409,56 @@ def test_a_cache_a_block_fills_in_forward_carried_as_state_trains_like_one_devic
         p, c, o = step(p, c, o, vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
     _assert_close(vsf.device_get(p), dict(want.named_parameters()))
     _assert_close(vsf.device_get(c), dict(want.named_buffers()))
+
+
+class ConvertsInForward(torch.nn.Module):
+    """Experts that forward moves, each call, to the device they run on, as st-moe's do
+    (``expert.to(device)``, all but the experts in use to ``"cpu"`` in its offloading), or with
+    ``dtype`` converts to it (``expert.to(dtype)``)."""
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for expert in self.experts:
+            expert.to(self.dtype or x.device)
+        return sum(torch.tanh(expert(x)) for expert in self.experts).square().mean()
+
+
+def test_a_module_moved_in_forward_where_it_is_computes_with_the_params_given_eagerly_and_under_jit(sim):
+    """``expert.to(x.device)`` in forward leaves the bound tensors as they are: eagerly the gradient
+    is torch's, and under jit (dp x tp, the experts' rows split) three AdamW steps give torch's
+    params (it was a RuntimeError: "Couldn't swap Linear.weight", torch's module conversion
+    swapping a traced tensor)."""
+    model = ConvertsInForward()
+    params = vsf.tree.from_module(model)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    model(x).backward()
+    _assert_close(
+        vsf.grad(lambda p: vsf.tree.apply(model, p, x))(params), {k: p.grad for k, p in model.named_parameters()}
+    )
+    batches = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(i)),) for i in range(STEPS)]
+    want = dict(_torch_trained(ConvertsInForward(), lambda m, x: m(x), batches).named_parameters())
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    specs = {k: P("tp") if k.endswith("weight") else P() for k in params}
+    got = _train(model, vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), mesh, P("dp"), batches)
+    _assert_close(got, want)
+
+
+def test_a_module_converted_in_forward_to_another_dtype_is_refused_eagerly_and_under_jit(sim):
+    """A conversion that would change a bound tensor would compute with another tensor than the
+    one given (and, under jit, fail in torch's own swap): an ApplyError naming it."""
+    model = ConvertsInForward(dtype=torch.float64)
+    message = (
+        r"ConvertsInForward's forward converts 'experts.0.weight' \(float32\[8, 8\] on cpu -> float64\[8, 8\] on cpu, "
+        r"by Module.to"
+    )
+    _assert_refused_eagerly_and_under_jit(sim, model, vsf.tree.from_module(model), torch.randn(4, 8), message)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the module's own untouched
 
 
 # -- state written in forward ---------------------------------------------------------------------

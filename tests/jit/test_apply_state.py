@@ -91,6 +91,30 @@ def _train(model: torch.nn.Module, params, mesh, batch_spec, batches, loss=lambd
     return vsf.device_get(params)
 
 
+def _train_with_buffers(model: torch.nn.Module, mesh, spec, batch_spec, batches):
+    """:func:`_train` with the module's buffers carried as state (``apply(..., mutable=True)``, each
+    step's updated ones passed to the next), each param laid out as ``spec(key)``: the params and
+    buffers after the steps."""
+    params, buffers = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
+    tx = _adamw()
+
+    @vsf.jit
+    def step(params, buffers, opt_state, x):
+        def loss_fn(params):
+            return vsf.tree.apply(model, {**params, **buffers}, x, mutable=True)
+
+        (_, updated), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), {**buffers, **updated}, opt_state
+
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: spec(k) for k in params}))
+    b = vsf.device_put(buffers, vsf.NamedSharding(mesh, P()))
+    o = optim.init_sharded(tx, p)
+    for (x,) in batches:
+        p, b, o = step(p, b, o, vsf.device_put(x, vsf.NamedSharding(mesh, batch_spec)))
+    return vsf.device_get(p), vsf.device_get(b)
+
+
 @pytest.mark.parametrize("layout", ["dp", "dp_tp"])
 def test_checkpointed_blocks_train_like_one_device_without_checkpointing(sim, layout):
     """The recompute in the backward reads the params being trained (on the old code, the module's
@@ -324,9 +348,7 @@ def test_frozen_params_passed_beside_the_trainable_ones_stay_as_torch_leaves_the
 
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    p = vsf.device_put(
-        params, vsf.NamedSharding.tree(mesh, {k: P("tp") if k.endswith("weight") else P() for k in params})
-    )
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: _rows_over_tp(k) for k in params}))
     f = vsf.device_put(frozen, vsf.NamedSharding(mesh, P()))
     o = optim.init_sharded(tx, p)
     for (x,) in batches:
@@ -386,29 +408,15 @@ def test_a_cache_a_block_fills_in_forward_carried_as_state_trains_like_one_devic
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 6, 8, generator=g),) for _ in range(STEPS)]
     want = _torch_trained(model, lambda m, x: m(x), batches)
-    params, caches = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
-    tx = _adamw()
-
-    @vsf.jit
-    def step(params, caches, opt_state, x):
-        def loss_fn(params):
-            return vsf.tree.apply(model, {**params, **caches}, x, mutable=True)
-
-        (_, updated), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), {**caches, **updated}, opt_state
-
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    p = vsf.device_put(
-        params, vsf.NamedSharding.tree(mesh, {k: P("tp") if k.endswith("weight") else P() for k in params})
-    )
-    c = vsf.device_put(caches, vsf.NamedSharding(mesh, P()))
-    o = optim.init_sharded(tx, p)
-    for (x,) in batches:
-        p, c, o = step(p, c, o, vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))))
-    _assert_close(vsf.device_get(p), dict(want.named_parameters()))
-    _assert_close(vsf.device_get(c), dict(want.named_buffers()))
+    params, caches = _train_with_buffers(model, mesh, _rows_over_tp, P("dp"), batches)
+    _assert_close(params, dict(want.named_parameters()))
+    _assert_close(caches, dict(want.named_buffers()))
+
+
+def _rows_over_tp(key: str) -> P:
+    return P("tp") if key.endswith("weight") else P()
 
 
 class ConvertsInForward(torch.nn.Module):
@@ -444,7 +452,7 @@ def test_a_module_moved_in_forward_where_it_is_computes_with_the_params_given_ea
     want = dict(_torch_trained(ConvertsInForward(), lambda m, x: m(x), batches).named_parameters())
     sim(4)
     mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
-    specs = {k: P("tp") if k.endswith("weight") else P() for k in params}
+    specs = {k: _rows_over_tp(k) for k in params}
     got = _train(model, vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs)), mesh, P("dp"), batches)
     _assert_close(got, want)
 
@@ -659,26 +667,9 @@ def test_router_token_counts_written_in_forward_equal_one_device(sim, layout):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(4, 6, 8, generator=g),) for _ in range(STEPS)]
     want = _torch_trained(model, lambda m, x: m(x), batches)
-    params, counts = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
-    tx = _adamw()
-
-    @vsf.jit
-    def step(params, counts, opt_state, x):
-        def loss_fn(params):
-            return vsf.tree.apply(model, {**params, **counts}, x, mutable=True)
-
-        (loss, updated), grads = vsf.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), {**counts, **updated}, opt_state
-
     shape, axes, spec, batch_spec = MOE_LAYOUTS[layout]
     sim(2)
-    mesh = vsf.make_mesh(shape, axes)
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, {k: spec(k) for k in params}))
-    c = vsf.device_put(counts, vsf.NamedSharding(mesh, P()))
-    o = optim.init_sharded(tx, p)
-    for (x,) in batches:
-        p, c, o = step(p, c, o, vsf.device_put(x, vsf.NamedSharding(mesh, batch_spec)))
-    _assert_close(vsf.device_get(p), dict(want.named_parameters()))
-    _assert_close(vsf.device_get(c), dict(want.named_buffers()))
-    assert vsf.device_get(c)["tokens_per_expert"].sum() == STEPS * 4 * 6 * 2
+    params, counts = _train_with_buffers(model, vsf.make_mesh(shape, axes), spec, batch_spec, batches)
+    _assert_close(params, dict(want.named_parameters()))
+    _assert_close(counts, dict(want.named_buffers()))
+    assert counts["tokens_per_expert"].sum() == STEPS * 4 * 6 * 2

@@ -154,6 +154,37 @@ def test_one_key_head_expanded_as_a_view_over_head_shards_trains_like_one_device
     _assert_params_close(got, want)
 
 
+class PooledOverTokens(torch.nn.Module):
+    """Tokens projected, then pooled over the sequence by ``AdaptiveAvgPool1d`` on the transposed
+    ``[batch, channels, tokens]``, and classified: Swin's pooler. torch's decomposition of the pool
+    restrides its mean's size-1 dims with ``as_strided`` (and its backward scatters the gradient
+    with ``as_strided_scatter``), which DTensor has no rule for: a ``PlanError`` on every layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.pool, self.head = (
+            torch.nn.Linear(WIDTH, 8),
+            torch.nn.AdaptiveAvgPool1d(1),
+            torch.nn.Linear(8, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(torch.tanh(self.proj(x)).transpose(1, 2)).flatten(1))
+
+
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+def test_a_pool_over_transposed_tokens_trains_like_one_device(sim, layout):
+    """dp, and dp x tp with the projection's channels split over tp (the pool runs on channel
+    shards): the ``as_strided`` ops that only reshape are planned as views."""
+    torch.manual_seed(0)
+    model, (x, _, _) = PooledOverTokens(), _batch()
+    want = _torch_run(model, _image_loss, x)
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    specs = lambda p: {k: P("tp") if k.startswith("proj.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
+    got = _jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp"))
+    _assert_params_close(got, want)
+
+
 class ConvGroupNorm(torch.nn.Module):
     """A convolution, group norm, upsampling (``mode``) and a 1x1 convolution: diffusers' UNet's pieces."""
 

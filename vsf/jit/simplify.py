@@ -1,7 +1,7 @@
 """Passes over a traced step's graph that drop what the plan need not see: a name given for a remat
 policy (the value itself), a loss backward's unread total weight (a constant), a cat's empty
-operands (a ``transformers`` cache's ``torch.tensor([])``), and a view that gives back the tensor
-it was taken of (``detach``, a ``t`` of a ``t``).
+operands (a ``transformers`` cache's ``torch.tensor([])``), a view that gives back the tensor
+it was taken of (``detach``, a ``t`` of a ``t``), and an ``as_strided`` that only reshapes.
 
 Example::
 
@@ -19,7 +19,13 @@ from vsf import _compat
 from vsf.jit.graph import is_view
 from vsf.ops.names import NAME_OP
 
-__all__ = ["drop_identity_views", "drop_names", "drop_skipped_cat_inputs", "drop_unread_total_weights"]
+__all__ = [
+    "as_strided_as_views",
+    "drop_identity_views",
+    "drop_names",
+    "drop_skipped_cat_inputs",
+    "drop_unread_total_weights",
+]
 
 aten = torch.ops.aten
 _NLL_LOSS_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
@@ -124,3 +130,59 @@ def _same_view(node: torch.fx.Node, base: torch.fx.Node) -> bool:
         and val.stride() == other.stride()
         and val.storage_offset() == other.storage_offset()
     )
+
+
+def as_strided_as_views(gm: torch.fx.GraphModule) -> None:
+    """Read each ``as_strided`` that lays a contiguous tensor's elements out in order in another
+    shape as a ``view`` of it (the strides of dims of size 1 address nothing), and each
+    ``as_strided_scatter`` that writes such a view over the whole of a contiguous tensor as its
+    source viewed in that tensor's shape: ops DTensor plans, where it has no rule for these two.
+    torch's decomposition of ``adaptive_avg_pool2d`` restrides its mean's size-1 dims so (Swin's
+    pooler, ``AdaptiveAvgPool1d`` on a transposed input), and the backward of ``as_strided``
+    scatters the gradient into zeros of the input's size so. Any other is left as it is.
+
+    Example::
+
+        >>> as_strided_as_views(gm)  # %a = as_strided(%mean, [4, 8, 1, 1], [8, 1, 8, 8], 0) -> view(%mean, [4, 8, 1, 1])
+    """
+    for node in gm.graph.find_nodes(op="call_function", target=aten.as_strided.default):
+        source, size, stride = node.args[:3]
+        if _reshapes(source, size, stride, node.args[3] if len(node.args) > 3 else None):
+            _replace(gm, node, aten.view.default, (source, list(size)))
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.prims.as_strided_scatter.default):
+        base, source, size, stride, offset = node.args
+        whole = _reshapes(base, size, stride, offset) and _contiguous(source)
+        if whole and list(source.meta["val"].shape) == list(size):
+            _replace(gm, node, aten.view.default, (source, list(base.meta["val"].shape)))
+
+
+def _contiguous(t: Any) -> bool:
+    val = t.meta.get("val") if isinstance(t, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_contiguous() and val.storage_offset() == 0
+
+
+def _reshapes(source: Any, size: Any, stride: Any, offset: Any) -> bool:
+    """Does ``as_strided(source, size, stride, offset)`` take all of a contiguous ``source``, in order?"""
+    if not _contiguous(source) or offset not in (None, 0) or source.meta["val"].numel() != _count(size):
+        return False
+    expected = 1
+    for n, step in reversed(list(zip(size, stride))):
+        if n != 1 and step != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _count(size: Any) -> int:
+    count = 1
+    for n in size:
+        count *= n
+    return count
+
+
+def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, target: Any, args: tuple[Any, ...]) -> None:
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)

@@ -33,7 +33,13 @@ from vsf.jit.classify import draws_random
 from vsf.jit.decompose import decompose
 from vsf.jit.functionalize import functionalized
 from vsf.jit.graph import constant_write, eliminate_dead_code, is_library_file, placeholders_of, source_line
-from vsf.jit.simplify import drop_identity_views, drop_names, drop_skipped_cat_inputs, drop_unread_total_weights
+from vsf.jit.simplify import (
+    as_strided_as_views,
+    drop_identity_views,
+    drop_names,
+    drop_skipped_cat_inputs,
+    drop_unread_total_weights,
+)
 from vsf.jit.stamp import Stamper, unstamped_warning
 from vsf.ops.recording import tracing_step
 from vsf.sharding.named import NamedSharding
@@ -336,6 +342,7 @@ def _trace(
         _reject_unkeyed_random(gm, fun)
     drop_unread_total_weights(gm)
     drop_skipped_cat_inputs(gm)
+    as_strided_as_views(gm)
     drop_identity_views(gm)
     eliminate_dead_code(gm)
     gm.recompile()

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,11 +73,7 @@ def drop_skipped_cat_inputs(gm: torch.fx.GraphModule) -> None:
         if len(kept) > 1:
             node.update_arg(0, kept)
             continue
-        with gm.graph.inserting_before(node):
-            copy = gm.graph.call_function(aten.clone.default, (kept[0],))
-        copy.meta = dict(node.meta)
-        node.replace_all_uses_with(copy)
-        gm.graph.erase_node(node)
+        _replace(gm, node, aten.clone.default, (kept[0],))
 
 
 def _skipped_by_cat(t: Any) -> bool:
@@ -146,10 +143,12 @@ def as_strided_as_views(gm: torch.fx.GraphModule) -> None:
         >>> as_strided_as_views(gm)  # %a = as_strided(%mean, [4, 8, 1, 1], [8, 1, 8, 8], 0) -> view(%mean, [4, 8, 1, 1])
     """
     for node in gm.graph.find_nodes(op="call_function", target=aten.as_strided.default):
-        source, size, stride = node.args[:3]
-        if _reshapes(source, size, stride, node.args[3] if len(node.args) > 3 else None):
+        source, size, stride, *rest = node.args
+        if _reshapes(source, size, stride, rest[0] if rest else node.kwargs.get("storage_offset")):
             _replace(gm, node, aten.view.default, (source, list(size)))
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.prims.as_strided_scatter.default):
+        if len(node.args) != 5:  # (its arguments named: not a case met, left as it is)
+            continue
         base, source, size, stride, offset = node.args
         whole = _reshapes(base, size, stride, offset) and _contiguous(source)
         if whole and list(source.meta["val"].shape) == list(size):
@@ -163,7 +162,7 @@ def _contiguous(t: Any) -> bool:
 
 def _reshapes(source: Any, size: Any, stride: Any, offset: Any) -> bool:
     """Does ``as_strided(source, size, stride, offset)`` take all of a contiguous ``source``, in order?"""
-    if not _contiguous(source) or offset not in (None, 0) or source.meta["val"].numel() != _count(size):
+    if not _contiguous(source) or offset not in (None, 0) or source.meta["val"].numel() != math.prod(size):
         return False
     expected = 1
     for n, step in reversed(list(zip(size, stride))):
@@ -173,14 +172,8 @@ def _reshapes(source: Any, size: Any, stride: Any, offset: Any) -> bool:
     return True
 
 
-def _count(size: Any) -> int:
-    count = 1
-    for n in size:
-        count *= n
-    return count
-
-
 def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, target: Any, args: tuple[Any, ...]) -> None:
+    """``node`` replaced by a call of ``target`` on ``args`` in its place, with its metadata."""
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(target, args)
     new.meta = dict(node.meta)

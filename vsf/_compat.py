@@ -798,8 +798,8 @@ def quick_node_values() -> Iterator[None]:
     def snapshot(mode: Any, x: FakeTensor, include_real: bool = False) -> torch.Tensor:
         if include_real and x.real_tensor is not None:
             return detach(mode, x, include_real)
-        with no_python_dispatcher(), in_kernel_invocation_manager(mode):
-            alias = torch.ops.aten.detach.default(x)
+        with no_python_dispatcher(), in_kernel_invocation_manager(mode), torch._C.DisableTorchFunction():
+            alias = torch.ops.aten.detach.default(x)  # (past the trace's torch-function mode: it records nothing)
         return _fake_of(alias, x, False)
 
     def metadata(t: torch.Tensor, include_contiguity: bool = True) -> Any:
@@ -1728,8 +1728,9 @@ def module_tables(module: torch.nn.Module) -> tuple[dict[str, Any], dict[str, An
 
 def tensor_version(t: torch.Tensor) -> int | None:
     """How many times ``t`` was written in place (autograd's version counter; ``None`` for an
-    inference-mode tensor, which has none)."""
-    return None if t.is_inference() else t._version
+    inference-mode tensor, which has none), read past the torch-function modes in force."""
+    with torch._C.DisableTorchFunction():
+        return None if t.is_inference() else t._version
 
 
 def reentrant_checkpoint_caller(func: Any, args: Sequence[Any]) -> str | None:

@@ -152,7 +152,10 @@ def _reduced(value: torch.Tensor) -> torch.Tensor:
 
 
 def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+    if not isinstance(x, torch.Tensor):
+        return False
+    with _compat.metadata_reads():
+        return x.is_floating_point() or x.is_complex()
 
 
 def _watched(xs: list[Any]) -> list[Any]:
@@ -160,7 +163,10 @@ def _watched(xs: list[Any]) -> list[Any]:
     no enclosing differentiation records already detached, as a new leaf requiring grad (under
     :func:`vsf.jit`, one trace of the detach per kind of leaf, copied for the others:
     :func:`vsf.jit.trace.per_leaf`)."""
-    fresh = [i for i, x in enumerate(xs) if _differentiable(x) and not (x.requires_grad and recording.grad_depth() > 0)]
+    with _compat.metadata_reads():
+        fresh = [
+            i for i, x in enumerate(xs) if _differentiable(x) and not (x.requires_grad and recording.grad_depth() > 0)
+        ]
     out = list(xs)
     for i, x in zip(fresh, per_leaf(torch.Tensor.detach, [(xs[i],) for i in fresh], "detach")):
         out[i] = x.requires_grad_(True)

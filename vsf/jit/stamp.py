@@ -434,7 +434,8 @@ def _repeated(container: torch.nn.Module) -> list[torch.nn.Module]:
     same names and shapes (a stack of blocks; a lone layer is not worth a trace of its own)."""
     kinds: dict[Any, list[torch.nn.Module]] = {}
     for child in container.children():
-        shapes = tuple((k, tuple(v.shape)) for k, v in child.named_parameters(remove_duplicate=False))
+        with _compat.metadata_reads():
+            shapes = tuple((k, tuple(v.shape)) for k, v in child.named_parameters(remove_duplicate=False))
         kinds.setdefault((type(child), shapes), []).append(child)
     return [c for group in kinds.values() if len(group) > 1 for c in group]
 

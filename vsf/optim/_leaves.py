@@ -83,7 +83,8 @@ def leaves_like(ref: Flat, x: Any, what: str, ref_what: str) -> list[Any]:
     pairs, treedef = tree.flatten_with_path(x)
     if treedef == ref.treedef:
         for (path, leaf), want in zip(pairs, ref.leaves):
-            shape, want_shape = tuple(getattr(leaf, "shape", ())), tuple(getattr(want, "shape", ()))
+            with _compat.metadata_reads():
+                shape, want_shape = tuple(getattr(leaf, "shape", ())), tuple(getattr(want, "shape", ()))
             if shape != want_shape:
                 raise ValueError(
                     f"{what} leaf {tree.keystr(path)} has shape {shape}, but {ref_what} have shape {want_shape} there"
@@ -112,9 +113,11 @@ def check_floating(leaves: Sequence[Any], paths: Sequence[tree.KeyPath], what: s
             raise TypeError(
                 f"{what} leaf {tree.keystr(path)} is a {type(leaf).__name__}; vsf.optim transforms need tensors"
             )
-        if leaf.dtype not in FLOATING:
+        with _compat.metadata_reads():
+            dtype = leaf.dtype
+        if dtype not in FLOATING:
             raise TypeError(
-                f"{what} leaf {tree.keystr(path)} has dtype {leaf.dtype}; vsf.optim transforms handle "
+                f"{what} leaf {tree.keystr(path)} has dtype {dtype}; vsf.optim transforms handle "
                 f"{', '.join(str(d).removeprefix('torch.') for d in FLOATING)}"
             )
 
@@ -173,7 +176,9 @@ def settle(
 
 
 def _settle_one(x: torch.Tensor, ref: torch.Tensor, path: tree.KeyPath, what: str) -> torch.Tensor:
-    if tuple(x.shape) != tuple(ref.shape):
+    with _compat.metadata_reads():
+        different = tuple(x.shape) != tuple(ref.shape)
+    if different:
         raise ValueError(f"{what} leaf {tree.keystr(path)} has shape {tuple(x.shape)}, expected {tuple(ref.shape)}")
     if not isinstance(ref, DTensor):
         if isinstance(x, DTensor):
@@ -224,9 +229,10 @@ def leafwise(
     """
     cols = [[local(x) for x in col] for col in operands]
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for i in range(len(layout)):
-        key = tuple((c[i].device, c[i].dtype) if isinstance(c[i], torch.Tensor) else None for c in cols)
-        groups.setdefault(key, []).append(i)
+    with _compat.metadata_reads():
+        for i in range(len(layout)):
+            key = tuple((c[i].device, c[i].dtype) if isinstance(c[i], torch.Tensor) else None for c in cols)
+            groups.setdefault(key, []).append(i)
     outs: list[list[Any]] | None = None
     for idx in groups.values():
         results = fn(*[[c[i] for i in idx] for c in cols])

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vsf import tree
+from vsf import _compat, tree
 from vsf.jit.trace import per_leaf
 from vsf.optim import _leaves
 
@@ -76,7 +76,9 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 def _add(ps: list[torch.Tensor], us: list[torch.Tensor]) -> tuple[list[torch.Tensor]]:
     out = per_leaf(torch.add, zip(ps, us), "add", together=torch._foreach_add)
-    return ([o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(out, ps)],)
+    with _compat.metadata_reads():
+        alike = [o.dtype == p.dtype for o, p in zip(out, ps)]
+    return ([o if same else o.to(p.dtype) for o, p, same in zip(out, ps, alike)],)
 
 
 def chain(*txs: GradientTransformation) -> GradientTransformation:

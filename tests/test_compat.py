@@ -353,6 +353,9 @@ def test_fake_tensors_and_tracing():
     with pytest.raises(Exception) as e, _compat.fake_mode():
         bool(torch.ones(2).sum() > 0)
     assert _compat.is_data_dependent_error(e.value) and not _compat.is_data_dependent_error(ValueError())
+    with pytest.raises(Exception) as e, _compat.fake_mode():
+        torch.nonzero(torch.ones(2))
+    assert _compat.value_shaped_op(e.value) is aten.nonzero.default and _compat.value_shaped_op(ValueError()) is None
 
 
 def test_fake_inputs_are_the_tensors_a_fake_trace_runs_on():

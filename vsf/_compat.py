@@ -72,7 +72,12 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_mode, get_proxy_slot, make_fx, set_proxy_slot
 import torch.fx.proxy as fx_proxy
 from torch.fx.proxy import _STACK_TRACE_ANCHORS, _register_stack_trace_anchor
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
 from torch._decomp import decomposition_table, meta_table
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -117,6 +122,7 @@ __all__ = [
     "init_fake_process_group",
     "interleaved_order",
     "is_data_dependent_error",
+    "value_shaped_op",
     "is_fake",
     "is_local_tensor",
     "is_shardable",
@@ -907,6 +913,13 @@ def is_fake(t: torch.Tensor) -> bool:
 def is_data_dependent_error(e: BaseException) -> bool:
     """Did tracing stop because the function read a tensor's value (``if x.sum() > 0``, ``.item()``)?"""
     return isinstance(e, DataDependentOutputException)
+
+
+def value_shaped_op(e: BaseException) -> Any:
+    """The op whose output's shape depends on its input's values (``aten.nonzero``: ``torch.nonzero``,
+    ``torch.where`` of a condition alone, indexing by a boolean mask; ``aten.unique``, ...) that
+    stopped a fake-tensor trace with ``e``, or ``None`` where ``e`` is another error."""
+    return e.func if isinstance(e, DynamicOutputShapeException) else None
 
 
 def op_schema(op: Any) -> Any:

@@ -19,6 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P
+from vsf.errors import TraceError
 
 STEPS = 2
 LR = 0.1
@@ -720,6 +721,43 @@ def test_data_dependent_control_flow_is_a_clear_error(sim):
 
     with pytest.raises(ValueError, match=r'test_jit\.py", line \d+, in f: `if a.sum\(\) > 0:`: .*data-dependent'):
         vsf.jit(f)(x)
+
+
+class _RoutedByMask(torch.nn.Module):
+    """Each token through the expert its mask picks, by ``torch.where`` of the mask alone (litgpt's
+    ``LLaMAMoE`` routes so): the tokens' indices, as many as the mask holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            (rows,) = torch.where(x[:, 0].floor().remainder(2) == i)
+            y[rows] += expert(x[rows])
+        return y
+
+
+def test_a_shape_read_off_tensor_values_is_a_clear_error(sim):
+    """An op whose output's shape depends on its input's values (``torch.where`` of a mask alone,
+    ``nonzero``) cannot be planned ahead: a ``TraceError`` naming the line, in a plain step and in a
+    module's block (before: fake tensors' ``DynamicOutputShapeException`` from inside the trace)."""
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.ones(4, 4), vsf.NamedSharding(mesh, P("dp")))
+
+    def f(a):
+        return a[a > 0].sum()
+
+    with pytest.raises(
+        TraceError, match=r'test_jit\.py", line \d+, in f: `return a\[a > 0\]\.sum\(\)` \(aten\.nonzero'
+    ):
+        vsf.jit(f)(x)
+    model = _RoutedByMask()
+    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, P()))
+    with pytest.raises(TraceError, match=r"in forward: `\(rows,\) = torch\.where\(.*\)` \(aten\.nonzero.*fixed"):
+        vsf.jit(lambda p, a: vsf.tree.apply(model, p, a).sum())(params, x)
 
 
 # a write to the step's input: its values, or its shape (before: a PlanError for as_strided_, the

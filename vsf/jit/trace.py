@@ -325,6 +325,14 @@ def _trace(
             "as the params)."
         ) from None
     except Exception as e:
+        if (op := _compat.value_shaped_op(e)) is not None:
+            raise TraceError(
+                f"{_fun_name(fun)} computes a tensor whose shape depends on tensor values at {_user_frame(e)} ({op}; "
+                "torch.nonzero, torch.where of a condition alone, indexing by a boolean mask and unique do): vsf.jit "
+                "plans every tensor's shape before the step runs. Keep the shapes fixed: compute over every "
+                "element and mask (torch.where(cond, x, 0)), take a fixed number (torch.topk), or pad to a fixed size; "
+                "experts a router picks tokens for: vsf.nn.expert_parallel."
+            ) from None
         if not _compat.is_data_dependent_error(e):
             raise
         raise TraceError(

@@ -185,6 +185,38 @@ def test_a_pool_over_transposed_tokens_trains_like_one_device(sim, layout):
     _assert_params_close(got, want)
 
 
+class FourierSmoothing(torch.nn.Module):
+    """Each channel convolved over the sequence with a learned decaying kernel by FFT, ``rfft``, a
+    product with the kernel's transform conjugated and ``irfft`` (Mega's multi-headed EMA), then
+    projected. ``conj`` of a complex tensor is a view that differs from it in its conjugate bit
+    alone: read as an identity view and dropped, the step ran the correlation's mirror image,
+    silently (Mega's loss 0.2 off one device's from its first step on every layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decay = torch.nn.Parameter(torch.randn(WIDTH))
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(T, dtype=x.dtype).unsqueeze(-1)
+        kernel = torch.sigmoid(self.decay) ** steps  # [tokens, channels]
+        n = 2 * T
+        spectrum = torch.fft.rfft(x, n=n, dim=1) * torch.fft.rfft(kernel, n=n, dim=0).conj()
+        return self.proj(torch.fft.irfft(spectrum, n, dim=1)[:, :T])
+
+
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+def test_a_convolution_by_fft_with_a_conjugated_kernel_trains_like_one_device(sim, layout):
+    """dp, and dp x tp with the projection's outputs split over tp: the ``conj`` stays a conjugation."""
+    torch.manual_seed(0)
+    model, (x, target, _) = FourierSmoothing(), _batch()
+    want = _torch_run(model, lambda m, b: F.mse_loss(m(b[0]), b[1]), (x, target))
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    specs = lambda p: {k: P("tp") if k.startswith("proj.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
+    got = _jit_run(sim, model, lambda run, b: F.mse_loss(run(b[0]), b[1]), (x, target), shape, axes, specs, P("dp"))
+    _assert_params_close(got, want)
+
+
 class ConvGroupNorm(torch.nn.Module):
     """A convolution, group norm, upsampling (``mode``) and a 1x1 convolution: diffusers' UNet's pieces."""
 

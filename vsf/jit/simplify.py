@@ -117,7 +117,10 @@ def drop_identity_views(gm: torch.fx.GraphModule) -> None:
 
 
 def _same_view(node: torch.fx.Node, base: torch.fx.Node) -> bool:
-    """Are ``node``'s and ``base``'s values tensors of one dtype, shape, strides and storage offset?"""
+    """Are ``node``'s and ``base``'s values tensors of one dtype, shape, strides and storage offset,
+    both conjugated or neither, and both negated or neither? (``conj`` of a complex tensor is a view
+    that differs from it in its conjugate bit alone: Mega's EMA convolves by ``rfft``, ``conj`` and
+    ``irfft``.)"""
     val, other = node.meta.get("val"), base.meta.get("val")
     return (
         isinstance(val, torch.Tensor)
@@ -126,6 +129,8 @@ def _same_view(node: torch.fx.Node, base: torch.fx.Node) -> bool:
         and val.shape == other.shape
         and val.stride() == other.stride()
         and val.storage_offset() == other.storage_offset()
+        and val.is_conj() == other.is_conj()
+        and val.is_neg() == other.is_neg()
     )
 
 

@@ -256,3 +256,102 @@ def test_random_and_uninitialised_values_are_not_compared_but_feed_later_ops(sim
     targets = {str(n.target) for n in f.lower(x, w).plan.nodes}
     assert {"aten.empty_like.default", "aten.bernoulli.p"} <= targets
     assert torch.isfinite(vsf.device_get(f.check(x, w)))
+
+
+def _identity_view_ignoring_conj(node, base):
+    """``simplify._same_view`` as it was before it read the conjugate bit (the bug that trained
+    Mega wrong): a ``conj`` view of a complex tensor passes for its input, and is dropped."""
+    val, other = node.meta.get("val"), base.meta.get("val")
+    return (
+        isinstance(val, torch.Tensor)
+        and isinstance(other, torch.Tensor)
+        and (val.dtype, val.shape, val.stride(), val.storage_offset())
+        == (other.dtype, other.shape, other.stride(), other.storage_offset())
+    )
+
+
+def _fft_correlation(x, k):
+    spectrum = torch.fft.rfft(x, n=32, dim=1) * torch.fft.rfft(k, n=32).conj()
+    return torch.fft.irfft(spectrum, 32, dim=1)[:, :16].square().mean()
+
+
+def test_a_wrong_rewrite_of_the_trace_is_stopped_against_the_eager_step(sim, monkeypatch):
+    """A rewrite of the traced graph that changes its values (a ``conj`` dropped as an identity
+    view) passes the op-by-op check, whose reference is that same graph; the graph run whole and
+    set against the step run eagerly stops it, and the plain call's wrong number shows why."""
+    from vsf.jit import simplify
+
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    g = torch.Generator().manual_seed(0)
+    xs, ks = torch.randn(4, 16, generator=g), torch.randn(16, generator=g)
+    x, k = vsf.device_put(xs, vsf.NamedSharding(mesh, P("dp"))), vsf.device_put(ks, vsf.NamedSharding(mesh, P()))
+    want = _fft_correlation(xs, ks)
+    torch.testing.assert_close(vsf.device_get(vsf.jit(_fft_correlation).check(x, k)), want)
+
+    monkeypatch.setattr(simplify, "_same_view", _identity_view_ignoring_conj)
+    broken = vsf.jit(_fft_correlation)
+    assert not torch.allclose(vsf.device_get(broken(x, k)), want, rtol=1e-3)  # silently wrong, unchecked
+    with pytest.raises(vsf.PlanCheckError, match=r"differs from the step run eagerly on one device in 1 of 1") as info:
+        broken.check(x, k)
+    assert info.value.op == "trace" and info.value.max_error > 1e-3
+
+
+_PLACE = [0]  # the block running now, counted from 1 (a global the model resets at each call)
+
+
+class _Counted(torch.nn.Module):
+    """A block scaled by its place in the stack, which it counts in a global: no attribute of the
+    blocks differs, so the key of a stamped block cannot tell them apart, and the third block is
+    stamped from the second's trace, its scale included (the first takes an input that needs no
+    gradient: a key of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        _PLACE[0] += 1
+        return torch.tanh(self.lin(x)) * _PLACE[0]
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Counted(), _Counted(), _Counted()])
+
+    def forward(self, x):
+        _PLACE[0] = 0
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_stamped_from_a_trace_that_is_not_theirs_are_stopped_against_the_eager_step(sim, monkeypatch):
+    torch.manual_seed(0)
+    model = _Stack()
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    params = vsf.device_put(vsf.tree.from_module(model), vsf.NamedSharding(mesh, P()))
+    x = vsf.device_put(torch.randn(4, 8), vsf.NamedSharding(mesh, P("dp")))
+    loss = lambda p, x: vsf.tree.apply(model, p, x).square().mean()  # noqa: E731
+    step = lambda p, x: vsf.value_and_grad(loss)(p, x)  # noqa: E731
+    want = vsf.value_and_grad(loss)(vsf.device_get(params), vsf.device_get(x))
+    with pytest.raises(vsf.PlanCheckError, match="stamp_blocks") as info:
+        vsf.jit(step).check(params, x)
+    assert info.value.op == "trace"
+    monkeypatch.setattr(vsf.config, "stamp_blocks", False)
+    got = vsf.device_get(vsf.jit(step).check(params, x))
+    torch.testing.assert_close(got, want)
+
+
+def test_a_step_that_draws_from_torchs_generator_is_not_set_against_its_eager_run_and_says_so(sim, monkeypatch):
+    monkeypatch.setattr(vsf.config, "allow_unkeyed_random", True)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = vsf.device_put(torch.randn(8, 4), vsf.NamedSharding(mesh, P("dp")))
+    f = vsf.jit(lambda x: (x + torch.rand(8, 4)).sum())
+    with pytest.warns(
+        UserWarning, match=r"did not compare the traced graph with the step run eagerly: it draws .*aten\.rand"
+    ):
+        f.check(x)

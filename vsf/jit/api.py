@@ -29,6 +29,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, runtime, tree
+from vsf.jit.check import assembled_inputs, like_eager
 from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward
@@ -349,8 +350,22 @@ class Compiled:
 
     def _run(self, call: Call, check: bool) -> Any:
         locals_in = [_compat.dtensor_local(x) for x in call.inputs]
+        full = assembled_inputs(self.plan, locals_in) if check else None
         locals_out = self._runner(locals_in, check, lambda: self.donation.leaves)
+        if full is not None:
+            like_eager(self.plan, full, self._eager(call), self.output_names)
         return self._result(_compat.dtensors_from_locals(locals_out, self._out_specs))
+
+    def _eager(self, call: Call) -> Callable[[list[torch.Tensor]], list[Any]]:
+        """The jitted function run as it is on plain tensors (in place of the call's leaves): its
+        results where the trace has outputs (checking mode's :func:`like_eager`)."""
+
+        def run(tensors: list[torch.Tensor]) -> list[Any]:
+            args, kwargs = call.rebuild(tensors)
+            leaves, _ = tree.flatten(self.owner.fun(*args, **kwargs))
+            return [x for x, c in zip(leaves, self.traced.out_consts) if c is None]
+
+        return run
 
     def _result(self, outs: list[DTensor]) -> Any:
         it = iter(outs)

@@ -11,10 +11,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -228,6 +230,23 @@ LIBRARY_DIRS = tuple(
 def is_library_file(filename: str) -> bool:
     """Is ``filename`` torch's or vsf's own code (a frame there is never the user's line)?"""
     return filename.startswith(LIBRARY_DIRS)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` in this function's caller that names the innermost
+    frame outside torch, vsf, ``contextlib`` and generated code: the user's line that planned or
+    ran the step.
+
+    Example::
+
+        >>> warnings.warn("each Block is traced by itself", stacklevel=user_stacklevel())
+    """
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and (
+        is_library_file(name := frame.f_code.co_filename) or name == contextlib.__file__ or name.startswith("<")
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def source_line(node: torch.fx.Node) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,7 +31,14 @@ from vsf.errors import TraceError
 from vsf.jit.classify import draws_random
 from vsf.jit.decompose import decompose
 from vsf.jit.functionalize import functionalized
-from vsf.jit.graph import constant_write, eliminate_dead_code, is_library_file, placeholders_of, source_line
+from vsf.jit.graph import (
+    constant_write,
+    eliminate_dead_code,
+    is_library_file,
+    placeholders_of,
+    source_line,
+    user_stacklevel,
+)
 from vsf.jit.simplify import (
     as_strided_as_views,
     drop_identity_views,
@@ -253,19 +259,7 @@ def _stamping(
     stamped.update({k: tuple(v) for k, v in stamper.stamped.items()})
     for block, kind in stamper.unstamped.items():
         if block not in stamper.stamped:
-            warnings.warn(unstamped_warning(block, kind), stacklevel=_callers_level())
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of the caller of ``warnings.warn`` in this function's caller that names the
-    innermost frame outside torch, vsf, ``contextlib`` and generated code: the user's line that
-    planned the step."""
-    level, frame = 2, sys._getframe(2)
-    while frame.f_back is not None and (
-        is_library_file(name := frame.f_code.co_filename) or name == contextlib.__file__ or name.startswith("<")
-    ):
-        level, frame = level + 1, frame.f_back
-    return level
+            warnings.warn(unstamped_warning(block, kind), stacklevel=user_stacklevel())
 
 
 def per_leaf(

@@ -51,10 +51,11 @@ class PlanMismatch(RuntimeError):
 
 
 class PlanCheckError(RuntimeError):
-    """A planned program computed a value that differs from the unsharded graph's (checking mode,
-    :mod:`vsf.jit.check`).
+    """A planned program computed a value that differs from the unsharded graph's, or that graph
+    from the step run eagerly (checking mode, :mod:`vsf.jit.check`).
 
-    ``op`` is the aten op (or ``"output"`` for a result's final redistribution), ``node`` its
+    ``op`` is the aten op (or ``"output"`` for a result's final redistribution, ``"trace"`` where
+    the traced graph itself differs from the step run eagerly on one device), ``node`` its
     name in the traced graph, ``line`` the user's source line, ``inputs`` / ``outputs`` the
     placements in and out as ``typeof`` text, ``max_error`` the largest absolute difference
     (``inf`` where shapes or layouts disagree).

@@ -1728,7 +1728,8 @@ def module_node_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of one module whose tables of parameters, buffers and child modules are its
     own (the tensors and children in them still the original's, until replaced through
     :func:`module_tables`): a node of the module tree :func:`vsf.tree.apply` runs on."""
-    new = copy.copy(module)
+    new = object.__new__(type(module))  # (not copy.copy: a parametrized module refuses to be pickled)
+    new.__dict__.update(module.__dict__)
     new._parameters, new._buffers, new._modules = dict(module._parameters), dict(module._buffers), dict(module._modules)
     return new
 

@@ -1,5 +1,6 @@
 """The zoo beyond ``transformers``: models of other libraries no one here wrote (x-transformers'
-decoder language model, diffusers' DiT and UNet, mamba.py's Mamba, torch's own ``nn.TransformerEncoder``),
+decoder language model, diffusers' DiT and UNet, mamba.py's Mamba, torch's own ``nn.TransformerEncoder``
+and linears reparametrized by ``torch.nn.utils.parametrize``: weight norm, nViT's unit rows),
 built from tiny configs in code
 (random weights, no hub), each trained a few steps through ``vsf.jit`` on dp x Megatron TP (the
 UNet on DP; the first step in checking mode, ``step.check``, which must find no op whose sharded
@@ -142,6 +143,43 @@ class _TorchEncoder(torch.nn.Module):
         return self.head(self.encoder(self.emb(tokens), mask=mask, is_causal=True))
 
 
+class _UnitRows(torch.nn.Module):
+    """vit-pytorch's nViT ``NormLinear`` as a parametrization: each row of the weight scaled to unit length."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return F.normalize(w, dim=-1)
+
+
+class _Parametrized(torch.nn.Module):
+    """Linears reparametrized through ``torch.nn.utils.parametrize`` (a module of a class made for
+    it, which refuses to be copied the pickling way, ``copy.copy``): torch's own ``weight_norm``
+    (a magnitude ``original0`` and a direction ``original1``, normed over each output's inputs,
+    which a row-parallel split cuts) in residual MLP blocks, and a head of unit rows (nViT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils import parametrize
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.emb = torch.nn.Embedding(zoo.VOCAB, zoo.HIDDEN)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                weight_norm(torch.nn.Linear(zoo.HIDDEN, zoo.FFN)),
+                torch.nn.GELU(),
+                weight_norm(torch.nn.Linear(zoo.FFN, zoo.HIDDEN)),
+            )
+            for _ in range(zoo.LAYERS)
+        )
+        self.head = torch.nn.Linear(zoo.HIDDEN, zoo.VOCAB, bias=False)
+        parametrize.register_parametrization(self.head, "weight", _UnitRows())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return 4 * self.head(x)
+
+
 def _causal_tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
     return {"tokens": torch.randint(0, zoo.VOCAB, (zoo.BATCH, zoo.SEQ), generator=g)}
 
@@ -192,12 +230,36 @@ FAMILIES = {
             zoo.megatron(r"in_proj|linear1", r"out_proj|linear2", r"emb|head"),
             _next_token_loss,
         ),
+        zoo.Family(
+            "parametrized",
+            _Parametrized,
+            _causal_tokens,
+            zoo.megatron(
+                "-",
+                "-",
+                "emb",
+                also=(
+                    (r"blocks\.\d+\.0\.parametrizations\.weight\.original[01]", P("tp", None)),
+                    (r"blocks\.\d+\.0\.bias", P("tp")),
+                    (r"blocks\.\d+\.2\.parametrizations\.weight\.original1", P(None, "tp")),
+                    (r"head\.parametrizations\.weight\.original", P("tp", None)),
+                ),
+            ),
+            _next_token_loss,
+        ),
         # a convolutional net: data parallel only (no Megatron rules: the convolutions stay whole)
         zoo.Family("unet", _unet, _noisy_images, ((r".*", P()),), _unet_loss),
     ]
 }
 # each family's default layout (with one step in checking mode) runs by default; its others are the sweep
-DEFAULT = {"x_transformers": "dp_tp", "dit": "dp_tp", "mamba": "dp_tp", "torch_nn": "dp_tp", "unet": "dp"}
+DEFAULT = {
+    "x_transformers": "dp_tp",
+    "dit": "dp_tp",
+    "mamba": "dp_tp",
+    "torch_nn": "dp_tp",
+    "parametrized": "dp_tp",
+    "unet": "dp",
+}
 LAYOUTS = {"unet": ("dp", "fsdp")}
 CASES = [
     pytest.param(name, layout, marks=() if layout == DEFAULT[name] else pytest.mark.sweep, id=f"{name}-{layout}")

@@ -52,6 +52,8 @@ __all__ = [
     "UNTRUSTED_STRATEGIES",
     "VALUE_BLIND_OPS",
     "VARIANCE_DECOMPOSITIONS",
+    "WEIGHT_NORM_DECOMPOSITIONS",
+    "WEIGHT_NORM_OPS",
     "OpClass",
     "classify",
     "classify_all",
@@ -281,6 +283,28 @@ def constant_nodes(graph: torch.fx.Graph) -> frozenset[torch.fx.Node]:
     return frozenset(found)
 
 
+def _weight_norm_backward(
+    grad_w: torch.Tensor, v: torch.Tensor, g: torch.Tensor, norms: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_weight_norm_interface_backward`` (of ``w = v * g / norms``, the norms of ``v`` over every dim
+    but ``dim``) as its formula's ops: ``grad_g = sum(grad_w * v) / norms`` and ``grad_v = (g / norms)
+    * (grad_w - v * sum(grad_w * v) / norms**2``), the sums over the dims the norms reduce."""
+    dims = [d for d in range(v.dim()) if d != dim]
+    sums = (grad_w * v).sum(dims, keepdim=True).to(norms.dtype)
+    grad_v = (g / norms) * (grad_w - v * (sums / (norms * norms)))
+    return grad_v.to(v.dtype), (sums / norms).to(g.dtype)
+
+
+# Weight norm (``torch.nn.utils.parametrizations.weight_norm``), decomposed in every graph: DTensor
+# has no strategy for its fused forward or backward, nor PyTorch a decomposition of the backward.
+# As reductions over each output's inputs (PyTorch's decomposition of the forward, the formula
+# above for the backward), they split over a sharded dim as partial sums.
+WEIGHT_NORM_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten._weight_norm_interface_backward.default: _weight_norm_backward
+}
+WEIGHT_NORM_OPS = frozenset({aten._weight_norm_interface.default, *WEIGHT_NORM_DECOMPOSITIONS})
+
+
 def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
     """The aten ops of ``gm`` that the planner has no (trusted) strategy for: of kind ``none``
     (no DTensor or vsf strategy, not computing a constant), or in :data:`UNTRUSTED_STRATEGIES`.
@@ -299,7 +323,7 @@ def unplanned_ops(gm: torch.fx.GraphModule) -> set[Any]:
         op = node.target
         if op in found or op in planned:
             continue
-        if op in UNTRUSTED_STRATEGIES or op in BATCH_NORM_OPS or op in VARIANCE_DECOMPOSITIONS:
+        if op in UNTRUSTED_STRATEGIES or op in BATCH_NORM_OPS or op in VARIANCE_DECOMPOSITIONS or op in WEIGHT_NORM_OPS:
             found.add(op)
         elif _compat.op_schema(op) is None or _compat.registered_rules(op) is not None:
             planned.add(op)
@@ -316,14 +340,16 @@ def never_planned_decompositions() -> dict[Any, Callable[..., Any]]:
     tracer's first pass, so that no second trace is needed to decompose them (and for every later
     one, so that the pieces of another op's decomposition are decomposed alike): PyTorch's of
     :data:`UNTRUSTED_STRATEGIES` (``nll_loss_forward``, in every language model's loss) and of
-    :data:`BATCH_NORM_OPS`, vsf's :data:`VARIANCE_DECOMPOSITIONS`.
+    :data:`BATCH_NORM_OPS` and of weight norm's forward, vsf's :data:`VARIANCE_DECOMPOSITIONS` and
+    :data:`WEIGHT_NORM_DECOMPOSITIONS`.
 
     Example::
 
         >>> aten.nll_loss_forward.default in never_planned_decompositions()
         True
     """
-    return {op: _compat.decomposition(op) for op in UNTRUSTED_STRATEGIES | BATCH_NORM_OPS} | VARIANCE_DECOMPOSITIONS
+    torch_own = UNTRUSTED_STRATEGIES | BATCH_NORM_OPS | (WEIGHT_NORM_OPS - WEIGHT_NORM_DECOMPOSITIONS.keys())
+    return {op: _compat.decomposition(op) for op in torch_own} | VARIANCE_DECOMPOSITIONS | WEIGHT_NORM_DECOMPOSITIONS
 
 
 def _adopt_inplace_strategy(op: Any) -> bool:

@@ -256,6 +256,33 @@ def test_group_norm_with_channel_split_convolutions_trains_like_one_device(sim):
     _assert_params_close(got, want)
 
 
+class ConvAvgPool(torch.nn.Module):
+    """A convolution, an average pool (padded, rounding up, not counting the padding: every
+    argument the backward is given) and a 1x1 convolution: Funnel's and MaxViT's pools."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = torch.nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+        self.head = torch.nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(F.silu(self.conv(x))))
+
+
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+def test_average_pooling_trains_like_one_device(sim, layout):
+    """The pool's backward (``avg_pool2d_backward``, for which DTensor has no rule: a ``PlanError``)
+    split over the batch, and on dp x tp also over the channels the first convolution splits."""
+    torch.manual_seed(0)
+    model, x = ConvAvgPool(), torch.randn(4, 3, 9, 9)
+    want = _torch_run(model, _image_loss, x)
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    specs = lambda p: {k: P("tp") if k.startswith("conv.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
+    got = _jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp"))
+    _assert_params_close(got, want)
+
+
 def test_a_shard_is_laid_out_as_the_traced_value():
     """A materialised broadcast is a broadcast again (stride 0, same values); a row-major shard of
     a value the trace stored transposed is stored transposed; a shard already laid out so is

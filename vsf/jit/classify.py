@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 import torch.fx
+from torch.distributed.tensor import Partial, Placement, Replicate
 
 from vsf import _compat
 from vsf.jit import attention
@@ -45,6 +46,7 @@ from vsf.sharding import constraint
 
 __all__ = [
     "ATTENTION_OPS",
+    "AVG_POOL_BACKWARDS",
     "BATCH_NORM_OPS",
     "DISPATCHER_SPECIAL",
     "RAGGED_REDUCTIONS",
@@ -152,6 +154,27 @@ ATTENTION_OPS = (
 for _op in ATTENTION_OPS:
     if _compat.registered_rules(_op) is None:
         attention.register(_op)
+
+
+def _pool_backward_rules(spatial: int) -> Callable[[list[torch.Size]], list[list[Placement | int]]]:
+    """An average pool's backward ``(grad_output, self, ...) -> grad_input`` over ``spatial`` dims: each
+    example and channel is pooled by itself, so it splits over the batch or (batched: ``[N, C, ...]``)
+    the channels of its result and both inputs alike; it is linear in ``grad_output`` (``self`` gives
+    only the shape), so a partial sum of that gives one of the result."""
+
+    def rules(shapes: list[torch.Size]) -> list[list[Placement | int]]:
+        dims = (0, 1) if len(shapes[1]) == spatial + 2 else (0,)
+        return [[d, d, d] for d in dims] + [[Partial(), Partial(), Replicate()]]
+
+    return rules
+
+
+# Average pooling's backward, which DTensor has no rule for (it has the forward's): Funnel's and
+# MaxViT's pools were a PlanError on every layout.
+AVG_POOL_BACKWARDS = {aten.avg_pool2d_backward.default: 2, aten.avg_pool3d_backward.default: 3}
+for _op, _spatial in AVG_POOL_BACKWARDS.items():
+    if _compat.registered_rules(_op) is None:
+        _compat.register_single_dim_rules(_op, _pool_backward_rules(_spatial))
 
 
 OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]  # see the module docs

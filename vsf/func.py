@@ -10,6 +10,7 @@ function on each rank's local shards; inside ``jit`` it is one op of the graph.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vsf import _compat, remat_policies, tree
+from vsf.jit.graph import user_stacklevel
 from vsf.jit.trace import per_leaf
 from vsf.ops.names import NAME_OP
 from vsf.ops import recording
@@ -73,10 +75,17 @@ def value_and_grad(
                 if wrt
                 else ()
             )
-        out_grads = []
+        out_grads, unread = [], []
         for i in nums:
-            leaves = [(_zero_if_none(next(grads), x) if _differentiable(x) else None) for x in diff[i]]
+            leaves = []
+            for k, x in enumerate(diff[i]):
+                g = next(grads) if _differentiable(x) else None
+                if g is None and _differentiable(x):
+                    unread.append((i, k))
+                leaves.append(_zero_if_none(g, x) if _differentiable(x) else None)
             out_grads.append(tree.unflatten(flat[i][1], leaves))
+        if unread:
+            _warn_unread(fun, args, unread)
         g = out_grads[0] if isinstance(argnums, int) else tuple(out_grads)
         value = value if recording.grad_depth() > 0 else _reduced(value.detach())
         return ((value, aux) if has_aux else value), g
@@ -171,6 +180,20 @@ def _watched(xs: list[Any]) -> list[Any]:
     for i, x in zip(fresh, per_leaf(torch.Tensor.detach, [(xs[i],) for i in fresh], "detach")):
         out[i] = x.requires_grad_(True)
     return out
+
+
+def _warn_unread(fun: Callable[..., Any], args: Sequence[Any], unread: list[tuple[int, int]]) -> None:
+    """Say which differentiated leaves (``(argument, leaf)`` positions) the value does not read."""
+    paths = {i: tree.flatten_with_path(args[i])[0] for i, _ in unread}
+    names = [f"args[{i}]{tree.keystr(paths[i][k][0], brackets=True)}" for i, k in unread]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    warnings.warn(
+        f"vsf.value_and_grad({getattr(fun, '__name__', 'fun')}): the value does not depend on {len(names)} "
+        f"differentiated leaf(s) ({shown}): their gradients are zeros. An optimizer still moves them (vsf.optim's "
+        "AdamW decays them and steps them on their moments, as optax does) where torch.optim leaves a parameter "
+        "whose .grad is None as it is: differentiate only what the value reads, and pass the rest beside",
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _zero_if_none(g: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

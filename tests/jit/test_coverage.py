@@ -136,6 +136,24 @@ def test_an_op_with_neither_strategy_nor_decomposition_is_a_plan_error_naming_it
         _jit_on(mesh, lambda m, a, b: torch.addbmm(m, a, b), (m, a, b), [P(), P("dp"), P("dp")])
 
 
+def test_a_backward_op_without_a_strategy_names_the_line_of_its_forward(sim):
+    """A backward op's own line is the gradient call; the error also names the forward op's line
+    (``max_pool3d_with_indices_backward``: DTensor has a rule for the forward only)."""
+    w, x = torch.randn(3, 3), torch.randn(4, 3, 4, 4, 4)
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+
+    def loss(w, x):
+        return F.max_pool3d(torch.einsum("ncdhw,co->nodhw", x, w), 2).square().mean()
+
+    with pytest.raises(
+        PlanError,
+        match=r"max_pool3d_with_indices_backward\.default has no DTensor sharding strategy.*"
+        r"\(the backward of aten\.max_pool3d_with_indices\.default at .*test_coverage\.py.*F\.max_pool3d",
+    ):
+        _jit_on(mesh, vsf.grad(loss), (w, x), [P(), P("dp")])
+
+
 def test_constants_and_factory_ops_made_in_the_step_need_no_strategy(sim):
     """A tensor literal (``lift_fresh_copy``), ``arange``/``full``/``zeros`` and a mask built from
     them (``masked_fill`` of constants has no DTensor strategy) are made where they are used."""

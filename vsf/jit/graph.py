@@ -217,9 +217,36 @@ def _aliased_input(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
 
 
 def user_line(node: torch.fx.Node) -> str:
-    """`` at <user's file:line: `code`>`` for an error message about ``node``, or ``""``."""
+    """`` at <user's file:line: `code`>`` for an error message about ``node``, or ``""``. A backward
+    op's own line is the step's gradient call, so for one (``avg_pool2d_backward``) the lines of
+    the forward ops it may differentiate (``avg_pool2d`` in the same graph) are added.
+
+    Example::
+
+        >>> user_line(node)
+        ' at File "train.py", line 9, in step: `grads = vsf.grad(loss)(p)` (the backward of aten.avg_pool2d.default at File "model.py", line 31, ...)'
+    """
     line = source_line(node)
-    return f" at {line}" if line else ""
+    where = f" at {line}" if line else ""
+    forwards = [f for f in dict.fromkeys(source_line(n) for n in _forwards_of(node)) if f and f != line]
+    if forwards:
+        more = f" and {len(forwards) - 3} more" if len(forwards) > 3 else ""
+        where += f" (the backward of {_forwards_of(node)[0].target} at {'; '.join(forwards[:3])}{more})"
+    return where
+
+
+def _forwards_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes of ``node``'s graph calling the forward op of the backward op ``node`` calls
+    (by name: ``aten::avg_pool2d`` for ``aten::avg_pool2d_backward``); none for another op."""
+    schema = _compat.op_schema(node.target)
+    if schema is None or not schema.name.endswith("_backward"):
+        return []
+    name = schema.name.removesuffix("_backward")
+    return [
+        n
+        for n in node.graph.nodes
+        if n.op == "call_function" and (s := _compat.op_schema(n.target)) is not None and s.name == name
+    ]
 
 
 LIBRARY_DIRS = tuple(

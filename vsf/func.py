@@ -79,10 +79,13 @@ def value_and_grad(
         for i in nums:
             leaves = []
             for k, x in enumerate(diff[i]):
-                g = next(grads) if _differentiable(x) else None
-                if g is None and _differentiable(x):
+                if not _differentiable(x):
+                    leaves.append(None)
+                    continue
+                g = next(grads)
+                if g is None:
                     unread.append((i, k))
-                leaves.append(_zero_if_none(g, x) if _differentiable(x) else None)
+                leaves.append(_zero_if_none(g, x))
             out_grads.append(tree.unflatten(flat[i][1], leaves))
         if unread:
             _warn_unread(fun, args, unread)

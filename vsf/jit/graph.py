@@ -228,10 +228,11 @@ def user_line(node: torch.fx.Node) -> str:
     """
     line = source_line(node)
     where = f" at {line}" if line else ""
-    forwards = [f for f in dict.fromkeys(source_line(n) for n in _forwards_of(node)) if f and f != line]
-    if forwards:
-        more = f" and {len(forwards) - 3} more" if len(forwards) > 3 else ""
-        where += f" (the backward of {_forwards_of(node)[0].target} at {'; '.join(forwards[:3])}{more})"
+    forward = _forwards_of(node)
+    lines = [f for f in dict.fromkeys(source_line(n) for n in forward) if f and f != line]
+    if lines:
+        more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
+        where += f" (the backward of {forward[0].target} at {'; '.join(lines[:3])}{more})"
     return where
 
 

@@ -954,28 +954,32 @@ def test_a_gradient_penalty_traces_its_blocks_one_by_one_and_gives_torchs_second
 
 
 def _scaled(x, y, c):
-    return x * c + y
+    if c is None:
+        return x + y
+    return x * (c[0] if isinstance(c, tuple) else c) + y
 
 
 def test_updates_per_leaf_share_a_trace_only_where_nothing_they_read_differs(sim, monkeypatch):
     """``vsf.jit.trace.per_leaf`` (how vsf.optim runs Adam's update of each leaf) stamps a row from
     another row's trace only where everything its trace read is the same: the tensors' shapes,
     strides and dtypes and the Python numbers it bakes in; a row that differs in one of them
-    alone (a number 3.0 for 2.0, float64, transposed strides) gets its own trace. The graph is
-    that of every row traced, and the numbers are eager torch's."""
+    alone (a number 3.0 for 2.0, float64, transposed strides, a ``None``, the number in a tuple) gets
+    its own trace, and a row passing one tensor twice is traced as it is. The graph is that of every
+    row traced, and the numbers are eager torch's."""
     import vsf
     from vsf import P
     from vsf.jit.trace import per_leaf
 
     def step(a, b):
-        rows = [(a, b, 2.0), (a + 1, b, 2.0), (a, b, 3.0), (a.double(), b, 2.0), (a.t(), b, 2.0)]
+        rows = [(a, b, 2.0), (a + 1, b, 2.0), (a, b, 3.0), (a.double(), b, 2.0), (a.t(), b, 2.0), (a, a, 2.0)]
+        rows += [(a, b, None), (b, a, None), (a, b, (2.0,)), (b, a, (2.0,))]
         return per_leaf(_scaled, rows, "scaled")
 
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     args = [vsf.device_put(x, vsf.NamedSharding(mesh, P("dp"))) for x in (a, b)]
-    assert vsf.jit(step).trace(*args).stamped == {"scaled": (2, 1, 1, 1)}
+    assert vsf.jit(step).trace(*args).stamped == {"scaled": (2, 1, 1, 1, 2, 2)}
     stamped = vsf.jit(step).lower(*args)
     for got, want in zip(vsf.device_get(vsf.jit(step)(*args)), step(a, b), strict=True):
         assert got.dtype == want.dtype

@@ -74,12 +74,12 @@ from vsf.jit.donation import allocates
 from vsf.jit.stamp_key import (
     Call,
     all_held,
-    args_key,
     block_key,
     read_values,
     rebuild,
     recording_reads,
     restored,
+    row_keys,
     stampable_now,
     unkeyed_kind,
 )
@@ -179,11 +179,11 @@ class Stamper:
         """
         if not stampable_now():
             return [fn(*row) for row in rows]
-        now, out = _compat.stack_trace_now(self.tracer), []
-        for row in rows:
-            keyed = args_key(row, {}, self.tracer)
-            out.append(fn(*row) if keyed is None else self._stamp((fn, name, keyed[0]), keyed[1], fn, name, now))
-        return out
+        now = _compat.stack_trace_now(self.tracer)
+        return [
+            fn(*row) if keyed is None else self._stamp((fn, name, keyed[0]), keyed[1], fn, name, now)
+            for row, keyed in zip(rows, row_keys(rows, self.tracer))
+        ]
 
     def _stamp(self, key: Any, call: Call, forward: Callable[..., Any], name: str, now: str | None) -> Any:
         """The call stamped from the trace of its key (traced now if it is the first) with the stack

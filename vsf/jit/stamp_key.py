@@ -34,6 +34,7 @@ __all__ = [
     "rebuild",
     "recording_reads",
     "restored",
+    "row_keys",
     "stampable_now",
 ]
 
@@ -176,6 +177,48 @@ def args_key(
     with _compat.metadata_reads():
         grads = [t.requires_grad for t in operands]
     return key, Call([], [], operands, nodes, grads, leaves, treedef)
+
+
+def row_keys(rows: Sequence[tuple[Any, ...]], tracer: Any) -> list[tuple[Any, Call] | None]:
+    """:func:`args_key` of each row (the positional arguments of one call), asked once for all of
+    them: a row of tensors and plain values is keyed without flattening it, and a tensor that
+    several rows hold (an optimizer's step count, its learning rate) has its metadata and node read
+    once; a row holding anything else is keyed by :func:`args_key`.
+
+    Example::
+
+        >>> keys = row_keys(rows, tracer) if stampable_now() else None
+    """
+    grad = torch.is_grad_enabled()
+    specs: dict[tuple[bool, ...], tree.PyTreeSpec] = {}  # by where a row holds None (a node of no leaves)
+    seen: dict[int, tuple[Any, torch.fx.Node | None, bool]] = {}  # by tensor id: metadata, node, requires_grad
+    out: list[tuple[Any, Call] | None] = []
+    with _compat.metadata_reads():
+        for row in rows:
+            if not all(isinstance(x, _HELD) for x in row):
+                out.append(args_key(row, {}, tracer))
+                continue
+            nones = tuple([x is None for x in row])
+            if nones not in specs:
+                specs[nones] = tree.flatten((row, {}))[1]
+            leaves = [x for x in row if x is not None]
+            operands = [x for x in leaves if isinstance(x, torch.Tensor)]
+            for t in operands:
+                if id(t) not in seen:
+                    seen[id(t)] = (_meta(t), _compat.traced_node(t, tracer), t.requires_grad)
+            known = [seen[id(t)] for t in operands]
+            if len({id(t) for t in operands}) != len(operands) or any(k[1] is None for k in known):
+                out.append(None)
+                continue
+            metas = iter(known)
+            key = (grad, specs[nones], *(next(metas)[0] if isinstance(x, torch.Tensor) else exact(x) for x in leaves))
+            try:
+                hash(key)
+            except TypeError:
+                out.append(None)
+                continue
+            out.append((key, Call([], [], operands, [k[1] for k in known], [k[2] for k in known], leaves, specs[nones])))
+    return out
 
 
 @contextlib.contextmanager

@@ -295,6 +295,73 @@ def test_a_wrong_rewrite_of_the_trace_is_stopped_against_the_eager_step(sim, mon
     with pytest.raises(vsf.PlanCheckError, match=r"differs from the step run eagerly on one device in 1 of 1") as info:
         broken.check(x, k)
     assert info.value.op == "trace" and info.value.max_error > 1e-3
+    assert "in float64 too" in str(info.value)  # (not rounding: widened, the two still differ)
+
+
+def _centred_cnn() -> torch.nn.Module:
+    """A convolution whose bias BatchNorm takes away again: that bias's gradient is 0 in exact
+    arithmetic, rounding noise in float32 (about 1e-8), which the traced graph and eager torch
+    round apart."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=True), torch.nn.BatchNorm2d(4), torch.nn.Tanh())
+
+
+def _sign_step(model: torch.nn.Module, scale: torch.Tensor | None = None):
+    """One step of Adam's first update, ``lr * g / (|g| + eps)`` (about ``lr`` times the sign of
+    ``g``), at ``eps = 1e-12``: a gradient that is rounding noise moves its param by a whole
+    ``lr``, one way or the other. ``scale``: a float32 matrix the step closes over and multiplies
+    the images by."""
+
+    def step(p, s, x):
+        def loss(p, s):
+            y, updated = vsf.tree.apply(model, {**p, **s}, x if scale is None else x @ scale, mutable=True)
+            return y.square().mean(), updated
+
+        (_, _), g = vsf.value_and_grad(loss, has_aux=True)(p, s)
+        return {k: p[k] - 1e-2 * g[k] / (g[k].abs() + 1e-12) for k in p}
+
+    return step
+
+
+def _sign_step_args(sim, model):
+    sim(2)
+    mesh = vsf.make_mesh((2,), ("dp",))
+    x = torch.randn(8, 3, 10, 10, generator=torch.Generator().manual_seed(1))
+    p, s = vsf.tree.from_module(model), vsf.tree.from_module(model, params=False, buffers=True)
+    return (p, s, x), [vsf.device_put(v, vsf.NamedSharding(mesh, P())) for v in (p, s, x)]
+
+
+def test_rounding_a_step_amplifies_is_told_from_a_wrong_trace_in_float64(sim, monkeypatch):
+    """The traced graph and the eager step round a gradient that is noise apart, and the step
+    amplifies that to a whole ``lr`` (a 3D ResNet with Adam did so, 1e-4 after one step): in float32
+    the conv bias's results differ past the tolerance. Run again in float64 they agree (the noise is
+    some nine digits smaller there), so it is rounding, not a wrong trace: the check passes, and
+    the results it returns are the program's (every param but that bias as eager torch's)."""
+    from vsf.jit import check_trace
+
+    judged = []
+    in_float64 = check_trace._in_float64
+    monkeypatch.setattr(check_trace, "_in_float64", lambda *a: judged.append((a[-1], r := in_float64(*a))) or r)
+    model = _centred_cnn()
+    plain, args = _sign_step_args(sim, model)
+    got = vsf.device_get(vsf.jit(_sign_step(model)).check(*args))
+    assert judged == [([0], {})]  # (the outputs in key order: "0.bias" first; it differed in float32)
+    want = _sign_step(model)(*plain)
+    assert (got["0.bias"] - want["0.bias"]).abs().max() > 1e-3  # (the noise's sign, each its own)
+    for k in ("0.weight", "1.weight", "1.bias"):
+        torch.testing.assert_close(got[k], want[k])
+
+
+def test_a_difference_the_float64_run_cannot_judge_is_still_stopped_and_says_why(sim):
+    """Where the step does not run in float64 (here it closes over a float32 matrix, by which eager
+    torch will not multiply float64 images), vsf cannot tell rounding from a wrong trace: it
+    stops there, and says that it could not tell and why."""
+    model, scale = _centred_cnn(), torch.eye(10) * 0.5
+    _, args = _sign_step_args(sim, model)
+    step = _sign_step(model, scale)
+    with pytest.raises(vsf.PlanCheckError, match=r"not rounding\? vsf could not run them in float64 to tell") as info:
+        vsf.jit(step).check(*args)
+    assert info.value.op == "trace"
 
 
 _PLACE = [0]  # the block running now, counted from 1 (a global the model resets at each call)

@@ -29,7 +29,7 @@ import torch.fx
 from torch.distributed.tensor import DTensor
 
 from vsf import _compat, config, runtime, tree
-from vsf.jit.check import assembled_inputs, like_eager
+from vsf.jit.check_trace import assembled_inputs, like_eager
 from vsf.jit.call import Arguments, Call, layouts, leaf_names, param_names
 from vsf.jit.differentiable import JointPlan, attach, grad_shardings, plan_joint, program
 from vsf.jit.joint import runs_backward

@@ -11,13 +11,7 @@ differs is the one at fault (its own sharding or the redistributions of its inpu
 assembled result feeds the ops after them (an ``empty`` buffer zeroed first on every rank: its
 replicas, garbage otherwise, then agree where a model writes it piece by piece).
 
-The traced graph itself is checked too: after the program, the graph runs unsharded end to end on
-the full inputs and the step runs eagerly, as plain PyTorch on one device, on copies of them
-(:func:`like_eager`). A result that differs is a wrong trace, or a wrong rewrite of it by vsf
-(a block stamped from another's trace, a view dropped as an identity), which the op-by-op check
-cannot see: its reference is that same graph. A step that does not run eagerly on plain tensors
-(a ``shard_map`` region, an expert dispatch) or draws from torch's generator is not compared,
-with a warning saying why.
+The traced graph itself is checked too, against the step run eagerly (:mod:`vsf.jit.check_trace`).
 
 Turn it on with ``vsf.config.check_plan = True`` (every jitted call checks) or call
 ``f.check(*args)`` (this call only): two switches, one code path. The flag checks a script as it
@@ -36,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,10 +48,9 @@ from vsf.jit.graph import (
     output_node,
     placeholders_of,
     source_line,
-    user_stacklevel,
     value_of,
 )
-from vsf.jit.lower import _traced_layout, execute
+from vsf.jit.lower import execute
 from vsf.jit.plan import Placements, Plan, as_contiguous, is_shard, split_dim
 from vsf.jit import manual
 from vsf.ops.region import REGION_OPS
@@ -67,7 +59,7 @@ from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import from_placements
 from vsf.sharding.placement import balanced_order, kind_of
 
-__all__ = ["Checker", "assemble", "assembled_inputs", "like_eager", "run_checked"]
+__all__ = ["Checker", "assemble", "run_checked"]
 
 
 class _Differs(Exception):
@@ -233,15 +225,38 @@ def _unchecked(node: torch.fx.Node) -> bool:
     )
 
 
-def _reference(plan: Plan, node: torch.fx.Node, full: Callable[[torch.fx.Node], torch.Tensor]) -> Any:
-    """The op ``node`` run unsharded, on the full values (``full``) of its tensor arguments."""
+def _reference(
+    plan: Plan,
+    node: torch.fx.Node,
+    full: Callable[[torch.fx.Node], torch.Tensor],
+    dtypes: dict[torch.dtype, torch.dtype] | None = None,
+) -> Any:
+    """The op ``node`` run unsharded, on the full values (``full``) of its tensor arguments;
+    ``dtypes``: each dtype its arguments name, and a constant tensor's, read as the one it maps to
+    (float32 as float64: :mod:`vsf.jit.check_trace`)."""
     if node.op == "get_attr":
-        return getattr(plan.graph, node.target)
+        held = getattr(plan.graph, node.target)
+        return (
+            held.to(dtypes[held.dtype]) if dtypes and isinstance(held, torch.Tensor) and held.dtype in dtypes else held
+        )
     args, kwargs = map_arg((node.args, node.kwargs), lambda a: full(a) if is_tensor_node(a) else a)
+    if dtypes:
+        args, kwargs = _dtypes_mapped((args, kwargs), dtypes)
     if plan.nodes[node].op.kind == "constraint":
         return args[0]
     with _compat.local_mode_disabled():
         return node.target(*args, **kwargs)
+
+
+def _dtypes_mapped(x: Any, dtypes: dict[torch.dtype, torch.dtype]) -> Any:
+    """``x`` (op arguments) with each dtype in it that ``dtypes`` maps replaced by what it maps to."""
+    if isinstance(x, torch.dtype):
+        return dtypes.get(x, x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_dtypes_mapped(a, dtypes) for a in x)
+    if isinstance(x, dict):
+        return {k: _dtypes_mapped(v, dtypes) for k, v in x.items()}
+    return x
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:
@@ -377,124 +392,8 @@ def run_checked(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor
     return out
 
 
-def assembled_inputs(plan: Plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The full values of the program's inputs (every simulated rank's shard of each, laid out as
-    the plan takes it), as plain tensors of their own: for :func:`like_eager`, taken before the
-    program runs (which may write a donated input's buffer).
-
-    Example::
-
-        >>> full = assembled_inputs(plan, [x.to_local() for x in inputs])
-    """
-    _every_shard_at_hand()
-    return [
-        assemble(plan.mesh, placements, meta_of((ph, 0)), x)
-        for ph, placements, x in zip(placeholders_of(plan.graph), plan.inputs, inputs)
-    ]
-
-
 def _every_shard_at_hand() -> None:
     if not runtime.is_simulated() or not runtime.computes_values():
         raise RuntimeError(
             "vsf.config.check_plan / f.check need every rank's shard: run under vsf.simulate(n) with real numbers (compute=True)"
         )
-
-
-def _why_not_comparable(plan: Plan) -> str | None:
-    """Why ``plan``'s graph has no one-device result to set against an eager run, if it has none: an
-    op with no unsharded meaning (a ``shard_map`` region's boundary), or one that draws from
-    torch's generator (an eager run draws anew)."""
-    for node in plan.graph.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in REGION_OPS:
-            return f"it holds a shard_map region ({node.target}), which runs on shards only"
-        if draws_random(node.target, node.args, node.kwargs):
-            return f"it draws from torch's generator ({node.target}), which an eager run draws from anew"
-    return None
-
-
-def _unsharded_outputs(plan: Plan, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``plan``'s graph run op by op on full values, as one device would (each op given its
-    inputs in the traced layout, as the planned program gives them: :func:`_traced_layout`)."""
-    full = {(ph, 0): x for ph, x in zip(placeholders_of(plan.graph), full_inputs)}
-    last_use = _last_uses(plan)
-    for node in plan.order:
-        if not isinstance(node, torch.fx.Node) or node not in plan.nodes:
-            continue
-        out = _reference(plan, node, lambda a: _traced_layout(full[value_of(a)], meta_of(value_of(a))))
-        for i, o in enumerate(out if isinstance(out, (list, tuple)) else [out]):
-            full[(node, i)] = o
-        for a in _nodes_in((node.args, node.kwargs)):
-            if last_use.get(value_of(a)) is node:
-                full.pop(value_of(a), None)
-    return [full[value_of(a)] for a in _nodes_in(output_node(plan.graph).args)]
-
-
-def like_eager(
-    plan: Plan,
-    full_inputs: Sequence[torch.Tensor],
-    eager: Callable[[list[torch.Tensor]], list[Any]],
-    names: Sequence[str],
-) -> None:
-    """Check the traced graph against the step it was traced from: ``plan``'s graph run unsharded
-    on ``full_inputs`` (:func:`assembled_inputs`) and ``eager`` (the step as plain PyTorch on one
-    device, returning its tensor results in the graph's output order) run on copies of them must
-    give the same results (``names``: their key paths), within the checking tolerance. A result
-    that differs raises :class:`PlanCheckError` (``op`` ``"trace"``); a step that cannot be compared
-    so warns and returns.
-
-    Example::
-
-        >>> full = assembled_inputs(plan, locals_in)
-        >>> run_checked(plan, locals_in)
-        >>> like_eager(plan, full, eager_step, ["[0]['w']", "[1]"])
-    """
-    if (why := _why_not_comparable(plan)) is not None:
-        return _not_compared(why)
-    with _compat.local_mode_disabled():
-        try:
-            want = _unsharded_outputs(plan, full_inputs)
-        except Exception as e:  # (an op of the graph that runs on shards only)
-            return _not_compared(f"the graph did not run unsharded ({_first_line(e)})")
-        try:
-            got = eager([x.clone() for x in full_inputs])
-        except Exception as e:  # (the step as it is: whatever it raises on plain tensors)
-            return _not_compared(f"the step raised on plain tensors ({_first_line(e)})")
-    if len(got) != len(want):
-        return _not_compared(f"the eager step returned {len(got)} tensors where the trace returned {len(want)}")
-    wrong = []
-    for k, (name, g, w) in enumerate(zip(names, got, want)):
-        try:
-            if not isinstance(g, torch.Tensor):
-                raise _Differs(f"the eager step's is a {type(g).__name__}, not a tensor", float("inf"))
-            _compare(g.detach(), w, "the eager step's", "the traced graph's")
-        except _Differs as e:
-            wrong.append((k, name, e))
-    if wrong:
-        k, name, e = max(wrong, key=lambda w: w[2].max_error)
-        output = output_node(plan.graph)
-        raise PlanCheckError(
-            f"vsf.jit checking mode: the traced graph, run unsharded, differs from the step run eagerly on one device in "
-            f"{len(wrong)} of {len(names)} results ({', '.join(w[1] for w in wrong[:8])}{', ...' if len(wrong) > 8 else ''}); "
-            f"most in result {k} ({name}): {e.what}, max error {e.max_error:.3g}. The trace, or vsf's rewrite of it, is "
-            "wrong (the op-by-op check compares the program with that graph, so it cannot see this): please report it, "
-            "saying whether it still differs with vsf.config.stamp_blocks = False (a block stamped from another's trace)",
-            op="trace",
-            node=value_of(_nodes_in(output.args)[k])[0].name,
-            line="",
-            inputs=[],
-            outputs=[],
-            max_error=e.max_error,
-        )
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
-def _not_compared(why: str) -> None:
-    warnings.warn(
-        f"vsf.jit checking mode did not compare the traced graph with the step run eagerly: {why}",
-        stacklevel=user_stacklevel(),
-    )

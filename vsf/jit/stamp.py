@@ -39,7 +39,7 @@ create_graph=True)`` in the step) is a ``TraceError``; a gradient arriving with 
 the block's trace assumed is copied into those strides. ``vsf.config.stamp_blocks = False`` traces
 every call the plain way. What the key cannot see is Python state outside the block's modules (a
 global the blocks count their places in): such blocks are stamped from one trace, and checking mode,
-which runs the step eagerly beside its trace (:func:`vsf.jit.check.like_eager`), stops there.
+which runs the step eagerly beside its trace (:func:`vsf.jit.check_trace.like_eager`), stops there.
 
 The same machinery stamps a function applied to each leaf of a tree (:meth:`Stamper.apply`, which
 :func:`vsf.jit.trace.per_leaf` reaches: vsf.optim's Adam update of each leaf): the key is the

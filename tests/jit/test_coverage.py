@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
 
 import vsf
 from vsf import P
@@ -136,20 +138,41 @@ def test_an_op_with_neither_strategy_nor_decomposition_is_a_plan_error_naming_it
         _jit_on(mesh, lambda m, a, b: torch.addbmm(m, a, b), (m, a, b), [P(), P("dp"), P("dp")])
 
 
+@torch.library.custom_op("vsf_test::halved", mutates_args=())
+def _halved(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5
+
+
+@torch.library.custom_op("vsf_test::halved_backward", mutates_args=())
+def _halved_backward(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 0.5
+
+
+for _op in (_halved, _halved_backward):
+    _op.register_fake(torch.empty_like)
+_halved.register_autograd(lambda ctx, grad: _halved_backward(grad))
+
+
+@register_sharding(torch.ops.vsf_test.halved.default)
+def _halved_rules(x):
+    """Elementwise: any placement in, the same out (its backward is given none)."""
+    return [([Replicate()], [Replicate()])] + [([Shard(d)], [Shard(d)]) for d in range(x.ndim)]
+
+
 def test_a_backward_op_without_a_strategy_names_the_line_of_its_forward(sim):
     """A backward op's own line is the gradient call; the error also names the forward op's line
-    (``max_pool3d_with_indices_backward``: DTensor has a rule for the forward only)."""
-    w, x = torch.randn(3, 3), torch.randn(4, 3, 4, 4, 4)
+    (a custom op with rules whose backward has none)."""
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
     sim(2)
     mesh = vsf.make_mesh((2,), ("dp",))
 
     def loss(w, x):
-        return F.max_pool3d(torch.einsum("ncdhw,co->nodhw", x, w), 2).square().mean()
+        return _halved(x @ w).square().mean()
 
     with pytest.raises(
         PlanError,
-        match=r"max_pool3d_with_indices_backward\.default has no DTensor sharding strategy.*"
-        r"\(the backward of aten\.max_pool3d_with_indices\.default at .*test_coverage\.py.*F\.max_pool3d",
+        match=r"vsf_test\.halved_backward\.default has no DTensor sharding strategy.*"
+        r"\(the backward of vsf_test\.halved\.default at .*test_coverage\.py.*_halved\(x @ w\)",
     ):
         _jit_on(mesh, vsf.grad(loss), (w, x), [P(), P("dp")])
 

@@ -283,6 +283,46 @@ def test_average_pooling_trains_like_one_device(sim, layout):
     _assert_params_close(got, want)
 
 
+class PoolsAndPads(torch.nn.Module):
+    """Convolutions around the per-example ops whose backwards DTensor has no rule for (nor PyTorch a
+    decomposition of), over 3 spatial dims (MONAI's DenseNet121 and ResNet max pools, BasicUNet's
+    replication padding) or 2 (and 1): replication padding, a max pool (its backward takes the
+    indices of the maxima), adaptive max and average pools to sizes other than 1."""
+
+    def __init__(self, spatial: int) -> None:
+        super().__init__()
+        conv, nn = (torch.nn.Conv3d, torch.nn) if spatial == 3 else (torch.nn.Conv2d, torch.nn)
+        self.spatial = spatial
+        self.conv = conv(3, 8, 3)
+        self.pad = nn.ReplicationPad3d(1) if spatial == 3 else nn.ReplicationPad2d((1, 2, 0, 1))
+        self.pool = nn.MaxPool3d(3, stride=2, padding=1) if spatial == 3 else nn.AdaptiveMaxPool2d((3, 2))
+        self.average = nn.AdaptiveAvgPool3d((2, 3, 2)) if spatial == 3 else nn.AdaptiveAvgPool2d((2, 3))
+        self.head = conv(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pool(F.silu(self.conv(self.pad(x))))
+        if self.spatial == 3:
+            y = y + F.adaptive_max_pool3d(y, y.shape[2:])
+        else:  # (replication padding of the last dim alone: [N, C*H, W])
+            n, c, h, w = y.shape
+            y = F.pad(y.reshape(n, c * h, w), (1, 1), mode="replicate")[..., 1:-1].reshape(n, c, h, w)
+        return self.head(self.average(y))
+
+
+@pytest.mark.parametrize("layout", ["dp", "dp_tp"])
+@pytest.mark.parametrize("spatial", [2, 3])
+def test_pools_and_pads_train_like_one_device(sim, spatial, layout):
+    """Their backwards split over the batch, and on dp x tp also over the channels the first
+    convolution splits (a PlanError on every layout before)."""
+    torch.manual_seed(0)
+    model, x = PoolsAndPads(spatial), torch.randn(4, 3, *([7] * spatial))
+    want = _torch_run(model, _image_loss, x)
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    specs = lambda p: {k: P("tp") if k.startswith("conv.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
+    got = _jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp"))
+    _assert_params_close(got, want)
+
+
 def test_a_shard_is_laid_out_as_the_traced_value():
     """A materialised broadcast is a broadcast again (stride 0, same values); a row-major shard of
     a value the trace stored transposed is stored transposed; a shard already laid out so is

@@ -46,9 +46,9 @@ from vsf.sharding import constraint
 
 __all__ = [
     "ATTENTION_OPS",
-    "AVG_POOL_BACKWARDS",
     "BATCH_NORM_OPS",
     "DISPATCHER_SPECIAL",
+    "PER_EXAMPLE_BACKWARDS",
     "RAGGED_REDUCTIONS",
     "SHAPE_ARGUMENT_OPS",
     "UNTRUSTED_STRATEGIES",
@@ -156,25 +156,41 @@ for _op in ATTENTION_OPS:
         attention.register(_op)
 
 
-def _pool_backward_rules(spatial: int) -> Callable[[list[torch.Size]], list[list[Placement | int]]]:
-    """An average pool's backward ``(grad_output, self, ...) -> grad_input`` over ``spatial`` dims: each
-    example and channel is pooled by itself, so it splits over the batch or (batched: ``[N, C, ...]``)
-    the channels of its result and both inputs alike; it is linear in ``grad_output`` (``self`` gives
-    only the shape), so a partial sum of that gives one of the result."""
+def _per_example_backward_rules(
+    spatial: int, indices: bool
+) -> Callable[[list[torch.Size]], list[list[Placement | int]]]:
+    """A pool's or a pad's backward ``(grad_output, self, ...) -> grad_input`` over ``spatial`` dims
+    (``indices``: a max pool's, which also takes where each maximum came from): each example and
+    channel is pooled or padded by itself, so it splits over the batch or (batched: ``[N, C, ...]``)
+    the channels of its result and its inputs alike; it is linear in ``grad_output`` (``self`` gives
+    only the shape, the indices only places), so a partial sum of that gives one of the result."""
 
     def rules(shapes: list[torch.Size]) -> list[list[Placement | int]]:
         dims = (0, 1) if len(shapes[1]) == spatial + 2 else (0,)
-        return [[d, d, d] for d in dims] + [[Partial(), Partial(), Replicate()]]
+        rest = [Replicate()] * (1 + indices)
+        return [[d, d, d] + [d] * indices for d in dims] + [[Partial(), Partial(), *rest]]
 
     return rules
 
 
-# Average pooling's backward, which DTensor has no rule for (it has the forward's): Funnel's and
-# MaxViT's pools were a PlanError on every layout.
-AVG_POOL_BACKWARDS = {aten.avg_pool2d_backward.default: 2, aten.avg_pool3d_backward.default: 3}
-for _op, _spatial in AVG_POOL_BACKWARDS.items():
+# Backwards of per-example ops (pools, replication padding) that DTensor has no rule for (it has
+# the forwards') and PyTorch no decomposition of, each with its spatial dims and whether it takes a
+# max pool's indices: Funnel's and MaxViT's average pools, MONAI's DenseNet121 and ResNet max pools
+# and BasicUNet's padding were a PlanError on every layout.
+PER_EXAMPLE_BACKWARDS = {
+    aten.avg_pool2d_backward.default: (2, False),
+    aten.avg_pool3d_backward.default: (3, False),
+    aten._adaptive_avg_pool3d_backward.default: (3, False),
+    aten.max_pool3d_with_indices_backward.default: (3, True),
+    aten.adaptive_max_pool2d_backward.default: (2, True),
+    aten.adaptive_max_pool3d_backward.default: (3, True),
+    aten.replication_pad1d_backward.default: (1, False),
+    aten.replication_pad2d_backward.default: (2, False),
+    aten.replication_pad3d_backward.default: (3, False),
+}
+for _op, (_spatial, _indices) in PER_EXAMPLE_BACKWARDS.items():
     if _compat.registered_rules(_op) is None:
-        _compat.register_single_dim_rules(_op, _pool_backward_rules(_spatial))
+        _compat.register_single_dim_rules(_op, _per_example_backward_rules(_spatial, _indices))
 
 
 OpKind = Literal["constant", "constraint", "manual", "value_blind", "strategy", "none"]  # see the module docs

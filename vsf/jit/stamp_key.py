@@ -217,7 +217,9 @@ def row_keys(rows: Sequence[tuple[Any, ...]], tracer: Any) -> list[tuple[Any, Ca
             except TypeError:
                 out.append(None)
                 continue
-            out.append((key, Call([], [], operands, [k[1] for k in known], [k[2] for k in known], leaves, specs[nones])))
+            out.append(
+                (key, Call([], [], operands, [k[1] for k in known], [k[2] for k in known], leaves, specs[nones]))
+            )
     return out
 
 

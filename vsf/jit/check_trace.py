@@ -11,9 +11,10 @@ copied ops), so they round apart, and over a whole train step a model can amplif
 the checking tolerance: BatchNorm's centred sums feed gradients that are rounding noise, and Adam
 moves a weight by about its learning rate wherever a gradient is near ``eps`` (a 3D ResNet's
 weights lay 1e-4 apart after one step in float32, as far as torch's own float32 and float64 steps
-do). So the results that differ are judged again in float64: both run once more on the inputs
-widened to float64 (what the step makes at the default dtype stays as it was, alike in both), where
-rounding is some nine digits smaller and a wrong trace differs as much as before.
+do). So the results that differ are judged again in float64 (:func:`_in_float64`): both run once
+more with the inputs, the dtypes the graph's ops name and its constants widened from float32, and
+the step at float64 as the default dtype, where rounding is some nine digits smaller and a wrong
+trace differs as much as before.
 
 Example::
 

@@ -92,6 +92,15 @@ def _assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def _assert_trains_like_one_device(sim, model: torch.nn.Module, x: torch.Tensor, layout: str, split: str) -> None:
+    """``model`` trained on images ``x`` split over dp, on ``layout`` ``"dp"`` or ``"dp_tp"`` (the
+    params under ``split`` split over tp there), ends with torch's one-device params."""
+    want = _torch_run(model, _image_loss, x)
+    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    specs = lambda p: {k: P("tp") if k.startswith(split) and layout == "dp_tp" else P() for k in p}  # noqa: E731
+    _assert_params_close(_jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp")), want)
+
+
 def _attention_loss(run, batch) -> torch.Tensor:
     x, target, lengths = batch
     return F.mse_loss(run(x, lengths), target)
@@ -178,11 +187,7 @@ def test_a_pool_over_transposed_tokens_trains_like_one_device(sim, layout):
     shards): the ``as_strided`` ops that only reshape are planned as views."""
     torch.manual_seed(0)
     model, (x, _, _) = PooledOverTokens(), _batch()
-    want = _torch_run(model, _image_loss, x)
-    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
-    specs = lambda p: {k: P("tp") if k.startswith("proj.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
-    got = _jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp"))
-    _assert_params_close(got, want)
+    _assert_trains_like_one_device(sim, model, x, layout, "proj.")
 
 
 class FourierSmoothing(torch.nn.Module):
@@ -250,10 +255,7 @@ def test_group_norm_with_channel_split_convolutions_trains_like_one_device(sim):
     """dp x tp: the first convolution's output channels split over tp, the batch over dp."""
     torch.manual_seed(0)
     model, x = ConvGroupNorm("nearest"), torch.randn(4, 3, 8, 8)
-    want = _torch_run(model, _image_loss, x)
-    specs = lambda p: {k: P("tp") if k.startswith("conv.") else P() for k in p}  # noqa: E731
-    got = _jit_run(sim, model, _image_loss, x, (2, 2), ("dp", "tp"), specs, P("dp"))
-    _assert_params_close(got, want)
+    _assert_trains_like_one_device(sim, model, x, "dp_tp", "conv.")
 
 
 class ConvAvgPool(torch.nn.Module):
@@ -276,11 +278,7 @@ def test_average_pooling_trains_like_one_device(sim, layout):
     split over the batch, and on dp x tp also over the channels the first convolution splits."""
     torch.manual_seed(0)
     model, x = ConvAvgPool(), torch.randn(4, 3, 9, 9)
-    want = _torch_run(model, _image_loss, x)
-    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
-    specs = lambda p: {k: P("tp") if k.startswith("conv.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
-    got = _jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp"))
-    _assert_params_close(got, want)
+    _assert_trains_like_one_device(sim, model, x, layout, "conv.")
 
 
 class PoolsAndPads(torch.nn.Module):
@@ -316,11 +314,7 @@ def test_pools_and_pads_train_like_one_device(sim, spatial, layout):
     convolution splits (a PlanError on every layout before)."""
     torch.manual_seed(0)
     model, x = PoolsAndPads(spatial), torch.randn(4, 3, *([7] * spatial))
-    want = _torch_run(model, _image_loss, x)
-    shape, axes = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
-    specs = lambda p: {k: P("tp") if k.startswith("conv.") and layout == "dp_tp" else P() for k in p}  # noqa: E731
-    got = _jit_run(sim, model, _image_loss, x, shape, axes, specs, P("dp"))
-    _assert_params_close(got, want)
+    _assert_trains_like_one_device(sim, model, x, layout, "conv.")
 
 
 def test_a_shard_is_laid_out_as_the_traced_value():

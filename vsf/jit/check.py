@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate
-from torch.fx.node import map_arg
+from torch.fx.node import map_aggregate, map_arg
 
 from vsf import _compat, config, runtime
 from vsf.errors import PlanCheckError
@@ -241,22 +241,11 @@ def _reference(
         )
     args, kwargs = map_arg((node.args, node.kwargs), lambda a: full(a) if is_tensor_node(a) else a)
     if dtypes:
-        args, kwargs = _dtypes_mapped((args, kwargs), dtypes)
+        args, kwargs = map_aggregate((args, kwargs), lambda a: dtypes.get(a, a) if isinstance(a, torch.dtype) else a)
     if plan.nodes[node].op.kind == "constraint":
         return args[0]
     with _compat.local_mode_disabled():
         return node.target(*args, **kwargs)
-
-
-def _dtypes_mapped(x: Any, dtypes: dict[torch.dtype, torch.dtype]) -> Any:
-    """``x`` (op arguments) with each dtype in it that ``dtypes`` maps replaced by what it maps to."""
-    if isinstance(x, torch.dtype):
-        return dtypes.get(x, x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_dtypes_mapped(a, dtypes) for a in x)
-    if isinstance(x, dict):
-        return {k: _dtypes_mapped(v, dtypes) for k, v in x.items()}
-    return x
 
 
 def _last_uses(plan: Plan) -> dict[Value, torch.fx.Node]:

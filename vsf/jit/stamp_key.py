@@ -155,72 +155,69 @@ def args_key(
 
     Example::
 
-        >>> keys = [args_key(row, {}, tracer) for row in rows] if stampable_now() else None
+        >>> key, call = args_key((grad, mu, nu), {}, tracer)
     """
     leaves, treedef = tree.flatten((args, kwargs))
-    if not all_held(leaves):
-        return None
     with _compat.metadata_reads():
-        key = (
-            torch.is_grad_enabled(),
-            treedef,
-            *(_meta(x) if isinstance(x, torch.Tensor) else exact(x) for x in leaves),
-        )
-    operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
-    nodes = [_compat.traced_node(t, tracer) for t in operands]
-    if len({id(t) for t in operands}) != len(operands) or any(n is None for n in nodes):
-        return None
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    with _compat.metadata_reads():
-        grads = [t.requires_grad for t in operands]
-    return key, Call([], [], operands, nodes, grads, leaves, treedef)
+        return _keyed(leaves, treedef, tracer, held, {})
 
 
 def row_keys(rows: Sequence[tuple[Any, ...]], tracer: Any) -> list[tuple[Any, Call] | None]:
     """:func:`args_key` of each row (the positional arguments of one call), asked once for all of
-    them: a row of tensors and plain values is keyed without flattening it, and a tensor that
-    several rows hold (an optimizer's step count, its learning rate) has its metadata and node read
-    once; a row holding anything else is keyed by :func:`args_key`.
+    them: a row of tensors and plain values is keyed without flattening it (its structure found
+    once per place of its Nones), and a tensor that several rows hold (an optimizer's step
+    count, its learning rate) has its metadata and node read once.
 
     Example::
 
         >>> keys = row_keys(rows, tracer) if stampable_now() else None
     """
-    grad = torch.is_grad_enabled()
-    specs: dict[tuple[bool, ...], tree.PyTreeSpec] = {}  # by where a row holds None (a node of no leaves)
-    seen: dict[int, tuple[Any, torch.fx.Node | None, bool]] = {}  # by tensor id: metadata, node, requires_grad
-    out: list[tuple[Any, Call] | None] = []
+    specs: dict[tuple[bool, ...], tree.PyTreeSpec] = {}  # (None is a node of no leaves)
+    seen: dict[int, tuple[Any, torch.fx.Node | None, bool]] = {}
+    out = []
     with _compat.metadata_reads():
         for row in rows:
-            if not all(isinstance(x, _HELD) for x in row):
-                out.append(args_key(row, {}, tracer))
-                continue
-            nones = tuple([x is None for x in row])
-            if nones not in specs:
-                specs[nones] = tree.flatten((row, {}))[1]
-            leaves = [x for x in row if x is not None]
-            operands = [x for x in leaves if isinstance(x, torch.Tensor)]
-            for t in operands:
-                if id(t) not in seen:
-                    seen[id(t)] = (_meta(t), _compat.traced_node(t, tracer), t.requires_grad)
-            known = [seen[id(t)] for t in operands]
-            if len({id(t) for t in operands}) != len(operands) or any(k[1] is None for k in known):
-                out.append(None)
-                continue
-            metas = iter(known)
-            key = (grad, specs[nones], *(next(metas)[0] if isinstance(x, torch.Tensor) else exact(x) for x in leaves))
-            try:
-                hash(key)
-            except TypeError:
-                out.append(None)
-                continue
-            out.append(
-                (key, Call([], [], operands, [k[1] for k in known], [k[2] for k in known], leaves, specs[nones]))
-            )
+            if all_held(row):
+                nones = tuple([x is None for x in row])
+                if nones not in specs:
+                    specs[nones] = tree.flatten((row, {}))[1]
+                leaves, treedef = [x for x in row if x is not None], specs[nones]
+            else:
+                leaves, treedef = tree.flatten((row, {}))
+            out.append(_keyed(leaves, treedef, tracer, (), seen))
     return out
+
+
+def _keyed(
+    leaves: list[Any],
+    treedef: tree.PyTreeSpec,
+    tracer: Any,
+    held: Sequence[torch.Tensor],
+    seen: dict[int, tuple[Any, torch.fx.Node | None, bool]],
+) -> tuple[Any, Call] | None:
+    """The key of a call of the arguments ``leaves`` (of structure ``treedef``) with the tensors
+    ``held`` before them, and the call, or ``None`` (the module docstring says when); read under
+    ``_compat.metadata_reads``. ``seen``: each tensor's metadata, node and ``requires_grad`` by id,
+    read once for the calls that share it."""
+    if not all_held(leaves):
+        return None
+    operands = [*held, *(x for x in leaves if isinstance(x, torch.Tensor))]
+    for t in operands:
+        if id(t) not in seen:
+            seen[id(t)] = (_meta(t), _compat.traced_node(t, tracer), t.requires_grad)
+    key = (
+        torch.is_grad_enabled(),
+        treedef,
+        *(seen[id(x)][0] if isinstance(x, torch.Tensor) else exact(x) for x in leaves),
+    )
+    known = [seen[id(t)] for t in operands]
+    if len({id(t) for t in operands}) != len(operands) or any(node is None for _, node, _ in known):
+        return None
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key, Call([], [], operands, [node for _, node, _ in known], [grad for _, _, grad in known], leaves, treedef)
 
 
 @contextlib.contextmanager

@@ -327,7 +327,7 @@ def _weight_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_weight_norm_interface_backward`` (of ``w = v * g / norms``, the norms of ``v`` over every dim
     but ``dim``) as its formula's ops: ``grad_g = sum(grad_w * v) / norms`` and ``grad_v = (g / norms)
-    * (grad_w - v * sum(grad_w * v) / norms**2``), the sums over the dims the norms reduce."""
+    * (grad_w - v * sum(grad_w * v) / norms**2)``, the sums over the dims the norms reduce."""
     dims = [d for d in range(v.dim()) if d != dim]
     sums = (grad_w * v).sum(dims, keepdim=True).to(norms.dtype)
     grad_v = (g / norms) * (grad_w - v * (sums / (norms * norms)))

@@ -1,8 +1,6 @@
-"""Prints the requirements of pyproject.toml's ``test`` extra, one a line (for .ci/run, which
-installs them beside the README demo)."""
+"""Prints the requirements of vsf's ``test`` extra, one a line, as the installed vsf's metadata
+lists them (for .ci/run, which installs them beside the README demo; any Python vsf supports)."""
 
-import tomllib
-from pathlib import Path
+import importlib.metadata as md
 
-pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-print("\n".join(pyproject["project"]["optional-dependencies"]["test"]))
+print("\n".join(r.split(";")[0].strip() for r in md.requires("vsf") or [] if r.endswith('extra == "test"')))

@@ -455,17 +455,23 @@ def _with_fsdp(spec: P, shape: torch.Size) -> P:
 
 
 def jit_train(
-    family: Family, layout: str, simulate: Callable[[int], Any], *, check: bool = False
+    family: Family,
+    layout: str,
+    simulate: Callable[[int], Any],
+    *,
+    check: bool = False,
+    shape: tuple[int, ...] | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], Any]:
-    """``family`` trained one step per batch of :func:`built` through ``vsf.jit`` on ``layout``,
-    on ranks that ``simulate(n)`` starts (the ``sim`` fixture; after the model is built, which
-    would otherwise hold simulated tensors): each step's loss, every param after the last step
-    (gathered), and the jitted step. ``check``: the first step in checking mode (``step.check``:
-    it raises at the first op whose sharded result differs from one device's)."""
+    """``family`` trained one step per batch of :func:`built` through ``vsf.jit`` on ``layout``
+    (over a mesh of ``shape`` if given), on ranks that ``simulate(n)`` starts (the ``sim`` fixture;
+    after the model is built, which would otherwise hold simulated tensors): each step's loss,
+    every param after the last step (gathered), and the jitted step. ``check``: the first step in
+    checking mode (``step.check``: it raises at the first op whose sharded result differs from one
+    device's)."""
     model, batches = built(family)
     tx = adamw()
-    simulate(math.prod(LAYOUTS[layout][0]))
-    mesh, p, s, batch_spec = _on_mesh(family, model, tx, layout)
+    simulate(math.prod(shape or LAYOUTS[layout][0]))
+    mesh, p, s, batch_spec = _on_mesh(family, model, tx, layout, shape)
     step = vsf.jit(train_step(model, tx, family.loss))
     losses = []
     for i, batch in enumerate(batches):

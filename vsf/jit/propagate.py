@@ -217,6 +217,10 @@ def _solve(problem: Problem, axes: Sequence[str], latency: float, sweeps: int = 
             last = problem.solved.get(axis)
             if last is None or not solver.poses_as(last):  # (else: solved again, it gives last's answer)
                 solver.solve()
+                if held := solver.other_start:
+                    other = AxisSolver(problem, axis, tables[axis], held)
+                    other.solve()
+                    solver = other if other.objective() < solver.objective() - 1e-6 else solver
                 problem.solved[axis] = solver
 
 

@@ -7,8 +7,8 @@ JAX mesh over ``jax.devices()[:n]`` has device ids ``0..n-1`` row-major, so devi
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -25,8 +25,16 @@ SCALE_SIZES = (4, 8, 8, 2, 2)
 SCALE_NAMES = ("pp", "dp", "fsdp", "cp", "tp")
 
 
+def _jax() -> ModuleType:
+    """JAX, imported by the tests that compare with it (not when the file is collected: every
+    pytest-xdist worker collects it, and the import takes 1.5 s)."""
+    import jax
+
+    return jax
+
+
 def test_jax_has_64_devices_with_ids_in_order():
-    assert [d.id for d in jax.devices()] == list(range(64))
+    assert [d.id for d in _jax().devices()] == list(range(64))
 
 
 def _bounds(index, shape):
@@ -71,6 +79,7 @@ def layouts(draw, max_devices=64):
 def test_devices_indices_map_equals_jax(layout):
     sizes, names, entries, shape = layout
     n = math.prod(sizes)
+    jax = _jax()
     jax_mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(sizes), names)
     want = jax.sharding.NamedSharding(jax_mesh, jax.sharding.PartitionSpec(*entries))
     with vsf.simulate(n, compute=False):

@@ -336,9 +336,7 @@ def test_split_token_ids_are_held_where_gathering_them_would_move_the_activation
     monkeypatch.setattr(zoo, "VOCAB", 512)
     monkeypatch.setattr(zoo, "SEQ", 32)
     family, shape, n = {**FAMILIES, "llama": zoo.uncached(zoo.families()["llama"])}[name], (1, 1, 4, 1, 1), 4
-    model, _ = zoo.built(family)
-    ring = (n - 1) / n
-    fsdp = ring * 2 * sum(p.numel() * p.element_size() for p in model.parameters()) + 2 * (2 * ring * 4)
+    fsdp = zoo.fsdp_bytes(zoo.built(family)[0].parameters(), n)
     losses, params, _ = zoo.jit_train(family, "5d", sim, shape=shape)
     zoo.assert_like_oracle(f"{name}, fsdp, 512 tokens", losses, params, zoo.torch_run(family))
     assert sum(zoo.lowered(family, "5d", shape)[1].cost().comm_bytes.values()) <= fsdp

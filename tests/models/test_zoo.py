@@ -95,21 +95,19 @@ def test_llama_3_8b_sizes_on_fsdp_send_no_more_than_fsdp(sim):
     the params' bytes twice, 5.2 GB a rank, and two scalar all-reduces). From its token ids
     gathered for the embedding, the cheapest move for it, the plan once moved activations through
     every layer and reduced the logits whole: 21.6 GB a rank."""
-    import transformers as T
-
-    config = T.LlamaConfig(
+    family = zoo.llama(
+        2,
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
-        num_hidden_layers=2,
         num_attention_heads=32,
         num_key_value_heads=8,
         max_position_embeddings=4096,
         use_cache=False,
     )
     with torch.device("meta"):
-        model = T.LlamaForCausalLM(config)
-    family, tx, n = _families()["llama"], zoo.adamw(), 8
+        model = family.build()
+    tx, n = zoo.adamw(), 8
     params = {k: torch.empty(v.shape, dtype=torch.bfloat16) for k, v in vsf.tree.from_module(model).items()}
     sim(n, compute=False)
     mesh = vsf.make_mesh((1, 1, n, 1, 1), ("pp", "dp", "fsdp", "cp", "tp"))
@@ -117,9 +115,7 @@ def test_llama_3_8b_sizes_on_fsdp_send_no_more_than_fsdp(sim):
     ids = torch.zeros(n, 4096, dtype=torch.long)
     batch = vsf.device_put({"input_ids": ids, "labels": ids}, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
     lowered = vsf.jit(zoo.train_step(model, tx, family.loss)).lower(p, optim.init_sharded(tx, p), batch)
-    ring = (n - 1) / n
-    fsdp = ring * 2 * sum(v.numel() * v.element_size() for v in params.values()) + 2 * (2 * ring * 4)
-    assert sum(lowered.cost().comm_bytes.values()) <= fsdp
+    assert sum(lowered.cost().comm_bytes.values()) <= zoo.fsdp_bytes(params.values(), n)
 
 
 REAL = ["llama", "bert"]  # rotary tables; position and token-type buffers, padding masks

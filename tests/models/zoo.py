@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -527,6 +527,14 @@ def _on_mesh(
     params = vsf.tree.from_module(model)
     p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, specs(params, kind, family)))
     return mesh, p, optim.init_sharded(tx, p), batch_spec
+
+
+def fsdp_bytes(tensors: Iterable[torch.Tensor], n: int) -> float:
+    """What FSDP's plan sends a rank on ``n`` fsdp ranks, by hand (ring model): ``(n-1)/n`` of the
+    params' bytes gathered once and their gradients' reduced to their shards once, and two float
+    scalar all-reduces (a mean loss's sum and count)."""
+    ring = (n - 1) / n
+    return ring * 2 * sum(t.numel() * t.element_size() for t in tensors) + 2 * (2 * ring * 4)
 
 
 def assert_like_oracle(

@@ -256,9 +256,9 @@ def test_fsdp_gathers_each_param_once_and_scatters_each_grad(sim):
 def test_bucketed_gathers_and_scatters_equal_one_device(sim, axes, dim):
     """Weights split on dim 0 or 1 over fsdp (next to dp, whose reduction is not a reduce-scatter):
     one bucketed all-gather of both weights, one bucketed reduce-scatter of both gradients over
-    fsdp (flat buffers cut and reassembled along the split dim), on dp x fsdp then one bucketed
-    all-reduce over dp (of the updated shards: ``p - lr * g`` with ``g`` still partial over dp
-    sums ``p``'s shares, as many bytes as reducing ``g``), and the numbers of one device."""
+    fsdp (flat buffers cut and reassembled along the split dim), on dp x fsdp that bucket's
+    scattered buffer then all-reduced over dp (HSDP's reduction: the dp all-reduce moves the fsdp
+    shards), and the numbers of one device."""
     params, (x, y), loss_fn = mlp_case()
     x, y = x.repeat(8, 1), y.repeat(8, 1)
     step = make_step(loss_fn)
@@ -271,10 +271,11 @@ def test_bucketed_gathers_and_scatters_equal_one_device(sim, axes, dim):
         vsf.device_put(params, vsf.NamedSharding(mesh, spec)),
         *vsf.device_put((x, y), vsf.NamedSharding(mesh, data)),
     )
-    kinds = sorted(b.kind for b in jitted.lower(*placed).plan.buckets)
-    assert kinds == (
-        ["all_gather", "reduce_scatter"] if len(axes) == 1 else ["all_gather", "all_reduce", "reduce_scatter"]
-    )
+    buckets = sorted(jitted.lower(*placed).plan.buckets, key=lambda b: b.kind)
+    assert [[(c.kind, c.axis) for c in b.collectives] for b in buckets] == [
+        [("all_gather", "fsdp")],
+        [("reduce_scatter", "fsdp"), *([("all_reduce", "dp")] if len(axes) == 2 else [])],
+    ]
     assert_close_trees(got_params, want_params)
     torch.testing.assert_close(torch.stack(got_losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
 

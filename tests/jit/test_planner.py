@@ -501,8 +501,10 @@ def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_s
     # a linear layer on tokens [batch@dp, seq@cp] on a mesh ("cp", "dp"): its view to rows makes
     # S(0)/sf4, S(0), which DTensor cannot regather but vsf moves itself, so the tokens stay split
     # (they were gathered over dp, with their gradient: 4 x 2 KiB). What moves is the weight's
-    # gradient, 32 x 32 floats: reduce-scattered over cp (half of 4 KiB sent), its half all-reduced
-    # over dp (2(n-1)/n of 2 KiB), and the loss. Loss and gradients are one device's.
+    # gradient, 32 x 32 floats, which the step may return split: reduce-scattered over cp (half of
+    # 4 KiB sent), then its half over dp (half of 2 KiB; all-reducing the half, 2 KiB, was planned
+    # while dp was charged for reducing the whole gradient), and the loss. Loss and gradients are
+    # one device's.
     w = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 0.1
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
 
@@ -522,7 +524,7 @@ def test_tokens_split_on_batch_and_sequence_merged_against_the_mesh_order_stay_s
         ("cp", "all_reduce", 4),
         ("cp", "reduce_scatter", 2048),
         ("dp", "all_reduce", 4),
-        ("dp", "all_reduce", 2048),
+        ("dp", "reduce_scatter", 1024),
     ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import zoo
 
 import vsf
 from vsf import P, optim
+from vsf.jit.graph import meta_of
 
 pytestmark = pytest.mark.models
 
@@ -88,6 +90,23 @@ def test_llama_with_activation_checkpointing_trains_like_torch_without_it(sim, l
     zoo.assert_like_oracle(f"llama x{layers} {layout}", losses, params, zoo.torch_run(zoo.llama(layers)))
 
 
+def _planned_llama(sim, shape, dtype, seq, **config):
+    """The zoo's two-layer Llama of ``config`` (meta weights of ``dtype``), its AdamW step planned
+    (not run) on a 5D mesh of ``shape`` with the zoo's 5D rules (``fsdp_tp``) and one ``seq``-token
+    sequence a rank of dp x fsdp: its params and its ``Lowered``."""
+    family = zoo.llama(2, use_cache=False, **config)
+    with torch.device("meta"):
+        model = family.build()
+    tx = zoo.adamw()
+    params = {k: torch.empty(v.shape, dtype=dtype) for k, v in vsf.tree.from_module(model).items()}
+    sim(math.prod(shape), compute=False)
+    mesh = vsf.make_mesh(shape, ("pp", "dp", "fsdp", "cp", "tp"))
+    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, "fsdp_tp", family)))
+    ids = torch.zeros(shape[1] * shape[2], seq, dtype=torch.long)
+    batch = vsf.device_put({"input_ids": ids, "labels": ids}, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    return params, vsf.jit(zoo.train_step(model, tx, family.loss)).lower(p, optim.init_sharded(tx, p), batch)
+
+
 def test_llama_3_8b_sizes_on_fsdp_send_no_more_than_fsdp(sim):
     """Llama 3 8B's sizes (hidden 4096, FFN 14,336, 32 heads, 8 KV heads, a vocabulary of 128,256,
     bf16), two layers, planned only (meta weights) on 8 fsdp ranks with the zoo's 5D rules and one
@@ -95,27 +114,50 @@ def test_llama_3_8b_sizes_on_fsdp_send_no_more_than_fsdp(sim):
     the params' bytes twice, 5.2 GB a rank, and two scalar all-reduces). From its token ids
     gathered for the embedding, the cheapest move for it, the plan once moved activations through
     every layer and reduced the logits whole: 21.6 GB a rank."""
-    family = zoo.llama(
-        2,
+    params, lowered = _planned_llama(
+        sim,
+        (1, 1, 8, 1, 1),
+        torch.bfloat16,
+        4096,
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
         num_attention_heads=32,
         num_key_value_heads=8,
         max_position_embeddings=4096,
-        use_cache=False,
     )
-    with torch.device("meta"):
-        model = family.build()
-    tx, n = zoo.adamw(), 8
-    params = {k: torch.empty(v.shape, dtype=torch.bfloat16) for k, v in vsf.tree.from_module(model).items()}
-    sim(n, compute=False)
-    mesh = vsf.make_mesh((1, 1, n, 1, 1), ("pp", "dp", "fsdp", "cp", "tp"))
-    p = vsf.device_put(params, vsf.NamedSharding.tree(mesh, zoo.specs(params, "fsdp_tp", family)))
-    ids = torch.zeros(n, 4096, dtype=torch.long)
-    batch = vsf.device_put({"input_ids": ids, "labels": ids}, vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
-    lowered = vsf.jit(zoo.train_step(model, tx, family.loss)).lower(p, optim.init_sharded(tx, p), batch)
-    assert sum(lowered.cost().comm_bytes.values()) <= zoo.fsdp_bytes(params.values(), n)
+    assert sum(lowered.cost().comm_bytes.values()) <= zoo.fsdp_bytes(params.values(), 8)
+
+
+def test_llama_on_dp_x_fsdp_all_reduces_each_gradients_fsdp_shard_over_dp(sim):
+    """A Llama of hidden 256, FFN 512 and a vocabulary of 8192, two layers, planned only on dp=4 x
+    fsdp=4 with one 256-token sequence a rank: what the AdamW step moves over dp of the weights'
+    values (gradients, moments, params, updates) is at most HSDP's: each gradient's fsdp shard
+    all-reduced, ``2 * 3/4`` of the params' bytes over 4 (by hand). The solver charged dp's
+    all-reduce of a gradient at its whole size, where the reduce-scatter over fsdp leaves a
+    quarter of it, so it split the update over dp instead (ZeRO-style: the gradient reduce-scattered
+    whole over dp, then the update and both moments gathered back each step): 17.2 MB over dp
+    where HSDP sends 8.1 MB. (Llama 3 8B's sizes on dp=8 x fsdp=8 x tp=8: 24.7 -> 14.5 GB a rank.)"""
+    params, lowered = _planned_llama(
+        sim,
+        (1, 4, 4, 1, 1),
+        torch.float32,
+        256,
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    shapes = {v.shape for v in params.values()}
+    over_dp = sum(
+        c.bytes
+        for r in lowered.plan.redistributions
+        for c in r.collectives
+        if c.axis == "dp" and meta_of(r.value).shape in shapes
+    )
+    assert over_dp <= 2 * 3 / 4 * sum(v.numel() * v.element_size() for v in params.values()) / 4
 
 
 REAL = ["llama", "bert"]  # rotary tables; position and token-type buffers, padding masks

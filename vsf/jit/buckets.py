@@ -167,23 +167,26 @@ def bucket_kind(mesh: Mesh, r: Redistribution) -> tuple[str, tuple[int, ...]] | 
     """``(kind, mesh dims)`` of a redistribution that can join a bucket, else ``None``: partial
     sums or averages reduced to replicated on some mesh dims (``all_reduce``); on one mesh dim, a
     plain shard gathered (``all_gather``) or a partial sum or average reduced into a plain shard
-    (``reduce_scatter``) of a tensor dim no other mesh dim splits. Values must be evenly sharded.
-    (Subclasses of ``Partial``, a norm's partial, reduce differently; strided and ragged shards
-    are laid out differently.)"""
+    (``reduce_scatter``) of a tensor dim no other mesh dim splits, and then, where it is also
+    reduced to replicated on other mesh dims, all-reduced over those (``reduce_scatter``, its
+    scattering mesh dim first: a gradient reduce-scattered over fsdp and all-reduced over dp, as
+    HSDP reduces it). Values must be evenly sharded. (Subclasses of ``Partial``, a norm's partial,
+    reduce differently; strided and ragged shards are laid out differently.)"""
     dims = tuple(k for k, (a, b) in enumerate(zip(r.src, r.dst)) if a != b)
     t = meta_of(r.value)
     if not dims or not (_even(mesh, t, r.src) and _even(mesh, t, r.dst)):
         return None
-    if all(_reduced(r.src[k]) and isinstance(r.dst[k], Replicate) for k in dims):
+    summed = [k for k in dims if _reduced(r.src[k]) and isinstance(r.dst[k], Replicate)]
+    if len(summed) == len(dims):
         return "all_reduce", dims
-    if len(dims) > 1:
+    if len(summed) < len(dims) - 1:
         return None
-    (k,) = dims
+    (k,) = [k for k in dims if k not in summed]
     src, dst = r.src[k], r.dst[k]
-    if type(src) is Shard and isinstance(dst, Replicate) and _alone(r.src, k):
+    if not summed and type(src) is Shard and isinstance(dst, Replicate) and _alone(r.src, k):
         return "all_gather", dims
     if _reduced(src) and type(dst) is Shard and _alone(r.dst, k):
-        return "reduce_scatter", dims
+        return "reduce_scatter", (k, *summed)
     return None
 
 
@@ -337,8 +340,16 @@ def _bucket(
 ) -> Bucket:
     dtype = meta_of(members[0].value).dtype
     numel = sum(_buffer_bytes(mesh, r, kind) for r in members) // dtype.itemsize
+    # (a reduce-scatter's bucket all-reduces its scattered buffer over its further mesh dims)
+    scattered = numel // mesh.axis_size(mesh.device_axes[mesh_dims[0]]) if kind == "reduce_scatter" else numel
     collectives = tuple(
-        Collective(kind, axis, (numel,), dtype, sum(c.bytes for r in members for c in r.collectives if c.axis == axis))
-        for axis in (mesh.device_axes[k] for k in mesh_dims)
+        Collective(
+            kind if i == 0 else "all_reduce",
+            axis,
+            (numel if i == 0 else scattered,),
+            dtype,
+            sum(c.bytes for r in members for c in r.collectives if c.axis == axis),
+        )
+        for i, axis in enumerate(mesh.device_axes[k] for k in mesh_dims)
     )
     return Bucket(kind, tuple(members), mesh_dims, before, collectives)

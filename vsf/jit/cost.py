@@ -163,6 +163,9 @@ class Codes:
         self.fixed: list[list[float]] = []
         self.shard: list[bool] = []
         self.partial: list[bool] = []
+        # a partial sum's reduction (an all-reduce or a reduce-scatter), which the solver charges
+        # on what the other axes' reduce-scatters leave of the value (AxisSolver._reduced_bytes)
+        self.reduces: list[list[bool]] = []
         self.free: list[bool] = []  # a value placed so and wanted so costs nothing (every placement's)
         self.code(R)
 
@@ -171,11 +174,13 @@ class Codes:
         if c is None:  # a new placement: a column for it in each row, and its own row
             c = self.of[p] = len(self.placements)
             self.placements.append(p)
-            for a, factor, fixed in zip(self.placements, self.factor, self.fixed):
+            for a, factor, fixed, reduces in zip(self.placements, self.factor, self.fixed, self.reduces):
                 factor.append(self._factor(a, p))
                 fixed.append(self._fixed(a, p))
+                reduces.append(self._reduces(a, p))
             self.factor.append([self._factor(p, b) for b in self.placements])
             self.fixed.append([self._fixed(p, b) for b in self.placements])
+            self.reduces.append([self._reduces(p, b) for b in self.placements])
             self.shard.append(is_shard(p))
             self.partial.append(isinstance(p, Partial))
             self.free.append(self.factor[c][c] == 0.0 and self.fixed[c][c] == 0.0)
@@ -187,6 +192,15 @@ class Codes:
         if isinstance(b, OrSum):
             return 0.0 if is_sum(a) else self._fixed(a, b.placement)
         return self.latency if transition_kind(a, b) in _COLLECTIVE_KINDS else 0.0
+
+    def _reduces(self, a: Any, b: Any) -> bool:
+        if b is NOT_PARTIAL:
+            return isinstance(a, Partial)
+        if isinstance(b, OrSum):
+            return not is_sum(a) and self._reduces(a, b.placement)
+        if a is NOT_PARTIAL or isinstance(a, OrSum):
+            return False
+        return transition_kind(a, b) in ("all_reduce", "reduce_scatter")
 
     def _factor(self, a: Any, b: Any) -> float:
         if b is NOT_PARTIAL:

@@ -158,13 +158,9 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
         pieces = [p / n if n > 1 else p for n, p in zip(averaged, pieces)]
     replicated = (Replicate(),) * nd
     if b.kind == "all_reduce":
-        flat = torch.cat([p.reshape(-1) for p in pieces])
-        src = tuple(Partial() if k in b.mesh_dims else Replicate() for k in range(nd))
-        out = _compat.redistribute_local(
-            flat, dm, src, replicated, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype
-        )
+        out = _summed(torch.cat([p.reshape(-1) for p in pieces]), dm, b.mesh_dims)
         return [o.view(p.shape) for p, o in zip(pieces, out.split([p.numel() for p in pieces]))]
-    (k,) = b.mesh_dims
+    k, *summed = b.mesh_dims
     n = sizes[k]
     if b.kind == "all_gather":
         flat = torch.cat([p.reshape(-1) for p in pieces])
@@ -183,8 +179,19 @@ def _run_bucket(plan: Plan, b: Bucket, pieces: list[torch.Tensor]) -> list[torch
     src = tuple(Partial() if j == k else Replicate() for j in range(nd))
     dst = tuple(Shard(0) if j == k else Replicate() for j in range(nd))
     out = _compat.redistribute_local(flat, dm, src, dst, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype)
+    if summed:  # (the scattered buffer, all-reduced over the bucket's further mesh dims)
+        out = _summed(out, dm, summed)
     shards = [_piece_shape(p.shape, r.dst[k].dim, n) for r, p in zip(b.members, pieces)]
     return [o.view(shape) for shape, o in zip(shards, out.split([c.shape[1] for c in chunks]))]
+
+
+def _summed(flat: torch.Tensor, dm: Any, dims: Sequence[int]) -> torch.Tensor:
+    """``flat``, a partial sum over the mesh ``dims`` of ``dm``, all-reduced over them."""
+    src = tuple(Partial() if k in dims else Replicate() for k in range(dm.ndim))
+    replicated = (Replicate(),) * dm.ndim
+    return _compat.redistribute_local(
+        flat, dm, src, replicated, shape=flat.shape, stride=flat.stride(), dtype=flat.dtype
+    )
 
 
 def _piece_shape(shape: Sequence[int], dim: int, n: int) -> list[int]:

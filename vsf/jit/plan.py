@@ -105,12 +105,15 @@ class Bucket:
     """Collectives of one ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``) over the
     same mesh dims that run as one collective on a flat buffer, before ``before`` (DDP's gradient
     buckets, FSDP's per-layer gathers and reduce-scatters, found in the graph instead of at hook
-    time). Partial averages join partial sums: their local values are divided by the axis size
-    first."""
+    time); a reduce-scatter's scattered buffer then all-reduced over its further mesh dims (HSDP's
+    gradients: reduce-scattered over fsdp, all-reduced over dp). Partial averages join partial
+    sums: their local values are divided by the axis size first."""
 
     kind: BucketKind
     members: tuple[Redistribution, ...]
-    mesh_dims: tuple[int, ...]  # the mesh dims it communicates over (one collective each; one dim unless all_reduce)
+    # the mesh dims it communicates over, one collective each: one dim for a gather; a reduce-scatter's
+    # scattering dim first, then those it all-reduces the scattered buffer over
+    mesh_dims: tuple[int, ...]
     before: torch.fx.Node
     collectives: tuple[Collective, ...]
 

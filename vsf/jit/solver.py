@@ -97,6 +97,7 @@ class AxisSolver:
         self.n = problem.mesh.axis_size(axis)
         self.codes = tables.codes
         self.fb = self._full_bytes()
+        self.fr = self._reduced_bytes()
         self.alone = problem.alone
         self.share = [1.0 if a else BUCKET_SHARE for a in self.alone]
         self.label = list(tables.label)
@@ -124,9 +125,9 @@ class AxisSolver:
 
     def poses_as(self, other: "AxisSolver") -> bool:
         """Is this the problem ``other`` (solved) solved, so that solving it gives ``other``'s choices?
-        A solver reads the other axes' choices only as each value's bytes, each op's
-        unsplit work and the reorder costs (:meth:`_full_bytes`, :meth:`_unsplit_work`,
-        :meth:`_reorders`), and everything else it reads is its axis's tables: where those are
+        A solver reads the other axes' choices only as each value's bytes and reduced bytes, each
+        op's unsplit work and the reorder costs (:meth:`_full_bytes`, :meth:`_reduced_bytes`,
+        :meth:`_unsplit_work`, :meth:`_reorders`), and everything else it reads is its axis's tables: where those are
         equal, so is every step of the solve (the last axis of the second sweep, when the others'
         choices are the first sweep's again).
 
@@ -140,6 +141,7 @@ class AxisSolver:
             self.reuse
             and self.axis == other.axis
             and self.fb == other.fb
+            and self.fr == other.fr
             and self.work == other.work
             and self.reorder == other.reorder
         )
@@ -191,24 +193,51 @@ class AxisSolver:
                 sizes = [size / n if shard[c] else size for size, c in zip(sizes, solver.label)]
         return sizes
 
+    def _reduced_bytes(self) -> list[float]:
+        """Per value, the bytes its reduction on this axis moves (an all-reduce or a reduce-scatter of
+        a partial sum): :meth:`_full_bytes`, further split by each other axis whose solution
+        reduce-scatters the value. With those choices held, as the solver holds them, the
+        reductions cost least run scattering there first, and this axis's choice changes the cost
+        of its own reduction of what is left: a weight's gradient that fsdp reduce-scatters costs dp
+        its all-reduce of the fsdp shard, or its reduce-scatter (for a ZeRO update) of it.
+
+        Example::
+
+            >>> solver.fb[g], solver.fr[g]   # on dp, the gradient g reduce-scattered over fsdp=4
+            (4096.0, 1024.0)
+        """
+        sizes = list(self.fb)
+        for other, solver in self.p.solved.items():
+            if other != self.axis:
+                partial, shard, n = solver.codes.partial, solver.codes.shard, solver.n
+                for v, c in enumerate(solver.label):
+                    if partial[c] and any(k and shard[req] for req, k in solver.need[v].items()):
+                        sizes[v] /= n
+        return sizes
+
+    def _moved_bytes(self, v: int, label: int, req: int) -> float:
+        """The bytes value ``v`` moves from placement ``label`` to ``req`` (:meth:`_reduced_bytes`)."""
+        return self.fr[v] if self.codes.reduces[label][req] else self.fb[v]
+
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
         if not need:  # (most values, while the greedy pass has not reached their readers)
             return 0.0
         row, fixed, share = self.codes.factor[label], self.codes.fixed[label], self.share[v]
-        return sum(self.fb[v] * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
+        moved = self._moved_bytes
+        return sum(moved(v, label, req) * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
 
     def _value_costs(self, v: int) -> tuple[float, float]:
         """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups),
         found once per bytes, start-up share, placement and wants (:attr:`AxisTables.valued`,
         :attr:`reuse`): all that the sums read (the wants' number says which placements are wanted,
         in their order)."""
-        key = (self.fb[v], self.share[v], self.label[v], self.wants[v]) if self.reuse else None
+        key = (self.fb[v], self.fr[v], self.share[v], self.label[v], self.wants[v]) if self.reuse else None
         costs = self.valued.get(key) if key is not None else None
         if costs is None:
             row = self.codes.factor[self.label[v]]
             costs = (
                 self._value_cost(v, self.label[v], self.need[v]),
-                sum(self.fb[v] * row[req] for req, c in self.need[v].items() if c > 0),
+                sum(self._moved_bytes(v, self.label[v], req) * row[req] for req, c in self.need[v].items() if c > 0),
             )
             if key is not None:
                 self.valued[key] = costs
@@ -252,7 +281,9 @@ class AxisSolver:
             for v, req in zip(self.ins[k], ins):
                 cur = label[v]
                 if req != cur and not need[v].get(req):
-                    total += factor[cur][req] * fb[v] + self.codes.fixed[cur][req] * self.share[v]
+                    total += (
+                        factor[cur][req] * self._moved_bytes(v, cur, req) + self.codes.fixed[cur][req] * self.share[v]
+                    )
         else:
             old = self.strategies[k][self.choice[k]][0]
             changed: dict[int, dict[int, int]] = {}
@@ -275,7 +306,7 @@ class AxisSolver:
             if greedy and self.codes.is_partial(lab):
                 # a partial will have to be reduced: charge an all-reduce's bytes (not its start-up:
                 # independent reductions share one bucket)
-                total += factor[lab][0] * fb[v]
+                total += factor[lab][0] * self.fr[v]
         return total
 
     def _apply(self, k: int, j: int) -> None:
@@ -338,8 +369,8 @@ class AxisSolver:
             moves[v] = tuple(costs.items())
         # per value, a number for its part as an input, and as an output
         held = [v in self.held for v in range(len(fb))] if self.held else itertools.repeat(False)
-        read = _numbered(numbers, zip(itertools.repeat("in"), fb, alone, hints, moves, held))
-        made = _numbered(numbers, zip(itertools.repeat("out"), fb, alone, map(final.get, range(len(fb)))))
+        read = _numbered(numbers, zip(itertools.repeat("in"), fb, self.fr, alone, hints, moves, held))
+        made = _numbered(numbers, zip(itertools.repeat("out"), fb, self.fr, alone, map(final.get, range(len(fb)))))
         ids, work, same, in_items, outs = (
             list(map(id, self.strategies)),
             self.work,
@@ -999,7 +1030,7 @@ class AxisTables:
     first_wants: list[int] | None = None  # the wants' numbers before any op is placed (:class:`AxisSolver`)
     picked: dict[tuple[Any, ...], int | None] = dataclasses.field(default_factory=dict)
     costed: dict[tuple[Any, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
-    valued: dict[tuple[float, float, int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    valued: dict[tuple[float, float, float, int, int], tuple[float, float]] = dataclasses.field(default_factory=dict)
     placed: dict[tuple[Any, ...], Placed] = dataclasses.field(default_factory=dict)
     steady: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)
     merged: dict[tuple[Any, ...], Left] = dataclasses.field(default_factory=dict)

@@ -90,11 +90,22 @@ def test_llama_with_activation_checkpointing_trains_like_torch_without_it(sim, l
     zoo.assert_like_oracle(f"llama x{layers} {layout}", losses, params, zoo.torch_run(zoo.llama(layers)))
 
 
-def _planned_llama(sim, shape, dtype, seq, **config):
-    """The zoo's two-layer Llama of ``config`` (meta weights of ``dtype``), its AdamW step planned
-    (not run) on a 5D mesh of ``shape`` with the zoo's 5D rules (``fsdp_tp``) and one ``seq``-token
-    sequence a rank of dp x fsdp: its params and its ``Lowered``."""
-    family = zoo.llama(2, use_cache=False, **config)
+def _planned_llama(sim, shape, dtype, seq, sizes):
+    """The zoo's two-layer Llama of ``sizes`` (hidden, FFN, heads, KV heads, vocabulary; meta
+    weights of ``dtype``), its AdamW step planned (not run) on a 5D mesh of ``shape`` with the zoo's
+    5D rules (``fsdp_tp``) and one ``seq``-token sequence a rank of dp x fsdp: its params and its
+    ``Lowered``."""
+    hidden, ffn, heads, kv_heads, vocab = sizes
+    family = zoo.llama(
+        2,
+        use_cache=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+    )
     with torch.device("meta"):
         model = family.build()
     tx = zoo.adamw()
@@ -114,18 +125,7 @@ def test_llama_3_8b_sizes_on_fsdp_send_no_more_than_fsdp(sim):
     the params' bytes twice, 5.2 GB a rank, and two scalar all-reduces). From its token ids
     gathered for the embedding, the cheapest move for it, the plan once moved activations through
     every layer and reduced the logits whole: 21.6 GB a rank."""
-    params, lowered = _planned_llama(
-        sim,
-        (1, 1, 8, 1, 1),
-        torch.bfloat16,
-        4096,
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-    )
+    params, lowered = _planned_llama(sim, (1, 1, 8, 1, 1), torch.bfloat16, 4096, (4096, 14336, 32, 8, 128256))
     assert sum(lowered.cost().comm_bytes.values()) <= zoo.fsdp_bytes(params.values(), 8)
 
 
@@ -138,18 +138,7 @@ def test_llama_on_dp_x_fsdp_all_reduces_each_gradients_fsdp_shard_over_dp(sim):
     quarter of it, so it split the update over dp instead (ZeRO-style: the gradient reduce-scattered
     whole over dp, then the update and both moments gathered back each step): 17.2 MB over dp
     where HSDP sends 8.1 MB. (Llama 3 8B's sizes on dp=8 x fsdp=8 x tp=8: 24.7 -> 14.5 GB a rank.)"""
-    params, lowered = _planned_llama(
-        sim,
-        (1, 4, 4, 1, 1),
-        torch.float32,
-        256,
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    params, lowered = _planned_llama(sim, (1, 4, 4, 1, 1), torch.float32, 256, (256, 512, 4, 2, 8192))
     shapes = {v.shape for v in params.values()}
     over_dp = sum(
         c.bytes

@@ -1231,7 +1231,7 @@ def test_moves_alike_but_from_other_layouts_keep_their_own_collectives(sim):
 
 def test_a_move_no_collective_makes_is_refused_after_a_possible_one_to_the_same_layout(sim, monkeypatch):
     """The check asks once per pair of layouts whether a move between them is possible: with a sum
-    made impossible to reduce (``transition_kind`` says so), a matmul's partial sum replicated for the
+    made impossible to reduce (``reachable`` says so), a matmul's partial sum replicated for the
     result is refused, though a split value was gathered to the same layout before it."""
     import vsf
     from vsf import P
@@ -1239,8 +1239,8 @@ def test_a_move_no_collective_makes_is_refused_after_a_possible_one_to_the_same_
     from vsf.jit import combine
 
     sim(2, compute=False)
-    kind = combine.transition_kind
-    monkeypatch.setattr(combine, "transition_kind", lambda a, b: "invalid" if a == Partial() else kind(a, b))
+    possible = combine.reachable
+    monkeypatch.setattr(combine, "reachable", lambda src, dst: Partial() not in src and possible(src, dst))
     mesh = vsf.make_mesh((2,), ("tp",))
     a = vsf.device_put(torch.ones(8, 8), vsf.NamedSharding(mesh, P(None, "tp")))
     b = vsf.device_put(torch.ones(8, 8), vsf.NamedSharding(mesh, P("tp")))

@@ -149,6 +149,21 @@ def test_llama_on_dp_x_fsdp_all_reduces_each_gradients_fsdp_shard_over_dp(sim):
     assert over_dp <= 2 * 3 / 4 * sum(v.numel() * v.element_size() for v in params.values()) / 4
 
 
+def test_gpt2_with_fewer_sequences_than_batch_ranks_trains_like_one_device(sim, monkeypatch):
+    """GPT-2 (hidden 128, FFN 256, a vocabulary of 6144, one layer) with 2 sequences of 256 tokens on
+    dp=2 x fsdp=2: the batch cannot split over both. Each axis alone computes the tied embedding's
+    gradient from its share of the sequences, a partial sum; on the whole mesh that layout has
+    half a sequence a rank, which DTensor refuses, so its decision splits the gradient by hidden
+    over fsdp instead, and the sum with the head's gradient wanted a partial sum there. Planning
+    raised "no redistribution does that"; the split gradient is now gathered over fsdp and
+    partitioned, and the step trains like torch's AdamW on one device."""
+    for name, value in {"HIDDEN": 128, "FFN": 256, "VOCAB": 6144, "LAYERS": 1, "SEQ": 256, "BATCH": 2}.items():
+        monkeypatch.setattr(zoo, name, value)
+    family = zoo.families()["gpt2"]
+    losses, params, _ = zoo.jit_train(family, "5d", sim, shape=(1, 2, 2, 1, 1))
+    zoo.assert_like_oracle("gpt2, 2 sequences on dp x fsdp", losses, params, zoo.torch_run(family))
+
+
 REAL = ["llama", "bert"]  # rotary tables; position and token-type buffers, padding masks
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Shard
 from vsf import _compat
 from vsf.errors import PlanError
 from vsf.jit import arrivals, context_parallel, manual, packed
-from vsf.jit.cost import is_sum, transition_kind
+from vsf.jit.cost import is_sum, reachable
 from vsf.jit.graph import (
     Value,
     meta_of,
@@ -112,7 +112,7 @@ def check_with_dtensor(
         if src is dst:
             return
         if (id(src), id(dst)) not in valid:
-            if any(transition_kind(one_d(a), one_d(b)) == "invalid" for a, b in zip(src, dst)):
+            if not reachable(src, dst):
                 raise PlanError(
                     f"{before.target} wants %{v[0].name} as {dst} but it is {src}: no redistribution does that{user_line(before)}"
                 )

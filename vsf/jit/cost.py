@@ -42,7 +42,7 @@ from vsf.jit.classify import ATTENTION_OPS
 from vsf.jit.graph import is_tensor_node
 from vsf.jit.plan import Placements, R, is_shard, split_dim
 from vsf.sharding.mesh import Mesh
-from vsf.sharding.placement import kind_of
+from vsf.sharding.placement import kind_of, one_d
 
 __all__ = [
     "COLLECTIVE_LATENCY_BYTES",
@@ -56,6 +56,8 @@ __all__ = [
     "local_flops",
     "local_shape",
     "op_flops",
+    "reachable",
+    "through_whole",
     "splits_work",
     "transition_bytes",
     "transition_kind",
@@ -149,6 +151,37 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
     if is_shard(src):
         return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if is_shard(dst) else "invalid"
     return "invalid"
+
+
+def reachable(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Can a value laid out as ``src`` be moved to ``dst`` (a placement per mesh dim, strided shards
+    read as plain ones)? On each mesh dim a collective, a local slice or a partition moves it
+    (:func:`transition_kind`), or it is a shard wanted as a partial sum: gathered, then
+    partitioned (:func:`vsf.jit.redistribute.transition_path`). No solver chooses that move, but
+    DTensor's decision for an op can leave a value so (an embedding's gradient split by hidden
+    where the per-axis choices had it a partial sum).
+
+    Example::
+
+        >>> reachable((Shard(1),), (Partial(),)), reachable((Partial(),), (Shard(0),))
+        (True, True)
+    """
+    return all(
+        transition_kind(one_d(a), one_d(b)) != "invalid" or (is_shard(a) and isinstance(b, Partial))
+        for a, b in zip(src, dst)
+    )
+
+
+def through_whole(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``dst`` with each mesh dim on which ``src`` is a shard and ``dst`` a partial sum replicated:
+    the layout a move from ``src`` to ``dst`` passes through (gathered there, then partitioned).
+
+    Example::
+
+        >>> through_whole((Shard(0), Shard(1)), (Partial(), Shard(0)))
+        (Replicate(), Shard(dim=0))
+    """
+    return tuple(Replicate() if is_shard(a) and isinstance(b, Partial) else b for a, b in zip(src, dst))
 
 
 class Codes:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from vsf import _compat
-from vsf.jit.cost import local_shape, transition_bytes, transition_kind
+from vsf.jit.cost import local_shape, through_whole, transition_bytes, transition_kind
 from vsf.errors import PlanError
 from vsf.jit.plan import Collective, Placements
 from vsf.sharding import ragged
@@ -346,7 +346,10 @@ def transition_path(mesh: Mesh, src: Placements, dst: Placements) -> list[Placem
     ``P(("fsdp", "dp"))``); and a strided shard alone on its dim (a view merged it: not a
     nesting) that becomes a plain placement moves first, alone: DTensor moving it with other mesh
     dims slices those first and then regathers the strided shard as if it split the whole dim
-    (``(S(0)/sf2, R) -> (R, S(0))`` left each rank all rows, wrongly ordered)."""
+    (``(S(0)/sf2, R) -> (R, S(0))`` left each rank all rows, wrongly ordered). A shard wanted as a
+    partial sum is gathered, then partitioned last (:func:`~vsf.jit.cost.reachable`)."""
+    if (whole := through_whole(src, dst)) != tuple(dst):
+        return [*transition_path(mesh, src, whole), tuple(dst)]
     if has_strided([src, dst]):
         last = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b and kind_of(b) == "strided"]
         if len(last) == 1:

@@ -156,19 +156,18 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
 def reachable(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Can a value laid out as ``src`` be moved to ``dst`` (a placement per mesh dim, strided shards
     read as plain ones)? On each mesh dim a collective, a local slice or a partition moves it
-    (:func:`transition_kind`), or it is a shard wanted as a partial sum: gathered, then
-    partitioned (:func:`vsf.jit.redistribute.transition_path`). No solver chooses that move, but
+    (:func:`transition_kind`), or it is a shard wanted as a partial sum (not a max): gathered,
+    then partitioned (:func:`vsf.jit.redistribute.transition_path`). No solver chooses that move, but
     DTensor's decision for an op can leave a value so (an embedding's gradient split by hidden
     where the per-axis choices had it a partial sum).
 
     Example::
 
-        >>> reachable((Shard(1),), (Partial(),)), reachable((Partial(),), (Shard(0),))
-        (True, True)
+        >>> reachable((Shard(1),), (Partial(),)), reachable((Shard(1),), (Partial("max"),))
+        (True, False)
     """
     return all(
-        transition_kind(one_d(a), one_d(b)) != "invalid" or (is_shard(a) and isinstance(b, Partial))
-        for a, b in zip(src, dst)
+        transition_kind(one_d(a), one_d(b)) != "invalid" or (is_shard(a) and is_sum(b)) for a, b in zip(src, dst)
     )
 
 
@@ -181,7 +180,7 @@ def through_whole(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple[P
         >>> through_whole((Shard(0), Shard(1)), (Partial(), Shard(0)))
         (Replicate(), Shard(dim=0))
     """
-    return tuple(Replicate() if is_shard(a) and isinstance(b, Partial) else b for a, b in zip(src, dst))
+    return tuple(Replicate() if is_shard(a) and is_sum(b) else b for a, b in zip(src, dst))
 
 
 class Codes:

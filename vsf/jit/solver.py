@@ -222,9 +222,13 @@ class AxisSolver:
     def _value_cost(self, v: int, label: int, need: dict[int, int]) -> float:
         if not need:  # (most values, while the greedy pass has not reached their readers)
             return 0.0
-        row, fixed, share = self.codes.factor[label], self.codes.fixed[label], self.share[v]
-        moved = self._moved_bytes
-        return sum(moved(v, label, req) * row[req] + fixed[req] * share for req, c in need.items() if c > 0)
+        fixed, share = self.codes.fixed[label], self.share[v]
+        return self._sent(v, label, need) + sum(fixed[req] * share for req, c in need.items() if c > 0)
+
+    def _sent(self, v: int, label: int, need: dict[int, int]) -> float:
+        """The bytes value ``v``, placed as ``label``, sends to reach the placements ``need`` counts."""
+        row, moved = self.codes.factor[label], self._moved_bytes
+        return sum(moved(v, label, req) * row[req] for req, c in need.items() if c > 0)
 
     def _value_costs(self, v: int) -> tuple[float, float]:
         """Value ``v``'s cost as it stands, and the part of it that is bytes sent (no start-ups),
@@ -234,11 +238,7 @@ class AxisSolver:
         key = (self.fb[v], self.fr[v], self.share[v], self.label[v], self.wants[v]) if self.reuse else None
         costs = self.valued.get(key) if key is not None else None
         if costs is None:
-            row = self.codes.factor[self.label[v]]
-            costs = (
-                self._value_cost(v, self.label[v], self.need[v]),
-                sum(self._moved_bytes(v, self.label[v], req) * row[req] for req, c in self.need[v].items() if c > 0),
-            )
+            costs = (self._value_cost(v, self.label[v], self.need[v]), self._sent(v, self.label[v], self.need[v]))
             if key is not None:
                 self.valued[key] = costs
         return costs

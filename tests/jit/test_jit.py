@@ -19,6 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
 from vsf import P
+from torch.distributed.tensor import Replicate, Shard
 from vsf.errors import TraceError
 
 STEPS = 2
@@ -189,7 +190,22 @@ def test_uneven_batch_matches_unsharded(sim):
     assert_close_trees(got, want_params)
 
 
-# -- plan quality against the analytic optimum ---------------------------------------------------
+def test_rows_split_unevenly_by_two_nested_axes_are_reduced_apart_over_a_third(sim):
+    """6 rows over dp=2 and fsdp=2 nested are 2, 2, 1, 1 rows a rank: two row-parallel products'
+    partial sums over tp hold shards of different shapes on different ranks, so they are not copied
+    into one bucket's flat buffer (each rank's buffer would differ; a simulated run raised
+    ``unhashable type: non-nested SymInt`` building it). Each is reduced alone and equals one device."""
+    sim(8)
+    mesh = vsf.make_mesh((2, 2, 2), ("dp", "fsdp", "tp"))
+    x1, x2, w1, w2 = (torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 4), torch.randn(8, 4))
+    rows = vsf.NamedSharding(mesh, P(("dp", "fsdp"), "tp"))
+    jf = vsf.jit(lambda a, b, c, d: (a @ c, b @ d), out_shardings=vsf.NamedSharding(mesh, P(("dp", "fsdp"))))
+    args = (*vsf.device_put((x1, x2), rows), *vsf.device_put((w1, w2), vsf.NamedSharding(mesh, P("tp"))))
+    plan = jf.lower(*args).plan
+    assert plan.buckets == () and [r.dst for r in plan.redistributions] == [(Shard(0), Shard(0), Replicate())] * 2
+    got = jf(*args)
+    torch.testing.assert_close(vsf.device_get(got[0]), x1 @ w1)
+    torch.testing.assert_close(vsf.device_get(got[1]), x2 @ w2)
 
 
 def megatron_mlp(sim, input_grad: bool):

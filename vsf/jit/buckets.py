@@ -32,7 +32,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from vsf import _compat
 from vsf.jit.cost import local_shape
 from vsf.jit.graph import meta_of
-from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard
+from vsf.jit.plan import Bucket, Collective, Placements, Redistribution, is_shard, splits_evenly
 from vsf.jit.remat import recompute_blocks
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.placement import dtensor_native
@@ -329,10 +329,9 @@ def _produced(node: torch.fx.Node) -> int:
 
 
 def _even(mesh: Mesh, t: torch.Tensor, placements: Placements) -> bool:
-    return all(
-        not is_shard(p) or (dtensor_native(p) and t.shape[p.dim] % mesh.axis_size(a) == 0)
-        for a, p in zip(mesh.device_axes, placements)
-    )
+    """Does every rank hold a plain shard of one shape: each split dim divided evenly by all the
+    mesh dims that split it together (a batch of 6 over dp=2 and fsdp=2 nested is not: 2, 2, 1, 1)?"""
+    return all(not is_shard(p) or dtensor_native(p) for p in placements) and splits_evenly(mesh, t, placements)
 
 
 def _bucket(

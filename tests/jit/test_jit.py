@@ -208,6 +208,40 @@ def test_rows_split_unevenly_by_two_nested_axes_are_reduced_apart_over_a_third(s
     torch.testing.assert_close(vsf.device_get(got[1]), x2 @ w2)
 
 
+def test_a_convolution_net_with_one_image_a_rank_over_dp_and_fsdp_trains_like_unsharded(sim):
+    """A UNet's pieces: a convolution, an attention-style mix of its channels over the pixels, read
+    back as an image (a view of a transposed value: channels-last), a group norm and another
+    convolution, with 4 images over dp=2 and fsdp=2. Each convolution runs on its local images
+    (DTensor's convolution handler refused a batch split over two mesh dims), and the group norm
+    gets its one-image shard laid out channels-last (CPU group norm refused the view's batch stride)."""
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "conv1": torch.randn(8, 3, 3, 3, generator=g) * 0.3,
+        "mix": torch.randn(8, 8, generator=g) * 0.3,
+        "norm": torch.ones(8),
+        "conv2": torch.randn(4, 8, 3, 3, generator=g) * 0.3,
+    }
+    batch = (torch.randn(4, 3, 4, 4, generator=g), torch.randn(4, 4, 4, 4, generator=g))
+
+    def loss_fn(p, x, y):
+        h = F.conv2d(x, p["conv1"], padding=1)
+        n, c, hh, ww = h.shape
+        mixed = (h.flatten(2).transpose(1, 2) @ p["mix"]).transpose(1, 2).view(n, c, hh, ww)
+        out = F.conv2d(F.group_norm(mixed, 2, p["norm"]), p["conv2"], padding=1)
+        return ((out - y) ** 2).mean()
+
+    step = make_step(loss_fn)
+    want_params, want_losses = reference(step, params, batch)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "fsdp"))
+    _, got, losses = run_sharded(step, params, batch, mesh, vsf.tree.map(lambda _: P(), params), P(("dp", "fsdp")))
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-5)
+    assert_close_trees(got, want_params)
+
+
+# -- plan quality against the analytic optimum ---------------------------------------------------
+
+
 def megatron_mlp(sim, input_grad: bool):
     params, (x, y), loss_fn = mlp_case()
     sim(4)

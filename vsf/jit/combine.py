@@ -49,7 +49,7 @@ from vsf.jit.plan import (
 )
 from vsf.jit.redistribute import collectives_of
 from vsf.jit.solver import Problem
-from vsf.jit.strategies import decide, dtensor_decision, row_wise, runnable
+from vsf.jit.strategies import batch_split_convolution, decide, dtensor_decision, row_wise, runnable
 from vsf.sharding import constraint
 from vsf.sharding.mesh import Mesh
 from vsf.sharding.named import from_placements
@@ -257,7 +257,7 @@ def _strategy_decision(
     layouts its inputs arrive with: directly on the local shards where its rule allows (strided
     shards kept as they arrive), else as DTensor decides. Returns the placements and whether it
     runs directly."""
-    direct = op.local or (op.ragged_reduction and has_ragged(ins))
+    direct = op.local or (op.ragged_reduction and has_ragged(ins)) or batch_split_convolution(node, ins, outs)
     if direct and not has_ragged(ins):
         strided = _keep_strided(arrived, ins, outs, preferred)
         if strided != (ins, outs):

@@ -233,6 +233,7 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     shape = [1 if traced.stride(d) == 0 else s for d, s in enumerate(traced.shape)]
     if _dense_in(traced.stride(), shape, order):
         keep = _dense_in(base.stride(), base.shape, order)
+        base = _one_row_dims_in_order(base, traced, order) if keep else base
     else:  # a strided view in the trace too: the same order suffices
         keep = _ordered_in(base, order)
     if not keep:
@@ -249,6 +250,19 @@ def _dense_in(stride: Sequence[int], shape: Sequence[int], order: Sequence[int])
             return False
         step *= shape[d]
     return True
+
+
+def _one_row_dims_in_order(t: torch.Tensor, traced: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``t`` (dense in ``order``) with each dim a shard cut to one row (of several in ``traced``)
+    strided as ``order`` places it, a view: indexing never reads a one-row dim's stride, but a
+    kernel telling a memory format does (CPU group norm refuses a channels-last batch of one row
+    whose batch stride is not the format's, as a view of a transposed shard gives it)."""
+    stride, step = list(t.stride()), 1
+    for d in reversed(order):
+        if t.shape[d] == 1 and traced.shape[d] > 1:
+            stride[d] = step
+        step *= t.shape[d]
+    return t if stride == list(t.stride()) else t.as_strided(t.shape, stride)
 
 
 def _ordered_in(t: torch.Tensor, order: Sequence[int]) -> bool:

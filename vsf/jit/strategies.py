@@ -569,6 +569,32 @@ def runnable(mesh: Mesh, node: torch.fx.Node, ins: Sequence[Placements], outs: S
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+# the convolution ops DTensor's dispatcher runs by a handler of its own, by their weight's argument
+_CONVOLUTIONS = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
+
+
+def batch_split_convolution(node: torch.fx.Node, ins: Sequence[Placements], outs: Sequence[Placements | None]) -> bool:
+    """Is ``node`` a convolution (or its backward) that ``ins``/``outs`` split over its batch
+    alone: on each mesh dim, its activations (and gradients of activations) either whole or split on
+    dim 0 alike, its weight and bias whole, and its weight's and bias's gradients whole or partial
+    sums? Such a convolution runs on the local shards, as DTensor's convolution handler runs it,
+    without that handler, which reads the placements' dim map and so refuses a batch split over
+    two mesh dims (``S(0), S(0)``: a batch over dp and fsdp).
+
+    Example::
+
+        >>> batch_split_convolution(conv, [(S0, S0), (R, R), (R, R)], [(S0, S0)])
+        True
+    """
+    weight = _CONVOLUTIONS.get(node.target)
+    if weight is None or not all(q == R or (type(q) is Shard and q.dim == 0) for q in ins[0]):
+        return False
+    batch, summed = tuple(ins[0]), tuple(R if q == R else Partial() for q in ins[0])
+    return (
+        all(tuple(p) == batch for p in ins[:weight])
+        and all(q == R for p in ins[weight:] for q in p)
+        and all(o is None or tuple(o) == (batch if i == 0 else summed) for i, o in enumerate(outs))
+    )
 
 
 def _views_locally(mesh: Mesh, src: torch.Tensor, src_p: Placements, dst: torch.Tensor, dst_p: Placements) -> bool:

@@ -5,10 +5,12 @@ ring of ppermutes, the plan's collectives and the errors."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch.distributed.tensor.debug import CommDebugMode
 
 import vsf
@@ -278,6 +280,44 @@ def test_a_megatron_mlp_region_in_a_jitted_train_step_equals_the_unsharded_step(
     for got, w in zip(vsf.device_get(p), want):
         torch.testing.assert_close(got, w)
     assert step.plan_count == 1
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [vsf.remat, lambda f: functools.partial(torch.utils.checkpoint.checkpoint, f, use_reentrant=False)],
+    ids=["vsf.remat", "torch_checkpoint"],
+)
+def test_a_region_recomputed_in_the_backward_trains_like_the_unsharded_step(sim, recompute):
+    """Activation checkpointing around a region calls its function again in the backward: a second
+    region of the same name and specs, with no results (torch stops the recompute once it has the
+    saved values), whose body values the first region's backward reads with its own (Mixtral's
+    expert dispatch under Hugging Face's gradient checkpointing was a ``PlanError``: 'computes with
+    values of shard_map(expert_dispatch) and shard_map(expert_dispatch) at once')."""
+    x, w1, w2, t = _mlp_case()
+
+    def step(params, x, t):
+        w1, w2 = params
+        loss, grads = vsf.value_and_grad(lambda p: (model(x, *p) - t).pow(2).mean())(params)
+        return [w - 0.1 * g for w, g in zip(params, grads)], loss
+
+    model = plain_mlp
+    want, want_losses = [w1, w2], []
+    for _ in range(3):
+        want, loss = step(want, x, t)
+        want_losses.append(loss)
+    sim(4)
+    mesh = vsf.make_mesh((2, 2), ("dp", "tp"))
+    model = recompute(vsf.shard_map(mlp, mesh=mesh, in_specs=MEGATRON, out_specs=P("dp")))
+    p = vsf.device_put([w1, w2], [vsf.NamedSharding(mesh, P(None, "tp")), vsf.NamedSharding(mesh, P("tp"))])
+    b = vsf.device_put((x, t), vsf.NamedSharding(mesh, P("dp")))
+    jitted = vsf.jit(step)
+    entered = [n for n in jitted.lower(p, *b).plan.graph.graph.nodes if "manual_in." in str(n.target)]
+    assert len(entered) == 6  # (the region's 3 arguments enter it again for the recompute)
+    for want_loss in want_losses:
+        p, loss = jitted(p, *b)
+        torch.testing.assert_close(vsf.device_get(loss), want_loss)
+    for got, w in zip(vsf.device_get(p), want):
+        torch.testing.assert_close(got, w)
 
 
 def test_commdebugmode_counts_the_planned_collectives_and_checking_mode_runs_the_region(sim):

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+from typing import Any
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -120,11 +121,13 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
         >>> mark(gm, constant_nodes(gm.graph))
     """
     varying: dict[torch.fx.Node, frozenset[str]] = {}  # the manual axes each body value may differ over
+    first: dict[tuple[Any, ...], int] = {}  # each region's key by what it is (:func:`_same_region`)
     for node in op_nodes(gm):
         node.meta.pop(_TAG, None)
         own = _key(node)
         if own is None and not varying:  # (no body value yet for it to read: the ops before any region)
             continue
+        own = None if own is None else first.setdefault(_same_region(lookup(own)), own)
         found = {p.meta[_TAG] for p, _ in tensor_args(node) if _TAG in p.meta}
         kind = _KINDS.get(node.target)
         if kind == "manual_out":
@@ -148,6 +151,16 @@ def mark(gm: torch.fx.GraphModule, constants: frozenset[torch.fx.Node]) -> None:
             )
         node.meta[_TAG] = key
         varying[node] = _varies(node, varying)
+
+
+def _same_region(r: Region) -> tuple[Any, ...]:
+    """What region ``r`` is, for the ops that compute with its body's values: activation
+    checkpointing calls a region's function again in the backward (a new region of the same name,
+    mesh, axes and argument specs; torch stops the recompute once it has the values the backward
+    saved, so the new region may have no results), whose recomputed body values the backward of the
+    first call's body reads with its own. (A model's blocks calling one region's function are one
+    region so too: each rank's body values mean the same in all.)"""
+    return (r.name, r.mesh, r.manual, r.ins, r.check_vma, r.any_order)
 
 
 def _varies(node: torch.fx.Node, varying: dict[torch.fx.Node, frozenset[str]]) -> frozenset[str]:

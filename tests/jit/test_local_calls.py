@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import vsf
-from vsf import P, optim
+from vsf import P, _compat, optim
 from vsf.jit.lower import _traced_layout
 
 B, H, T, D, WIDTH = 4, 4, 16, 8, 32
@@ -338,3 +338,22 @@ def test_a_shard_is_laid_out_as_the_traced_value():
     local = traced[:, : H // 2]  # a shard of it, a broadcast too: passed as it is (its own storage and strides)
     out = _traced_layout(local, traced)
     assert out.stride() == local.stride() and out.data_ptr() == local.data_ptr()
+
+
+def test_a_one_row_shard_is_strided_as_the_traced_order_in_a_program_traced_on_fake_tensors():
+    """A shard of one image of a channels-last batch, as a view of a transposed value gives it on
+    the CPU: batch stride 16 where the format's is 256, which CPU group norm refuses. The program a
+    real run executes is traced on fake tensors, whose one-row stride there is the format's, so the
+    layout step must restride it whatever the traced strides: the traced program runs group norm on
+    the real shard and equals it on a plain copy."""
+    traced = torch.empty(4, 16, 4, 4).to(memory_format=torch.channels_last)
+    real = torch.randn(1, 16, 16).transpose(1, 2).view(1, 16, 4, 4)
+    assert real.stride() == (16, 1, 64, 16)
+    weight, bias = torch.randn(16), torch.randn(16)
+
+    def norm(x):
+        return torch.ops.aten.native_group_norm(_traced_layout(x, traced), weight, bias, 1, 16, 16, 4, 1e-5)[0]
+
+    fake_like = torch.empty_strided((1, 16, 4, 4), (256, 1, 64, 16))
+    program = _compat.trace_fake(norm, [fake_like])  # (as lower.compile_local traces a rank's program)
+    torch.testing.assert_close(program(real), F.group_norm(real.contiguous(), 4, weight, bias))

@@ -231,12 +231,16 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     )
     order = _dim_order(traced)
     shape = [1 if traced.stride(d) == 0 else s for d, s in enumerate(traced.shape)]
-    if _dense_in(traced.stride(), shape, order):
+    dense = _dense_in(traced.stride(), shape, order)
+    # (a shard's one row of a dim the traced value has several of: see _one_row_dims_in_order)
+    one_row = dense and any(base.shape[d] == 1 and shape[d] > 1 for d in range(base.ndim))
+    if dense:
         keep = _dense_in(base.stride(), base.shape, order)
-        base = _one_row_dims_in_order(base, traced, order) if keep else base
     else:  # a strided view in the trace too: the same order suffices
         keep = _ordered_in(base, order)
-    if not keep:
+    if one_row:
+        base = _one_row_dims_in_order(base, order)
+    elif not keep:
         inverse = sorted(range(len(order)), key=order.__getitem__)
         base = base.permute(order).contiguous().permute(inverse)
     return base.expand(local.shape) if broadcast else base
@@ -252,17 +256,16 @@ def _dense_in(stride: Sequence[int], shape: Sequence[int], order: Sequence[int])
     return True
 
 
-def _one_row_dims_in_order(t: torch.Tensor, traced: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
-    """``t`` (dense in ``order``) with each dim a shard cut to one row (of several in ``traced``)
-    strided as ``order`` places it, a view: indexing never reads a one-row dim's stride, but a
-    kernel telling a memory format does (CPU group norm refuses a channels-last batch of one row
-    whose batch stride is not the format's, as a view of a transposed shard gives it)."""
-    stride, step = list(t.stride()), 1
-    for d in reversed(order):
-        if t.shape[d] == 1 and traced.shape[d] > 1:
-            stride[d] = step
-        step *= t.shape[d]
-    return t if stride == list(t.stride()) else t.as_strided(t.shape, stride)
+def _one_row_dims_in_order(t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``t`` stored densely in ``order``, every dim strided as that order places it, those of one
+    row included: through a flat copy of ``t`` in that order (a view where ``t`` is already dense
+    so), which sets each stride whatever ``t``'s were, also in a compiled program, traced on fake
+    tensors whose one-row strides can differ from the kernels' own. Indexing never reads a one-row
+    dim's stride, but a kernel telling a memory format does: CPU group norm refused a channels-last
+    image batch of one row whose batch stride was not the format's (a view of a transposed shard,
+    and an addition to it, give it so)."""
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return t.permute(order).reshape(-1).view([t.shape[d] for d in order]).permute(inverse)
 
 
 def _ordered_in(t: torch.Tensor, order: Sequence[int]) -> bool:

@@ -234,13 +234,10 @@ def _traced_layout(local: torch.Tensor, traced: torch.Tensor) -> torch.Tensor:
     dense = _dense_in(traced.stride(), shape, order)
     # (a shard's one row of a dim the traced value has several of: see _one_row_dims_in_order)
     one_row = dense and any(base.shape[d] == 1 and shape[d] > 1 for d in range(base.ndim))
-    if dense:
-        keep = _dense_in(base.stride(), base.shape, order)
-    else:  # a strided view in the trace too: the same order suffices
-        keep = _ordered_in(base, order)
     if one_row:
         base = _one_row_dims_in_order(base, order)
-    elif not keep:
+    # (a strided view in the trace too: the same order suffices)
+    elif not (_dense_in(base.stride(), base.shape, order) if dense else _ordered_in(base, order)):
         inverse = sorted(range(len(order)), key=order.__getitem__)
         base = base.permute(order).contiguous().permute(inverse)
     return base.expand(local.shape) if broadcast else base

@@ -25,8 +25,8 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import Any
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx
